@@ -1,0 +1,36 @@
+"""normflat: normalized sharpness, a reparametrization-invariant flatness measure.
+
+Implements Tsuzuku, Sato & Sugiyama, "Normalized Flat Minima" (ICML 2020) for
+PyTorch, Keras/TensorFlow and JAX models. Importing normflat imports no
+deep-learning framework; backends load when a model of theirs is analyzed.
+"""
+
+from normflat.api import analyze, hessian_diagonal
+from normflat.backends import register_backend
+from normflat.core import (
+    ESTIMATORS,
+    LOSSES,
+    MEASURES,
+    LayerProblem,
+    LayerResult,
+    Report,
+    normalized_sharpness,
+    solve_scaling,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ESTIMATORS",
+    "LOSSES",
+    "MEASURES",
+    "LayerProblem",
+    "LayerResult",
+    "Report",
+    "analyze",
+    "hessian_diagonal",
+    "normalized_sharpness",
+    "register_backend",
+    "solve_scaling",
+    "__version__",
+]

@@ -1,0 +1,122 @@
+"""Public entry points: :func:`analyze` and :func:`hessian_diagonal`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from normflat.backends import backend_for
+from normflat.core.measures import DEFAULT_MAX_ITER, DEFAULT_TOL, analyze_problems
+from normflat.core.options import validate_options
+from normflat.core.problem import LayerProblem
+from normflat.core.report import Report
+
+__all__ = ["analyze", "hessian_diagonal"]
+
+
+def analyze(
+    model: Any,
+    data: Any = None,
+    *,
+    loss: Any = "nsce",
+    estimator: str = "ggn",
+    samples: int | None = None,
+    seed: int = 0,
+    max_batches: int | None = None,
+    progress: bool = True,
+    on_unsupported: str = "warn",
+    temperature: float = 1.0,
+    tol: float = DEFAULT_TOL,
+    max_iter: int = DEFAULT_MAX_ITER,
+    **backend_options: Any,
+) -> Report:
+    """Normalized sharpness of a model (or of given layer problems), per layer and in total.
+
+    Args:
+        model: A torch ``nn.Module``, a Keras model, an equinox / flax nnx module, a
+            ``(flax linen module, variables)`` or ``(apply_fn, params)`` pair; or a
+            list of :class:`LayerProblem` (framework-free path, ``data`` unused).
+        data: Training data: a DataLoader / ``tf.data.Dataset`` / iterable of
+            ``(x, y)`` batches, or one ``(x, y)`` pair.
+        loss: ``"nsce"`` (normalized softmax cross-entropy, SPEC §7), ``"ce"``, or a
+            callable ``(logits, y) -> mean loss``.
+        estimator: Hessian-diagonal estimator: ``"ggn"``, ``"ggn-mc"``,
+            ``"hutchinson"`` or ``"exact"`` (SPEC §6).
+        samples: Probes (hutchinson, default 100) or label draws per input
+            (ggn-mc, default 1).
+        seed: Seed of the stochastic estimators.
+        max_batches: Use at most this many batches.
+        progress: Show a progress bar over batches.
+        on_unsupported: What to do with layers that have parameters but are not
+            recognised: ``"error"``, ``"warn"`` or ``"skip"``.
+        temperature: ``τ`` of the normalized softmax cross-entropy.
+        tol: Relative balance tolerance of the per-layer solver.
+        max_iter: Maximum solver sweeps per layer.
+        **backend_options: Options of the model's backend (see its guide).
+
+    Returns:
+        A :class:`Report` with the totals, one entry per weight tensor and metadata.
+
+    Raises:
+        TypeError: If the model type is not recognised or an option has the wrong type.
+        ValueError: For invalid options or data, with the cause and the fix.
+    """
+    if isinstance(model, (list, tuple)) and (
+        len(model) == 0 or all(isinstance(p, LayerProblem) for p in model)
+    ):
+        if data is not None or backend_options:
+            raise TypeError(
+                "analyze(list of LayerProblem) takes no data or backend options; the layer "
+                "problems already hold the Hessian diagonals."
+            )
+        return analyze_problems(model, metadata={"framework": None}, tol=tol, max_iter=max_iter)
+    options = validate_options(
+        loss=loss, estimator=estimator, samples=samples, seed=seed, max_batches=max_batches,
+        progress=progress, on_unsupported=on_unsupported, temperature=temperature,
+    )
+    if data is None:
+        raise ValueError(
+            "analyze(model, data) needs training data: the Hessian diagonal is that of the "
+            "mean training loss over the data you pass."
+        )
+    name, backend = backend_for(model)
+    problems, metadata = backend.layer_problems(model, data, options, **backend_options)
+    meta = {
+        "framework": name,
+        "loss": options.loss_name,
+        "estimator": options.estimator,
+        "samples": options.samples,
+        "seed": options.seed if options.samples is not None else None,
+        "temperature": options.temperature if options.loss == "nsce" else None,
+    }
+    meta.update(metadata)
+    return analyze_problems(problems, metadata=meta, tol=tol, max_iter=max_iter)
+
+
+def hessian_diagonal(
+    model: Any,
+    data: Any,
+    *,
+    loss: Any = "nsce",
+    estimator: str = "ggn",
+    samples: int | None = None,
+    seed: int = 0,
+    max_batches: int | None = None,
+    progress: bool = True,
+    on_unsupported: str = "warn",
+    temperature: float = 1.0,
+    **backend_options: Any,
+) -> dict[str, Any]:
+    """Hessian (or GGN) diagonal of the mean training loss for every recognised layer.
+
+    Takes the same model, data and options as :func:`analyze`.
+
+    Returns:
+        ``{layer name: array}`` in the framework's array type, canonical
+        ``(out, in, *kernel)`` layout, model order.
+    """
+    options = validate_options(
+        loss=loss, estimator=estimator, samples=samples, seed=seed, max_batches=max_batches,
+        progress=progress, on_unsupported=on_unsupported, temperature=temperature,
+    )
+    _, backend = backend_for(model)
+    return backend.hessian_diagonal(model, data, options, **backend_options)

@@ -1,0 +1,64 @@
+"""Array-API helpers shared by the core: namespaces, float64 promotion, export.
+
+The core computes with whatever array library the caller used (numpy, torch,
+jax, any array-API library), so that large layers stay on their device. Only
+small per-layer results are exported to numpy for reporting.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import array_api_compat
+import numpy as np
+
+__all__ = ["namespace_of", "as_float64", "to_numpy", "to_float"]
+
+
+def namespace_of(*arrays: Any) -> Any:
+    """Return the array-API namespace of ``arrays``.
+
+    Python scalars, lists and other non-array inputs are treated as numpy.
+    """
+    try:
+        return array_api_compat.array_namespace(*arrays)
+    except TypeError:
+        return array_api_compat.array_namespace(*(np.asarray(a) for a in arrays))
+
+
+def as_float64(x: Any, xp: Any) -> tuple[Any, Any]:
+    """Return ``(x as float64, namespace)``.
+
+    Libraries that cannot hold float64 (jax without ``jax_enable_x64``) silently
+    keep float32; the computation then moves to numpy, because the solver's
+    exponentials need the float64 range.
+    """
+    x64 = xp.astype(x, xp.float64) if x.dtype != xp.float64 else x
+    if x64.dtype == xp.float64:
+        return x64, xp
+    xp_np = array_api_compat.array_namespace(np.empty(0))
+    return np.asarray(to_numpy(x), dtype=np.float64), xp_np
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """Copy any array (CPU or accelerator, any array-API library) to numpy."""
+    if isinstance(x, np.ndarray):
+        return x
+    if array_api_compat.is_torch_array(x):
+        return x.detach().cpu().numpy()
+    if array_api_compat.is_jax_array(x):
+        return np.asarray(x)
+    try:
+        return np.from_dlpack(x)
+    except (TypeError, AttributeError, RuntimeError, BufferError):
+        pass
+    try:
+        cpu = array_api_compat.to_device(x, "cpu")
+        return np.from_dlpack(cpu)
+    except Exception:  # noqa: BLE001 - last resort below gives the clearer error
+        return np.asarray(x)
+
+
+def to_float(x: Any) -> float:
+    """Convert a 0-d array of any library to a Python float."""
+    return float(to_numpy(x).reshape(()))

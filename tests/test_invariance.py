@@ -1,0 +1,103 @@
+"""SPEC §8: the invariance suite every backend must pass.
+
+Each test builds the same small network in every framework (``tests/builders``),
+applies a transformation that provably leaves the function unchanged, checks
+that the function really is unchanged, and compares the reports.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import normflat
+from tests import netspec
+from tests.builders import BUILDERS, load_builder
+
+RTOL_INVARIANT = 1e-8
+
+
+@pytest.fixture(params=BUILDERS)
+def builder(request):
+    return load_builder(request.param)
+
+
+def _analyze(builder, spec, *, loss, estimator, n=16, batch_size=8):
+    x, y = netspec.data(spec, n=n)
+    model = builder.build(spec)
+    np.testing.assert_allclose(builder.predict(model, x), netspec.forward(spec, x), rtol=1e-9, atol=1e-10,
+                               err_msg="builder does not reproduce the spec's function")
+    data = builder.make_data(x, y, batch_size)
+    return normflat.analyze(model, data, loss=loss, estimator=estimator, progress=False,
+                            **builder.ANALYZE_KWARGS)
+
+
+def _check(builder, spec, transformed, *, loss, estimator, trace_changes=True, mns_invariant):
+    x, _ = netspec.data(spec, n=16)
+    before_fn, after_fn = netspec.forward(spec, x), netspec.forward(transformed, x)
+    if loss == "nsce":
+        # The logit transformation changes the logits but not the normalized logits.
+        def norm(z):
+            z = z - z.mean(axis=1, keepdims=True)
+            return z / np.sqrt((z**2).mean(axis=1, keepdims=True))
+        np.testing.assert_allclose(norm(after_fn), norm(before_fn), rtol=1e-9, atol=1e-10)
+    else:
+        np.testing.assert_allclose(after_fn, before_fn, rtol=1e-9, atol=1e-10)
+    before = _analyze(builder, spec, loss=loss, estimator=estimator)
+    after = _analyze(builder, transformed, loss=loss, estimator=estimator)
+    assert after.normalized_sharpness == pytest.approx(before.normalized_sharpness, rel=RTOL_INVARIANT)
+    for lb, la in zip(before.layers, after.layers):
+        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=RTOL_INVARIANT, abs=1e-12)
+    if trace_changes:
+        assert abs(after.hessian_trace - before.hessian_trace) > 1e-3 * abs(before.hessian_trace)
+    mns_same = after.matrix_normalized_sharpness == pytest.approx(before.matrix_normalized_sharpness, rel=1e-8)
+    assert mns_same == mns_invariant
+    return before, after
+
+
+@pytest.mark.parametrize("estimator", ["exact", "ggn"])
+def test_layerwise_rescaling(builder, estimator):
+    spec = netspec.mlp((5, 7, 6, 3), bias=False, seed=2)
+    c = 7.5
+    before, after = _check(builder, spec, netspec.rescale_layers(spec, 0, 1, c), loss="ce",
+                           estimator=estimator, mns_invariant=True)
+    # Hessian diagonal of layer 0 scales by 1/c², of layer 1 by c².
+    assert after.layers[0].hessian_trace == pytest.approx(before.layers[0].hessian_trace / c**2, rel=1e-8)
+    assert after.layers[1].hessian_trace == pytest.approx(before.layers[1].hessian_trace * c**2, rel=1e-8)
+
+
+@pytest.mark.parametrize("estimator", ["exact", "ggn"])
+def test_unitwise_rescaling(builder, estimator):
+    spec = netspec.mlp((5, 7, 6, 3), seed=3)
+    factors = np.exp(np.random.default_rng(0).uniform(-3, 3, size=7))
+    _check(builder, spec, netspec.rescale_units(spec, 0, factors), loss="ce", estimator=estimator,
+           mns_invariant=False)
+
+
+def test_conv_before_batchnorm(builder):
+    spec = netspec.cnn(batchnorm=True, seed=4, maxpool=False, image=4)
+    factors = np.exp(np.random.default_rng(1).uniform(-2, 2, size=4))
+    _check(builder, spec, netspec.rescale_before_norm(spec, 0, factors), loss="ce", estimator="exact",
+           mns_invariant=False)
+
+
+def test_dense_before_batchnorm_scalar(builder):
+    spec = netspec.mlp((5, 6, 3), seed=5, batchnorm=True, bias=False)
+    _check(builder, spec, netspec.rescale_before_norm(spec, 0, 13.0), loss="ce", estimator="exact",
+           mns_invariant=True)
+
+
+def test_dense_before_layernorm(builder):
+    spec = netspec.mlp((5, 6, 3), seed=6, layernorm=True, bias=False)
+    _check(builder, spec, netspec.rescale_before_norm(spec, 0, 0.05), loss="ce", estimator="exact",
+           mns_invariant=True)
+
+
+@pytest.mark.parametrize("estimator", ["exact", "ggn"])
+def test_logit_scale_and_shift_with_nsce(builder, estimator):
+    spec = netspec.mlp((5, 7, 4), activation="tanh", seed=7)
+    transformed = netspec.scale_shift_logits(spec, 6.0, -2.5)
+    # Only the last layer changes, by a layer-wise scale, which the matrix-normalized
+    # measure also survives (SPEC §4 table).
+    _check(builder, spec, transformed, loss="nsce", estimator=estimator, trace_changes=True,
+           mns_invariant=True)
