@@ -61,7 +61,7 @@ def analyze(
         ValueError: For invalid options or data, with the cause and the fix.
     """
     if isinstance(model, (list, tuple)) and (
-        len(model) == 0 or all(isinstance(p, LayerProblem) for p in model)
+        len(model) == 0 or any(isinstance(p, LayerProblem) for p in model)
     ):
         if data is not None or backend_options:
             raise TypeError(
@@ -73,12 +73,12 @@ def analyze(
         loss=loss, estimator=estimator, samples=samples, seed=seed, max_batches=max_batches,
         progress=progress, on_unsupported=on_unsupported, temperature=temperature,
     )
+    name, backend = backend_for(model)
     if data is None:
         raise ValueError(
             "analyze(model, data) needs training data: the Hessian diagonal is that of the "
             "mean training loss over the data you pass."
         )
-    name, backend = backend_for(model)
     problems, metadata = backend.layer_problems(model, data, options, **backend_options)
     meta = {
         "framework": name,

@@ -7,6 +7,7 @@ small per-layer results are exported to numpy for reporting.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import array_api_compat
@@ -33,11 +34,19 @@ def as_float64(x: Any, xp: Any) -> tuple[Any, Any]:
     keep float32; the computation then moves to numpy, because the solver's
     exponentials need the float64 range.
     """
-    x64 = xp.astype(x, xp.float64) if x.dtype != xp.float64 else x
-    if x64.dtype == xp.float64:
-        return x64, xp
+    if x.dtype == xp.float64:
+        return x, xp
+    if _holds_float64(xp):
+        return xp.astype(x, xp.float64), xp
     xp_np = array_api_compat.array_namespace(np.empty(0))
     return np.asarray(to_numpy(x), dtype=np.float64), xp_np
+
+
+def _holds_float64(xp: Any) -> bool:
+    # jax without x64 "truncates" float64 requests to float32 with a warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return xp.asarray(0.0, dtype=xp.float64).dtype == xp.float64
 
 
 def to_numpy(x: Any) -> np.ndarray:

@@ -99,8 +99,7 @@ def evaluate_layer(
 def _linearized_group_values(problem, A, B, xp, solution, sum_a, sum_b) -> dict[str, np.ndarray]:
     """First-order (delta-method) value of each measure for each group estimate.
 
-    The measures are positively homogeneous functions of ``A``; by the envelope
-    theorem the derivative of ``NS`` with respect to ``A_ij`` is ``½ v_ij`` with
+    Each group's value is ``m(A) + ∇m(A)·(A_k − A)``. By the envelope theorem the derivative of ``NS`` with respect to ``A_ij`` is ``½ v_ij`` with
     ``v_ij = e^{a_i + b_j}`` the optimal variance. Entries whose curvature was
     clipped or whose row/column is degenerate have derivative 0.
     """
@@ -116,11 +115,14 @@ def _linearized_group_values(problem, A, B, xp, solution, sum_a, sum_b) -> dict[
     v = np.where(finite, np.exp(np.where(finite, log_v, 0.0)), 0.0)
     ratio = np.where(active, np.sqrt(np.where(active, B_np, 0.0) / np.where(active, A_np, 1.0)), 0.0)
     mns_slope = 0.5 * math.sqrt(sum_b / sum_a) if sum_a > 0 else 0.0
+    deviation = A_groups - A_np[None]
     return {
         "hessian_trace": samples.reshape(k, -1).sum(axis=1),
-        "normalized_sharpness": 0.5 * np.einsum("kij,ij->k", A_groups, v),
-        "matrix_normalized_sharpness": mns_slope * np.einsum("kij,ij->k", A_groups, active),
-        "elementwise_bound": 0.5 * np.einsum("kij,ij->k", A_groups, ratio),
+        "normalized_sharpness": solution.value + 0.5 * np.einsum("kij,ij->k", deviation, v),
+        "matrix_normalized_sharpness": math.sqrt(sum_a * sum_b)
+        + mns_slope * np.einsum("kij,ij->k", deviation, active),
+        "elementwise_bound": float(np.sqrt(A_np * B_np).sum())
+        + 0.5 * np.einsum("kij,ij->k", deviation, ratio),
     }
 
 

@@ -220,6 +220,12 @@ class Report:
             rows.append(row)
         return pd.DataFrame(rows).set_index("name")
 
+    def plot(self, measure: str = "normalized_sharpness", **kwargs: Any) -> Any:
+        """Bar chart of one measure per layer (matplotlib); see :func:`normflat.plotting.plot_report`."""
+        from normflat.plotting import plot_report
+
+        return plot_report(self, measure=measure, **kwargs)
+
     def _table_rows(self) -> tuple[list[str], list[list[str]]]:
         header = ["layer", "kind", "shape", "norm. sharpness", "matrix-norm.", "Hessian trace",
                   "elementwise", "iters", "degen. r/c", "clipped"]

@@ -1,0 +1,217 @@
+"""The per-layer solver against brute force, invariances, degenerate and extreme inputs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import normflat
+from normflat.core.solver import solve_scaling
+from tests.core.reference import brute_force_ns, kernel_sums
+
+
+def random_layer(rng, shape, spread=1.0):
+    W = rng.normal(size=shape) * np.exp(spread * rng.normal(size=shape))
+    H = np.exp(spread * rng.normal(size=shape)) * rng.random(size=shape)
+    return W, H
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (1, 4), (4, 3), (7, 5), (3, 2, 2, 2), (4, 3, 3), (2, 3, 1, 3, 2)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_value_matches_scipy(shape, seed):
+    rng = np.random.default_rng(seed)
+    W, H = random_layer(rng, shape, spread=1.5)
+    result = normflat.normalized_sharpness(W, H)
+    A, B = kernel_sums(W, H)
+    assert result.value == pytest.approx(brute_force_ns(A, B), rel=1e-8)
+    assert result.converged and result.imbalance <= 1e-10
+
+
+def test_optimal_point_balances_rows_and_columns():
+    rng = np.random.default_rng(3)
+    W, H = random_layer(rng, (6, 5, 3))
+    res = normflat.normalized_sharpness(W, H)
+    A, B = kernel_sums(W, H)
+    v = np.outer(res.row_sigma, res.col_sigma)
+    P, Q = A * v, B / v
+    np.testing.assert_allclose(P.sum(axis=1), Q.sum(axis=1), rtol=1e-9)
+    np.testing.assert_allclose(P.sum(axis=0), Q.sum(axis=0), rtol=1e-9)
+    assert 0.5 * (P.sum() + Q.sum()) == pytest.approx(res.value, rel=1e-12)
+    # Gauge: geometric mean of the column sigmas is 1.
+    assert np.mean(np.log(res.col_sigma)) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_single_sigma_closed_form_and_sandwich():
+    rng = np.random.default_rng(4)
+    W, H = random_layer(rng, (5, 4, 2, 2))
+    res = normflat.normalized_sharpness(W, H)
+    A, B = kernel_sums(W, H)
+    assert res.matrix_normalized_sharpness == pytest.approx(math.sqrt(A.sum() * B.sum()), rel=1e-13)
+    # The single-sigma minimum equals the closed form: brute-force it in 1-D.
+    sigmas = np.exp(np.linspace(-10, 10, 200001))
+    assert np.min(0.5 * (sigmas * A.sum() + B.sum() / sigmas)) == pytest.approx(
+        res.matrix_normalized_sharpness, rel=1e-8)
+    assert res.elementwise_bound == pytest.approx(np.sqrt(A * B).sum(), rel=1e-13)
+    assert res.elementwise_bound <= res.normalized_sharpness <= res.matrix_normalized_sharpness
+    assert res.hessian_trace == pytest.approx(H.sum(), rel=1e-13)
+
+
+def test_rank_one_problem_reaches_elementwise_bound():
+    # If sqrt(B/A) is a rank-one product, the per-entry optimum is feasible.
+    rng = np.random.default_rng(5)
+    u, v = np.exp(rng.normal(size=4)), np.exp(rng.normal(size=3))
+    A = np.exp(rng.normal(size=(4, 3)))
+    B = A * np.outer(u, v) ** 2
+    res = normflat.normalized_sharpness(np.sqrt(B), A)
+    assert res.value == pytest.approx(np.sqrt(A * B).sum(), rel=1e-10)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    out=st.integers(1, 6),
+    inp=st.integers(1, 6),
+    kernel=st.sampled_from([(), (2,), (3, 2)]),
+)
+def test_row_and_column_rescaling_invariance(seed, out, inp, kernel):
+    rng = np.random.default_rng(seed)
+    shape = (out, inp, *kernel)
+    W, H = random_layer(rng, shape)
+    d_out = np.exp(rng.uniform(-10, 10, size=out))
+    d_in = np.exp(rng.uniform(-10, 10, size=inp))
+    scale = (d_out[:, None] * d_in[None, :]).reshape((out, inp) + (1,) * len(kernel))
+    # W -> D_out W D_in makes the loss Hessian diagonal scale by 1/(d_i d_j)^2.
+    base = normflat.normalized_sharpness(W, H)
+    moved = normflat.normalized_sharpness(W * scale, H / scale**2)
+    assert moved.value == pytest.approx(base.value, rel=1e-9)
+    assert moved.elementwise_bound == pytest.approx(base.elementwise_bound, rel=1e-9)
+
+
+def test_layerwise_scaling_leaves_matrix_measure_and_changes_trace():
+    rng = np.random.default_rng(6)
+    W, H = random_layer(rng, (5, 4))
+    base = normflat.normalized_sharpness(W, H)
+    moved = normflat.normalized_sharpness(W * 1e3, H * 1e-6)
+    assert moved.matrix_normalized_sharpness == pytest.approx(base.matrix_normalized_sharpness, rel=1e-12)
+    assert moved.hessian_trace == pytest.approx(base.hessian_trace * 1e-6, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- degenerate inputs
+
+
+def test_dead_unit_row_with_zero_curvature():
+    rng = np.random.default_rng(7)
+    W, H = random_layer(rng, (5, 4))
+    H[2] = 0.0  # dead ReLU unit: no curvature
+    res = normflat.normalized_sharpness(W, H)
+    A, B = kernel_sums(W, H)
+    keep = [0, 1, 3, 4]
+    assert res.value == pytest.approx(brute_force_ns(A[keep], B[keep]), rel=1e-8)
+    assert res.degenerate_rows == (2,) and res.degenerate_cols == ()
+    assert res.row_sigma[2] == np.inf
+    assert np.all(np.isfinite(res.col_sigma))
+
+
+def test_pruned_column_with_zero_weights():
+    rng = np.random.default_rng(8)
+    W, H = random_layer(rng, (4, 5, 2))
+    W[:, 1] = 0.0
+    res = normflat.normalized_sharpness(W, H)
+    A, B = kernel_sums(W, H)
+    keep = [0, 2, 3, 4]
+    assert res.value == pytest.approx(brute_force_ns(A[:, keep], B[:, keep]), rel=1e-8)
+    assert res.degenerate_cols == (1,) and res.col_sigma[1] == 0.0
+
+
+def test_cascading_degeneracy():
+    # Removing row 0 (zero weights) leaves column 0 with curvature only in row 0.
+    A = np.array([[1.0, 2.0, 0.5], [0.0, 1.0, 3.0], [0.0, 2.0, 1.0]])
+    B = np.array([[0.0, 0.0, 0.0], [1.0, 2.0, 1.0], [4.0, 1.0, 2.0]])
+    res = normflat.normalized_sharpness(np.sqrt(B), A)
+    assert res.degenerate_rows == (0,) and res.degenerate_cols == (0,)
+    assert res.value == pytest.approx(brute_force_ns(A[1:, 1:], B[1:, 1:]), rel=1e-8)
+    # The value is the infimum: approach it with explicit finite scalings.
+    t = 30.0
+    a = np.array([-2 * t, 0.0, 0.0]); b = np.array([t, 0.0, 0.0])  # a_0 + b_0 -> -inf too
+    sub = normflat.normalized_sharpness(np.sqrt(B[1:, 1:]), A[1:, 1:])
+    a[1:] = np.log(sub.row_sigma); b[1:] = np.log(sub.col_sigma)
+    s = a[:, None] + b[None, :]
+    approx = 0.5 * (A * np.exp(s) + B * np.exp(-s)).sum()
+    assert approx == pytest.approx(res.value, rel=1e-8)
+
+
+@pytest.mark.parametrize("case", ["zero_weights", "zero_curvature", "both_zero"])
+def test_all_zero_layer_gives_zero(case):
+    W = np.zeros((3, 4)) if case != "zero_curvature" else np.ones((3, 4))
+    H = np.zeros((3, 4)) if case != "zero_weights" else np.ones((3, 4))
+    res = normflat.normalized_sharpness(W, H)
+    assert res.value == 0.0 and res.matrix_normalized_sharpness == 0.0
+    assert len(res.degenerate_rows) == 3
+    assert not np.any(np.isnan(res.row_sigma)) and not np.any(np.isnan(res.col_sigma))
+
+
+def test_sparse_entries_inside_regular_rows():
+    rng = np.random.default_rng(9)
+    W, H = random_layer(rng, (6, 6))
+    mask = rng.random((6, 6)) < 0.3
+    np.fill_diagonal(mask, False)  # keep a positive diagonal in both: minimum attained
+    W[mask] = 0.0
+    H[mask.T] = 0.0
+    res = normflat.normalized_sharpness(W, H)
+    A, B = kernel_sums(W, H)
+    assert res.value == pytest.approx(brute_force_ns(A, B), rel=1e-8)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_extreme_magnitudes(seed):
+    rng = np.random.default_rng(seed)
+    shape = (5, 4, 3)
+    W = rng.choice([-1, 1], size=shape) * 10.0 ** rng.uniform(-15, 15, size=shape)  # W² spans 1e-30..1e30
+    H = 10.0 ** rng.uniform(-30, 30, size=shape)
+    res = normflat.normalized_sharpness(W, H)
+    A, B = kernel_sums(W, H)
+    assert math.isfinite(res.value) and res.converged
+    # Scaled reference: NS(sA·A', sB·B') = sqrt(sA sB) NS(A', B').
+    sa, sb = A.max(), B.max()
+    assert res.value == pytest.approx(math.sqrt(sa * sb) * brute_force_ns(A / sa, B / sb), rel=1e-8)
+
+
+def test_uniform_huge_and_tiny_scales():
+    rng = np.random.default_rng(10)
+    W, H = random_layer(rng, (4, 4))
+    base = normflat.normalized_sharpness(W, H).value
+    for factor in (1e-150, 1e150):
+        assert normflat.normalized_sharpness(W * factor, H).value == pytest.approx(base * factor, rel=1e-10)
+
+
+def test_negative_curvature_clipped_after_kernel_sum():
+    W = np.ones((2, 2, 2))
+    H = np.array([[[3.0, -1.0], [-2.0, 1.0]], [[-1.0, -1.0], [2.0, 2.0]]])
+    res = normflat.normalized_sharpness(W, H)
+    # kernel sums: [[2, -1], [-2, 4]] -> two clipped entries
+    assert res.clipped == 2
+    assert res.hessian_trace == pytest.approx(H.sum())
+    A, B = kernel_sums(W, H)
+    assert res.elementwise_bound == pytest.approx(np.sqrt(A * B).sum())
+
+
+def test_max_iter_reports_not_converged():
+    rng = np.random.default_rng(11)
+    W, H = random_layer(rng, (20, 20), spread=3)
+    res = normflat.normalized_sharpness(W, H, max_iter=1)
+    assert not res.converged and res.iterations == 1
+    full = normflat.normalized_sharpness(W, H)
+    assert res.value >= full.value
+
+
+def test_solve_scaling_on_matrices():
+    rng = np.random.default_rng(12)
+    A, B = np.exp(rng.normal(size=(3, 4))), np.exp(rng.normal(size=(3, 4)))
+    sol = solve_scaling(A, B)
+    assert sol.value == pytest.approx(brute_force_ns(A, B), rel=1e-8)
+    with pytest.raises(ValueError, match="one shape"):
+        solve_scaling(A, B.T)
