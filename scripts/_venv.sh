@@ -1,0 +1,23 @@
+# Sourced by scripts/main and scripts/test: create or update the project's venv.
+# Idempotent: reinstalls only when pyproject.toml or requirements-ci.txt changed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${NORMFLAT_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "normflat: creating virtual environment in $VENV"
+    "$PY" -m venv "$VENV"
+fi
+STAMP="$VENV/.normflat-install-stamp"
+WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/requirements-ci.txt" | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+    echo "normflat: installing normflat[dev] with the pinned CPU frameworks (requirements-ci.txt); takes ~2 minutes the first time"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "$ROOT[dev]" -r "$ROOT/requirements-ci.txt" 2>&1 \
+        | grep -v "is ignored: it is neither a file nor a directory" || true
+    "$VENV/bin/python" -c "import normflat, torch, tensorflow, keras, jax, flax, equinox" \
+        || { echo "normflat: installation failed" >&2; exit 1; }
+    echo "$WANT" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-3}"
+cd "$ROOT"
