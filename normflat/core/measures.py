@@ -10,7 +10,7 @@ import numpy as np
 from normflat.core._arrays import as_float64, namespace_of, to_float, to_numpy
 from normflat.core.problem import LayerProblem
 from normflat.core.report import LayerResult, Report
-from normflat.core.solver import solve_scaling
+from normflat.core.solver import ScalingSolution, solve_scaling
 
 __all__ = ["evaluate_layer", "analyze_problems", "normalized_sharpness", "curvature_and_weight_matrices"]
 
@@ -60,7 +60,7 @@ def evaluate_layer(
     sum_a, sum_b = to_float(xp.sum(A)), to_float(xp.sum(B))
     matrix_ns = math.sqrt(sum_a * sum_b)
     elementwise = to_float(xp.sum(xp.sqrt(A * B)))
-    solution = solve_scaling(A, B, tol=tol, max_iter=max_iter)
+    solution = _solve_grouped(A, B, problem.groups, tol=tol, max_iter=max_iter)
     # Rounding can put the solver's value a hair outside the sandwich it provably
     # lies in; clamp to keep the documented ordering exact.
     value = min(max(solution.value, elementwise), matrix_ns)
@@ -96,6 +96,32 @@ def evaluate_layer(
     )
 
 
+def _solve_grouped(A: Any, B: Any, groups: int, *, tol: float, max_iter: int) -> ScalingSolution:
+    """Solve a grouped layer as independent blocks and assemble one solution.
+
+    Columns of the result index all ``groups · in/groups`` input channels; each
+    block keeps its own gauge (geometric mean of its column sigmas is 1).
+    """
+    if groups == 1:
+        return solve_scaling(A, B, tol=tol, max_iter=max_iter)
+    rows_per_group, cols_per_group = int(A.shape[0]) // groups, int(A.shape[1])
+    parts = [
+        solve_scaling(A[g * rows_per_group : (g + 1) * rows_per_group],
+                      B[g * rows_per_group : (g + 1) * rows_per_group], tol=tol, max_iter=max_iter)
+        for g in range(groups)
+    ]
+    return ScalingSolution(
+        value=math.fsum(p.value for p in parts),
+        log_row_sigma=np.concatenate([p.log_row_sigma for p in parts]),
+        log_col_sigma=np.concatenate([p.log_col_sigma for p in parts]),
+        iterations=max(p.iterations for p in parts),
+        imbalance=max(p.imbalance for p in parts),
+        converged=all(p.converged for p in parts),
+        degenerate_rows=tuple(g * rows_per_group + i for g, p in enumerate(parts) for i in p.degenerate_rows),
+        degenerate_cols=tuple(g * cols_per_group + j for g, p in enumerate(parts) for j in p.degenerate_cols),
+    )
+
+
 def _linearized_group_values(problem, A, B, xp, solution, sum_a, sum_b) -> dict[str, np.ndarray]:
     """First-order (delta-method) value of each measure for each group estimate.
 
@@ -110,7 +136,11 @@ def _linearized_group_values(problem, A, B, xp, solution, sum_a, sum_b) -> dict[
     out, inp = A_np.shape
     A_groups = samples.reshape(k, out, inp, -1).sum(axis=3)
     active = A_np > 0
-    log_v = solution.log_row_sigma[:, None] + solution.log_col_sigma[None, :]
+    groups = problem.groups
+    # Column sigma of entry (i, j) in the compact grouped layout: input channel
+    # j of the group that output channel i belongs to.
+    col_index = (np.arange(out) // (out // groups))[:, None] * inp + np.arange(inp)[None, :]
+    log_v = solution.log_row_sigma[:, None] + solution.log_col_sigma[col_index]
     finite = np.isfinite(log_v) & active
     v = np.where(finite, np.exp(np.where(finite, log_v, 0.0)), 0.0)
     ratio = np.where(active, np.sqrt(np.where(active, B_np, 0.0) / np.where(active, A_np, 1.0)), 0.0)
@@ -159,6 +189,7 @@ def normalized_sharpness(
     *,
     name: str = "layer",
     kind: str = "dense",
+    groups: int = 1,
     tol: float = DEFAULT_TOL,
     max_iter: int = DEFAULT_MAX_ITER,
 ) -> LayerResult:
@@ -169,6 +200,7 @@ def normalized_sharpness(
         hessian_diag: Loss-Hessian diagonal with respect to ``weight``, same shape.
         name: Name used in messages and the result.
         kind: Layer kind label.
+        groups: Groups of a grouped convolution (see :class:`LayerProblem`).
         tol: Relative balance tolerance of the solver.
         max_iter: Maximum number of solver sweeps.
 
@@ -183,4 +215,5 @@ def normalized_sharpness(
         >>> round(normflat.normalized_sharpness(w, h).value, 6)
         9.044878
     """
-    return evaluate_layer(LayerProblem(name, weight, hessian_diag, kind=kind), tol=tol, max_iter=max_iter)
+    problem = LayerProblem(name, weight, hessian_diag, kind=kind, groups=groups)
+    return evaluate_layer(problem, tol=tol, max_iter=max_iter)

@@ -33,6 +33,12 @@ class LayerProblem:
             given, the report carries standard errors of every measure.
         details: Free-form information from the backend (which computational path
             produced the diagonal, sample counts); copied into the report.
+        groups: Number of groups of a grouped convolution. The canonical weight is
+            then ``(out, in/groups, *kernel)`` and output channels
+            ``[g·out/groups, (g+1)·out/groups)`` see only input channels
+            ``[g·in/groups, (g+1)·in/groups)``. Each input channel has its own
+            column variance, so the layer's problem splits into ``groups``
+            independent blocks (depthwise convolutions: ``groups = in``).
 
     Raises:
         TypeError: If an array is not a floating-point array.
@@ -45,6 +51,7 @@ class LayerProblem:
     kind: str = "dense"
     hessian_diag_samples: Any = None
     details: Mapping[str, Any] = field(default_factory=dict)
+    groups: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -66,6 +73,13 @@ class LayerProblem:
             )
         if any(d == 0 for d in w_shape):
             raise ValueError(f"Layer {self.name!r}: weight shape {w_shape} has an empty axis.")
+        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 1:
+            raise ValueError(f"Layer {self.name!r}: groups must be a positive int, got {self.groups!r}.")
+        if w_shape[0] % self.groups:
+            raise ValueError(
+                f"Layer {self.name!r}: {w_shape[0]} output channels cannot be split into "
+                f"{self.groups} groups."
+            )
         if self.hessian_diag_samples is not None:
             _check_array(self.name, "hessian_diag_samples", self.hessian_diag_samples)
             s_shape = tuple(self.hessian_diag_samples.shape)
@@ -75,6 +89,11 @@ class LayerProblem:
                     f"(K, {', '.join(map(str, w_shape))}) with K >= 2 independent estimates."
                 )
         object.__setattr__(self, "details", dict(self.details))
+
+    @property
+    def in_features(self) -> int:
+        """Number of input units/channels of the layer (all groups)."""
+        return int(self.weight.shape[1]) * self.groups
 
     @property
     def shape(self) -> tuple[int, ...]:

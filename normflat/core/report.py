@@ -37,7 +37,8 @@ class LayerResult:
         row_sigma: Optimal per-row scales ``σ_i = e^{a_i}`` (``inf``/``0`` for
             degenerate rows whose optimum is at infinity, 1 for empty rows).
         col_sigma: Optimal per-column scales ``σ'_j``, geometric mean 1 over the
-            non-degenerate columns.
+            non-degenerate columns (per group for grouped convolutions, whose
+            columns index all ``in`` input channels).
         iterations: Solver sweeps.
         imbalance: Final relative row/column imbalance (optimality residual).
         converged: Whether the solver reached its tolerance.
@@ -76,11 +77,14 @@ class LayerResult:
 
     @property
     def sigma(self) -> np.ndarray:
-        """Optimal posterior standard deviation per ``(out, in)`` entry,
+        """Optimal posterior standard deviation per canonical ``(out, in/groups)`` entry,
         ``sqrt(σ_i σ'_j)``; the variance ``v_ij = σ_i σ'_j`` is shared by the
         kernel entries of that pair."""
+        out, cols = self.shape[0], self.shape[1]
+        groups = self.col_sigma.size // cols
+        col_index = (np.arange(out) // (out // groups))[:, None] * cols + np.arange(cols)[None, :]
         with np.errstate(invalid="ignore", over="ignore"):
-            return np.sqrt(np.outer(self.row_sigma, self.col_sigma))
+            return np.sqrt(self.row_sigma[:, None] * self.col_sigma[col_index])
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict; infinite sigmas (optimum at infinity) become ``None``."""

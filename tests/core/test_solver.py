@@ -215,3 +215,35 @@ def test_solve_scaling_on_matrices():
     assert sol.value == pytest.approx(brute_force_ns(A, B), rel=1e-8)
     with pytest.raises(ValueError, match="one shape"):
         solve_scaling(A, B.T)
+
+
+def test_grouped_convolution_is_the_sum_of_its_blocks():
+    rng = np.random.default_rng(13)
+    groups, out, cin = 3, 6, 2
+    W, H = random_layer(rng, (out, cin, 3, 3))
+    res = normflat.normalized_sharpness(W, H, groups=groups)
+    blocks = [normflat.normalized_sharpness(W[2 * g : 2 * g + 2], H[2 * g : 2 * g + 2]) for g in range(groups)]
+    assert res.value == pytest.approx(sum(b.value for b in blocks), rel=1e-12)
+    assert res.col_sigma.shape == (groups * cin,)
+    # Equivalent dense problem: the block-diagonal (out, in) weight with zeros
+    # elsewhere; zero blocks have no weight and no curvature.
+    W_full = np.zeros((out, groups * cin, 3, 3))
+    H_full = np.zeros_like(W_full)
+    for g in range(groups):
+        W_full[2 * g : 2 * g + 2, g * cin : (g + 1) * cin] = W[2 * g : 2 * g + 2]
+        H_full[2 * g : 2 * g + 2, g * cin : (g + 1) * cin] = H[2 * g : 2 * g + 2]
+    A, B = kernel_sums(W_full, H_full)
+    # Per-input-channel scaling of the real (block-diagonal) weight leaves NS unchanged.
+    d_in = np.exp(rng.uniform(-5, 5, size=groups * cin))
+    compact_scale = d_in.reshape(groups, 1, cin).repeat(2, axis=0).reshape(out, cin)[:, :, None, None]
+    moved = normflat.normalized_sharpness(W * compact_scale, H / compact_scale**2, groups=groups)
+    assert moved.value == pytest.approx(res.value, rel=1e-9)
+    assert res.sigma.shape == (out, cin)
+    v = np.outer(res.row_sigma, res.col_sigma)
+    full = 0.5 * (A * v + B / np.where(v > 0, v, 1)).sum()
+    assert full == pytest.approx(res.value, rel=1e-9)
+
+
+def test_groups_must_divide_out_channels():
+    with pytest.raises(ValueError, match="5 output channels cannot be split into 2 groups"):
+        normflat.LayerProblem("g", np.ones((5, 1, 3)), np.ones((5, 1, 3)), groups=2)

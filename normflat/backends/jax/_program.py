@@ -1,0 +1,258 @@
+"""A model's per-example computation as a flat list of JAX primitives.
+
+The fast GGN path needs, for every weight layer, its input activations and the
+signal back-propagated to its output. JAX modules offer no hooks, so the
+per-example forward pass is traced once with :func:`jax.make_jaxpr`, nested
+``jit``/call primitives are inlined into one flat program, and the program is
+analysed: a weight whose only use is one ``dot_general`` or
+``conv_general_dilated`` (after layout-only operations such as transposes and
+casts) with an activation as the other operand is a *tap*. Re-evaluating the
+program with a zero perturbation added to each tap's output then yields both
+the tap inputs and, by a VJP with respect to the perturbations, the signals.
+Weights used in any other way are handled by the generic path (per-example
+VJPs), so the analysis can only choose a faster path, never a wrong one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+
+__all__ = ["Program", "Tap", "trace_program"]
+
+# Primitives whose sub-jaxpr is inlined (parameter holding it, whether it is closed).
+_CALLS = {
+    "jit": ("jaxpr", True),
+    "pjit": ("jaxpr", True),
+    "closed_call": ("call_jaxpr", True),
+    "core_call": ("call_jaxpr", False),
+    "checkpoint": ("jaxpr", False),
+    "remat": ("jaxpr", False),
+}
+# Unary operations that only permute, reshape or cast a weight: its Hessian
+# diagonal maps back through their (linear, entry-permuting) VJP.
+_LAYOUT = {"transpose", "reshape", "convert_element_type", "copy", "copy_p", "squeeze", "expand_dims"}
+_TAP_PRIMS = {"dot_general", "conv_general_dilated"}
+
+
+@dataclass
+class _Op:
+    prim: Any
+    params: dict
+    ctx: Any
+    ins: list  # ("ref", id) or ("lit", value)
+    outs: list  # ref ids
+
+
+@dataclass
+class Tap:
+    """A weight entering the program through one linear primitive.
+
+    Attributes:
+        weight: Index of the weight among the program's weight inputs.
+        op: Index of the primitive in :attr:`Program.ops`.
+        weight_pos: Operand position (0 or 1) of the weight inside that primitive.
+        chain: Indices of the layout-only ops from the weight to the operand.
+        squares_factor: True when the per-example weight gradient is a single
+            outer product (dense layer without extra positions), so that the sum
+            of squares over signals is the same primitive applied to squares.
+    """
+
+    weight: int
+    op: int
+    weight_pos: int
+    chain: list[int]
+    squares_factor: bool
+
+
+@dataclass
+class Program:
+    """A flat per-example program ``(weights, x) -> logits`` and its analysis."""
+
+    ops: list[_Op]
+    consts: dict[int, Any]
+    weight_refs: list[int]
+    x_refs: list[int]
+    out_refs: list[Any]
+    shapes: dict[int, tuple] = field(default_factory=dict)
+    taps: list[Tap] = field(default_factory=list)
+    first_use: list[float] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def run(self, weights: Sequence[Any], x_leaves: Sequence[Any], eps: dict[int, Any] | None = None,
+            record: dict[int, Any] | None = None) -> list[Any]:
+        """Evaluate the program; add ``eps[op]`` to tap outputs, store tap activations in ``record``."""
+        env: dict[int, Any] = dict(self.consts)
+        env.update(zip(self.weight_refs, weights))
+        env.update(zip(self.x_refs, x_leaves))
+        tap_at = {t.op: t for t in self.taps}
+
+        def read(a):
+            return a[1] if a[0] == "lit" else env[a[1]]
+
+        for i, op in enumerate(self.ops):
+            args = [read(a) for a in op.ins]
+            with op.ctx:
+                ans = op.prim.bind(*args, **op.params)
+            if op.prim.multiple_results:
+                env.update(zip(op.outs, ans))
+            else:
+                if eps is not None and i in eps:
+                    ans = ans + eps[i]
+                if record is not None and i in tap_at:
+                    record[i] = args[1 - tap_at[i].weight_pos]
+                env[op.outs[0]] = ans
+        return [read(a) for a in self.out_refs]
+
+    def layout_fn(self, tap: Tap) -> Callable[[Any], Any]:
+        """The function weight -> the operand the tap primitive sees."""
+        chain = [self.ops[i] for i in tap.chain]
+
+        def f(w):
+            for op in chain:
+                with op.ctx:
+                    w = op.prim.bind(w, **op.params)
+            return w
+
+        return f
+
+    def tap_fn(self, tap: Tap) -> Callable[[Any, Any], Any]:
+        """``(activation, weight operand) -> tap output`` for one tap."""
+        op = self.ops[tap.op]
+
+        def f(a, wp):
+            args = [a, wp] if tap.weight_pos == 1 else [wp, a]
+            with op.ctx:
+                return op.prim.bind(*args, **op.params)
+
+        return f
+
+
+# ---------------------------------------------------------------------- tracing
+
+
+def trace_program(fn: Callable, weights: Sequence[Any], x_leaves: Sequence[Any]) -> Program:
+    """Trace ``fn(weights, x_leaves) -> logits`` and return its analysed flat program."""
+    closed = jax.make_jaxpr(fn)(list(weights), list(x_leaves))
+    counter = [0]
+    ops: list[_Op] = []
+    consts: dict[int, Any] = {}
+    shapes: dict[int, tuple] = {}
+
+    def fresh() -> int:
+        counter[0] += 1
+        return counter[0]
+
+    def inline(jaxpr, const_vals, in_atoms):
+        env: dict[Any, Any] = {}
+        for v, c in zip(jaxpr.constvars, const_vals):
+            r = fresh()
+            consts[r] = c
+            env[v] = ("ref", r)
+        for v, a in zip(jaxpr.invars, in_atoms):
+            env[v] = a
+
+        def atom(v):
+            return ("lit", v.val) if isinstance(v, jex.Literal) else env[v]
+
+        for eqn in jaxpr.eqns:
+            ins = [atom(v) for v in eqn.invars]
+            name = eqn.primitive.name
+            if name in _CALLS and _CALLS[name][0] in eqn.params:
+                sub = eqn.params[_CALLS[name][0]]
+                if _CALLS[name][1]:
+                    outs = inline(sub.jaxpr, sub.consts, ins)
+                else:
+                    outs = inline(sub, [], ins)
+                for v, a in zip(eqn.outvars, outs):
+                    env[v] = a
+                continue
+            outs = [fresh() for _ in eqn.outvars]
+            for v, r in zip(eqn.outvars, outs):
+                shapes[r] = tuple(getattr(v.aval, "shape", ()))
+            ops.append(_Op(eqn.primitive, eqn.primitive.get_bind_params(eqn.params), eqn.ctx.manager, ins, outs))
+            for v, r in zip(eqn.outvars, outs):
+                env[v] = ("ref", r)
+        return [atom(v) for v in jaxpr.outvars]
+
+    n_w = len(weights)
+    in_atoms = [("ref", fresh()) for _ in closed.jaxpr.invars]
+    for v, a in zip(closed.jaxpr.invars, in_atoms):
+        shapes[a[1]] = tuple(v.aval.shape)
+    out_atoms = inline(closed.jaxpr, closed.consts, in_atoms)
+    prog = Program(ops, consts, [a[1] for a in in_atoms[:n_w]], [a[1] for a in in_atoms[n_w:]], out_atoms,
+                   shapes)
+    _analyse(prog, n_w)
+    return prog
+
+
+def _analyse(prog: Program, n_weights: int) -> None:
+    """Find taps and the first data-dependent use of every weight (model order)."""
+    derived: dict[int, tuple[int, list[int]]] = {r: (k, []) for k, r in enumerate(prog.weight_refs)}
+    data_dep: set[int] = set(prog.x_refs)
+    uses: dict[int, int] = {}
+    for a in prog.out_refs:
+        if a[0] == "ref":
+            uses[a[1]] = uses.get(a[1], 0) + 1
+    for op in prog.ops:
+        for a in op.ins:
+            if a[0] == "ref":
+                uses[a[1]] = uses.get(a[1], 0) + 1
+    first_use = [np.inf] * n_weights
+    candidates: dict[int, list] = {}
+    blocked: set[int] = set()
+    for i, op in enumerate(prog.ops):
+        refs = [a[1] for a in op.ins if a[0] == "ref"]
+        name = op.prim.name
+        w_ins = [(pos, derived[a[1]]) for pos, a in enumerate(op.ins) if a[0] == "ref" and a[1] in derived]
+        is_data = any(r in data_dep for r in refs)
+        if is_data:
+            data_dep.update(op.outs)
+        if name in _LAYOUT and len(op.ins) == 1 and len(w_ins) == 1 and len(op.outs) == 1:
+            k, chain = w_ins[0][1]
+            derived[op.outs[0]] = (k, chain + [i])
+            continue
+        for pos, (k, chain) in w_ins:
+            if is_data:
+                first_use[k] = min(first_use[k], i)
+            if (name in _TAP_PRIMS and len(w_ins) == 1 and is_data and len(op.ins) == 2
+                    and op.ins[1 - pos][1] not in derived):
+                candidates.setdefault(k, []).append((i, pos, chain))
+            else:
+                blocked.add(k)
+        if not is_data and w_ins:
+            # A weight combined with constants only, e.g. a regularizer: not a plain layer.
+            for _, (k, _) in w_ins:
+                blocked.add(k)
+    for k, cands in candidates.items():
+        if k in blocked or len(cands) != 1:
+            continue
+        i, pos, chain = cands[0]
+        # Every ref on the chain (the weight and each layout result) must be used once.
+        chain_refs = [prog.weight_refs[k]] + [prog.ops[j].outs[0] for j in chain]
+        if any(uses.get(r, 0) != 1 for r in chain_refs):
+            continue
+        prog.taps.append(Tap(k, i, pos, chain, _squares_factor(prog, prog.ops[i], pos)))
+    prog.taps.sort(key=lambda t: t.op)
+    prog.first_use = first_use
+
+
+def _squares_factor(prog: Program, op: _Op, weight_pos: int) -> bool:
+    """True if the activation has no positions besides the contracted features."""
+    if op.prim.name != "dot_general":
+        return False
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    act_pos = 1 - weight_pos
+    contract, batch = (lc, lb) if act_pos == 0 else (rc, rb)
+    if len(batch):
+        return False
+    shape = prog.shapes.get(op.ins[act_pos][1])
+    if shape is None:
+        return False
+    free = [d for j, d in enumerate(shape) if j not in tuple(contract)]
+    return int(np.prod(free, dtype=np.int64)) == 1

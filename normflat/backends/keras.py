@@ -1,0 +1,949 @@
+"""Keras 3 / TensorFlow backend: Hessian and GGN diagonals of Keras models (SPEC §3, §6, §7).
+
+The model is only read: every estimator differentiates with respect to the
+model's own kernel variables through ``tf.GradientTape`` and never assigns
+them. For the fast GGN path the backend temporarily wraps the ``call`` and
+``activation`` attributes of recognised ``Dense``/``Conv`` instances to see
+each layer's input and pre-activation; the original attributes are restored
+before returning, also after an error.
+
+Backend options (keyword arguments of ``normflat.analyze``):
+
+``batch_size`` (int, default 128)
+    Batch size when ``data`` is an ``(x, y)`` pair of arrays.
+``layers`` (list of str, default all)
+    Analyze only these layers (names as reported).
+``chunk_size`` (int, default automatic)
+    Samples per compiled GGN step; lower it if memory runs out.
+``exact_max_params`` (int, default 20000)
+    ``estimator="exact"`` refuses models with more analyzed weights than
+    this, since it needs one Hessian-vector product per weight.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+import keras
+import tensorflow as tf
+
+from normflat.core.options import NSCE_EPS, AnalysisOptions, limited, progress_bar
+from normflat.core.problem import LayerProblem
+
+__all__ = [
+    "KerasWeight",
+    "register_layer",
+    "registered_layers",
+    "layer_problems",
+    "hessian_diagonal",
+]
+
+_DEFAULT_BATCH_SIZE = 128
+_DEFAULT_EXACT_MAX_PARAMS = 20_000
+#: Budget of one GGN chunk's largest intermediate (bytes); sets the default chunk size.
+_CHUNK_BYTES = 2**28
+#: Layers with parameters that never enter the measures (SPEC §9: normalization parameters).
+_PARAMETER_LAYERS_IGNORED = (
+    "BatchNormalization",
+    "LayerNormalization",
+    "GroupNormalization",
+    "RMSNormalization",
+    "UnitNormalization",
+    "Normalization",
+)
+_BACKEND_OPTIONS = ("batch_size", "layers", "chunk_size", "exact_max_params")
+
+
+# ----------------------------------------------------------------------------- layer registry
+
+
+@dataclass(frozen=True)
+class KerasWeight:
+    """One weight tensor of a Keras layer, as an extractor reports it.
+
+    Attributes:
+        variable: The layer's Keras variable holding the weight.
+        to_canonical: Maps a tensor in the variable's layout to the canonical
+            ``(out, in, *kernel)`` layout (used for the weight and its diagonal).
+        kind: Short layer label for reports (``"dense"``, ``"conv2d"``, ...).
+        suffix: Appended to the layer name (``"/pointwise"``) when a layer has
+            several weight tensors; empty for one.
+    """
+
+    variable: Any
+    to_canonical: Callable[[Any], Any]
+    kind: str
+    suffix: str = ""
+
+
+_REGISTRY: dict[type, Callable[[Any], list[KerasWeight]]] = {}
+
+
+def register_layer(layer_class: type, extractor: Callable[[Any], list[KerasWeight]]) -> None:
+    """Register how to read the weight matrices of a Keras layer class.
+
+    Registered layers are analyzed with the generic (per-sample Jacobian) GGN
+    path; the built-in ``Dense`` and ``Conv1D/2D/3D`` have a faster one.
+
+    Args:
+        layer_class: A ``keras.layers.Layer`` subclass; subclasses of it match too
+            unless they are registered themselves.
+        extractor: ``extractor(layer) -> [KerasWeight, ...]``.
+
+    Example:
+        >>> register_layer(MyDense, lambda layer: [
+        ...     KerasWeight(layer.w, lambda t: tf.transpose(t), "dense")])
+    """
+    if not (isinstance(layer_class, type) and issubclass(layer_class, keras.layers.Layer)):
+        raise TypeError(f"register_layer needs a keras.layers.Layer subclass, got {layer_class!r}.")
+    if not callable(extractor):
+        raise TypeError("register_layer needs a callable extractor(layer) -> list[KerasWeight].")
+    _REGISTRY[layer_class] = extractor
+
+
+def registered_layers() -> dict[type, Callable[[Any], list[KerasWeight]]]:
+    """A copy of the layer registry ``{layer class: extractor}``."""
+    return dict(_REGISTRY)
+
+
+def _extractor_for(layer: Any) -> Callable[[Any], list[KerasWeight]] | None:
+    for cls in type(layer).__mro__:
+        if cls in _REGISTRY:
+            return _REGISTRY[cls]
+    return None
+
+
+def _transpose_fn(perm: tuple[int, ...]) -> Callable[[Any], Any]:
+    return lambda t: tf.transpose(t, perm)
+
+
+def _dense_weights(layer: Any) -> list[KerasWeight]:
+    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+        raise _Unsupported("LoRA-enabled or quantized Dense layers are not supported")
+    return [KerasWeight(layer._kernel if hasattr(layer, "_kernel") else layer.kernel, _transpose_fn((1, 0)), "dense")]
+
+
+def _conv_weights(layer: Any) -> list[KerasWeight]:
+    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+        raise _Unsupported("LoRA-enabled or quantized convolutions are not supported")
+    r = layer.rank
+    # (*k, in/groups, out) -> (out, in/groups, *k)
+    return [KerasWeight(layer.kernel, _transpose_fn((r + 1, r) + tuple(range(r))), f"conv{r}d")]
+
+
+def _depthwise_canonical(rank: int) -> Callable[[Any], Any]:
+    # (*k, in, m) -> (in * m, 1, *k): output channel i*m + j reads input channel i only.
+    def convert(t):
+        t = tf.transpose(t, (rank, rank + 1) + tuple(range(rank)))
+        shape = tf.shape(t)
+        return tf.reshape(t, tf.concat([[shape[0] * shape[1], 1], shape[2:]], 0))
+
+    return convert
+
+
+def _depthwise_weights(layer: Any) -> list[KerasWeight]:
+    return [KerasWeight(layer.kernel, _depthwise_canonical(layer.rank), f"depthwise_conv{layer.rank}d")]
+
+
+def _separable_weights(layer: Any) -> list[KerasWeight]:
+    r = layer.rank
+    return [
+        KerasWeight(layer.depthwise_kernel, _depthwise_canonical(r), f"depthwise_conv{r}d", "/depthwise"),
+        KerasWeight(layer.pointwise_kernel, _transpose_fn((r + 1, r) + tuple(range(r))), f"conv{r}d", "/pointwise"),
+    ]
+
+
+class _Unsupported(Exception):
+    """An extractor's way of saying: this instance cannot be analyzed (reason)."""
+
+
+register_layer(keras.layers.Dense, _dense_weights)
+for _cls in (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D):
+    register_layer(_cls, _conv_weights)
+for _name in ("DepthwiseConv1D", "DepthwiseConv2D"):
+    if hasattr(keras.layers, _name):
+        register_layer(getattr(keras.layers, _name), _depthwise_weights)
+for _name in ("SeparableConv1D", "SeparableConv2D"):
+    if hasattr(keras.layers, _name):
+        register_layer(getattr(keras.layers, _name), _separable_weights)
+
+
+# ----------------------------------------------------------------------------- model walk
+
+
+@dataclass
+class _Entry:
+    name: str
+    layer: Any
+    weight: KerasWeight
+    fast: str | None = None  # "dense" | "conv" | None (generic path)
+
+    @property
+    def variable(self):
+        return self.weight.variable
+
+
+def _fast_kind(layer: Any) -> str | None:
+    """Whether a layer's pre-activation and input can be tapped (its call is Keras' own)."""
+    from keras.src.layers.convolutional.base_conv import BaseConv
+
+    cls = type(layer)
+    if isinstance(layer, keras.layers.Dense) and cls.call is keras.layers.Dense.call:
+        return "dense"
+    if (
+        isinstance(layer, BaseConv)
+        and isinstance(layer, (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D))
+        and cls.call in (BaseConv.call, keras.layers.Conv1D.call)
+        and cls.convolution_op is BaseConv.convolution_op
+    ):
+        return "conv"
+    return None
+
+
+def _children(layer: Any) -> list[Any]:
+    return [child for child in getattr(layer, "_layers", []) if isinstance(child, keras.layers.Layer)]
+
+
+def _walk(model: Any, options: AnalysisOptions, select: list[str] | None) -> tuple[list[_Entry], list[str]]:
+    """Recognised weight layers in model order, and the unsupported layers."""
+    entries: list[_Entry] = []
+    unsupported: list[str] = []
+    seen: set[int] = set()
+
+    def visit(layer: Any, prefix: str) -> None:
+        for child in _children(layer):
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            name = prefix + child.name
+            extractor = _extractor_for(child)
+            if extractor is not None:
+                try:
+                    weights = extractor(child)
+                except _Unsupported as err:
+                    unsupported.append(f"{name} ({type(child).__name__}: {err})")
+                    continue
+                fast = _fast_kind(child) if len(weights) == 1 else None
+                for w in weights:
+                    entries.append(_Entry(name + w.suffix, child, w, fast))
+            elif _children(child):
+                visit(child, name + "/")
+                own = _own_weights(child)
+                if own:
+                    unsupported.append(f"{name} ({type(child).__name__}: own weights {own})")
+            elif child.weights and type(child).__name__ not in _PARAMETER_LAYERS_IGNORED:
+                unsupported.append(f"{name} ({type(child).__name__})")
+
+    visit(model, "")
+    if unsupported:
+        message = (
+            "normflat skips layers with parameters it does not recognise: "
+            + ", ".join(unsupported)
+            + ". Register them with normflat.backends.keras.register_layer(cls, extractor), or pass "
+            "on_unsupported='skip' to silence this."
+        )
+        if options.on_unsupported == "error":
+            raise ValueError(message.replace("normflat skips", "normflat cannot analyze"))
+        if options.on_unsupported == "warn":
+            warnings.warn(message, UserWarning, stacklevel=4)
+    if select is not None:
+        if isinstance(select, str) or not all(isinstance(s, str) for s in select):
+            raise TypeError("layers must be a list of layer names (str).")
+        known = [e.name for e in entries]
+        unknown = [s for s in select if s not in known]
+        if unknown:
+            raise ValueError(
+                f"Unknown layer name(s) {unknown}; this model's analyzable layers are {known}."
+            )
+        entries = [e for e in entries if e.name in set(select)]
+    if not entries:
+        raise ValueError(
+            "The model has no layer normflat can analyze (Dense, Conv1D/2D/3D, DepthwiseConv, "
+            "SeparableConv, or classes added with register_layer)."
+        )
+    return entries, unsupported
+
+
+def _own_weights(layer: Any) -> list[str]:
+    sub = {id(w) for child in _children(layer) for w in child.weights}
+    return [w.path for w in layer.weights if id(w) not in sub]
+
+
+# ----------------------------------------------------------------------------- patching
+
+
+class _Taps:
+    """Temporarily wraps layer attributes to record inputs and pre-activations.
+
+    ``records[name]`` collects ``(input, pre_activation)`` per call of a tapped
+    layer during a forward pass; ``strip`` makes a final softmax the identity.
+    """
+
+    def __init__(self, tapped: list[_Entry], strip: Any | None):
+        self.tapped = tapped
+        self.strip = strip
+        self.records: dict[str, list] = {}
+        self.tape: tf.GradientTape | None = None
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _set(self, obj: Any, attr: str, value: Any) -> None:
+        self._saved.append((obj, attr, obj.__dict__.get(attr, _MISSING)))
+        # object.__setattr__: bypass Keras' attribute tracking, which would record the wrapper.
+        object.__setattr__(obj, attr, value)
+
+    def __enter__(self) -> "_Taps":
+        try:
+            if self.strip is not None:
+                layer, attr = self.strip
+                if attr == "activation":
+                    self._set(layer, "activation", keras.activations.linear)
+                else:
+                    self._set(layer, "call", lambda inputs, *a, **k: inputs)
+            for entry in self.tapped:
+                self._tap(entry)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _tap(self, entry: _Entry) -> None:
+        layer, name = entry.layer, entry.name
+        original_call = layer.call  # bound method (or the instance attribute)
+        original_activation = layer.activation
+
+        def call(inputs, *args, **kwargs):
+            self.records.setdefault(name, []).append([inputs, None])
+            return original_call(inputs, *args, **kwargs)
+
+        def activation(y):
+            if self.tape is not None:
+                self.tape.watch(y)
+            record = self.records.get(name)
+            if record and record[-1][1] is None:
+                record[-1][1] = y
+            return original_activation(y)
+
+        self._set(layer, "call", call)
+        self._set(layer, "activation", activation)
+
+    def __exit__(self, *exc: Any) -> None:
+        for obj, attr, old in reversed(self._saved):
+            if old is _MISSING:
+                obj.__dict__.pop(attr, None)
+            else:
+                object.__setattr__(obj, attr, old)
+        self._saved.clear()
+
+
+_MISSING = object()
+
+
+def _final_softmax(model: Any) -> tuple[Any, str] | None:
+    """The (layer, attribute) applying a final softmax of a Sequential/functional model."""
+    from keras.src.models.functional import Functional
+
+    layer = model
+    for _ in range(16):
+        if isinstance(layer, keras.Sequential):
+            inner = [l for l in layer.layers]
+            if not inner:
+                return None
+            layer = inner[-1]
+        elif isinstance(layer, Functional) and layer.outputs:
+            if len(layer.outputs) != 1:
+                return None
+            layer = layer.outputs[0]._keras_history[0]
+        else:
+            break
+    act = getattr(layer, "activation", None)
+    if isinstance(layer, keras.layers.Softmax):
+        return layer, "call"
+    if isinstance(layer, keras.layers.Activation) and _is_softmax(act):
+        return layer, "call"
+    if _is_softmax(act) and isinstance(layer, keras.layers.Layer):
+        return layer, "activation"
+    return None
+
+
+def _is_softmax(fn: Any) -> bool:
+    return fn is keras.activations.softmax or getattr(fn, "__name__", "") == "softmax"
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def _batches(data: Any, batch_size: int) -> tuple[Iterable, int | None]:
+    """An iterable of ``(x, y)`` batches and its length when known."""
+    if isinstance(data, tf.data.Dataset):
+        card = int(data.cardinality())
+        return data, card if card >= 0 else None
+    if isinstance(data, (tuple, list)) and len(data) == 2 and _is_array(data[0]) and _is_array(data[1]):
+        x, y = data
+        n = int(y.shape[0])
+        if not isinstance(x, (dict, list, tuple)) and int(x.shape[0]) != n:
+            raise ValueError(f"x has {x.shape[0]} samples but y has {n}; they must match.")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}.")
+        slices = [(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
+        return ((_take(x, a, b), y[a:b]) for a, b in slices), len(slices)
+    if isinstance(data, dict) or not hasattr(data, "__iter__"):
+        raise TypeError(
+            f"data of type {type(data).__name__} is not supported; pass a tf.data.Dataset of (x, y) "
+            "batches, an (x, y) pair of arrays (with batch_size=...), or an iterable of (x, y) batches."
+        )
+    try:
+        length = len(data)
+    except TypeError:
+        length = None
+    return data, length
+
+
+def _is_array(a: Any) -> bool:
+    return hasattr(a, "shape") and hasattr(a, "dtype") and len(a.shape) >= 1
+
+
+def _take(x: Any, a: int, b: int) -> Any:
+    return x[a:b]
+
+
+def _split_batch(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, dict) or not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        extra = ""
+        if isinstance(batch, (tuple, list)) and len(batch) == 3:
+            extra = " Sample weights (x, y, w) are not supported: the Hessian is that of the plain mean loss."
+        raise ValueError(
+            f"Each batch must be an (x, y) pair; got {type(batch).__name__}"
+            f"{' of length ' + str(len(batch)) if isinstance(batch, (tuple, list)) else ''}.{extra}"
+        )
+    return batch[0], batch[1]
+
+
+def _to_tensor(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _to_tensor(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_tensor(v) for v in x)
+    return tf.convert_to_tensor(x)
+
+
+def _check_finite_inputs(x: Any, batch_index: int) -> None:
+    for leaf in tf.nest.flatten(x):
+        if leaf.dtype.is_floating and not bool(tf.reduce_all(tf.math.is_finite(leaf))):
+            raise ValueError(
+                f"Batch {batch_index} contains NaN or infinite inputs; clean the data before analyzing."
+            )
+
+
+def _targets(y: Any, num_classes: int, dtype: Any, batch_index: int) -> Any:
+    """Integer class ids or one-hot/probability rows -> (n, C) probability rows."""
+    y_np = np.asarray(y.numpy() if hasattr(y, "numpy") else y)
+    if y_np.ndim == 2 and y_np.shape[1] == 1 and num_classes > 1:
+        y_np = y_np[:, 0]
+    if y_np.ndim == 1:
+        if np.issubdtype(y_np.dtype, np.floating):
+            if not np.all(np.isfinite(y_np)):
+                raise ValueError(f"Batch {batch_index} has NaN or infinite labels.")
+            if not np.all(y_np == np.round(y_np)):
+                raise ValueError(
+                    f"Batch {batch_index}: 1-D labels must be integer class ids, got non-integer values."
+                )
+        elif not np.issubdtype(y_np.dtype, np.integer):
+            raise ValueError(f"Batch {batch_index}: labels of dtype {y_np.dtype} are not class ids.")
+        ids = y_np.astype(np.int64)
+        bad = ids[(ids < 0) | (ids >= num_classes)]
+        if bad.size:
+            raise ValueError(
+                f"Batch {batch_index} has label {int(bad[0])} out of range: the model has "
+                f"{num_classes} outputs, so class ids must be in [0, {num_classes - 1}]."
+            )
+        return tf.one_hot(ids, num_classes, dtype=dtype)
+    if y_np.ndim == 2 and y_np.shape[1] == num_classes:
+        if not np.all(np.isfinite(y_np)):
+            raise ValueError(f"Batch {batch_index} has NaN or infinite labels.")
+        if np.any(y_np < 0) or not np.allclose(y_np.sum(axis=1), 1.0, atol=1e-5):
+            raise ValueError(
+                f"Batch {batch_index}: 2-D labels must be one-hot (or probability) rows summing to 1."
+            )
+        return tf.convert_to_tensor(y_np, dtype=dtype)
+    raise ValueError(
+        f"Batch {batch_index}: labels of shape {y_np.shape} do not fit a model with {num_classes} "
+        "outputs; pass integer class ids (n,) or one-hot rows (n, classes)."
+    )
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def _output_transform(z: Any, options: AnalysisOptions) -> Any:
+    """The logits the softmax cross-entropy sees: ``z`` (ce) or ``τ ẑ`` (nsce, SPEC §7)."""
+    if options.loss == "nsce":
+        zc = z - tf.reduce_mean(z, axis=-1, keepdims=True)
+        scale = tf.sqrt(tf.reduce_mean(tf.square(zc), axis=-1, keepdims=True) + tf.cast(NSCE_EPS, z.dtype))
+        return tf.cast(options.temperature, z.dtype) * zc / scale
+    return z
+
+
+def _mean_loss(z: Any, target: Any, options: AnalysisOptions) -> Any:
+    if callable(options.loss):
+        return options.loss(z, target)
+    u = _output_transform(z, options)
+    return -tf.reduce_mean(tf.reduce_sum(target * tf.nn.log_softmax(u, axis=-1), axis=-1))
+
+
+# ----------------------------------------------------------------------------- the analysis
+
+
+@dataclass
+class _Run:
+    """State of one analysis: the model, its layers, the options."""
+
+    model: Any
+    options: AnalysisOptions
+    entries: list[_Entry]
+    batch_size: int
+    chunk_size: int | None
+    exact_max_params: int
+    strip: Any = None
+    num_classes: int = 0
+    dtype: Any = None
+    out_dtype: Any = None
+    metadata: dict = field(default_factory=dict)
+
+
+def _prepare(model: Any, data: Any, options: AnalysisOptions, backend_options: dict) -> tuple[_Run, Iterable, int | None]:
+    unknown = sorted(set(backend_options) - set(_BACKEND_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"Unknown Keras backend option(s) {unknown}; the Keras backend accepts {list(_BACKEND_OPTIONS)}."
+        )
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(
+            f"The Keras backend needs a Keras 3 model (keras.Model / keras.layers.Layer), got "
+            f"{type(model).__name__}. tf.keras (Keras 2) models are not supported; build the model with "
+            "Keras 3."
+        )
+    if keras.backend.backend() != "tensorflow":
+        raise RuntimeError(
+            f"This Keras model runs on Keras' {keras.backend.backend()!r} backend; normflat's Keras support "
+            "needs the 'tensorflow' backend. Set the environment variable KERAS_BACKEND=tensorflow before "
+            "importing keras (for JAX models, pass an equinox/flax model or an (apply_fn, params) pair)."
+        )
+    if not model.built or not model.weights:
+        raise ValueError(
+            f"The Keras model {model.name!r} is not built (it has no weights yet). Call it on a batch "
+            "(model(x)) or call model.build(input_shape) before analyzing it."
+        )
+    chunk_size = backend_options.get("chunk_size")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
+    exact_max = backend_options.get("exact_max_params", _DEFAULT_EXACT_MAX_PARAMS)
+    entries, unsupported = _walk(model, options, backend_options.get("layers"))
+    run = _Run(model, options, entries, backend_options.get("batch_size", _DEFAULT_BATCH_SIZE), chunk_size,
+               exact_max)
+    if not callable(options.loss):
+        run.strip = _final_softmax(model)
+    batches, length = _batches(data, run.batch_size)
+    if options.max_batches is not None and length is not None:
+        length = min(length, options.max_batches)
+    run.dtype = tf.as_dtype(entries[0].variable.dtype)
+    run.metadata = {
+        "keras_version": keras.__version__,
+        "tensorflow_version": tf.__version__,
+        "dtype": run.dtype.name,
+        "device": str(entries[0].variable.value.device) or "cpu",
+        "unsupported_layers": unsupported,
+    }
+    if run.strip is not None:
+        run.metadata["stripped_softmax"] = run.strip[0].name
+    return run, batches, length
+
+
+def _iterate(run: _Run, batches: Iterable, length: int | None):
+    """Yield ``(x, target, n)`` tensors, validating each batch."""
+    desc = f"normflat {run.options.estimator}"
+    count = 0
+    for index, batch in enumerate(progress_bar(limited(batches, run.options.max_batches),
+                                               enabled=run.options.progress, desc=desc, total=length)):
+        x, y = _split_batch(batch)
+        x = _to_tensor(x)
+        _check_finite_inputs(x, index)
+        n = int(y.shape[0]) if hasattr(y, "shape") else len(y)
+        if n == 0:
+            continue
+        if index == 0:
+            _probe(run, x)
+        if callable(run.options.loss):
+            target = _to_tensor(y)
+        else:
+            target = _targets(y, run.num_classes, run.out_dtype, index)
+        count += 1
+        yield x, target, n
+    if count == 0:
+        raise ValueError("The data is empty: it yielded no (x, y) batch with samples.")
+
+
+def _probe(run: _Run, x: Any) -> None:
+    """One eager forward on the first batch: output shape, softmax check, tap counts."""
+    first = tf.nest.map_structure(lambda t: t[:2], x)
+    with _Taps([e for e in run.entries if e.fast], run.strip) as taps:
+        z = run.model(first, training=False)
+    if isinstance(z, (list, tuple, dict)) or len(z.shape) != 2:
+        shape = getattr(z, "shape", type(z).__name__)
+        raise ValueError(
+            f"The model's output has shape {shape}; normflat needs one (batch, classes) logits tensor."
+        )
+    run.num_classes = int(z.shape[-1])
+    run.out_dtype = z.dtype
+    if run.num_classes < 2 and not callable(run.options.loss):
+        raise ValueError("The model has a single output; the built-in losses need at least 2 classes.")
+    if not callable(run.options.loss):
+        zn = z.numpy()
+        if zn.size and np.all(zn >= 0) and np.allclose(zn.sum(axis=1), 1.0, atol=1e-6):
+            raise ValueError(
+                "The model seems to output probabilities (non-negative rows summing to 1), but the "
+                f"loss {run.options.loss!r} expects logits. Remove the final softmax from the model (a "
+                "final softmax activation of a Sequential/functional model is removed automatically)."
+            )
+    for entry in run.entries:
+        if entry.fast:
+            recs = taps.records.get(entry.name, [])
+            if len(recs) != 1 or recs[0][1] is None:
+                entry.fast = None  # shared or bypassed layer: per-sample Jacobian path
+
+
+def _layer_weights_canonical(run: _Run) -> list[np.ndarray]:
+    return [np.asarray(e.weight.to_canonical(tf.convert_to_tensor(e.variable.value)).numpy(), dtype=np.float64)
+            for e in run.entries]
+
+
+def _estimate(run: _Run, batches: Iterable, length: int | None) -> tuple[list[Any], list[Any] | None, int, int]:
+    """Per-layer diagonals (float64, canonical) and optional (K, ...) group estimates."""
+    est = run.options.estimator
+    if est in ("ggn", "ggn-mc"):
+        return _ggn(run, batches, length)
+    return _hvp_estimators(run, batches, length)
+
+
+def _groups(run: _Run) -> int:
+    samples = run.options.samples or 1
+    return min(samples, 10) if samples >= 2 else 1
+
+
+# ----------------------------------------------------------------------------- GGN
+
+
+def _same_padding(size: int, k: int, s: int, d: int) -> tuple[int, int]:
+    total = max((math.ceil(size / s) - 1) * s + (k - 1) * d + 1 - size, 0)
+    return total // 2, total - total // 2
+
+
+def _patches(x: Any, layer: Any) -> Any:
+    """Channels-last input -> (n, positions, kernel offsets, in) windows matching the convolution."""
+    r = layer.rank
+    k, s, d = tuple(layer.kernel_size), tuple(layer.strides), tuple(layer.dilation_rate)
+    spatial = [int(v) for v in x.shape[1:-1]]
+    pads = []
+    for i in range(r):
+        if layer.padding == "same":
+            pads.append(list(_same_padding(spatial[i], k[i], s[i], d[i])))
+        elif layer.padding == "causal":
+            pads.append([(k[i] - 1) * d[i], 0])
+        else:
+            pads.append([0, 0])
+    if any(p != [0, 0] for p in pads):
+        x = tf.pad(x, [[0, 0]] + pads + [[0, 0]])
+    padded = [spatial[i] + sum(pads[i]) for i in range(r)]
+    outs = [(padded[i] - (k[i] - 1) * d[i] - 1) // s[i] + 1 for i in range(r)]
+    windows = []
+    for offset in itertools.product(*[range(ki) for ki in k]):
+        index = [slice(None)]
+        for i in range(r):
+            start = offset[i] * d[i]
+            index.append(slice(start, start + (outs[i] - 1) * s[i] + 1, s[i]))
+        index.append(slice(None))
+        windows.append(x[tuple(index)])
+    stacked = tf.stack(windows, axis=-2)  # (n, *outs, koff, in)
+    return tf.reshape(stacked, [tf.shape(x)[0], math.prod(outs), len(windows), int(x.shape[-1])])
+
+
+def _fast_squares(entry: _Entry, x: Any, g: Any, seg: Any, groups: int) -> Any:
+    """Per-group sums over samples and signals of squared per-sample gradients, canonical layout.
+
+    ``x``: the layer input (n, ...); ``g``: back-propagated signals at the
+    pre-activation (D, n, ...).
+    """
+    layer = entry.layer
+    if entry.fast == "dense":
+        if len(x.shape) == 2:
+            # Per-sample gradient x ⊗ g is rank one: its square is x² ⊗ g².
+            g2 = tf.math.unsorted_segment_sum(tf.square(g), seg, groups)
+            return tf.einsum("ni,kno->koi", tf.square(x), g2)
+        n = tf.shape(x)[0]
+        xf = tf.reshape(x, [n, -1, int(x.shape[-1])])
+        gf = tf.reshape(g, [tf.shape(g)[0], n, -1, int(g.shape[-1])])
+        per_sample = tf.einsum("nti,dnto->dnoi", xf, gf)
+        return tf.math.unsorted_segment_sum(tf.reduce_sum(tf.square(per_sample), 1), seg, groups)
+    # convolution
+    r = layer.rank
+    if layer.data_format == "channels_first":
+        x = tf.transpose(x, [0] + list(range(2, r + 2)) + [1])
+        g = tf.transpose(g, [0, 1] + list(range(3, r + 3)) + [2])
+    patches = _patches(x, layer)  # (n, P, koff, cin)
+    n = tf.shape(patches)[0]
+    npos, koff, cin = int(patches.shape[1]), int(patches.shape[2]), int(patches.shape[3])
+    cout = int(g.shape[-1])
+    groups_conv = int(getattr(layer, "groups", 1))
+    gf = tf.reshape(g, [tf.shape(g)[0], n, npos, cout])
+    if groups_conv == 1:
+        per_sample = tf.einsum("npki,dnpo->dnoki", patches, gf)  # (D, n, out, koff, in)
+        sq = tf.math.unsorted_segment_sum(tf.reduce_sum(tf.square(per_sample), 1), seg, groups)
+    else:
+        cin_g, cout_g = cin // groups_conv, cout // groups_conv
+        pg = tf.reshape(patches, [n, npos, koff, groups_conv, cin_g])
+        gg = tf.reshape(gf, [tf.shape(g)[0], n, npos, groups_conv, cout_g])
+        per_sample = tf.einsum("npkgi,dnpgo->dngoki", pg, gg)
+        sq = tf.math.unsorted_segment_sum(tf.reduce_sum(tf.square(per_sample), 1), seg, groups)
+        sq = tf.reshape(sq, [groups, cout, koff, cin_g])
+    k = tuple(layer.kernel_size)
+    sq = tf.reshape(sq, [groups, cout, *k, int(sq.shape[-1])])
+    return tf.transpose(sq, [0, 1, r + 2] + list(range(2, r + 2)))  # (K, out, in, *k)
+
+
+def _signals(u: Any, options: AnalysisOptions, seed: Any, groups: int) -> tuple[Any, Any]:
+    """Output-side signals (D, n, C) with ``Σ_d s_d s_dᵀ`` = the (MC) loss Hessian, and group ids."""
+    p = tf.stop_gradient(tf.nn.softmax(u, axis=-1))
+    num_classes = int(u.shape[-1])
+    if options.estimator == "ggn":
+        # Symmetric factor of diag(p) - p pᵀ: column c is sqrt(p_c) (e_c - p).
+        eye = tf.eye(num_classes, dtype=u.dtype)
+        s = tf.transpose(tf.sqrt(p))[:, :, None] * (eye[:, None, :] - p[None, :, :])
+        return s, tf.zeros([num_classes], tf.int32)
+    draws = options.samples
+    ids = tf.random.stateless_categorical(tf.math.log(p), draws, seed)  # (n, D)
+    onehot = tf.one_hot(tf.transpose(ids), num_classes, dtype=u.dtype)  # (D, n, C)
+    seg = tf.range(draws, dtype=tf.int32) % groups
+    sizes = tf.math.bincount(seg, minlength=groups, dtype=u.dtype)
+    weight = tf.math.rsqrt(tf.gather(sizes, seg))  # group sum of squares = group mean
+    return (p[None] - onehot) * weight[:, None, None], seg
+
+
+def _ggn_step_fn(run: _Run, groups: int):
+    entries = run.entries
+    fast = [e for e in entries if e.fast]
+    generic = [e for e in entries if not e.fast]
+    taps = run._taps
+
+    @tf.function(reduce_retracing=True)
+    def step(x, seed):
+        taps.records.clear()
+        with tf.GradientTape(persistent=True) as tape:
+            taps.tape = tape
+            for e in generic:
+                tape.watch(e.variable.value)
+            z = run.model(x, training=False)
+            u = _output_transform(z, run.options)
+        taps.tape = None
+        s, seg = _signals(u, run.options, seed, groups)
+        out = {}
+        if fast:
+            pre = [taps.records[e.name][0][1] for e in fast]
+            back = tf.vectorized_map(lambda si: tape.gradient(u, pre, output_gradients=si), s)
+            for e, g in zip(fast, back):
+                out[e.name] = _fast_squares(e, taps.records[e.name][0][0], g, seg, groups)
+        if generic:
+            n = tf.shape(u)[0]
+            d = tf.shape(s)[0]
+            # One signal per (draw, sample): per-sample gradients through the whole model.
+            flat = tf.reshape(s, [-1, int(u.shape[-1])])  # (D*n, C)
+            rows = tf.tile(tf.range(n), [d])
+            og = tf.one_hot(rows, n, dtype=u.dtype)[:, :, None] * flat[:, None, :]  # (D*n, n, C)
+            variables = [e.variable.value for e in generic]
+
+            def per_sample(o):
+                grads = tape.gradient(u, variables, output_gradients=o)
+                return [tf.zeros_like(v) if gr is None else gr for gr, v in zip(grads, variables)]
+
+            grads = tf.vectorized_map(per_sample, og)
+            sample_seg = tf.repeat(seg, n)
+            for e, gr in zip(generic, grads):
+                sq = tf.math.unsorted_segment_sum(tf.square(gr), sample_seg, groups)
+                out[e.name] = tf.vectorized_map(e.weight.to_canonical, sq)
+        del tape
+        return [out[e.name] for e in entries]
+
+    return step
+
+
+def _chunk_size(run: _Run, signals: int) -> int:
+    if run.chunk_size is not None:
+        return run.chunk_size
+    per_sample = 1
+    for e in run.entries:
+        size = int(np.prod(e.variable.shape))
+        per_sample = max(per_sample, signals * size * (2 if e.fast == "conv" or not e.fast else 0))
+    per_sample *= tf.as_dtype(run.dtype).size
+    return int(max(1, min(1024, _CHUNK_BYTES // max(per_sample, 1))))
+
+
+def _ggn(run: _Run, batches: Iterable, length: int | None):
+    groups = _groups(run)
+    signals = run.options.samples if run.options.estimator == "ggn-mc" else None
+    seeds = tf.random.Generator.from_seed(run.options.seed) if signals else None
+    totals: list[Any] | None = None
+    examples = nbatches = 0
+    with _Taps([e for e in run.entries if e.fast], run.strip) as taps:
+        run._taps = taps
+        step = None
+        for x, _, n in _iterate(run, batches, length):
+            if step is None:
+                step = _ggn_step_fn(run, groups)
+                chunk = _chunk_size(run, signals or run.num_classes)
+            nbatches += 1
+            examples += n
+            for a in range(0, n, chunk):
+                xc = tf.nest.map_structure(lambda t: t[a:a + chunk], x)
+                seed = seeds.make_seeds(1)[:, 0] if seeds is not None else tf.zeros([2], tf.int64)
+                sums = step(xc, seed)
+                sums = [tf.cast(v, tf.float64) for v in sums]
+                totals = sums if totals is None else [t + v for t, v in zip(totals, sums)]
+    run.metadata["chunk_size"] = chunk
+    scale = 1.0 / examples
+    samples = [t * scale for t in totals]  # (K, *canonical) group means
+    diags = [tf.reduce_mean(s, axis=0) for s in samples]
+    return diags, (samples if groups > 1 else None), examples, nbatches
+
+
+# ----------------------------------------------------------------------------- exact / hutchinson
+
+
+def _hvp_estimators(run: _Run, batches: Iterable, length: int | None):
+    variables = [e.variable.value for e in run.entries]
+    sizes = [int(np.prod(v.shape)) for v in variables]
+    total_params = sum(sizes)
+    est = run.options.estimator
+    if est == "exact" and total_params > run.exact_max_params:
+        raise ValueError(
+            f"estimator='exact' needs one Hessian-vector product per weight; the analyzed layers have "
+            f"{total_params} weights (limit {run.exact_max_params}). Use estimator='ggn' or 'hutchinson', "
+            "restrict layers=[...], or pass exact_max_params=... to force it."
+        )
+    options = run.options
+
+    def grads_and_hvp(x, target, probes, layer):
+        with tf.GradientTape(persistent=True) as outer:
+            for v in variables:
+                outer.watch(v)
+            with tf.GradientTape() as inner:
+                for v in variables:
+                    inner.watch(v)
+                loss = _mean_loss(run.model(x, training=False), target, options)
+            g = inner.gradient(loss, variables)
+            g = [tf.zeros_like(v) if gi is None else gi for gi, v in zip(g, variables)]
+        if layer is not None:
+            sources, targets_ = [variables[layer]], [g[layer]]
+        else:
+            sources, targets_ = variables, g
+
+        def hvp(vs):
+            out = outer.gradient(targets_, sources, output_gradients=vs)
+            return [tf.zeros_like(s) if o is None else o for o, s in zip(out, sources)]
+
+        return tf.vectorized_map(hvp, probes)
+
+    @tf.function(reduce_retracing=True)
+    def exact_step(x, target, indices, layer):
+        v = variables[layer]
+        probes = tf.reshape(tf.one_hot(indices, sizes[layer], dtype=v.dtype), [-1, *v.shape])
+        (hv,) = grads_and_hvp(x, target, [probes], layer)
+        return tf.reduce_sum(tf.reshape(hv * probes, [tf.shape(indices)[0], -1]), axis=1)
+
+    groups = _groups(run)
+
+    @tf.function(reduce_retracing=True)
+    def hutchinson_step(x, target, probes, seg):
+        hv = grads_and_hvp(x, target, probes, None)
+        return [tf.math.unsorted_segment_sum(p * h, seg, groups) for p, h in zip(probes, hv)]
+
+    totals = None
+    examples = nbatches = 0
+    rng = tf.random.Generator.from_seed(options.seed) if est == "hutchinson" else None
+    with _Taps([], run.strip):
+        for x, target, n in _iterate(run, batches, length):
+            nbatches += 1
+            examples += n
+            if est == "exact":
+                sums = []
+                for li, (v, size) in enumerate(zip(variables, sizes)):
+                    chunk = max(1, min(size, 2**22 // max(total_params, 1)))
+                    parts = [exact_step(x, target, tf.range(a, min(a + chunk, size)), li)
+                             for a in range(0, size, chunk)]
+                    diag = tf.reshape(tf.concat(parts, 0), v.shape)
+                    sums.append(tf.cast(diag, tf.float64)[None] * n)
+            else:
+                samples = options.samples
+                chunk = max(1, min(samples, 2**24 // max(total_params, 1)))
+                sums = [tf.zeros([groups, *v.shape], tf.float64) for v in variables]
+                sizes_g = np.bincount(np.arange(samples) % groups, minlength=groups)
+                for a in range(0, samples, chunk):
+                    m = min(chunk, samples - a)
+                    probes = [tf.sign(rng.uniform([m, *v.shape], -1.0, 1.0, dtype=v.dtype)) for v in variables]
+                    probes = [tf.where(p == 0, tf.ones_like(p), p) for p in probes]
+                    seg = tf.constant(np.arange(a, a + m) % groups, tf.int32)
+                    part = hutchinson_step(x, target, probes, seg)
+                    sums = [s + tf.cast(p, tf.float64) for s, p in zip(sums, part)]
+                group_scale = tf.constant((n / sizes_g), tf.float64)
+                sums = [s * tf.reshape(group_scale, [groups] + [1] * (len(s.shape) - 1)) for s in sums]
+            totals = sums if totals is None else [t + s for t, s in zip(totals, sums)]
+    scale = 1.0 / examples
+    samples_out = []
+    for e, t in zip(run.entries, totals):
+        t = t * scale
+        samples_out.append(tf.vectorized_map(e.weight.to_canonical, t) if t.shape[0] > 1
+                           else e.weight.to_canonical(t[0])[None])
+    diags = [tf.reduce_mean(s, axis=0) for s in samples_out]
+    return diags, (samples_out if groups > 1 and est == "hutchinson" else None), examples, nbatches
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def _run_analysis(model: Any, data: Any, options: AnalysisOptions, backend_options: dict):
+    run, batches, length = _prepare(model, data, options, backend_options)
+    diags, samples, examples, nbatches = _estimate(run, batches, length)
+    run.metadata.update({"examples": examples, "batches": nbatches})
+    return run, diags, samples
+
+
+def layer_problems(model: Any, data: Any, options: AnalysisOptions, **backend_options: Any):
+    """Per-layer problems of a Keras model (backend contract, see ``normflat.backends``).
+
+    Returns:
+        ``(problems, metadata)``: one :class:`LayerProblem` per analyzed weight
+        tensor in model order (float64 numpy arrays, canonical layout) and
+        metadata (examples, batches, dtype, device, versions, ...).
+    """
+    run, diags, samples = _run_analysis(model, data, options, backend_options)
+    weights = _layer_weights_canonical(run)
+    problems = []
+    for i, (entry, w, h) in enumerate(zip(run.entries, weights, diags)):
+        details = {"path": "fast" if entry.fast else "generic", "layer_class": type(entry.layer).__name__}
+        problems.append(
+            LayerProblem(
+                entry.name, w, np.asarray(h.numpy(), dtype=np.float64), kind=entry.weight.kind,
+                hessian_diag_samples=None if samples is None else np.asarray(samples[i].numpy()),
+                details=details,
+            )
+        )
+    return problems, run.metadata
+
+
+def hessian_diagonal(model: Any, data: Any, options: AnalysisOptions, **backend_options: Any) -> dict[str, Any]:
+    """``{layer name: tf.Tensor}`` of the Hessian (or GGN) diagonal, canonical layout, weight dtype."""
+    run, diags, _ = _run_analysis(model, data, options, backend_options)
+    return {e.name: tf.cast(h, e.variable.dtype) for e, h in zip(run.entries, diags)}

@@ -1,0 +1,977 @@
+"""PyTorch backend: Hessian and GGN diagonals of ``torch.nn.Module`` models.
+
+Entry points (called through :func:`normflat.analyze` / :func:`normflat.hessian_diagonal`):
+:func:`layer_problems` and :func:`hessian_diagonal`. Public extension point:
+:func:`register_layer` (with :class:`LayerExtractor`).
+
+How the estimators are computed (SPEC §6), all on the model's device and dtype:
+
+``exact``
+    Forward-over-reverse Hessian-vector products (``torch.func.jvp`` of
+    ``torch.func.grad``), one per weight entry, vectorized with ``vmap``.
+``hutchinson``
+    The same HVPs with Rademacher probes over all weights at once.
+``ggn`` / ``ggn-mc``
+    The GGN of the mean loss is ``(1/N) Σ_n J_nᵀ H_n J_n`` with ``H_n =
+    diag(p_n) − p_n p_nᵀ`` the softmax cross-entropy Hessian in the (normalized)
+    logits. ``H_n = S_n S_nᵀ`` with columns ``s_c = √p_c (e_c − p_n)``, so the
+    diagonal is ``Σ_{n,c} (J_nᵀ s_c)²``: a sum of squared per-sample, per-signal
+    gradients. The *fast* path back-propagates all signals at once
+    (``is_grads_batched``) to the outputs of the weight layers, captured by
+    forward hooks, and forms the squares from the layer inputs: for a dense
+    layer ``Σ_{n,c} δ_nc² (a_n²)ᵀ``, for a convolution the per-sample weight
+    gradients of an unfolded input, a chunk of samples at a time. It needs each
+    weight to be used once, by its own module, called once per forward. Other
+    layers take the *generic* path: ``vmap`` over samples of a per-sample
+    ``vjp``. ``ggn-mc`` uses signals ``e_ỹ − p`` with ``ỹ`` drawn from the
+    model's predictive distribution.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, jvp, vjp, vmap
+
+from normflat.core.options import NSCE_EPS, AnalysisOptions, limited, progress_bar
+from normflat.core.problem import LayerProblem
+
+__all__ = [
+    "LayerExtractor",
+    "register_layer",
+    "registered_layers",
+    "layer_problems",
+    "hessian_diagonal",
+    "DEFAULT_MAX_EXACT_PARAMS",
+]
+
+#: ``estimator="exact"`` refuses models with more recognised weight entries unless ``force=True``.
+DEFAULT_MAX_EXACT_PARAMS = 20_000
+#: Default bound on ``signals × samples`` rows back-propagated at once by the GGN paths.
+DEFAULT_SIGNAL_ROWS = 8192
+#: Elements of one chunk of per-sample squares (bounds the memory of the fast GGN kernels).
+_SQUARES_BUDGET = 1 << 24
+#: Maximum number of independent group estimates passed as ``hessian_diag_samples``.
+_MAX_GROUPS = 10
+
+_BACKEND_OPTIONS = ("force", "max_exact_params", "chunk_size", "exact_chunk", "probe_chunk", "fast")
+
+
+# ============================================================================ layer registry
+
+
+@dataclass(frozen=True)
+class LayerExtractor:
+    """How normflat reads one module type.
+
+    Args:
+        kind: Short label recorded in reports (``"dense"``, ``"conv2d"``, ...).
+        weight: ``module -> nn.Parameter``, the weight matrix or kernel (biases never
+            enter the measures). Default: ``module.weight``.
+        to_canonical: ``(module, tensor) -> tensor`` converting a tensor of the
+            parameter's shape to the canonical ``(out, in, *kernel)`` layout
+            (applied to the weight and its Hessian diagonal). Default: identity.
+        ggn_squares: Optional fast GGN rule ``(module, layer_input, signals) ->
+            (K, *weight.shape)``: ``layer_input`` is the module's first positional
+            input for a chunk of ``n`` samples, ``signals`` the back-propagated output
+            signals of shape ``(K, M, n, *output.shape[1:])``; return, for each of the
+            ``K`` groups, ``Σ_{m, sample} (∂⟨signal, output⟩/∂weight)²`` of the
+            per-sample, per-signal weight gradients. Without it the layer uses the
+            generic (``vmap``) path.
+        unsupported: If set, modules of this type are reported as unsupported with
+            this reason (their sub-modules are not analyzed either).
+    """
+
+    kind: str = "layer"
+    weight: Callable[[nn.Module], Any] = lambda m: getattr(m, "weight", None)
+    to_canonical: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    ggn_squares: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    unsupported: str | None = None
+
+
+_IGNORE = LayerExtractor(kind="ignored")
+_LAYERS: dict[type, LayerExtractor] = {}
+
+
+def register_layer(module_type: type, extractor: LayerExtractor | None = None, **kwargs: Any) -> None:
+    """Register (or replace) how normflat reads a module type, in one call.
+
+    Examples::
+
+        register_layer(MyDense, kind="dense")                      # weight: module.weight, (out, in)
+        register_layer(MyDense, LayerExtractor(kind="dense", weight=lambda m: m.kernel,
+                                               to_canonical=lambda m, t: t.T))
+        register_layer(MyAttention, unsupported="attention is not a weight matrix layer")
+
+    Args:
+        module_type: A ``torch.nn.Module`` subclass; subclasses of it are matched too
+            unless registered themselves.
+        extractor: A :class:`LayerExtractor`; or give its fields as keywords.
+        **kwargs: Fields of :class:`LayerExtractor` when ``extractor`` is omitted.
+
+    Raises:
+        TypeError: If ``module_type`` is not an ``nn.Module`` subclass or the
+            arguments are inconsistent.
+    """
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"register_layer needs a torch.nn.Module subclass, got {module_type!r}.")
+    if extractor is None:
+        extractor = LayerExtractor(**kwargs)
+    elif kwargs:
+        raise TypeError("Pass either a LayerExtractor or its fields as keywords, not both.")
+    if not isinstance(extractor, LayerExtractor):
+        raise TypeError(f"extractor must be a LayerExtractor, got {type(extractor).__name__}.")
+    _LAYERS[module_type] = extractor
+
+
+def registered_layers() -> dict[type, LayerExtractor]:
+    """A copy of the registry ``{module type: extractor}``."""
+    return dict(_LAYERS)
+
+
+def _lookup(module: nn.Module) -> LayerExtractor | None:
+    for cls in type(module).__mro__:
+        if cls in _LAYERS:
+            return _LAYERS[cls]
+    return None
+
+
+def _conv_transpose_canonical(module: nn.Module, t: torch.Tensor) -> torch.Tensor:
+    # torch stores (in, out/groups, *k); canonical is (out, in/groups, *k), group by group.
+    g = module.groups
+    cin, cout_g, *k = t.shape
+    return t.reshape(g, cin // g, cout_g, *k).transpose(1, 2).reshape(g * cout_g, cin // g, *k)
+
+
+# ----------------------------------------------------------------------------- fast GGN rules
+
+
+def _chunks(n: int, per_item: int) -> Iterable[slice]:
+    step = max(1, _SQUARES_BUDGET // max(per_item, 1))
+    for start in range(0, n, step):
+        yield slice(start, min(n, start + step))
+
+
+def _linear_squares(module: nn.Module, a: torch.Tensor, signals: torch.Tensor) -> torch.Tensor:
+    K, M, n = signals.shape[:3]
+    out_f, in_f = module.weight.shape
+    if a.dim() == 2:
+        # Per-sample gradient δ aᵀ is rank one: its square is δ² (a²)ᵀ, summed over n by a matmul.
+        d2 = signals.square().sum(1)  # (K, n, out)
+        return torch.matmul(d2.transpose(1, 2), a.square())
+    # Inputs with extra axes (sequences): per-sample gradients are sums over positions.
+    a = a.reshape(n, -1, in_f)
+    d = signals.reshape(K * M, n, -1, out_f)
+    res = a.new_zeros(K, out_f, in_f)
+    for sl in _chunks(n, K * M * out_f * in_f):
+        g = torch.einsum("snto,nti->snoi", d[:, sl], a[sl])
+        res += g.square().reshape(K, M, -1, out_f, in_f).sum((1, 2))
+    return res
+
+
+def _conv_pads(module: nn.Module) -> list[int]:
+    """``F.pad`` amounts (last axis first), as the module's forward pads."""
+    k, dil = module.kernel_size, module.dilation
+    pads: list[int] = []
+    for d in reversed(range(len(k))):
+        if isinstance(module.padding, str):
+            if module.padding == "valid":
+                left = right = 0
+            else:  # "same": torch puts the odd extra element on the right
+                total = dil[d] * (k[d] - 1)
+                left, right = total // 2, total - total // 2
+        else:
+            left = right = module.padding[d]
+        pads += [left, right]
+    return pads
+
+
+def _unfold(module: nn.Module, a: torch.Tensor) -> torch.Tensor:
+    """Input patches ``(n, C·∏k, L)``, channel-major like the flattened weight."""
+    k, dil, stride = module.kernel_size, module.dilation, module.stride
+    pads = _conv_pads(module)
+    if len(k) == 2 and module.padding_mode == "zeros" and pads[0] == pads[1] and pads[2] == pads[3]:
+        return F.unfold(a, k, dilation=dil, padding=(pads[2], pads[0]), stride=stride)
+    if any(pads):
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        a = F.pad(a, pads, mode=mode)
+    a = a.contiguous()
+    n, c, *space = a.shape
+    out = [(space[d] - dil[d] * (k[d] - 1) - 1) // stride[d] + 1 for d in range(len(k))]
+    st = a.stride()
+    view = a.as_strided(
+        (n, c, *k, *out),
+        (st[0], st[1], *(st[2 + d] * dil[d] for d in range(len(k))),
+         *(st[2 + d] * stride[d] for d in range(len(k)))),
+    )
+    return view.reshape(n, c * math.prod(k), math.prod(out))
+
+
+def _conv_squares(module: nn.Module, a: torch.Tensor, signals: torch.Tensor) -> torch.Tensor:
+    K, M, n = signals.shape[:3]
+    w = module.weight
+    cout, cin_g, *k = w.shape
+    g = module.groups
+    cout_g, kk = cout // g, cin_g * math.prod(k)
+    unf = _unfold(module, a)  # (n, g·cin_g·∏k, L)
+    L = unf.shape[-1]
+    unf = unf.reshape(n, g, kk, L)
+    d = signals.reshape(K * M, n, g, cout_g, L).permute(1, 2, 0, 3, 4).reshape(n, g, K * M * cout_g, L)
+    res = a.new_zeros(g, K, cout_g, kk)
+    for sl in _chunks(n, g * K * M * cout_g * kk):
+        ps = torch.matmul(d[sl], unf[sl].transpose(-1, -2))  # per-sample, per-signal gradients
+        res += ps.square().reshape(-1, g, K, M, cout_g, kk).sum((0, 3))
+    return res.permute(1, 0, 2, 3).reshape(K, cout, cin_g, *k)
+
+
+def _conv_transpose_squares(module: nn.Module, a: torch.Tensor, signals: torch.Tensor) -> torch.Tensor:
+    """ConvTranspose is the adjoint of the convolution with the same weight, so its
+    per-sample weight gradient is the conv weight gradient with the roles of the
+    input and the output signal swapped: patches of the signal times the input."""
+    if isinstance(module.padding, str) or module.padding_mode != "zeros":
+        raise _NoFastPath("ConvTranspose with string padding or non-zero padding mode")
+    K, M, n = signals.shape[:3]
+    w = module.weight  # (cin, cout_g, *k)
+    cin, cout_g, *k = w.shape
+    g = module.groups
+    cin_g, kk = cin // g, cout_g * math.prod(k)
+    unf = _unfold(module, signals.reshape(K * M * n, *signals.shape[3:]))  # (KMn, cout·∏k, L)
+    L = unf.shape[-1]
+    unf = unf.reshape(K * M, n, g, kk, L).permute(1, 2, 0, 3, 4)  # (n, g, KM, kk, L)
+    x = a.reshape(n, g, 1, cin_g, L)
+    res = a.new_zeros(g, K, cin_g, kk)
+    for sl in _chunks(n, g * K * M * cin_g * kk):
+        ps = torch.matmul(x[sl], unf[sl].transpose(-1, -2))  # (c, g, KM, cin_g, kk)
+        res += ps.square().reshape(-1, g, K, M, cin_g, kk).sum((0, 3))
+    return res.permute(1, 0, 2, 3).reshape(K, cin, cout_g, *k)
+
+
+class _NoFastPath(Exception):
+    """A fast rule cannot handle this module configuration; use the generic path."""
+
+
+def _register_builtins() -> None:
+    register_layer(nn.Linear, kind="dense", ggn_squares=_linear_squares)
+    for cls, kind in ((nn.Conv1d, "conv1d"), (nn.Conv2d, "conv2d"), (nn.Conv3d, "conv3d")):
+        register_layer(cls, kind=kind, ggn_squares=_conv_squares)
+    for cls, kind in ((nn.ConvTranspose1d, "conv_transpose1d"), (nn.ConvTranspose2d, "conv_transpose2d"),
+                      (nn.ConvTranspose3d, "conv_transpose3d")):
+        register_layer(cls, kind=kind, to_canonical=_conv_transpose_canonical,
+                       ggn_squares=_conv_transpose_squares)
+    register_layer(nn.MultiheadAttention, unsupported=(
+        "attention projections are not supported yet; analyze the other layers with "
+        "on_unsupported='skip' or 'warn'"))
+    register_layer(nn.Embedding, unsupported=(
+        "an embedding table is a lookup, not a weight matrix applied to inputs"))
+    register_layer(nn.EmbeddingBag, unsupported="an embedding table is a lookup, not a weight matrix")
+    for cls in (nn.RNNBase,):
+        register_layer(cls, unsupported="recurrent layers are not supported yet")
+    # Normalization and activation parameters never enter the measures (SPEC §9).
+    ignored = [nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.PReLU]
+    if hasattr(nn, "RMSNorm"):
+        ignored.append(nn.RMSNorm)
+    for cls in ignored:
+        _LAYERS[cls] = _IGNORE
+
+
+_register_builtins()
+
+
+# ============================================================================ model discovery
+
+
+@dataclass
+class _Layer:
+    name: str
+    module: nn.Module
+    param: nn.Parameter
+    param_name: str  # name in model.named_parameters()
+    ext: LayerExtractor
+    fast: bool
+    shared_with: list[str] = field(default_factory=list)
+    reason: str | None = None  # why the generic path is used
+
+    def canonical(self, t: torch.Tensor) -> torch.Tensor:
+        return self.ext.to_canonical(self.module, t) if self.ext.to_canonical else t
+
+
+def _collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool) -> tuple[list[_Layer], list[str]]:
+    param_names = {id(p): n for n, p in model.named_parameters()}
+    layers: list[_Layer] = []
+    by_param: dict[int, _Layer] = {}
+    unsupported: list[str] = []
+    skip_prefixes: list[str] = []
+    for name, module in model.named_modules():
+        if any(name == p or name.startswith(p + ".") for p in skip_prefixes):
+            continue
+        label = name or type(module).__name__
+        ext = _lookup(module)
+        if ext is _IGNORE:
+            continue
+        if ext is not None and ext.unsupported:
+            if any(True for _ in module.parameters()):
+                unsupported.append(f"{label} ({type(module).__name__}: {ext.unsupported})")
+            skip_prefixes.append(name)
+            continue
+        if ext is None:
+            if any(True for _ in module.parameters(recurse=False)):
+                unsupported.append(
+                    f"{label} ({type(module).__name__} has parameters but no registered extractor; "
+                    "register one with normflat.backends.torch.register_layer)"
+                )
+            continue
+        w = ext.weight(module)
+        skip_prefixes.append(name)
+        if w is None:
+            continue
+        if not isinstance(w, nn.Parameter) or id(w) not in param_names:
+            unsupported.append(
+                f"{label} ({type(module).__name__}: its weight is not a parameter of the model, e.g. "
+                "computed by torch.nn.utils.parametrize; remove the parametrization first)"
+            )
+            continue
+        if id(w) in by_param:  # tied weight: one Hessian diagonal, reported under the first name
+            first = by_param[id(w)]
+            first.shared_with.append(label)
+            first.fast, first.reason = False, "weight shared between modules"
+            continue
+        layer = _Layer(label, module, w, param_names[id(w)], ext, fast=use_fast and ext.ggn_squares is not None)
+        if not layer.fast:
+            layer.reason = "no fast rule" if use_fast else "fast=False"
+        layers.append(layer)
+        by_param[id(w)] = layer
+    if unsupported:
+        msg = "normflat skips layers it cannot analyze: " + "; ".join(unsupported)
+        if options.on_unsupported == "error":
+            raise ValueError(msg + ". Pass on_unsupported='warn' or 'skip' to analyze the other layers.")
+        if options.on_unsupported == "warn":
+            warnings.warn(msg + ".", UserWarning, stacklevel=4)
+    if not layers:
+        raise ValueError(
+            f"The model {type(model).__name__} has no supported weight layer (nn.Linear, nn.Conv1d/2d/3d, "
+            "nn.ConvTranspose1d/2d/3d, or a type registered with "
+            "normflat.backends.torch.register_layer)."
+        )
+    for layer in layers:
+        if not torch.is_floating_point(layer.param):
+            raise TypeError(f"Layer {layer.name!r}: weight dtype {layer.param.dtype} is not floating point.")
+        if not bool(torch.isfinite(layer.param).all()):
+            raise ValueError(
+                f"Layer {layer.name!r}: the weights contain NaN or infinite values; normflat needs "
+                "a model with finite weights (check the training run or the checkpoint)."
+            )
+    devices = {layer.param.device for layer in layers}
+    if len(devices) > 1:
+        raise ValueError(
+            f"The model's weights are on several devices {sorted(map(str, devices))}; normflat needs "
+            "the whole model on one device (model.to(device))."
+        )
+    return layers, unsupported
+
+
+# ============================================================================ model state
+
+
+class _Preserved:
+    """Records everything of the user's model normflat might touch, and restores it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.modes = [(m, m.training) for m in model.modules()]
+        self.params = [(p, p.requires_grad, p.grad) for p in model.parameters()]
+        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.handles: list[Any] = []
+
+    def restore(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        for m, mode in self.modes:
+            m.training = mode
+        for p, req, g in self.params:
+            if p.requires_grad != req:
+                p.requires_grad_(req)
+            if p.grad is not g:
+                p.grad = g
+        with torch.no_grad():
+            for b, saved in self.buffers:
+                if b.shape != saved.shape or not torch.equal(b, saved):
+                    b.copy_(saved)
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+@contextlib.contextmanager
+def _quiet_jit_deprecation():
+    # torch's forward-mode AD scripts helper functions with torch.jit.script, which
+    # warns that it is deprecated on every call; that warning is not the user's concern.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated",
+                                category=DeprecationWarning)
+        yield
+
+
+# ============================================================================ data
+
+
+def _is_arraylike(x: Any) -> bool:
+    return isinstance(x, (torch.Tensor, np.ndarray))
+
+
+def _iter_batches(data: Any) -> tuple[Iterable[Any], int | None]:
+    if isinstance(data, (tuple, list)) and len(data) == 2 and (
+        _is_arraylike(data[0]) or (isinstance(data[0], (tuple, list)) and data[0] and _is_arraylike(data[0][0]))
+    ) and _is_arraylike(data[1]):
+        if not (isinstance(data[0], (tuple, list)) and isinstance(data[1], (tuple, list))):
+            return [tuple(data)], 1
+    if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
+        raise TypeError(
+            f"data must be a DataLoader, an iterable of (x, y) batches or one (x, y) pair, got "
+            f"{type(data).__name__}."
+        )
+    try:
+        total = len(data)
+    except TypeError:
+        total = None
+    return data, total
+
+
+def _to_model(t: Any, what: str, index: int, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+    if isinstance(t, np.ndarray):
+        t = torch.as_tensor(t, device=device)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"Batch {index}: {what} must be a torch.Tensor (or numpy array), got {type(t).__name__}.")
+    if t.device != device:
+        raise ValueError(
+            f"Batch {index}: {what} are on device {t.device} but the model is on {device}; move the "
+            f"data to the model's device (x.to({str(device)!r})) or the model to the data's."
+        )
+    if dtype is not None and torch.is_floating_point(t) and t.dtype != dtype:
+        t = t.to(dtype)  # the analysis runs in the model's dtype
+    return t
+
+
+def _prepare(batch: Any, index: int, device: torch.device, dtype: torch.dtype) -> tuple[tuple, torch.Tensor]:
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise TypeError(
+            f"Batch {index} is a {type(batch).__name__}; every batch must be an (x, y) pair of inputs "
+            "and integer class labels. A Dataset yields single samples: wrap it in a DataLoader."
+        )
+    x, y = batch
+    xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+    xs = tuple(_to_model(xi, "inputs", index, device, dtype) for xi in xs)
+    for xi in xs:
+        if torch.is_floating_point(xi) and not bool(torch.isfinite(xi).all()):
+            raise ValueError(f"Batch {index}: the inputs contain NaN or infinite values.")
+    y = _to_model(y, "labels", index, device, None)
+    if y.dtype == torch.bool or torch.is_floating_point(y) or torch.is_complex(y):
+        raise TypeError(
+            f"Batch {index}: labels have dtype {y.dtype}; normflat needs integer class indices "
+            "(y.long(); for one-hot labels use y.argmax(1))."
+        )
+    if y.dim() != 1:
+        raise ValueError(
+            f"Batch {index}: labels have shape {tuple(y.shape)}; expected a 1-D tensor of class "
+            "indices, one per sample."
+        )
+    return xs, y.long()
+
+
+def _check_logits(logits: Any, y: torch.Tensor, index: int) -> int:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(
+            f"The model returned a {type(logits).__name__}; normflat needs a forward that maps inputs "
+            "to a (batch, classes) logits tensor."
+        )
+    if logits.dim() != 2:
+        raise ValueError(
+            f"Batch {index}: the model's output has shape {tuple(logits.shape)}; normflat needs logits "
+            "of rank 2, (batch, classes). Flatten extra axes in the model or wrap it."
+        )
+    n, c = logits.shape
+    if n != y.shape[0]:
+        raise ValueError(f"Batch {index}: {n} logits rows but {y.shape[0]} labels.")
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError(f"Batch {index}: the model's logits contain NaN or infinite values.")
+    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= c):
+        raise ValueError(
+            f"Batch {index}: labels must be class indices in [0, {c - 1}] for {c} logits, got values "
+            f"in [{int(y.min())}, {int(y.max())}]."
+        )
+    return c
+
+
+# ============================================================================ losses
+
+
+def _normalize(logits: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    z = logits - logits.mean(-1, keepdim=True)
+    sigma = torch.sqrt(z.square().mean(-1, keepdim=True) + NSCE_EPS)
+    return tau * z / sigma, sigma
+
+
+def _loss_sum(logits: torch.Tensor, y: torch.Tensor, options: AnalysisOptions) -> torch.Tensor:
+    """Sum of the per-sample losses of one batch."""
+    if options.loss == "ce":
+        return F.cross_entropy(logits, y, reduction="sum")
+    if options.loss == "nsce":
+        return F.cross_entropy(_normalize(logits, options.temperature)[0], y, reduction="sum")
+    value = options.loss(logits, y)
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise TypeError(
+            f"The loss callable must return a scalar tensor (the mean loss of the batch), got "
+            f"{type(value).__name__} {tuple(getattr(value, 'shape', ()))}."
+        )
+    return value.reshape(()) * logits.shape[0]
+
+
+def _check_loss(value: torch.Tensor, index: int) -> None:
+    if not bool(torch.isfinite(value.detach()).all()):
+        raise ValueError(f"Batch {index}: the loss is NaN or infinite.")
+
+
+# ============================================================================ estimators
+
+
+@dataclass
+class _Settings:
+    force: bool = False
+    max_exact_params: int = DEFAULT_MAX_EXACT_PARAMS
+    chunk_size: int | None = None
+    exact_chunk: int = 64
+    probe_chunk: int = 16
+    fast: bool = True
+
+
+def _settings(backend_options: dict[str, Any]) -> _Settings:
+    unknown = sorted(set(backend_options) - set(_BACKEND_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"Unknown option(s) for the torch backend: {unknown}; it accepts {list(_BACKEND_OPTIONS)}."
+        )
+    s = _Settings(**backend_options)
+    for name in ("max_exact_params", "exact_chunk", "probe_chunk"):
+        v = getattr(s, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}.")
+    if s.chunk_size is not None and (isinstance(s.chunk_size, bool) or not isinstance(s.chunk_size, int)
+                                     or s.chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {s.chunk_size!r}.")
+    return s
+
+
+def _groups(samples: int) -> int:
+    return min(samples, _MAX_GROUPS)
+
+
+class _Accumulator:
+    """Per-layer sums over batches of ``K`` group estimates (``K = 1``: deterministic)."""
+
+    def __init__(self, layers: list[_Layer], k: int) -> None:
+        self.sums = {id(l): torch.zeros((k, *l.param.shape), dtype=l.param.dtype, device=l.param.device)
+                     for l in layers}
+
+    def add(self, layer: _Layer, value: torch.Tensor) -> None:
+        self.sums[id(layer)] += value.detach()
+
+
+def _functional_loss(model, xs, y, options, names):
+    def f(ws: dict[str, torch.Tensor]) -> torch.Tensor:
+        return _loss_sum(functional_call(model, ws, xs, strict=False), y, options)
+    return f
+
+
+def _hvp_batched(f: Callable, ws: dict, tangents: dict) -> dict:
+    """``H v`` for a batch of tangents (leading axis), forward-over-reverse, with fallbacks."""
+    def fwd_rev(v):
+        return jvp(grad(f), (ws,), (v,))[1]
+
+    def rev_rev(v):
+        return vjp(grad(f), ws)[1](v)[0]
+
+    errors = []
+    for fn in (fwd_rev, rev_rev):
+        try:
+            return vmap(fn)(tangents)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as err:  # no vmap/jvp rule
+            errors.append(err)
+    m = next(iter(tangents.values())).shape[0]
+    # Last resort: one HVP at a time by double back-propagation.
+    outs = [rev_rev({k: v[i] for k, v in tangents.items()}) for i in range(m)]
+    return {k: torch.stack([o[k] for o in outs]) for k in ws}
+
+
+def _exact_batch(model, xs, y, layers, options, settings, acc):
+    for layer in layers:
+        w = layer.param.detach()
+        f = _functional_loss(model, xs, y, options, None)
+        fl = lambda wl, _n=layer.param_name: f({_n: wl})  # noqa: E731
+        numel = w.numel()
+        out = torch.empty(numel, dtype=w.dtype, device=w.device)
+        for start in range(0, numel, settings.exact_chunk):
+            idx = torch.arange(start, min(numel, start + settings.exact_chunk), device=w.device)
+            basis = torch.zeros(idx.numel(), numel, dtype=w.dtype, device=w.device)
+            basis[torch.arange(idx.numel(), device=w.device), idx] = 1
+            hv = _hvp_batched(lambda d: fl(d["w"]), {"w": w}, {"w": basis.reshape(-1, *w.shape)})["w"]
+            out[idx] = hv.reshape(idx.numel(), numel)[torch.arange(idx.numel(), device=w.device), idx]
+        acc.add(layer, out.reshape(1, *w.shape))
+
+
+def _hutchinson_batch(model, xs, y, layers, options, settings, acc, k, gen):
+    ws = {l.param_name: l.param.detach() for l in layers}
+    f = _functional_loss(model, xs, y, options, None)
+    gen.manual_seed(options.seed)  # the same probes for every batch: Hutchinson of the full Hessian
+    samples = options.samples
+    for start in range(0, samples, settings.probe_chunk):
+        m = min(samples, start + settings.probe_chunk) - start
+        probes = {n: (torch.randint(0, 2, (m, *w.shape), generator=gen, device=w.device).to(w.dtype) * 2 - 1)
+                  for n, w in ws.items()}
+        hz = _hvp_batched(f, ws, probes)
+        group = torch.arange(start, start + m, device=probes[layers[0].param_name].device) % k
+        for layer in layers:
+            est = probes[layer.param_name] * hz[layer.param_name]
+            sums = torch.zeros((k, *est.shape[1:]), dtype=est.dtype, device=est.device)
+            sums.index_add_(0, group, est)
+            acc.add(layer, sums)
+
+
+def _signals(logits: torch.Tensor, options: AnalysisOptions, gen: torch.Generator | None) -> torch.Tensor:
+    """Output signals ``(K, M, n, C)`` at the logits: ``Σ_m s sᵀ`` over a group is its GGN factor."""
+    logits = logits.detach()
+    n, c = logits.shape
+    if options.loss == "nsce":
+        z, sigma = _normalize(logits, options.temperature)
+    else:
+        z = logits
+    p = torch.softmax(z, -1)
+    if options.estimator == "ggn":
+        # Columns of S = diag(√p) − p √pᵀ: s_c = √p_c (e_c − p), and S Sᵀ = diag(p) − p pᵀ.
+        eye = torch.eye(c, dtype=p.dtype, device=p.device)
+        sig = p.sqrt().T[:, :, None] * (eye[:, None, :] - p[None, :, :])  # (C, n, C)
+        sig = sig[None]
+    else:
+        s = options.samples
+        k = _groups(s)
+        draws = torch.multinomial(p, s, replacement=True, generator=gen).T  # (S, n)
+        e = F.one_hot(draws, c).to(p.dtype) - p[None]  # (S, n, C)
+        m = -(-s // k)
+        sig = p.new_zeros(k, m, n, c)
+        for j in range(k):
+            members = e[j::k]  # draws of group j
+            sig[j, : members.shape[0]] = members / math.sqrt(members.shape[0])
+    if options.loss == "nsce":
+        # Back through the normalization: its Jacobian (τ/σ)(P − ẑẑᵀ/C) is symmetric.
+        zh = z / options.temperature
+        centred = sig - sig.mean(-1, keepdim=True)
+        proj = (sig * zh).sum(-1, keepdim=True) / c
+        sig = options.temperature / sigma * (centred - zh * proj)
+    return sig
+
+
+def _generic_ggn(model, xs, sig, layers, acc):
+    """Per-sample, per-signal weight gradients by ``vmap`` over a per-sample ``vjp``."""
+    k, m, n, c = sig.shape
+    ws = {l.param_name: l.param.detach() for l in layers}
+    s = sig.permute(2, 0, 1, 3).reshape(n, k * m, c)
+
+    def per_sample(s_n, *x_n):
+        def f(w):
+            return functional_call(model, w, tuple(xi.unsqueeze(0) for xi in x_n), strict=False).squeeze(0)
+        _, pullback = vjp(f, ws)
+        g = vmap(pullback)(s_n)[0]
+        return {name: v.square().reshape(k, m, *v.shape[1:]).sum(1) for name, v in g.items()}
+
+    def one(i):
+        return per_sample(s[i], *(xi[i] for xi in xs))
+
+    try:
+        res = vmap(per_sample)(s, *xs)
+        res = {name: v.sum(0) for name, v in res.items()}
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        # The model does something vmap cannot batch (data-dependent control flow, .item()):
+        # one sample at a time.
+        res = None
+        for i in range(n):
+            try:
+                r = one(i)
+            except (RuntimeError, NotImplementedError, TypeError, ValueError):
+                r = _per_sample_loop(model, tuple(xi[i:i + 1] for xi in xs), s[i], layers, k, m)
+            res = r if res is None else {name: res[name] + r[name] for name in r}
+    for layer in layers:
+        acc.add(layer, res[layer.param_name])
+
+
+def _per_sample_loop(model, x_n, s_n, layers, k, m):
+    params = [l.param for l in layers]
+    with torch.enable_grad():
+        out = model(*x_n)[0]
+        total = {l.param_name: torch.zeros((k, *l.param.shape), dtype=l.param.dtype, device=l.param.device)
+                 for l in layers}
+        for j in range(k * m):
+            gs = torch.autograd.grad(out, params, grad_outputs=s_n[j], retain_graph=True, allow_unused=True)
+            for l, g in zip(layers, gs):
+                if g is not None:
+                    total[l.param_name][j // m] += g.square()
+    return total
+
+
+class _Capture:
+    """Forward hooks recording each fast layer's input and output on one forward."""
+
+    def __init__(self, layers: list[_Layer], preserved: _Preserved) -> None:
+        self.layers = layers
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.versions: dict[int, int] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.calls: dict[int, int] = {}
+        self._handles = []
+        for layer in layers:
+            h = layer.module.register_forward_hook(self._hook(layer))
+            preserved.handles.append(h)
+            self._handles.append(h)
+
+    def _hook(self, layer: _Layer):
+        key = id(layer)
+
+        def hook(module, args, output):
+            self.calls[key] = self.calls.get(key, 0) + 1
+            if not args or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
+                return None
+            a = args[0].detach()
+            self.inputs[key] = a
+            self.versions[key] = a._version
+            self.outputs[key] = output
+            # Downstream sees a copy, so an in-place op after the layer (ReLU(inplace=True))
+            # cannot rebase the tensor whose gradient we ask for.
+            return output.clone()
+
+        return hook
+
+    def reset(self) -> None:
+        self.inputs.clear(), self.versions.clear(), self.outputs.clear(), self.calls.clear()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _weight_uses(root: Any, params: dict[int, _Layer]) -> dict[int, int]:
+    """How many autograd edges lead to each weight (more than one: shared or functional use)."""
+    counts = {key: 0 for key in params}
+    seen, stack = set(), [root]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        for nxt, _ in fn.next_functions:
+            if nxt is None:
+                continue
+            var = getattr(nxt, "variable", None)
+            if var is not None:
+                if id(var) in counts:
+                    counts[id(var)] += 1
+            else:
+                stack.append(nxt)
+    return counts
+
+
+def _ggn_batch(model, xs, y, layers, options, settings, acc, gen, capture, index, state):
+    n = y.shape[0]
+    if state.get("chunk") is None:
+        # Bound the signal rows back-propagated at once (signals per sample × samples).
+        with torch.no_grad():
+            probe = model(*(xi[:1] for xi in xs))
+        _check_logits(probe, y[:1], index)
+        per_sample = probe.shape[1] if options.estimator == "ggn" else \
+            _groups(options.samples) * -(-options.samples // _groups(options.samples))
+        state["chunk"] = settings.chunk_size or max(1, DEFAULT_SIGNAL_ROWS // per_sample)
+    step = state["chunk"]
+    for start in range(0, n, step):
+        sl = slice(start, min(n, start + step))
+        xc = tuple(xi[sl] for xi in xs)
+        capture.reset()
+        with torch.enable_grad():
+            logits = model(*xc)
+        _check_logits(logits, y[sl], index)
+        _check_loss(_loss_sum(logits.detach(), y[sl], options), index)
+        sig = _signals(logits, options, gen)
+        fast = [l for l in layers if l.fast]
+        if not state.get("checked") and fast:
+            # Structure check on the first forward: the fast rules need each weight used once,
+            # by its own module, called once per forward.
+            uses = _weight_uses(logits.grad_fn, {id(l.param): l for l in fast})
+            for l in fast:
+                calls = capture.calls.get(id(l), 0)
+                if calls != 1 or uses[id(l.param)] != 1 or id(l) not in capture.outputs:
+                    l.fast = False
+                    l.reason = (f"module called {calls} times per forward" if calls != 1 else
+                                f"weight used {uses[id(l.param)]} times in the graph" if uses[id(l.param)] != 1
+                                else "module input or output is not a single tensor")
+            state["checked"] = True
+            fast = [l for l in fast if l.fast]
+        for l in fast:
+            if id(l) not in capture.inputs or capture.inputs[id(l)]._version != capture.versions[id(l)]:
+                l.fast, l.reason = False, "layer input modified in place or layer not called"
+        fast = [l for l in fast if l.fast]
+        if fast:
+            k, m, nc, _ = sig.shape
+            outs = [capture.outputs[id(l)] for l in fast]
+            grads = _backprop_signals(logits, outs, sig.reshape(k * m, nc, -1))
+            for l, d in zip(fast, grads):
+                if d is None:  # the layer does not influence the logits
+                    continue
+                try:
+                    acc.add(l, l.ext.ggn_squares(l.module, capture.inputs[id(l)],
+                                                 d.reshape(k, m, *d.shape[1:])))
+                except _NoFastPath as why:  # handled by the generic path below, this chunk included
+                    l.fast, l.reason = False, str(why)
+        del logits
+        capture.reset()
+        generic = [l for l in layers if not l.fast]
+        if generic:
+            _generic_ggn(model, xc, sig, generic, acc)
+
+
+def _backprop_signals(logits, outs, sig):
+    """Gradients of ``⟨signal_j, logits⟩`` w.r.t. each captured output, batched over ``j``."""
+    try:
+        return torch.autograd.grad(logits, outs, grad_outputs=sig, is_grads_batched=True,
+                                   retain_graph=True, allow_unused=True)
+    except (RuntimeError, NotImplementedError):
+        # A backward op without a batching rule: one signal at a time.
+        per = [torch.autograd.grad(logits, outs, grad_outputs=s, retain_graph=True, allow_unused=True)
+               for s in sig]
+        return tuple(None if per[0][i] is None else torch.stack([p[i] for p in per]) for i in range(len(outs)))
+
+
+# ============================================================================ driver
+
+
+def _run(model: nn.Module, data: Any, options: AnalysisOptions, backend_options: dict[str, Any]):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"The torch backend needs a torch.nn.Module, got {type(model).__name__}.")
+    settings = _settings(backend_options)
+    layers, unsupported = _collect_layers(model, options, settings.fast)
+    device, dtype = layers[0].param.device, layers[0].param.dtype
+    est = options.estimator
+    if est == "exact" and not settings.force:
+        total = sum(l.param.numel() for l in layers)
+        if total > settings.max_exact_params:
+            raise ValueError(
+                f"estimator='exact' needs one Hessian-vector product per weight entry per batch; this "
+                f"model has {total} weight entries, above the limit max_exact_params="
+                f"{settings.max_exact_params}. Use estimator='ggn' or 'hutchinson', or pass force=True "
+                "(or a larger max_exact_params) to run it anyway."
+            )
+    batches, total_batches = _iter_batches(data)
+    if options.max_batches is not None and total_batches is not None:
+        total_batches = min(total_batches, options.max_batches)
+    k = _groups(options.samples) if est in ("hutchinson", "ggn-mc") else 1
+    acc = _Accumulator(layers, k)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(options.seed)
+    preserved = _Preserved(model)
+    examples, n_batches = 0, 0
+    try:
+        model.eval()  # BatchNorm uses its running statistics, dropout is off
+        capture = _Capture([l for l in layers if l.fast], preserved) if est in ("ggn", "ggn-mc") else None
+        fast_weights = [l.param for l in layers if l.fast] if capture else []
+        for p in fast_weights:
+            p.requires_grad_(True)  # so the layer outputs carry gradients for the signals
+        state: dict[str, Any] = {"chunk": None}
+        it = progress_bar(limited(batches, options.max_batches), enabled=options.progress,
+                          desc=f"normflat {est}", total=total_batches)
+        with _quiet_jit_deprecation():
+            for index, batch in enumerate(it):
+                xs, y = _prepare(batch, index, device, dtype)
+                if y.shape[0] == 0:
+                    continue
+                if est in ("ggn", "ggn-mc"):
+                    _ggn_batch(model, xs, y, layers, options, settings, acc, gen, capture, index, state)
+                else:
+                    with torch.no_grad():
+                        logits = model(*xs)
+                    _check_logits(logits, y, index)
+                    _check_loss(_loss_sum(logits, y, options), index)
+                    if est == "exact":
+                        _exact_batch(model, xs, y, layers, options, settings, acc)
+                    else:
+                        _hutchinson_batch(model, xs, y, layers, options, settings, acc, k, gen)
+                examples += int(y.shape[0])
+                n_batches += 1
+        if capture is not None:
+            capture.remove()
+    finally:
+        preserved.restore()
+    if examples == 0:
+        raise ValueError("The data is empty: it yielded no samples. Pass at least one (x, y) batch.")
+    results = []
+    for layer in layers:
+        sums = acc.sums[id(layer)] / examples
+        if est == "hutchinson":
+            counts = torch.bincount(torch.arange(options.samples) % k, minlength=k)
+            sums = sums / counts.to(sums).reshape(-1, *([1] * layer.param.dim()))
+        diag = sums.mean(0)
+        group = sums if k >= 2 else None
+        if not bool(torch.isfinite(diag).all()):
+            raise ValueError(f"Layer {layer.name!r}: the Hessian diagonal is not finite (NaN/inf in the loss?).")
+        results.append((layer, diag, group))
+    metadata = {
+        "examples": examples,
+        "batches": n_batches,
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": str(device),
+        "unsupported": unsupported,
+    }
+    return results, metadata
+
+
+def _details(layer: _Layer, options: AnalysisOptions) -> dict[str, Any]:
+    if options.estimator in ("ggn", "ggn-mc"):
+        d: dict[str, Any] = {"path": "fast" if layer.fast else "generic"}
+        if not layer.fast and layer.reason:
+            d["generic_reason"] = layer.reason
+    else:
+        d = {"path": "hvp"}
+    d["param"] = layer.param_name
+    if layer.shared_with:
+        d["shared_with"] = list(layer.shared_with)
+    return d
+
+
+def layer_problems(model: nn.Module, data: Any, options: AnalysisOptions, **backend_options: Any):
+    """Per-layer problems of a torch model (backend contract, see ``normflat.backends``).
+
+    Backend options: ``force`` (run ``exact`` above the size limit),
+    ``max_exact_params`` (that limit, default 20 000), ``chunk_size`` (samples per
+    GGN chunk; default bounds signals × samples by 8192), ``exact_chunk`` /
+    ``probe_chunk`` (HVPs vectorized at once), ``fast`` (``False`` forces the generic
+    GGN path, for checking).
+    """
+    results, metadata = _run(model, data, options, backend_options)
+    problems = []
+    for layer, diag, group in results:
+        w = layer.canonical(layer.param.detach())
+        problems.append(LayerProblem(
+            layer.name, w, layer.canonical(diag), kind=layer.ext.kind,
+            hessian_diag_samples=None if group is None else torch.stack([layer.canonical(g) for g in group]),
+            details=_details(layer, options),
+        ))
+    return problems, metadata
+
+
+def hessian_diagonal(model: nn.Module, data: Any, options: AnalysisOptions, **backend_options: Any):
+    """``{layer name: diagonal}`` in canonical ``(out, in, *kernel)`` layout, model order."""
+    results, _ = _run(model, data, options, backend_options)
+    return {layer.name: layer.canonical(diag) for layer, diag, _ in results}

@@ -1,0 +1,24 @@
+"""The random-label study behind ``normflat study`` (paper §6.1, Fig. 1).
+
+Trains models on partially random labels, computes every measure on each, and
+correlates the measures with the generalization gap, before and after random
+function-preserving rescalings. See ``docs/study.md``.
+"""
+
+from normflat.study.datasets import DATASETS, Dataset, DatasetNotFoundError, load_dataset
+from normflat.study.run import StudyConfig, StudyResult, format_table, load_result, run_study
+from normflat.study.stats import kendall_tau, pearson_r
+
+__all__ = [
+    "DATASETS",
+    "Dataset",
+    "DatasetNotFoundError",
+    "StudyConfig",
+    "StudyResult",
+    "format_table",
+    "kendall_tau",
+    "load_dataset",
+    "load_result",
+    "pearson_r",
+    "run_study",
+]

@@ -1,0 +1,433 @@
+"""The random-label study: train, analyze, rescale, correlate, write CSV/JSON/figures.
+
+For every combination of label-randomization ratio, seed and training
+hyperparameters a model is trained to fit its (partially random) training
+labels, the four measures of SPEC §4 are computed on the training data (the
+labels it was trained on), and, in the *reparametrization arm*, recomputed after
+a random function-preserving rescaling of the same model. Each measure is then
+correlated with the generalization gap (training accuracy minus test accuracy)
+by Kendall's tau and Pearson's r, before and after rescaling: a measure of the
+function keeps its tau, a measure of the parametrization loses it.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import itertools
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from normflat.core.report import MEASURES
+from normflat.study.stats import kendall_tau, pearson_r
+
+__all__ = [
+    "FRAMEWORKS",
+    "MEASURE_LABELS",
+    "StudyConfig",
+    "StudyResult",
+    "run_study",
+    "load_result",
+    "correlations",
+    "format_table",
+    "torch_loader",
+]
+
+#: Frameworks the study can train in.
+FRAMEWORKS = ("torch",)
+#: Display names of the measures.
+MEASURE_LABELS = {
+    "normalized_sharpness": "normalized sharpness",
+    "matrix_normalized_sharpness": "matrix-normalized sharpness",
+    "hessian_trace": "Hessian trace",
+    "elementwise_bound": "elementwise bound",
+}
+DEFAULT_RATIOS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+@dataclass
+class StudyConfig:
+    """Settings of a study (the CLI's ``normflat study`` options).
+
+    Attributes:
+        dataset: ``"digits"``, ``"fashion-mnist"`` or ``"mnist"``.
+        data_dir: Where the dataset's files are (not for digits).
+        arch: ``"mlp"``, ``"cnn"`` or ``"cnn-bn"``.
+        framework: Training framework (``"torch"``).
+        ratios: Fractions of training labels replaced by random ones.
+        seeds: Seeds (initialization, label noise, minibatch order, rescaling).
+        epochs: Maximum training epochs per model.
+        lrs: Learning rates (the hyperparameter grid is the product of
+            ``lrs``, ``batch_sizes`` and ``weight_decays``).
+        batch_sizes: Training minibatch sizes.
+        weight_decays: Weight decays.
+        optimizer: ``"adam"`` (AdamW) or ``"sgd"`` (momentum 0.9).
+        target_accuracy: Stop training once this training accuracy is reached.
+        width: Hidden width (``None``: the architecture's default).
+        train_size: Training examples to use (``None``: all).
+        test_size: Test examples to use (``None``: all).
+        analysis_size: Training examples whose mean loss Hessian is analyzed
+            (``None``: all training examples).
+        analysis_batch_size: Batch size of the analysis data loader.
+        estimator: Hessian-diagonal estimator (SPEC §6).
+        loss: ``"nsce"`` or ``"ce"``.
+        samples: Probes / draws of the stochastic estimators.
+        reparam: Run the reparametrization arm.
+        reparam_orders: Rescaling factors are drawn from ``[10^-r, 10^r]``.
+        out: Output folder.
+        progress: Show progress bars.
+        threads: torch CPU threads (``None``: torch's default).
+        quick: Quick mode (tiny settings, for tests and smoke runs).
+    """
+
+    dataset: str = "digits"
+    data_dir: str | None = None
+    arch: str = "mlp"
+    framework: str = "torch"
+    ratios: tuple[float, ...] = DEFAULT_RATIOS
+    seeds: tuple[int, ...] = (0, 1, 2)
+    epochs: int = 400
+    lrs: tuple[float, ...] = (1e-3,)
+    batch_sizes: tuple[int, ...] = (64,)
+    weight_decays: tuple[float, ...] = (0.0,)
+    optimizer: str = "adam"
+    target_accuracy: float = 1.0
+    width: int | None = None
+    train_size: int | None = None
+    test_size: int | None = None
+    analysis_size: int | None = None
+    analysis_batch_size: int = 256
+    estimator: str = "ggn"
+    loss: str = "nsce"
+    samples: int | None = None
+    reparam: bool = True
+    reparam_orders: float = 2.0
+    out: str = "normflat-study"
+    progress: bool = True
+    threads: int | None = None
+    quick: bool = False
+
+    def validate(self) -> None:
+        """Check the settings, naming the fix.
+
+        Raises:
+            ValueError: For an invalid setting.
+        """
+        from normflat.core.options import validate_options
+        from normflat.study.datasets import DATASETS
+        from normflat.study.models import ARCHITECTURES
+
+        if self.framework not in FRAMEWORKS:
+            raise ValueError(
+                f"The study trains models in {', '.join(FRAMEWORKS)} only; --framework "
+                f"{self.framework!r} is not supported yet. Use --framework torch, or analyze "
+                "your own Keras/JAX models with normflat.analyze()."
+            )
+        if self.dataset not in DATASETS:
+            raise ValueError(f"Unknown dataset {self.dataset!r}; choose one of {', '.join(DATASETS)}.")
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"Unknown architecture {self.arch!r}; choose one of {', '.join(ARCHITECTURES)}.")
+        if not self.ratios or any(not 0.0 <= r <= 1.0 for r in self.ratios):
+            raise ValueError(f"Ratios must be a non-empty list of numbers in [0, 1], got {list(self.ratios)}.")
+        if not self.seeds:
+            raise ValueError("At least one seed is needed.")
+        if self.epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {self.epochs}.")
+        if any(lr <= 0 for lr in self.lrs) or not self.lrs:
+            raise ValueError(f"Learning rates must be positive, got {list(self.lrs)}.")
+        if any(b < 1 for b in self.batch_sizes) or not self.batch_sizes:
+            raise ValueError(f"Batch sizes must be positive, got {list(self.batch_sizes)}.")
+        if any(w < 0 for w in self.weight_decays) or not self.weight_decays:
+            raise ValueError(f"Weight decays must be >= 0, got {list(self.weight_decays)}.")
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"Unknown optimizer {self.optimizer!r}; choose 'adam' or 'sgd'.")
+        if self.reparam_orders <= 0:
+            raise ValueError(f"reparam_orders must be > 0 decades, got {self.reparam_orders}.")
+        validate_options(loss=self.loss, estimator=self.estimator, samples=self.samples)
+
+    @property
+    def models(self) -> int:
+        """Number of models the study trains."""
+        return (len(self.ratios) * len(self.seeds) * len(self.lrs) * len(self.batch_sizes)
+                * len(self.weight_decays))
+
+
+@dataclass
+class StudyResult:
+    """Everything a study produced.
+
+    Attributes:
+        config: The settings (as a dict).
+        rows: One dict per trained model (settings, accuracies, gap, measures,
+            measures after rescaling, timings).
+        correlations: ``{arm: {measure: {"tau": ..., "pearson": ...}}}`` with arms
+            ``"trained"`` and ``"rescaled"``.
+        environment: Versions, machine and total wall time.
+        files: Paths of the files written, by role.
+    """
+
+    config: dict[str, Any]
+    rows: list[dict[str, Any]]
+    correlations: dict[str, dict[str, dict[str, float | None]]]
+    environment: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (non-finite numbers become ``null``)."""
+        return _finite(asdict(self))
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        """Serialize to standard JSON; also write it to ``path`` if given."""
+        text = json.dumps(self.to_dict(), indent=2, allow_nan=False)
+        if path is not None:
+            Path(path).write_text(text + "\n", encoding="utf-8")
+        return text
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StudyResult":
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            config=data["config"], rows=data["rows"], correlations=data["correlations"],
+            environment=data.get("environment", {}), files=data.get("files", {}),
+        )
+
+
+def load_result(path: str | os.PathLike) -> StudyResult:
+    """Read a ``results.json`` written by :func:`run_study`."""
+    with open(path, encoding="utf-8") as fh:
+        return StudyResult.from_dict(json.load(fh))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, (np.floating, float)):
+        v = float(value)
+        return v if math.isfinite(v) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.bool_):
+        return bool(value)
+    return value
+
+
+def correlations(rows: Sequence[dict[str, Any]], *, reparam: bool) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Kendall's tau and Pearson's r of every measure against the gap, per arm."""
+    gap = [row["gap"] for row in rows]
+    arms = {"trained": ""}
+    if reparam:
+        arms["rescaled"] = "rescaled_"
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for arm, prefix in arms.items():
+        out[arm] = {}
+        for m in MEASURES:
+            values = [row[prefix + m] for row in rows]
+            tau, r = kendall_tau(values, gap), pearson_r(values, gap)
+            out[arm][m] = {"tau": tau if math.isfinite(tau) else None,
+                           "pearson": r if math.isfinite(r) else None}
+    return out
+
+
+def _fmt(value: float | None, width: int = 8) -> str:
+    return ("n/a" if value is None else f"{value:+.3f}").rjust(width)
+
+
+def format_table(result: StudyResult) -> str:
+    """The correlation table printed at the end of a study."""
+    cfg, corr = result.config, result.correlations
+    rescaled = "rescaled" in corr
+    lines = [
+        f"Correlation with the generalization gap ({len(result.rows)} models: {cfg['dataset']}, "
+        f"{cfg['arch']}, {cfg['framework']}, estimator={cfg['estimator']}, loss={cfg['loss']})",
+    ]
+    head = f"{'measure':<30}{'tau':>8}{'r':>8}"
+    if rescaled:
+        head += f"{'tau rescaled':>14}{'r rescaled':>12}"
+    lines += [head, "-" * len(head)]
+    for m in MEASURES:
+        line = f"{MEASURE_LABELS[m]:<30}{_fmt(corr['trained'][m]['tau'])}{_fmt(corr['trained'][m]['pearson'])}"
+        if rescaled:
+            line += f"{_fmt(corr['rescaled'][m]['tau'], 14)}{_fmt(corr['rescaled'][m]['pearson'], 12)}"
+        lines.append(line)
+    gaps = [r["gap"] for r in result.rows]
+    fitted = sum(bool(r["fitted"]) for r in result.rows)
+    lines.append("")
+    lines.append(
+        f"gap from {min(gaps):.3f} to {max(gaps):.3f}; {fitted}/{len(result.rows)} models reached "
+        f"training accuracy {cfg['target_accuracy']:g}"
+    )
+    if rescaled:
+        errs = [r["rescale_function_error"] for r in result.rows]
+        spread = [r["rescale_spread_decades"] for r in result.rows]
+        lines.append(
+            f"rescaling: factors over {min(spread):.1f}-{max(spread):.1f} decades per model, "
+            f"logits unchanged to {max(errs):.1e} (relative)"
+        )
+    return "\n".join(lines)
+
+
+def torch_loader(x: Any, y: Any, batch_size: int) -> Any:
+    """An unshuffled torch DataLoader over tensors ``x``, ``y``."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+def _analyze(model: Any, loader: Any, config: StudyConfig) -> Any:
+    import normflat
+
+    return normflat.analyze(
+        model, loader, estimator=config.estimator, loss=config.loss, samples=config.samples,
+        progress=config.progress,
+    )
+
+
+def _versions() -> dict[str, Any]:
+    import torch
+
+    import normflat
+
+    return {
+        "normflat": normflat.__version__,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def run_study(config: StudyConfig, *, echo: Any = print) -> StudyResult:
+    """Run a study and write its files into ``config.out``.
+
+    Args:
+        config: The settings.
+        echo: Called with progress messages (``print`` by default; ``None`` silences).
+
+    Returns:
+        The :class:`StudyResult` (also written to ``results.json``).
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    from normflat.study.datasets import load_dataset
+    from normflat.study.models import build_model
+    from normflat.study.reparametrize import apply_rescaling, check_same_function, random_rescaling
+    from normflat.study.training import accuracy, corrupt_labels, train_model
+
+    say = echo or (lambda *a, **k: None)
+    config.validate()
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    t_start = time.perf_counter()
+    out = Path(config.out)
+    (out / "reports").mkdir(parents=True, exist_ok=True)
+
+    data = load_dataset(config.dataset, config.data_dir, train_size=config.train_size,
+                        test_size=config.test_size, seed=0)
+    say(f"normflat study: {config.models} models ({config.dataset}: {len(data.y_train)} train / "
+        f"{len(data.y_test)} test examples, {config.arch}, {config.framework}); output in {out}/")
+    x_train = torch.as_tensor(data.x_train)
+    x_test = torch.as_tensor(data.x_test)
+    y_test = torch.as_tensor(data.y_test)
+    n_an = len(data.y_train) if config.analysis_size is None else min(config.analysis_size, len(data.y_train))
+    x_an = x_train[:n_an].double()
+    x_check = x_test[: min(len(y_test), 512)].double()
+
+    grid = list(itertools.product(config.seeds, config.ratios, config.lrs, config.batch_sizes, config.weight_decays))
+    rows: list[dict[str, Any]] = []
+    # The per-layer figure shows the cleanest model: lowest ratio, first seed, first grid point.
+    showcase = next(i for i, g in enumerate(grid) if g[1] == min(config.ratios))
+    layer_reports: dict[str, Any] = {}
+    bar = tqdm(grid, desc="models", unit="model", disable=not config.progress)
+    for run_id, (seed, ratio, lr, bs, wd) in enumerate(bar):
+        bar.set_postfix(ratio=ratio, seed=seed, refresh=True)
+        # Label noise and rescaling depend on (seed, ratio) only, so the hyperparameter
+        # grid compares models trained on identical labels.
+        label_seed = 1_000_003 * seed + int(round(ratio * 1000))
+        y_noisy = torch.as_tensor(corrupt_labels(data.y_train, ratio, data.num_classes, label_seed))
+        model = build_model(config.arch, data.input_shape, data.num_classes, width=config.width, seed=seed)
+        trained = train_model(
+            model, x_train, y_noisy, epochs=config.epochs, lr=lr, batch_size=bs, weight_decay=wd,
+            optimizer=config.optimizer, target_accuracy=config.target_accuracy, seed=seed,
+            progress=config.progress, desc=f"train r={ratio:g} s={seed}",
+        )
+        train_acc = accuracy(model, x_train, y_noisy)
+        test_acc = accuracy(model, x_test, y_test)
+        # Analyze in float64: the Hessian diagonal and the function check are then exact
+        # to ~1e-15, so any change after rescaling is the measure's, not rounding.
+        model64 = copy.deepcopy(model).double().eval()
+        loader = torch_loader(x_an, y_noisy[:n_an], config.analysis_batch_size)
+        t0 = time.perf_counter()
+        report = _analyze(model64, loader, config)
+        t_an = time.perf_counter() - t0
+        row: dict[str, Any] = {
+            "run": run_id, "ratio": ratio, "seed": seed, "lr": lr, "batch_size": bs, "weight_decay": wd,
+            "epochs": trained.epochs, "fitted": trained.fitted, "train_loss": trained.train_loss,
+            "train_accuracy": train_acc, "test_accuracy": test_acc, "gap": train_acc - test_acc,
+            **{m: getattr(report, m) for m in MEASURES},
+            "train_seconds": trained.seconds, "analyze_seconds": t_an,
+        }
+        report.to_json(out / "reports" / f"run{run_id:03d}.json")
+        if run_id == showcase:
+            layer_reports["trained"] = report
+        if config.reparam:
+            rescaling = random_rescaling(model64, orders=config.reparam_orders, seed=label_seed + 7)
+            rescaled = apply_rescaling(model64, rescaling)
+            err = check_same_function(model64, rescaled, x_check, rtol=1e-9)
+            report_r = _analyze(rescaled, loader, config)
+            row.update({f"rescaled_{m}": getattr(report_r, m) for m in MEASURES})
+            row["rescale_function_error"] = err
+            row["rescale_spread_decades"] = rescaling.spread
+            report_r.to_json(out / "reports" / f"run{run_id:03d}_rescaled.json")
+            if run_id == showcase:
+                layer_reports["rescaled"] = report_r
+        rows.append(row)
+    bar.close()
+
+    result = StudyResult(
+        config=asdict(config), rows=rows, correlations=correlations(rows, reparam=config.reparam),
+        environment={**_versions(), "wall_seconds": None},
+    )
+    files = _write_outputs(result, out, layer_reports, rows[showcase])
+    result.environment["wall_seconds"] = time.perf_counter() - t_start
+    result.files = files
+    result.to_json(out / "results.json")
+    return result
+
+
+def _write_outputs(result: StudyResult, out: Path, layer_reports: dict[str, Any],
+                   showcase: dict[str, Any]) -> dict[str, str]:
+    files = {"csv": str(out / "results.csv"), "json": str(out / "results.json"),
+             "reports": str(out / "reports")}
+    columns = list(result.rows[0].keys())
+    with open(out / "results.csv", "w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        for row in result.rows:
+            writer.writerow({k: (repr(v) if isinstance(v, float) else v) for k, v in row.items()})
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return files  # figures are optional: matplotlib is not a core dependency
+    from normflat.plotting import save_layers_figure, save_study_figure
+
+    files["figure"] = str(out / "gap_vs_measures.png")
+    save_study_figure(result, files["figure"])
+    files["layers_figure"] = str(out / "layers.png")
+    save_layers_figure(
+        layer_reports, files["layers_figure"],
+        title=f"run {showcase['run']} (ratio {showcase['ratio']:g}, seed {showcase['seed']})",
+    )
+    return files
