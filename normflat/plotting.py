@@ -108,7 +108,7 @@ def plot_study(result: Any, *, measures: Sequence[str] = MEASURES, figure: Any =
         The Figure.
     """
     _require_matplotlib()
-    from matplotlib import cm, colors
+    from matplotlib import cm, colors, ticker
 
     rows = result.rows
     arms = [("trained", "")] + ([("rescaled", "rescaled_")] if "rescaled" in result.correlations else [])
@@ -125,6 +125,7 @@ def plot_study(result: Any, *, measures: Sequence[str] = MEASURES, figure: Any =
             ax.scatter(vals, gap, c=ratio, cmap=cmap, norm=norm, s=28, edgecolors="k", linewidths=0.4)
             if np.all(vals[np.isfinite(vals)] > 0) and np.isfinite(vals).any():
                 ax.set_xscale("log")
+                ax.xaxis.set_minor_formatter(ticker.NullFormatter())  # minor labels overlap
             tau = result.correlations[arm][m]["tau"]
             tau_text = "n/a" if tau is None else f"{tau:.3f}"
             ax.set_title(f"{_LABELS[m]}\n{arm}: Kendall τ = {tau_text}", fontsize=10)

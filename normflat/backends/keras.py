@@ -15,9 +15,13 @@ Backend options (keyword arguments of ``normflat.analyze``):
     Analyze only these layers (names as reported).
 ``chunk_size`` (int, default automatic)
     Samples per compiled GGN step; lower it if memory runs out.
-``exact_max_params`` (int, default 20000)
-    ``estimator="exact"`` refuses models with more analyzed weights than
-    this, since it needs one Hessian-vector product per weight.
+``max_exact_params`` (int, default 20000) and ``force`` (bool, default False)
+    ``estimator="exact"`` needs one Hessian-vector product per weight and
+    refuses models with more analyzed weights than ``max_exact_params``
+    unless ``force=True``.
+``fast`` (bool, default True)
+    ``False`` sends every layer through the generic per-sample Jacobian GGN
+    path (slower; for cross-checks).
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ _PARAMETER_LAYERS_IGNORED = (
     "UnitNormalization",
     "Normalization",
 )
-_BACKEND_OPTIONS = ("batch_size", "layers", "chunk_size", "exact_max_params")
+_BACKEND_OPTIONS = ("batch_size", "layers", "chunk_size", "max_exact_params", "force", "fast")
 
 
 # ----------------------------------------------------------------------------- layer registry
@@ -299,6 +303,7 @@ class _Taps:
 
     def __enter__(self) -> "_Taps":
         try:
+            self._fix_moments()
             if self.strip is not None:
                 layer, attr = self.strip
                 if attr == "activation":
@@ -311,6 +316,19 @@ class _Taps:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def _fix_moments(self) -> None:
+        # tf.nn.moments, which Keras' TF backend uses for LayerNormalization and
+        # GroupNormalization, stops the gradient of the mean inside the variance. First
+        # derivatives are unaffected, second derivatives (exact, hutchinson) are wrong.
+        # Swap in the plain formula while analyzing.
+        try:
+            from keras.src.backend.tensorflow import nn as tf_nn
+        except ImportError:  # pragma: no cover - other Keras layouts
+            return
+        if getattr(tf_nn, "_compute_moments", None) is not None:
+            self._saved.append((tf_nn, "_compute_moments", tf_nn.__dict__["_compute_moments"]))
+            tf_nn._compute_moments = _moments_twice_differentiable
 
     def _tap(self, entry: _Entry) -> None:
         layer, name = entry.layer, entry.name
@@ -334,7 +352,9 @@ class _Taps:
 
     def __exit__(self, *exc: Any) -> None:
         for obj, attr, old in reversed(self._saved):
-            if old is _MISSING:
+            if isinstance(obj, type(math)):
+                setattr(obj, attr, old)
+            elif old is _MISSING:
                 obj.__dict__.pop(attr, None)
             else:
                 object.__setattr__(obj, attr, old)
@@ -342,6 +362,14 @@ class _Taps:
 
 
 _MISSING = object()
+
+
+def _moments_twice_differentiable(x: Any, axes: Any, keepdims: bool) -> tuple[Any, Any]:
+    mean = tf.reduce_mean(x, axis=axes, keepdims=True)
+    variance = tf.reduce_mean(tf.math.squared_difference(x, mean), axis=axes, keepdims=True)
+    if not keepdims:
+        mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+    return mean, variance
 
 
 def _final_softmax(model: Any) -> tuple[Any, str] | None:
@@ -508,7 +536,7 @@ class _Run:
     entries: list[_Entry]
     batch_size: int
     chunk_size: int | None
-    exact_max_params: int
+    exact_max_params: float
     strip: Any = None
     num_classes: int = 0
     dtype: Any = None
@@ -542,8 +570,15 @@ def _prepare(model: Any, data: Any, options: AnalysisOptions, backend_options: d
     chunk_size = backend_options.get("chunk_size")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
-    exact_max = backend_options.get("exact_max_params", _DEFAULT_EXACT_MAX_PARAMS)
+    exact_max = backend_options.get("max_exact_params", _DEFAULT_EXACT_MAX_PARAMS)
+    if isinstance(exact_max, bool) or not isinstance(exact_max, int) or exact_max < 1:
+        raise ValueError(f"max_exact_params must be a positive int, got {exact_max!r}.")
+    if backend_options.get("force", False):
+        exact_max = math.inf
     entries, unsupported = _walk(model, options, backend_options.get("layers"))
+    if not backend_options.get("fast", True):
+        for entry in entries:
+            entry.fast = None
     run = _Run(model, options, entries, backend_options.get("batch_size", _DEFAULT_BATCH_SIZE), chunk_size,
                exact_max)
     if not callable(options.loss):
@@ -597,6 +632,10 @@ def _probe(run: _Run, x: Any) -> None:
         shape = getattr(z, "shape", type(z).__name__)
         raise ValueError(
             f"The model's output has shape {shape}; normflat needs one (batch, classes) logits tensor."
+        )
+    if not bool(tf.reduce_all(tf.math.is_finite(z))):
+        raise ValueError(
+            "The model's logits contain NaN or infinite values on the first batch; check the weights."
         )
     run.num_classes = int(z.shape[-1])
     run.out_dtype = z.dtype
@@ -831,7 +870,7 @@ def _hvp_estimators(run: _Run, batches: Iterable, length: int | None):
         raise ValueError(
             f"estimator='exact' needs one Hessian-vector product per weight; the analyzed layers have "
             f"{total_params} weights (limit {run.exact_max_params}). Use estimator='ggn' or 'hutchinson', "
-            "restrict layers=[...], or pass exact_max_params=... to force it."
+            "restrict layers=[...], or pass force=True (or max_exact_params=...) to run it anyway."
         )
     options = run.options
 

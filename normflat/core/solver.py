@@ -25,13 +25,14 @@ class ScalingSolution:
         log_row_sigma: ``a`` (length ``out``), ``+inf``/``-inf`` for degenerate rows
             whose optimum lies at infinity, ``0`` for empty rows.
         log_col_sigma: ``b`` (length ``in``), gauge-fixed so the finite entries have
-            mean 0 (geometric mean of the column sigmas is 1).
+            mean 0 (geometric mean of the column sigmas is 1), in each independent
+            block when sparsity splits the problem into several.
         iterations: Number of alternating sweeps.
         imbalance: Largest relative row/column imbalance
             ``|Σ_j P_ij - Σ_j Q_ij| / Σ_j (P_ij + Q_ij)`` at the returned point.
         converged: Whether ``imbalance <= tol`` was reached.
-        degenerate_rows: Indices of rows removed because their curvature or their
-            weights are all zero (in the remaining problem).
+        degenerate_rows: Indices of rows all of whose terms vanish in the infimum
+            (all-zero curvature or weights, or a sparse pattern that allows it).
         degenerate_cols: Same for columns.
     """
 
@@ -65,9 +66,12 @@ def solve_scaling(A: Any, B: Any, *, tol: float = 1e-10, max_iter: int = 10_000)
     ``P = A e^{a+b}``, ``Q = B e^{-a-b}``; at that point the relative error of the
     value is of order ``tol²``.
 
-    Degenerate rows and columns are removed first, repeatedly: a row whose
-    curvature is zero contributes 0 in the limit ``a_i → +∞``, a row whose weights
-    are zero contributes 0 in the limit ``a_i → -∞`` (likewise columns), so the
+    Terms whose infimum lies at infinity are found exactly first (strongly
+    connected components of the support graph, see :func:`_peel_degenerate`): a
+    row whose curvature is zero contributes 0 in the limit ``a_i → +∞``, a row
+    whose weights are zero contributes 0 in the limit ``a_i → -∞`` (likewise
+    columns), and sparse patterns can let further terms vanish. The remaining
+    blocks have attained minima, so the iteration converges linearly and the
     returned value is the infimum even where it is not attained. The matrices are
     rescaled to unit maximum and large exponents are absorbed into them, so
     entries spanning ``1e-30 .. 1e30`` are handled in float64.
@@ -91,7 +95,7 @@ def solve_scaling(A: Any, B: Any, *, tol: float = 1e-10, max_iter: int = 10_000)
 
     log_a = np.zeros(m)
     log_b = np.zeros(n)
-    rows, cols, deg_rows, deg_cols = _peel_degenerate(A, B, xp, log_a, log_b)
+    rows, cols, deg_rows, deg_cols, col_block, row_block, keep = _peel_degenerate(A, B, xp, log_a, log_b)
     if rows.size == 0 or cols.size == 0:
         return ScalingSolution(0.0, log_a, log_b, 0, 0.0, True, deg_rows, deg_cols)
 
@@ -104,6 +108,10 @@ def solve_scaling(A: Any, B: Any, *, tol: float = 1e-10, max_iter: int = 10_000)
         A = xp.take(A, xp.asarray(cols, **kwargs), axis=1)
         B = xp.take(B, xp.asarray(cols, **kwargs), axis=1)
 
+    if keep is not None:  # drop the terms that vanish in the infimum
+        mask = xp.asarray(keep.astype(np.float64), **kwargs)
+        A, B = A * mask, B * mask
+
     # Unit-maximum rescaling: NS(sA·A', sB·B') = sqrt(sA·sB)·NS(A', B') with a shift
     # of ½log(sB/sA) in a.
     scale_a, scale_b = to_float(xp.max(A)), to_float(xp.max(B))
@@ -112,9 +120,11 @@ def solve_scaling(A: Any, B: Any, *, tol: float = 1e-10, max_iter: int = 10_000)
     value *= math.sqrt(scale_a) * math.sqrt(scale_b)
     a = a + 0.5 * (math.log(scale_b) - math.log(scale_a))
 
-    shift = float(np.mean(b))
-    log_a[rows] = a + shift
-    log_b[cols] = b - shift
+    # Gauge: in every independent block the column log-sigmas have mean 0.
+    blocks = int(col_block.max()) + 1
+    shift = np.bincount(col_block, weights=b, minlength=blocks) / np.bincount(col_block, minlength=blocks)
+    log_a[rows] = a + shift[row_block]
+    log_b[cols] = b - shift[col_block]
     return ScalingSolution(
         value=float(value),
         log_row_sigma=log_a,
@@ -128,34 +138,59 @@ def solve_scaling(A: Any, B: Any, *, tol: float = 1e-10, max_iter: int = 10_000)
 
 
 def _peel_degenerate(A, B, xp, log_a, log_b):
-    """Remove rows/columns whose optimum is at infinity until none is left.
+    """Find the terms whose infimum lies at infinity and the blocks that remain.
 
-    Writes ``±inf`` (or 0 for rows/columns that are entirely empty) into
-    ``log_a``/``log_b`` for removed indices and returns the remaining indices.
+    Substituting ``c_j = -b_j``, a term ``A_ij e^{a_i + b_j}`` can be driven to 0
+    along a direction with ``a_i < c_j`` and a term ``B_ij e^{-a_i - b_j}`` along one
+    with ``a_i > c_j``. Draw an edge row i → column j for every ``A_ij > 0`` and
+    column j → row i for every ``B_ij > 0``: any direction that does not increase a
+    term orders the potentials along the edges, so potentials are equal inside a
+    strongly connected component and can increase strictly from one component to
+    the next. Hence a term vanishes in the infimum exactly when its endpoints lie
+    in different components, and the infimum is the sum of the minima (attained)
+    of the blocks of the non-trivial components. Rows and columns in no such block
+    are degenerate: dead units (no curvature), pruned weights, or any pattern in
+    which every term can be sent to 0.
+
+    Writes ``+inf`` (only weight terms), ``-inf`` (only curvature terms) or 0
+    (neither, or both kinds but all vanishing) into ``log_a``/``log_b`` for
+    degenerate indices. Returns ``(rows, cols, deg_rows, deg_cols, component_of_col,
+    component_of_row, keep)`` where ``keep`` is ``None`` or the boolean
+    ``(len(rows), len(cols))`` mask of terms that stay.
     """
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
     m, n = log_a.size, log_b.size
-    row_alive = np.ones(m, dtype=bool)
-    col_alive = np.ones(n, dtype=bool)
-    pos_a = to_numpy(A > 0)
-    pos_b = to_numpy(B > 0)
-    while True:
-        row_has_a = (pos_a & col_alive[None, :]).any(axis=1)
-        row_has_b = (pos_b & col_alive[None, :]).any(axis=1)
-        dead_rows = row_alive & ~(row_has_a & row_has_b)
-        log_a[dead_rows & ~row_has_a & row_has_b] = np.inf
-        log_a[dead_rows & row_has_a & ~row_has_b] = -np.inf
-        row_alive &= ~dead_rows
-        col_has_a = (pos_a & row_alive[:, None]).any(axis=0)
-        col_has_b = (pos_b & row_alive[:, None]).any(axis=0)
-        dead_cols = col_alive & ~(col_has_a & col_has_b)
-        log_b[dead_cols & ~col_has_a & col_has_b] = np.inf
-        log_b[dead_cols & col_has_a & ~col_has_b] = -np.inf
-        col_alive &= ~dead_cols
-        if not dead_rows.any() and not dead_cols.any():
-            break
+    pos_a = np.asarray(to_numpy(A > 0))
+    pos_b = np.asarray(to_numpy(B > 0))
+    if pos_a.all() and pos_b.all():
+        return np.arange(m), np.arange(n), (), (), np.zeros(n, int), np.zeros(m, int), None
+    ia, ja = np.nonzero(pos_a)
+    ib, jb = np.nonzero(pos_b)
+    edges = coo_matrix(
+        (np.ones(ia.size + ib.size), (np.concatenate([ia, m + jb]), np.concatenate([m + ja, ib]))),
+        shape=(m + n, m + n),
+    ).tocsr()
+    _, labels = connected_components(edges, directed=True, connection="strong")
+    sizes = np.bincount(labels)
+    nontrivial = sizes[labels] > 1
+    row_alive, col_alive = nontrivial[:m], nontrivial[m:]
+    for alive, has_a, has_b, log in (
+        (row_alive, pos_a.any(axis=1), pos_b.any(axis=1), log_a),
+        (col_alive, pos_a.any(axis=0), pos_b.any(axis=0), log_b),
+    ):
+        log[~alive & has_b & ~has_a] = np.inf  # only weight terms: variance -> infinity
+        log[~alive & has_a & ~has_b] = -np.inf  # only curvature terms: variance -> 0
+    rows, cols = np.flatnonzero(row_alive), np.flatnonzero(col_alive)
+    row_label, col_label = labels[:m][rows], labels[m:][cols]
+    keep = row_label[:, None] == col_label[None, :]
+    if keep.all():
+        keep = None
     deg_rows = tuple(int(i) for i in np.flatnonzero(~row_alive))
     deg_cols = tuple(int(j) for j in np.flatnonzero(~col_alive))
-    return np.flatnonzero(row_alive), np.flatnonzero(col_alive), deg_rows, deg_cols
+    _, compact = np.unique(np.concatenate([row_label, col_label]), return_inverse=True)
+    return rows, cols, deg_rows, deg_cols, compact[rows.size:], compact[: rows.size], keep
 
 
 def _alternate(A, B, xp, tol, max_iter, kwargs):

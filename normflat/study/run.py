@@ -84,7 +84,8 @@ class StudyConfig:
         reparam_orders: Rescaling factors are drawn from ``[10^-r, 10^r]``.
         out: Output folder.
         progress: Show progress bars.
-        threads: torch CPU threads (``None``: torch's default).
+        threads: torch CPU threads (default 1: the models are tiny and more threads
+            mostly contend; ``None`` keeps torch's default).
         quick: Quick mode (tiny settings, for tests and smoke runs).
     """
 
@@ -112,7 +113,7 @@ class StudyConfig:
     reparam_orders: float = 2.0
     out: str = "normflat-study"
     progress: bool = True
-    threads: int | None = None
+    threads: int | None = 1
     quick: bool = False
 
     def validate(self) -> None:

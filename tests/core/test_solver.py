@@ -247,3 +247,38 @@ def test_grouped_convolution_is_the_sum_of_its_blocks():
 def test_groups_must_divide_out_channels():
     with pytest.raises(ValueError, match="5 output channels cannot be split into 2 groups"):
         normflat.LayerProblem("g", np.ones((5, 1, 3)), np.ones((5, 1, 3)), groups=2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), m=st.integers(1, 5), n=st.integers(1, 5), density=st.floats(0.2, 0.8))
+def test_sparse_patterns_with_unattained_infimum(seed, m, n, density):
+    """Random sparsity makes the infimum unattained in many patterns beyond dead
+    rows/columns; the solver must still converge to the exact infimum."""
+    from tests.core.reference import full_objective, recession_reference
+
+    rng = np.random.default_rng(seed)
+    A = rng.random((m, n)) * (rng.random((m, n)) < density)
+    B = rng.random((m, n)) * (rng.random((m, n)) < density)
+    sol = solve_scaling(A, B)
+    assert sol.converged and math.isfinite(sol.value)
+    ref_value, x, d = recession_reference(A, B)
+    assert sol.value == pytest.approx(ref_value, rel=1e-8, abs=1e-12)
+    # The infimum is approached along the recession direction.
+    assert full_objective(A, B, x + 40.0 * d) == pytest.approx(sol.value, rel=1e-8, abs=1e-12)
+    assert sol.value >= np.sqrt(A * B).sum() - 1e-12
+
+
+def test_known_unattained_pattern():
+    # No all-zero row or column, yet the infimum is not attained: the terms
+    # B[1, 1] and B[2, 0] vanish along a recession direction.
+    from tests.core.reference import full_objective, recession_reference
+
+    A = np.array([[0.26, 0.0], [0.29, 0.0], [0.0, 0.0], [0.0, 0.53]])
+    B = np.array([[0.79, 0.0], [0.42, 0.03], [0.17, 0.75], [0.0, 0.31]])
+    sol = solve_scaling(A, B)
+    ref_value, x, d = recession_reference(A, B)
+    assert sol.converged and sol.iterations < 100
+    assert sol.value == pytest.approx(ref_value, rel=1e-9)
+    assert full_objective(A, B, x + 40 * d) == pytest.approx(sol.value, rel=1e-9)
+    # Rows 0, 1 with column 0 and row 3 with column 1 form two independent blocks.
+    assert sol.degenerate_rows == (2,) and sol.degenerate_cols == ()

