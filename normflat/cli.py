@@ -72,7 +72,8 @@ def _add_model_options(p: argparse.ArgumentParser, *, study: bool) -> None:
     g.add_argument("--data-dir", default=None, help="folder holding the dataset's files")
     g.add_argument("--arch", choices=ARCHITECTURES, default="mlp",
                    help="mlp (default), cnn (LeNet-style) or cnn-bn (with BatchNorm)")
-    g.add_argument("--framework", default="torch", help="training framework (torch)")
+    g.add_argument("--framework", default="torch",
+                   help="training framework: torch (default) or keras (study only)")
     g.add_argument("--width", type=_positive_int, default=None, help="hidden width")
     g.add_argument("--train-size", type=_positive_int, default=None, help="training examples to use")
     g.add_argument("--test-size", type=_positive_int, default=None, help="test examples to use")
@@ -166,21 +167,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_framework(name: str) -> None:
-    from normflat.study.run import FRAMEWORKS
-
-    if name not in FRAMEWORKS:
+def _check_torch(name: str) -> None:
+    if name != "torch":
         raise CLIError(
-            f"--framework {name!r} is not supported by this command yet; supported: "
-            f"{', '.join(FRAMEWORKS)}. Keras and JAX models can be analyzed with `normflat analyze` "
-            "(.keras files) or normflat.analyze() in Python."
+            f"--framework {name!r} is not supported by `normflat invariance` yet; it rescales torch "
+            "models only (--framework torch). `normflat study --framework keras` runs the "
+            "reparametrization arm on Keras models."
         )
 
 
 def _cmd_study(args: argparse.Namespace, out: Callable[[str], Any]) -> int:
     from normflat.study.run import StudyConfig, format_table, run_study
 
-    _check_framework(args.framework)
     quick = args.quick
     config = StudyConfig(
         dataset=args.dataset, data_dir=args.data_dir, arch=args.arch, framework=args.framework,
@@ -286,15 +284,20 @@ def _cmd_analyze(args: argparse.Namespace, out: Callable[[str], Any]) -> int:
             model = model.double()
         dtype = next((p.dtype for p in model.parameters()), torch.float32)
         data = torch_loader(torch.as_tensor(x).to(dtype), torch.as_tensor(y).long(), args.batch_size)
+        backend_options: dict[str, Any] = {}
     else:
-        data = _keras_batches(x, y, args.batch_size)
+        data, backend_options = (x, y), {"batch_size": args.batch_size}
     try:
         report = normflat.analyze(
             model, data, estimator=args.estimator, loss=args.loss, samples=args.samples, seed=args.seed,
-            max_batches=args.max_batches, progress=not args.no_progress,
+            max_batches=args.max_batches, progress=not args.no_progress, **backend_options,
         )
     except (ValueError, TypeError) as err:
-        raise CLIError(str(err)) from None
+        hint = ""
+        if type(model).__name__ == "RecursiveScriptModule":
+            hint = (" (this is a TorchScript module, whose layers the torch backend may not recognise; "
+                    "save the module itself with torch.save(model, path) instead)")
+        raise CLIError(f"{err}{hint}") from None
     out(str(report))
     json_path = args.json or str(Path(args.model).with_suffix("")) + ".normflat.json"
     report.to_json(json_path)
@@ -307,17 +310,13 @@ def _cmd_analyze(args: argparse.Namespace, out: Callable[[str], Any]) -> int:
     return 0
 
 
-def _keras_batches(x: Any, y: Any, batch_size: int) -> list[tuple[Any, Any]]:
-    return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(y), batch_size)]
-
-
 def _cmd_invariance(args: argparse.Namespace, out: Callable[[str], Any]) -> int:
     import torch
 
     from normflat.study.invariance import DEFAULT_ORDERS, format_invariance, invariance_rows, write_invariance
     from normflat.study.run import torch_loader
 
-    _check_framework(args.framework)
+    _check_torch(args.framework)
     if args.threads:
         torch.set_num_threads(args.threads)
     kwargs = {"estimator": args.estimator, "loss": args.loss, "samples": args.samples,

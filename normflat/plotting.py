@@ -170,7 +170,10 @@ def save_layers_figure(reports: Mapping[str, Any], path: str, *, measures: Seque
         ax.set_xticklabels([layer.name for layer in first.layers])
         ax.set_xlabel("layer")
         ax.set_ylabel(_LABELS[m])
-        ax.set_yscale("log")
+        values = np.array([getattr(layer, m) for r in reports.values() for layer in r.layers], dtype=float)
+        positive = values[np.isfinite(values) & (values > 0)]
+        if positive.size == values.size and positive.size and positive.max() > 20 * positive.min():
+            ax.set_yscale("log")  # only when the bars span decades; else a linear axis reads better
         ax.set_title(_LABELS[m] + " per layer")
         ax.legend(fontsize=8)
     if title:
@@ -195,10 +198,16 @@ def plot_invariance(rows: Sequence[Mapping[str, Any]], *, measures: Sequence[str
     if ax is None:
         ax = _new_figure(figsize=(6.4, 4.2), layout="constrained").subplots()
     orders = [r["orders"] for r in rows]
-    markers = dict(zip(MEASURES, "os^D"))
+    # Invariant measures overlap at 1: big hollow markers and dashes keep both visible.
+    styles = {
+        "normalized_sharpness": dict(marker="o", ms=11, mfc="none", mew=2, lw=2.5),
+        "matrix_normalized_sharpness": dict(marker="s", ms=6),
+        "hessian_trace": dict(marker="^", ms=6),
+        "elementwise_bound": dict(marker="D", ms=5, ls="--"),
+    }
     for m in measures:
         ratio = [r[f"{m}_ratio"] for r in rows]
-        ax.plot(orders, ratio, marker=markers.get(m, "o"), label=_LABELS[m])
+        ax.plot(orders, ratio, label=_LABELS[m], **styles.get(m, {"marker": "o"}))
     ax.set_yscale("log")
     ax.axhline(1.0, color="k", lw=0.6, ls="--")
     ax.set_xlabel("rescaling factors drawn from [10^-r, 10^r]: r (decades)")

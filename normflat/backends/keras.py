@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -289,8 +290,9 @@ class _Taps:
     layer during a forward pass; ``strip`` makes a final softmax the identity.
     """
 
-    def __init__(self, tapped: list[_Entry], strip: Any | None):
+    def __init__(self, tapped: list[_Entry], strip: Any | None, grouped: list[Any] = ()):
         self.tapped = tapped
+        self.grouped = list(grouped)
         self.strip = strip
         self.records: dict[str, list] = {}
         self.tape: tf.GradientTape | None = None
@@ -310,6 +312,8 @@ class _Taps:
                     self._set(layer, "activation", keras.activations.linear)
                 else:
                     self._set(layer, "call", lambda inputs, *a, **k: inputs)
+            for layer in self.grouped:
+                self._set(layer, "call", _grouped_conv_call(layer))
             for entry in self.tapped:
                 self._tap(entry)
         except BaseException:
@@ -362,6 +366,39 @@ class _Taps:
 
 
 _MISSING = object()
+
+
+def _grouped_conv_call(layer: Any) -> Callable[..., Any]:
+    """A call of a grouped convolution as one convolution per group.
+
+    TensorFlow has no CPU kernel for the derivatives of grouped convolutions
+    (``Conv2DBackpropInput`` with groups); per-group convolutions compute the
+    same function and are differentiable to any order everywhere.
+    """
+    from keras import ops
+
+    groups = layer.groups
+    channel_axis = -1 if layer.data_format == "channels_last" else 1
+
+    def call(inputs, *args, **kwargs):
+        padding = layer.padding
+        if padding == "causal":
+            inputs = ops.pad(inputs, layer._compute_causal_padding())
+            padding = "valid"
+        xs = ops.split(inputs, groups, axis=channel_axis)
+        ks = ops.split(layer.kernel, groups, axis=-1)
+        outputs = ops.concatenate(
+            [ops.conv(x, k, strides=list(layer.strides), padding=padding, dilation_rate=layer.dilation_rate,
+                      data_format=layer.data_format) for x, k in zip(xs, ks)],
+            axis=channel_axis,
+        )
+        if layer.use_bias:
+            shape = [1] * len(outputs.shape)
+            shape[channel_axis] = layer.filters
+            outputs = ops.add(outputs, ops.reshape(layer.bias, shape))
+        return layer.activation(outputs) if layer.activation is not None else outputs
+
+    return call
 
 
 def _moments_twice_differentiable(x: Any, axes: Any, keepdims: bool) -> tuple[Any, Any]:
@@ -541,6 +578,7 @@ class _Run:
     num_classes: int = 0
     dtype: Any = None
     out_dtype: Any = None
+    grouped: list = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
 
 
@@ -583,6 +621,9 @@ def _prepare(model: Any, data: Any, options: AnalysisOptions, backend_options: d
                exact_max)
     if not callable(options.loss):
         run.strip = _final_softmax(model)
+    run.grouped = [l for l in model._flatten_layers(include_self=False)
+                   if isinstance(l, (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D))
+                   and getattr(l, "groups", 1) > 1 and _fast_kind(l)]
     batches, length = _batches(data, run.batch_size)
     if options.max_batches is not None and length is not None:
         length = min(length, options.max_batches)
@@ -592,7 +633,7 @@ def _prepare(model: Any, data: Any, options: AnalysisOptions, backend_options: d
         "tensorflow_version": tf.__version__,
         "dtype": run.dtype.name,
         "device": str(entries[0].variable.value.device) or "cpu",
-        "unsupported_layers": unsupported,
+        "unsupported": unsupported,
     }
     if run.strip is not None:
         run.metadata["stripped_softmax"] = run.strip[0].name
@@ -626,7 +667,7 @@ def _iterate(run: _Run, batches: Iterable, length: int | None):
 def _probe(run: _Run, x: Any) -> None:
     """One eager forward on the first batch: output shape, softmax check, tap counts."""
     first = tf.nest.map_structure(lambda t: t[:2], x)
-    with _Taps([e for e in run.entries if e.fast], run.strip) as taps:
+    with _Taps([e for e in run.entries if e.fast], run.strip, run.grouped) as taps:
         z = run.model(first, training=False)
     if isinstance(z, (list, tuple, dict)) or len(z.shape) != 2:
         shape = getattr(z, "shape", type(z).__name__)
@@ -772,26 +813,63 @@ def _signals(u: Any, options: AnalysisOptions, seed: Any, groups: int) -> tuple[
     return (p[None] - onehot) * weight[:, None, None], seg
 
 
-def _ggn_step_fn(run: _Run, groups: int):
+def _compiled(run: _Run, kind: str, extra: tuple, factory: Callable[[], Any]) -> Any:
+    """A compiled function for this model and these settings, traced once and reused.
+
+    Tracing costs far more than a step of a small model, so repeated analyses
+    (a callback every epoch, benchmarks) reuse the graph. Cached functions hold
+    the model only through a weak reference; the cache entry dies with the model.
+    """
+    key = (
+        kind,
+        run.options.estimator,
+        run.options.loss,
+        run.options.temperature,
+        run.options.samples,
+        tuple((e.name, e.fast, id(e.variable.value), e.weight.kind) for e in run.entries),
+        None if run.strip is None else (id(run.strip[0]), run.strip[1]),
+        tuple(id(layer) for layer in run.grouped),
+        extra,
+    )
+    try:
+        per_model = _COMPILED.setdefault(run.model, {})
+    except TypeError:  # not weak-referenceable: no caching
+        return factory()
+    if key not in per_model:
+        per_model[key] = factory()
+    return per_model[key]
+
+
+_COMPILED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _ggn_step_fn(run: _Run, groups: int, holder: dict):
+    """The compiled GGN step of one chunk of samples: (K, *canonical) sums per layer.
+
+    ``holder["taps"]`` is the :class:`_Taps` active when the function (re)traces.
+    """
     entries = run.entries
     fast = [e for e in entries if e.fast]
     generic = [e for e in entries if not e.fast]
-    taps = run._taps
+    model_ref = weakref.ref(run.model)
+    options = run.options
 
     @tf.function(reduce_retracing=True)
     def step(x, seed):
+        taps = holder["taps"]
         taps.records.clear()
         with tf.GradientTape(persistent=True) as tape:
             taps.tape = tape
             for e in generic:
                 tape.watch(e.variable.value)
-            z = run.model(x, training=False)
-            u = _output_transform(z, run.options)
+            z = model_ref()(x, training=False)
+            u = _output_transform(z, options)
         taps.tape = None
-        s, seg = _signals(u, run.options, seed, groups)
+        s, seg = _signals(u, options, seed, groups)
         out = {}
         if fast:
             pre = [taps.records[e.name][0][1] for e in fast]
+            # All signals back-propagated at once (pfor over the signal axis).
             back = tf.vectorized_map(lambda si: tape.gradient(u, pre, output_gradients=si), s)
             for e, g in zip(fast, back):
                 out[e.name] = _fast_squares(e, taps.records[e.name][0][0], g, seg, groups)
@@ -819,6 +897,11 @@ def _ggn_step_fn(run: _Run, groups: int):
     return step
 
 
+def _with_holder(factory: Callable[..., Any], *args: Any) -> tuple[Any, dict]:
+    holder: dict = {}
+    return factory(*args, holder), holder
+
+
 def _chunk_size(run: _Run, signals: int) -> int:
     if run.chunk_size is not None:
         return run.chunk_size
@@ -836,17 +919,19 @@ def _ggn(run: _Run, batches: Iterable, length: int | None):
     seeds = tf.random.Generator.from_seed(run.options.seed) if signals else None
     totals: list[Any] | None = None
     examples = nbatches = 0
-    with _Taps([e for e in run.entries if e.fast], run.strip) as taps:
-        run._taps = taps
+    with _Taps([e for e in run.entries if e.fast], run.strip, run.grouped) as taps:
         step = None
         for x, _, n in _iterate(run, batches, length):
-            if step is None:
-                step = _ggn_step_fn(run, groups)
+            if step is None:  # after the probe forward, which settles the fast/generic paths
+                step, holder = _compiled(run, "ggn", (groups,), lambda: _with_holder(_ggn_step_fn, run, groups))
                 chunk = _chunk_size(run, signals or run.num_classes)
+            holder["taps"] = taps
             nbatches += 1
             examples += n
-            for a in range(0, n, chunk):
-                xc = tf.nest.map_structure(lambda t: t[a:a + chunk], x)
+            # Balanced chunks: fewer distinct shapes to trace.
+            size = -(-n // -(-n // chunk))
+            for a in range(0, n, size):
+                xc = tf.nest.map_structure(lambda t: t[a:a + size], x)
                 seed = seeds.make_seeds(1)[:, 0] if seeds is not None else tf.zeros([2], tf.int64)
                 sums = step(xc, seed)
                 sums = [tf.cast(v, tf.float64) for v in sums]
@@ -872,7 +957,14 @@ def _hvp_estimators(run: _Run, batches: Iterable, length: int | None):
             f"{total_params} weights (limit {run.exact_max_params}). Use estimator='ggn' or 'hutchinson', "
             "restrict layers=[...], or pass force=True (or max_exact_params=...) to run it anyway."
         )
+    step_fns = _compiled(run, "hvp", (_groups(run),), lambda: _hvp_step_fns(run, variables, sizes))
+    return _hvp_loop(run, batches, length, variables, sizes, total_params, *step_fns)
+
+
+def _hvp_step_fns(run: _Run, variables: list, sizes: list[int]):
+    """Compiled exact (one-hot probes of one layer) and Hutchinson (Rademacher probes) steps."""
     options = run.options
+    model_ref = weakref.ref(run.model)
 
     def grads_and_hvp(x, target, probes, layer):
         with tf.GradientTape(persistent=True) as outer:
@@ -881,7 +973,7 @@ def _hvp_estimators(run: _Run, batches: Iterable, length: int | None):
             with tf.GradientTape() as inner:
                 for v in variables:
                     inner.watch(v)
-                loss = _mean_loss(run.model(x, training=False), target, options)
+                loss = _mean_loss(model_ref()(x, training=False), target, options)
             g = inner.gradient(loss, variables)
             g = [tf.zeros_like(v) if gi is None else gi for gi, v in zip(g, variables)]
         if layer is not None:
@@ -909,10 +1001,17 @@ def _hvp_estimators(run: _Run, batches: Iterable, length: int | None):
         hv = grads_and_hvp(x, target, probes, None)
         return [tf.math.unsorted_segment_sum(p * h, seg, groups) for p, h in zip(probes, hv)]
 
+    return exact_step, hutchinson_step
+
+
+def _hvp_loop(run, batches, length, variables, sizes, total_params, exact_step, hutchinson_step):
+    options = run.options
+    est = options.estimator
+    groups = _groups(run)
     totals = None
     examples = nbatches = 0
     rng = tf.random.Generator.from_seed(options.seed) if est == "hutchinson" else None
-    with _Taps([], run.strip):
+    with _Taps([], run.strip, run.grouped):
         for x, target, n in _iterate(run, batches, length):
             nbatches += 1
             examples += n

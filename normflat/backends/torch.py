@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.data
 from torch import nn
 from torch.func import functional_call, grad, jvp, vjp, vmap
 
@@ -58,7 +59,7 @@ DEFAULT_MAX_EXACT_PARAMS = 20_000
 #: Default bound on ``signals × samples`` rows back-propagated at once by the GGN paths.
 DEFAULT_SIGNAL_ROWS = 8192
 #: Elements of one chunk of per-sample squares (bounds the memory of the fast GGN kernels).
-_SQUARES_BUDGET = 1 << 24
+_SQUARES_BUDGET = 1 << 20
 #: Maximum number of independent group estimates passed as ``hessian_diag_samples``.
 _MAX_GROUPS = 10
 
@@ -160,20 +161,46 @@ def _chunks(n: int, per_item: int) -> Iterable[slice]:
         yield slice(start, min(n, start + step))
 
 
-def _linear_squares(module: nn.Module, a: torch.Tensor, signals: torch.Tensor) -> torch.Tensor:
-    K, M, n = signals.shape[:3]
+class _Deltas:
+    """Back-propagated signals at one layer output: ``K`` groups of ``M`` per-signal tensors
+    ``(n, *out)``, kept as a list so the built-in rules can avoid stacking copies."""
+
+    def __init__(self, parts: list[torch.Tensor], k: int, m: int) -> None:
+        self.parts, self.k, self.m = parts, k, m
+
+    def stacked(self) -> torch.Tensor:
+        """``(K, M, n, *out)``."""
+        return torch.stack(self.parts).reshape(self.k, self.m, *self.parts[0].shape)
+
+
+def _builtin(rule):
+    rule._normflat_deltas = True  # receives _Deltas instead of a stacked tensor
+    return rule
+
+
+@_builtin
+def _linear_squares(module: nn.Module, a: torch.Tensor, deltas: _Deltas) -> torch.Tensor:
+    K, M = deltas.k, deltas.m
     out_f, in_f = module.weight.shape
+    n = a.shape[0]
     if a.dim() == 2:
         # Per-sample gradient δ aᵀ is rank one: its square is δ² (a²)ᵀ, summed over n by a matmul.
-        d2 = signals.square().sum(1)  # (K, n, out)
-        return torch.matmul(d2.transpose(1, 2), a.square())
+        d2 = []
+        for k in range(K):
+            acc = deltas.parts[k * M].square()
+            for d in deltas.parts[k * M + 1:(k + 1) * M]:
+                acc.addcmul_(d, d)
+            d2.append(acc)
+        d2t = torch.stack(d2) if K > 1 else d2[0][None]  # (K, n, out)
+        return torch.matmul(d2t.transpose(1, 2), a.square())
     # Inputs with extra axes (sequences): per-sample gradients are sums over positions.
     a = a.reshape(n, -1, in_f)
-    d = signals.reshape(K * M, n, -1, out_f)
     res = a.new_zeros(K, out_f, in_f)
-    for sl in _chunks(n, K * M * out_f * in_f):
-        g = torch.einsum("snto,nti->snoi", d[:, sl], a[sl])
-        res += g.square().reshape(K, M, -1, out_f, in_f).sum((1, 2))
+    for j, d in enumerate(deltas.parts):
+        d = d.reshape(n, -1, out_f)
+        for sl in _chunks(n, out_f * in_f):
+            g = torch.matmul(d[sl].transpose(1, 2), a[sl])  # (c, out, in) per-sample gradients
+            res[j // M] += g.square_().sum(0)
     return res
 
 
@@ -215,32 +242,38 @@ def _unfold(module: nn.Module, a: torch.Tensor) -> torch.Tensor:
     return view.reshape(n, c * math.prod(k), math.prod(out))
 
 
-def _conv_squares(module: nn.Module, a: torch.Tensor, signals: torch.Tensor) -> torch.Tensor:
-    K, M, n = signals.shape[:3]
-    w = module.weight
-    cout, cin_g, *k = w.shape
+@_builtin
+def _conv_squares(module: nn.Module, a: torch.Tensor, deltas: _Deltas) -> torch.Tensor:
+    K, M = deltas.k, deltas.m
+    n = a.shape[0]
+    cout, cin_g, *k = module.weight.shape
     g = module.groups
     cout_g, kk = cout // g, cin_g * math.prod(k)
     unf = _unfold(module, a)  # (n, g·cin_g·∏k, L)
     L = unf.shape[-1]
     unf = unf.reshape(n, g, kk, L)
-    d = signals.reshape(K * M, n, g, cout_g, L).permute(1, 2, 0, 3, 4).reshape(n, g, K * M * cout_g, L)
+    d = torch.stack([p.reshape(n, cout, L) for p in deltas.parts], dim=1)  # (n, KM, cout, L)
+    if g > 1:
+        d = d.reshape(n, K * M, g, cout_g, L).transpose(1, 2)
+    d = d.reshape(n, g, K * M * cout_g, L)
     res = a.new_zeros(g, K, cout_g, kk)
     for sl in _chunks(n, g * K * M * cout_g * kk):
         ps = torch.matmul(d[sl], unf[sl].transpose(-1, -2))  # per-sample, per-signal gradients
-        res += ps.square().reshape(-1, g, K, M, cout_g, kk).sum((0, 3))
+        res += ps.square_().reshape(-1, g, K, M, cout_g, kk).sum((0, 3))
     return res.permute(1, 0, 2, 3).reshape(K, cout, cin_g, *k)
 
 
-def _conv_transpose_squares(module: nn.Module, a: torch.Tensor, signals: torch.Tensor) -> torch.Tensor:
+@_builtin
+def _conv_transpose_squares(module: nn.Module, a: torch.Tensor, deltas: _Deltas) -> torch.Tensor:
     """ConvTranspose is the adjoint of the convolution with the same weight, so its
     per-sample weight gradient is the conv weight gradient with the roles of the
     input and the output signal swapped: patches of the signal times the input."""
     if isinstance(module.padding, str) or module.padding_mode != "zeros":
         raise _NoFastPath("ConvTranspose with string padding or non-zero padding mode")
-    K, M, n = signals.shape[:3]
-    w = module.weight  # (cin, cout_g, *k)
-    cin, cout_g, *k = w.shape
+    K, M = deltas.k, deltas.m
+    signals = deltas.stacked()
+    n = a.shape[0]
+    cin, cout_g, *k = module.weight.shape  # (in, out/groups, *k)
     g = module.groups
     cin_g, kk = cin // g, cout_g * math.prod(k)
     unf = _unfold(module, signals.reshape(K * M * n, *signals.shape[3:]))  # (KMn, cout·∏k, L)
@@ -250,7 +283,7 @@ def _conv_transpose_squares(module: nn.Module, a: torch.Tensor, signals: torch.T
     res = a.new_zeros(g, K, cin_g, kk)
     for sl in _chunks(n, g * K * M * cin_g * kk):
         ps = torch.matmul(x[sl], unf[sl].transpose(-1, -2))  # (c, g, KM, cin_g, kk)
-        res += ps.square().reshape(-1, g, K, M, cin_g, kk).sum((0, 3))
+        res += ps.square_().reshape(-1, g, K, M, cin_g, kk).sum((0, 3))
     return res.permute(1, 0, 2, 3).reshape(K, cin, cout_g, *k)
 
 
@@ -363,7 +396,7 @@ def _collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool) 
     for layer in layers:
         if not torch.is_floating_point(layer.param):
             raise TypeError(f"Layer {layer.name!r}: weight dtype {layer.param.dtype} is not floating point.")
-        if not bool(torch.isfinite(layer.param).all()):
+        if not _all_finite(layer.param.detach()):
             raise ValueError(
                 f"Layer {layer.name!r}: the weights contain NaN or infinite values; normflat needs "
                 "a model with finite weights (check the training run or the checkpoint)."
@@ -429,11 +462,16 @@ def _is_arraylike(x: Any) -> bool:
 
 
 def _iter_batches(data: Any) -> tuple[Iterable[Any], int | None]:
-    if isinstance(data, (tuple, list)) and len(data) == 2 and (
-        _is_arraylike(data[0]) or (isinstance(data[0], (tuple, list)) and data[0] and _is_arraylike(data[0][0]))
-    ) and _is_arraylike(data[1]):
-        if not (isinstance(data[0], (tuple, list)) and isinstance(data[1], (tuple, list))):
-            return [tuple(data)], 1
+    def inputs_like(v: Any) -> bool:  # one input array, or a tuple of them (multi-input models)
+        return _is_arraylike(v) or (isinstance(v, (tuple, list)) and len(v) > 0 and all(map(_is_arraylike, v)))
+
+    if isinstance(data, (tuple, list)) and len(data) == 2 and inputs_like(data[0]) and _is_arraylike(data[1]):
+        return [tuple(data)], 1
+    if isinstance(data, torch.utils.data.Dataset) and not isinstance(data, torch.utils.data.IterableDataset):
+        raise TypeError(
+            f"data is a {type(data).__name__}, which yields single samples; wrap it in a DataLoader "
+            "(torch.utils.data.DataLoader(dataset, batch_size=...))."
+        )
     if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
         raise TypeError(
             f"data must be a DataLoader, an iterable of (x, y) batches or one (x, y) pair, got "
@@ -471,7 +509,7 @@ def _prepare(batch: Any, index: int, device: torch.device, dtype: torch.dtype) -
     xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
     xs = tuple(_to_model(xi, "inputs", index, device, dtype) for xi in xs)
     for xi in xs:
-        if torch.is_floating_point(xi) and not bool(torch.isfinite(xi).all()):
+        if torch.is_floating_point(xi) and not _all_finite(xi):
             raise ValueError(f"Batch {index}: the inputs contain NaN or infinite values.")
     y = _to_model(y, "labels", index, device, None)
     if y.dtype == torch.bool or torch.is_floating_point(y) or torch.is_complex(y):
@@ -482,8 +520,10 @@ def _prepare(batch: Any, index: int, device: torch.device, dtype: torch.dtype) -
     if y.dim() != 1:
         raise ValueError(
             f"Batch {index}: labels have shape {tuple(y.shape)}; expected a 1-D tensor of class "
-            "indices, one per sample."
+            "indices, one per sample (a Dataset yields single samples: wrap it in a DataLoader)."
         )
+    if xs and xs[0].dim() > 0 and xs[0].shape[0] != y.shape[0]:
+        raise ValueError(f"Batch {index}: {xs[0].shape[0]} inputs but {y.shape[0]} labels.")
     return xs, y.long()
 
 
@@ -578,11 +618,28 @@ class _Accumulator:
     """Per-layer sums over batches of ``K`` group estimates (``K = 1``: deterministic)."""
 
     def __init__(self, layers: list[_Layer], k: int) -> None:
-        self.sums = {id(l): torch.zeros((k, *l.param.shape), dtype=l.param.dtype, device=l.param.device)
-                     for l in layers}
+        self.k = k
+        self.sums: dict[int, torch.Tensor | None] = {id(l): None for l in layers}
 
     def add(self, layer: _Layer, value: torch.Tensor) -> None:
-        self.sums[id(layer)] += value.detach()
+        key = id(layer)
+        value = value.detach()
+        if self.sums[key] is None:
+            self.sums[key] = value  # the rules return fresh tensors: no copy needed
+        else:
+            self.sums[key] = self.sums[key] + value
+
+    def total(self, layer: _Layer) -> torch.Tensor:
+        value = self.sums[id(layer)]
+        if value is None:  # the layer never influenced the loss
+            return torch.zeros((self.k, *layer.param.shape), dtype=layer.param.dtype, device=layer.param.device)
+        return value
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    # One reduction decides the common case; the element-wise test only if the sum is not
+    # finite (it can overflow for huge finite values).
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def _functional_loss(model, xs, y, options, names):
@@ -645,6 +702,27 @@ def _hutchinson_batch(model, xs, y, layers, options, settings, acc, k, gen):
             acc.add(layer, sums)
 
 
+def _ggn_factor(p: torch.Tensor) -> torch.Tensor:
+    """``C − 1`` signals ``(C−1, n, C)`` whose outer products sum to ``diag(p) − p pᵀ``.
+
+    ``S = diag(√p) − p √pᵀ`` satisfies ``S Sᵀ = diag(p) − p pᵀ`` (its columns are
+    ``√p_c (e_c − p)``) and ``S √p = 0``. With the Householder reflection ``R`` that maps
+    ``e_C`` to ``−√p``, ``(S R)(S R)ᵀ = S Sᵀ`` and the last column of ``S R`` vanishes:
+    one signal fewer to back-propagate (half the work for two classes).
+    """
+    n, c = p.shape
+    u = p.sqrt()
+    S = torch.diag_embed(u) - p[:, :, None] * u[:, None, :]  # (n, C, C)
+    if c == 1:
+        return S.permute(2, 0, 1)
+    v = u.clone()
+    v[:, -1] += 1  # v = √p + e_C, |v|² = 2 (1 + √p_C) >= 2: no cancellation
+    # S R = S − (2/|v|²) (S v) vᵀ with S v = u ⊙ v − p (uᵀv): rank-one, O(C²) per sample.
+    sv = u * v - p * (u * v).sum(1, keepdim=True)
+    SR = S - (2 / (v * v).sum(1))[:, None, None] * sv[:, :, None] * v[:, None, :]
+    return SR[:, :, : c - 1].permute(2, 0, 1)  # column j of S R -> signal j
+
+
 def _signals(logits: torch.Tensor, options: AnalysisOptions, gen: torch.Generator | None) -> torch.Tensor:
     """Output signals ``(K, M, n, C)`` at the logits: ``Σ_m s sᵀ`` over a group is its GGN factor."""
     logits = logits.detach()
@@ -655,10 +733,7 @@ def _signals(logits: torch.Tensor, options: AnalysisOptions, gen: torch.Generato
         z = logits
     p = torch.softmax(z, -1)
     if options.estimator == "ggn":
-        # Columns of S = diag(√p) − p √pᵀ: s_c = √p_c (e_c − p), and S Sᵀ = diag(p) − p pᵀ.
-        eye = torch.eye(c, dtype=p.dtype, device=p.device)
-        sig = p.sqrt().T[:, :, None] * (eye[:, None, :] - p[None, :, :])  # (C, n, C)
-        sig = sig[None]
+        sig = _ggn_factor(p)[None]
     else:
         s = options.samples
         k = _groups(s)
@@ -788,22 +863,26 @@ def _weight_uses(root: Any, params: dict[int, _Layer]) -> dict[int, int]:
 
 def _ggn_batch(model, xs, y, layers, options, settings, acc, gen, capture, index, state):
     n = y.shape[0]
-    if state.get("chunk") is None:
-        # Bound the signal rows back-propagated at once (signals per sample × samples).
-        with torch.no_grad():
-            probe = model(*(xi[:1] for xi in xs))
-        _check_logits(probe, y[:1], index)
-        per_sample = probe.shape[1] if options.estimator == "ggn" else \
-            _groups(options.samples) * -(-options.samples // _groups(options.samples))
-        state["chunk"] = settings.chunk_size or max(1, DEFAULT_SIGNAL_ROWS // per_sample)
-    step = state["chunk"]
+    if state.get("chunk") is None and settings.chunk_size is not None:
+        state["chunk"] = settings.chunk_size
+    step = state["chunk"] or n
     for start in range(0, n, step):
         sl = slice(start, min(n, start + step))
         xc = tuple(xi[sl] for xi in xs)
         capture.reset()
         with torch.enable_grad():
             logits = model(*xc)
-        _check_logits(logits, y[sl], index)
+        c = _check_logits(logits, y[sl], index)
+        if state.get("chunk") is None:
+            # Bound the signal rows back-propagated at once (signals per sample × samples); the
+            # class count is known after the first forward, which is redone in chunks if too big.
+            per_sample = c - 1 if options.estimator == "ggn" else \
+                _groups(options.samples) * -(-options.samples // _groups(options.samples))
+            state["chunk"] = max(1, DEFAULT_SIGNAL_ROWS // max(per_sample, 1))
+            if state["chunk"] < n:
+                capture.reset()
+                del logits
+                return _ggn_batch(model, xs, y, layers, options, settings, acc, gen, capture, index, state)
         _check_loss(_loss_sum(logits.detach(), y[sl], options), index)
         sig = _signals(logits, options, gen)
         fast = [l for l in layers if l.fast]
@@ -821,19 +900,22 @@ def _ggn_batch(model, xs, y, layers, options, settings, acc, gen, capture, index
             state["checked"] = True
             fast = [l for l in fast if l.fast]
         for l in fast:
-            if id(l) not in capture.inputs or capture.inputs[id(l)]._version != capture.versions[id(l)]:
-                l.fast, l.reason = False, "layer input modified in place or layer not called"
+            if capture.calls.get(id(l), 0) != 1 or capture.inputs[id(l)]._version != capture.versions[id(l)]:
+                # Dynamic models: re-checked on every chunk; earlier chunks' sums stay valid.
+                l.fast, l.reason = False, "layer not called exactly once, or its input modified in place"
         fast = [l for l in fast if l.fast]
         if fast:
             k, m, nc, _ = sig.shape
             outs = [capture.outputs[id(l)] for l in fast]
-            grads = _backprop_signals(logits, outs, sig.reshape(k * m, nc, -1))
-            for l, d in zip(fast, grads):
-                if d is None:  # the layer does not influence the logits
+            grads = _backprop_signals(logits, outs, sig.reshape(k * m, nc, -1), state["signature"])
+            for l, parts in zip(fast, grads):
+                if parts is None:  # the layer does not influence the logits
                     continue
+                deltas = _Deltas(parts, k, m)
+                rule = l.ext.ggn_squares
                 try:
-                    acc.add(l, l.ext.ggn_squares(l.module, capture.inputs[id(l)],
-                                                 d.reshape(k, m, *d.shape[1:])))
+                    acc.add(l, rule(l.module, capture.inputs[id(l)],
+                                    deltas if getattr(rule, "_normflat_deltas", False) else deltas.stacked()))
                 except _NoFastPath as why:  # handled by the generic path below, this chunk included
                     l.fast, l.reason = False, str(why)
         del logits
@@ -843,16 +925,48 @@ def _ggn_batch(model, xs, y, layers, options, settings, acc, gen, capture, index
             _generic_ggn(model, xc, sig, generic, acc)
 
 
-def _backprop_signals(logits, outs, sig):
-    """Gradients of ``⟨signal_j, logits⟩`` w.r.t. each captured output, batched over ``j``."""
-    try:
-        return torch.autograd.grad(logits, outs, grad_outputs=sig, is_grads_batched=True,
-                                   retain_graph=True, allow_unused=True)
-    except (RuntimeError, NotImplementedError):
-        # A backward op without a batching rule: one signal at a time.
-        per = [torch.autograd.grad(logits, outs, grad_outputs=s, retain_graph=True, allow_unused=True)
-               for s in sig]
-        return tuple(None if per[0][i] is None else torch.stack([p[i] for p in per]) for i in range(len(outs)))
+#: Model type signature -> whether a batched (vmap) backward ran without a slow fallback.
+_BATCHED_BACKWARD_OK: dict[tuple[str, ...], bool] = {}
+
+
+def _type_signature(model: nn.Module) -> tuple[str, ...]:
+    return tuple(sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()}))
+
+
+def _backprop_signals(logits, outs, sig, signature) -> list[list[torch.Tensor] | None]:
+    """Per layer, the gradients of ``⟨signal_j, logits⟩`` w.r.t. its output, for every ``j``.
+
+    One batched (``is_grads_batched``) backward is fastest when every backward op has a
+    vmap batching rule; otherwise vmap silently loops op by op (convolution and max-pool
+    backward have no rule), and a loop of ordinary backward passes is faster (measured).
+    The first call per model type signature finds out which case applies.
+    """
+    ok = _BATCHED_BACKWARD_OK.get(signature)
+    if sig.shape[0] > 1 and ok is not False:
+        flag = getattr(torch._C, "_debug_only_display_vmap_fallback_warnings", None)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if ok is None and flag is not None:
+                    flag(True)
+                try:
+                    grads = torch.autograd.grad(logits, outs, grad_outputs=sig, is_grads_batched=True,
+                                                retain_graph=True, allow_unused=True)
+                finally:
+                    if ok is None and flag is not None:
+                        flag(False)
+            fallback = any("performance drop" in str(w.message) for w in caught)
+            for w in caught:  # re-emit anything else
+                if "performance drop" not in str(w.message):
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            if ok is None:
+                _BATCHED_BACKWARD_OK[signature] = not fallback and flag is not None
+            return [None if g is None else list(g.unbind(0)) for g in grads]
+        except (RuntimeError, NotImplementedError):
+            _BATCHED_BACKWARD_OK[signature] = False
+    per = [torch.autograd.grad(logits, outs, grad_outputs=s, retain_graph=True, allow_unused=True)
+           for s in sig]
+    return [None if per[0][i] is None else [p[i] for p in per] for i in range(len(outs))]
 
 
 # ============================================================================ driver
@@ -889,7 +1003,7 @@ def _run(model: nn.Module, data: Any, options: AnalysisOptions, backend_options:
         fast_weights = [l.param for l in layers if l.fast] if capture else []
         for p in fast_weights:
             p.requires_grad_(True)  # so the layer outputs carry gradients for the signals
-        state: dict[str, Any] = {"chunk": None}
+        state: dict[str, Any] = {"chunk": None, "signature": _type_signature(model)}
         it = progress_bar(limited(batches, options.max_batches), enabled=options.progress,
                           desc=f"normflat {est}", total=total_batches)
         with _quiet_jit_deprecation():
@@ -918,13 +1032,16 @@ def _run(model: nn.Module, data: Any, options: AnalysisOptions, backend_options:
         raise ValueError("The data is empty: it yielded no samples. Pass at least one (x, y) batch.")
     results = []
     for layer in layers:
-        sums = acc.sums[id(layer)] / examples
+        sums = acc.total(layer)
         if est == "hutchinson":
             counts = torch.bincount(torch.arange(options.samples) % k, minlength=k)
             sums = sums / counts.to(sums).reshape(-1, *([1] * layer.param.dim()))
-        diag = sums.mean(0)
-        group = sums if k >= 2 else None
-        if not bool(torch.isfinite(diag).all()):
+        if k >= 2:
+            group = sums / examples
+            diag = group.mean(0)
+        else:
+            group, diag = None, sums[0] / examples
+        if not _all_finite(diag):
             raise ValueError(f"Layer {layer.name!r}: the Hessian diagonal is not finite (NaN/inf in the loss?).")
         results.append((layer, diag, group))
     metadata = {

@@ -84,6 +84,10 @@ def format_invariance(rows: Sequence[dict[str, Any]]) -> str:
     for row in rows:
         lines.append(f"{row['orders']:>11.1f}{row['function_error']:>12.1e}"
                      + "".join(f"{row[f'{m}_ratio']:>30.6g}" for m in MEASURES))
+    lines.append("")
+    for m in MEASURES:
+        dev = max(abs(row[f"{m}_ratio"] - 1.0) for row in rows)
+        lines.append(f"{MEASURE_LABELS[m]}: largest relative change {dev:.2e}")
     return "\n".join(lines)
 
 

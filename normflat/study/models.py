@@ -25,7 +25,7 @@ def build_model(arch: str, input_shape: tuple[int, ...], num_classes: int, *, wi
         input_shape: ``(channels, height, width)`` of one image.
         num_classes: Number of outputs.
         width: Hidden width of the MLP (default 128) or of the CNN's dense layer
-            (default 64 for 8x8 inputs, 120 otherwise).
+            (default 128 for 8x8 inputs, 120 otherwise).
         seed: Seed of the initialization.
 
     Returns:
@@ -53,7 +53,7 @@ def build_model(arch: str, input_shape: tuple[int, ...], num_classes: int, *, wi
         small = min(height, wide) < 16
         # 8x8 digits: 3x3 'same' convolutions; 28x28 images: LeNet-5's 5x5 kernels.
         k, pad = (3, 1) if small else (5, 2)
-        c1, c2 = 8 if small else 6, 16
+        c1, c2 = (16, 32) if small else (6, 16)
 
         def stage(cin, cout, padding):
             layers = [nn.Conv2d(cin, cout, k, padding=padding)]
@@ -66,7 +66,7 @@ def build_model(arch: str, input_shape: tuple[int, ...], num_classes: int, *, wi
         probe = nn.Sequential(*features).eval()
         with torch.no_grad():
             flat = probe(torch.zeros(1, *input_shape)).numel()
-        hidden = width or (64 if small else 120)
+        hidden = width or (128 if small else 120)
         model = nn.Sequential(
             *features,
             nn.Flatten(),

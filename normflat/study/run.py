@@ -12,7 +12,6 @@ function keeps its tau, a measure of the parametrization loses it.
 
 from __future__ import annotations
 
-import copy
 import csv
 import itertools
 import json
@@ -27,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from normflat.core.report import MEASURES
+from normflat.study.frameworks import FRAMEWORKS
 from normflat.study.stats import kendall_tau, pearson_r
 
 __all__ = [
@@ -38,11 +38,10 @@ __all__ = [
     "load_result",
     "correlations",
     "format_table",
+    "markdown_table",
     "torch_loader",
 ]
 
-#: Frameworks the study can train in.
-FRAMEWORKS = ("torch",)
 #: Display names of the measures.
 MEASURE_LABELS = {
     "normalized_sharpness": "normalized sharpness",
@@ -61,7 +60,7 @@ class StudyConfig:
         dataset: ``"digits"``, ``"fashion-mnist"`` or ``"mnist"``.
         data_dir: Where the dataset's files are (not for digits).
         arch: ``"mlp"``, ``"cnn"`` or ``"cnn-bn"``.
-        framework: Training framework (``"torch"``).
+        framework: Training framework (``"torch"`` or ``"keras"``).
         ratios: Fractions of training labels replaced by random ones.
         seeds: Seeds (initialization, label noise, minibatch order, rescaling).
         epochs: Maximum training epochs per model.
@@ -128,9 +127,9 @@ class StudyConfig:
 
         if self.framework not in FRAMEWORKS:
             raise ValueError(
-                f"The study trains models in {', '.join(FRAMEWORKS)} only; --framework "
-                f"{self.framework!r} is not supported yet. Use --framework torch, or analyze "
-                "your own Keras/JAX models with normflat.analyze()."
+                f"The study trains models in {', '.join(FRAMEWORKS)}; --framework "
+                f"{self.framework!r} is not supported yet. Use --framework "
+                f"{' or '.join(FRAMEWORKS)}, or analyze your own models with normflat.analyze()."
             )
         if self.dataset not in DATASETS:
             raise ValueError(f"Unknown dataset {self.dataset!r}; choose one of {', '.join(DATASETS)}.")
@@ -277,6 +276,25 @@ def format_table(result: StudyResult) -> str:
     return "\n".join(lines)
 
 
+def markdown_table(result: StudyResult) -> str:
+    """The correlation table as Markdown (for reports and docs)."""
+    corr = result.correlations
+    rescaled = "rescaled" in corr
+    head = "| measure | Kendall τ | Pearson r |" + (" τ after rescaling | r after rescaling |" if rescaled else "")
+    sep = "|---|---:|---:|" + ("---:|---:|" if rescaled else "")
+
+    def f(v):
+        return "n/a" if v is None else f"{v:.3f}"
+
+    lines = [head, sep]
+    for m in MEASURES:
+        cells = [MEASURE_LABELS[m], f(corr["trained"][m]["tau"]), f(corr["trained"][m]["pearson"])]
+        if rescaled:
+            cells += [f(corr["rescaled"][m]["tau"]), f(corr["rescaled"][m]["pearson"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def torch_loader(x: Any, y: Any, batch_size: int) -> Any:
     """An unshuffled torch DataLoader over tensors ``x``, ``y``."""
     from torch.utils.data import DataLoader, TensorDataset
@@ -284,28 +302,25 @@ def torch_loader(x: Any, y: Any, batch_size: int) -> Any:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 
 
-def _analyze(model: Any, loader: Any, config: StudyConfig) -> Any:
+def _analyze(model: Any, data: Any, config: StudyConfig, backend_options: dict[str, Any]) -> Any:
     import normflat
 
     return normflat.analyze(
-        model, loader, estimator=config.estimator, loss=config.loss, samples=config.samples,
-        progress=config.progress,
+        model, data, estimator=config.estimator, loss=config.loss, samples=config.samples,
+        progress=config.progress, **backend_options,
     )
 
 
-def _versions() -> dict[str, Any]:
-    import torch
-
+def _versions(fw: Any) -> dict[str, Any]:
     import normflat
 
     return {
         "normflat": normflat.__version__,
-        "torch": torch.__version__,
+        fw.name: fw.version(),
         "numpy": np.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
     }
 
 
@@ -319,18 +334,16 @@ def run_study(config: StudyConfig, *, echo: Any = print) -> StudyResult:
     Returns:
         The :class:`StudyResult` (also written to ``results.json``).
     """
-    import torch
     from tqdm.auto import tqdm
 
     from normflat.study.datasets import load_dataset
-    from normflat.study.models import build_model
-    from normflat.study.reparametrize import apply_rescaling, check_same_function, random_rescaling
-    from normflat.study.training import accuracy, corrupt_labels, train_model
+    from normflat.study.frameworks import adapter
+    from normflat.study.training import corrupt_labels
 
     say = echo or (lambda *a, **k: None)
     config.validate()
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
+    fw = adapter(config.framework)
+    fw.set_threads(config.threads)
     t_start = time.perf_counter()
     out = Path(config.out)
     (out / "reports").mkdir(parents=True, exist_ok=True)
@@ -339,12 +352,9 @@ def run_study(config: StudyConfig, *, echo: Any = print) -> StudyResult:
                         test_size=config.test_size, seed=0)
     say(f"normflat study: {config.models} models ({config.dataset}: {len(data.y_train)} train / "
         f"{len(data.y_test)} test examples, {config.arch}, {config.framework}); output in {out}/")
-    x_train = torch.as_tensor(data.x_train)
-    x_test = torch.as_tensor(data.x_test)
-    y_test = torch.as_tensor(data.y_test)
+    x_train, x_test, y_test = fw.inputs(data.x_train), fw.inputs(data.x_test), fw.labels(data.y_test)
     n_an = len(data.y_train) if config.analysis_size is None else min(config.analysis_size, len(data.y_train))
-    x_an = x_train[:n_an].double()
-    x_check = x_test[: min(len(y_test), 512)].double()
+    x_check = fw.check_inputs(x_test[: min(len(data.y_test), 512)])
 
     grid = list(itertools.product(config.seeds, config.ratios, config.lrs, config.batch_sizes, config.weight_decays))
     rows: list[dict[str, Any]] = []
@@ -357,21 +367,21 @@ def run_study(config: StudyConfig, *, echo: Any = print) -> StudyResult:
         # Label noise and rescaling depend on (seed, ratio) only, so the hyperparameter
         # grid compares models trained on identical labels.
         label_seed = 1_000_003 * seed + int(round(ratio * 1000))
-        y_noisy = torch.as_tensor(corrupt_labels(data.y_train, ratio, data.num_classes, label_seed))
-        model = build_model(config.arch, data.input_shape, data.num_classes, width=config.width, seed=seed)
-        trained = train_model(
+        y_noisy = fw.labels(corrupt_labels(data.y_train, ratio, data.num_classes, label_seed))
+        model = fw.build(config.arch, data.input_shape, data.num_classes, width=config.width, seed=seed)
+        trained = fw.train(
             model, x_train, y_noisy, epochs=config.epochs, lr=lr, batch_size=bs, weight_decay=wd,
             optimizer=config.optimizer, target_accuracy=config.target_accuracy, seed=seed,
             progress=config.progress, desc=f"train r={ratio:g} s={seed}",
         )
-        train_acc = accuracy(model, x_train, y_noisy)
-        test_acc = accuracy(model, x_test, y_test)
+        train_acc = fw.accuracy(model, x_train, y_noisy)
+        test_acc = fw.accuracy(model, x_test, y_test)
         # Analyze in float64: the Hessian diagonal and the function check are then exact
         # to ~1e-15, so any change after rescaling is the measure's, not rounding.
-        model64 = copy.deepcopy(model).double().eval()
-        loader = torch_loader(x_an, y_noisy[:n_an], config.analysis_batch_size)
+        model64 = fw.float64(model)
+        an_data, an_kwargs = fw.analysis_data(x_train[:n_an], y_noisy[:n_an], config.analysis_batch_size)
         t0 = time.perf_counter()
-        report = _analyze(model64, loader, config)
+        report = _analyze(model64, an_data, config, an_kwargs)
         t_an = time.perf_counter() - t0
         row: dict[str, Any] = {
             "run": run_id, "ratio": ratio, "seed": seed, "lr": lr, "batch_size": bs, "weight_decay": wd,
@@ -384,13 +394,12 @@ def run_study(config: StudyConfig, *, echo: Any = print) -> StudyResult:
         if run_id == showcase:
             layer_reports["trained"] = report
         if config.reparam:
-            rescaling = random_rescaling(model64, orders=config.reparam_orders, seed=label_seed + 7)
-            rescaled = apply_rescaling(model64, rescaling)
-            err = check_same_function(model64, rescaled, x_check, rtol=1e-9)
-            report_r = _analyze(rescaled, loader, config)
+            rescaled, spread = fw.rescale(model64, orders=config.reparam_orders, seed=label_seed + 7)
+            err = fw.function_error(model64, rescaled, x_check)
+            report_r = _analyze(rescaled, an_data, config, an_kwargs)
             row.update({f"rescaled_{m}": getattr(report_r, m) for m in MEASURES})
             row["rescale_function_error"] = err
-            row["rescale_spread_decades"] = rescaling.spread
+            row["rescale_spread_decades"] = spread
             report_r.to_json(out / "reports" / f"run{run_id:03d}_rescaled.json")
             if run_id == showcase:
                 layer_reports["rescaled"] = report_r
@@ -399,7 +408,7 @@ def run_study(config: StudyConfig, *, echo: Any = print) -> StudyResult:
 
     result = StudyResult(
         config=asdict(config), rows=rows, correlations=correlations(rows, reparam=config.reparam),
-        environment={**_versions(), "wall_seconds": None},
+        environment={**_versions(fw), "wall_seconds": None},
     )
     files = _write_outputs(result, out, layer_reports, rows[showcase])
     result.environment["wall_seconds"] = time.perf_counter() - t_start

@@ -21,16 +21,21 @@ Backend options (keyword arguments of :func:`normflat.analyze`):
     computes in double precision, enabling ``jax_enable_x64`` locally if needed.
 ``chunk_size``
     Examples per vectorised chunk of ``ggn``/``ggn-mc`` (default: chosen from a
-    memory budget). ``probe_chunk``: Hutchinson probes per chunk (default 10).
-``force_exact``
-    Allow ``estimator="exact"`` on models with more than
-    :data:`EXACT_LIMIT` weight entries.
+    memory budget). ``exact_chunk``: basis vectors per chunk of ``exact``
+    (default 64); ``probe_chunk``: Hutchinson probes per chunk (default 16).
+``force``, ``max_exact_params``
+    ``estimator="exact"`` refuses models with more than ``max_exact_params``
+    (default :data:`DEFAULT_MAX_EXACT_PARAMS`) weight entries unless ``force=True``.
+
+Compiled estimators are cached by the traced per-example program (structure,
+shapes, dtypes and options), so analysing the same architecture again, with
+other weight values, does not recompile.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
+from collections import OrderedDict
 from typing import Any
 
 import jax
@@ -43,24 +48,31 @@ from normflat.backends.jax._program import trace_program
 from normflat.core.options import AnalysisOptions, limited, progress_bar
 from normflat.core.problem import LayerProblem
 
-__all__ = ["layer_problems", "hessian_diagonal", "EXACT_LIMIT"]
+__all__ = ["layer_problems", "hessian_diagonal", "DEFAULT_MAX_EXACT_PARAMS"]
 
 #: estimator="exact" needs one Hessian-vector product per weight entry; above this
-#: many entries it refuses unless force_exact=True.
-EXACT_LIMIT = 20_000
+#: many entries it refuses unless force=True (same default as the torch backend).
+DEFAULT_MAX_EXACT_PARAMS = 20_000
 
-_OPTIONS = ("vmap", "state", "apply_kwargs", "layouts", "dtype", "chunk_size", "probe_chunk", "force_exact")
+_OPTIONS = {"vmap": None, "state": None, "apply_kwargs": None, "layouts": None, "dtype": None,
+            "chunk_size": None, "exact_chunk": 64, "probe_chunk": 16, "force": False,
+            "max_exact_params": DEFAULT_MAX_EXACT_PARAMS}
+# Compiled estimators of recent models, keyed by the traced per-example program, so that
+# repeated analyses (e.g. during training) do not recompile. Small: each holds XLA executables.
+_CACHE: OrderedDict = OrderedDict()
+_CACHE_SIZE = 8
 
 
 def layer_problems(model: Any, data: Any, options: AnalysisOptions, **backend_options: Any):
     """Per-layer problems of a JAX model (see the module docstring for the options)."""
     res = _compute(model, data, options, backend_options)
     problems = []
-    for info, w, d, s in zip(res["weights"], res["weight_arrays"], res["diags"], res["samples"]):
+    for info, w, d, s, path in zip(res["weights"], res["weight_arrays"], res["diags"], res["samples"],
+                                   res["paths"]):
         problems.append(LayerProblem(
             info.name, info.to_canonical(w), info.to_canonical(d), kind=info.kind,
             hessian_diag_samples=None if s is None else info.to_canonical(s, batch_dims=1),
-            details={"path": res["paths"][info.path], "leaf": info.path},
+            details={"path": path, "leaf": info.path},
         ))
     return problems, res["metadata"]
 
@@ -74,22 +86,42 @@ def hessian_diagonal(model: Any, data: Any, options: AnalysisOptions, **backend_
 # ----------------------------------------------------------------------------- driver
 
 
-def _compute(model, data, options: AnalysisOptions, backend_options: dict) -> dict:
+def _settings(backend_options: dict) -> dict:
     unknown = set(backend_options) - set(_OPTIONS)
     if unknown:
         raise TypeError(f"Unknown option(s) {sorted(unknown)} for a JAX model; the JAX backend accepts "
                         f"{', '.join(_OPTIONS)}.")
-    opts = {k: backend_options.get(k) for k in _OPTIONS}
-    requested = opts["dtype"]
-    if requested is not None:
-        requested = jnp.dtype(requested)
-        if not jnp.issubdtype(requested, jnp.floating):
-            raise ValueError(f"dtype={opts['dtype']!r} is not a floating-point dtype.")
-    need_x64 = requested == jnp.float64 and not jax.config.jax_enable_x64
+    s = {**_OPTIONS, **backend_options}
+    for name in ("exact_chunk", "probe_chunk", "max_exact_params"):
+        v = s[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}.")
+    v = s["chunk_size"]
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {v!r}.")
+    if s["vmap"] is not None and not isinstance(s["vmap"], bool):
+        raise TypeError(f"vmap must be True, False or None, got {s['vmap']!r}.")
+    for name in ("apply_kwargs", "layouts"):
+        if s[name] is not None and not isinstance(s[name], dict):
+            raise TypeError(f"{name} must be a dict, got {type(s[name]).__name__}.")
+    if s["dtype"] is not None:
+        try:
+            dt = jnp.dtype(s["dtype"])
+        except TypeError as err:
+            raise ValueError(f"dtype={s['dtype']!r} is not a dtype.") from err
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise ValueError(f"dtype={s['dtype']!r} is not a floating-point dtype.")
+        s["dtype"] = dt
+    return s
+
+
+def _compute(model, data, options: AnalysisOptions, backend_options: dict) -> dict:
+    settings = _settings(backend_options)
+    need_x64 = settings["dtype"] == jnp.float64 and not jax.config.jax_enable_x64
     # float64 without global x64: enable it for this computation only (documented).
     ctx = jax.enable_x64(True) if need_x64 else contextlib.nullcontext()
     with ctx:
-        res = _compute_in_dtype(model, data, options, opts, requested)
+        res = _compute_in_dtype(model, data, options, settings)
         if need_x64:
             # JAX cannot hold float64 arrays once x64 is off again: hand numpy arrays over.
             for key in ("weight_arrays", "diags", "samples"):
@@ -97,45 +129,78 @@ def _compute(model, data, options: AnalysisOptions, backend_options: dict) -> di
     return res
 
 
-def _compute_in_dtype(model, data, options, opts, requested) -> dict:
-    batches = _data.batches(data)
-    it = progress_bar(limited(batches, options.max_batches), enabled=options.progress,
+def _prepare(model, x, options, settings):
+    """View, program and (possibly cached) estimator for the first batch ``x``."""
+    dtype = settings["dtype"] if settings["dtype"] is not None else _default_dtype(model)
+    x = _data.cast_inputs(x, dtype)
+    view = make_view(model, x, dtype=dtype, vmap=settings["vmap"], state=settings["state"],
+                     apply_kwargs=dict(settings["apply_kwargs"] or {}), layouts=dict(settings["layouts"] or {}),
+                     on_unsupported=options.on_unsupported)
+    _check_weights(view)
+    ws, others = view.split()
+    x0 = jax.tree_util.tree_map(lambda a: a[0], x)
+    fn = view.example_fn()
+    treedef = jax.tree_util.tree_structure(x0)
+    prog = trace_program(lambda w_, o_, xl: [fn(w_, o_, jax.tree_util.tree_unflatten(treedef, xl))],
+                         ws, others, jax.tree_util.tree_leaves(x0))
+    _check_program_output(prog, view)
+    # Model order: where each weight first meets the data in the forward pass.
+    order = sorted(range(len(ws)), key=lambda k: (prog.first_use[k], k))
+    prog.reorder(order)
+    view.weights = [view.weights[k] for k in order]
+    ws = [ws[k] for k in order]
+    num_classes = prog.shapes[prog.out_refs[0][1]][0]
+    if options.estimator == "exact":
+        total = sum(int(np.prod(w.shape)) for w in ws)
+        if total > settings["max_exact_params"] and not settings["force"]:
+            raise ValueError(
+                f"estimator='exact' needs one Hessian-vector product per weight entry ({total} here, more "
+                f"than max_exact_params={settings['max_exact_params']}). Use estimator='ggn' or "
+                "'hutchinson', or pass force=True if you really want it."
+            )
+    key = (prog.text, tuple(str(w.dtype) for w in ws), options.estimator, options.samples,
+           options.loss if callable(options.loss) else str(options.loss), options.temperature,
+           settings["chunk_size"], settings["exact_chunk"], settings["probe_chunk"])
+    est = None
+    for k, (consts, cached) in list(_CACHE.items()):
+        if k == key and _same_consts(consts, prog.consts):
+            est = cached
+            _CACHE.move_to_end(k)
+            break
+    if est is None:
+        est = _estimators.make(options, prog, ws, dtype, num_classes, settings)
+        _CACHE[key] = (prog.consts, est)
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    est.reset(ws, others, options.seed)
+    return view, est, dtype, ws, num_classes
+
+
+def _same_consts(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if x is y:
+            continue
+        if np.shape(x) != np.shape(y) or getattr(x, "dtype", None) != getattr(y, "dtype", None):
+            return False
+        if not np.array_equal(np.asarray(x), np.asarray(y)):
+            return False
+    return True
+
+
+def _compute_in_dtype(model, data, options, settings) -> dict:
+    it = progress_bar(limited(_data.batches(data), options.max_batches), enabled=options.progress,
                       desc=f"normflat {options.estimator}", total=_data.total(data, options.max_batches))
-    view = prog = dtype = state = None
+    view = est = dtype = None
     examples = n_batches = 0
     for x, y in it:
         if view is None:
-            dtype = requested if requested is not None else _default_dtype(model)
-            x = _data.cast_inputs(x, dtype)
-            view = make_view(model, x, dtype=dtype, vmap=opts["vmap"], state=opts["state"],
-                             apply_kwargs=dict(opts["apply_kwargs"] or {}), layouts=dict(opts["layouts"] or {}),
-                             on_unsupported=options.on_unsupported)
-            _check_weights(view)
-            ws = [view.leaves[w.leaf] for w in view.weights]
-            x0 = jax.tree_util.tree_map(lambda a: a[0], x)
-            prog = trace_program(lambda ws_, xl: [view.apply_example(view.with_weights(ws_), _data.unflatten(x, xl))],
-                                 ws, jax.tree_util.tree_leaves(x0))
-            _check_program_output(prog, x0, view)
-            # Model order: where each weight first meets the data in the forward pass.
-            order = sorted(range(len(ws)), key=lambda k: (prog.first_use[k], k))
-            view.weights = [view.weights[k] for k in order]
-            ws = [ws[k] for k in order]
-            prog = trace_program(lambda ws_, xl: [view.apply_example(view.with_weights(ws_), _data.unflatten(x, xl))],
-                                 ws, jax.tree_util.tree_leaves(x0))
-            num_classes = prog.shapes[prog.out_refs[0][1]][0]
-            est = _estimators.make(options, view, prog, ws, dtype, num_classes, opts)
-            if options.estimator == "exact":
-                total = sum(int(np.prod(w.shape)) for w in ws)
-                if total > EXACT_LIMIT and not opts["force_exact"]:
-                    raise ValueError(
-                        f"estimator='exact' needs one Hessian-vector product per weight entry ({total} here, "
-                        f"more than {EXACT_LIMIT}). Use estimator='ggn' or 'hutchinson', or pass "
-                        "force_exact=True if you really want it."
-                    )
-        else:
-            x = _data.cast_inputs(x, dtype)
+            view, est, dtype, ws, num_classes = _prepare(model, x, options, settings)
+        x = _data.cast_inputs(x, dtype)
         n = _data.check_batch(x, y, options, num_classes)
-        est.add_batch(x, y, n, n_batches, examples)
+        est.add_batch(jax.tree_util.tree_leaves(x), y, n, n_batches, examples)
         examples += n
         n_batches += 1
     if view is None:
@@ -153,8 +218,11 @@ def _compute_in_dtype(model, data, options, opts, requested) -> dict:
             "model_type": view.framework}
     if view.vmap is not None:
         meta["vmap"] = view.vmap
+    paths = list(est.paths)
+    # Drop references to this model's arrays from the cached estimator.
+    est.ws = est.others = est.sums = None
     return {"weights": view.weights, "weight_arrays": ws, "diags": diags, "samples": samples,
-            "paths": est.paths, "metadata": meta}
+            "paths": paths, "metadata": meta}
 
 
 def _default_dtype(model) -> Any:
@@ -182,7 +250,7 @@ def _check_weights(view) -> None:
             raise ValueError(f"The weight {info.path!r} contains NaN or inf; normflat needs finite weights.")
 
 
-def _check_program_output(prog, x0, view) -> None:
+def _check_program_output(prog, view) -> None:
     if len(prog.out_refs) != 1 or prog.out_refs[0][0] != "ref" or len(prog.shapes[prog.out_refs[0][1]]) != 1:
         shape = prog.shapes.get(prog.out_refs[0][1]) if prog.out_refs and prog.out_refs[0][0] == "ref" else None
         raise ValueError(

@@ -29,10 +29,10 @@ _EXACT_CHUNK = 64
 _MAX_GROUPS = 10
 
 
-def make(options: AnalysisOptions, view, prog, ws, dtype, num_classes: int, opts: dict):
-    """The estimator object for ``options.estimator``."""
+def make(options: AnalysisOptions, prog, ws, dtype, num_classes: int, settings: dict):
+    """The estimator for ``options.estimator``; reusable for models with the same program (see ``reset``)."""
     cls = {"exact": _Exact, "hutchinson": _Hutchinson, "ggn": _GGN, "ggn-mc": _GGN}[options.estimator]
-    return cls(options, view, prog, ws, dtype, num_classes, opts)
+    return cls(options, prog, ws, dtype, num_classes, settings)
 
 
 def _head(z, options: AnalysisOptions):
@@ -44,18 +44,31 @@ def _head(z, options: AnalysisOptions):
 
 
 class _Base:
-    def __init__(self, options, view, prog, ws, dtype, num_classes, opts):
-        self.options, self.view, self.prog, self.ws = options, view, prog, ws
-        self.dtype, self.num_classes, self.opts = dtype, num_classes, opts
-        self.root = jax.random.key(options.seed)
-        self.paths = {w.path: "hvp" for w in view.weights}
+    """Accumulates one estimator over batches; the jit-compiled kernels only depend on the program."""
 
-    def batch_loss(self, ws, x, y):
+    def __init__(self, options, prog, ws, dtype, num_classes, settings):
+        self.options, self.prog, self.ws = options, prog, ws
+        self.dtype, self.num_classes, self.settings = dtype, num_classes, settings
+        self.root = jax.random.key(options.seed)
+        self.paths = ["hvp"] * len(ws)
+
+    def reset(self, ws, others, seed: int) -> None:
+        """Start a new accumulation for these weights and other leaves."""
+        self.ws, self.others = ws, others
+        self.root = jax.random.key(seed)
+        self.sums = [jnp.zeros((self.G,) + w.shape, self.dtype) for w in ws]
+
+    G = 1
+
+    def logits(self, ws, others, xl):
+        """Batch logits: the per-example program vmapped over the examples."""
+        return jax.vmap(lambda xi: self.prog.run(ws, others, xi)[0])(xl)
+
+    def batch_loss(self, ws, others, xl, y):
         """Sum of per-example losses of a batch (``n * mean`` for a callable loss)."""
-        z = self.view.apply_batch(self.view.with_weights(ws), x)
+        z = self.logits(ws, others, xl)
         if callable(self.options.loss):
-            n = jax.tree_util.tree_leaves(x)[0].shape[0]
-            return n * self.options.loss(z, y)
+            return z.shape[0] * self.options.loss(z, y)
         zp = _head(z, self.options)
         picked = jnp.take_along_axis(zp, y.astype(jnp.int32)[:, None], axis=-1)[:, 0]
         return jnp.sum(jax.nn.logsumexp(zp, axis=-1) - picked)
@@ -69,28 +82,28 @@ class _Exact(_Base):
 
     def __init__(self, *args):
         super().__init__(*args)
-        self.sums = [jnp.zeros(w.shape, self.dtype) for w in self.ws]
-        self.fn = jax.jit(self._chunk, static_argnums=(3, 5))
+        self.block = int(self.settings["exact_chunk"])
+        self.fn = jax.jit(self._chunk, static_argnums=(4, 6))
 
-    def _chunk(self, ws, x, y, k, start, size):
+    def _chunk(self, ws, others, xl, y, k, start, size):
         shape, n_k = ws[k].shape, ws[k].size
         basis = jax.nn.one_hot(start + jnp.arange(size), n_k, dtype=self.dtype).reshape((size,) + shape)
 
         def loss_k(wk):
-            return self.batch_loss(ws[:k] + [wk] + ws[k + 1:], x, y)
+            return self.batch_loss(ws[:k] + [wk] + ws[k + 1:], others, xl, y)
 
         grad_k = jax.grad(loss_k)
         hv = jax.vmap(lambda e: jax.jvp(grad_k, (ws[k],), (e,))[1])(basis)
         return jnp.sum((hv * basis).reshape(size, -1), axis=1)
 
-    def add_batch(self, x, y, n, b, offset):
+    def add_batch(self, xl, y, n, b, offset):
         for k, w in enumerate(self.ws):
-            size = min(_EXACT_CHUNK, w.size)
-            vals = [self.fn(self.ws, x, y, k, start, size) for start in range(0, w.size, size)]
-            self.sums[k] = self.sums[k] + jnp.concatenate(vals)[: w.size].reshape(w.shape)
+            size = min(self.block, w.size)
+            vals = [self.fn(self.ws, self.others, xl, y, k, start, size) for start in range(0, w.size, size)]
+            self.sums[k] = self.sums[k] + jnp.concatenate(vals)[: w.size].reshape((1,) + w.shape)
 
     def finish(self, examples):
-        return [s / examples for s in self.sums], [None] * len(self.sums)
+        return [s[0] / examples for s in self.sums], [None] * len(self.sums)
 
 
 # ----------------------------------------------------------------------------- hutchinson
@@ -103,11 +116,10 @@ class _Hutchinson(_Base):
         super().__init__(*args)
         self.S = self.options.samples
         self.G = min(self.S, _MAX_GROUPS) if self.S >= 2 else 1
-        self.P = min(int(self.opts["probe_chunk"] or 10), self.S)
-        self.sums = [jnp.zeros((self.G,) + w.shape, self.dtype) for w in self.ws]
+        self.P = min(int(self.settings["probe_chunk"]), self.S)
         self.fn = jax.jit(self._chunk)
 
-    def _chunk(self, ws, x, y, bkey, s0):
+    def _chunk(self, ws, others, xl, y, bkey, s0):
         s_idx = s0 + jnp.arange(self.P)
 
         def probe(s):
@@ -116,7 +128,7 @@ class _Hutchinson(_Base):
                     for k, w in enumerate(ws)]
 
         probes = jax.vmap(probe)(s_idx)
-        grad = jax.grad(lambda w_: self.batch_loss(w_, x, y))
+        grad = jax.grad(lambda w_: self.batch_loss(w_, others, xl, y))
         hz = jax.vmap(lambda z: jax.jvp(grad, (ws,), (z,))[1])(probes)
         valid = (s_idx < self.S).astype(self.dtype)
         groups = s_idx % self.G
@@ -126,10 +138,10 @@ class _Hutchinson(_Base):
             out.append(jax.ops.segment_sum(v, groups, num_segments=self.G))
         return out
 
-    def add_batch(self, x, y, n, b, offset):
+    def add_batch(self, xl, y, n, b, offset):
         bkey = jax.random.fold_in(self.root, b)
         for s0 in range(0, self.S, self.P):
-            vals = self.fn(self.ws, x, y, bkey, s0)
+            vals = self.fn(self.ws, self.others, xl, y, bkey, s0)
             self.sums = [s + v for s, v in zip(self.sums, vals)]
 
     def finish(self, examples):
@@ -164,17 +176,17 @@ class _GGN(_Base):
             self.G, self.M = 1, self.num_classes
         self.taps = {t.weight: t for t in self.prog.taps}
         self.gen = [k for k in range(len(self.ws)) if k not in self.taps]
-        self.paths = {w.path: ("fast" if k in self.taps else "generic") for k, w in enumerate(self.view.weights)}
+        self.paths = ["fast" if k in self.taps else "generic" for k in range(len(self.ws))]
         per_example = 0
         for k, w in enumerate(self.ws):
             t = self.taps.get(k)
             if t is not None and t.squares_factor:
                 out_size = math.prod(self.prog.shapes[self.prog.ops[t.op].outs[0]])
-                per_example += self.G * self.M * out_size + w.size // max(out_size, 1)
+                act_size = math.prod(self.prog.shapes.get(self.prog.ops[t.op].ins[1 - t.weight_pos][1], (1,)))
+                per_example += self.G * self.M * out_size + act_size
             else:
                 per_example += self.G * self.M * w.size
-        self.chunk = int(self.opts["chunk_size"] or max(1, _GGN_BUDGET // max(per_example, 1)))
-        self.sums = [jnp.zeros((self.G,) + w.shape, self.dtype) for w in self.ws]
+        self.chunk = int(self.settings["chunk_size"] or max(1, _GGN_BUDGET // max(per_example, 1)))
         self.fn = jax.jit(self._chunk)
 
     def _columns(self, zp, key):
@@ -196,7 +208,7 @@ class _GGN(_Base):
     def _group_sum(self, v):
         return v.reshape((self.G, self.M) + v.shape[1:]).sum(axis=1)
 
-    def _per_example(self, ws, xl, key):
+    def _per_example(self, ws, others, xl, key):
         prog, taps, gen = self.prog, self.taps, self.gen
         eps0 = {t.op: jnp.zeros(prog.shapes[prog.ops[t.op].outs[0]], self.dtype) for t in taps.values()}
 
@@ -205,7 +217,7 @@ class _GGN(_Base):
             for k, w in zip(gen, wg):
                 w_all[k] = w
             rec: dict = {}
-            (z,) = prog.run(w_all, xl, eps, rec)
+            (z,) = prog.run(w_all, others, xl, eps, rec)
             return _head(z, self.options), rec
 
         zp, vjp_fn, rec = jax.vjp(fwd, eps0, [ws[k] for k in gen], has_aux=True)
@@ -225,8 +237,10 @@ class _GGN(_Base):
                 out[k] = self._group_sum(grads**2)
         return out
 
-    def _chunk(self, ws, xl, keys):
-        outs = jax.vmap(self._per_example, in_axes=(None, 0, 0))(ws, xl, keys)
+    def _chunk(self, ws, others, xl, root, offset):
+        m = jax.tree_util.tree_leaves(xl)[0].shape[0]
+        keys = jax.vmap(lambda i: jax.random.fold_in(root, i))(offset + jnp.arange(m))
+        outs = jax.vmap(self._per_example, in_axes=(None, None, 0, 0))(ws, others, xl, keys)
         res = []
         for k, w in enumerate(ws):
             t = self.taps.get(k)
@@ -247,13 +261,11 @@ class _GGN(_Base):
             res.append(jax.vmap(lambda v: vjp_layout(v)[0])(dwp))
         return res
 
-    def add_batch(self, x, y, n, b, offset):
-        leaves = jax.tree_util.tree_leaves(x)
+    def add_batch(self, xl, y, n, b, offset):
         for s in range(0, n, self.chunk):
             e = min(s + self.chunk, n)
-            xl = [a[s:e] for a in leaves]
-            keys = jax.vmap(lambda i: jax.random.fold_in(self.root, i))(jnp.arange(offset + s, offset + e))
-            vals = self.fn(self.ws, xl, keys)
+            chunk = xl if (s, e) == (0, n) else [a[s:e] for a in xl]
+            vals = self.fn(self.ws, self.others, chunk, self.root, offset + s)
             self.sums = [acc + v for acc, v in zip(self.sums, vals)]
 
     def finish(self, examples):

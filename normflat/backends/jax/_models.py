@@ -65,16 +65,32 @@ class ModelView:
     leaves: list
     paths: list[str]
     weights: list[WeightInfo]
-    apply_batch: Callable[[list, Any], Any]
-    apply_example: Callable[[list, Any], Any]
+    extra: list
+    apply_batch: Callable[[list, list, Any], Any]
+    apply_example: Callable[[list, list, Any], Any]
     vmap: bool | None = None
 
-    def with_weights(self, ws: list) -> list:
-        """All leaves with the weight leaves replaced by ``ws``."""
-        leaves = list(self.leaves)
-        for info, w in zip(self.weights, ws):
-            leaves[info.leaf] = w
-        return leaves
+    def split(self) -> tuple[list, list]:
+        """``(weights, others)``: weight leaves in :attr:`weights` order, then every other input leaf."""
+        wid = {w.leaf for w in self.weights}
+        ws = [self.leaves[w.leaf] for w in self.weights]
+        return ws, [a for i, a in enumerate(self.leaves) if i not in wid] + list(self.extra)
+
+    def example_fn(self) -> Callable[[list, list, Any], Any]:
+        """``(weights, others, x) -> logits`` of one example (see :meth:`split`)."""
+        wid = [w.leaf for w in self.weights]
+        rest = [i for i in range(len(self.leaves)) if i not in set(wid)]
+        n_rest = len(rest)
+
+        def f(ws, others, x):
+            leaves = [None] * len(self.leaves)
+            for i, w in zip(wid, ws):
+                leaves[i] = w
+            for i, a in zip(rest, others[:n_rest]):
+                leaves[i] = a
+            return self.apply_example(leaves, list(others[n_rest:]), x)
+
+        return f
 
 
 def path_str(path) -> str:
@@ -207,7 +223,7 @@ def _equinox(model, x0, dtype, vmap, state):
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [path_str(p) for p, _ in flat]
     leaves = [jnp.asarray(a, dtype=dtype) for _, a in flat]
-    st = _cast(state, dtype) if state is not None else None
+    st_leaves, st_def = jax.tree_util.tree_flatten(_cast(state, dtype)) if state is not None else ([], None)
     types = {}
     for (p, leaf), path in zip(flat, paths):
         parent = _walk(model, p[:-1])
@@ -217,8 +233,9 @@ def _equinox(model, x0, dtype, vmap, state):
         elif last == "weight" and isinstance(parent, eqx.nn.Conv) and not isinstance(parent, eqx.nn.ConvTranspose):
             types[path] = (_conv_kind(np.ndim(leaf)), "canonical")
 
-    def call(leaves, x):
+    def call(leaves, extra, x):
         m = eqx.combine(jax.tree_util.tree_unflatten(treedef, leaves), static)
+        st = jax.tree_util.tree_unflatten(st_def, extra) if st_def is not None else None
         out = m(x, st) if st is not None else m(x)
         if st is not None:
             if not (isinstance(out, tuple) and len(out) == 2):
@@ -227,17 +244,17 @@ def _equinox(model, x0, dtype, vmap, state):
         return out
 
     if vmap is None:
-        vmap = _detect_vmap(call, leaves, x0)
+        vmap = _detect_vmap(lambda l, x: call(l, st_leaves, x), leaves, x0)
     if vmap:
-        def apply_batch(leaves, x):
-            return jax.vmap(call, in_axes=(None, 0))(leaves, x)
+        def apply_batch(leaves, extra, x):
+            return jax.vmap(call, in_axes=(None, None, 0))(leaves, extra, x)
         apply_example = call
     else:
         apply_batch = call
 
-        def apply_example(leaves, x):
-            return call(leaves, jax.tree_util.tree_map(lambda a: a[None], x))[0]
-    return ModelView("equinox", leaves, paths, [], apply_batch, apply_example, vmap), types
+        def apply_example(leaves, extra, x):
+            return call(leaves, extra, jax.tree_util.tree_map(lambda a: a[None], x))[0]
+    return ModelView("equinox", leaves, paths, [], st_leaves, apply_batch, apply_example, vmap), types
 
 
 def _detect_vmap(call, leaves, x0) -> bool:
@@ -279,7 +296,7 @@ def _nnx(model, dtype):
     clean = [p[:-1] if p and getattr(p[-1], "name", None) == "value" else p for p, _ in flat]
     paths = [path_str(p) for p in clean]
     leaves = [jnp.asarray(a, dtype=dtype) for _, a in flat]
-    rest = _cast(rest, dtype)
+    rest_leaves, rest_def = jax.tree_util.tree_flatten(_cast(rest, dtype))
     types = {}
     for (_, leaf), p, path in zip(flat, clean, paths):
         parent = _walk(clone, p[:-1])
@@ -290,13 +307,14 @@ def _nnx(model, dtype):
         elif isinstance(parent, nnx.Conv) and not isinstance(parent, nnx.ConvTranspose):
             types[path] = (_conv_kind(np.ndim(leaf)), "flax")
 
-    def apply_batch(leaves, x):
-        return nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, leaves), rest)(x)
+    def apply_batch(leaves, extra, x):
+        return nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, leaves),
+                         jax.tree_util.tree_unflatten(rest_def, extra))(x)
 
-    def apply_example(leaves, x):
-        return apply_batch(leaves, jax.tree_util.tree_map(lambda a: a[None], x))[0]
+    def apply_example(leaves, extra, x):
+        return apply_batch(leaves, extra, jax.tree_util.tree_map(lambda a: a[None], x))[0]
 
-    return ModelView("flax.nnx", leaves, paths, [], apply_batch, apply_example), types
+    return ModelView("flax.nnx", leaves, paths, [], rest_leaves, apply_batch, apply_example), types
 
 
 # ----------------------------------------------------------------------------- flax linen
@@ -310,17 +328,18 @@ def _linen(module, variables, x0, dtype, apply_kwargs):
             "A flax linen model is passed as (module, variables) with variables = module.init(...), a "
             f"mapping with a 'params' collection; got {type(variables).__name__}."
         )
-    others = _cast({k: v for k, v in variables.items() if k != "params"}, dtype)
+    o_leaves, o_def = jax.tree_util.tree_flatten(_cast({k: v for k, v in variables.items() if k != "params"}, dtype))
     flat, treedef = jax.tree_util.tree_flatten_with_path(variables["params"])
     paths = [path_str(p) for p, _ in flat]
     leaves = [jnp.asarray(a, dtype=dtype) for _, a in flat]
 
-    def apply_batch(leaves, x):
+    def apply_batch(leaves, extra, x):
+        others = jax.tree_util.tree_unflatten(o_def, extra)
         return module.apply({**others, "params": jax.tree_util.tree_unflatten(treedef, leaves)}, x,
                             **apply_kwargs)
 
-    def apply_example(leaves, x):
-        return apply_batch(leaves, jax.tree_util.tree_map(lambda a: a[None], x))[0]
+    def apply_example(leaves, extra, x):
+        return apply_batch(leaves, extra, jax.tree_util.tree_map(lambda a: a[None], x))[0]
 
     # The module types behind each parameter path, recorded during one abstract call.
     seen: dict[tuple, type] = {}
@@ -330,7 +349,7 @@ def _linen(module, variables, x0, dtype, apply_kwargs):
         return f(*args, **kwargs)
 
     with nn.intercept_methods(interceptor):
-        _check_linen_call(lambda: jax.eval_shape(apply_batch, leaves, x0))
+        _check_linen_call(lambda: jax.eval_shape(apply_batch, leaves, o_leaves, x0))
     types = {}
     for (p, leaf), path in zip(flat, paths):
         owner = seen.get(tuple(path_str([k]) for k in p[:-1]))
@@ -340,7 +359,7 @@ def _linen(module, variables, x0, dtype, apply_kwargs):
             types[path] = ("dense", "flax")
         elif owner is not None and issubclass(owner, nn.Conv):
             types[path] = (_conv_kind(np.ndim(leaf)), "flax")
-    return ModelView("flax.linen", leaves, paths, [], apply_batch, apply_example), types
+    return ModelView("flax.linen", leaves, paths, [], o_leaves, apply_batch, apply_example), types
 
 
 def _check_linen_call(fn):
@@ -365,21 +384,23 @@ def _pair(apply_fn, params, dtype, apply_kwargs):
     # Flax-style variables {'params': ..., 'batch_stats': ...}: only 'params' holds weights.
     collections = "params" in params and isinstance(params["params"], Mapping)
     tree = params["params"] if collections else params
-    others = _cast({k: v for k, v in params.items() if k != "params"}, dtype) if collections else None
+    o_leaves, o_def = jax.tree_util.tree_flatten(
+        _cast({k: v for k, v in params.items() if k != "params"}, dtype) if collections else {})
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     paths = [path_str(p) for p, _ in flat]
     leaves = [jnp.asarray(a, dtype=dtype) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating) else a
               for _, a in flat]
 
-    def apply_batch(leaves, x):
+    def apply_batch(leaves, extra, x):
         t = jax.tree_util.tree_unflatten(treedef, leaves)
+        others = jax.tree_util.tree_unflatten(o_def, extra)
         return apply_fn({**others, "params": t} if collections else t, x, **apply_kwargs)
 
-    def apply_example(leaves, x):
-        return apply_batch(leaves, jax.tree_util.tree_map(lambda a: a[None], x))[0]
+    def apply_example(leaves, extra, x):
+        return apply_batch(leaves, extra, jax.tree_util.tree_map(lambda a: a[None], x))[0]
 
     types = {}
     for path, leaf in zip(paths, leaves):
         if path.rpartition("/")[2] == "kernel" and 2 <= np.ndim(leaf) <= 5:
             types[path] = (_conv_kind(np.ndim(leaf)), "flax")
-    return ModelView("jax", leaves, paths, [], apply_batch, apply_example), types
+    return ModelView("jax", leaves, paths, [], o_leaves, apply_batch, apply_example), types

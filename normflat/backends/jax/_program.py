@@ -76,19 +76,30 @@ class Program:
     ops: list[_Op]
     consts: dict[int, Any]
     weight_refs: list[int]
+    other_refs: list[int]
     x_refs: list[int]
     out_refs: list[Any]
     shapes: dict[int, tuple] = field(default_factory=dict)
     taps: list[Tap] = field(default_factory=list)
     first_use: list[float] = field(default_factory=list)
+    text: str = ""
+
+    def reorder(self, order: Sequence[int]) -> None:
+        """Permute the weight inputs: new weight ``j`` is old weight ``order[j]``."""
+        new_index = {old: new for new, old in enumerate(order)}
+        self.weight_refs = [self.weight_refs[k] for k in order]
+        self.first_use = [self.first_use[k] for k in order]
+        for t in self.taps:
+            t.weight = new_index[t.weight]
 
     # ------------------------------------------------------------------ evaluation
 
-    def run(self, weights: Sequence[Any], x_leaves: Sequence[Any], eps: dict[int, Any] | None = None,
-            record: dict[int, Any] | None = None) -> list[Any]:
+    def run(self, weights: Sequence[Any], others: Sequence[Any], x_leaves: Sequence[Any],
+            eps: dict[int, Any] | None = None, record: dict[int, Any] | None = None) -> list[Any]:
         """Evaluate the program; add ``eps[op]`` to tap outputs, store tap activations in ``record``."""
         env: dict[int, Any] = dict(self.consts)
         env.update(zip(self.weight_refs, weights))
+        env.update(zip(self.other_refs, others))
         env.update(zip(self.x_refs, x_leaves))
         tap_at = {t.op: t for t in self.taps}
 
@@ -136,9 +147,9 @@ class Program:
 # ---------------------------------------------------------------------- tracing
 
 
-def trace_program(fn: Callable, weights: Sequence[Any], x_leaves: Sequence[Any]) -> Program:
-    """Trace ``fn(weights, x_leaves) -> logits`` and return its analysed flat program."""
-    closed = jax.make_jaxpr(fn)(list(weights), list(x_leaves))
+def trace_program(fn: Callable, weights: Sequence[Any], others: Sequence[Any], x_leaves: Sequence[Any]) -> Program:
+    """Trace ``fn(weights, others, x_leaves) -> [logits]`` and return its analysed flat program."""
+    closed = jax.make_jaxpr(fn)(list(weights), list(others), list(x_leaves))
     counter = [0]
     ops: list[_Op] = []
     consts: dict[int, Any] = {}
@@ -180,13 +191,14 @@ def trace_program(fn: Callable, weights: Sequence[Any], x_leaves: Sequence[Any])
                 env[v] = ("ref", r)
         return [atom(v) for v in jaxpr.outvars]
 
-    n_w = len(weights)
+    n_w, n_o = len(weights), len(others)
     in_atoms = [("ref", fresh()) for _ in closed.jaxpr.invars]
     for v, a in zip(closed.jaxpr.invars, in_atoms):
         shapes[a[1]] = tuple(v.aval.shape)
     out_atoms = inline(closed.jaxpr, closed.consts, in_atoms)
-    prog = Program(ops, consts, [a[1] for a in in_atoms[:n_w]], [a[1] for a in in_atoms[n_w:]], out_atoms,
-                   shapes)
+    refs = [a[1] for a in in_atoms]
+    prog = Program(ops, consts, refs[:n_w], refs[n_w:n_w + n_o], refs[n_w + n_o:], out_atoms, shapes)
+    prog.text = str(closed.jaxpr)
     _analyse(prog, n_w)
     return prog
 

@@ -1,0 +1,179 @@
+"""Benchmark: normflat's GGN diagonal in Keras/TensorFlow against one gradient, next to PyTorch.
+
+Problems (float32, random data, 10 classes), the same as ``benchmarks/torch_diag.py``:
+
+* ``mlp``: 784-512-256-10 ReLU MLP, batch 128;
+* ``3c3d``: the DeepOBS 3C3D CIFAR-10 CNN (three conv + max-pool blocks, two
+  hidden dense layers), batch 32 (NHWC in Keras).
+
+Methods, all with ``loss="ce"``: one gradient of the mean cross-entropy with
+respect to all trainable variables (a ``tf.function``-compiled
+``GradientTape``, as in ``model.fit`` without the optimizer step), normflat
+``estimator="ggn"`` and ``"ggn-mc"`` (one sample) through the public
+``normflat.hessian_diagonal``. Times are medians of ``repeats`` rounds after a
+warm-up (which also traces the compiled functions); the methods alternate
+within each round. Results are reported as multiples of one gradient, next to
+the PyTorch figures measured in the same run by
+``benchmarks.torch_diag.torch_figures``.
+
+Run::
+
+    python -m benchmarks.keras_diag [--repeats 5] [--no-torch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+
+__all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "METHODS", "make_problem", "keras_figures", "main"]
+
+METHODS = ("gradient", "normflat_ggn", "normflat_ggn_mc")
+
+
+def mlp():
+    """784-512-256-10 ReLU MLP on 28x28x1 images."""
+    import keras
+
+    L = keras.layers
+    return keras.Sequential([keras.Input((28, 28, 1)), L.Flatten(), L.Dense(512, activation="relu"),
+                             L.Dense(256, activation="relu"), L.Dense(10)], name="mlp")
+
+
+def cnn_3c3d():
+    """DeepOBS 3C3D CIFAR-10 network, NHWC."""
+    import keras
+
+    L = keras.layers
+    return keras.Sequential([
+        keras.Input((32, 32, 3)),
+        L.Conv2D(64, 5, activation="relu"), L.MaxPooling2D(3, strides=2, padding="same"),
+        L.Conv2D(96, 3, activation="relu"), L.MaxPooling2D(3, strides=2, padding="same"),
+        L.Conv2D(128, 3, padding="same", activation="relu"), L.MaxPooling2D(3, strides=2, padding="same"),
+        L.Flatten(), L.Dense(512, activation="relu"), L.Dense(256, activation="relu"), L.Dense(10),
+    ], name="3c3d")
+
+
+#: name -> (model factory, input shape with batch axis)
+PROBLEMS: dict[str, tuple[Callable[[], Any], tuple[int, ...]]] = {
+    "mlp": (mlp, (128, 28, 28, 1)),
+    "3c3d": (cnn_3c3d, (32, 32, 32, 3)),
+}
+
+
+def make_problem(name: str, seed: int = 0):
+    """Model (float32) and one batch ``(x, y)`` as tensors."""
+    import keras
+    import tensorflow as tf
+
+    factory, shape = PROBLEMS[name]
+    keras.utils.set_random_seed(seed)
+    model = factory()
+    rng = np.random.default_rng(seed)
+    x = tf.constant(rng.normal(size=shape).astype("float32"))
+    y = tf.constant(rng.integers(0, 10, size=shape[0]))
+    return model, x, y
+
+
+def _runner(method: str, model, x, y) -> Callable[[], Any]:
+    import tensorflow as tf
+
+    import normflat
+
+    if method == "gradient":
+        variables = model.trainable_variables
+
+        @tf.function
+        def gradient(x, y):
+            with tf.GradientTape() as tape:
+                logits = model(x, training=False)
+                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+            return tape.gradient(loss, variables)
+
+        def run():
+            return [g.numpy() for g in gradient(x, y)][-1]  # .numpy(): wait for the result
+        return run
+    estimator = {"normflat_ggn": "ggn", "normflat_ggn_mc": "ggn-mc"}[method]
+
+    def run():
+        out = normflat.hessian_diagonal(model, (x, y), loss="ce", estimator=estimator, progress=False,
+                                        batch_size=int(x.shape[0]))
+        return [v.numpy() for v in out.values()]
+    return run
+
+
+def _time_interleaved(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    for run in runs.values():
+        run()  # warm-up: traces the compiled functions
+    times: dict[str, list[float]] = {m: [] for m in runs}
+    for _ in range(repeats):
+        for m, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            times[m].append(time.perf_counter() - t0)
+    return {m: statistics.median(t) for m, t in times.items()}
+
+
+def keras_figures(repeats: int = 5, problems: tuple[str, ...] = tuple(PROBLEMS)) -> dict[str, dict[str, Any]]:
+    """``{problem: {"seconds": {method: s}, "x_gradient": {method: multiple of one gradient}}}``."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in problems:
+        model, x, y = make_problem(name)
+        seconds = _time_interleaved({m: _runner(m, model, x, y) for m in METHODS}, repeats)
+        out[name] = {"seconds": seconds, "x_gradient": {m: seconds[m] / seconds["gradient"] for m in METHODS}}
+    return out
+
+
+def _device() -> str:
+    import tensorflow as tf
+
+    gpus = tf.config.list_logical_devices("GPU")
+    return gpus[0].name if gpus else "CPU"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch figures")
+    args = parser.parse_args(argv)
+
+    keras_fig = keras_figures(args.repeats)
+    torch_fig = None
+    if not args.no_torch:
+        try:
+            from benchmarks.torch_diag import torch_figures
+        except ImportError as err:
+            print(f"(no PyTorch figures: {err})")
+        else:
+            torch_fig = torch_figures(repeats=args.repeats, device="cpu", memory=False)
+
+    import keras
+    import tensorflow as tf
+
+    print(f"keras {keras.__version__}, tensorflow {tf.__version__}, device {_device()}, "
+          f"median of {args.repeats}")
+    header = f"{'problem':8} {'method':17} {'keras s':>9} {'keras xgrad':>12}"
+    if torch_fig:
+        header += f" {'torch s':>9} {'torch xgrad':>12} {'keras/torch':>12}"
+    print(header)
+    for name, fig in keras_fig.items():
+        for m in METHODS:
+            line = f"{name:8} {m:17} {fig['seconds'][m]:9.4f} {fig['x_gradient'][m]:12.2f}"
+            if torch_fig:
+                tf_ = torch_fig[name]
+                line += (f" {tf_['seconds'][m]:9.4f} {tf_['x_gradient'][m]:12.2f}"
+                         f" {fig['x_gradient'][m] / tf_['x_gradient'][m]:12.2f}")
+            print(line)
+    return {"keras": keras_fig, "torch": torch_fig}
+
+
+if __name__ == "__main__":
+    main()

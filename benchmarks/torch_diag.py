@@ -1,0 +1,233 @@
+"""Benchmark: normflat's GGN diagonal in PyTorch against one gradient and BackPACK.
+
+Problems (float32, random data, 10 classes):
+
+* ``mlp``: 784-512-256-10 ReLU MLP, batch 128;
+* ``3c3d``: the DeepOBS 3C3D CIFAR-10 CNN (three conv + max-pool blocks, two
+  hidden dense layers), batch 32.
+
+Methods: one gradient of the mean cross-entropy (``loss.backward()``), BackPACK
+``DiagGGNExact``, normflat ``estimator="ggn"`` and ``"ggn-mc"`` (one sample),
+all with ``loss="ce"`` so the diagonals are the same quantity. Times are the
+median of ``repeats`` runs after one warm-up run (methods
+alternate within each round); peak memory is the peak
+resident-set growth of one run in a fresh process (CPU) or
+``torch.cuda.max_memory_allocated`` (CUDA).
+
+Run::
+
+    python -m benchmarks.torch_diag [--repeats 5] [--device cpu] [--no-memory]
+
+Other benchmarks import :func:`torch_figures` (and the model factories) to
+print the torch figures next to their own.
+
+BackPACK is a benchmark-only dependency, see ``requirements-bench.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import multiprocessing as mp
+import resource
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+import normflat
+
+__all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "METHODS", "make_problem", "torch_figures", "main"]
+
+
+def mlp() -> nn.Module:
+    """784-512-256-10 ReLU MLP on flattened 28x28 images."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(),
+                         nn.Linear(256, 10))
+
+
+def cnn_3c3d() -> nn.Module:
+    """DeepOBS 3C3D CIFAR-10 network (as in BackPACK's benchmarks)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 64, 5), nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1),
+        nn.Conv2d(64, 96, 3), nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1),
+        nn.Conv2d(96, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1),
+        nn.Flatten(), nn.Linear(1152, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10),
+    )
+
+
+#: name -> (model factory, input shape with batch axis)
+PROBLEMS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "mlp": (mlp, (128, 1, 28, 28)),
+    "3c3d": (cnn_3c3d, (32, 3, 32, 32)),
+}
+METHODS = ("gradient", "backpack", "normflat_ggn", "normflat_ggn_mc")
+
+
+def make_problem(name: str, device: str = "cpu", seed: int = 0):
+    """Model (eval mode, float32) and one batch ``(x, y)`` of the named problem."""
+    factory, shape = PROBLEMS[name]
+    torch.manual_seed(seed)
+    model = factory().to(device).eval()
+    x = torch.randn(*shape, device=device)
+    y = torch.randint(0, 10, (shape[0],), device=device)
+    return model, x, y
+
+
+def _runner(method: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], Any]:
+    if method == "gradient":
+        loss_fn = nn.CrossEntropyLoss()
+
+        def run():
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            return [p.grad for p in model.parameters()]
+        return run
+    if method == "backpack":
+        from backpack import backpack, extend
+        from backpack.extensions import DiagGGNExact
+
+        bp_model = extend(copy.deepcopy(model))
+        loss_fn = extend(nn.CrossEntropyLoss())
+
+        def run():
+            bp_model.zero_grad(set_to_none=True)
+            with backpack(DiagGGNExact()):
+                loss_fn(bp_model(x), y).backward()
+            return {name: p.diag_ggn_exact for name, p in bp_model.named_parameters()
+                    if name.endswith("weight")}
+        return run
+    estimator = {"normflat_ggn": "ggn", "normflat_ggn_mc": "ggn-mc"}[method]
+
+    def run():
+        return normflat.hessian_diagonal(model, (x, y), loss="ce", estimator=estimator, progress=False)
+    return run
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _time_interleaved(runs: dict[str, Callable[[], Any]], repeats: int, device: str) -> dict[str, float]:
+    """Median seconds per method; the methods alternate within each round so that load
+    from other processes affects them alike."""
+    for run in runs.values():
+        run()  # warm-up
+    times: dict[str, list[float]] = {m: [] for m in runs}
+    for _ in range(repeats):
+        for m, run in runs.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            run()
+            _sync(device)
+            times[m].append(time.perf_counter() - t0)
+    return {m: statistics.median(t) for m, t in times.items()}
+
+
+def _peak_worker(problem: str, method: str, device: str, queue) -> None:
+    model, x, y = make_problem(problem, device)
+    run = _runner(method, model, x, y)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        run()
+        torch.cuda.synchronize()
+        queue.put((torch.cuda.max_memory_allocated() - base) / 2**20)
+        return
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    run()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    queue.put((after - before) / 1024)  # ru_maxrss is in KiB on Linux
+
+
+def _peak_mib(problem: str, method: str, device: str) -> float:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_peak_worker, args=(problem, method, device, queue))
+    proc.start()
+    value = queue.get(timeout=600)
+    proc.join()
+    return float(value)
+
+
+def _max_rel_diff(a: dict, b: dict) -> float:
+    worst = 0.0
+    for name, da in a.items():
+        db = b[name].to(da)
+        worst = max(worst, float((da - db).abs().max() / db.abs().max().clamp_min(1e-30)))
+    return worst
+
+
+def torch_figures(repeats: int = 5, device: str = "cpu", memory: bool = True,
+                  problems: tuple[str, ...] = tuple(PROBLEMS)) -> dict[str, dict[str, Any]]:
+    """Measure every method on every problem.
+
+    Returns:
+        ``{problem: {"seconds": {method: s}, "x_gradient": {method: multiple of one
+        gradient}, "ratio_vs_backpack": {"normflat_ggn": r, "normflat_ggn_mc": r},
+        "peak_mib": {method: MiB} (if memory), "max_rel_diff_ggn_vs_backpack": d}}``.
+        BackPACK figures are ``None`` when it is not installed.
+    """
+    try:
+        import backpack  # noqa: F401
+        have_backpack = True
+    except ImportError:
+        have_backpack = False
+    methods = [m for m in METHODS if have_backpack or m != "backpack"]
+    out: dict[str, dict[str, Any]] = {}
+    for name in problems:
+        model, x, y = make_problem(name, device)
+        seconds = _time_interleaved({m: _runner(m, model, x, y) for m in methods}, repeats, device)
+        fig: dict[str, Any] = {"seconds": seconds,
+                               "x_gradient": {m: seconds[m] / seconds["gradient"] for m in methods}}
+        if have_backpack:
+            fig["ratio_vs_backpack"] = {m: seconds[m] / seconds["backpack"]
+                                        for m in ("normflat_ggn", "normflat_ggn_mc")}
+            ours = _runner("normflat_ggn", model, x, y)()
+            theirs = _runner("backpack", model, x, y)()
+            fig["max_rel_diff_ggn_vs_backpack"] = _max_rel_diff(
+                {k: v for k, v in ours.items()}, {k[: -len(".weight")]: v for k, v in theirs.items()})
+        else:
+            fig["ratio_vs_backpack"] = None
+            fig["max_rel_diff_ggn_vs_backpack"] = None
+        if memory:
+            fig["peak_mib"] = {m: _peak_mib(name, m, device) for m in methods}
+        out[name] = fig
+    return out
+
+
+def format_figures(figs: dict[str, dict[str, Any]]) -> str:
+    """A plain-text table of :func:`torch_figures`' result."""
+    lines = []
+    for name, fig in figs.items():
+        lines.append(f"{name}:")
+        lines.append(f"  {'method':<18}{'median s':>11}{'x gradient':>12}{'peak MiB':>10}")
+        for m, s in fig["seconds"].items():
+            mem = fig.get("peak_mib", {}).get(m)
+            mem_s = f"{mem:10.1f}" if mem is not None else f"{'-':>10}"
+            lines.append(f"  {m:<18}{s:11.4f}{fig['x_gradient'][m]:12.2f}{mem_s}")
+        if fig["ratio_vs_backpack"]:
+            r = fig["ratio_vs_backpack"]
+            lines.append(f"  normflat/BackPACK: ggn {r['normflat_ggn']:.2f}x, ggn-mc {r['normflat_ggn_mc']:.2f}x; "
+                         f"max relative difference of the diagonals {fig['max_rel_diff_ggn_vs_backpack']:.1e}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
+    parser.add_argument("--problems", nargs="*", default=list(PROBLEMS), choices=list(PROBLEMS))
+    args = parser.parse_args(argv)
+    figs = torch_figures(args.repeats, args.device, memory=not args.no_memory, problems=tuple(args.problems))
+    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}")
+    print(format_figures(figs))
+
+
+if __name__ == "__main__":
+    main()

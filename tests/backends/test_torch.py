@@ -1,0 +1,729 @@
+"""PyTorch backend: estimators against float64 brute force, model safety, bad input."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+from tests.builders import require_frameworks
+
+require_frameworks("torch")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.func import functional_call, hessian, jacrev  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import normflat  # noqa: E402
+from normflat.backends import torch as tb  # noqa: E402
+from normflat.core.options import NSCE_EPS  # noqa: E402
+
+DT = torch.float64
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class Residual(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+def _randomize_bn(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.running_mean.copy_(0.2 * torch.randn(m.num_features, generator=g))
+                m.running_var.copy_(0.5 + torch.rand(m.num_features, generator=g))
+                m.weight.copy_(1 + 0.2 * torch.randn(m.num_features, generator=g))
+                m.bias.copy_(0.1 * torch.randn(m.num_features, generator=g))
+    return model
+
+
+def mlp_tanh():
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+
+
+def mlp_relu():
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 5), nn.ReLU(inplace=True), nn.Linear(5, 3))
+
+
+def cnn_relu():
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(4, 4, 3, padding=1, groups=2), nn.ReLU(inplace=True), nn.Flatten(),
+                         nn.Linear(36, 3))
+
+
+def cnn_smooth():
+    return nn.Sequential(nn.Conv2d(2, 3, 3, stride=2, padding=1, padding_mode="reflect"), nn.BatchNorm2d(3),
+                         nn.Tanh(), nn.Conv2d(3, 4, 2, dilation=2, padding="same"), nn.Softplus(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 5), nn.LayerNorm(5),
+                         nn.GELU(), nn.Dropout(0.5), nn.Linear(5, 3))
+
+
+def res_block():
+    return nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), Residual(3),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 3))
+
+
+def conv_nd():
+    return nn.Sequential(nn.Conv1d(2, 4, 3, stride=2, padding=1), nn.ReLU(), nn.Conv1d(4, 4, 2, groups=4),
+                         nn.ReLU(), nn.Flatten(), nn.Linear(12, 3))
+
+
+def conv3d():
+    return nn.Sequential(nn.Conv3d(1, 2, 2, padding=1, padding_mode="circular"), nn.ReLU(),
+                         nn.Conv3d(2, 4, (1, 2, 2), stride=(1, 2, 1), groups=2), nn.ReLU(),
+                         nn.AdaptiveMaxPool3d(1), nn.Flatten(), nn.Linear(4, 3))
+
+
+def conv_transpose():
+    return nn.Sequential(nn.ConvTranspose2d(2, 4, 3, stride=2, padding=1, output_padding=1, groups=2),
+                         nn.ReLU(), nn.ConvTranspose2d(4, 2, 2, dilation=2), nn.ReLU(), nn.Flatten(),
+                         nn.LazyLinear(3))
+
+
+MODELS = {  # name -> (factory, input shape per sample)
+    "mlp_tanh": (mlp_tanh, (4,)),
+    "mlp_relu": (mlp_relu, (4,)),
+    "cnn_relu": (cnn_relu, (2, 6, 6)),
+    "cnn_smooth": (cnn_smooth, (2, 6, 6)),
+    "res_block": (res_block, (2, 4, 4)),
+    "conv1d": (conv_nd, (2, 8)),
+    "conv3d": (conv3d, (1, 3, 3, 3)),
+    "conv_transpose": (conv_transpose, (2, 3, 3)),
+}
+
+
+def make(name, n=7, seed=0, dtype=DT):
+    factory, shape = MODELS[name]
+    torch.manual_seed(seed)
+    model = factory()
+    x = torch.randn(n, *shape)
+    model(x)  # materialize lazy modules
+    model = _randomize_bn(model, seed).to(dtype).eval()
+    y = torch.randint(0, 3, (n,))
+    return model, x.to(dtype), y
+
+
+def weight_names(model):
+    return {name: (name[: -len(".weight")] if name != "weight" else type(model).__name__)
+            for name, p in model.named_parameters() if name.endswith("weight") and p.dim() >= 2}
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def loss_fn(loss, logits, y, tau=1.0):
+    if loss == "ce":
+        return F.cross_entropy(logits, y)
+    z = logits - logits.mean(1, keepdim=True)
+    z = z / torch.sqrt((z**2).mean(1, keepdim=True) + NSCE_EPS)
+    return F.cross_entropy(tau * z, y)
+
+
+def brute_hessian_diag(model, x, y, loss="ce"):
+    """Diagonal of torch.func.hessian of the mean loss, per weight tensor (torch layout)."""
+    out = {}
+    for pname, lname in weight_names(model).items():
+        w = dict(model.named_parameters())[pname].detach()
+
+        def f(wt):
+            return loss_fn(loss, functional_call(model, {pname: wt}, (x,), strict=False), y)
+
+        out[lname] = hessian(f)(w).reshape(w.numel(), w.numel()).diagonal().reshape(w.shape).detach()
+    return out
+
+
+def brute_ggn_diag(model, x, y, loss="ce", tau=1.0):
+    """diag(Σ_n J_nᵀ (diag p − p pᵀ) J_n)/N with J the Jacobian of the (normalized) logits."""
+    out = {}
+    for pname, lname in weight_names(model).items():
+        w = dict(model.named_parameters())[pname].detach()
+
+        def z_of(wt):
+            z = functional_call(model, {pname: wt}, (x,), strict=False)
+            if loss == "nsce":
+                z = z - z.mean(1, keepdim=True)
+                z = tau * z / torch.sqrt((z**2).mean(1, keepdim=True) + NSCE_EPS)
+            return z
+
+        z = z_of(w).detach()
+        p = torch.softmax(z, 1)
+        hout = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+        J = jacrev(z_of)(w).reshape(z.shape[0], z.shape[1], -1)  # (N, C, P)
+        ggn = (torch.matmul(hout, J) * J).sum((0, 1)) / z.shape[0]  # diag of Σ_n J_nᵀ H_n J_n
+        out[lname] = ggn.reshape(w.shape).detach()
+    return out
+
+
+def canonical(model, name, t):
+    mod = dict(model.named_modules())[name]
+    if isinstance(mod, nn.modules.conv._ConvTransposeNd):
+        g = mod.groups
+        cin, cout_g, *k = t.shape
+        return t.reshape(g, cin // g, cout_g, *k).transpose(1, 2).reshape(g * cout_g, cin // g, *k)
+    return t
+
+
+def assert_diag_close(got, want, model, atol=1e-8, rtol=1e-7):
+    assert list(got) == list(want), "layers or their order differ"
+    for name in want:
+        w = canonical(model, name, want[name])
+        assert got[name].shape == w.shape, name
+        torch.testing.assert_close(got[name], w, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+def nf(model, data, **kw):
+    kw.setdefault("progress", False)
+    return normflat.hessian_diagonal(model, data, **kw)
+
+
+# ----------------------------------------------------------------------------- exact
+
+
+@pytest.mark.parametrize("name", ["mlp_tanh", "cnn_relu", "res_block", "cnn_smooth", "conv_transpose"])
+@pytest.mark.parametrize("loss", ["ce", "nsce"])
+def test_exact_matches_torch_func_hessian(name, loss):
+    model, x, y = make(name)
+    got = nf(model, (x, y), loss=loss, estimator="exact")
+    assert_diag_close(got, brute_hessian_diag(model, x, y, loss), model, atol=1e-10, rtol=1e-8)
+
+
+def test_exact_custom_loss_callable_and_uneven_batches():
+    model, x, y = make("mlp_tanh", n=10)
+
+    def my_loss(logits, labels):
+        return F.cross_entropy(logits, labels) + 0.1 * (logits**2).mean()
+
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)  # batches 4, 4, 2: mean over all samples
+    got = nf(model, loader, loss=my_loss, estimator="exact")
+    want = {}
+    for pname, lname in weight_names(model).items():
+        w = dict(model.named_parameters())[pname].detach()
+        f = lambda wt, pname=pname: my_loss(functional_call(model, {pname: wt}, (x,), strict=False), y)  # noqa: E731
+        want[lname] = hessian(f)(w).reshape(w.numel(), w.numel()).diagonal().reshape(w.shape)
+    assert_diag_close(got, want, model, atol=1e-10, rtol=1e-8)
+
+
+def test_exact_size_limit_and_force():
+    model, x, y = make("mlp_tanh")
+    with pytest.raises(ValueError, match="force=True"):
+        nf(model, (x, y), estimator="exact", max_exact_params=10)
+    forced = nf(model, (x, y), estimator="exact", max_exact_params=10, force=True)
+    assert_diag_close(forced, nf(model, (x, y), estimator="exact"), model, atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------- ggn
+
+
+@pytest.mark.parametrize("name", ["mlp_relu", "cnn_relu", "conv1d", "conv3d", "conv_transpose"])
+def test_ggn_equals_exact_hessian_on_piecewise_linear_nets_with_ce(name):
+    model, x, y = make(name)
+    exact = brute_hessian_diag(model, x, y, "ce")
+    report = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert all(layer.details["path"] == "fast" for layer in report.layers)
+    assert_diag_close(nf(model, (x, y), loss="ce", estimator="ggn"), exact, model, atol=1e-10, rtol=1e-8)
+    generic = nf(model, (x, y), loss="ce", estimator="ggn", fast=False)
+    assert_diag_close(generic, exact, model, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("name", ["mlp_tanh", "cnn_smooth", "res_block", "conv_transpose"])
+@pytest.mark.parametrize("loss", ["ce", "nsce"])
+def test_ggn_matches_brute_force_jhj(name, loss):
+    model, x, y = make(name)
+    want = brute_ggn_diag(model, x, y, loss, tau=1.7)
+    fast = normflat.analyze(model, (x, y), loss=loss, estimator="ggn", temperature=1.7, progress=False)
+    assert [layer.details["path"] for layer in fast.layers] == ["fast"] * len(want)
+    assert_diag_close(nf(model, (x, y), loss=loss, estimator="ggn", temperature=1.7), want, model)
+    assert_diag_close(nf(model, (x, y), loss=loss, estimator="ggn", temperature=1.7, fast=False), want, model)
+
+
+def test_ggn_differs_from_hessian_on_smooth_net():
+    # Guards against a reference that cannot tell the GGN from the Hessian.
+    model, x, y = make("mlp_tanh")
+    ggn, hess = brute_ggn_diag(model, x, y), brute_hessian_diag(model, x, y)
+    assert max(float((ggn[k] - hess[k]).abs().max()) for k in ggn) > 1e-4
+
+
+class SharedAndFunctional(nn.Module):
+    """Weight reuse the hooks cannot see: a module called twice, a weight used functionally,
+    a Linear applied to a sequence (per-sample gradients sum over positions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        self.twice = nn.Linear(4, 4)
+        self.seq = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+        self.extra = nn.Linear(4, 4)
+
+    def forward(self, x):  # x: (N, T, 3)
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.twice(torch.tanh(self.twice(h))))
+        h = torch.tanh(self.seq(h)).mean(1)
+        h = h + torch.tanh(F.linear(h, self.extra.weight))  # functional use, module never called
+        return self.head(h)
+
+
+def test_ggn_generic_path_for_shared_and_functional_weights():
+    torch.manual_seed(3)
+    model = SharedAndFunctional().to(DT).eval()
+    x, y = torch.randn(6, 5, 3, dtype=DT), torch.randint(0, 3, (6,))
+    report = normflat.analyze(model, (x, y), loss="nsce", estimator="ggn", progress=False)
+    paths = {layer.name: layer.details["path"] for layer in report.layers}
+    assert paths == {"inp": "fast", "twice": "generic", "seq": "fast", "head": "fast", "extra": "generic"}
+    assert "called 2 times" in report.layer("twice").details["generic_reason"]
+    assert_diag_close(nf(model, (x, y), loss="nsce", estimator="ggn"), brute_ggn_diag(model, x, y, "nsce"), model)
+
+
+def test_tied_weights_reported_once():
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    model = nn.Sequential(a, nn.Tanh(), b, nn.Tanh(), nn.Linear(4, 3)).to(DT).eval()
+    x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+    report = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert [layer.name for layer in report.layers] == ["0", "4"]
+    assert report.layer("0").details["shared_with"] == ["2"]
+    assert report.layer("0").details["path"] == "generic"
+    want = brute_ggn_diag(model, x, y)
+    assert_diag_close(nf(model, (x, y), loss="ce", estimator="ggn"), want, model)
+    assert_diag_close(nf(model, (x, y), loss="ce", estimator="exact"), brute_hessian_diag(model, x, y), model)
+
+
+def test_ggn_chunks_and_batches_give_the_same_mean():
+    model, x, y = make("cnn_smooth", n=11)
+    whole = nf(model, (x, y), estimator="ggn")
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    chunked = nf(model, loader, estimator="ggn", chunk_size=3)
+    batches = [(x[:5], y[:5]), (x[5:], y[5:])]
+    assert_diag_close(chunked, whole, model, atol=1e-12, rtol=1e-10)
+    assert_diag_close(nf(model, iter(batches), estimator="ggn"), whole, model, atol=1e-12, rtol=1e-10)
+    assert_diag_close(nf(model, (x, y), estimator="ggn", max_batches=1), whole, model, atol=0, rtol=0)
+    partial = nf(model, batches, estimator="ggn", max_batches=1)
+    assert_diag_close(partial, nf(model, batches[0], estimator="ggn"), model, atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------- stochastic estimators
+
+
+def _trace_and_se(report):
+    return report.hessian_trace, report.standard_error["hessian_trace"]
+
+
+def test_ggn_mc_converges_to_ggn():
+    model, x, y = make("cnn_smooth", n=6)
+    target = normflat.analyze(model, (x, y), estimator="ggn", progress=False)
+    errors, ses = [], []
+    for samples in (10, 1000):
+        r = normflat.analyze(model, (x, y), estimator="ggn-mc", samples=samples, seed=1, progress=False)
+        trace, se = _trace_and_se(r)
+        assert se > 0
+        errors.append(abs(trace - target.hessian_trace))
+        ses.append(se)
+        # The group estimates are independent: the error is a few standard errors at most.
+        assert errors[-1] < 5 * se
+        for layer, ref in zip(r.layers, target.layers):
+            assert abs(layer.hessian_trace - ref.hessian_trace) < 5 * layer.standard_error["hessian_trace"] + 1e-12
+    # 100x more draws: standard error ~10x smaller.
+    assert ses[1] < ses[0] / 4
+    # Seeded and reproducible; another seed gives another estimate.
+    a = nf(model, (x, y), estimator="ggn-mc", samples=3, seed=5)
+    b = nf(model, (x, y), estimator="ggn-mc", samples=3, seed=5)
+    c = nf(model, (x, y), estimator="ggn-mc", samples=3, seed=6)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+    # Fast and generic paths draw the same labels.
+    g = nf(model, (x, y), estimator="ggn-mc", samples=3, seed=5, fast=False)
+    assert_diag_close(g, a, model, atol=1e-12, rtol=1e-10)
+
+
+def test_ggn_mc_single_draw_has_no_standard_error():
+    model, x, y = make("mlp_relu")
+    r = normflat.analyze(model, (x, y), estimator="ggn-mc", progress=False)
+    assert r.standard_error is None and r.hessian_trace > 0
+
+
+def test_hutchinson_converges_to_exact():
+    model, x, y = make("mlp_tanh", n=6)
+    exact = normflat.analyze(model, (x, y), estimator="exact", progress=False)
+    ses = []
+    for samples in (20, 2000):
+        r = normflat.analyze(model, (x, y), estimator="hutchinson", samples=samples, seed=2, progress=False,
+                             probe_chunk=500)
+        trace, se = _trace_and_se(r)
+        ses.append(se)
+        assert abs(trace - exact.hessian_trace) < 5 * se
+        for layer, ref in zip(r.layers, exact.layers):
+            assert abs(layer.hessian_trace - ref.hessian_trace) < 5 * layer.standard_error["hessian_trace"]
+    assert ses[1] < ses[0] / 4
+    a = nf(model, (x, y), estimator="hutchinson", samples=4, seed=3)
+    b = nf(model, DataLoader(TensorDataset(x, y), batch_size=4), estimator="hutchinson", samples=4, seed=3)
+    # The same probes in every batch: batching does not change the estimate.
+    assert_diag_close(b, a, model, atol=1e-12, rtol=1e-10)
+
+
+def test_hutchinson_per_entry_mean_matches_exact_diagonal():
+    model, x, y = make("cnn_relu", n=4)
+    exact = nf(model, (x, y), estimator="exact")
+    est = nf(model, (x, y), estimator="hutchinson", samples=400, seed=0, probe_chunk=200)
+    for name in exact:
+        # Hutchinson is unbiased entry-wise; compare the layer sums with a generous bound.
+        assert float(est[name].sum()) == pytest.approx(float(exact[name].sum()), rel=0.3, abs=1e-3)
+
+
+# ----------------------------------------------------------------------------- model untouched
+
+
+def _snapshot(model):
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()},
+        "modes": [m.training for m in model.modules()],
+        "requires_grad": [p.requires_grad for p in model.parameters()],
+        "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        "grad_ids": [id(p.grad) for p in model.parameters()],
+        "hooks": [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()],
+        "rng": torch.get_rng_state(),
+    }
+
+
+def _assert_same(before, after):
+    assert before["state"].keys() == after["state"].keys()
+    for k in before["state"]:
+        a, b = before["state"][k], after["state"][k]
+        assert a.dtype == b.dtype and torch.equal(a, b), k
+    for key in ("modes", "requires_grad", "grad_ids", "hooks"):
+        assert before[key] == after[key], key
+    for a, b in zip(before["grads"], after["grads"]):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert torch.equal(before["rng"], after["rng"])
+
+
+def _prepared_model():
+    model, x, y = make("res_block")
+    model.train()
+    model[1].eval()  # a mix of modes
+    model[0].bias.requires_grad_(False)
+    model[-1].weight.grad = torch.ones_like(model[-1].weight)
+    model[3].register_forward_hook(lambda m, i, o: None)
+    return model, x, y
+
+
+@pytest.mark.parametrize("estimator", ["ggn", "ggn-mc", "hutchinson", "exact"])
+def test_model_untouched(estimator):
+    model, x, y = _prepared_model()
+    before = _snapshot(model)
+    bn_stats = model[1].running_mean.clone()
+    report = normflat.analyze(model, DataLoader(TensorDataset(x, y), batch_size=3), estimator=estimator,
+                              samples=2 if estimator != "ggn" and estimator != "exact" else None,
+                              progress=False)
+    assert report.metadata["examples"] == 7 and report.metadata["batches"] == 3
+    _assert_same(before, _snapshot(model))
+    assert torch.equal(model[1].running_mean, bn_stats)
+
+
+@pytest.mark.parametrize("estimator", ["ggn", "exact"])
+def test_model_untouched_after_error_midway(estimator):
+    model, x, y = _prepared_model()
+    before = _snapshot(model)
+    bad = [(x[:3], y[:3]), (x[3:], torch.full_like(y[3:], 7))]  # second batch: labels out of range
+    with pytest.raises(ValueError, match="labels must be class indices"):
+        nf(model, bad, estimator=estimator)
+    _assert_same(before, _snapshot(model))
+
+
+def test_train_mode_dropout_and_bn_are_disabled():
+    model, x, y = make("cnn_smooth")
+    want = nf(model, (x, y), estimator="ggn")
+    model.train()
+    got = nf(model, (x, y), estimator="ggn")
+    assert model.training and all(m.training for m in model.modules())
+    assert_diag_close(got, want, model, atol=0, rtol=0)
+
+
+def test_frozen_model_and_no_grad_context():
+    model, x, y = make("mlp_relu")
+    want = nf(model, (x, y), loss="ce", estimator="ggn")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with torch.no_grad():
+        got = nf(model, (x, y), loss="ce", estimator="ggn")
+        exact = nf(model, (x, y), loss="ce", estimator="exact")
+    assert_diag_close(got, want, model, atol=0, rtol=0)
+    assert_diag_close(exact, want, model, atol=1e-10, rtol=1e-8)  # ReLU net: GGN == Hessian
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_no_jit_deprecation_warning_leaks():
+    model, x, y = make("mlp_tanh")
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        nf(model, (x, y), estimator="exact")
+        nf(model, (x, y), estimator="hutchinson", samples=2)
+        warnings.warn("user warning stays visible", UserWarning)
+    messages = [str(w.message) for w in rec]
+    assert not any("torch.jit.script" in m for m in messages), messages
+    assert "user warning stays visible" in messages
+
+
+# ----------------------------------------------------------------------------- report, names, registry
+
+
+def test_report_names_kinds_and_metadata():
+    model, x, y = make("res_block")
+    report = normflat.analyze(model, (x, y), progress=False)
+    assert [layer.name for layer in report.layers] == ["0", "3.conv1", "3.conv2", "6"]
+    assert [layer.kind for layer in report.layers] == ["conv2d", "conv2d", "conv2d", "dense"]
+    assert report.layers[1].shape == (3, 3, 3, 3)
+    md = report.metadata
+    assert md["framework"] == "torch" and md["examples"] == 7 and md["batches"] == 1
+    assert md["dtype"] == "float64" and md["device"] == "cpu" and md["loss"] == "nsce"
+    assert math.isfinite(report.normalized_sharpness) and report.normalized_sharpness > 0
+
+
+def test_unsupported_layers():
+    class WithAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.att = nn.MultiheadAttention(4, 2, batch_first=True)
+            self.scale = nn.Parameter(torch.ones(4))
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, tokens):
+            h = self.emb(tokens)
+            h, _ = self.att(h, h, h)
+            return self.head(h.mean(1) * self.scale)
+
+    torch.manual_seed(0)
+    model = WithAttention().to(DT).eval()
+    x, y = torch.randint(0, 10, (5, 6)), torch.randint(0, 3, (5,))
+    with pytest.raises(ValueError, match=r"att \(MultiheadAttention") as info:
+        normflat.analyze(model, (x, y), on_unsupported="error", progress=False)
+    assert "emb (Embedding" in str(info.value) and "WithAttention has parameters" in str(info.value)
+    with pytest.warns(UserWarning, match="cannot analyze"):
+        report = normflat.analyze(model, (x, y), on_unsupported="warn", progress=False)
+    assert [layer.name for layer in report.layers] == ["head"]  # att.out_proj belongs to att
+    assert len(report.metadata["unsupported"]) == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        normflat.analyze(model, (x, y), on_unsupported="skip", progress=False)
+
+
+class Dense(nn.Module):
+    """A dense layer storing its kernel as (in, out), Keras style."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.kernel = nn.Parameter(w.T.clone())
+
+    def forward(self, x):
+        return x @ self.kernel
+
+
+def test_register_layer_one_call():
+    model, x, y = make("mlp_tanh")
+    clone = nn.Sequential(*[Dense(m.weight.detach()) if isinstance(m, nn.Linear) else copy.deepcopy(m)
+                            for m in model])
+    for m_new, m_old in zip(clone, model):
+        if isinstance(m_old, nn.Linear):
+            m_old.bias.data.zero_()
+    with pytest.raises(ValueError, match="no supported weight layer"):
+        nf(clone, (x, y), on_unsupported="skip")
+    saved = tb.registered_layers()
+    try:
+        tb.register_layer(Dense, kind="dense", weight=lambda m: m.kernel, to_canonical=lambda m, t: t.T)
+        for estimator in ("ggn", "exact"):
+            got = nf(clone, (x, y), estimator=estimator)
+            want = nf(model, (x, y), estimator=estimator)
+            assert list(got) == list(want)
+            for k in want:
+                torch.testing.assert_close(got[k], want[k], atol=1e-12, rtol=1e-10)
+        report = normflat.analyze(clone, (x, y), progress=False)
+        assert report.layers[0].details["path"] == "generic" and report.layers[0].kind == "dense"
+    finally:
+        tb._LAYERS.clear()
+        tb._LAYERS.update(saved)
+    with pytest.raises(TypeError, match="nn.Module subclass"):
+        tb.register_layer(int, kind="x")
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture
+def small():
+    return make("mlp_relu")
+
+
+def test_bad_empty_data(small):
+    model, x, y = small
+    with pytest.raises(ValueError, match="data is empty"):
+        nf(model, [])
+    with pytest.raises(ValueError, match="data is empty"):
+        nf(model, (x[:0], y[:0]))
+
+
+def test_bad_no_supported_layer():
+    model = nn.Sequential(nn.Flatten(), nn.ReLU())
+    with pytest.raises(ValueError, match="no supported weight layer"):
+        nf(model, (torch.randn(2, 3), torch.tensor([0, 1])))
+
+
+def test_bad_nan_weights_data_and_loss(small):
+    model, x, y = small
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken[2].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="'2'.*NaN"):
+        nf(broken, (x, y))
+    xb = x.clone()
+    xb[1, 2] = float("inf")
+    with pytest.raises(ValueError, match="inputs contain NaN"):
+        nf(model, (xb, y))
+    with pytest.raises(ValueError, match="loss is NaN"):
+        nf(model, (x, y), loss=lambda z, t: (z.sum() * float("nan")), estimator="exact")
+    class Log(nn.Module):
+        def forward(self, h):
+            return torch.log(torch.relu(h))
+
+    with pytest.raises(ValueError, match="logits contain NaN or infinite"):
+        nf(nn.Sequential(model, Log()), (x, y))
+
+
+def test_bad_labels(small):
+    model, x, y = small
+    with pytest.raises(ValueError, match=r"class indices in \[0, 2\]"):
+        nf(model, (x, y + 3))
+    with pytest.raises(ValueError, match=r"class indices in \[0, 2\]"):
+        nf(model, (x, y - 5), estimator="exact")
+    with pytest.raises(TypeError, match="integer class indices"):
+        nf(model, (x, y.double()))
+    with pytest.raises(TypeError, match="integer class indices"):
+        nf(model, (x, y > 0))
+    with pytest.raises(ValueError, match="1-D tensor of class indices"):
+        nf(model, (x, F.one_hot(y, 3)))
+    with pytest.raises(ValueError, match="7 inputs but 6 labels"):
+        nf(model, (x, y[:6]))
+
+
+def test_bad_logits_rank():
+    model = nn.Sequential(nn.Linear(4, 3), nn.Unflatten(1, (3, 1)))
+    with pytest.raises(ValueError, match="logits of rank 2"):
+        nf(model.double(), (torch.randn(2, 4, dtype=DT), torch.tensor([0, 1])))
+
+
+def test_bad_names_and_options(small):
+    model, x, y = small
+    with pytest.raises(ValueError, match="Unknown estimator"):
+        nf(model, (x, y), estimator="diag")
+    with pytest.raises(ValueError, match="Unknown loss"):
+        nf(model, (x, y), loss="mse")
+    with pytest.raises(ValueError, match="custom loss"):
+        nf(model, (x, y), loss=lambda z, t: z.sum(), estimator="ggn")
+    with pytest.raises(TypeError, match="Unknown option"):
+        nf(model, (x, y), frobnicate=True)
+    with pytest.raises(TypeError, match="DataLoader"):
+        nf(model, 3)
+    with pytest.raises(TypeError, match=r"\(x, y\) pair"):
+        nf(model, [x, x, y])
+    with pytest.raises(TypeError, match="wrap it in a DataLoader"):
+        nf(model, TensorDataset(x, y))
+    with pytest.raises(ValueError, match="wrap it in a DataLoader"):
+        nf(model, list(TensorDataset(x, y)))
+    with pytest.raises(ValueError, match="loss is NaN"):
+        nf(model, (x, y), loss=lambda z, t: torch.tensor(float("inf"), dtype=DT) + z.sum(), estimator="hutchinson")
+
+
+def test_bad_device(small):
+    model, x, y = small
+    meta = x.to("meta")
+    with pytest.raises(ValueError, match="device meta but the model is on cpu"):
+        nf(model, (meta, y))
+
+
+# ----------------------------------------------------------------------------- data forms, dtypes
+
+
+def test_numpy_data_and_float32_inputs_are_cast(small):
+    model, x, y = small
+    want = nf(model, (x, y))
+    got = nf(model, (x.float().numpy(), y.numpy()))
+    assert all(g.dtype == DT for g in got.values())
+    assert_diag_close(got, want, model, atol=1e-6, rtol=1e-5)  # inputs rounded to float32
+
+
+@pytest.mark.parametrize("estimator", ["ggn", "ggn-mc", "hutchinson", "exact"])
+def test_float32_model(estimator):
+    model64, x64, y = make("cnn_smooth")
+    model = copy.deepcopy(model64).float()
+    kw = {"samples": 3} if estimator in ("ggn-mc", "hutchinson") else {}
+    got = nf(model, (x64.float(), y), estimator=estimator, **kw)
+    want = nf(model64, (x64, y), estimator=estimator, **kw)
+    for k in want:
+        assert got[k].dtype == torch.float32
+        torch.testing.assert_close(got[k].double(), want[k], atol=1e-5, rtol=1e-3)
+    report = normflat.analyze(model, (x64.float(), y), estimator=estimator, progress=False, **kw)
+    assert report.metadata["dtype"] == "float32" and math.isfinite(report.normalized_sharpness)
+
+
+def test_progress_bar_runs(small, capsys):
+    model, x, y = small
+    normflat.hessian_diagonal(model, DataLoader(TensorDataset(x, y), batch_size=2), progress=True)
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.b = nn.Linear(2, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, u, v):
+        return self.head(torch.tanh(self.a(u) + self.b(v)))
+
+
+def test_multi_input_model():
+    torch.manual_seed(0)
+    model = TwoInputs().to(DT).eval()
+    u, v, y = torch.randn(6, 3, dtype=DT), torch.randn(6, 2, dtype=DT), torch.randint(0, 3, (6,))
+    loader = DataLoader(TensorDataset(u, v, y), batch_size=4, collate_fn=lambda b: (
+        (torch.stack([s[0] for s in b]), torch.stack([s[1] for s in b])), torch.stack([s[2] for s in b])))
+    got = nf(model, loader, estimator="ggn", loss="ce")
+    for pname, lname in weight_names(model).items():
+        w = dict(model.named_parameters())[pname].detach()
+
+        def z_of(wt, pname=pname):
+            return functional_call(model, {pname: wt}, (u, v), strict=False)
+
+        z = z_of(w)
+        p = torch.softmax(z, 1)
+        J = jacrev(z_of)(w).reshape(6, 3, -1)
+        want = torch.einsum("ncp,ncd,ndp->p", J, torch.diag_embed(p) - p[:, :, None] * p[:, None, :], J) / 6
+        torch.testing.assert_close(got[lname], want.reshape(w.shape).detach(), atol=1e-12, rtol=1e-9)
+    assert list(nf(model, ((u, v), y), estimator="exact")) == ["a", "b", "head"]
+
+
+def test_default_chunking_with_many_classes():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 130)).to(DT).eval()
+    x, y = torch.randn(70, 4, dtype=DT), torch.randint(0, 130, (70,))
+    # 129 signals per sample: the default bound of 8192 rows splits the batch into chunks of 63.
+    chunked = nf(model, (x, y), loss="ce", estimator="ggn")
+    whole = nf(model, (x, y), loss="ce", estimator="ggn", chunk_size=70)
+    assert_diag_close(chunked, whole, model, atol=1e-14, rtol=1e-11)
+    assert_diag_close(chunked, brute_ggn_diag(model, x, y), model, atol=1e-12, rtol=1e-9)
