@@ -18,7 +18,11 @@ the PyTorch figures measured in the same run by
 
 Run::
 
-    python -m benchmarks.keras_diag [--repeats 5] [--no-torch]
+    python -m benchmarks.keras_diag [--repeats 5] [--threads 1] [--no-torch]
+
+``--threads N`` limits both frameworks to N CPU threads (TensorFlow intra- and
+inter-op pools, ``torch.set_num_threads``): on a shared machine one thread
+gives the most stable multiples.
 """
 
 from __future__ import annotations
@@ -142,8 +146,14 @@ def _device() -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads per framework")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch figures")
     args = parser.parse_args(argv)
+    if args.threads:
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
 
     keras_fig = keras_figures(args.repeats)
     torch_fig = None
@@ -153,13 +163,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except ImportError as err:
             print(f"(no PyTorch figures: {err})")
         else:
+            if args.threads:
+                import torch
+
+                torch.set_num_threads(args.threads)
             torch_fig = torch_figures(repeats=args.repeats, device="cpu", memory=False)
 
     import keras
     import tensorflow as tf
 
     print(f"keras {keras.__version__}, tensorflow {tf.__version__}, device {_device()}, "
-          f"median of {args.repeats}")
+          f"threads {args.threads or 'default'}, median of {args.repeats}")
     header = f"{'problem':8} {'method':17} {'keras s':>9} {'keras xgrad':>12}"
     if torch_fig:
         header += f" {'torch s':>9} {'torch xgrad':>12} {'keras/torch':>12}"

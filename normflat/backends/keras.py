@@ -188,6 +188,7 @@ class _Entry:
     layer: Any
     weight: KerasWeight
     fast: str | None = None  # "dense" | "conv" | None (generic path)
+    input_rank: int | None = None  # rank of the tapped input, seen by the probe
 
     @property
     def variable(self):
@@ -448,11 +449,12 @@ def _batches(data: Any, batch_size: int) -> tuple[Iterable, int | None]:
     if isinstance(data, tf.data.Dataset):
         card = int(data.cardinality())
         return data, card if card >= 0 else None
-    if isinstance(data, (tuple, list)) and len(data) == 2 and _is_array(data[0]) and _is_array(data[1]):
+    if isinstance(data, (tuple, list)) and len(data) == 2 and _is_array(data[1]) and _is_inputs(data[0]):
         x, y = data
         n = int(y.shape[0])
-        if not isinstance(x, (dict, list, tuple)) and int(x.shape[0]) != n:
-            raise ValueError(f"x has {x.shape[0]} samples but y has {n}; they must match.")
+        for leaf in tf.nest.flatten(x):
+            if int(leaf.shape[0]) != n:
+                raise ValueError(f"x has {leaf.shape[0]} samples but y has {n}; they must match.")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}.")
         slices = [(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
@@ -473,8 +475,17 @@ def _is_array(a: Any) -> bool:
     return hasattr(a, "shape") and hasattr(a, "dtype") and len(a.shape) >= 1
 
 
+def _is_inputs(x: Any) -> bool:
+    """An array, or a dict/list/tuple of arrays (multi-input models)."""
+    if isinstance(x, dict):
+        return bool(x) and all(_is_array(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return bool(x) and all(_is_array(v) for v in x)
+    return _is_array(x)
+
+
 def _take(x: Any, a: int, b: int) -> Any:
-    return x[a:b]
+    return tf.nest.map_structure(lambda t: t[a:b], x)
 
 
 def _split_batch(batch: Any) -> tuple[Any, Any]:
@@ -578,6 +589,7 @@ class _Run:
     num_classes: int = 0
     dtype: Any = None
     out_dtype: Any = None
+    checked: bool = True
     grouped: list = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
 
@@ -652,7 +664,7 @@ def _iterate(run: _Run, batches: Iterable, length: int | None):
         n = int(y.shape[0]) if hasattr(y, "shape") else len(y)
         if n == 0:
             continue
-        if index == 0:
+        if count == 0:
             _probe(run, x)
         if callable(run.options.loss):
             target = _to_tensor(y)
@@ -665,7 +677,55 @@ def _iterate(run: _Run, batches: Iterable, length: int | None):
 
 
 def _probe(run: _Run, x: Any) -> None:
-    """One eager forward on the first batch: output shape, softmax check, tap counts."""
+    """One eager forward on the first batch: output shape, softmax check, tap counts.
+
+    For the GGN the result is cached per model and input signature (an eager
+    Keras forward costs as much as a compiled GGN step of a small model); the
+    compiled step then repeats the logits checks on the first chunk.
+    """
+    signature = tuple((tuple(t.shape[1:]), t.dtype.name) for t in tf.nest.flatten(x))
+    key = (signature, tuple((e.name, id(e.variable.value), e.fast) for e in run.entries),
+           None if run.strip is None else id(run.strip[0]), tuple(id(l) for l in run.grouped),
+           callable(run.options.loss))
+    cacheable = run.options.estimator in ("ggn", "ggn-mc")
+    try:
+        cache = _PROBES.setdefault(run.model, {})
+    except TypeError:
+        cache, cacheable = {}, False
+    if cacheable and key in cache:
+        run.num_classes, run.out_dtype, fast = cache[key]
+        for entry, (f, rank) in zip(run.entries, fast):
+            entry.fast, entry.input_rank = f, rank
+        run.checked = False
+        return
+    _probe_eager(run, x)
+    run.checked = True
+    if cacheable:
+        cache[key] = (run.num_classes, run.out_dtype, [(e.fast, e.input_rank) for e in run.entries])
+
+
+_PROBES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _check_logits(run: _Run, finite: bool, probabilities: bool) -> None:
+    if not finite:
+        raise ValueError(
+            "The model's logits contain NaN or infinite values on the first batch; check the weights."
+        )
+    if probabilities and not callable(run.options.loss):
+        raise ValueError(
+            "The model seems to output probabilities (non-negative rows summing to 1), but the "
+            f"loss {run.options.loss!r} expects logits. Remove the final softmax from the model (a "
+            "final softmax activation of a Sequential/functional model is removed automatically)."
+        )
+
+
+def _looks_like_probabilities(z: Any) -> Any:
+    return tf.logical_and(tf.reduce_all(z >= 0),
+                          tf.reduce_all(tf.abs(tf.reduce_sum(z, axis=-1) - 1) <= 1e-6))
+
+
+def _probe_eager(run: _Run, x: Any) -> None:
     first = tf.nest.map_structure(lambda t: t[:2], x)
     with _Taps([e for e in run.entries if e.fast], run.strip, run.grouped) as taps:
         z = run.model(first, training=False)
@@ -674,27 +734,18 @@ def _probe(run: _Run, x: Any) -> None:
         raise ValueError(
             f"The model's output has shape {shape}; normflat needs one (batch, classes) logits tensor."
         )
-    if not bool(tf.reduce_all(tf.math.is_finite(z))):
-        raise ValueError(
-            "The model's logits contain NaN or infinite values on the first batch; check the weights."
-        )
     run.num_classes = int(z.shape[-1])
     run.out_dtype = z.dtype
     if run.num_classes < 2 and not callable(run.options.loss):
         raise ValueError("The model has a single output; the built-in losses need at least 2 classes.")
-    if not callable(run.options.loss):
-        zn = z.numpy()
-        if zn.size and np.all(zn >= 0) and np.allclose(zn.sum(axis=1), 1.0, atol=1e-6):
-            raise ValueError(
-                "The model seems to output probabilities (non-negative rows summing to 1), but the "
-                f"loss {run.options.loss!r} expects logits. Remove the final softmax from the model (a "
-                "final softmax activation of a Sequential/functional model is removed automatically)."
-            )
+    _check_logits(run, bool(tf.reduce_all(tf.math.is_finite(z))), bool(_looks_like_probabilities(z)))
     for entry in run.entries:
         if entry.fast:
             recs = taps.records.get(entry.name, [])
             if len(recs) != 1 or recs[0][1] is None:
                 entry.fast = None  # shared or bypassed layer: per-sample Jacobian path
+            else:
+                entry.input_rank = len(recs[0][0].shape)
 
 
 def _layer_weights_canonical(run: _Run) -> list[np.ndarray]:
@@ -752,23 +803,36 @@ def _patches(x: Any, layer: Any) -> Any:
     return tf.reshape(stacked, [tf.shape(x)[0], math.prod(outs), len(windows), int(x.shape[-1])])
 
 
+def _per_sample_squares(a: Any, g: Any, seg: Any, groups: int) -> Any:
+    """``Σ_n (per-sample gradient)²`` per signal group, with per-sample gradients as batched matmuls.
+
+    ``a``: (n, T, K) layer inputs (patches); ``g``: (B, n, T, O) signals. The
+    per-sample gradient of signal b is ``g[b, n]ᵀ a[n]`` (O × K); returns (groups, O, K).
+    """
+    b, o, k = int(g.shape[0]), int(g.shape[-1]), int(a.shape[-1])
+    n, t = tf.shape(a)[0], tf.shape(a)[1]
+    gt = tf.reshape(tf.transpose(g, [1, 0, 3, 2]), [n, b * o, t])  # (n, B·O, T)
+    sq = tf.reduce_sum(tf.square(tf.matmul(gt, a)), axis=0)  # (B·O, K)
+    return tf.math.unsorted_segment_sum(tf.reshape(sq, [b, o, k]), seg, groups)
+
+
 def _fast_squares(entry: _Entry, x: Any, g: Any, seg: Any, groups: int) -> Any:
     """Per-group sums over samples and signals of squared per-sample gradients, canonical layout.
 
     ``x``: the layer input (n, ...); ``g``: back-propagated signals at the
-    pre-activation (D, n, ...).
+    pre-activation (B, n, ...).
     """
     layer = entry.layer
+    b = int(g.shape[0])
     if entry.fast == "dense":
         if len(x.shape) == 2:
-            # Per-sample gradient x ⊗ g is rank one: its square is x² ⊗ g².
-            g2 = tf.math.unsorted_segment_sum(tf.square(g), seg, groups)
-            return tf.einsum("ni,kno->koi", tf.square(x), g2)
+            # Per-sample gradient x ⊗ g is rank one: its square is x² ⊗ g², summed over n by a matmul.
+            g2 = tf.math.unsorted_segment_sum(tf.square(g), seg, groups)  # (K, n, out)
+            return tf.matmul(g2, tf.square(x)[None], transpose_a=True)  # (K, out, in)
         n = tf.shape(x)[0]
         xf = tf.reshape(x, [n, -1, int(x.shape[-1])])
-        gf = tf.reshape(g, [tf.shape(g)[0], n, -1, int(g.shape[-1])])
-        per_sample = tf.einsum("nti,dnto->dnoi", xf, gf)
-        return tf.math.unsorted_segment_sum(tf.reduce_sum(tf.square(per_sample), 1), seg, groups)
+        gf = tf.reshape(g, [b, n, -1, int(g.shape[-1])])
+        return _per_sample_squares(xf, gf, seg, groups)
     # convolution
     r = layer.rank
     if layer.data_format == "channels_first":
@@ -779,19 +843,15 @@ def _fast_squares(entry: _Entry, x: Any, g: Any, seg: Any, groups: int) -> Any:
     npos, koff, cin = int(patches.shape[1]), int(patches.shape[2]), int(patches.shape[3])
     cout = int(g.shape[-1])
     groups_conv = int(getattr(layer, "groups", 1))
-    gf = tf.reshape(g, [tf.shape(g)[0], n, npos, cout])
-    if groups_conv == 1:
-        per_sample = tf.einsum("npki,dnpo->dnoki", patches, gf)  # (D, n, out, koff, in)
-        sq = tf.math.unsorted_segment_sum(tf.reduce_sum(tf.square(per_sample), 1), seg, groups)
-    else:
-        cin_g, cout_g = cin // groups_conv, cout // groups_conv
-        pg = tf.reshape(patches, [n, npos, koff, groups_conv, cin_g])
-        gg = tf.reshape(gf, [tf.shape(g)[0], n, npos, groups_conv, cout_g])
-        per_sample = tf.einsum("npkgi,dnpgo->dngoki", pg, gg)
-        sq = tf.math.unsorted_segment_sum(tf.reduce_sum(tf.square(per_sample), 1), seg, groups)
-        sq = tf.reshape(sq, [groups, cout, koff, cin_g])
+    gf = tf.reshape(g, [b, n, npos, cout])
+    cin_g, cout_g = cin // groups_conv, cout // groups_conv
+    parts = []
+    for gi in range(groups_conv):
+        a = tf.reshape(patches[..., gi * cin_g:(gi + 1) * cin_g], [n, npos, koff * cin_g])
+        parts.append(_per_sample_squares(a, gf[..., gi * cout_g:(gi + 1) * cout_g], seg, groups))
+    sq = parts[0] if groups_conv == 1 else tf.concat(parts, axis=1)  # (K, out, koff·cin_g)
     k = tuple(layer.kernel_size)
-    sq = tf.reshape(sq, [groups, cout, *k, int(sq.shape[-1])])
+    sq = tf.reshape(sq, [groups, cout, *k, cin_g])
     return tf.transpose(sq, [0, 1, r + 2] + list(range(2, r + 2)))  # (K, out, in, *k)
 
 
@@ -843,10 +903,16 @@ def _compiled(run: _Run, kind: str, extra: tuple, factory: Callable[[], Any]) ->
 _COMPILED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
-def _ggn_step_fn(run: _Run, groups: int, holder: dict):
-    """The compiled GGN step of one chunk of samples: (K, *canonical) sums per layer.
+#: Signals back-propagated per compiled step (unrolled in the graph; more are done in blocks).
+_SIGNAL_BLOCK = 16
 
-    ``holder["taps"]`` is the :class:`_Taps` active when the function (re)traces.
+
+def _ggn_step_fn(run: _Run, groups: int, block: int, holder: dict):
+    """The compiled GGN step of one chunk of samples and one block of signals.
+
+    Returns the (K, *canonical) sums per layer and two logits checks (all
+    finite, looks like probabilities). ``holder["taps"]`` is the
+    :class:`_Taps` active when the function (re)traces.
     """
     entries = run.entries
     fast = [e for e in entries if e.fast]
@@ -855,7 +921,7 @@ def _ggn_step_fn(run: _Run, groups: int, holder: dict):
     options = run.options
 
     @tf.function(reduce_retracing=True)
-    def step(x, seed):
+    def step(x, seed, start):
         taps = holder["taps"]
         taps.records.clear()
         with tf.GradientTape(persistent=True) as tape:
@@ -865,21 +931,26 @@ def _ggn_step_fn(run: _Run, groups: int, holder: dict):
             z = model_ref()(x, training=False)
             u = _output_transform(z, options)
         taps.tape = None
+        checks = [tf.reduce_all(tf.math.is_finite(z)), _looks_like_probabilities(z)]
         s, seg = _signals(u, options, seed, groups)
+        # A fixed-size block of signals; past the end, zero (padding) signals add nothing.
+        s = tf.pad(s, [[0, block], [0, 0], [0, 0]])[start:start + block]
+        seg = tf.pad(seg, [[0, block]])[start:start + block]
+        s = tf.ensure_shape(s, [block, None, int(u.shape[-1])])
         out = {}
         if fast:
             pre = [taps.records[e.name][0][1] for e in fast]
-            # All signals back-propagated at once (pfor over the signal axis).
-            back = tf.vectorized_map(lambda si: tape.gradient(u, pre, output_gradients=si), s)
-            for e, g in zip(fast, back):
+            # One back-propagation per signal, unrolled: much faster on CPU than pfor here.
+            back = [tape.gradient(u, pre, output_gradients=s[i]) for i in range(block)]
+            for j, e in enumerate(fast):
+                g = tf.stack([back[i][j] for i in range(block)])
                 out[e.name] = _fast_squares(e, taps.records[e.name][0][0], g, seg, groups)
         if generic:
             n = tf.shape(u)[0]
-            d = tf.shape(s)[0]
-            # One signal per (draw, sample): per-sample gradients through the whole model.
-            flat = tf.reshape(s, [-1, int(u.shape[-1])])  # (D*n, C)
-            rows = tf.tile(tf.range(n), [d])
-            og = tf.one_hot(rows, n, dtype=u.dtype)[:, :, None] * flat[:, None, :]  # (D*n, n, C)
+            # One signal per (signal, sample): per-sample gradients through the whole model.
+            flat = tf.reshape(s, [-1, int(u.shape[-1])])  # (B*n, C)
+            rows = tf.tile(tf.range(n), [block])
+            og = tf.one_hot(rows, n, dtype=u.dtype)[:, :, None] * flat[:, None, :]  # (B*n, n, C)
             variables = [e.variable.value for e in generic]
 
             def per_sample(o):
@@ -892,7 +963,7 @@ def _ggn_step_fn(run: _Run, groups: int, holder: dict):
                 sq = tf.math.unsorted_segment_sum(tf.square(gr), sample_seg, groups)
                 out[e.name] = tf.vectorized_map(e.weight.to_canonical, sq)
         del tape
-        return [out[e.name] for e in entries]
+        return [out[e.name] for e in entries], checks
 
     return step
 
@@ -902,29 +973,34 @@ def _with_holder(factory: Callable[..., Any], *args: Any) -> tuple[Any, dict]:
     return factory(*args, holder), holder
 
 
-def _chunk_size(run: _Run, signals: int) -> int:
+def _chunk_size(run: _Run, block: int) -> int:
+    """Samples per step so that the largest per-sample-gradient block stays within budget."""
     if run.chunk_size is not None:
         return run.chunk_size
     per_sample = 1
     for e in run.entries:
         size = int(np.prod(e.variable.shape))
-        per_sample = max(per_sample, signals * size * (2 if e.fast == "conv" or not e.fast else 0))
+        if e.fast == "conv" or not e.fast or e.input_rank != 2:
+            per_sample = max(per_sample, block * size * 2)
     per_sample *= tf.as_dtype(run.dtype).size
-    return int(max(1, min(1024, _CHUNK_BYTES // max(per_sample, 1))))
+    return int(max(1, min(1024, _CHUNK_BYTES // per_sample)))
 
 
 def _ggn(run: _Run, batches: Iterable, length: int | None):
     groups = _groups(run)
-    signals = run.options.samples if run.options.estimator == "ggn-mc" else None
-    seeds = tf.random.Generator.from_seed(run.options.seed) if signals else None
+    draws = run.options.samples if run.options.estimator == "ggn-mc" else None
+    counter = 0  # stateless draws: seed (options.seed, chunk counter), no global RNG involved
     totals: list[Any] | None = None
     examples = nbatches = 0
     with _Taps([e for e in run.entries if e.fast], run.strip, run.grouped) as taps:
         step = None
         for x, _, n in _iterate(run, batches, length):
-            if step is None:  # after the probe forward, which settles the fast/generic paths
-                step, holder = _compiled(run, "ggn", (groups,), lambda: _with_holder(_ggn_step_fn, run, groups))
-                chunk = _chunk_size(run, signals or run.num_classes)
+            if step is None:  # after the probe, which settles the fast/generic paths
+                signals = draws or run.num_classes
+                block = min(signals, _SIGNAL_BLOCK)
+                step, holder = _compiled(run, "ggn", (groups, block),
+                                         lambda: _with_holder(_ggn_step_fn, run, groups, block))
+                chunk = _chunk_size(run, block)
             holder["taps"] = taps
             nbatches += 1
             examples += n
@@ -932,10 +1008,15 @@ def _ggn(run: _Run, batches: Iterable, length: int | None):
             size = -(-n // -(-n // chunk))
             for a in range(0, n, size):
                 xc = tf.nest.map_structure(lambda t: t[a:a + size], x)
-                seed = seeds.make_seeds(1)[:, 0] if seeds is not None else tf.zeros([2], tf.int64)
-                sums = step(xc, seed)
-                sums = [tf.cast(v, tf.float64) for v in sums]
-                totals = sums if totals is None else [t + v for t, v in zip(totals, sums)]
+                seed = tf.constant([run.options.seed, counter], tf.int64)
+                counter += 1
+                for start in range(0, signals, block):
+                    sums, checks = step(xc, seed, tf.constant(start, tf.int32))
+                    if not run.checked:
+                        _check_logits(run, bool(checks[0]), bool(checks[1]))
+                        run.checked = True
+                    sums = [tf.cast(v, tf.float64) for v in sums]
+                    totals = sums if totals is None else [t + v for t, v in zip(totals, sums)]
     run.metadata["chunk_size"] = chunk
     scale = 1.0 / examples
     samples = [t * scale for t in totals]  # (K, *canonical) group means

@@ -422,6 +422,12 @@ def test_data_forms_and_label_encodings_agree():
         _assert_same(_diag(model, data), ref, rtol=1e-12)
     report = normflat.analyze(model, (x, y), batch_size=4, max_batches=2, progress=False)
     assert report.metadata["examples"] == 8 and report.metadata["batches"] == 2
+    # A two-input functional model fed a dict of arrays, and a list of arrays.
+    a_in, b_in = keras.Input((2,), dtype=F64, name="a"), keras.Input((3,), dtype=F64, name="b")
+    merged = L.Concatenate(dtype=F64)([a_in, b_in])
+    two = keras.Model({"a": a_in, "b": b_in}, model.layers[-1](model.layers[-2](model.layers[0](merged))))
+    got = _diag(two, ({"a": x[:, :2], "b": x[:, 2:]}, y), batch_size=4)
+    _assert_same(got, {k: ref[k] for k in ("d1", "d2", "d3")}, rtol=1e-12)
 
 
 def test_final_softmax_is_stripped():

@@ -86,6 +86,12 @@ def test_study_json_round_trip(study):
     assert again == json.loads((out / "results.json").read_text())
     assert result.config["ratios"] == [0.0, 0.5, 1.0] and result.config["seeds"] == [0, 1]
     assert result.environment["wall_seconds"] > 0
+    from normflat.study.run import markdown_table
+
+    table = markdown_table(result).splitlines()
+    assert len(table) == 2 + len(MEASURES)
+    ns = result.correlations["rescaled"]["normalized_sharpness"]["tau"]
+    assert table[2].startswith("| normalized sharpness |") and f"{ns:.3f}" in table[2]
 
 
 def test_study_rejects_unsupported_framework_and_bad_options(capsys):
@@ -198,3 +204,20 @@ def test_analyze_command_keras(tmp_path, capsys):
     assert saved["metadata"]["framework"] == "keras" and saved["metadata"]["examples"] == 30
     assert saved["totals"]["normalized_sharpness"] == pytest.approx(direct.normalized_sharpness, rel=1e-5)
     assert [layer["name"] for layer in saved["layers"]] == [layer.name for layer in direct.layers]
+
+
+def test_study_with_keras(tmp_path, capsys):
+    require_frameworks("keras", "normflat.backends.keras")
+    out = tmp_path / "k"
+    assert main(["study", "--framework", "keras", "--arch", "cnn-bn", "--quick", "--ratios", "0,1",
+                 "--train-size", "60", "--test-size", "40", "--epochs", "2", "--no-progress", "--out", str(out)]) == 0
+    result = load_result(out / "results.json")
+    assert result.config["framework"] == "keras" and len(result.rows) == 2
+    assert result.environment["keras"]
+    for r in result.rows:
+        assert r["rescale_function_error"] < 1e-9
+        assert r["rescaled_normalized_sharpness"] == pytest.approx(r["normalized_sharpness"], rel=1e-8)
+        assert abs(math.log10(r["rescaled_hessian_trace"] / r["hessian_trace"])) > 0.1
+    report = json.loads((out / "reports" / "run000.json").read_text())
+    assert report["metadata"]["framework"] == "keras" and report["metadata"]["dtype"] == "float64"
+    assert [layer["kind"] for layer in report["layers"]] == ["conv2d", "conv2d", "dense", "dense"]

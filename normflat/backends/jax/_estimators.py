@@ -23,8 +23,6 @@ __all__ = ["make"]
 
 #: Elements of per-example intermediate results one vectorised GGN chunk may hold.
 _GGN_BUDGET = 2**26
-#: Basis vectors per vectorised chunk of the exact estimator.
-_EXACT_CHUNK = 64
 #: Groups of independent estimates handed to the core for standard errors.
 _MAX_GROUPS = 10
 
@@ -57,21 +55,46 @@ class _Base:
         self.ws, self.others = ws, others
         self.root = jax.random.key(seed)
         self.sums = [jnp.zeros((self.G,) + w.shape, self.dtype) for w in ws]
+        self.block = None
 
     G = 1
+    #: Largest number of examples per compiled call (None: the whole first batch).
+    max_block: int | None = None
+
+    def pieces(self, xl, y, n):
+        """Split a batch into pieces of exactly ``block`` examples, padding the last one.
+
+        Every compiled call then sees the same shapes (one compilation per analysis,
+        however the batch sizes vary); padded examples repeat a real one and carry
+        weight 0. A callable loss sees whole unpadded batches (it averages itself).
+        """
+        if callable(self.options.loss):
+            yield xl, y, None, 0
+            return
+        if self.block is None:
+            self.block = n if self.max_block is None else min(n, self.max_block)
+        b = self.block
+        for s in range(0, n, b):
+            e = min(s + b, n)
+            if e - s == b:
+                yield ([a[s:e] for a in xl] if (s, e) != (0, n) else xl), y[s:e], jnp.ones(b, self.dtype), s
+            else:
+                idx = jnp.concatenate([jnp.arange(s, e), jnp.full(b - (e - s), s)])
+                mask = (jnp.arange(b) < e - s).astype(self.dtype)
+                yield [jnp.take(a, idx, axis=0) for a in xl], jnp.take(y, idx, axis=0), mask, s
 
     def logits(self, ws, others, xl):
         """Batch logits: the per-example program vmapped over the examples."""
         return jax.vmap(lambda xi: self.prog.run(ws, others, xi)[0])(xl)
 
-    def batch_loss(self, ws, others, xl, y):
-        """Sum of per-example losses of a batch (``n * mean`` for a callable loss)."""
+    def batch_loss(self, ws, others, xl, y, mask):
+        """Weighted sum of per-example losses of a batch (``n * mean`` for a callable loss)."""
         z = self.logits(ws, others, xl)
         if callable(self.options.loss):
             return z.shape[0] * self.options.loss(z, y)
         zp = _head(z, self.options)
         picked = jnp.take_along_axis(zp, y.astype(jnp.int32)[:, None], axis=-1)[:, 0]
-        return jnp.sum(jax.nn.logsumexp(zp, axis=-1) - picked)
+        return jnp.sum((jax.nn.logsumexp(zp, axis=-1) - picked) * mask)
 
 
 # ----------------------------------------------------------------------------- exact
@@ -82,25 +105,33 @@ class _Exact(_Base):
 
     def __init__(self, *args):
         super().__init__(*args)
-        self.block = int(self.settings["exact_chunk"])
-        self.fn = jax.jit(self._chunk, static_argnums=(4, 6))
+        self.sizes = [w.size for w in self.ws]
+        self.total = sum(self.sizes)
+        self.basis = min(int(self.settings["exact_chunk"]), self.total)
+        self.fn = jax.jit(self._chunk)
 
-    def _chunk(self, ws, others, xl, y, k, start, size):
-        shape, n_k = ws[k].shape, ws[k].size
-        basis = jax.nn.one_hot(start + jnp.arange(size), n_k, dtype=self.dtype).reshape((size,) + shape)
+    def _chunk(self, ws, others, xl, y, mask, start):
+        def tangent(i):
+            e = jax.nn.one_hot(i, self.total, dtype=self.dtype)
+            parts, o = [], 0
+            for w in ws:
+                parts.append(e[o:o + w.size].reshape(w.shape))
+                o += w.size
+            return parts
 
-        def loss_k(wk):
-            return self.batch_loss(ws[:k] + [wk] + ws[k + 1:], others, xl, y)
-
-        grad_k = jax.grad(loss_k)
-        hv = jax.vmap(lambda e: jax.jvp(grad_k, (ws[k],), (e,))[1])(basis)
-        return jnp.sum((hv * basis).reshape(size, -1), axis=1)
+        basis = jax.vmap(tangent)(start + jnp.arange(self.basis))
+        grad = jax.grad(lambda w_: self.batch_loss(w_, others, xl, y, mask))
+        hv = jax.vmap(lambda e: jax.jvp(grad, (ws,), (e,))[1])(basis)
+        return sum(jnp.sum((h * e).reshape(self.basis, -1), axis=1) for h, e in zip(hv, basis))
 
     def add_batch(self, xl, y, n, b, offset):
-        for k, w in enumerate(self.ws):
-            size = min(self.block, w.size)
-            vals = [self.fn(self.ws, self.others, xl, y, k, start, size) for start in range(0, w.size, size)]
-            self.sums[k] = self.sums[k] + jnp.concatenate(vals)[: w.size].reshape((1,) + w.shape)
+        for xp, yp, mask, _ in self.pieces(xl, y, n):
+            vals = jnp.concatenate([self.fn(self.ws, self.others, xp, yp, mask, start)
+                                    for start in range(0, self.total, self.basis)])[: self.total]
+            o = 0
+            for k, w in enumerate(self.ws):
+                self.sums[k] = self.sums[k] + vals[o:o + w.size].reshape((1,) + w.shape)
+                o += w.size
 
     def finish(self, examples):
         return [s[0] / examples for s in self.sums], [None] * len(self.sums)
@@ -119,7 +150,7 @@ class _Hutchinson(_Base):
         self.P = min(int(self.settings["probe_chunk"]), self.S)
         self.fn = jax.jit(self._chunk)
 
-    def _chunk(self, ws, others, xl, y, bkey, s0):
+    def _chunk(self, ws, others, xl, y, mask, bkey, s0):
         s_idx = s0 + jnp.arange(self.P)
 
         def probe(s):
@@ -128,7 +159,7 @@ class _Hutchinson(_Base):
                     for k, w in enumerate(ws)]
 
         probes = jax.vmap(probe)(s_idx)
-        grad = jax.grad(lambda w_: self.batch_loss(w_, others, xl, y))
+        grad = jax.grad(lambda w_: self.batch_loss(w_, others, xl, y, mask))
         hz = jax.vmap(lambda z: jax.jvp(grad, (ws,), (z,))[1])(probes)
         valid = (s_idx < self.S).astype(self.dtype)
         groups = s_idx % self.G
@@ -139,10 +170,12 @@ class _Hutchinson(_Base):
         return out
 
     def add_batch(self, xl, y, n, b, offset):
-        bkey = jax.random.fold_in(self.root, b)
-        for s0 in range(0, self.S, self.P):
-            vals = self.fn(self.ws, self.others, xl, y, bkey, s0)
-            self.sums = [s + v for s, v in zip(self.sums, vals)]
+        for xp, yp, mask, start in self.pieces(xl, y, n):
+            # Probes are drawn per batch (and per piece of a large batch).
+            bkey = jax.random.fold_in(jax.random.fold_in(self.root, b), start)
+            for s0 in range(0, self.S, self.P):
+                vals = self.fn(self.ws, self.others, xp, yp, mask, bkey, s0)
+                self.sums = [s + v for s, v in zip(self.sums, vals)]
 
     def finish(self, examples):
         counts = jnp.asarray([len(range(g, self.S, self.G)) for g in range(self.G)], self.dtype)
@@ -186,7 +219,7 @@ class _GGN(_Base):
                 per_example += self.G * self.M * out_size + act_size
             else:
                 per_example += self.G * self.M * w.size
-        self.chunk = int(self.settings["chunk_size"] or max(1, _GGN_BUDGET // max(per_example, 1)))
+        self.max_block = int(self.settings["chunk_size"] or max(1, _GGN_BUDGET // max(per_example, 1)))
         self.fn = jax.jit(self._chunk)
 
     def _columns(self, zp, key):
@@ -237,35 +270,39 @@ class _GGN(_Base):
                 out[k] = self._group_sum(grads**2)
         return out
 
-    def _chunk(self, ws, others, xl, root, offset):
-        m = jax.tree_util.tree_leaves(xl)[0].shape[0]
+    def _chunk(self, ws, others, xl, mask, root, offset):
+        m = mask.shape[0]
         keys = jax.vmap(lambda i: jax.random.fold_in(root, i))(offset + jnp.arange(m))
         outs = jax.vmap(self._per_example, in_axes=(None, None, 0, 0))(ws, others, xl, keys)
+
+        def masked_sum(v):
+            return jnp.tensordot(mask, v, axes=1)
+
         res = []
         for k, w in enumerate(ws):
             t = self.taps.get(k)
             if t is None:
-                res.append(outs[k].sum(axis=0))
+                res.append(masked_sum(outs[k]))
                 continue
             layout = self.prog.layout_fn(t)
             wp = layout(w)
             if t.squares_factor:
                 a2, d2 = outs[k]
+                a2 = a2 * mask.reshape((-1,) + (1,) * (a2.ndim - 1))
                 f = self.prog.tap_fn(t)
                 # sum_n,c (delta_nc^2)(a_n^2)^T: the tap's own weight VJP applied to squares.
                 _, vjp_sq = jax.vjp(lambda w_: jax.vmap(lambda a: f(a, w_))(a2), wp)
                 dwp = jax.vmap(lambda d: vjp_sq(d)[0], in_axes=1)(d2)
             else:
-                dwp = outs[k].sum(axis=0)
+                dwp = masked_sum(outs[k])
             _, vjp_layout = jax.vjp(layout, w)
             res.append(jax.vmap(lambda v: vjp_layout(v)[0])(dwp))
         return res
 
     def add_batch(self, xl, y, n, b, offset):
-        for s in range(0, n, self.chunk):
-            e = min(s + self.chunk, n)
-            chunk = xl if (s, e) == (0, n) else [a[s:e] for a in xl]
-            vals = self.fn(self.ws, self.others, chunk, self.root, offset + s)
+        # The GGN does not depend on the labels: a callable loss is rejected earlier.
+        for xp, _, mask, s in self.pieces(xl, y, n):
+            vals = self.fn(self.ws, self.others, xp, mask, self.root, offset + s)
             self.sums = [acc + v for acc, v in zip(self.sums, vals)]
 
     def finish(self, examples):

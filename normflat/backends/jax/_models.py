@@ -191,6 +191,8 @@ def _select_weights(view: ModelView, types: dict, layouts: dict, on_unsupported:
         if np.ndim(leaf) < 2:
             continue  # biases, normalization scales: not weights (SPEC §9)
         rec = types.get(path)
+        if rec == "ignore":
+            continue  # a known non-weight leaf of a recognised layer (e.g. equinox conv bias (out, 1, 1))
         if rec is not None:
             kind, layout = rec
             view.weights.append(WeightInfo(name, path, i, kind, layout))
@@ -232,6 +234,8 @@ def _equinox(model, x0, dtype, vmap, state):
             types[path] = ("dense", "canonical")
         elif last == "weight" and isinstance(parent, eqx.nn.Conv) and not isinstance(parent, eqx.nn.ConvTranspose):
             types[path] = (_conv_kind(np.ndim(leaf)), "canonical")
+        elif last == "bias" and isinstance(parent, (eqx.nn.Conv, eqx.nn.Linear)):
+            types[path] = "ignore"
 
     def call(leaves, extra, x):
         m = eqx.combine(jax.tree_util.tree_unflatten(treedef, leaves), static)
