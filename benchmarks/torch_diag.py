@@ -11,7 +11,7 @@ Methods: one gradient of the mean cross-entropy (``loss.backward()``), BackPACK
 all with ``loss="ce"`` so the diagonals are the same quantity. Times are the
 median of ``repeats`` runs after one warm-up run (methods
 alternate within each round); peak memory is the peak
-resident-set growth of one run in a fresh process (CPU) or
+resident-set growth of one run after a warm-up run, in a fresh process (CPU) or
 ``torch.cuda.max_memory_allocated`` (CUDA).
 
 Run::
@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import multiprocessing as mp
+import os
 import resource
 import statistics
 import time
@@ -134,6 +136,8 @@ def _time_interleaved(runs: dict[str, Callable[[], Any]], repeats: int, device: 
 def _peak_worker(problem: str, method: str, device: str, queue) -> None:
     model, x, y = make_problem(problem, device)
     run = _runner(method, model, x, y)
+    run()  # warm-up: one-time imports and initialization are not part of the peak
+    gc.collect()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -167,7 +171,17 @@ def _peak_mib(problem: str, method: str, device: str) -> float:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_peak_worker, args=(problem, method, device, queue))
-    proc.start()
+    # glibc: serve blocks >= 64 KiB by mmap, so freed tensors leave the resident set at once
+    # and the warm-up run does not hide the measured run's allocations.
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    try:
+        proc.start()
+    finally:
+        if saved is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     value = queue.get(timeout=600)
     proc.join()
     return float(value)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
@@ -64,7 +65,8 @@ def _is_jax_model(model: Any) -> bool:
         linen = sys.modules.get("flax.linen")
         if linen is not None and isinstance(model[0], linen.Module):
             return True
-        return callable(model[0]) and isinstance(model[1], dict)
+        # Mapping, not only dict: flax FrozenDict params are Mappings.
+        return callable(model[0]) and isinstance(model[1], Mapping)
     return False
 
 

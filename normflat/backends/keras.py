@@ -457,6 +457,8 @@ def _batches(data: Any, batch_size: int) -> tuple[Iterable, int | None]:
                 raise ValueError(f"x has {leaf.shape[0]} samples but y has {n}; they must match.")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}.")
+        if n <= batch_size:  # one batch: no slicing (it costs more than a small model's step)
+            return [(x, y)], 1
         slices = [(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
         return ((_take(x, a, b), y[a:b]) for a, b in slices), len(slices)
     if isinstance(data, dict) or not hasattr(data, "__iter__"):
@@ -806,49 +808,50 @@ def _patches(x: Any, layer: Any) -> Any:
 def _per_sample_squares(a: Any, g: Any, seg: Any, groups: int) -> Any:
     """``Σ_n (per-sample gradient)²`` per signal group, with per-sample gradients as batched matmuls.
 
-    ``a``: (n, T, K) layer inputs (patches); ``g``: (B, n, T, O) signals. The
-    per-sample gradient of signal b is ``g[b, n]ᵀ a[n]`` (O × K); returns (groups, O, K).
+    ``a``: (n, T, K) layer inputs (patches); ``g``: (n, T, B, O) signals. The
+    per-sample gradient of signal b is ``g[n, :, b]ᵀ a[n]`` (O × K); returns (groups, O, K).
     """
-    b, o, k = int(g.shape[0]), int(g.shape[-1]), int(a.shape[-1])
+    b, o, k = int(g.shape[-2]), int(g.shape[-1]), int(a.shape[-1])
     n, t = tf.shape(a)[0], tf.shape(a)[1]
-    gt = tf.reshape(tf.transpose(g, [1, 0, 3, 2]), [n, b * o, t])  # (n, B·O, T)
-    sq = tf.reduce_sum(tf.square(tf.matmul(gt, a)), axis=0)  # (B·O, K)
+    # transpose_a: no copy of the (large) signal tensor.
+    sq = tf.reduce_sum(tf.square(tf.matmul(tf.reshape(g, [n, t, b * o]), a, transpose_a=True)), axis=0)
     return tf.math.unsorted_segment_sum(tf.reshape(sq, [b, o, k]), seg, groups)
 
 
-def _fast_squares(entry: _Entry, x: Any, g: Any, seg: Any, groups: int) -> Any:
+def _fast_squares(entry: _Entry, x: Any, gs: list[Any], seg: Any, groups: int) -> Any:
     """Per-group sums over samples and signals of squared per-sample gradients, canonical layout.
 
-    ``x``: the layer input (n, ...); ``g``: back-propagated signals at the
-    pre-activation (B, n, ...).
+    ``x``: the layer input (n, ...); ``gs``: the B back-propagated signals at
+    the pre-activation, each shaped like it.
     """
     layer = entry.layer
-    b = int(g.shape[0])
+    b = len(gs)
     if entry.fast == "dense":
         if len(x.shape) == 2:
             # Per-sample gradient x ⊗ g is rank one: its square is x² ⊗ g², summed over n by a matmul.
-            g2 = tf.math.unsorted_segment_sum(tf.square(g), seg, groups)  # (K, n, out)
+            g2 = tf.math.unsorted_segment_sum(tf.square(tf.stack(gs)), seg, groups)  # (K, n, out)
             return tf.matmul(g2, tf.square(x)[None], transpose_a=True)  # (K, out, in)
         n = tf.shape(x)[0]
         xf = tf.reshape(x, [n, -1, int(x.shape[-1])])
-        gf = tf.reshape(g, [b, n, -1, int(g.shape[-1])])
+        gf = tf.reshape(tf.stack(gs, axis=-2), [n, -1, b, int(gs[0].shape[-1])])
         return _per_sample_squares(xf, gf, seg, groups)
     # convolution
     r = layer.rank
     if layer.data_format == "channels_first":
         x = tf.transpose(x, [0] + list(range(2, r + 2)) + [1])
-        g = tf.transpose(g, [0, 1] + list(range(3, r + 3)) + [2])
+        gs = [tf.transpose(g, [0] + list(range(2, r + 2)) + [1]) for g in gs]
     patches = _patches(x, layer)  # (n, P, koff, cin)
     n = tf.shape(patches)[0]
     npos, koff, cin = int(patches.shape[1]), int(patches.shape[2]), int(patches.shape[3])
-    cout = int(g.shape[-1])
+    cout = int(gs[0].shape[-1])
     groups_conv = int(getattr(layer, "groups", 1))
-    gf = tf.reshape(g, [b, n, npos, cout])
+    gf = tf.reshape(tf.stack(gs, axis=-2), [n, npos, b, cout])
     cin_g, cout_g = cin // groups_conv, cout // groups_conv
     parts = []
     for gi in range(groups_conv):
-        a = tf.reshape(patches[..., gi * cin_g:(gi + 1) * cin_g], [n, npos, koff * cin_g])
-        parts.append(_per_sample_squares(a, gf[..., gi * cout_g:(gi + 1) * cout_g], seg, groups))
+        a = patches if groups_conv == 1 else patches[..., gi * cin_g:(gi + 1) * cin_g]
+        g = gf if groups_conv == 1 else gf[..., gi * cout_g:(gi + 1) * cout_g]
+        parts.append(_per_sample_squares(tf.reshape(a, [n, npos, koff * cin_g]), g, seg, groups))
     sq = parts[0] if groups_conv == 1 else tf.concat(parts, axis=1)  # (K, out, koff·cin_g)
     k = tuple(layer.kernel_size)
     sq = tf.reshape(sq, [groups, cout, *k, cin_g])
@@ -862,8 +865,14 @@ def _signals(u: Any, options: AnalysisOptions, seed: Any, groups: int) -> tuple[
     if options.estimator == "ggn":
         # Symmetric factor of diag(p) - p pᵀ: column c is sqrt(p_c) (e_c - p).
         eye = tf.eye(num_classes, dtype=u.dtype)
-        s = tf.transpose(tf.sqrt(p))[:, :, None] * (eye[:, None, :] - p[None, :, :])
-        return s, tf.zeros([num_classes], tf.int32)
+        sp = tf.sqrt(p)
+        s = tf.transpose(sp)[:, :, None] * (eye[:, None, :] - p[None, :, :])  # (C, n, C)
+        # diag(p) - ppᵀ has rank C-1 (S √p = 0): rotate S by the Householder reflection Q
+        # with Q e_last = -√p; the last column of S Q vanishes, the other C-1 still give
+        # S Q Qᵀ Sᵀ = H. Column j of S Q is s_j - √p_j / (1 + √p_last) s_last.
+        coef = tf.transpose(sp[:, :-1] / (1 + sp[:, -1:]))[:, :, None]  # (C-1, n, 1)
+        s = s[:-1] - coef * s[-1][None]
+        return s, tf.zeros([num_classes - 1], tf.int32)
     draws = options.samples
     ids = tf.random.stateless_categorical(tf.math.log(p), draws, seed)  # (n, D)
     onehot = tf.one_hot(tf.transpose(ids), num_classes, dtype=u.dtype)  # (D, n, C)
@@ -943,8 +952,8 @@ def _ggn_step_fn(run: _Run, groups: int, block: int, holder: dict):
             # One back-propagation per signal, unrolled: much faster on CPU than pfor here.
             back = [tape.gradient(u, pre, output_gradients=s[i]) for i in range(block)]
             for j, e in enumerate(fast):
-                g = tf.stack([back[i][j] for i in range(block)])
-                out[e.name] = _fast_squares(e, taps.records[e.name][0][0], g, seg, groups)
+                gs = [back[i][j] for i in range(block)]
+                out[e.name] = _fast_squares(e, taps.records[e.name][0][0], gs, seg, groups)
         if generic:
             n = tf.shape(u)[0]
             # One signal per (signal, sample): per-sample gradients through the whole model.
@@ -996,7 +1005,7 @@ def _ggn(run: _Run, batches: Iterable, length: int | None):
         step = None
         for x, _, n in _iterate(run, batches, length):
             if step is None:  # after the probe, which settles the fast/generic paths
-                signals = draws or run.num_classes
+                signals = draws or run.num_classes - 1  # rank of the softmax CE Hessian
                 block = min(signals, _SIGNAL_BLOCK)
                 step, holder = _compiled(run, "ggn", (groups, block),
                                          lambda: _with_holder(_ggn_step_fn, run, groups, block))
@@ -1007,7 +1016,7 @@ def _ggn(run: _Run, batches: Iterable, length: int | None):
             # Balanced chunks: fewer distinct shapes to trace.
             size = -(-n // -(-n // chunk))
             for a in range(0, n, size):
-                xc = tf.nest.map_structure(lambda t: t[a:a + size], x)
+                xc = x if size >= n else tf.nest.map_structure(lambda t: t[a:a + size], x)
                 seed = tf.constant([run.options.seed, counter], tf.int64)
                 counter += 1
                 for start in range(0, signals, block):

@@ -16,15 +16,19 @@ How the estimators are computed (SPEC §6), all on the model's device and dtype:
     diag(p_n) − p_n p_nᵀ`` the softmax cross-entropy Hessian in the (normalized)
     logits. ``H_n = S_n S_nᵀ`` with columns ``s_c = √p_c (e_c − p_n)``, so the
     diagonal is ``Σ_{n,c} (J_nᵀ s_c)²``: a sum of squared per-sample, per-signal
-    gradients. The *fast* path back-propagates all signals at once
-    (``is_grads_batched``) to the outputs of the weight layers, captured by
-    forward hooks, and forms the squares from the layer inputs: for a dense
-    layer ``Σ_{n,c} δ_nc² (a_n²)ᵀ``, for a convolution the per-sample weight
-    gradients of an unfolded input, a chunk of samples at a time. It needs each
-    weight to be used once, by its own module, called once per forward. Other
-    layers take the *generic* path: ``vmap`` over samples of a per-sample
-    ``vjp``. ``ggn-mc`` uses signals ``e_ỹ − p`` with ``ỹ`` drawn from the
-    model's predictive distribution.
+    gradients. ``S`` has ``√p`` in its null space, so a Householder reflection
+    leaves ``C − 1`` signals. The *fast* path back-propagates the signals (one
+    batched backward, or a loop where vmap lacks batching rules) to the outputs
+    of the weight layers, captured by forward hooks, and forms the squares from
+    the layer inputs: for a dense layer ``Σ_{n,c} δ_nc² (a_n²)ᵀ``, for a
+    convolution the per-sample weight gradients of the unfolded input, a chunk
+    of samples at a time; per-sample gradients of the whole model are never
+    formed. It needs each weight to be used once, by its own module, called
+    once per forward (checked on the autograd graph). Other layers take the
+    *generic* path: ``vmap`` over samples of a per-sample ``vjp``. ``ggn-mc``
+    uses signals ``e_ỹ − p`` with ``ỹ`` drawn from the model's predictive
+    distribution. For ``nsce`` the signals are pulled back through the
+    normalization, whose Jacobian is explicit.
 """
 
 from __future__ import annotations
@@ -170,8 +174,11 @@ class _Deltas:
         self.parts, self.k, self.m = parts, k, m
 
     def stacked(self) -> torch.Tensor:
-        """``(K, M, n, *out)``."""
-        return torch.stack(self.parts).reshape(self.k, self.m, *self.parts[0].shape)
+        """``(K, M, n, *out)``; the per-signal tensors are released."""
+        shape = self.parts[0].shape
+        out = torch.stack(self.parts).reshape(self.k, self.m, *shape)
+        self.parts.clear()
+        return out
 
 
 def _builtin(rule):
@@ -181,6 +188,7 @@ def _builtin(rule):
 
 @_builtin
 def _linear_squares(module: nn.Module, a: torch.Tensor, deltas: _Deltas) -> torch.Tensor:
+    """Fast GGN rule of ``nn.Linear``: ``(K, out, in)`` sums of squared per-sample gradients."""
     K, M = deltas.k, deltas.m
     out_f, in_f = module.weight.shape
     n = a.shape[0]
@@ -245,6 +253,8 @@ def _unfold(module: nn.Module, a: torch.Tensor) -> torch.Tensor:
 
 @_builtin
 def _conv_squares(module: nn.Module, a: torch.Tensor, deltas: _Deltas) -> torch.Tensor:
+    """Fast GGN rule of ``nn.ConvNd``: per-sample gradients ``δ Uᵀ`` of the unfolded input ``U``,
+    group by group, squared and summed."""
     K, M = deltas.k, deltas.m
     n = a.shape[0]
     cout, cin_g, *k = module.weight.shape
@@ -253,15 +263,16 @@ def _conv_squares(module: nn.Module, a: torch.Tensor, deltas: _Deltas) -> torch.
     unf = _unfold(module, a)  # (n, g·cin_g·∏k, L)
     L = unf.shape[-1]
     unf = unf.reshape(n, g, kk, L)
-    d = torch.stack([p.reshape(n, cout, L) for p in deltas.parts], dim=1)  # (n, KM, cout, L)
-    if g > 1:
-        d = d.reshape(n, K * M, g, cout_g, L).transpose(1, 2)
-    d = d.reshape(n, g, K * M * cout_g, L)
-    res = a.new_zeros(g, K, cout_g, kk)
-    for sl in _chunks(n, g * K * M * cout_g * kk):
-        ps = torch.matmul(d[sl], unf[sl].transpose(-1, -2))  # per-sample, per-signal gradients
-        res += ps.square_().reshape(-1, g, K, M, cout_g, kk).sum((0, 3))
-    return res.permute(1, 0, 2, 3).reshape(K, cout, cin_g, *k)
+    res = a.new_zeros(K, g, cout_g, kk)
+    # One signal at a time: no stacked copy of the signals, and each chunk of per-sample
+    # gradients stays in cache while it is squared and summed.
+    for j in range(len(deltas.parts)):
+        d, deltas.parts[j] = deltas.parts[j].reshape(n, g, cout_g, L), None
+        for sl in _chunks(n, g * cout_g * kk):
+            ps = torch.matmul(d[sl], unf[sl].transpose(-1, -2))  # per-sample gradients (c, g, cout_g, kk)
+            res[j // M] += ps.square_().sum(0)
+        del d
+    return res.reshape(K, cout, cin_g, *k)
 
 
 @_builtin
@@ -495,6 +506,8 @@ def _to_model(t: Any, what: str, index: int, device: torch.device, dtype: torch.
             f"Batch {index}: {what} are on device {t.device} but the model is on {device}; move the "
             f"data to the model's device (x.to({str(device)!r})) or the model to the data's."
         )
+    if t.is_inference():
+        t = t.clone()  # tensors made under torch.inference_mode() cannot enter autograd
     if dtype is not None and torch.is_floating_point(t) and t.dtype != dtype:
         t = t.to(dtype)  # the analysis runs in the model's dtype
     return t
@@ -643,7 +656,7 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
-def _functional_loss(model, xs, y, options, names):
+def _functional_loss(model, xs, y, options):
     def f(ws: dict[str, torch.Tensor]) -> torch.Tensor:
         return _loss_sum(functional_call(model, ws, xs, strict=False), y, options)
     return f
@@ -657,12 +670,11 @@ def _hvp_batched(f: Callable, ws: dict, tangents: dict) -> dict:
     def rev_rev(v):
         return vjp(grad(f), ws)[1](v)[0]
 
-    errors = []
     for fn in (fwd_rev, rev_rev):
         try:
             return vmap(fn)(tangents)
-        except (RuntimeError, NotImplementedError, TypeError, ValueError) as err:  # no vmap/jvp rule
-            errors.append(err)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            pass  # an op without a forward-AD or vmap rule, or data-dependent control flow
     m = next(iter(tangents.values())).shape[0]
     # Last resort: one HVP at a time by double back-propagation.
     outs = [rev_rev({k: v[i] for k, v in tangents.items()}) for i in range(m)]
@@ -670,9 +682,9 @@ def _hvp_batched(f: Callable, ws: dict, tangents: dict) -> dict:
 
 
 def _exact_batch(model, xs, y, layers, options, settings, acc):
+    f = _functional_loss(model, xs, y, options)
     for layer in layers:
         w = layer.param.detach()
-        f = _functional_loss(model, xs, y, options, None)
         fl = lambda wl, _n=layer.param_name: f({_n: wl})  # noqa: E731
         numel = w.numel()
         out = torch.empty(numel, dtype=w.dtype, device=w.device)
@@ -687,7 +699,7 @@ def _exact_batch(model, xs, y, layers, options, settings, acc):
 
 def _hutchinson_batch(model, xs, y, layers, options, settings, acc, k, gen):
     ws = {l.param_name: l.param.detach() for l in layers}
-    f = _functional_loss(model, xs, y, options, None)
+    f = _functional_loss(model, xs, y, options)
     gen.manual_seed(options.seed)  # the same probes for every batch: Hutchinson of the full Hessian
     samples = options.samples
     for start in range(0, samples, settings.probe_chunk):
@@ -789,6 +801,8 @@ def _generic_ggn(model, xs, sig, layers, acc):
 
 def _per_sample_loop(model, x_n, s_n, layers, k, m):
     params = [l.param for l in layers]
+    for p in params:
+        p.requires_grad_(True)  # restored by _Preserved
     with torch.enable_grad():
         out = model(*x_n)[0]
         total = {l.param_name: torch.zeros((k, *l.param.shape), dtype=l.param.dtype, device=l.param.device)
@@ -810,6 +824,7 @@ class _Capture:
         self.versions: dict[int, int] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.calls: dict[int, int] = {}
+        self.active = True  # off while the generic path runs the model
         self._handles = []
         for layer in layers:
             h = layer.module.register_forward_hook(self._hook(layer))
@@ -820,6 +835,8 @@ class _Capture:
         key = id(layer)
 
         def hook(module, args, output):
+            if not self.active:
+                return None
             self.calls[key] = self.calls.get(key, 0) + 1
             if not args or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
                 return None
@@ -908,11 +925,13 @@ def _ggn_batch(model, xs, y, layers, options, settings, acc, gen, capture, index
         if fast:
             k, m, nc, _ = sig.shape
             outs = [capture.outputs[id(l)] for l in fast]
-            grads = _backprop_signals(logits, outs, sig.reshape(k * m, nc, -1), state["signature"])
-            for l, parts in zip(fast, grads):
+            grads = list(_backprop_signals(logits, outs, sig.reshape(k * m, nc, -1), state["signature"]))
+            for i, l in enumerate(fast):
+                parts, grads[i] = grads[i], None  # the rule may free the parts once used
                 if parts is None:  # the layer does not influence the logits
                     continue
                 deltas = _Deltas(parts, k, m)
+                del parts
                 rule = l.ext.ggn_squares
                 try:
                     acc.add(l, rule(l.module, capture.inputs[id(l)],
@@ -923,7 +942,11 @@ def _ggn_batch(model, xs, y, layers, options, settings, acc, gen, capture, index
         capture.reset()
         generic = [l for l in layers if not l.fast]
         if generic:
-            _generic_ggn(model, xc, sig, generic, acc)
+            capture.active = False
+            try:
+                _generic_ggn(model, xc, sig, generic, acc)
+            finally:
+                capture.active = True
 
 
 #: Model type signature -> whether a batched (vmap) backward ran without a slow fallback.
@@ -934,7 +957,7 @@ def _type_signature(model: nn.Module) -> tuple[str, ...]:
     return tuple(sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()}))
 
 
-def _backprop_signals(logits, outs, sig, signature) -> list[list[torch.Tensor] | None]:
+def _backprop_signals(logits, outs, sig, signature) -> list[list[torch.Tensor] | None]:  # noqa: C901
     """Per layer, the gradients of ``⟨signal_j, logits⟩`` w.r.t. its output, for every ``j``.
 
     One batched (``is_grads_batched``) backward is fastest when every backward op has a
@@ -1007,7 +1030,8 @@ def _run(model: nn.Module, data: Any, options: AnalysisOptions, backend_options:
         state: dict[str, Any] = {"chunk": None, "signature": _type_signature(model)}
         it = progress_bar(limited(batches, options.max_batches), enabled=options.progress,
                           desc=f"normflat {est}", total=total_batches)
-        with _quiet_jit_deprecation():
+        # Autograd on, also when called under torch.no_grad() or torch.inference_mode().
+        with _quiet_jit_deprecation(), torch.inference_mode(False), torch.enable_grad():
             for index, batch in enumerate(it):
                 xs, y = _prepare(batch, index, device, dtype)
                 if y.shape[0] == 0:

@@ -2,7 +2,8 @@
 
 Every adapter offers the same operations on the same three architectures
 (:data:`normflat.study.models.ARCHITECTURES`), so :func:`normflat.study.run_study`
-runs unchanged with ``framework="torch"`` (default) or ``"keras"``. Arrays come in
+runs unchanged with ``framework="torch"`` (default), ``"keras"`` or ``"jax"``
+(equinox models, optax training). Arrays come in
 as the dataset's numpy NCHW float32 images and int64 labels; each adapter converts
 them once with :meth:`inputs`.
 """
@@ -16,10 +17,10 @@ import numpy as np
 
 from normflat.study.training import TrainResult
 
-__all__ = ["FRAMEWORKS", "adapter", "TorchAdapter", "KerasAdapter"]
+__all__ = ["FRAMEWORKS", "adapter", "TorchAdapter", "KerasAdapter", "JaxAdapter"]
 
-#: Frameworks the study can train in.
-FRAMEWORKS = ("torch", "keras")
+#: Frameworks the study can train in (``jax`` means equinox models trained with optax).
+FRAMEWORKS = ("torch", "keras", "jax")
 
 
 def adapter(name: str) -> Any:
@@ -33,6 +34,8 @@ def adapter(name: str) -> Any:
         return TorchAdapter()
     if name == "keras":
         return KerasAdapter()
+    if name == "jax":
+        return JaxAdapter()
     raise ValueError(
         f"The study trains models in {', '.join(FRAMEWORKS)}; --framework {name!r} is not supported "
         f"yet. Use --framework {' or '.join(FRAMEWORKS)}, or analyze your own models with "
@@ -271,3 +274,259 @@ class KerasAdapter:
 
     def version(self) -> str:
         return self.keras.__version__
+
+
+class JaxAdapter:
+    """JAX: equinox models mirroring the torch ones (per-example NCHW), trained with optax.
+
+    Models are ``_EqxNet`` modules whose BatchNorm layers keep their running
+    statistics in an ``eqx.nn.State`` (mode ``"ema"``); what is analyzed is an
+    inference-mode ``_EqxInference`` module holding that state, which maps one
+    example to its logits.
+    """
+
+    name = "jax"
+
+    def __init__(self) -> None:
+        import jax
+
+        # float64 analysis copies need x64; training stays float32 (dtypes are explicit).
+        jax.config.update("jax_enable_x64", True)
+        import equinox as eqx
+        import jax.numpy as jnp
+        import optax
+
+        self.jax, self.eqx, self.jnp, self.optax = jax, eqx, jnp, optax
+
+    def set_threads(self, threads: int | None) -> None:
+        pass  # XLA's CPU thread pool is fixed when JAX starts
+
+    def inputs(self, x: np.ndarray) -> np.ndarray:
+        return np.asarray(x, dtype=np.float32)
+
+    def labels(self, y: np.ndarray) -> np.ndarray:
+        return np.asarray(y, dtype=np.int32)
+
+    def build(self, arch: str, input_shape: tuple[int, ...], num_classes: int, *, width: int | None,
+              seed: int) -> Any:
+        from normflat.study.models import ARCHITECTURES
+
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"Unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}.")
+        eqx, jnp, jax = self.eqx, self.jnp, self.jax
+        dt = jnp.float32
+        keys = iter(jax.random.split(jax.random.key(seed), 16))
+        channels, height, wide = input_shape
+        relu = eqx.nn.Lambda(jax.nn.relu)
+        layers: list[Any] = []
+        if arch == "mlp":
+            hidden = width or 128
+            layers = [eqx.nn.Lambda(jnp.ravel),
+                      eqx.nn.Linear(channels * height * wide, hidden, dtype=dt, key=next(keys)), relu,
+                      eqx.nn.Linear(hidden, hidden, dtype=dt, key=next(keys)), relu,
+                      eqx.nn.Linear(hidden, num_classes, dtype=dt, key=next(keys))]
+        else:
+            small = min(height, wide) < 16
+            k = 3 if small else 5
+            c1, c2 = (16, 32) if small else (6, 16)
+            size, cin = (height, wide), channels
+            for i, c in enumerate((c1, c2)):
+                pad = k // 2 if (small or i == 0) else 0
+                layers.append(eqx.nn.Conv2d(cin, c, k, padding=pad, dtype=dt, key=next(keys)))
+                if arch == "cnn-bn":
+                    layers.append(eqx.nn.BatchNorm(c, axis_name="batch", eps=1e-5, momentum=0.9, mode="ema", dtype=dt))
+                layers += [relu, eqx.nn.MaxPool2d(2, stride=2)]
+                size = tuple((s + 2 * pad - k + 1) // 2 for s in size)
+                cin = c
+            hidden = width or (128 if small else 120)
+            layers += [eqx.nn.Lambda(jnp.ravel),
+                       eqx.nn.Linear(cin * size[0] * size[1], hidden, dtype=dt, key=next(keys)), relu,
+                       eqx.nn.Linear(hidden, num_classes, dtype=dt, key=next(keys))]
+        net, state = eqx.nn.make_with_state(_eqx_net_class())(tuple(layers))
+        return {"net": net, "state": state}
+
+    def _inference(self, model: dict[str, Any]) -> Any:
+        return _eqx_inference_class()(self.eqx.nn.inference_mode(model["net"]), model["state"])
+
+    def train(self, model: dict[str, Any], x: np.ndarray, y: np.ndarray, *, epochs: int, lr: float, batch_size: int,
+              weight_decay: float, optimizer: str, target_accuracy: float, seed: int, progress: bool,
+              desc: str) -> TrainResult:
+        from tqdm.auto import tqdm
+
+        eqx, jax, jnp, optax = self.eqx, self.jax, self.jnp, self.optax
+        if optimizer == "adam":
+            opt = optax.adamw(lr, weight_decay=weight_decay)
+        elif optimizer == "sgd":
+            opt = optax.chain(optax.add_decayed_weights(weight_decay), optax.sgd(lr, momentum=0.9))
+        else:
+            raise ValueError(f"Unknown optimizer {optimizer!r}; choose 'adam' or 'sgd'.")
+        net, state = model["net"], model["state"]
+        opt_state = opt.init(eqx.filter(net, eqx.is_inexact_array))
+
+        @eqx.filter_jit
+        def step(net, state, opt_state, xb, yb):
+            def loss_fn(net, state):
+                logits, state = jax.vmap(net, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(xb, state)
+                return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean(), state
+
+            (loss, state), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(net, state)
+            updates, opt_state = opt.update(grads, opt_state, eqx.filter(net, eqx.is_inexact_array))
+            return eqx.apply_updates(net, updates), state, opt_state, loss
+
+        rng = np.random.default_rng(seed)
+        n = len(y)
+        bar = tqdm(total=epochs, desc=desc, unit="epoch", leave=False, disable=not progress)
+        start = time.perf_counter()
+        acc, loss_value, epoch = 0.0, float("nan"), 0
+        for epoch in range(1, epochs + 1):
+            perm = rng.permutation(n)
+            total = 0.0
+            for i in range(0, n, batch_size):
+                idx = perm[i:i + batch_size]
+                if len(idx) < 2 and n >= 2:
+                    continue  # BatchNorm cannot train on a batch of one
+                net, state, opt_state, loss = step(net, state, opt_state, jnp.asarray(x[idx]), jnp.asarray(y[idx]))
+                total += float(loss) * len(idx)
+            loss_value = total / n
+            acc = self.accuracy({"net": net, "state": state}, x, y)
+            bar.update(1)
+            bar.set_postfix(acc=f"{acc:.3f}", loss=f"{loss_value:.3g}", refresh=False)
+            if acc >= target_accuracy:
+                break
+        bar.close()
+        model["net"], model["state"] = net, state
+        return TrainResult(epoch, acc, loss_value, acc >= target_accuracy, time.perf_counter() - start)
+
+    def _logits(self, model: Any, x: np.ndarray, batch_size: int = 1024) -> np.ndarray:
+        inf = model if not isinstance(model, dict) else self._inference(model)
+        fn = _jitted_vmap(self.eqx, self.jax)
+        parts = [np.asarray(fn(inf, self.jnp.asarray(x[i:i + batch_size]))) for i in range(0, len(x), batch_size)]
+        return np.concatenate(parts)
+
+    def accuracy(self, model: Any, x: np.ndarray, y: np.ndarray) -> float:
+        return float(np.mean(self._logits(model, x).argmax(1) == y)) if len(y) else 0.0
+
+    def float64(self, model: dict[str, Any]) -> Any:
+        jnp = self.jnp
+
+        def cast(a):
+            return a.astype(jnp.float64) if self.eqx.is_inexact_array(a) else a
+
+        inf = self._inference(model)
+        return self.jax.tree_util.tree_map(cast, inf)
+
+    def analysis_data(self, x: np.ndarray, y: np.ndarray, batch_size: int) -> tuple[Any, dict[str, Any]]:
+        jnp = self.jnp
+        batches = [(jnp.asarray(x[i:i + batch_size], dtype=jnp.float64), jnp.asarray(y[i:i + batch_size]))
+                   for i in range(0, len(y), batch_size)]
+        return batches, {}
+
+    def check_inputs(self, x: np.ndarray) -> np.ndarray:
+        return x.astype(np.float64)
+
+    def rescale(self, model: Any, *, orders: float, seed: int) -> tuple[Any, float]:
+        """A rescaled copy of a float64 inference model (same symmetries as the torch rescaler)."""
+        eqx, jnp = self.eqx, self.jnp
+        if orders < 0:
+            raise ValueError(f"orders must be >= 0, got {orders}.")
+        rng = np.random.default_rng(seed)
+        layers = list(model.net.layers)
+        state = model.state
+        names = [type(layer).__name__ for layer in layers]
+        is_relu = [isinstance(layer, eqx.nn.Lambda) and layer.fn is self.jax.nn.relu for layer in layers]
+        widx = [i for i, n in enumerate(names) if n in ("Linear", "Conv2d")]
+        drawn = []
+        for i, j in zip(widx[:-1], widx[1:]):
+            between = list(range(i + 1, j))
+            out = layers[i].weight.shape[0]
+            if between and names[between[0]] == "BatchNorm":
+                kind = "bn"
+            elif any(is_relu[b] for b in between) and all(
+                    is_relu[b] or names[b] == "MaxPool2d" or (names[b] == "Lambda" and layers[b].fn is jnp.ravel)
+                    for b in between):
+                kind = "relu"
+            else:
+                continue
+            c = 10.0 ** rng.uniform(-orders, orders, size=out)
+            drawn.append(c)
+            cj = jnp.asarray(c, dtype=layers[i].weight.dtype)
+            shape = (-1,) + (1,) * (layers[i].weight.ndim - 1)
+            lay = eqx.tree_at(lambda l: l.weight, layers[i], layers[i].weight * cj.reshape(shape))
+            if lay.bias is not None:
+                lay = eqx.tree_at(lambda l: l.bias, lay, lay.bias * cj.reshape((-1,) + (1,) * (lay.bias.ndim - 1)))
+            layers[i] = lay
+            if kind == "bn":
+                bn = layers[i + 1]
+                mean, var = state.get(bn.ema_state_index)
+                eps = bn.eps
+                layers[i + 1] = eqx.tree_at(lambda l: l.weight, bn,
+                                            bn.weight * jnp.sqrt(cj * cj * var + eps) / (cj * jnp.sqrt(var + eps)))
+                state = state.set(bn.ema_state_index, (mean * cj, var * cj * cj))
+            else:
+                nxt = layers[j]
+                reps = nxt.weight.shape[1] // out  # a ravel between conv and linear: channel-major blocks
+                layers[j] = eqx.tree_at(lambda l: l.weight, nxt,
+                                        nxt.weight / jnp.repeat(cj, reps).reshape((1, -1) + (1,) * (nxt.weight.ndim - 2)))
+        if not drawn:
+            raise ValueError("This model has no weight layer that can be rescaled without changing its function.")
+        new_net = eqx.tree_at(lambda n: n.layers, model.net, tuple(layers))
+        allf = np.concatenate(drawn)
+        return type(model)(new_net, state), float(np.log10(allf.max() / allf.min()))
+
+    def function_error(self, a: Any, b: Any, x: np.ndarray) -> float:
+        from normflat.study.reparametrize import FunctionChangedError
+
+        la, lb = self._logits(a, x), self._logits(b, x)
+        err = float(np.abs(la - lb).max() / max(np.abs(la).max(), 1e-30))
+        if not err <= 1e-9:
+            raise FunctionChangedError(
+                f"The rescaled JAX model's logits differ from the original's by {err:.3g} (relative, "
+                "tolerance 1e-09). The rescaling is not function-preserving for this model."
+            )
+        return err
+
+    def version(self) -> str:
+        return f"jax {self.jax.__version__}, equinox {self.eqx.__version__}"
+
+
+_EQX_CLASSES: dict[str, Any] = {}
+
+
+def _eqx_net_class() -> Any:
+    """The equinox module classes are defined on first use: equinox is imported lazily."""
+    if "net" not in _EQX_CLASSES:
+        import equinox as eqx
+
+        class _EqxNet(eqx.Module):
+            layers: tuple
+
+            def __call__(self, x, state):
+                for layer in self.layers:
+                    if isinstance(layer, eqx.nn.BatchNorm):
+                        x, state = layer(x, state)
+                    else:
+                        x = layer(x)
+                return x, state
+
+        class _EqxInference(eqx.Module):
+            """Inference-mode network with its BatchNorm state: one example -> logits."""
+
+            net: Any
+            state: Any
+
+            def __call__(self, x):
+                return self.net(x, self.state)[0]
+
+        _EQX_CLASSES["net"], _EQX_CLASSES["inference"] = _EqxNet, _EqxInference
+    return _EQX_CLASSES["net"]
+
+
+def _eqx_inference_class() -> Any:
+    _eqx_net_class()
+    return _EQX_CLASSES["inference"]
+
+
+def _jitted_vmap(eqx: Any, jax: Any) -> Any:
+    if "vmap" not in _EQX_CLASSES:
+        _EQX_CLASSES["vmap"] = eqx.filter_jit(lambda model, x: jax.vmap(model)(x))
+    return _EQX_CLASSES["vmap"]

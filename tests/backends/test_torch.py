@@ -6,7 +6,6 @@ import copy
 import math
 import warnings
 
-import numpy as np
 import pytest
 
 from tests.builders import require_frameworks
@@ -463,6 +462,10 @@ def test_frozen_model_and_no_grad_context():
     with torch.no_grad():
         got = nf(model, (x, y), loss="ce", estimator="ggn")
         exact = nf(model, (x, y), loss="ce", estimator="exact")
+    with torch.inference_mode():
+        xi, yi = x.clone(), y.clone()
+        inference = nf(model, (xi, yi), loss="ce", estimator="ggn")
+    assert_diag_close(inference, want, model, atol=0, rtol=0)
     assert_diag_close(got, want, model, atol=0, rtol=0)
     assert_diag_close(exact, want, model, atol=1e-10, rtol=1e-8)  # ReLU net: GGN == Hessian
     assert not any(p.requires_grad for p in model.parameters())
@@ -555,6 +558,18 @@ def test_register_layer_one_call():
                 torch.testing.assert_close(got[k], want[k], atol=1e-12, rtol=1e-10)
         report = normflat.analyze(clone, (x, y), progress=False)
         assert report.layers[0].details["path"] == "generic" and report.layers[0].kind == "dense"
+
+        def squares(module, a, signals):  # signals (K, M, n, out); kernel gradient a δᵀ per sample
+            return torch.einsum("ni,kmno->kio", a**2, signals**2)
+
+        tb.register_layer(Dense, kind="dense", weight=lambda m: m.kernel, to_canonical=lambda m, t: t.T,
+                          ggn_squares=squares)
+        report = normflat.analyze(clone, (x, y), estimator="ggn-mc", samples=4, progress=False)
+        assert [layer.details["path"] for layer in report.layers] == ["fast"] * 3
+        generic = normflat.analyze(clone, (x, y), estimator="ggn-mc", samples=4, progress=False, fast=False)
+        assert report.hessian_trace == pytest.approx(generic.hessian_trace, rel=1e-10)
+        assert report.standard_error["hessian_trace"] == pytest.approx(
+            generic.standard_error["hessian_trace"], rel=1e-8)
     finally:
         tb._LAYERS.clear()
         tb._LAYERS.update(saved)
@@ -727,3 +742,47 @@ def test_default_chunking_with_many_classes():
     whole = nf(model, (x, y), loss="ce", estimator="ggn", chunk_size=70)
     assert_diag_close(chunked, whole, model, atol=1e-14, rtol=1e-11)
     assert_diag_close(chunked, brute_ggn_diag(model, x, y), model, atol=1e-12, rtol=1e-9)
+
+
+class Branchy(nn.Module):
+    """Data-dependent control flow: vmap cannot batch it, the one-sample fallbacks must."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 5)
+        self.b = nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if float(h.sum()) > 0:  # .item() on a tensor: not batchable
+            h = h * 1.5
+        return self.b(h)
+
+
+def test_fallbacks_without_vmap():
+    torch.manual_seed(2)
+    model = Branchy().to(DT).eval()
+    x, y = torch.randn(1, 4, dtype=DT), torch.randint(0, 3, (1,))
+    with torch.no_grad():
+        x = x if float(torch.tanh(model.a(x)).sum()) > 0 else -x  # take the scaled branch
+    assert_diag_close(nf(model, (x, y), estimator="exact", loss="ce"), brute_hessian_diag(model, x, y), model)
+    assert_diag_close(nf(model, (x, y), estimator="ggn", loss="ce", fast=False), brute_ggn_diag(model, x, y),
+                      model)
+    assert_diag_close(nf(model, (x, y), estimator="ggn", loss="ce"), brute_ggn_diag(model, x, y), model)
+
+
+def test_conv_transpose_canonical_layout():
+    from normflat.core.options import validate_options
+
+    torch.manual_seed(0)
+    layer = nn.ConvTranspose2d(4, 6, 2, groups=2).to(DT)  # weight (in=4, out/groups=3, 2, 2)
+    model = nn.Sequential(layer, nn.Flatten(), nn.LazyLinear(3, dtype=DT))
+    model(torch.randn(1, 4, 3, 3, dtype=DT))
+    x, y = torch.randn(5, 4, 3, 3, dtype=DT), torch.randint(0, 3, (5,))
+    problems, _ = tb.layer_problems(model.to(DT), (x, y), validate_options(progress=False))
+    w = problems[0].weight
+    assert problems[0].shape == (6, 2, 2, 2)  # (out, in/groups, kh, kw)
+    for o in range(6):
+        for i in range(2):
+            g, og = divmod(o, 3)  # output channel o is channel og of group g
+            torch.testing.assert_close(w[o, i], layer.weight[g * 2 + i, og].detach(), atol=0, rtol=0)

@@ -221,3 +221,13 @@ def test_study_with_keras(tmp_path, capsys):
     report = json.loads((out / "reports" / "run000.json").read_text())
     assert report["metadata"]["framework"] == "keras" and report["metadata"]["dtype"] == "float64"
     assert [layer["kind"] for layer in report["layers"]] == ["conv2d", "conv2d", "dense", "dense"]
+
+
+def test_study_without_reparametrization_arm(tmp_path, capsys):
+    out = tmp_path / "nr"
+    assert main(["study", *TINY, "--ratios", "0,1", "--no-reparam", "--out", str(out)]) == 0
+    result = load_result(out / "results.json")
+    assert set(result.correlations) == {"trained"}
+    assert not any(key.startswith("rescaled_") for key in result.rows[0])
+    assert "tau rescaled" not in capsys.readouterr().out
+    assert (out / "gap_vs_measures.png").is_file() and not list((out / "reports").glob("*_rescaled.json"))

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from normflat.backends.jax._data import unflatten
 from normflat.core.options import NSCE_EPS, AnalysisOptions
@@ -263,12 +264,43 @@ class _GGN(_Base):
             a, d = rec[t.op], d_eps[t.op]
             if t.squares_factor:
                 out[k] = (a * a, self._group_sum(d * d))
+            elif self._conv_patches_ok(t, a):
+                out[k] = self._conv_squares(t, a, d, prog.layout_fn(t)(ws[k]).shape)
             else:
                 f, wp = prog.tap_fn(t), prog.layout_fn(t)(ws[k])
                 _, vjp_w = jax.vjp(lambda w_: f(a, w_), wp)
                 grads = jax.vmap(lambda dd: vjp_w(dd)[0])(d)
                 out[k] = self._group_sum(grads**2)
         return out
+
+    def _conv_patches_ok(self, t, a) -> bool:
+        op = self.prog.ops[t.op]
+        prm = op.params
+        return (op.prim.name == "conv_general_dilated" and t.weight_pos == 1
+                and prm["batch_group_count"] == 1 and all(v == 1 for v in (prm["lhs_dilation"] or ()))
+                and a.shape[prm["dimension_numbers"].lhs_spec[0]] == 1)
+
+    def _conv_squares(self, t, a, d, wp_shape):
+        """Sum over signals of squared per-example conv-kernel gradients, from input patches.
+
+        The per-example gradient for signal j is ``delta_j (out, positions) @ patches
+        (positions, in*k)`` per group: one batched matmul instead of a convolution per
+        example and signal. Returned in the layout of the kernel operand.
+        """
+        prm = self.prog.ops[t.op].params
+        dn = prm["dimension_numbers"]
+        ks = [wp_shape[i] for i in dn.rhs_spec[2:]]
+        out_ch, in_g = wp_shape[dn.rhs_spec[0]], wp_shape[dn.rhs_spec[1]]
+        g = prm["feature_group_count"]
+        patches = jax.lax.conv_general_dilated_patches(
+            jnp.transpose(a, dn.lhs_spec), ks, prm["window_strides"], prm["padding"],
+            rhs_dilation=prm["rhs_dilation"], precision=jax.lax.Precision.HIGHEST)  # (1, C*K, *out)
+        pm = patches.reshape(g, in_g * math.prod(ks), -1)
+        dm = jnp.transpose(d, (0,) + tuple(1 + i for i in dn.out_spec)).reshape(d.shape[0], g, out_ch // g, -1)
+        grads = jnp.einsum("jgop,gkp->jgok", dm, pm)
+        sq = self._group_sum(grads * grads).reshape((self.G, out_ch, in_g, *ks))
+        inv = [int(i) for i in np.argsort(dn.rhs_spec)]
+        return jnp.transpose(sq, (0,) + tuple(1 + i for i in inv))
 
     def _chunk(self, ws, others, xl, mask, root, offset):
         m = mask.shape[0]

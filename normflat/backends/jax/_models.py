@@ -271,14 +271,14 @@ def _detect_vmap(call, leaves, x0) -> bool:
             return True
         errors.append(f"called on one example it returned shape {getattr(out, 'shape', type(out))}")
     except Exception as err:  # noqa: BLE001 - any failure means "not per example"
-        errors.append(f"called on one example it raised {type(err).__name__}: {str(err)[:200]}")
+        errors.append(f"called on one example it raised {type(err).__name__}: {str(err)[:200].rstrip('.')}")
     try:
         out = jax.eval_shape(call, leaves, x0)
         if getattr(out, "ndim", None) == 2 and out.shape[0] == n:
             return False
         errors.append(f"called on a batch it returned shape {getattr(out, 'shape', type(out))}")
     except Exception as err:  # noqa: BLE001
-        errors.append(f"called on a batch it raised {type(err).__name__}: {str(err)[:200]}")
+        errors.append(f"called on a batch it raised {type(err).__name__}: {str(err)[:200].rstrip('.')}")
     raise ValueError(
         "Cannot tell whether the equinox model takes one example (logits of shape (classes,)) or a "
         f"batch (logits of shape (batch, classes)): {'; '.join(errors)}. Pass vmap=True (per example) or "

@@ -1,0 +1,173 @@
+"""Benchmark: normflat's GGN diagonal in JAX against one gradient, next to PyTorch.
+
+Same problems as ``benchmarks/torch_diag.py`` (float32, random data, 10 classes):
+
+* ``mlp``: 784-512-256-10 ReLU MLP, batch 128;
+* ``3c3d``: the DeepOBS 3C3D CIFAR-10 CNN, batch 32.
+
+JAX models are flax nnx modules (NHWC). Methods: one jit-compiled gradient of the
+mean cross-entropy (``jax.grad``), normflat ``estimator="ggn"`` and ``"ggn-mc"``
+(one sample), all with ``loss="ce"``. normflat is timed end to end, as a user
+calls it (``normflat.hessian_diagonal(model, (x, y), ...)``: tracing the model,
+cache look-up of the compiled estimator, computation). Times are medians of
+``repeats`` runs after one warm-up run (which compiles), methods alternating
+within each round. The PyTorch figures come from
+:func:`benchmarks.torch_diag.torch_figures` in the same process, run first.
+
+Run::
+
+    python -m benchmarks.jax_diag [--repeats 5] [--no-torch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import normflat
+
+__all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "make_problem", "jax_figures", "main"]
+
+
+class _MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(784, 512, rngs=rngs)
+        self.l2 = nnx.Linear(512, 256, rngs=rngs)
+        self.l3 = nnx.Linear(256, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = x.reshape(x.shape[0], -1)
+        return self.l3(nnx.relu(self.l2(nnx.relu(self.l1(x)))))
+
+
+def _pool(x):
+    # torch MaxPool2d(3, stride=2, padding=1)
+    return nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+
+
+class _C3D3(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.c1 = nnx.Conv(3, 64, (5, 5), padding="VALID", rngs=rngs)
+        self.c2 = nnx.Conv(64, 96, (3, 3), padding="VALID", rngs=rngs)
+        self.c3 = nnx.Conv(96, 128, (3, 3), padding=1, rngs=rngs)
+        self.d1 = nnx.Linear(1152, 512, rngs=rngs)
+        self.d2 = nnx.Linear(512, 256, rngs=rngs)
+        self.d3 = nnx.Linear(256, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = _pool(nnx.relu(self.c1(x)))
+        x = _pool(nnx.relu(self.c2(x)))
+        x = _pool(nnx.relu(self.c3(x)))
+        x = x.reshape(x.shape[0], -1)
+        return self.d3(nnx.relu(self.d2(nnx.relu(self.d1(x)))))
+
+
+def mlp(seed: int = 0) -> nnx.Module:
+    """784-512-256-10 ReLU MLP on flattened 28x28 images."""
+    return _MLP(nnx.Rngs(seed))
+
+
+def cnn_3c3d(seed: int = 0) -> nnx.Module:
+    """DeepOBS 3C3D CIFAR-10 network, NHWC."""
+    return _C3D3(nnx.Rngs(seed))
+
+
+#: name -> (model factory, input shape with batch axis, NHWC)
+PROBLEMS: dict[str, tuple[Callable[[], nnx.Module], tuple[int, ...]]] = {
+    "mlp": (mlp, (128, 28, 28, 1)),
+    "3c3d": (cnn_3c3d, (32, 32, 32, 3)),
+}
+METHODS = ("gradient", "normflat_ggn", "normflat_ggn_mc")
+
+
+def make_problem(name: str, seed: int = 0):
+    """Model (float32) and one batch ``(x, y)`` of the named problem."""
+    factory, shape = PROBLEMS[name]
+    model = factory(seed)
+    kx, ky = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, shape, jnp.float32)
+    y = jax.random.randint(ky, (shape[0],), 0, 10)
+    return model, x, y
+
+
+def _runner(method: str, model, x, y) -> Callable[[], Any]:
+    if method == "gradient":
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        @jax.jit
+        def grad(params, x, y):
+            def loss(p):
+                logits = nnx.merge(graphdef, p, rest)(x)
+                return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, y[:, None], -1)[:, 0])
+            return jax.grad(loss)(params)
+
+        return lambda: jax.block_until_ready(grad(params, x, y))
+    estimator = {"normflat_ggn": "ggn", "normflat_ggn_mc": "ggn-mc"}[method]
+    return lambda: jax.block_until_ready(
+        normflat.hessian_diagonal(model, (x, y), loss="ce", estimator=estimator, progress=False))
+
+
+def _time_interleaved(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    for run in runs.values():
+        run()  # warm-up: compilation
+    times: dict[str, list[float]] = {m: [] for m in runs}
+    for _ in range(repeats):
+        for m, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            times[m].append(time.perf_counter() - t0)
+    return {m: statistics.median(t) for m, t in times.items()}
+
+
+def jax_figures(repeats: int = 5, problems: tuple[str, ...] = tuple(PROBLEMS)) -> dict[str, dict[str, Any]]:
+    """``{problem: {"seconds": {method: s}, "x_gradient": {method: multiple of one gradient}}}``."""
+    out = {}
+    for name in problems:
+        model, x, y = make_problem(name)
+        seconds = _time_interleaved({m: _runner(m, model, x, y) for m in METHODS}, repeats)
+        out[name] = {"seconds": seconds, "x_gradient": {m: seconds[m] / seconds["gradient"] for m in METHODS}}
+    return out
+
+
+def format_side_by_side(jax_figs: dict, torch_figs: dict | None) -> str:
+    """Plain-text table: JAX seconds and multiples, PyTorch multiples, and their ratio for ggn."""
+    lines = []
+    for name, fig in jax_figs.items():
+        lines.append(f"{name}:")
+        lines.append(f"  {'method':<18}{'JAX s':>10}{'JAX x grad':>12}{'torch x grad':>14}")
+        tf = (torch_figs or {}).get(name)
+        for m in METHODS:
+            t = tf["x_gradient"].get(m) if tf else None
+            t_s = f"{t:14.2f}" if t is not None else f"{'-':>14}"
+            lines.append(f"  {m:<18}{fig['seconds'][m]:10.4f}{fig['x_gradient'][m]:12.2f}{t_s}")
+        if tf:
+            r = fig["x_gradient"]["normflat_ggn"] / tf["x_gradient"]["normflat_ggn"]
+            lines.append(f"  JAX ggn multiple / torch ggn multiple: {r:.2f} (target <= 1.5)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch figures")
+    parser.add_argument("--problems", nargs="*", default=list(PROBLEMS), choices=list(PROBLEMS))
+    args = parser.parse_args(argv)
+    torch_figs = None
+    if not args.no_torch:
+        from benchmarks.torch_diag import torch_figures
+
+        torch_figs = torch_figures(args.repeats, "cpu", memory=False, problems=tuple(args.problems))
+    figs = jax_figures(args.repeats, tuple(args.problems))
+    print(f"jax {jax.__version__}, device {jax.devices()[0]}, normflat {normflat.__version__}")
+    print(format_side_by_side(figs, torch_figs))
+
+
+if __name__ == "__main__":
+    main()
