@@ -245,8 +245,10 @@ def format_figures(figs: dict[str, dict[str, Any]]) -> str:
             lines.append(f"  {m:<18}{s:11.4f}{fig['x_gradient'][m]:12.2f}{mem_s}")
         if fig["ratio_vs_backpack"]:
             r = fig["ratio_vs_backpack"]
+            diff = fig["max_rel_diff_ggn_vs_backpack"]
             lines.append(f"  normflat/BackPACK: ggn {r['normflat_ggn']:.2f}x, ggn-mc {r['normflat_ggn_mc']:.2f}x; "
-                         f"max relative difference of the diagonals {fig['max_rel_diff_ggn_vs_backpack']:.1e}")
+                         f"max relative difference of the diagonals {diff:.1e} "
+                         f"({'equal to 1e-5' if diff <= 1e-5 else 'MISMATCH above 1e-5'})")
     return "\n".join(lines)
 
 

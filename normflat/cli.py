@@ -73,7 +73,7 @@ def _add_model_options(p: argparse.ArgumentParser, *, study: bool) -> None:
     g.add_argument("--arch", choices=ARCHITECTURES, default="mlp",
                    help="mlp (default), cnn (LeNet-style) or cnn-bn (with BatchNorm)")
     g.add_argument("--framework", default="torch",
-                   help="training framework: torch (default) or keras (study only)")
+                   help="training framework: torch (default); study also keras or jax (equinox + optax)")
     g.add_argument("--width", type=_positive_int, default=None, help="hidden width")
     g.add_argument("--train-size", type=_positive_int, default=None, help="training examples to use")
     g.add_argument("--test-size", type=_positive_int, default=None, help="test examples to use")

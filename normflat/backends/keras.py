@@ -36,8 +36,16 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 import keras
-import tensorflow as tf
 
+try:
+    import tensorflow as tf
+except ImportError as _err:  # Keras on JAX/torch without TensorFlow installed
+    raise ImportError(
+        "normflat's Keras support needs TensorFlow: it analyzes Keras 3 models on Keras' 'tensorflow' "
+        "backend. Install tensorflow and set KERAS_BACKEND=tensorflow before importing keras."
+    ) from _err
+
+from normflat.core.memory import chunk_size_for, parse_memory_budget
 from normflat.core.options import NSCE_EPS, AnalysisOptions, limited, progress_bar
 from normflat.core.problem import LayerProblem
 
@@ -62,7 +70,8 @@ _PARAMETER_LAYERS_IGNORED = (
     "UnitNormalization",
     "Normalization",
 )
-_BACKEND_OPTIONS = ("batch_size", "layers", "chunk_size", "max_exact_params", "force", "fast")
+_BACKEND_OPTIONS = ("batch_size", "layers", "chunk_size", "memory_budget", "max_exact_params", "force", "fast",
+                    "distributed")
 
 
 # ----------------------------------------------------------------------------- layer registry
@@ -189,6 +198,8 @@ class _Entry:
     weight: KerasWeight
     fast: str | None = None  # "dense" | "conv" | None (generic path)
     input_rank: int | None = None  # rank of the tapped input, seen by the probe
+    in_size: int = 0  # per-sample elements of the tapped input (memory estimate)
+    pre_size: int = 0  # per-sample elements of the tapped pre-activation (memory estimate)
 
     @property
     def variable(self):
@@ -197,11 +208,13 @@ class _Entry:
 
 def _fast_kind(layer: Any) -> str | None:
     """Whether a layer's pre-activation and input can be tapped (its call is Keras' own)."""
-    from keras.src.layers.convolutional.base_conv import BaseConv
-
     cls = type(layer)
     if isinstance(layer, keras.layers.Dense) and cls.call is keras.layers.Dense.call:
         return "dense"
+    try:
+        from keras.src.layers.convolutional.base_conv import BaseConv
+    except ImportError:  # another Keras layout: convolutions take the generic path
+        return None
     if (
         isinstance(layer, BaseConv)
         and isinstance(layer, (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D))
@@ -412,7 +425,10 @@ def _moments_twice_differentiable(x: Any, axes: Any, keepdims: bool) -> tuple[An
 
 def _final_softmax(model: Any) -> tuple[Any, str] | None:
     """The (layer, attribute) applying a final softmax of a Sequential/functional model."""
-    from keras.src.models.functional import Functional
+    try:
+        from keras.src.models.functional import Functional
+    except ImportError:  # another Keras layout: only Sequential models are inspected
+        Functional = keras.Sequential
 
     layer = model
     for _ in range(16):
@@ -594,9 +610,14 @@ class _Run:
     checked: bool = True
     grouped: list = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
+    memory_budget: int | None = None
+    input_size: int = 0  # per-sample input elements, seen by the probe
+    dist: "_Dist | None" = None
 
 
-def _prepare(model: Any, data: Any, options: AnalysisOptions, backend_options: dict) -> tuple[_Run, Iterable, int | None]:
+def _prepare(
+    model: Any, data: Any, options: AnalysisOptions, backend_options: dict
+) -> tuple[_Run, Iterable, int | None]:
     unknown = sorted(set(backend_options) - set(_BACKEND_OPTIONS))
     if unknown:
         raise TypeError(
@@ -614,7 +635,7 @@ def _prepare(model: Any, data: Any, options: AnalysisOptions, backend_options: d
             "needs the 'tensorflow' backend. Set the environment variable KERAS_BACKEND=tensorflow before "
             "importing keras (for JAX models, pass an equinox/flax model or an (apply_fn, params) pair)."
         )
-    if not model.built or not model.weights:
+    if not model.built:
         raise ValueError(
             f"The Keras model {model.name!r} is not built (it has no weights yet). Call it on a batch "
             "(model(x)) or call model.build(input_shape) before analyzing it."
@@ -622,6 +643,15 @@ def _prepare(model: Any, data: Any, options: AnalysisOptions, backend_options: d
     chunk_size = backend_options.get("chunk_size")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
+    memory_budget = parse_memory_budget(backend_options.get("memory_budget"))
+    if memory_budget is not None and chunk_size is not None:
+        raise ValueError(
+            "Pass either chunk_size (samples per step) or memory_budget (the chunk size is then chosen "
+            "from it), not both."
+        )
+    distributed = backend_options.get("distributed")
+    if distributed is not None and not isinstance(distributed, bool):
+        raise TypeError(f"distributed must be True, False or None (automatic), got {distributed!r}.")
     exact_max = backend_options.get("max_exact_params", _DEFAULT_EXACT_MAX_PARAMS)
     if isinstance(exact_max, bool) or not isinstance(exact_max, int) or exact_max < 1:
         raise ValueError(f"max_exact_params must be a positive int, got {exact_max!r}.")
@@ -633,6 +663,8 @@ def _prepare(model: Any, data: Any, options: AnalysisOptions, backend_options: d
             entry.fast = None
     run = _Run(model, options, entries, backend_options.get("batch_size", _DEFAULT_BATCH_SIZE), chunk_size,
                exact_max)
+    run.memory_budget = memory_budget
+    run.dist = _Dist.detect(model, distributed)
     if not callable(options.loss):
         run.strip = _final_softmax(model)
     run.grouped = [l for l in model._flatten_layers(include_self=False)
@@ -651,16 +683,35 @@ def _prepare(model: Any, data: Any, options: AnalysisOptions, backend_options: d
     }
     if run.strip is not None:
         run.metadata["stripped_softmax"] = run.strip[0].name
+    if memory_budget is not None:
+        run.metadata["memory_budget"] = memory_budget
+    if run.dist is not None:
+        run.metadata.update(run.dist.describe())
     return run, batches, length
 
 
-def _iterate(run: _Run, batches: Iterable, length: int | None):
-    """Yield ``(x, target, n)`` tensors, validating each batch."""
+def _iterate(run: _Run, batches: Iterable, length: int | None, owned: Callable[[int], bool] | None = None):
+    """Yield ``(x, target, n)`` tensors, validating each batch.
+
+    With ``owned``, yield ``(x, target, n, k)`` only for the non-empty batches
+    ``k`` (counted from 0) that ``owned(k)`` accepts; the others are skipped
+    unconverted (another replica validates them). The first non-empty batch is
+    always probed, so every worker knows the output shape.
+    """
     desc = f"normflat {run.options.estimator}"
     count = 0
     for index, batch in enumerate(progress_bar(limited(batches, run.options.max_batches),
                                                enabled=run.options.progress, desc=desc, total=length)):
         x, y = _split_batch(batch)
+        if owned is not None:
+            n = int(y.shape[0]) if hasattr(y, "shape") else len(y)
+            if n == 0:
+                continue
+            if not owned(count):
+                if count == 0:
+                    _probe(run, _to_tensor(x))
+                count += 1
+                continue
         x = _to_tensor(x)
         _check_finite_inputs(x, index)
         n = int(y.shape[0]) if hasattr(y, "shape") else len(y)
@@ -673,7 +724,7 @@ def _iterate(run: _Run, batches: Iterable, length: int | None):
         else:
             target = _targets(y, run.num_classes, run.out_dtype, index)
         count += 1
-        yield x, target, n
+        yield (x, target, n) if owned is None else (x, target, n, count - 1)
     if count == 0:
         raise ValueError("The data is empty: it yielded no (x, y) batch with samples.")
 
@@ -695,15 +746,16 @@ def _probe(run: _Run, x: Any) -> None:
     except TypeError:
         cache, cacheable = {}, False
     if cacheable and key in cache:
-        run.num_classes, run.out_dtype, fast = cache[key]
-        for entry, (f, rank) in zip(run.entries, fast):
-            entry.fast, entry.input_rank = f, rank
+        run.num_classes, run.out_dtype, run.input_size, fast = cache[key]
+        for entry, (f, rank, in_size, pre_size) in zip(run.entries, fast):
+            entry.fast, entry.input_rank, entry.in_size, entry.pre_size = f, rank, in_size, pre_size
         run.checked = False
         return
     _probe_eager(run, x)
     run.checked = True
     if cacheable:
-        cache[key] = (run.num_classes, run.out_dtype, [(e.fast, e.input_rank) for e in run.entries])
+        cache[key] = (run.num_classes, run.out_dtype, run.input_size,
+                      [(e.fast, e.input_rank, e.in_size, e.pre_size) for e in run.entries])
 
 
 _PROBES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
@@ -748,6 +800,13 @@ def _probe_eager(run: _Run, x: Any) -> None:
                 entry.fast = None  # shared or bypassed layer: per-sample Jacobian path
             else:
                 entry.input_rank = len(recs[0][0].shape)
+                entry.in_size = _per_sample_elements(recs[0][0])
+                entry.pre_size = _per_sample_elements(recs[0][1])
+    run.input_size = sum(_per_sample_elements(t) for t in tf.nest.flatten(first))
+
+
+def _per_sample_elements(t: Any) -> int:
+    return int(np.prod([int(d) for d in t.shape[1:]], dtype=np.int64))
 
 
 def _layer_weights_canonical(run: _Run) -> list[np.ndarray]:
@@ -759,7 +818,7 @@ def _estimate(run: _Run, batches: Iterable, length: int | None) -> tuple[list[An
     """Per-layer diagonals (float64, canonical) and optional (K, ...) group estimates."""
     est = run.options.estimator
     if est in ("ggn", "ggn-mc"):
-        return _ggn(run, batches, length)
+        return _ggn(run, batches, length) if run.dist is None else _ggn_distributed(run, batches, length)
     return _hvp_estimators(run, batches, length)
 
 
@@ -982,17 +1041,53 @@ def _with_holder(factory: Callable[..., Any], *args: Any) -> tuple[Any, dict]:
     return factory(*args, holder), holder
 
 
+def _ggn_bytes(run: _Run, block: int) -> tuple[int, int]:
+    """Estimated bytes of one GGN step as ``linear * n + quadratic * n²`` for a chunk of n samples.
+
+    Counts the per-sample intermediates that grow with the chunk: the
+    back-propagated signals at every tapped pre-activation (all held at once),
+    the largest per-layer per-sample-gradient work (batched matmul result and
+    its square, convolution patches), and for layers on the generic path the
+    per-sample Jacobian products, whose output-gradient tensor and vectorized
+    backward pass grow with n² (one signal per sample of the chunk).
+    """
+    item = tf.as_dtype(run.dtype).size
+    linear = run.input_size + run.num_classes * (block + 2)
+    work = 0
+    for e in run.entries:
+        if not e.fast:
+            continue
+        size = int(np.prod(e.variable.shape))
+        linear += e.in_size + e.pre_size * (block + 1)  # activations and the B signals
+        if e.fast == "dense" and e.input_rank == 2:
+            work = max(work, block * e.pre_size)  # stacked squared signals
+        else:
+            layer = e.layer
+            positions = e.pre_size // max(1, int(layer.filters if e.fast == "conv" else e.variable.shape[-1]))
+            patches = positions * size // max(1, int(e.variable.shape[-1])) if e.fast == "conv" else e.in_size
+            work = max(work, 2 * block * size + block * e.pre_size + patches)
+    generic = [e for e in run.entries if not e.fast]
+    quadratic = 0
+    if generic:
+        activations = run.input_size + run.num_classes + sum(e.in_size + e.pre_size for e in run.entries)
+        linear += 2 * block * sum(int(np.prod(e.variable.shape)) for e in generic)
+        quadratic = block * (run.num_classes + 2 * activations)
+    return (linear + work) * item, quadratic * item
+
+
 def _chunk_size(run: _Run, block: int) -> int:
-    """Samples per step so that the largest per-sample-gradient block stays within budget."""
+    """Samples per step: ``chunk_size``, or the largest chunk whose step fits the memory budget."""
     if run.chunk_size is not None:
         return run.chunk_size
-    per_sample = 1
-    for e in run.entries:
-        size = int(np.prod(e.variable.shape))
-        if e.fast == "conv" or not e.fast or e.input_rank != 2:
-            per_sample = max(per_sample, block * size * 2)
-    per_sample *= tf.as_dtype(run.dtype).size
-    return int(max(1, min(1024, _CHUNK_BYTES // per_sample)))
+    linear, quadratic = _ggn_bytes(run, block)
+    if run.memory_budget is None:  # default budget: never an error, at least one sample
+        return int(max(1, min(1024, _CHUNK_BYTES // (linear + quadratic))))
+    what = (f"the GGN step ({block} back-propagated signals per sample, estimated "
+            f"{linear} bytes per sample{' plus ' + str(quadratic) + ' bytes x chunk' if quadratic else ''})")
+    chunk = chunk_size_for(run.memory_budget, linear + quadratic, what=what, maximum=1024)
+    while chunk > 1 and chunk * linear + chunk * chunk * quadratic > run.memory_budget:
+        chunk = max(1, min(chunk - 1, int(chunk * 0.9)))
+    return chunk
 
 
 def _ggn(run: _Run, batches: Iterable, length: int | None):
@@ -1048,7 +1143,8 @@ def _hvp_estimators(run: _Run, batches: Iterable, length: int | None):
             "restrict layers=[...], or pass force=True (or max_exact_params=...) to run it anyway."
         )
     step_fns = _compiled(run, "hvp", (_groups(run),), lambda: _hvp_step_fns(run, variables, sizes))
-    return _hvp_loop(run, batches, length, variables, sizes, total_params, *step_fns)
+    loop = _hvp_loop if run.dist is None else _hvp_loop_distributed
+    return loop(run, batches, length, variables, sizes, total_params, *step_fns)
 
 
 def _hvp_step_fns(run: _Run, variables: list, sizes: list[int]):
@@ -1128,6 +1224,12 @@ def _hvp_loop(run, batches, length, variables, sizes, total_params, exact_step, 
                 group_scale = tf.constant((n / sizes_g), tf.float64)
                 sums = [s * tf.reshape(group_scale, [groups] + [1] * (len(s.shape) - 1)) for s in sums]
             totals = sums if totals is None else [t + s for t, s in zip(totals, sums)]
+    return _hvp_finish(run, totals, examples, nbatches)
+
+
+def _hvp_finish(run: _Run, totals: list[Any], examples: int, nbatches: int):
+    """Per-layer sums over samples (K, *variable shape) -> canonical diagonals and group means."""
+    est, groups = run.options.estimator, _groups(run)
     scale = 1.0 / examples
     samples_out = []
     for e, t in zip(run.entries, totals):
@@ -1136,6 +1238,250 @@ def _hvp_loop(run, batches, length, variables, sizes, total_params, exact_step, 
                            else e.weight.to_canonical(t[0])[None])
     diags = [tf.reduce_mean(s, axis=0) for s in samples_out]
     return diags, (samples_out if groups > 1 and est == "hutchinson" else None), examples, nbatches
+
+
+# ----------------------------------------------------------------------------- tf.distribute
+
+
+class _Dist:
+    """The ``tf.distribute`` strategy of an analysis and this worker's share of the work.
+
+    Non-empty batches are dealt round-robin to the strategy's replicas (batch
+    ``k`` to global replica ``k % replicas``); every worker iterates the same
+    full data and keeps its replicas' batches. Each replica sums over its own
+    samples; the per-layer sums and sample counts are added with
+    ``strategy.reduce(SUM)`` once at the end, so the result is the
+    single-process one up to the order of floating-point additions.
+    """
+
+    def __init__(self, strategy: Any):
+        self.strategy = strategy
+        self.total = int(strategy.num_replicas_in_sync)
+        self.devices = list(strategy.extended.worker_devices)
+        ids: list[int] = []
+
+        def record(ctx):
+            ids.append(int(ctx.replica_id_in_sync_group))
+            return tf.constant(0)
+
+        # The global ids of this worker's replicas, in local order (public API only).
+        strategy.experimental_distribute_values_from_function(record)
+        self.ids = ids
+        self.local = len(ids)
+
+    @classmethod
+    def detect(cls, model: Any, distributed: bool | None) -> "_Dist | None":
+        """The strategy to analyze ``model`` with, or None for a plain single-device run."""
+        if distributed is False:
+            return None
+        strategy = getattr(model, "_distribute_strategy", None)
+        if strategy is None and tf.distribute.has_strategy():
+            strategy = tf.distribute.get_strategy()
+        if strategy is None:
+            if distributed:
+                raise ValueError(
+                    "distributed=True, but the model was not built under a tf.distribute strategy scope and "
+                    "no strategy scope is active. Build the model inside `with strategy.scope():` or call "
+                    "normflat.analyze inside it."
+                )
+            return None
+        if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+            raise RuntimeError(
+                "normflat.analyze was called inside strategy.run (a replica context); call it from the "
+                "outer program: it distributes the work over the replicas itself."
+            )
+        supported = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy,
+                     tf.distribute.OneDeviceStrategy)
+        if not isinstance(strategy, supported):
+            if strategy.num_replicas_in_sync == 1 and not distributed:
+                return None
+            raise NotImplementedError(
+                f"normflat distributes over MirroredStrategy and MultiWorkerMirroredStrategy, not "
+                f"{type(strategy).__name__}. Pass distributed=False to analyze on one device."
+            )
+        if strategy.num_replicas_in_sync < 2:
+            return None  # one replica: the single-device path computes the same, without overhead
+        return cls(strategy)
+
+    def describe(self) -> dict:
+        resolver = getattr(self.strategy, "cluster_resolver", None)
+        spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+        workers = sum(len(v) for k, v in spec.items() if k in ("chief", "worker")) or 1
+        return {
+            "distributed": type(self.strategy).__name__,
+            "replicas": self.total,
+            "workers": workers,
+            "replica_devices": list(self.devices),
+        }
+
+    def owns(self, k: int) -> bool:
+        return (k % self.total) in self.ids
+
+    def rounds(self, items: Iterable) -> Iterable[dict[int, tuple]]:
+        """Group ``(x, target, n, k)`` items by round ``k // replicas``: ``{local replica: item}``."""
+        current, batch = None, {}
+        for item in items:
+            r = item[3] // self.total
+            if current is not None and r != current:
+                yield batch
+                batch = {}
+            current = r
+            batch[self.ids.index(item[3] % self.total)] = item
+        if batch:
+            yield batch
+
+    def call(self, fn: Callable, per_replica: list[tuple], shared: tuple = ()) -> list[Any]:
+        """``fn(*per_replica[i], *shared)`` on every local replica i, in parallel; local results."""
+
+        def value(ctx):
+            i = self.ids.index(int(ctx.replica_id_in_sync_group))
+            with tf.device(self.devices[i]):
+                return tf.nest.map_structure(tf.identity, per_replica[i])
+
+        args = self.strategy.experimental_distribute_values_from_function(value)
+        out = self.strategy.run(fn, args=tuple(args) + tuple(shared))
+        flat = [self.strategy.experimental_local_results(v) for v in tf.nest.flatten(out)]
+        return [tf.nest.pack_sequence_as(out, [f[i] for f in flat]) for i in range(self.local)]
+
+    def reduce_sum(self, per_replica: list[Any]) -> Any:
+        """Cross-replica (and cross-worker) sum of one nest of tensors per local replica."""
+
+        def value(ctx):
+            i = self.ids.index(int(ctx.replica_id_in_sync_group))
+            with tf.device(self.devices[i]):
+                return tf.nest.map_structure(tf.identity, per_replica[i])
+
+        values = self.strategy.experimental_distribute_values_from_function(value)
+        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)
+
+
+def _padded(round_items: dict[int, tuple], local: int) -> tuple[list[tuple], list[bool]]:
+    """One item per local replica; replicas without a batch get a one-sample stand-in (ignored)."""
+    spare = next(iter(round_items.values()))
+    stand_in = (tf.nest.map_structure(lambda t: t[:1], spare[0]), spare[1][:1], 0, -1)
+    return [round_items.get(i, stand_in) for i in range(local)], [i in round_items for i in range(local)]
+
+
+def _zeros_canonical(run: _Run, groups: int) -> list[Any]:
+    return [tf.zeros([groups, *e.weight.to_canonical(tf.convert_to_tensor(e.variable.value)).shape], tf.float64)
+            for e in run.entries]
+
+
+def _reduce_totals(run: _Run, totals: list, counts: list[list[int]], zeros: list[Any]):
+    """Sum per-replica totals and ``[examples, batches]`` over all replicas."""
+    dist = run.dist
+    local = [
+        ([tf.identity(z) for z in zeros] if t is None else t, tf.constant(c, tf.float64))
+        for t, c in zip(totals, counts)
+    ]
+    sums, count = dist.reduce_sum(local)
+    examples, nbatches = (int(round(float(v))) for v in count.numpy())
+    if examples == 0:  # pragma: no cover - _iterate raises first
+        raise ValueError("The data is empty: it yielded no (x, y) batch with samples.")
+    return list(sums), examples, nbatches
+
+
+def _ggn_distributed(run: _Run, batches: Iterable, length: int | None):
+    """The GGN of :func:`_ggn`, each replica on its own batches (see :class:`_Dist`)."""
+    dist = run.dist
+    groups = _groups(run)
+    draws = run.options.samples if run.options.estimator == "ggn-mc" else None
+    totals: list[Any] = [None] * dist.local
+    counts = [[0, 0] for _ in range(dist.local)]
+    chunk = None
+    with _Taps([e for e in run.entries if e.fast], run.strip, run.grouped) as taps:
+        step = None
+        for round_items in dist.rounds(_iterate(run, batches, length, owned=dist.owns)):
+            if step is None:
+                signals = draws or run.num_classes - 1
+                block = min(signals, _SIGNAL_BLOCK)
+                step, holder = _compiled(run, "ggn", (groups, block),
+                                         lambda: _with_holder(_ggn_step_fn, run, groups, block))
+                chunk = _chunk_size(run, block)
+            holder["taps"] = taps
+            items, real = _padded(round_items, dist.local)
+            pieces = []  # per replica: [(x chunk, seed)]
+            for (x, _, n, k), ok in zip(items, real):
+                n = max(n, 1)
+                size = -(-n // -(-n // chunk))
+                own = []
+                for c, a in enumerate(range(0, n, size)):
+                    xc = x if size >= n else tf.nest.map_structure(lambda t: t[a:a + size], x)
+                    # Stateless draws seeded by (seed, batch, chunk): independent across replicas,
+                    # reproducible for a given data order.
+                    own.append((xc, tf.constant([run.options.seed, (k + 1) * 2**20 + c], tf.int64)))
+                pieces.append(own)
+                if ok:
+                    counts[len(pieces) - 1][0] += items[len(pieces) - 1][2]
+                    counts[len(pieces) - 1][1] += 1
+            for c in range(max(len(p) for p in pieces)):
+                active = [ok and c < len(p) for p, ok in zip(pieces, real)]
+                args = [p[c] if c < len(p) else p[0] for p in pieces]
+                for start in range(0, signals, block):
+                    outs = dist.call(step, args, (tf.constant(start, tf.int32),))
+                    for i, (sums, checks) in enumerate(outs):
+                        if not active[i]:
+                            continue
+                        if not run.checked:
+                            _check_logits(run, bool(checks[0]), bool(checks[1]))
+                            run.checked = True
+                        sums = [tf.cast(v, tf.float64) for v in sums]
+                        totals[i] = sums if totals[i] is None else [t + v for t, v in zip(totals[i], sums)]
+    sums, examples, nbatches = _reduce_totals(run, totals, counts, _zeros_canonical(run, groups))
+    run.metadata["chunk_size"] = chunk
+    samples = [t * (1.0 / examples) for t in sums]
+    diags = [tf.reduce_mean(s, axis=0) for s in samples]
+    return diags, (samples if groups > 1 else None), examples, nbatches
+
+
+def _hvp_loop_distributed(run, batches, length, variables, sizes, total_params, exact_step, hutchinson_step):
+    """:func:`_hvp_loop` with each replica on its own batches (see :class:`_Dist`)."""
+    dist = run.dist
+    options = run.options
+    est = options.estimator
+    groups = _groups(run)
+    totals: list[Any] = [None] * dist.local
+    counts = [[0, 0] for _ in range(dist.local)]
+    rng = tf.random.Generator.from_seed(options.seed) if est == "hutchinson" else None
+    with _Taps([], run.strip, run.grouped):
+        for round_items in dist.rounds(_iterate(run, batches, length, owned=dist.owns)):
+            items, real = _padded(round_items, dist.local)
+            ns = [item[2] for item in items]
+            if est == "exact":
+                sums = [[] for _ in items]
+                for li, (v, size) in enumerate(zip(variables, sizes)):
+                    chunk = max(1, min(size, 2**22 // max(total_params, 1)))
+                    parts = [dist.call(exact_step, [item[:2] for item in items],
+                                       (tf.range(a, min(a + chunk, size)), li))
+                             for a in range(0, size, chunk)]
+                    for i in range(dist.local):
+                        diag = tf.reshape(tf.concat([p[i] for p in parts], 0), v.shape)
+                        sums[i].append(tf.cast(diag, tf.float64)[None] * ns[i])
+            else:
+                samples = options.samples
+                chunk = max(1, min(samples, 2**24 // max(total_params, 1)))
+                sums = [[tf.zeros([groups, *v.shape], tf.float64) for v in variables] for _ in items]
+                sizes_g = np.bincount(np.arange(samples) % groups, minlength=groups)
+                for a in range(0, samples, chunk):
+                    m = min(chunk, samples - a)
+                    args = []
+                    for item in items:  # independent probes per replica
+                        probes = [tf.sign(rng.uniform([m, *v.shape], -1.0, 1.0, dtype=v.dtype)) for v in variables]
+                        args.append((item[0], item[1], [tf.where(p == 0, tf.ones_like(p), p) for p in probes]))
+                    seg = tf.constant(np.arange(a, a + m) % groups, tf.int32)
+                    parts = dist.call(hutchinson_step, args, (seg,))
+                    sums = [[s + tf.cast(p, tf.float64) for s, p in zip(si, pi)] for si, pi in zip(sums, parts)]
+                for i in range(dist.local):
+                    scale = tf.constant(ns[i] / sizes_g, tf.float64)
+                    sums[i] = [s * tf.reshape(scale, [groups] + [1] * (len(s.shape) - 1)) for s in sums[i]]
+            for i in range(dist.local):
+                if real[i]:
+                    counts[i][0] += ns[i]
+                    counts[i][1] += 1
+                    totals[i] = sums[i] if totals[i] is None else [t + s for t, s in zip(totals[i], sums[i])]
+    zeros = [tf.zeros([groups if est == "hutchinson" else 1, *v.shape], tf.float64) for v in variables]
+    sums, examples, nbatches = _reduce_totals(run, totals, counts, zeros)
+    return _hvp_finish(run, sums, examples, nbatches)
 
 
 # ----------------------------------------------------------------------------- entry points

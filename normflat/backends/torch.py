@@ -68,7 +68,8 @@ _SQUARES_BUDGET = 1 << 20
 #: Maximum number of independent group estimates passed as ``hessian_diag_samples``.
 _MAX_GROUPS = 10
 
-_BACKEND_OPTIONS = ("force", "max_exact_params", "chunk_size", "exact_chunk", "probe_chunk", "fast")
+_BACKEND_OPTIONS = ("force", "max_exact_params", "chunk_size", "memory_budget", "exact_chunk", "probe_chunk",
+                    "fast")
 
 
 # ============================================================================ layer registry
@@ -602,6 +603,7 @@ class _Settings:
     force: bool = False
     max_exact_params: int = DEFAULT_MAX_EXACT_PARAMS
     chunk_size: int | None = None
+    memory_budget: Any = None
     exact_chunk: int = 64
     probe_chunk: int = 16
     fast: bool = True
@@ -621,6 +623,15 @@ def _settings(backend_options: dict[str, Any]) -> _Settings:
     if s.chunk_size is not None and (isinstance(s.chunk_size, bool) or not isinstance(s.chunk_size, int)
                                      or s.chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {s.chunk_size!r}.")
+    if s.memory_budget is not None:
+        from normflat.core.memory import parse_memory_budget
+
+        if s.chunk_size is not None:
+            raise ValueError(
+                "Pass either chunk_size (samples per step) or memory_budget (the chunk size is then "
+                "chosen from it), not both."
+            )
+        s.memory_budget = parse_memory_budget(s.memory_budget)
     return s
 
 
@@ -896,7 +907,20 @@ def _ggn_batch(model, xs, y, layers, options, settings, acc, gen, capture, index
             # class count is known after the first forward, which is redone in chunks if too big.
             per_sample = c - 1 if options.estimator == "ggn" else \
                 _groups(options.samples) * -(-options.samples // _groups(options.samples))
-            state["chunk"] = max(1, DEFAULT_SIGNAL_ROWS // max(per_sample, 1))
+            per_sample = max(per_sample, 1)
+            if settings.memory_budget is not None:
+                from normflat.core.memory import chunk_size_for
+
+                # Per sample: the signals at every fast layer output (and a stacked copy), and
+                # the generic path's per-signal weight gradients.
+                item = logits.element_size()
+                rows = len(y[sl])
+                outs = sum(capture.outputs[id(l)].numel() // rows for l in layers if id(l) in capture.outputs)
+                weights = sum(l.param.numel() for l in layers if not l.fast)
+                need = per_sample * item * (2 * (outs + c) + weights)
+                state["chunk"] = chunk_size_for(settings.memory_budget, need, "the back-propagated GGN signals")
+            else:
+                state["chunk"] = max(1, DEFAULT_SIGNAL_ROWS // per_sample)
             if state["chunk"] < n:
                 capture.reset()
                 del logits
@@ -1076,6 +1100,8 @@ def _run(model: nn.Module, data: Any, options: AnalysisOptions, backend_options:
         "device": str(device),
         "unsupported": unsupported,
     }
+    if settings.memory_budget is not None:
+        metadata["memory_budget"] = settings.memory_budget
     return results, metadata
 
 
@@ -1097,7 +1123,8 @@ def layer_problems(model: nn.Module, data: Any, options: AnalysisOptions, **back
 
     Backend options: ``force`` (run ``exact`` above the size limit),
     ``max_exact_params`` (that limit, default 20 000), ``chunk_size`` (samples per
-    GGN chunk; default bounds signals × samples by 8192), ``exact_chunk`` /
+    GGN chunk; default bounds signals × samples by 8192) or ``memory_budget``
+    (``"512MB"``; the GGN chunk size is chosen from it), ``exact_chunk`` /
     ``probe_chunk`` (HVPs vectorized at once), ``fast`` (``False`` forces the generic
     GGN path, for checking).
     """

@@ -431,7 +431,10 @@ class JaxAdapter:
             raise ValueError(f"orders must be >= 0, got {orders}.")
         rng = np.random.default_rng(seed)
         layers = list(model.net.layers)
-        state = model.state
+        # State.set invalidates the State it is called on: work on a clone so the
+        # original model stays usable.
+        leaves, treedef = self.jax.tree_util.tree_flatten(model.state)
+        state = self.jax.tree_util.tree_unflatten(treedef, leaves)
         names = [type(layer).__name__ for layer in layers]
         is_relu = [isinstance(layer, eqx.nn.Lambda) and layer.fn is self.jax.nn.relu for layer in layers]
         widx = [i for i, n in enumerate(names) if n in ("Linear", "Conv2d")]

@@ -60,7 +60,7 @@ class StudyConfig:
         dataset: ``"digits"``, ``"fashion-mnist"`` or ``"mnist"``.
         data_dir: Where the dataset's files are (not for digits).
         arch: ``"mlp"``, ``"cnn"`` or ``"cnn-bn"``.
-        framework: Training framework (``"torch"`` or ``"keras"``).
+        framework: Training framework: ``"torch"``, ``"keras"`` or ``"jax"`` (equinox + optax).
         ratios: Fractions of training labels replaced by random ones.
         seeds: Seeds (initialization, label noise, minibatch order, rescaling).
         epochs: Maximum training epochs per model.

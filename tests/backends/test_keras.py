@@ -317,11 +317,10 @@ def test_ggn_on_bn_residual_nsce_and_separable_conv():
     with tf.GradientTape() as tape:
         u = model(x, training=False)
     ws = [sep.depthwise_kernel.value, sep.pointwise_kernel.value]
-    jac = tape.jacobian(u, ws)
     p = tf.nn.softmax(u).numpy()
     hess = np.einsum("na,ab->nab", p, np.eye(3)) - np.einsum("na,nb->nab", p, p)
-    dw, pw = [np.einsum("nai,nab,nbi->i", *(2 * [j.numpy().reshape(5, 3, -1)])[:1], hess,
-                        j.numpy().reshape(5, 3, -1)).reshape(w.shape) / 5 for j, w in zip(jac, ws)]
+    dw, pw = [(np.einsum("nai,nab,nbi->i", j, hess, j) / 5).reshape(w.shape)
+              for j, w in zip([j.numpy().reshape(5, 3, -1) for j in tape.jacobian(u, ws)], ws)]
     np.testing.assert_allclose(got["sep/depthwise"], dw.transpose(2, 3, 0, 1).reshape(4, 1, 3, 3), rtol=1e-8)
     np.testing.assert_allclose(got["sep/pointwise"], pw.transpose(3, 2, 0, 1), rtol=1e-8)
 
@@ -384,8 +383,8 @@ def test_sequential_functional_subclassed_nested_agree():
     ref = _diag(seq, (x, y))
     inp = keras.Input((5,), dtype=F64)
     h = inp
-    for layer in (L.Dense(6, activation="tanh", dtype=F64, name="d1"), L.Dense(4, activation="tanh", dtype=F64, name="d2"),
-                  L.Dense(3, dtype=F64, name="d3")):
+    for layer in (L.Dense(6, activation="tanh", dtype=F64, name="d1"),
+                  L.Dense(4, activation="tanh", dtype=F64, name="d2"), L.Dense(3, dtype=F64, name="d3")):
         h = layer(h)
     functional = keras.Model(inp, h)
     functional.set_weights(weights)

@@ -696,9 +696,13 @@ def test_float32_model(estimator):
     assert report.metadata["dtype"] == "float32" and math.isfinite(report.normalized_sharpness)
 
 
-def test_progress_bar_runs(small, capsys):
+def test_progress_bar(small, capsys):
     model, x, y = small
-    normflat.hessian_diagonal(model, DataLoader(TensorDataset(x, y), batch_size=2), progress=True)
+    loader = DataLoader(TensorDataset(x, y), batch_size=2)
+    normflat.hessian_diagonal(model, loader, progress=True)
+    assert "normflat ggn" in capsys.readouterr().err
+    normflat.hessian_diagonal(model, loader, progress=False)
+    assert "normflat" not in capsys.readouterr().err
 
 
 class TwoInputs(nn.Module):
@@ -754,7 +758,7 @@ class Branchy(nn.Module):
 
     def forward(self, x):
         h = torch.tanh(self.a(x))
-        if float(h.sum()) > 0:  # .item() on a tensor: not batchable
+        if float(h.detach().sum()) > 0:  # .item() on a tensor: not batchable
             h = h * 1.5
         return self.b(h)
 
@@ -786,3 +790,28 @@ def test_conv_transpose_canonical_layout():
         for i in range(2):
             g, og = divmod(o, 3)  # output channel o is channel og of group g
             torch.testing.assert_close(w[o, i], layer.weight[g * 2 + i, og].detach(), atol=0, rtol=0)
+
+
+def test_memory_budget_chooses_the_chunk_size():
+    model, x, y = make("cnn_smooth", n=9)
+    want = nf(model, (x, y), estimator="ggn")
+    report = normflat.analyze(model, (x, y), estimator="ggn", memory_budget="20KB", progress=False)
+    assert report.metadata["memory_budget"] == 20_000
+    got = nf(model, (x, y), estimator="ggn", memory_budget=20_000)
+    assert_diag_close(got, want, model, atol=1e-14, rtol=1e-11)
+    with pytest.raises(ValueError, match="too small"):
+        nf(model, (x, y), estimator="ggn", memory_budget=100)
+    with pytest.raises(ValueError, match="not both"):
+        nf(model, (x, y), estimator="ggn", memory_budget="1MB", chunk_size=2)
+
+
+@pytest.mark.parametrize("estimator", ["ggn-mc", "hutchinson"])
+def test_group_estimates_average_to_the_diagonal(estimator):
+    from normflat.core.options import validate_options
+
+    model, x, y = make("mlp_tanh")
+    options = validate_options(estimator=estimator, samples=13, progress=False)  # 10 uneven groups
+    problems, _ = tb.layer_problems(model, DataLoader(TensorDataset(x, y), batch_size=3), options)
+    for p in problems:
+        assert p.hessian_diag_samples.shape == (10, *p.shape)
+        torch.testing.assert_close(p.hessian_diag_samples.mean(0), p.hessian_diag, atol=1e-15, rtol=1e-12)

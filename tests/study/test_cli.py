@@ -96,10 +96,13 @@ def test_study_json_round_trip(study):
 
 def test_study_rejects_unsupported_framework_and_bad_options(capsys):
     with pytest.raises(SystemExit) as info:
-        main(["study", "--framework", "jax", "--quick"])
+        main(["study", "--framework", "mxnet", "--quick"])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "'jax' is not supported" in err and "torch" in err
+    assert "'mxnet' is not supported" in err and "torch" in err
+    with pytest.raises(SystemExit):
+        main(["invariance", "--framework", "keras", "--quick"])
+    assert "torch models only" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["study", "--ratios", "0,1.5"])
     assert "[0, 1]" in capsys.readouterr().err
@@ -206,21 +209,27 @@ def test_analyze_command_keras(tmp_path, capsys):
     assert [layer["name"] for layer in saved["layers"]] == [layer.name for layer in direct.layers]
 
 
-def test_study_with_keras(tmp_path, capsys):
-    require_frameworks("keras", "normflat.backends.keras")
-    out = tmp_path / "k"
-    assert main(["study", "--framework", "keras", "--arch", "cnn-bn", "--quick", "--ratios", "0,1",
+@pytest.mark.parametrize("framework, modules", [
+    ("keras", ("keras", "normflat.backends.keras")),
+    ("jax", ("jax", "equinox", "optax", "normflat.backends.jax")),
+])
+def test_study_with_other_frameworks(tmp_path, framework, modules):
+    require_frameworks(*modules)
+    out = tmp_path / framework
+    # The MLP keeps compilation short; tests/study/test_frameworks.py covers the CNNs' rescalings.
+    assert main(["study", "--framework", framework, "--arch", "mlp", "--width", "16", "--quick", "--ratios", "0,1",
                  "--train-size", "60", "--test-size", "40", "--epochs", "2", "--no-progress", "--out", str(out)]) == 0
     result = load_result(out / "results.json")
-    assert result.config["framework"] == "keras" and len(result.rows) == 2
-    assert result.environment["keras"]
+    assert result.config["framework"] == framework and len(result.rows) == 2
+    assert result.environment[framework]
     for r in result.rows:
         assert r["rescale_function_error"] < 1e-9
         assert r["rescaled_normalized_sharpness"] == pytest.approx(r["normalized_sharpness"], rel=1e-8)
         assert abs(math.log10(r["rescaled_hessian_trace"] / r["hessian_trace"])) > 0.1
     report = json.loads((out / "reports" / "run000.json").read_text())
-    assert report["metadata"]["framework"] == "keras" and report["metadata"]["dtype"] == "float64"
-    assert [layer["kind"] for layer in report["layers"]] == ["conv2d", "conv2d", "dense", "dense"]
+    assert report["metadata"]["framework"] == framework and report["metadata"]["dtype"] == "float64"
+    assert [layer["kind"] for layer in report["layers"]] == ["dense", "dense", "dense"]
+    assert [layer["shape"] for layer in report["layers"]] == [[16, 64], [16, 16], [10, 16]]
 
 
 def test_study_without_reparametrization_arm(tmp_path, capsys):

@@ -61,6 +61,8 @@ _OPTIONS = {"vmap": None, "state": None, "apply_kwargs": None, "layouts": None, 
 # repeated analyses (e.g. during training) do not recompile. Small: each holds XLA executables.
 _CACHE: OrderedDict = OrderedDict()
 _CACHE_SIZE = 8
+# Traced and analysed per-example programs, keyed by the model's structure.
+_TRACES: dict = {}
 
 
 def layer_problems(model: Any, data: Any, options: AnalysisOptions, **backend_options: Any):
@@ -70,8 +72,7 @@ def layer_problems(model: Any, data: Any, options: AnalysisOptions, **backend_op
     for info, w, d, s, path in zip(res["weights"], res["weight_arrays"], res["diags"], res["samples"],
                                    res["paths"]):
         problems.append(LayerProblem(
-            info.name, info.to_canonical(w), info.to_canonical(d), kind=info.kind,
-            hessian_diag_samples=None if s is None else info.to_canonical(s, batch_dims=1),
+            info.name, w, d, kind=info.kind, hessian_diag_samples=s,
             details={"path": path, "leaf": info.path},
         ))
     return problems, res["metadata"]
@@ -80,7 +81,7 @@ def layer_problems(model: Any, data: Any, options: AnalysisOptions, **backend_op
 def hessian_diagonal(model: Any, data: Any, options: AnalysisOptions, **backend_options: Any) -> dict:
     """``{layer name: diagonal}`` in canonical ``(out, in, *kernel)`` layout, model order."""
     res = _compute(model, data, options, backend_options)
-    return {info.name: info.to_canonical(d) for info, d in zip(res["weights"], res["diags"])}
+    return {info.name: d for info, d in zip(res["weights"], res["diags"])}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -129,26 +130,46 @@ def _compute(model, data, options: AnalysisOptions, backend_options: dict) -> di
     return res
 
 
-def _prepare(model, x, options, settings):
+def _prepare(model, x, options, settings, pending):
     """View, program and (possibly cached) estimator for the first batch ``x``."""
-    dtype = settings["dtype"] if settings["dtype"] is not None else _default_dtype(model)
-    x = _data.cast_inputs(x, dtype)
-    view = make_view(model, x, dtype=dtype, vmap=settings["vmap"], state=settings["state"],
+    view = make_view(model, x, dtype=settings["dtype"], vmap=settings["vmap"], state=settings["state"],
                      apply_kwargs=dict(settings["apply_kwargs"] or {}), layouts=dict(settings["layouts"] or {}),
                      on_unsupported=options.on_unsupported)
-    _check_weights(view)
-    ws, others = view.split()
+    dtype = view.dtype
+    x = _data.cast_inputs(x, dtype)
+    weights = list(view.weights)
+
+    def weight_check(ok):
+        if not ok:
+            bad = [w.path for w in weights if not bool(jnp.all(jnp.isfinite(view.leaves[w.leaf])))]
+            raise ValueError(f"The weight(s) {bad} contain NaN or inf; normflat needs finite weights.")
+    # Checked together with the first batch's values (one compiled call, one sync at the end).
+    view.weight_check = ([view.leaves[w.leaf] for w in weights], weight_check)
     x0 = jax.tree_util.tree_map(lambda a: a[0], x)
-    fn = view.example_fn()
-    treedef = jax.tree_util.tree_structure(x0)
-    prog = trace_program(lambda w_, o_, xl: [fn(w_, o_, jax.tree_util.tree_unflatten(treedef, xl))],
-                         ws, others, jax.tree_util.tree_leaves(x0))
-    _check_program_output(prog, view)
-    # Model order: where each weight first meets the data in the forward pass.
-    order = sorted(range(len(ws)), key=lambda k: (prog.first_use[k], k))
-    prog.reorder(order)
+    tkey = None
+    if view.struct is not None:
+        tkey = (view.struct, tuple(w.path for w in view.weights),
+                _models_avals(jax.tree_util.tree_leaves(x0)), str(jax.tree_util.tree_structure(x0)))
+    entry = _TRACES.get(tkey) if tkey is not None else None
+    if entry is None:
+        ws, others = view.split()
+        fn = view.example_fn()
+        treedef = jax.tree_util.tree_structure(x0)
+        prog = trace_program(lambda w_, o_, xl: [fn(w_, o_, jax.tree_util.tree_unflatten(treedef, xl))],
+                             ws, others, jax.tree_util.tree_leaves(x0))
+        _check_program_output(prog, view)
+        # Model order: where each weight first meets the data in the forward pass.
+        order = sorted(range(len(ws)), key=lambda k: (prog.first_use[k], k))
+        prog.reorder(order)
+        if tkey is not None:
+            # The traced program depends only on the structure (like jax.jit's cache).
+            _TRACES[tkey] = (prog, order, view.struct_refs)
+            while len(_TRACES) > _CACHE_SIZE:
+                _TRACES.pop(next(iter(_TRACES)))
+    else:
+        prog, order, _ = entry
     view.weights = [view.weights[k] for k in order]
-    ws = [ws[k] for k in order]
+    ws, others = view.split()
     num_classes = prog.shapes[prog.out_refs[0][1]][0]
     if options.estimator == "exact":
         total = sum(int(np.prod(w.shape)) for w in ws)
@@ -162,11 +183,10 @@ def _prepare(model, x, options, settings):
            options.loss if callable(options.loss) else str(options.loss), options.temperature,
            settings["chunk_size"], settings["exact_chunk"], settings["probe_chunk"])
     est = None
-    for k, (consts, cached) in list(_CACHE.items()):
-        if k == key and _same_consts(consts, prog.consts):
-            est = cached
-            _CACHE.move_to_end(k)
-            break
+    cached = _CACHE.get(key)
+    if cached is not None and _same_consts(cached[0], prog.consts):
+        est = cached[1]
+        _CACHE.move_to_end(key)
     if est is None:
         est = _estimators.make(options, prog, ws, dtype, num_classes, settings)
         _CACHE[key] = (prog.consts, est)
@@ -174,6 +194,10 @@ def _prepare(model, x, options, settings):
             _CACHE.popitem(last=False)
     est.reset(ws, others, options.seed)
     return view, est, dtype, ws, num_classes
+
+
+def _models_avals(leaves) -> tuple:
+    return tuple((tuple(a.shape), str(a.dtype)) for a in leaves)
 
 
 def _same_consts(a: dict, b: dict) -> bool:
@@ -195,59 +219,40 @@ def _compute_in_dtype(model, data, options, settings) -> dict:
                       desc=f"normflat {options.estimator}", total=_data.total(data, options.max_batches))
     view = est = dtype = None
     examples = n_batches = 0
+    pending: list = []  # value checks, evaluated together at the end (one device sync)
     for x, y in it:
         if view is None:
-            view, est, dtype, ws, num_classes = _prepare(model, x, options, settings)
+            view, est, dtype, ws, num_classes = _prepare(model, x, options, settings, pending)
         x = _data.cast_inputs(x, dtype)
-        n = _data.check_batch(x, y, options, num_classes)
+        n = _data.check_batch(x, y, options, num_classes, n_batches, pending,
+                              view.weight_check if n_batches == 0 else None)
         est.add_batch(jax.tree_util.tree_leaves(x), y, n, n_batches, examples)
         examples += n
         n_batches += 1
     if view is None:
         raise ValueError("The data is empty: it yielded no (x, y) batch. Pass an iterable of (x, y) batches "
                          "or one (x, y) pair of arrays.")
-    diags, samples = est.finish(examples)
-    for info, d in zip(view.weights, diags):
-        if not bool(jnp.all(jnp.isfinite(d))):
+    diags, samples, ws, finite = est.finish(examples, tuple(w.layout == "flax" for w in view.weights))
+    paths = list(est.paths)
+    # Drop references to this model's arrays from the cached estimator.
+    est.ws = est.others = est.sums = None
+
+    def diag_check(ok):
+        if not ok:
+            bad = [w.name for w, d in zip(view.weights, diags) if not bool(jnp.all(jnp.isfinite(d)))]
             raise ValueError(
-                f"The Hessian diagonal of layer {info.name!r} contains NaN or inf; check the data and the "
-                "weights for huge or non-finite values, or compute in float64 (dtype='float64')."
+                f"The Hessian diagonal of layer(s) {bad} contains NaN or inf; check the data and the weights "
+                "for huge values, or compute in float64 (dtype='float64')."
             )
+    pending.append((finite, diag_check))
+    _data.run_checks(pending)
     device = str(next(iter(ws[0].devices()))) if hasattr(ws[0], "devices") else "cpu"
     meta = {"examples": examples, "batches": n_batches, "dtype": str(jnp.dtype(dtype)), "device": device,
             "model_type": view.framework}
     if view.vmap is not None:
         meta["vmap"] = view.vmap
-    paths = list(est.paths)
-    # Drop references to this model's arrays from the cached estimator.
-    est.ws = est.others = est.sums = None
     return {"weights": view.weights, "weight_arrays": ws, "diags": diags, "samples": samples,
             "paths": paths, "metadata": meta}
-
-
-def _default_dtype(model) -> Any:
-    leaves = [a for a in jax.tree_util.tree_leaves(_weights_like(model))
-              if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)]
-    dt = jnp.result_type(*leaves) if leaves else jnp.float32
-    # Hessians in half precision are meaningless: compute in at least float32.
-    return jnp.promote_types(dt, jnp.float32)
-
-
-def _weights_like(model):
-    import sys
-
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is not None and isinstance(model, nnx.Module):
-        return nnx.state(model, nnx.Param)
-    if isinstance(model, tuple):
-        return model[1]
-    return model
-
-
-def _check_weights(view) -> None:
-    for info in view.weights:
-        if not bool(jnp.all(jnp.isfinite(view.leaves[info.leaf]))):
-            raise ValueError(f"The weight {info.path!r} contains NaN or inf; normflat needs finite weights.")
 
 
 def _check_program_output(prog, view) -> None:

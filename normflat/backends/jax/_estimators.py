@@ -10,6 +10,7 @@ chunk sizes.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -42,6 +43,28 @@ def _head(z, options: AnalysisOptions):
     return z
 
 
+def _to_canonical(a, flax: bool, batch_dims: int):
+    """(*k, in, out) -> (out, in, *k) after ``batch_dims`` leading axes (identity if not flax)."""
+    if not flax:
+        return a
+    nd = a.ndim - batch_dims
+    lead = tuple(range(batch_dims))
+    return jnp.transpose(a, lead + (batch_dims + nd - 1, batch_dims + nd - 2)
+                         + tuple(batch_dims + i for i in range(nd - 2)))
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _finish(sums, ws, examples, counts, flax):
+    # One compiled call: normalisation, group means, layouts and the finiteness check.
+    c = jnp.asarray(counts, sums[0].dtype)
+    groups = [s / examples / c.reshape((-1,) + (1,) * (s.ndim - 1)) for s in sums]
+    diags = [jnp.mean(g, axis=0) for g in groups]
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(d)) for d in diags]))
+    return ([_to_canonical(g, f, 1) for g, f in zip(groups, flax)],
+            [_to_canonical(d, f, 0) for d, f in zip(diags, flax)],
+            [_to_canonical(w, f, 0) for w, f in zip(ws, flax)], finite)
+
+
 class _Base:
     """Accumulates one estimator over batches; the jit-compiled kernels only depend on the program."""
 
@@ -54,9 +77,18 @@ class _Base:
     def reset(self, ws, others, seed: int) -> None:
         """Start a new accumulation for these weights and other leaves."""
         self.ws, self.others = ws, others
-        self.root = jax.random.key(seed)
-        self.sums = [jnp.zeros((self.G,) + w.shape, self.dtype) for w in ws]
+        if getattr(self, "_seed", None) != seed:
+            self._seed, self.root = seed, jax.random.key(seed)
+        self.sums = None  # set by the first batch (no zero arrays to dispatch)
         self.block = None
+
+    def _accumulate(self, vals) -> None:
+        self.sums = list(vals) if self.sums is None else [s + v for s, v in zip(self.sums, vals)]
+
+    def _ones(self, b):
+        if getattr(self, "_ones_cache", (None, None))[0] != b:
+            self._ones_cache = (b, jnp.ones(b, self.dtype))
+        return self._ones_cache[1]
 
     G = 1
     #: Largest number of examples per compiled call (None: the whole first batch).
@@ -78,11 +110,22 @@ class _Base:
         for s in range(0, n, b):
             e = min(s + b, n)
             if e - s == b:
-                yield ([a[s:e] for a in xl] if (s, e) != (0, n) else xl), y[s:e], jnp.ones(b, self.dtype), s
+                yield ([a[s:e] for a in xl] if (s, e) != (0, n) else xl), (y[s:e] if (s, e) != (0, n) else y), \
+                    self._ones(b), s
             else:
                 idx = jnp.concatenate([jnp.arange(s, e), jnp.full(b - (e - s), s)])
                 mask = (jnp.arange(b) < e - s).astype(self.dtype)
                 yield [jnp.take(a, idx, axis=0) for a in xl], jnp.take(y, idx, axis=0), mask, s
+
+    def _counts(self):
+        """Draws per group (each group's sum is divided by it); 1 when sums are already means."""
+        return [1] * self.G
+
+    def finish(self, examples, canonical: tuple):
+        """Mean-loss diagonals, group estimates (or None), weights — all in canonical layout
+        (``canonical[k]``: whether weight k is in flax order) — and an all-finite flag."""
+        groups, diags, ws, finite = _finish(self.sums, self.ws, examples, tuple(self._counts()), canonical)
+        return diags, [g if self.G >= 2 else None for g in groups], ws, finite
 
     def logits(self, ws, others, xl):
         """Batch logits: the per-example program vmapped over the examples."""
@@ -129,13 +172,11 @@ class _Exact(_Base):
         for xp, yp, mask, _ in self.pieces(xl, y, n):
             vals = jnp.concatenate([self.fn(self.ws, self.others, xp, yp, mask, start)
                                     for start in range(0, self.total, self.basis)])[: self.total]
-            o = 0
-            for k, w in enumerate(self.ws):
-                self.sums[k] = self.sums[k] + vals[o:o + w.size].reshape((1,) + w.shape)
+            out, o = [], 0
+            for w in self.ws:
+                out.append(vals[o:o + w.size].reshape((1,) + w.shape))
                 o += w.size
-
-    def finish(self, examples):
-        return [s[0] / examples for s in self.sums], [None] * len(self.sums)
+            self._accumulate(out)
 
 
 # ----------------------------------------------------------------------------- hutchinson
@@ -175,13 +216,10 @@ class _Hutchinson(_Base):
             # Probes are drawn per batch (and per piece of a large batch).
             bkey = jax.random.fold_in(jax.random.fold_in(self.root, b), start)
             for s0 in range(0, self.S, self.P):
-                vals = self.fn(self.ws, self.others, xp, yp, mask, bkey, s0)
-                self.sums = [s + v for s, v in zip(self.sums, vals)]
+                self._accumulate(self.fn(self.ws, self.others, xp, yp, mask, bkey, s0))
 
-    def finish(self, examples):
-        counts = jnp.asarray([len(range(g, self.S, self.G)) for g in range(self.G)], self.dtype)
-        groups = [s / examples / counts.reshape((-1,) + (1,) * (s.ndim - 1)) for s in self.sums]
-        return [jnp.mean(g, axis=0) for g in groups], [g if self.G >= 2 else None for g in groups]
+    def _counts(self):
+        return [len(range(g, self.S, self.G)) for g in range(self.G)]
 
 
 # ----------------------------------------------------------------------------- ggn, ggn-mc
@@ -334,9 +372,4 @@ class _GGN(_Base):
     def add_batch(self, xl, y, n, b, offset):
         # The GGN does not depend on the labels: a callable loss is rejected earlier.
         for xp, _, mask, s in self.pieces(xl, y, n):
-            vals = self.fn(self.ws, self.others, xp, mask, self.root, offset + s)
-            self.sums = [acc + v for acc, v in zip(self.sums, vals)]
-
-    def finish(self, examples):
-        groups = [s / examples for s in self.sums]
-        return [jnp.mean(g, axis=0) for g in groups], [g if self.G >= 2 else None for g in groups]
+            self._accumulate(self.fn(self.ws, self.others, xp, mask, self.root, offset + s))

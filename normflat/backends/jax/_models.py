@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
@@ -69,6 +69,14 @@ class ModelView:
     apply_batch: Callable[[list, list, Any], Any]
     apply_example: Callable[[list, list, Any], Any]
     vmap: bool | None = None
+    dtype: Any = None
+    #: (weight arrays, check) evaluated with the first batch's checks.
+    weight_check: Any = None
+    #: Hashable description of everything the traced program depends on besides the
+    #: leaf values (None: not hashable, the program is traced every time).
+    struct: Any = None
+    #: Objects whose ids appear in ``struct``, kept alive with cache entries.
+    struct_refs: list = field(default_factory=list)
 
     def split(self) -> tuple[list, list]:
         """``(weights, others)``: weight leaves in :attr:`weights` order, then every other input leaf."""
@@ -106,10 +114,25 @@ def path_str(path) -> str:
     return "/".join(parts)
 
 
+def _as(a, dtype):
+    """``a`` as a JAX array of ``dtype`` (no copy or dispatch when it already is one)."""
+    if isinstance(a, jax.Array) and a.dtype == dtype:
+        return a
+    return jnp.asarray(a, dtype=dtype)
+
+
+def pick_dtype(leaves) -> Any:
+    """Compute dtype from the parameters: their common floating dtype, at least float32."""
+    dts = [a.dtype for a in leaves if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)]
+    dt = jnp.result_type(*dts) if dts else jnp.float32
+    # Hessians in half precision are meaningless: compute in at least float32.
+    return jnp.dtype(jnp.promote_types(dt, jnp.float32))
+
+
 def _cast(tree, dtype):
     def f(a):
         if isinstance(a, (jax.Array, np.ndarray)) and jnp.issubdtype(a.dtype, jnp.floating):
-            return jnp.asarray(a, dtype=dtype)
+            return _as(a, dtype)
         return a
     return jax.tree_util.tree_map(f, tree)
 
@@ -130,6 +153,27 @@ def _walk(obj, path):
         except (AttributeError, KeyError, IndexError, TypeError):
             return None
     return obj
+
+
+def _avals(leaves) -> tuple:
+    return tuple((tuple(np.shape(a)), str(getattr(a, "dtype", type(a).__name__))) for a in leaves)
+
+
+def _struct(*parts, refs: list) -> Any:
+    """A hashable structural key, or None. Unhashable static leaves are keyed by id (kept in ``refs``)."""
+    def key(obj):
+        try:
+            hash(obj)
+            return obj
+        except TypeError:
+            refs.append(obj)
+            return ("id", id(obj))
+    try:
+        k = tuple(tuple(key(o) for o in p) if isinstance(p, list) else key(p) for p in parts)
+        hash(k)
+        return k
+    except Exception:  # noqa: BLE001 - e.g. a treedef whose static data cannot be hashed or compared
+        return None
 
 
 def _conv_kind(ndim: int) -> str:
@@ -224,7 +268,8 @@ def _equinox(model, x0, dtype, vmap, state):
     params, static = eqx.partition(model, eqx.is_inexact_array)
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [path_str(p) for p, _ in flat]
-    leaves = [jnp.asarray(a, dtype=dtype) for _, a in flat]
+    dtype = dtype or pick_dtype([a for _, a in flat])
+    leaves = [_as(a, dtype) for _, a in flat]
     st_leaves, st_def = jax.tree_util.tree_flatten(_cast(state, dtype)) if state is not None else ([], None)
     types = {}
     for (p, leaf), path in zip(flat, paths):
@@ -247,8 +292,19 @@ def _equinox(model, x0, dtype, vmap, state):
             out = out[0]
         return out
 
+    refs: list = []
+    static_leaves, static_def = jax.tree_util.tree_flatten(static)
+    struct = _struct("equinox", treedef, static_def, static_leaves, st_def, _avals(leaves), _avals(st_leaves),
+                     refs=refs)
     if vmap is None:
-        vmap = _detect_vmap(lambda l, x: call(l, st_leaves, x), leaves, x0)
+        dkey = None if struct is None else (struct, _avals(jax.tree_util.tree_leaves(x0)))
+        vmap = _VMAP_CACHE.get(dkey) if dkey is not None else None
+        if vmap is None:
+            vmap = _detect_vmap(lambda l, x: call(l, st_leaves, x), leaves, x0)
+            if dkey is not None:
+                _VMAP_CACHE[dkey] = vmap
+                while len(_VMAP_CACHE) > 32:
+                    _VMAP_CACHE.pop(next(iter(_VMAP_CACHE)))
     if vmap:
         def apply_batch(leaves, extra, x):
             return jax.vmap(call, in_axes=(None, None, 0))(leaves, extra, x)
@@ -258,7 +314,13 @@ def _equinox(model, x0, dtype, vmap, state):
 
         def apply_example(leaves, extra, x):
             return call(leaves, extra, jax.tree_util.tree_map(lambda a: a[None], x))[0]
-    return ModelView("equinox", leaves, paths, [], st_leaves, apply_batch, apply_example, vmap), types
+    view = ModelView("equinox", leaves, paths, [], st_leaves, apply_batch, apply_example, vmap, dtype=dtype)
+    view.struct = None if struct is None else struct + (vmap,)
+    view.struct_refs = refs + [static]
+    return view, types
+
+
+_VMAP_CACHE: dict = {}
 
 
 def _detect_vmap(call, leaves, x0) -> bool:
@@ -289,27 +351,48 @@ def _detect_vmap(call, leaves, x0) -> bool:
 # ----------------------------------------------------------------------------- flax nnx
 
 
+_NNX_EVAL: dict = {}
+
+
 def _nnx(model, dtype):
     from flax import nnx
 
-    graphdef, full = nnx.split(model)
-    clone = nnx.merge(graphdef, full)  # private copy: the user's module keeps its mode
-    clone.eval()
-    gdef, params, rest = nnx.split(clone, nnx.Param, ...)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    clean = [p[:-1] if p and getattr(p[-1], "name", None) == "value" else p for p, _ in flat]
-    paths = [path_str(p) for p in clean]
-    leaves = [jnp.asarray(a, dtype=dtype) for _, a in flat]
+    user_gdef, params, rest = nnx.split(model, nnx.Param, ...)  # reads only: the user's module is unchanged
+    cached = None
+    try:
+        cached = _NNX_EVAL.get(user_gdef)
+    except TypeError:
+        pass
+    if cached is None:
+        # A private copy switched to evaluation mode (BatchNorm running averages, no dropout);
+        # the mode lives in the graph definition, so it is cached per user graph definition.
+        clone = nnx.merge(user_gdef, params, rest)
+        clone.eval()
+        gdef, params_e, _ = nnx.split(clone, nnx.Param, ...)
+        flat = jax.tree_util.tree_flatten_with_path(params_e)[0]
+        clean = [p[:-1] if p and getattr(p[-1], "name", None) == "value" else p for p, _ in flat]
+        types = {}
+        for (_, leaf), p in zip(flat, clean):
+            path = path_str(p)
+            parent = _walk(clone, p[:-1])
+            if path.rpartition("/")[2] != "kernel":
+                continue
+            if isinstance(parent, nnx.Linear) and np.ndim(leaf) == 2:
+                types[path] = ("dense", "flax")
+            elif isinstance(parent, nnx.Conv) and not isinstance(parent, nnx.ConvTranspose):
+                types[path] = (_conv_kind(np.ndim(leaf)), "flax")
+        cached = (gdef, [path_str(p) for p in clean], types)
+        try:
+            _NNX_EVAL[user_gdef] = cached
+            while len(_NNX_EVAL) > 32:
+                _NNX_EVAL.pop(next(iter(_NNX_EVAL)))
+        except TypeError:
+            pass
+    gdef, paths, types = cached
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    dtype = dtype or pick_dtype(leaves)
+    leaves = [_as(a, dtype) for a in leaves]
     rest_leaves, rest_def = jax.tree_util.tree_flatten(_cast(rest, dtype))
-    types = {}
-    for (_, leaf), p, path in zip(flat, clean, paths):
-        parent = _walk(clone, p[:-1])
-        if path.rpartition("/")[2] != "kernel":
-            continue
-        if isinstance(parent, nnx.Linear) and np.ndim(leaf) == 2:
-            types[path] = ("dense", "flax")
-        elif isinstance(parent, nnx.Conv) and not isinstance(parent, nnx.ConvTranspose):
-            types[path] = (_conv_kind(np.ndim(leaf)), "flax")
 
     def apply_batch(leaves, extra, x):
         return nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, leaves),
@@ -318,7 +401,10 @@ def _nnx(model, dtype):
     def apply_example(leaves, extra, x):
         return apply_batch(leaves, extra, jax.tree_util.tree_map(lambda a: a[None], x))[0]
 
-    return ModelView("flax.nnx", leaves, paths, [], rest_leaves, apply_batch, apply_example), types
+    view = ModelView("flax.nnx", leaves, paths, [], rest_leaves, apply_batch, apply_example)
+    view.struct = _struct("nnx", gdef, treedef, rest_def, _avals(leaves), _avals(rest_leaves), refs=view.struct_refs)
+    view.dtype = dtype
+    return view, types
 
 
 # ----------------------------------------------------------------------------- flax linen
@@ -332,10 +418,11 @@ def _linen(module, variables, x0, dtype, apply_kwargs):
             "A flax linen model is passed as (module, variables) with variables = module.init(...), a "
             f"mapping with a 'params' collection; got {type(variables).__name__}."
         )
-    o_leaves, o_def = jax.tree_util.tree_flatten(_cast({k: v for k, v in variables.items() if k != "params"}, dtype))
     flat, treedef = jax.tree_util.tree_flatten_with_path(variables["params"])
+    dtype = dtype or pick_dtype([a for _, a in flat])
+    o_leaves, o_def = jax.tree_util.tree_flatten(_cast({k: v for k, v in variables.items() if k != "params"}, dtype))
     paths = [path_str(p) for p, _ in flat]
-    leaves = [jnp.asarray(a, dtype=dtype) for _, a in flat]
+    leaves = [_as(a, dtype) for _, a in flat]
 
     def apply_batch(leaves, extra, x):
         others = jax.tree_util.tree_unflatten(o_def, extra)
@@ -345,6 +432,13 @@ def _linen(module, variables, x0, dtype, apply_kwargs):
     def apply_example(leaves, extra, x):
         return apply_batch(leaves, extra, jax.tree_util.tree_map(lambda a: a[None], x))[0]
 
+    refs: list = []
+    struct = _struct("linen", module, treedef, o_def, _avals(leaves), _avals(o_leaves),
+                     tuple(sorted(apply_kwargs.items())), _avals(jax.tree_util.tree_leaves(x0)), refs=refs)
+    view = ModelView("flax.linen", leaves, paths, [], o_leaves, apply_batch, apply_example, struct=struct,
+                     struct_refs=refs, dtype=dtype)
+    if struct is not None and struct in _LINEN_TYPES:
+        return view, _LINEN_TYPES[struct]
     # The module types behind each parameter path, recorded during one abstract call.
     seen: dict[tuple, type] = {}
 
@@ -363,7 +457,14 @@ def _linen(module, variables, x0, dtype, apply_kwargs):
             types[path] = ("dense", "flax")
         elif owner is not None and issubclass(owner, nn.Conv):
             types[path] = (_conv_kind(np.ndim(leaf)), "flax")
-    return ModelView("flax.linen", leaves, paths, [], o_leaves, apply_batch, apply_example), types
+    if struct is not None:
+        _LINEN_TYPES[struct] = types
+        while len(_LINEN_TYPES) > 32:
+            _LINEN_TYPES.pop(next(iter(_LINEN_TYPES)))
+    return view, types
+
+
+_LINEN_TYPES: dict = {}
 
 
 def _check_linen_call(fn):
@@ -388,12 +489,12 @@ def _pair(apply_fn, params, dtype, apply_kwargs):
     # Flax-style variables {'params': ..., 'batch_stats': ...}: only 'params' holds weights.
     collections = "params" in params and isinstance(params["params"], Mapping)
     tree = params["params"] if collections else params
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    dtype = dtype or pick_dtype([a for _, a in flat])
     o_leaves, o_def = jax.tree_util.tree_flatten(
         _cast({k: v for k, v in params.items() if k != "params"}, dtype) if collections else {})
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     paths = [path_str(p) for p, _ in flat]
-    leaves = [jnp.asarray(a, dtype=dtype) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating) else a
-              for _, a in flat]
+    leaves = [_as(a, dtype) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating) else a for _, a in flat]
 
     def apply_batch(leaves, extra, x):
         t = jax.tree_util.tree_unflatten(treedef, leaves)
@@ -407,4 +508,7 @@ def _pair(apply_fn, params, dtype, apply_kwargs):
     for path, leaf in zip(paths, leaves):
         if path.rpartition("/")[2] == "kernel" and 2 <= np.ndim(leaf) <= 5:
             types[path] = (_conv_kind(np.ndim(leaf)), "flax")
-    return ModelView("jax", leaves, paths, [], o_leaves, apply_batch, apply_example), types
+    view = ModelView("jax", leaves, paths, [], o_leaves, apply_batch, apply_example, dtype=dtype)
+    view.struct = _struct("pair", apply_fn, treedef, o_def, _avals(leaves), _avals(o_leaves),
+                          tuple(sorted(apply_kwargs.items())), refs=view.struct_refs)
+    return view, types

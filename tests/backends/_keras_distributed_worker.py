@@ -1,0 +1,152 @@
+"""Subprocess half of test_keras_distributed: MirroredStrategy over 2 logical CPU devices.
+
+Run as ``python _keras_distributed_worker.py OUT.json``. Logical devices must be
+configured before TensorFlow initializes its devices, hence a fresh process.
+Writes one JSON object with the measured differences; the test asserts on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+import keras  # noqa: E402
+
+import normflat  # noqa: E402
+
+L = keras.layers
+DEVICES = ["/cpu:0", "/cpu:1"]
+
+
+class FailOnLargeInput(L.Layer):
+    """Identity that fails at run time (inside the compiled replica step) on inputs above 100."""
+
+    def call(self, x):
+        tf.debugging.assert_less(tf.reduce_max(x), tf.constant(100.0, x.dtype), message="replica failure")
+        return x
+
+
+def build_mlp(fail: bool = False) -> keras.Model:
+    keras.utils.set_random_seed(1)
+    layers = [keras.Input((5,))]
+    if fail:
+        layers.append(FailOnLargeInput())
+    layers += [L.Dense(6, activation="tanh"), L.Dense(4)]
+    return keras.Sequential(layers)
+
+
+def build_cnn() -> keras.Model:
+    keras.utils.set_random_seed(2)
+    return keras.Sequential([
+        keras.Input((6, 6, 2)), L.Conv2D(3, 3, activation="tanh"), L.Flatten(), L.Dense(3),
+    ])
+
+
+def diagonals(model, data, **kw):
+    return [np.asarray(v.numpy()) for v in normflat.hessian_diagonal(model, data, progress=False, **kw).values()]
+
+
+def max_rel_diff(a, b):
+    return max(float(np.max(np.abs(p - q)) / max(np.max(np.abs(q)), 1e-300)) for p, q in zip(a, b))
+
+
+def report_diff(a, b) -> float:
+    """Largest relative difference of every per-layer quantity of two reports."""
+    worst = 0.0
+    for la, lb in zip(a.layers, b.layers):
+        for key in ("normalized_sharpness", "matrix_normalized_sharpness", "hessian_trace", "elementwise_bound",
+                    "row_sigma", "col_sigma"):
+            va, vb = np.asarray(getattr(la, key), float), np.asarray(getattr(lb, key), float)
+            worst = max(worst, float(np.max(np.abs(va - vb)) / max(float(np.max(np.abs(vb))), 1e-300)))
+    return worst
+
+
+def main(out_path: str) -> None:
+    keras.backend.set_floatx("float64")
+    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    result: dict = {"replicas": strategy.num_replicas_in_sync, "cases": {}}
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(23, 5))
+    y = rng.integers(0, 4, size=23)
+    xi = rng.normal(size=(7, 6, 6, 2))
+    yi = rng.integers(0, 3, size=7)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(6)
+    for name, builder, data, estimators, kw in [
+        # 23 samples: 5 batches of 5 (odd count, last one partial), 1 of 32 (replica 1 gets no data),
+        # 6 of 4 in chunks of 2 through the generic per-sample Jacobian path.
+        ("mlp_b5", build_mlp, (x, y), ("ggn", "exact"), {"batch_size": 5}),
+        ("mlp_one_batch", build_mlp, (x, y), ("ggn", "exact"), {"batch_size": 32}),
+        ("mlp_generic_chunked", build_mlp, (x, y), ("ggn",), {"batch_size": 4, "chunk_size": 2, "fast": False}),
+        ("cnn_b3", build_cnn, (xi, yi), ("ggn", "exact"), {"batch_size": 3}),
+        ("scope_only_dataset", build_mlp, dataset, ("ggn",), {}),
+    ]:
+        single = builder()
+        if name == "scope_only_dataset":
+            mirrored = single  # built outside; distributed because analyze runs inside the scope
+        else:
+            with strategy.scope():
+                mirrored = builder()
+            single.set_weights(mirrored.get_weights())
+        for est in estimators:
+            ref_report = normflat.analyze(single, data, estimator=est, **kw, progress=False, distributed=False)
+            with strategy.scope():
+                dist_report = normflat.analyze(mirrored, data, estimator=est, **kw, progress=False)
+            case = {
+                "report": report_diff(dist_report, ref_report),
+                "examples": [dist_report.metadata["examples"], ref_report.metadata["examples"]],
+                "batches": [dist_report.metadata["batches"], ref_report.metadata["batches"]],
+                "replicas": dist_report.metadata.get("replicas"),
+                "ref_replicas": ref_report.metadata.get("replicas"),
+            }
+            if name == "mlp_b5":
+                ref = diagonals(single, data, estimator=est, **kw)
+                case["diag"] = max_rel_diff(diagonals(mirrored, data, estimator=est, **kw), ref)
+                case["opt_out"] = diagonals(mirrored, data, estimator=est, distributed=False, **kw)[0].tolist()
+                case["ref_first"] = ref[0].tolist()
+            result["cases"][f"{name}/{est}"] = case
+
+    # Stochastic estimators: run distributed, report standard errors.
+    with strategy.scope():
+        mirrored = build_mlp()
+    for est, samples in (("ggn-mc", 4), ("hutchinson", 8)):
+        rep = normflat.analyze(mirrored, (x, y), estimator=est, samples=samples, batch_size=5, progress=False)
+        again = normflat.analyze(mirrored, (x, y), estimator=est, samples=samples, batch_size=5, progress=False)
+        result["cases"][f"stochastic/{est}"] = {
+            "has_se": all(layer.standard_error is not None for layer in rep.layers),
+            "reproducible": all(a.normalized_sharpness == b.normalized_sharpness
+                                for a, b in zip(rep.layers, again.layers)),
+            "replicas": rep.metadata.get("replicas"),
+        }
+
+    # A failure inside replica 1 only (its batch holds a value > 100): raises, no hang.
+    with strategy.scope():
+        failing = build_mlp(fail=True)
+    xf = x.copy()
+    xf[6] = 1e3  # batch 1 of size 5 -> replica 1
+    for est in ("ggn", "exact"):
+        try:
+            normflat.analyze(failing, (xf, y), estimator=est, batch_size=5, progress=False)
+            result[f"failure/{est}"] = "no error"
+        except Exception as err:  # noqa: BLE001 - the test checks the type and message
+            result[f"failure/{est}"] = f"{type(err).__name__}: {err}"[:300]
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1])
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)
