@@ -28,7 +28,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 import normflat

@@ -379,6 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"normflat: error: {err}\n")
     except FileNotFoundError as err:  # DatasetNotFoundError included: the message says how to fix it
         parser.exit(2, f"normflat: error: {err}\n")
+    except ImportError as err:  # a framework or optional package that this command needs
+        parser.exit(2, f"normflat: error: {err}. Install the missing package (e.g. pip install "
+                       f"'normflat[all]') to use this command.\n")
     except KeyboardInterrupt:
         parser.exit(130, "normflat: interrupted\n")
     return 0

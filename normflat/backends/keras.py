@@ -1045,7 +1045,8 @@ def _ggn_bytes(run: _Run, block: int) -> tuple[int, int]:
     """Estimated bytes of one GGN step as ``linear * n + quadratic * n²`` for a chunk of n samples.
 
     Counts the per-sample intermediates that grow with the chunk: the
-    back-propagated signals at every tapped pre-activation (all held at once),
+    back-propagated signals at every tapped pre-activation and layer input
+    (the unrolled signals of a block may be live at once),
     the largest per-layer per-sample-gradient work (batched matmul result and
     its square, convolution patches), and for layers on the generic path the
     per-sample Jacobian products, whose output-gradient tensor and vectorized
@@ -1058,7 +1059,8 @@ def _ggn_bytes(run: _Run, block: int) -> tuple[int, int]:
         if not e.fast:
             continue
         size = int(np.prod(e.variable.shape))
-        linear += e.in_size + e.pre_size * (block + 1)  # activations and the B signals
+        # Activations, the B signals at the pre-activation and, transiently, at the layer input.
+        linear += e.in_size * (block + 1) + e.pre_size * (block + 1)
         if e.fast == "dense" and e.input_rank == 2:
             work = max(work, block * e.pre_size)  # stacked squared signals
         else:
@@ -1344,15 +1346,23 @@ class _Dist:
         return [tf.nest.pack_sequence_as(out, [f[i] for f in flat]) for i in range(self.local)]
 
     def reduce_sum(self, per_replica: list[Any]) -> Any:
-        """Cross-replica (and cross-worker) sum of one nest of tensors per local replica."""
+        """Cross-replica (and cross-worker) sum of one nest of float64 tensors per local replica.
+
+        The leaves travel as one flat vector: a single collective per analysis.
+        """
+        structure = per_replica[0]
+        shapes = [t.shape for t in tf.nest.flatten(structure)]
+        flat = [tf.concat([tf.reshape(t, [-1]) for t in tf.nest.flatten(nest)], 0) for nest in per_replica]
 
         def value(ctx):
             i = self.ids.index(int(ctx.replica_id_in_sync_group))
             with tf.device(self.devices[i]):
-                return tf.nest.map_structure(tf.identity, per_replica[i])
+                return tf.identity(flat[i])
 
         values = self.strategy.experimental_distribute_values_from_function(value)
-        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)
+        total = self.strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)
+        parts = tf.split(total, [int(np.prod(shape)) for shape in shapes])
+        return tf.nest.pack_sequence_as(structure, [tf.reshape(p, shape) for p, shape in zip(parts, shapes)])
 
 
 def _padded(round_items: dict[int, tuple], local: int) -> tuple[list[tuple], list[bool]]:

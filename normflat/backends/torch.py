@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -69,7 +69,7 @@ _SQUARES_BUDGET = 1 << 20
 _MAX_GROUPS = 10
 
 _BACKEND_OPTIONS = ("force", "max_exact_params", "chunk_size", "memory_budget", "exact_chunk", "probe_chunk",
-                    "fast")
+                    "fast", "distributed")
 
 
 # ============================================================================ layer registry
@@ -1017,32 +1017,213 @@ def _backprop_signals(logits, outs, sig, signature) -> list[list[torch.Tensor] |
     return [None if per[0][i] is None else [p[i] for p in per] for i in range(len(outs))]
 
 
+# ============================================================================ distributed
+
+
+class _Comm:
+    """The all-reduces and gathers of a data-parallel run over a ``torch.distributed`` group.
+
+    Every collective is entered by every rank in the same order, so a failure on one rank
+    is announced to the others (which then raise too) instead of leaving them waiting in a
+    collective that never completes; a rank that dies or hangs is caught by the process
+    group's own timeout (``init_process_group(timeout=...)``).
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.group = dist, group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        backend = str(dist.get_backend(group)).lower()
+        # NCCL reduces CUDA tensors only, gloo and MPI CPU tensors; a mixed backend
+        # ("cpu:gloo,cuda:nccl") takes tensors where they are.
+        if backend == "nccl":
+            self.device: torch.device | None = torch.device("cuda", torch.cuda.current_device())
+        elif backend in ("gloo", "mpi"):
+            self.device = torch.device("cpu")
+        else:
+            self.device = None
+
+    @staticmethod
+    def create(distributed: Any) -> _Comm | None:
+        """The group to use for the ``distributed`` option, or ``None`` for a local run."""
+        if distributed is False:
+            return None
+        if distributed is not None and distributed is not True:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and isinstance(distributed, dist.ProcessGroup)):
+                raise TypeError(
+                    f"distributed must be None (automatic), True, False or a torch.distributed "
+                    f"ProcessGroup, got {type(distributed).__name__}."
+                )
+            return _Comm(distributed)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return _Comm()
+        if distributed is True:
+            raise ValueError(
+                "distributed=True but torch.distributed is not initialized; launch with torchrun and "
+                "call torch.distributed.init_process_group() first, or pass distributed=False."
+            )
+        return None
+
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+        moved = t if self.device is None else t.to(self.device)
+        if moved is t:
+            moved = t.clone()
+        self.dist.all_reduce(moved, op=self.dist.ReduceOp.SUM, group=self.group)
+        return moved.to(t.device)
+
+    def gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.size
+        self.dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _fail(self, error: BaseException | None, phase: str) -> None:
+        """Every rank knows that some rank failed: share the messages and raise everywhere."""
+        mine = None if error is None else f"{type(error).__name__}: {str(error).rstrip('.')}"
+        messages = self.gather(mine)
+        if error is not None:
+            raise error
+        failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+        detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
+        raise RuntimeError(
+            f"normflat stopped on rank {self.rank} because {len(failed)} of {self.size} ranks failed "
+            f"{phase} ({detail}). Fix the cause on the failing rank; every rank raises so that none "
+            "waits forever."
+        )
+
+    def step(self, active: bool, error: BaseException | None, phase: str) -> bool:
+        """One synchronization: raises on every rank if any failed; whether any rank is active."""
+        flags = torch.tensor([int(active), int(error is not None)], dtype=torch.int64,
+                             device=self.device or "cpu")
+        flags = self._sum(flags)
+        if int(flags[1]):
+            self._fail(error, phase)
+        return bool(int(flags[0]))
+
+    def agree(self, error: BaseException | None, signature: Any, phase: str) -> None:
+        """Raise on every rank if any rank failed or the ranks' ``signature`` differ."""
+        gathered = self.gather((None if error is None else f"{type(error).__name__}: {str(error).rstrip('.')}",
+                                signature))
+        failed = [(r, m) for r, (m, _) in enumerate(gathered) if m is not None]
+        if failed:
+            if error is not None:
+                raise error
+            detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
+            raise RuntimeError(
+                f"normflat stopped on rank {self.rank} because {len(failed)} of {self.size} ranks failed "
+                f"{phase} ({detail}). Fix the cause on the failing rank; every rank raises so that none "
+                "waits forever."
+            )
+        for r, (_, sig) in enumerate(gathered):
+            if sig != gathered[0][1]:
+                diff = next((f"{a!r} on rank 0 vs {b!r} on rank {r}"
+                             for a, b in zip(gathered[0][1], sig) if a != b),
+                            f"{len(gathered[0][1])} entries on rank 0 vs {len(sig)} on rank {r}")
+                raise ValueError(
+                    "The ranks do not analyze the same model or options (layers, shapes, dtypes, "
+                    f"estimator, loss): {diff}. Every rank must pass the same model architecture and "
+                    "options and only its own shard of the data (or pass distributed=False to analyze "
+                    "each rank's data alone)."
+                )
+
+    def sum_tensors(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """All-reduced copies of ``tensors`` (one collective for all of them)."""
+        if not tensors:
+            return []
+        flat = self._sum(torch.cat([t.reshape(-1) for t in tensors]))
+        out, start = [], 0
+        for t in tensors:
+            out.append(flat[start:start + t.numel()].reshape(t.shape).to(t.device))
+            start += t.numel()
+        return out
+
+
+def _rank_seed(seed: int, rank: int) -> int:
+    """Seed of one rank: independent probes and labels per rank, reproducible for a given world
+    size; rank 0 keeps ``seed`` so a one-process group matches a local run."""
+    if rank == 0:
+        return seed
+    state = np.random.SeedSequence([seed % 2**64, rank]).generate_state(2, np.uint32)
+    return int(state[0]) << 31 | int(state[1]) >> 1
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    # By class name: importing torch.distributed.fsdp just to check is slow and may fail.
+    return any(c.__name__ in ("FullyShardedDataParallel", "FSDPModule") for c in type(module).__mro__)
+
+
+def _unwrap(model: Any) -> Any:
+    """The user's module inside a DDP / DataParallel wrapper (layer names without ``module.``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"The torch backend needs a torch.nn.Module, got {type(model).__name__}.")
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    if any(_is_fsdp(m) for m in model.modules()) or any(
+            type(p).__name__ == "DTensor" for p in model.parameters()):
+        raise TypeError(
+            "normflat cannot analyze an FSDP-sharded model: each rank holds only a shard of the "
+            "weights, and the Hessian diagonal needs the full weights on every rank. Gather a full "
+            "copy (torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
+            "options=StateDictOptions(full_state_dict=True))), load it into an unwrapped model (or "
+            "one wrapped in DistributedDataParallel) and analyze that: normflat shards the data "
+            "across ranks, not the model."
+        )
+    return model
+
+
 # ============================================================================ driver
 
 
 def _run(model: nn.Module, data: Any, options: AnalysisOptions, backend_options: dict[str, Any]):
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"The torch backend needs a torch.nn.Module, got {type(model).__name__}.")
-    settings = _settings(backend_options)
-    layers, unsupported = _collect_layers(model, options, settings.fast)
-    device, dtype = layers[0].param.device, layers[0].param.dtype
-    est = options.estimator
-    if est == "exact" and not settings.force:
-        total = sum(l.param.numel() for l in layers)
-        if total > settings.max_exact_params:
-            raise ValueError(
-                f"estimator='exact' needs one Hessian-vector product per weight entry per batch; this "
-                f"model has {total} weight entries, above the limit max_exact_params="
-                f"{settings.max_exact_params}. Use estimator='ggn' or 'hutchinson', or pass force=True "
-                "(or a larger max_exact_params) to run it anyway."
-            )
-    batches, total_batches = _iter_batches(data)
+    backend_options = dict(backend_options)
+    comm = _Comm.create(backend_options.pop("distributed", None))
+    rank = comm.rank if comm is not None else 0
+    # Setup: options, layers, size checks. In a distributed run every rank reports whether
+    # its setup failed and what it will compute before any rank starts reducing.
+    error, signature = None, None
+    try:
+        model = _unwrap(model)
+        settings = _settings(backend_options)
+        if comm is not None and rank != 0:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # the skipped-layer warning: once, on rank 0
+                layers, unsupported = _collect_layers(model, options, settings.fast)
+        else:
+            layers, unsupported = _collect_layers(model, options, settings.fast)
+        device, dtype = layers[0].param.device, layers[0].param.dtype
+        est = options.estimator
+        if est == "exact" and not settings.force:
+            total = sum(l.param.numel() for l in layers)
+            if total > settings.max_exact_params:
+                raise ValueError(
+                    f"estimator='exact' needs one Hessian-vector product per weight entry per batch; this "
+                    f"model has {total} weight entries, above the limit max_exact_params="
+                    f"{settings.max_exact_params}. Use estimator='ggn' or 'hutchinson', or pass force=True "
+                    "(or a larger max_exact_params) to run it anyway."
+                )
+        batches, total_batches = _iter_batches(data)
+        signature = [(l.name, l.ext.kind, tuple(l.param.shape), str(l.param.dtype)) for l in layers] + [
+            f"options(estimator={est!r}, loss={options.loss_name!r}, samples={options.samples}, "
+            f"temperature={options.temperature}, seed={options.seed}, max_batches={options.max_batches})"]
+    except Exception as e:
+        if comm is None:
+            raise
+        error = e
+    if comm is not None:
+        comm.agree(error, signature, "while setting up the analysis")
     if options.max_batches is not None and total_batches is not None:
         total_batches = min(total_batches, options.max_batches)
+    # Per-rank seeds: independent probes / drawn labels on every rank.
+    local = replace(options, seed=_rank_seed(options.seed, rank), progress=options.progress and rank == 0)
     k = _groups(options.samples) if est in ("hutchinson", "ggn-mc") else 1
     acc = _Accumulator(layers, k)
     gen = torch.Generator(device=device)
-    gen.manual_seed(options.seed)
+    gen.manual_seed(local.seed)
     preserved = _Preserved(model)
     examples, n_batches = 0, 0
     try:
@@ -1052,44 +1233,67 @@ def _run(model: nn.Module, data: Any, options: AnalysisOptions, backend_options:
         for p in fast_weights:
             p.requires_grad_(True)  # so the layer outputs carry gradients for the signals
         state: dict[str, Any] = {"chunk": None, "signature": _type_signature(model)}
-        it = progress_bar(limited(batches, options.max_batches), enabled=options.progress,
+        it = progress_bar(limited(batches, options.max_batches), enabled=local.progress,
                           desc=f"normflat {est}", total=total_batches)
+        index, exhausted = 0, False
         # Autograd on, also when called under torch.no_grad() or torch.inference_mode().
         with _quiet_jit_deprecation(), torch.inference_mode(False), torch.enable_grad():
-            for index, batch in enumerate(it):
-                xs, y = _prepare(batch, index, device, dtype)
-                if y.shape[0] == 0:
-                    continue
-                if est in ("ggn", "ggn-mc"):
-                    _ggn_batch(model, xs, y, layers, options, settings, acc, gen, capture, index, state)
-                else:
-                    with torch.no_grad():
-                        logits = model(*xs)
-                    _check_logits(logits, y, index)
-                    _check_loss(_loss_sum(logits, y, options), index)
-                    if est == "exact":
-                        _exact_batch(model, xs, y, layers, options, settings, acc)
-                    else:
-                        _hutchinson_batch(model, xs, y, layers, options, settings, acc, k, gen)
-                examples += int(y.shape[0])
-                n_batches += 1
+            while True:
+                error, active = None, False
+                try:
+                    if not exhausted:
+                        batch = next(it)
+                        active = True
+                        n = _run_batch(model, batch, index, device, dtype, layers, local, settings, acc, gen,
+                                       capture, state, k)
+                        examples, n_batches = examples + n, n_batches + (n > 0)
+                except StopIteration:
+                    exhausted = True
+                except Exception as e:
+                    if comm is None:
+                        raise
+                    error = e
+                if comm is None:
+                    if exhausted:
+                        break
+                # Ranks with fewer batches keep answering until every rank is done.
+                elif not comm.step(active, error, f"on batch {index}"):
+                    break
+                index += 1
         if capture is not None:
             capture.remove()
     finally:
         preserved.restore()
+    sums = [acc.total(layer) for layer in layers]
+    metadata: dict[str, Any] = {"device": str(device)}
+    if comm is not None:
+        counts = comm.sum_tensors([torch.tensor([examples, n_batches], dtype=torch.int64, device=device)])[0]
+        sums = comm.sum_tensors(sums)
+        # Ranks that saw no batch never learned which layers need the generic path: merge.
+        infos = comm.gather((n_batches > 0, str(device), [(l.fast, l.reason) for l in layers],
+                             state.get("chunk")))
+        ran = [info for info in infos if info[0]] or infos
+        for i, layer in enumerate(layers):
+            layer.fast = all(info[2][i][0] for info in ran)
+            layer.reason = next((info[2][i][1] for info in ran if not info[2][i][0]), layer.reason)
+        examples_per_rank = comm.gather(examples)
+        examples, n_batches = int(counts[0]), int(counts[1])
+        devices = list(dict.fromkeys(info[1] for info in infos))
+        metadata.update(device=", ".join(devices), world_size=comm.size, examples_per_rank=examples_per_rank)
+        chunks = [info[3] for info in infos if info[3] is not None]
+        state["chunk"] = max(chunks) if chunks else None
     if examples == 0:
         raise ValueError("The data is empty: it yielded no samples. Pass at least one (x, y) batch.")
     results = []
-    for layer in layers:
-        sums = acc.total(layer)
+    for layer, sums_l in zip(layers, sums):
         if est == "hutchinson":
-            counts = torch.bincount(torch.arange(options.samples) % k, minlength=k)
-            sums = sums / counts.to(sums).reshape(-1, *([1] * layer.param.dim()))
+            counts_k = torch.bincount(torch.arange(options.samples) % k, minlength=k)
+            sums_l = sums_l / counts_k.to(sums_l).reshape(-1, *([1] * layer.param.dim()))
         if k >= 2:
-            group = sums / examples
+            group = sums_l / examples
             diag = group.mean(0)
         else:
-            group, diag = None, sums[0] / examples
+            group, diag = None, sums_l[0] / examples
         if not _all_finite(diag):
             raise ValueError(f"Layer {layer.name!r}: the Hessian diagonal is not finite (NaN/inf in the loss?).")
         results.append((layer, diag, group))
@@ -1097,12 +1301,34 @@ def _run(model: nn.Module, data: Any, options: AnalysisOptions, backend_options:
         "examples": examples,
         "batches": n_batches,
         "dtype": str(dtype).replace("torch.", ""),
-        "device": str(device),
+        **metadata,
         "unsupported": unsupported,
     }
     if settings.memory_budget is not None:
         metadata["memory_budget"] = settings.memory_budget
+    if est in ("ggn", "ggn-mc") and state.get("chunk") is not None:
+        metadata["chunk_size"] = state["chunk"]  # samples per GGN step (from chunk_size/memory_budget)
     return results, metadata
+
+
+def _run_batch(model, batch, index, device, dtype, layers, options, settings, acc, gen, capture, state, k) -> int:
+    """Add one batch's sums to ``acc``; returns its number of samples."""
+    xs, y = _prepare(batch, index, device, dtype)
+    if y.shape[0] == 0:
+        return 0
+    est = options.estimator
+    if est in ("ggn", "ggn-mc"):
+        _ggn_batch(model, xs, y, layers, options, settings, acc, gen, capture, index, state)
+    else:
+        with torch.no_grad():
+            logits = model(*xs)
+        _check_logits(logits, y, index)
+        _check_loss(_loss_sum(logits, y, options), index)
+        if est == "exact":
+            _exact_batch(model, xs, y, layers, options, settings, acc)
+        else:
+            _hutchinson_batch(model, xs, y, layers, options, settings, acc, k, gen)
+    return int(y.shape[0])
 
 
 def _details(layer: _Layer, options: AnalysisOptions) -> dict[str, Any]:

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from normflat.backends.jax._data import unflatten
 from normflat.core.options import NSCE_EPS, AnalysisOptions
 
 __all__ = ["make"]
@@ -334,9 +332,13 @@ class _GGN(_Base):
             jnp.transpose(a, dn.lhs_spec), ks, prm["window_strides"], prm["padding"],
             rhs_dilation=prm["rhs_dilation"], precision=jax.lax.Precision.HIGHEST)  # (1, C*K, *out)
         pm = patches.reshape(g, in_g * math.prod(ks), -1)
-        dm = jnp.transpose(d, (0,) + tuple(1 + i for i in dn.out_spec)).reshape(d.shape[0], g, out_ch // g, -1)
-        grads = jnp.einsum("jgop,gkp->jgok", dm, pm)
-        sq = self._group_sum(grads * grads).reshape((self.G, out_ch, in_g, *ks))
+        cols = d.shape[0]
+        dm = jnp.transpose(d, (0,) + tuple(1 + i for i in dn.out_spec)).reshape(cols, g, out_ch // g, -1)
+        # Output order (group, signal, out, in*k) is the natural dot_general order: no transpose of
+        # the largest array; squares are summed over the signals of each estimate group.
+        grads = jnp.einsum("gjop,gkp->gjok", jnp.swapaxes(dm, 0, 1), pm)
+        sq = (grads * grads).reshape(g, self.G, self.M, out_ch // g, -1).sum(axis=2)
+        sq = jnp.swapaxes(sq, 0, 1).reshape((self.G, out_ch, in_g, *ks))
         inv = [int(i) for i in np.argsort(dn.rhs_spec)]
         return jnp.transpose(sq, (0,) + tuple(1 + i for i in inv))
 

@@ -1,0 +1,221 @@
+"""Keras backend at scale: tf.distribute MirroredStrategy and the memory budget.
+
+The MirroredStrategy checks run in a subprocess (``_keras_distributed_worker.py``)
+because the 2 logical CPU devices must be configured before TensorFlow
+initializes its devices; the subprocess has a timeout so a hang fails the test.
+Reference: the same model and data analyzed on one device, in float64.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from tests.builders import require_frameworks  # noqa: E402
+
+require_frameworks("tensorflow", "keras")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import normflat  # noqa: E402
+
+WORKER = Path(__file__).with_name("_keras_distributed_worker.py")
+MULTI_WORKER = Path(__file__).with_name("_keras_multiworker_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+TOL = 1e-10
+EXACT_CASES = [
+    "mlp_b5/ggn", "mlp_b5/exact", "mlp_one_batch/ggn", "mlp_one_batch/exact",
+    "mlp_generic_chunked/ggn", "cnn_b3/ggn", "scope_only_dataset/ggn",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """Start the MirroredStrategy worker and the two MultiWorkerMirroredStrategy workers together.
+
+    All three run concurrently (the test's wall time is the slowest one); each
+    is killed after a timeout, so a hang fails the test instead of blocking CI.
+    """
+    tmp = tmp_path_factory.mktemp("keras_dist")
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TF_CONFIG", None)
+    ports = f"{_free_port()},{_free_port()}"
+    commands = {
+        "mirrored": [str(WORKER), str(tmp / "mirrored.json")],
+        "worker0": [str(MULTI_WORKER), "0", ports, str(tmp / "worker0.json")],
+        "worker1": [str(MULTI_WORKER), "1", ports, str(tmp / "worker1.json")],
+    }
+    procs = {name: subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, env=env, cwd=ROOT)
+             for name, args in commands.items()}
+    outcomes = {}
+    try:
+        for name, proc in procs.items():
+            try:
+                _, err = proc.communicate(timeout=240)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                outcomes[name] = f"{name} hung (killed after 240 s)"
+                continue
+            path = tmp / f"{name}.json"
+            outcomes[name] = (json.loads(path.read_text()) if proc.returncode == 0 and path.exists()
+                              else f"{name} failed (exit {proc.returncode}):\n{err[-4000:]}")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def mirrored(workers):
+    """Results of the MirroredStrategy worker (2 logical CPU replicas)."""
+    if isinstance(workers["mirrored"], str):
+        pytest.fail(workers["mirrored"])
+    return workers["mirrored"]
+
+
+def test_strategy_has_two_replicas(mirrored):
+    assert mirrored["replicas"] == 2
+
+
+@pytest.mark.parametrize("case", EXACT_CASES)
+def test_distributed_report_equals_single_device(mirrored, case):
+    result = mirrored["cases"][case]
+    assert result["replicas"] == 2  # really distributed
+    assert result["ref_replicas"] is None  # the reference really on one device
+    assert result["report"] <= TOL
+    # Uneven shards: every sample and batch counted once, whichever replica had it.
+    assert result["examples"][0] == result["examples"][1]
+    assert result["batches"][0] == result["batches"][1]
+
+
+def test_distributed_hessian_diagonal_and_opt_out(mirrored):
+    result = mirrored["cases"]["mlp_b5/ggn"]
+    assert result["diag"] <= TOL
+    # distributed=False on the mirrored model: the single-device path (no replicas), same report.
+    assert result["opt_out_replicas"] == 1
+    assert result["opt_out_report"] <= TOL
+
+
+@pytest.mark.parametrize("est", ["ggn-mc", "hutchinson"])
+def test_distributed_stochastic_estimators(mirrored, est):
+    result = mirrored["cases"][f"stochastic/{est}"]
+    assert result["replicas"] == 2
+    assert result["has_se"]  # group estimates reduced across replicas -> standard errors
+    assert result["reproducible"]
+
+
+@pytest.mark.parametrize("est", ["ggn", "exact"])
+def test_failure_in_one_replica_raises(mirrored, est):
+    message = mirrored[f"failure/{est}"]
+    assert message.startswith("InvalidArgumentError")
+    assert "replica_1" in message  # it was replica 1's batch that failed
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_multi_worker_mirrored_strategy(workers, index):
+    """Two local workers (TF_CONFIG, one CPU replica each): both get the single-device result."""
+    result = workers[f"worker{index}"]
+    if isinstance(result, str):
+        pytest.fail(result)
+    assert result["replicas"] == 2
+    for est in ("ggn", "exact"):
+        assert result[est] <= TOL
+        assert result[f"{est}_metadata"] == {"examples": 23, "batches": 5, "replicas": 2, "workers": 2}
+
+
+# ----------------------------------------------------------------------------- in-process checks
+
+
+@pytest.fixture
+def mlp():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([
+        keras.Input((5,)), keras.layers.Dense(7, activation="tanh", dtype="float64"),
+        keras.layers.Dense(4, dtype="float64"),
+    ])
+    rng = np.random.default_rng(1)
+    return model, (rng.normal(size=(20, 5)), rng.integers(0, 4, size=20))
+
+
+def _diag(model, data, **kw):
+    return [v.numpy() for v in normflat.hessian_diagonal(model, data, progress=False, **kw).values()]
+
+
+def test_distributed_true_needs_a_strategy(mlp):
+    model, data = mlp
+    with pytest.raises(ValueError, match="strategy scope"):
+        normflat.analyze(model, data, distributed=True, progress=False)
+    with pytest.raises(TypeError, match="distributed"):
+        normflat.analyze(model, data, distributed="yes", progress=False)
+
+
+def test_single_replica_strategy_runs_on_one_device(mlp):
+    model, data = mlp
+    ref = _diag(model, data, batch_size=8)
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        report = normflat.analyze(model, data, batch_size=8, progress=False)
+        got = _diag(model, data, batch_size=8)
+    assert "replicas" not in report.metadata
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+def test_memory_budget_chooses_chunk_and_keeps_result(mlp):
+    model, data = mlp
+    ref = _diag(model, data, batch_size=20)
+    small = normflat.analyze(model, data, batch_size=20, memory_budget="3KB", progress=False).metadata
+    smaller = normflat.analyze(model, data, batch_size=20, memory_budget=1500, progress=False).metadata
+    assert 1 <= smaller["chunk_size"] < small["chunk_size"] < 20  # a whole batch does not fit
+    assert small["memory_budget"] == 3000
+    for budget in ("3KB", 1500):
+        for a, b in zip(_diag(model, data, batch_size=20, memory_budget=budget), ref):
+            np.testing.assert_allclose(a, b, rtol=1e-12)
+    large = normflat.analyze(model, data, batch_size=20, memory_budget="1GiB", progress=False).metadata
+    assert large["chunk_size"] >= 20
+
+
+def test_memory_budget_too_small_for_one_sample(mlp):
+    model, data = mlp
+    with pytest.raises(ValueError, match=r"memory_budget=100 bytes .* too small.*bytes .* for a single sample"):
+        normflat.analyze(model, data, memory_budget=100, progress=False)
+
+
+def test_memory_budget_validation(mlp):
+    model, data = mlp
+    with pytest.raises(ValueError, match="not understood"):
+        normflat.analyze(model, data, memory_budget="lots", progress=False)
+    with pytest.raises(ValueError, match="not both"):
+        normflat.analyze(model, data, memory_budget="1GB", chunk_size=4, progress=False)
+
+
+def test_memory_budget_estimate_grows_with_chunk_on_generic_path(mlp):
+    model, data = mlp
+    # The generic path's per-sample Jacobians grow quadratically with the chunk: a budget that
+    # fits 20 samples on the fast path fits fewer on the generic one.
+    fast = normflat.analyze(model, data, batch_size=20, memory_budget="20KB", progress=False).metadata
+    generic = normflat.analyze(model, data, batch_size=20, memory_budget="20KB", fast=False,
+                               progress=False).metadata
+    assert generic["chunk_size"] < fast["chunk_size"]
+    for a, b in zip(_diag(model, data, batch_size=20, memory_budget="20KB", fast=False),
+                    _diag(model, data, batch_size=20)):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
