@@ -15,6 +15,22 @@ Backend options (keyword arguments of ``normflat.analyze``):
     Analyze only these layers (names as reported).
 ``chunk_size`` (int, default automatic)
     Samples per compiled GGN step; lower it if memory runs out.
+``memory_budget`` (int bytes or str such as ``"512MB"``/``"2GiB"``, default None)
+    Bounds the estimated memory of the per-sample work of one GGN step (the
+    back-propagated signals and per-sample gradients of a chunk); the chunk
+    size is the largest that fits (see :mod:`normflat.core.memory`). A
+    ``ValueError`` names the need when even one sample does not fit. Fixed
+    costs (weights, the compiled graph, the input batch) are not counted.
+    Exclusive with ``chunk_size``.
+``distributed`` (bool or None, default None = automatic)
+    A model built under a ``tf.distribute.MirroredStrategy`` or
+    ``MultiWorkerMirroredStrategy`` scope (or analyzed inside one) is analyzed
+    with the strategy's replicas: batches are dealt round-robin to the
+    replicas of all workers (every worker passes the same full data), each
+    replica sums over its batches, and the per-layer sums and sample counts
+    are added with ``strategy.reduce(SUM)``. The result equals the
+    single-device one up to rounding. ``False`` analyzes on one device;
+    ``True`` requires a strategy.
 ``max_exact_params`` (int, default 20000) and ``force`` (bool, default False)
     ``estimator="exact"`` needs one Hessian-vector product per weight and
     refuses models with more analyzed weights than ``max_exact_params``
@@ -1305,14 +1321,17 @@ class _Dist:
             return None  # one replica: the single-device path computes the same, without overhead
         return cls(strategy)
 
-    def describe(self) -> dict:
+    @property
+    def workers(self) -> int:
         resolver = getattr(self.strategy, "cluster_resolver", None)
         spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
-        workers = sum(len(v) for k, v in spec.items() if k in ("chief", "worker")) or 1
+        return sum(len(v) for k, v in spec.items() if k in ("chief", "worker")) or 1
+
+    def describe(self) -> dict:
         return {
             "distributed": type(self.strategy).__name__,
             "replicas": self.total,
-            "workers": workers,
+            "workers": self.workers,
             "replica_devices": list(self.devices),
         }
 
@@ -1377,15 +1396,37 @@ def _zeros_canonical(run: _Run, groups: int) -> list[Any]:
             for e in run.entries]
 
 
-def _reduce_totals(run: _Run, totals: list, counts: list[list[int]], zeros: list[Any]):
-    """Sum per-replica totals and ``[examples, batches]`` over all replicas."""
+def _reduce_guarded(run: _Run, local: Callable[[], tuple[list, list]], zeros: list[Any]):
+    """Run this worker's share ``local() -> (totals, counts)`` and sum over all replicas.
+
+    ``totals``: per local replica, the per-layer sums (None: no data);
+    ``counts``: per local replica, ``[examples, batches]``. With several
+    workers, an error in ``local`` is still followed by this worker's part of
+    the (single) collective, with a failure flag, so that every worker raises
+    instead of the others waiting for it forever.
+    """
     dist = run.dist
-    local = [
-        ([tf.identity(z) for z in zeros] if t is None else t, tf.constant(c, tf.float64))
+    error = None
+    try:
+        totals, counts = local()
+    except Exception as err:
+        if dist.workers == 1:
+            raise
+        error = err
+        totals, counts = [None] * dist.local, [[0, 0]] * dist.local
+    nest = [
+        ([tf.identity(z) for z in zeros] if t is None else t, tf.constant([*c, error is not None], tf.float64))
         for t, c in zip(totals, counts)
     ]
-    sums, count = dist.reduce_sum(local)
-    examples, nbatches = (int(round(float(v))) for v in count.numpy())
+    sums, count = dist.reduce_sum(nest)
+    examples, nbatches, failed = (int(round(float(v))) for v in count.numpy())
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(
+            f"The analysis failed on {failed} replica(s) of another worker; see that worker's error. "
+            "(This worker stopped too, instead of waiting for it.)"
+        )
     if examples == 0:  # pragma: no cover - _iterate raises first
         raise ValueError("The data is empty: it yielded no (x, y) batch with samples.")
     return list(sums), examples, nbatches
@@ -1396,49 +1437,50 @@ def _ggn_distributed(run: _Run, batches: Iterable, length: int | None):
     dist = run.dist
     groups = _groups(run)
     draws = run.options.samples if run.options.estimator == "ggn-mc" else None
-    totals: list[Any] = [None] * dist.local
-    counts = [[0, 0] for _ in range(dist.local)]
-    chunk = None
-    with _Taps([e for e in run.entries if e.fast], run.strip, run.grouped) as taps:
+
+    def local():
+        totals: list[Any] = [None] * dist.local
+        counts = [[0, 0] for _ in range(dist.local)]
         step = None
-        for round_items in dist.rounds(_iterate(run, batches, length, owned=dist.owns)):
-            if step is None:
-                signals = draws or run.num_classes - 1
-                block = min(signals, _SIGNAL_BLOCK)
-                step, holder = _compiled(run, "ggn", (groups, block),
-                                         lambda: _with_holder(_ggn_step_fn, run, groups, block))
-                chunk = _chunk_size(run, block)
-            holder["taps"] = taps
-            items, real = _padded(round_items, dist.local)
-            pieces = []  # per replica: [(x chunk, seed)]
-            for (x, _, n, k), ok in zip(items, real):
-                n = max(n, 1)
-                size = -(-n // -(-n // chunk))
-                own = []
-                for c, a in enumerate(range(0, n, size)):
-                    xc = x if size >= n else tf.nest.map_structure(lambda t: t[a:a + size], x)
-                    # Stateless draws seeded by (seed, batch, chunk): independent across replicas,
-                    # reproducible for a given data order.
-                    own.append((xc, tf.constant([run.options.seed, (k + 1) * 2**20 + c], tf.int64)))
-                pieces.append(own)
-                if ok:
-                    counts[len(pieces) - 1][0] += items[len(pieces) - 1][2]
-                    counts[len(pieces) - 1][1] += 1
-            for c in range(max(len(p) for p in pieces)):
-                active = [ok and c < len(p) for p, ok in zip(pieces, real)]
-                args = [p[c] if c < len(p) else p[0] for p in pieces]
-                for start in range(0, signals, block):
-                    outs = dist.call(step, args, (tf.constant(start, tf.int32),))
-                    for i, (sums, checks) in enumerate(outs):
-                        if not active[i]:
-                            continue
-                        if not run.checked:
-                            _check_logits(run, bool(checks[0]), bool(checks[1]))
-                            run.checked = True
-                        sums = [tf.cast(v, tf.float64) for v in sums]
-                        totals[i] = sums if totals[i] is None else [t + v for t, v in zip(totals[i], sums)]
-    sums, examples, nbatches = _reduce_totals(run, totals, counts, _zeros_canonical(run, groups))
-    run.metadata["chunk_size"] = chunk
+        with _Taps([e for e in run.entries if e.fast], run.strip, run.grouped) as taps:
+            for round_items in dist.rounds(_iterate(run, batches, length, owned=dist.owns)):
+                if step is None:
+                    signals = draws or run.num_classes - 1
+                    block = min(signals, _SIGNAL_BLOCK)
+                    step, holder = _compiled(run, "ggn", (groups, block),
+                                             lambda: _with_holder(_ggn_step_fn, run, groups, block))
+                    run.metadata["chunk_size"] = chunk = _chunk_size(run, block)
+                holder["taps"] = taps
+                items, real = _padded(round_items, dist.local)
+                pieces = []  # per local replica: [(x chunk, seed)]
+                for i, ((x, _, n, k), ok) in enumerate(zip(items, real)):
+                    size = -(-n // -(-n // chunk)) if ok else 1
+                    own = []
+                    for c, a in enumerate(range(0, max(n, 1), size)):
+                        xc = x if size >= n else tf.nest.map_structure(lambda t: t[a:a + size], x)
+                        # Stateless draws seeded by (seed, batch, chunk): independent across replicas,
+                        # reproducible for a given data order and replica count.
+                        own.append((xc, tf.constant([run.options.seed, (k + 1) * 2**20 + c], tf.int64)))
+                    pieces.append(own)
+                    if ok:
+                        counts[i][0] += n
+                        counts[i][1] += 1
+                for c in range(max(len(p) for p in pieces)):
+                    active = [ok and c < len(p) for p, ok in zip(pieces, real)]
+                    args = [p[c] if c < len(p) else p[0] for p in pieces]
+                    for start in range(0, signals, block):
+                        outs = dist.call(step, args, (tf.constant(start, tf.int32),))
+                        for i, (sums, checks) in enumerate(outs):
+                            if not active[i]:
+                                continue
+                            if not run.checked:
+                                _check_logits(run, bool(checks[0]), bool(checks[1]))
+                                run.checked = True
+                            sums = [tf.cast(v, tf.float64) for v in sums]
+                            totals[i] = sums if totals[i] is None else [t + v for t, v in zip(totals[i], sums)]
+        return totals, counts
+
+    sums, examples, nbatches = _reduce_guarded(run, local, _zeros_canonical(run, groups))
     samples = [t * (1.0 / examples) for t in sums]
     diags = [tf.reduce_mean(s, axis=0) for s in samples]
     return diags, (samples if groups > 1 else None), examples, nbatches
@@ -1450,47 +1492,51 @@ def _hvp_loop_distributed(run, batches, length, variables, sizes, total_params, 
     options = run.options
     est = options.estimator
     groups = _groups(run)
-    totals: list[Any] = [None] * dist.local
-    counts = [[0, 0] for _ in range(dist.local)]
-    rng = tf.random.Generator.from_seed(options.seed) if est == "hutchinson" else None
-    with _Taps([], run.strip, run.grouped):
-        for round_items in dist.rounds(_iterate(run, batches, length, owned=dist.owns)):
-            items, real = _padded(round_items, dist.local)
-            ns = [item[2] for item in items]
-            if est == "exact":
-                sums = [[] for _ in items]
-                for li, (v, size) in enumerate(zip(variables, sizes)):
-                    chunk = max(1, min(size, 2**22 // max(total_params, 1)))
-                    parts = [dist.call(exact_step, [item[:2] for item in items],
-                                       (tf.range(a, min(a + chunk, size)), li))
-                             for a in range(0, size, chunk)]
+
+    def local():
+        totals: list[Any] = [None] * dist.local
+        counts = [[0, 0] for _ in range(dist.local)]
+        rng = tf.random.Generator.from_seed(options.seed) if est == "hutchinson" else None
+        with _Taps([], run.strip, run.grouped):
+            for round_items in dist.rounds(_iterate(run, batches, length, owned=dist.owns)):
+                items, real = _padded(round_items, dist.local)
+                ns = [item[2] for item in items]
+                if est == "exact":
+                    sums = [[] for _ in items]
+                    for li, (v, size) in enumerate(zip(variables, sizes)):
+                        chunk = max(1, min(size, 2**22 // max(total_params, 1)))
+                        parts = [dist.call(exact_step, [item[:2] for item in items],
+                                           (tf.range(a, min(a + chunk, size)), li))
+                                 for a in range(0, size, chunk)]
+                        for i in range(dist.local):
+                            diag = tf.reshape(tf.concat([p[i] for p in parts], 0), v.shape)
+                            sums[i].append(tf.cast(diag, tf.float64)[None] * ns[i])
+                else:
+                    samples = options.samples
+                    chunk = max(1, min(samples, 2**24 // max(total_params, 1)))
+                    sums = [[tf.zeros([groups, *v.shape], tf.float64) for v in variables] for _ in items]
+                    sizes_g = np.bincount(np.arange(samples) % groups, minlength=groups)
+                    for a in range(0, samples, chunk):
+                        m = min(chunk, samples - a)
+                        args = []
+                        for item in items:  # independent probes per replica
+                            probes = [tf.sign(rng.uniform([m, *v.shape], -1.0, 1.0, dtype=v.dtype)) for v in variables]
+                            args.append((item[0], item[1], [tf.where(p == 0, tf.ones_like(p), p) for p in probes]))
+                        seg = tf.constant(np.arange(a, a + m) % groups, tf.int32)
+                        parts = dist.call(hutchinson_step, args, (seg,))
+                        sums = [[s + tf.cast(p, tf.float64) for s, p in zip(si, pi)] for si, pi in zip(sums, parts)]
                     for i in range(dist.local):
-                        diag = tf.reshape(tf.concat([p[i] for p in parts], 0), v.shape)
-                        sums[i].append(tf.cast(diag, tf.float64)[None] * ns[i])
-            else:
-                samples = options.samples
-                chunk = max(1, min(samples, 2**24 // max(total_params, 1)))
-                sums = [[tf.zeros([groups, *v.shape], tf.float64) for v in variables] for _ in items]
-                sizes_g = np.bincount(np.arange(samples) % groups, minlength=groups)
-                for a in range(0, samples, chunk):
-                    m = min(chunk, samples - a)
-                    args = []
-                    for item in items:  # independent probes per replica
-                        probes = [tf.sign(rng.uniform([m, *v.shape], -1.0, 1.0, dtype=v.dtype)) for v in variables]
-                        args.append((item[0], item[1], [tf.where(p == 0, tf.ones_like(p), p) for p in probes]))
-                    seg = tf.constant(np.arange(a, a + m) % groups, tf.int32)
-                    parts = dist.call(hutchinson_step, args, (seg,))
-                    sums = [[s + tf.cast(p, tf.float64) for s, p in zip(si, pi)] for si, pi in zip(sums, parts)]
+                        scale = tf.constant(ns[i] / sizes_g, tf.float64)
+                        sums[i] = [s * tf.reshape(scale, [groups] + [1] * (len(s.shape) - 1)) for s in sums[i]]
                 for i in range(dist.local):
-                    scale = tf.constant(ns[i] / sizes_g, tf.float64)
-                    sums[i] = [s * tf.reshape(scale, [groups] + [1] * (len(s.shape) - 1)) for s in sums[i]]
-            for i in range(dist.local):
-                if real[i]:
-                    counts[i][0] += ns[i]
-                    counts[i][1] += 1
-                    totals[i] = sums[i] if totals[i] is None else [t + s for t, s in zip(totals[i], sums[i])]
+                    if real[i]:
+                        counts[i][0] += ns[i]
+                        counts[i][1] += 1
+                        totals[i] = sums[i] if totals[i] is None else [t + s for t, s in zip(totals[i], sums[i])]
+        return totals, counts
+
     zeros = [tf.zeros([groups if est == "hutchinson" else 1, *v.shape], tf.float64) for v in variables]
-    sums, examples, nbatches = _reduce_totals(run, totals, counts, zeros)
+    sums, examples, nbatches = _reduce_guarded(run, local, zeros)
     return _hvp_finish(run, sums, examples, nbatches)
 
 

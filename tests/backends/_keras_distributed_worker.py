@@ -71,7 +71,8 @@ def report_diff(a, b) -> float:
         for key in ("normalized_sharpness", "matrix_normalized_sharpness", "hessian_trace", "elementwise_bound",
                     "row_sigma", "col_sigma"):
             va, vb = np.asarray(getattr(la, key), float), np.asarray(getattr(lb, key), float)
-            if not np.array_equal(np.isfinite(va), np.isfinite(vb)) or np.any(va[~np.isfinite(va)] != vb[~np.isfinite(vb)]):
+            finite = np.isfinite(va)
+            if not np.array_equal(finite, np.isfinite(vb)) or np.any(va[~finite] != vb[~finite]):
                 return float("inf")  # e.g. a degenerate row in one report only
             fa, fb = va[np.isfinite(va)], vb[np.isfinite(vb)]
             if fa.size:

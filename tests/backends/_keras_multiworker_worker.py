@@ -16,6 +16,20 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 
+def _failing_layer():
+    import keras
+    import tensorflow as tf
+
+    class FailOnLargeInput(keras.layers.Layer):
+        """Identity that fails at run time on inputs above 100."""
+
+        def call(self, x):
+            tf.debugging.assert_less(tf.reduce_max(x), tf.constant(100.0, x.dtype), message="replica failure")
+            return x
+
+    return FailOnLargeInput
+
+
 def main(index: int, ports: list[str], out_path: str) -> None:
     os.environ["TF_CONFIG"] = json.dumps({
         "cluster": {"worker": [f"localhost:{p}" for p in ports]},
@@ -27,6 +41,7 @@ def main(index: int, ports: list[str], out_path: str) -> None:
     import keras
     import normflat
 
+    FailOnLargeInput = _failing_layer()
     keras.backend.set_floatx("float64")
     # A timeout on collectives: a worker that dies makes the other one fail instead of hang.
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=60)
@@ -48,6 +63,17 @@ def main(index: int, ports: list[str], out_path: str) -> None:
         result[est] = max(float(np.max(np.abs(a.hessian_diag - b.hessian_diag)) / np.max(np.abs(b.hessian_diag)))
                           for a, b in zip(dist, ref))
         result[f"{est}_metadata"] = {k: meta.get(k) for k in ("examples", "batches", "replicas", "workers")}
+    # A failure on worker 1 only (its batch 1 holds a value > 100): both workers raise, none hangs.
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        failing = keras.Sequential([keras.Input((5,)), FailOnLargeInput(), keras.layers.Dense(4)])
+    xf = x.copy()
+    xf[6] = 1e3  # batch 1 of size 5 -> global replica 1 -> worker 1
+    try:
+        normflat.analyze(failing, (xf, y), batch_size=5, progress=False)
+        result["failure"] = "no error"
+    except Exception as err:  # noqa: BLE001 - the test checks type and message
+        result["failure"] = f"{type(err).__name__}: {err}"[:300]
     with open(out_path, "w") as f:
         json.dump(result, f)
 

@@ -141,6 +141,10 @@ def test_multi_worker_mirrored_strategy(workers, index):
     for est in ("ggn", "exact"):
         assert result[est] <= TOL
         assert result[f"{est}_metadata"] == {"examples": 23, "batches": 5, "replicas": 2, "workers": 2}
+    # Worker 1's batch fails inside its replica: worker 1 raises that error, worker 0 is told
+    # (through the final collective) and raises too, instead of waiting forever.
+    expected = "InvalidArgumentError" if index == 1 else "RuntimeError: The analysis failed on 1 replica(s)"
+    assert result["failure"].startswith(expected), result["failure"]
 
 
 # ----------------------------------------------------------------------------- in-process checks
