@@ -41,7 +41,7 @@ __all__ = ["scale_out", "chunk_sweep", "main"]
 
 #: Chunk sizes (samples per GGN step) of the memory sweep, and memory budgets.
 CHUNKS = (1, 4, 16, 64)
-BUDGETS = ("4MB", "16MB", "64MB")
+BUDGETS = ("1MB", "16MB", "64MB")
 
 
 def _batches(problem: str, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -81,6 +81,14 @@ def _peak_growth_mib(before: int) -> float:
 
 def _rank(rank: int, world: int, port: int, problem: str, batches: int, threads: int, options: dict,
           queue) -> None:
+    try:
+        _measure(rank, world, port, problem, batches, threads, options, queue)
+    except Exception as e:  # noqa: BLE001 - reported by the parent (e.g. a budget below one sample)
+        queue.put((rank, None, None, None, None, f"{type(e).__name__}: {e}"))
+
+
+def _measure(rank: int, world: int, port: int, problem: str, batches: int, threads: int, options: dict,
+             queue) -> None:
     torch.set_num_threads(threads)
     if world > 1:
         if os.sys.platform.startswith("linux"):
@@ -93,11 +101,11 @@ def _rank(rank: int, world: int, port: int, problem: str, batches: int, threads:
     before = _reset_peak()
     if world > 1:
         torch.distributed.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     report = normflat.analyze(model, data, progress=False, **options)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     queue.put((rank, seconds, _peak_growth_mib(before), report.metadata.get("examples"),
-               report.metadata.get("chunk_size"), report.normalized_sharpness))
+               report.metadata.get("chunk_size"), report.normalized_sharpness, cpu))
     if world > 1:
         torch.distributed.destroy_process_group()
 
@@ -121,29 +129,39 @@ def _launch(world: int, problem: str, batches: int, threads: int, options: dict)
             del os.environ["MALLOC_MMAP_THRESHOLD_"]
         else:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
-    results = [queue.get(timeout=1800) for _ in range(world)]
+    results: list[tuple] = []
+    deadline = time.monotonic() + 1800
+    while len(results) < world:
+        try:
+            results.append(queue.get(timeout=5))
+        except Exception:  # queue.Empty: check that the ranks are still alive
+            if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"benchmark ranks died or hung (exit codes {[p.exitcode for p in procs]})")
     for p in procs:
         p.join(60)
-        if p.exitcode != 0:
-            raise RuntimeError(f"a benchmark rank exited with code {p.exitcode}")
-    return sorted(results)
+    return sorted(results, key=lambda r: r[0])
 
 
 def scale_out(problems: tuple[str, ...] = tuple(PROBLEMS), batches: int = 8, threads: int = 1,
               worlds: tuple[int, ...] = (1, 2)) -> dict[str, dict[int, dict[str, Any]]]:
-    """``{problem: {world size: {"samples_per_s", "seconds", "peak_mib_per_rank", "examples",
-    "normalized_sharpness"}}}`` for the ggn estimator."""
+    """``{problem: {world size: {"samples_per_s", "seconds", "peak_mib_per_rank",
+    "cpu_seconds_per_rank", "examples", "normalized_sharpness"}}}`` for the ggn estimator."""
     out: dict[str, dict[int, dict[str, Any]]] = {}
     for problem in problems:
         out[problem] = {}
         for world in worlds:
             res = _launch(world, problem, batches, threads, {"estimator": "ggn"})
+            if res[0][1] is None:
+                raise RuntimeError(res[0][5])
             seconds = max(r[1] for r in res)
             examples = res[0][3]
             out[problem][world] = {
                 "seconds": seconds,
                 "samples_per_s": examples / seconds,
                 "peak_mib_per_rank": [r[2] for r in res],
+                "cpu_seconds_per_rank": [r[6] for r in res],
                 "examples": examples,
                 "normalized_sharpness": res[0][5],
             }
@@ -151,7 +169,8 @@ def scale_out(problems: tuple[str, ...] = tuple(PROBLEMS), batches: int = 8, thr
 
 
 def chunk_sweep(problems: tuple[str, ...] = tuple(PROBLEMS), threads: int = 1) -> dict[str, list[dict[str, Any]]]:
-    """``{problem: [{"setting", "chunk_size", "seconds", "peak_mib"}, ...]}`` on one batch."""
+    """``{problem: [{"setting", "chunk_size", "seconds", "peak_mib", "error"}, ...]}`` on one batch
+    (``error``: the message when the setting is refused, e.g. a budget below one sample)."""
     out: dict[str, list[dict[str, Any]]] = {}
     for problem in problems:
         settings: list[tuple[str, dict]] = [("default", {})]
@@ -159,8 +178,9 @@ def chunk_sweep(problems: tuple[str, ...] = tuple(PROBLEMS), threads: int = 1) -
         settings += [(f"memory_budget={b!r}", {"memory_budget": b}) for b in BUDGETS]
         rows = []
         for label, opts in settings:
-            (_, seconds, peak, _, chunk, _), = _launch(1, problem, 1, threads, {"estimator": "ggn", **opts})
-            rows.append({"setting": label, "chunk_size": chunk, "seconds": seconds, "peak_mib": peak})
+            (res,) = _launch(1, problem, 1, threads, {"estimator": "ggn", **opts})
+            rows.append({"setting": label, "chunk_size": res[4], "seconds": res[1], "peak_mib": res[2],
+                         "error": res[5] if res[1] is None else None})
         out[problem] = rows
     return out
 
@@ -178,13 +198,14 @@ def main(argv: list[str] | None = None) -> None:
     figs = scale_out(problems, args.batches, args.threads)
     print("\nscale-out (the same data, sharded over the processes):")
     print(f"  {'problem':<8}{'procs':>6}{'samples':>9}{'seconds':>10}{'samples/s':>11}{'speed-up':>10}"
-          f"{'peak MiB/rank':>16}")
+          f"{'CPU s/rank':>14}{'peak MiB/rank':>16}")
     for problem, by_world in figs.items():
         base = by_world[1]["samples_per_s"]
         for world, f in by_world.items():
             peaks = "/".join(f"{m:.0f}" for m in f["peak_mib_per_rank"])
+            cpus = "/".join(f"{c:.2f}" for c in f["cpu_seconds_per_rank"])
             print(f"  {problem:<8}{world:>6}{f['examples']:>9}{f['seconds']:>10.2f}{f['samples_per_s']:>11.1f}"
-                  f"{f['samples_per_s'] / base:>10.2f}{peaks:>16}")
+                  f"{f['samples_per_s'] / base:>10.2f}{cpus:>14}{peaks:>16}")
         a, b = by_world[1]["normalized_sharpness"], by_world[2]["normalized_sharpness"]
         print(f"  {problem}: normalized sharpness 1 process {a:.6g}, 2 processes {b:.6g} "
               f"(relative difference {abs(a - b) / abs(a):.1e}, float32)")
@@ -193,6 +214,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {'problem':<8}{'setting':<26}{'chunk':>7}{'seconds':>10}{'peak MiB':>10}")
         for problem, rows in chunk_sweep(problems, args.threads).items():
             for r in rows:
+                if r["error"]:
+                    print(f"  {problem:<8}{r['setting']:<26}  refused: {r['error'][:110]}")
+                    continue
                 print(f"  {problem:<8}{r['setting']:<26}{str(r['chunk_size']):>7}{r['seconds']:>10.3f}"
                       f"{r['peak_mib']:>10.1f}")
 

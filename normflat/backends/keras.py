@@ -21,7 +21,9 @@ Backend options (keyword arguments of ``normflat.analyze``):
     size is the largest that fits (see :mod:`normflat.core.memory`). A
     ``ValueError`` names the need when even one sample does not fit. Fixed
     costs (weights, the compiled graph, the input batch) are not counted.
-    Exclusive with ``chunk_size``.
+    Exclusive with ``chunk_size``; with a strategy it applies per replica.
+    Used by ``ggn`` and ``ggn-mc``; ``exact`` and ``hutchinson`` process their
+    probes in fixed blocks.
 ``distributed`` (bool or None, default None = automatic)
     A model built under a ``tf.distribute.MirroredStrategy`` or
     ``MultiWorkerMirroredStrategy`` scope (or analyzed inside one) is analyzed
@@ -478,6 +480,11 @@ def _is_softmax(fn: Any) -> bool:
 
 def _batches(data: Any, batch_size: int) -> tuple[Iterable, int | None]:
     """An iterable of ``(x, y)`` batches and its length when known."""
+    if isinstance(data, (tf.distribute.DistributedDataset, tf.distribute.DistributedIterator)):
+        raise TypeError(
+            "data is a distributed dataset (strategy.experimental_distribute_dataset); pass the plain "
+            "tf.data.Dataset instead: normflat deals its batches to the strategy's replicas itself."
+        )
     if isinstance(data, tf.data.Dataset):
         card = int(data.cardinality())
         return data, card if card >= 0 else None
@@ -1100,8 +1107,7 @@ def _chunk_size(run: _Run, block: int) -> int:
     linear, quadratic = _ggn_bytes(run, block)
     if run.memory_budget is None:  # default budget: never an error, at least one sample
         return int(max(1, min(1024, _CHUNK_BYTES // (linear + quadratic))))
-    what = (f"the GGN step ({block} back-propagated signals per sample, estimated "
-            f"{linear} bytes per sample{' plus ' + str(quadratic) + ' bytes x chunk' if quadratic else ''})")
+    what = f"the GGN step ({block} back-propagated signals per sample, estimated)"
     chunk = chunk_size_for(run.memory_budget, linear + quadratic, what=what, maximum=1024)
     while chunk > 1 and chunk * linear + chunk * chunk * quadratic > run.memory_budget:
         chunk = max(1, min(chunk - 1, int(chunk * 0.9)))

@@ -10,10 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import traceback
-
-T0 = time.perf_counter()
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -124,7 +121,6 @@ def main(out_path: str) -> None:
                 case["opt_out_replicas"] = opt_out.metadata.get("replicas", 1)
                 case["opt_out_report"] = report_diff(opt_out, ref_report)
             result["cases"][f"{name}/{est}"] = case
-            print(name, est, time.perf_counter() - T0, flush=True)
 
     # Stochastic estimators: run distributed (twice: reproducible), report standard errors.
     for est, samples in (("ggn-mc", 4), ("hutchinson", 8)):

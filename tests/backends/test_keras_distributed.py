@@ -173,6 +173,21 @@ def test_distributed_true_needs_a_strategy(mlp):
         normflat.analyze(model, data, distributed="yes", progress=False)
 
 
+def test_analyze_inside_strategy_run_is_an_error(mlp):
+    model, data = mlp
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with pytest.raises(RuntimeError, match="inside strategy.run"):
+        strategy.run(lambda: normflat.analyze(model, data, progress=False))
+
+
+def test_distributed_dataset_is_refused_with_the_fix(mlp):
+    model, (x, y) = mlp
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(4))
+    with pytest.raises(TypeError, match="plain tf.data.Dataset"):
+        normflat.analyze(model, dataset, progress=False)
+
+
 def test_single_replica_strategy_runs_on_one_device(mlp):
     model, data = mlp
     ref = _diag(model, data, batch_size=8)
