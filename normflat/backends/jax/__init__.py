@@ -20,9 +20,30 @@ Backend options (keyword arguments of :func:`normflat.analyze`):
     Compute dtype. Default: the weights' dtype (at least float32). ``"float64"``
     computes in double precision, enabling ``jax_enable_x64`` locally if needed.
 ``chunk_size``
-    Examples per vectorised chunk of ``ggn``/``ggn-mc`` (default: chosen from a
-    memory budget). ``exact_chunk``: basis vectors per chunk of ``exact``
-    (default 64); ``probe_chunk``: Hutchinson probes per chunk (default 16).
+    Examples per device per vectorised chunk of ``ggn``/``ggn-mc`` (default:
+    chosen from an internal bound on the per-example intermediates).
+    ``exact_chunk``: basis vectors per chunk of ``exact`` (default 64);
+    ``probe_chunk``: Hutchinson probes per chunk (default 16).
+``memory_budget``
+    Bound on the memory of the per-example work of one compiled step *per
+    device*: an int number of bytes or a string such as ``"512MB"`` or
+    ``"2GiB"`` (see :mod:`normflat.core.memory`). The examples per step are
+    chosen from it (for every estimator); a ``ValueError`` names the need when
+    one example does not fit. Exclusive with ``chunk_size``. Default None.
+``devices``
+    Data parallelism over local devices: ``None`` (default) uses all local
+    devices of the default backend when there are several (each batch is
+    sharded over a 1-D :class:`jax.sharding.Mesh` with axis ``"data"``, the
+    weights replicated, and XLA inserts the cross-device sums), an int ``n``
+    the first ``n`` local devices, or a list of local ``jax.Device`` objects.
+    One device means no sharding. Results equal the one-device results (up
+    to floating-point summation order), also for the stochastic estimators.
+``distributed``
+    ``None``/``True`` (default): shard over ``devices`` and, after
+    :func:`jax.distributed.initialize` with several processes, treat the data
+    each process passes as its shard and combine the per-layer sums and
+    example counts of all processes, so every process returns the identical
+    report. ``False``: one device, this process's data only.
 ``force``, ``max_exact_params``
     ``estimator="exact"`` refuses models with more than ``max_exact_params``
     (default :data:`DEFAULT_MAX_EXACT_PARAMS`) weight entries unless ``force=True``.
@@ -45,6 +66,7 @@ import numpy as np
 from normflat.backends.jax import _data, _estimators
 from normflat.backends.jax._models import make_view
 from normflat.backends.jax._program import trace_program
+from normflat.core.memory import parse_memory_budget
 from normflat.core.options import AnalysisOptions, limited, progress_bar
 from normflat.core.problem import LayerProblem
 
@@ -56,7 +78,8 @@ DEFAULT_MAX_EXACT_PARAMS = 20_000
 
 _OPTIONS = {"vmap": None, "state": None, "apply_kwargs": None, "layouts": None, "dtype": None,
             "chunk_size": None, "exact_chunk": 64, "probe_chunk": 16, "force": False,
-            "max_exact_params": DEFAULT_MAX_EXACT_PARAMS}
+            "max_exact_params": DEFAULT_MAX_EXACT_PARAMS, "memory_budget": None, "devices": None,
+            "distributed": None}
 # Compiled estimators of recent models, keyed by the traced per-example program, so that
 # repeated analyses (e.g. during training) do not recompile. Small: each holds XLA executables.
 _CACHE: OrderedDict = OrderedDict()
@@ -100,6 +123,21 @@ def _settings(backend_options: dict) -> dict:
     v = s["chunk_size"]
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {v!r}.")
+    if s["memory_budget"] is not None and s["chunk_size"] is not None:
+        raise ValueError("Pass either chunk_size (examples per step) or memory_budget (the chunk size is then "
+                         "chosen from it), not both.")
+    s["memory_budget"] = parse_memory_budget(s["memory_budget"])
+    if s["distributed"] is not None and not isinstance(s["distributed"], bool):
+        raise TypeError(f"distributed must be True, False or None, got {s['distributed']!r}.")
+    d = s["devices"]
+    if d is not None and not (isinstance(d, int) and not isinstance(d, bool) and d >= 1):
+        if isinstance(d, (str, bytes)) or not hasattr(d, "__iter__"):
+            raise TypeError(f"devices must be None, a positive int or a list of jax devices, got {d!r}.")
+        d = list(d)
+        if not d or not all(isinstance(v, jax.Device) for v in d):
+            raise TypeError(f"devices must be a non-empty list of jax.Device objects (e.g. jax.local_devices()), "
+                            f"got {s['devices']!r}.")
+        s["devices"] = d
     if s["vmap"] is not None and not isinstance(s["vmap"], bool):
         raise TypeError(f"vmap must be True, False or None, got {s['vmap']!r}.")
     for name in ("apply_kwargs", "layouts"):
@@ -128,6 +166,37 @@ def _compute(model, data, options: AnalysisOptions, backend_options: dict) -> di
             for key in ("weight_arrays", "diags", "samples"):
                 res[key] = [None if a is None else np.asarray(a) for a in res[key]]
     return res
+
+
+def _mesh(settings: dict):
+    """The 1-D ``("data",)`` mesh of local devices to shard batches over, or None for one device."""
+    if settings["distributed"] is False:
+        return None
+    local = jax.local_devices()
+    devs = settings["devices"]
+    if devs is None:
+        devs = local
+    elif isinstance(devs, int):
+        if devs > len(local):
+            raise ValueError(f"devices={devs} but this process has {len(local)} local device(s): {local}.")
+        devs = local[:devs]
+    else:
+        foreign = [d for d in devs if d not in local]
+        if foreign:
+            raise ValueError(
+                f"devices {foreign} are not local devices of this process; pass local devices only. Across "
+                "processes (after jax.distributed.initialize) each process passes its own data and the results "
+                "are combined automatically."
+            )
+        if len(set(devs)) != len(devs):
+            raise ValueError(f"devices lists a device twice: {devs}.")
+    if len(devs) < 2:
+        return None
+    return jax.sharding.Mesh(np.asarray(devs, dtype=object), ("data",))
+
+
+def _multi_process(settings: dict) -> bool:
+    return settings["distributed"] is not False and jax.process_count() > 1
 
 
 def _prepare(model, x, options, settings, pending):
@@ -192,7 +261,9 @@ def _prepare(model, x, options, settings, pending):
         _CACHE[key] = (prog.consts, est)
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
-    est.reset(ws, others, options.seed)
+    multi = _multi_process(settings)
+    # Processes draw independent probes (ggn-mc, hutchinson): their process index is folded in.
+    est.reset(ws, others, options.seed, mesh=_mesh(settings), stream=jax.process_index() if multi else 0)
     return view, est, dtype, ws, num_classes
 
 
@@ -220,15 +291,30 @@ def _compute_in_dtype(model, data, options, settings) -> dict:
     view = est = dtype = None
     examples = n_batches = 0
     pending: list = []  # value checks, evaluated together at the end (one device sync)
-    for x, y in it:
-        if view is None:
-            view, est, dtype, ws, num_classes = _prepare(model, x, options, settings, pending)
-        x = _data.cast_inputs(x, dtype)
-        n = _data.check_batch(x, y, options, num_classes, n_batches, pending,
-                              view.weight_check if n_batches == 0 else None)
-        est.add_batch(jax.tree_util.tree_leaves(x), y, n, n_batches, examples)
-        examples += n
-        n_batches += 1
+    multi = _multi_process(settings)
+    try:
+        for x, y in it:
+            if view is None:
+                view, est, dtype, ws, num_classes = _prepare(model, x, options, settings, pending)
+            x = _data.cast_inputs(x, dtype)
+            n = _data.check_batch(x, y, options, num_classes, n_batches, pending,
+                                  view.weight_check if n_batches == 0 else None)
+            est.add_batch(jax.tree_util.tree_leaves(x), y, n, n_batches, examples)
+            examples += n
+            n_batches += 1
+        if multi:
+            # Input checks before the exchange, so that a bad shard fails on every process.
+            _data.run_checks(pending)
+            pending = []
+    except Exception as err:
+        if not multi:
+            raise
+        _exchange_status(err, view is not None, examples, n_batches)
+        raise
+    processes = 1
+    if multi:
+        examples, n_batches, processes = _exchange_status(None, view is not None, examples, n_batches)
+        _combine_sums(est)
     if view is None:
         raise ValueError("The data is empty: it yielded no (x, y) batch. Pass an iterable of (x, y) batches "
                          "or one (x, y) pair of arrays.")
@@ -248,11 +334,50 @@ def _compute_in_dtype(model, data, options, settings) -> dict:
     _data.run_checks(pending)
     device = str(next(iter(ws[0].devices()))) if hasattr(ws[0], "devices") else "cpu"
     meta = {"examples": examples, "batches": n_batches, "dtype": str(jnp.dtype(dtype)), "device": device,
-            "model_type": view.framework}
+            "model_type": view.framework, "devices": est.ndev, "processes": processes}
+    if settings["memory_budget"] is not None:
+        meta["memory_budget"] = settings["memory_budget"]
+    if est.max_block is not None:
+        meta["chunk_size"] = est.max_block  # examples per device and compiled step
     if view.vmap is not None:
         meta["vmap"] = view.vmap
     return {"weights": view.weights, "weight_arrays": ws, "diags": diags, "samples": samples,
             "paths": paths, "metadata": meta}
+
+
+def _exchange_status(error, has_data: bool, examples: int, n_batches: int):
+    """All-gather every process's status; raise on every process if any failed or had no data.
+
+    Called by every process exactly once per analysis (also by a failing one,
+    before it re-raises its own error), so no process waits for a peer that
+    has given up. Returns the total examples, batches and the process count.
+    """
+    from jax.experimental import multihost_utils
+
+    status = np.asarray([error is not None, has_data, examples, n_batches], np.int32)
+    table = np.asarray(multihost_utils.process_allgather(status))
+    failed = [int(i) for i in np.flatnonzero(table[:, 0])]
+    if failed:
+        if error is not None:
+            return None  # the caller re-raises its own error
+        raise RuntimeError(f"normflat: process(es) {failed} failed during the analysis (see their error); this "
+                           f"process {jax.process_index()} stops too.")
+    empty = [int(i) for i in np.flatnonzero(table[:, 1] == 0)]
+    if empty:
+        raise ValueError(f"Process(es) {empty} received no (x, y) batch; in a multi-process analysis every process "
+                         "needs at least one batch of its data shard (or pass distributed=False).")
+    return int(table[:, 2].sum()), int(table[:, 3].sum()), int(table.shape[0])
+
+
+def _combine_sums(est) -> None:
+    """Sum the per-layer accumulators of all processes (same order everywhere: identical results)."""
+    from jax.experimental import multihost_utils
+
+    local = [np.asarray(s) for s in est.sums]
+    gathered = multihost_utils.process_allgather(local)
+    est.sums = [jnp.asarray(np.asarray(g).sum(axis=0)) for g in gathered]
+    if est.replicated is not None:
+        est.sums = est._replicate(est.sums)
 
 
 def _check_program_output(prog, view) -> None:

@@ -16,7 +16,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
+from normflat.core.memory import chunk_size_for
 from normflat.core.options import NSCE_EPS, AnalysisOptions
 
 __all__ = ["make"]
@@ -72,16 +74,64 @@ class _Base:
         self.root = jax.random.key(options.seed)
         self.paths = ["hvp"] * len(ws)
 
-    def reset(self, ws, others, seed: int) -> None:
-        """Start a new accumulation for these weights and other leaves."""
+    #: Data-parallel shardings (batch axis over the mesh, replicated), or None on one device.
+    data_sharding = replicated = None
+    ndev = 1
+
+    def reset(self, ws, others, seed: int, mesh=None, stream: int = 0) -> None:
+        """Start a new accumulation for these weights and other leaves.
+
+        Args:
+            ws, others: The weights and the other model leaves.
+            seed: The analysis seed.
+            mesh: A 1-D ``jax.sharding.Mesh`` with axis ``"data"`` to shard every batch
+                piece over (weights replicated), or None for one device. The jitted
+                kernels reduce over the sharded batch axis, so XLA inserts the
+                cross-device sums.
+            stream: Random stream index (the process index in a multi-process run),
+                folded into the seed so that processes draw independent probes.
+        """
+        if mesh is not None and mesh.size > 1:
+            self.ndev = mesh.size
+            self.data_sharding = NamedSharding(mesh, PartitionSpec("data"))
+            self.replicated = NamedSharding(mesh, PartitionSpec())
+            ws, others = self._replicate(ws), self._replicate(others)
+        else:
+            self.ndev, self.data_sharding, self.replicated = 1, None, None
         self.ws, self.others = ws, others
-        if getattr(self, "_seed", None) != seed:
-            self._seed, self.root = seed, jax.random.key(seed)
+        if getattr(self, "_seed", None) != (seed, stream):
+            root = jax.random.key(seed)
+            self._seed, self.root = (seed, stream), (jax.random.fold_in(root, stream) if stream else root)
         self.sums = None  # set by the first batch (no zero arrays to dispatch)
         self.block = None
 
+    def _replicate(self, leaves):
+        return [jax.device_put(a, self.replicated) if isinstance(a, (jax.Array, np.ndarray)) else a
+                for a in leaves]
+
+    def _shard(self, xl, y, mask):
+        """Place a batch piece with its batch axis split over the mesh (no-op on one device)."""
+        if self.data_sharding is None:
+            return xl, y, mask
+        if mask is None and int(y.shape[0]) % self.ndev:
+            # A callable loss sees the unpadded batch; one that does not split evenly stays whole.
+            return self._replicate(xl), jax.device_put(y, self.replicated), None
+        put = functools.partial(jax.device_put, device=self.data_sharding)
+        return [put(a) for a in xl], put(y), (None if mask is None else put(mask))
+
     def _accumulate(self, vals) -> None:
         self.sums = list(vals) if self.sums is None else [s + v for s, v in zip(self.sums, vals)]
+
+    def _activation_elements(self) -> int:
+        """Elements of all intermediate values of the per-example forward program."""
+        return sum(math.prod(self.prog.shapes.get(r, ())) for op in self.prog.ops for r in op.outs)
+
+    def _budget_block(self, bytes_per_example: int, what: str) -> int | None:
+        """Examples per device and compiled call within ``memory_budget`` (None: no budget)."""
+        budget = self.settings.get("memory_budget")
+        if budget is None:
+            return None
+        return chunk_size_for(budget, max(1, int(bytes_per_example)), what=what)
 
     def _ones(self, b):
         if getattr(self, "_ones_cache", (None, None))[0] != b:
@@ -100,20 +150,23 @@ class _Base:
         weight 0. A callable loss sees whole unpadded batches (it averages itself).
         """
         if callable(self.options.loss):
-            yield xl, y, None, 0
+            yield (*self._shard(xl, y, None), 0)
             return
         if self.block is None:
-            self.block = n if self.max_block is None else min(n, self.max_block)
+            # max_block counts examples per device: a mesh of d devices takes d times as many.
+            b = n if self.max_block is None else min(n, self.max_block * self.ndev)
+            # On a mesh every piece splits evenly over the devices (padding masked out).
+            self.block = -(-b // self.ndev) * self.ndev
         b = self.block
         for s in range(0, n, b):
             e = min(s + b, n)
             if e - s == b:
-                yield ([a[s:e] for a in xl] if (s, e) != (0, n) else xl), (y[s:e] if (s, e) != (0, n) else y), \
-                    self._ones(b), s
+                yield (*self._shard([a[s:e] for a in xl] if (s, e) != (0, n) else xl,
+                                    y[s:e] if (s, e) != (0, n) else y, self._ones(b)), s)
             else:
                 idx = jnp.concatenate([jnp.arange(s, e), jnp.full(b - (e - s), s)])
                 mask = (jnp.arange(b) < e - s).astype(self.dtype)
-                yield [jnp.take(a, idx, axis=0) for a in xl], jnp.take(y, idx, axis=0), mask, s
+                yield (*self._shard([jnp.take(a, idx, axis=0) for a in xl], jnp.take(y, idx, axis=0), mask), s)
 
     def _counts(self):
         """Draws per group (each group's sum is divided by it); 1 when sums are already means."""
@@ -150,6 +203,10 @@ class _Exact(_Base):
         self.sizes = [w.size for w in self.ws]
         self.total = sum(self.sizes)
         self.basis = min(int(self.settings["exact_chunk"]), self.total)
+        # Per example: primal, tangent and cotangent of every intermediate, per basis vector.
+        self.max_block = self._budget_block(
+            3 * self.basis * self._activation_elements() * jnp.dtype(self.dtype).itemsize,
+            f"the exact Hessian-vector products ({self.basis} basis vectors per step, exact_chunk)")
         self.fn = jax.jit(self._chunk)
 
     def _chunk(self, ws, others, xl, y, mask, start):
@@ -188,6 +245,9 @@ class _Hutchinson(_Base):
         self.S = self.options.samples
         self.G = min(self.S, _MAX_GROUPS) if self.S >= 2 else 1
         self.P = min(int(self.settings["probe_chunk"]), self.S)
+        self.max_block = self._budget_block(
+            3 * self.P * self._activation_elements() * jnp.dtype(self.dtype).itemsize,
+            f"the Hutchinson Hessian-vector products ({self.P} probes per step, probe_chunk)")
         self.fn = jax.jit(self._chunk)
 
     def _chunk(self, ws, others, xl, y, mask, bkey, s0):
@@ -256,7 +316,12 @@ class _GGN(_Base):
                 per_example += self.G * self.M * out_size + act_size
             else:
                 per_example += self.G * self.M * w.size
-        self.max_block = int(self.settings["chunk_size"] or max(1, _GGN_BUDGET // max(per_example, 1)))
+        # Per example: the signals and squared gradients counted above, plus the forward
+        # intermediates kept for the VJP and one back-propagated signal per column.
+        need = (per_example + (1 + self.G * self.M) * self._activation_elements()) * jnp.dtype(self.dtype).itemsize
+        budget_block = self._budget_block(need, "the per-sample GGN signals")
+        self.max_block = int(self.settings["chunk_size"] or budget_block
+                             or max(1, _GGN_BUDGET // max(per_example, 1)))
         self.fn = jax.jit(self._chunk)
 
     def _columns(self, zp, key):
