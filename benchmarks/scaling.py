@@ -29,6 +29,7 @@ import datetime
 import multiprocessing as mp
 import os
 import socket
+import sys
 import time
 from typing import Any
 
@@ -91,13 +92,13 @@ def _measure(rank: int, world: int, port: int, problem: str, batches: int, threa
              queue) -> None:
     torch.set_num_threads(threads)
     if world > 1:
-        if os.sys.platform.startswith("linux"):
+        if sys.platform.startswith("linux"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                              world_size=world, timeout=datetime.timedelta(seconds=300))
     model = _model(problem)
     data = _batches(problem, list(range(rank, batches, world)))  # round-robin shard
-    normflat.analyze(model, data[:1], progress=False, distributed=False, **options)  # warm-up
+    normflat.analyze(model, data[:1], progress=False, **options)  # warm-up, collectives included
     before = _reset_peak()
     if world > 1:
         torch.distributed.barrier()

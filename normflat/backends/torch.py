@@ -29,6 +29,13 @@ How the estimators are computed (SPEC §6), all on the model's device and dtype:
     uses signals ``e_ỹ − p`` with ``ỹ`` drawn from the model's predictive
     distribution. For ``nsce`` the signals are pulled back through the
     normalization, whose Jacobian is explicit.
+
+Data parallelism: when ``torch.distributed`` is initialized (or ``distributed=`` names
+a group), each rank's data is its shard. The ranks first agree on the layer structure
+and options, exchange a status after every batch (so a failure on one rank raises on
+all of them, and ranks with fewer batches wait for the others), and all-reduce the
+per-layer (per-group) sums and sample counts at the end: every rank returns the same
+result. Stochastic estimators seed each rank differently (rank 0 keeps ``seed``).
 """
 
 from __future__ import annotations
@@ -1352,7 +1359,11 @@ def layer_problems(model: nn.Module, data: Any, options: AnalysisOptions, **back
     GGN chunk; default bounds signals × samples by 8192) or ``memory_budget``
     (``"512MB"``; the GGN chunk size is chosen from it), ``exact_chunk`` /
     ``probe_chunk`` (HVPs vectorized at once), ``fast`` (``False`` forces the generic
-    GGN path, for checking).
+    GGN path, for checking), ``distributed`` (``None``: shard over the default
+    ``torch.distributed`` group when one is initialized; ``True``: require it;
+    ``False``: analyze this process's data alone; or a ``ProcessGroup``).
+    DistributedDataParallel / DataParallel wrappers are unwrapped; FSDP-sharded
+    models are refused (they lack the full weights).
     """
     results, metadata = _run(model, data, options, backend_options)
     problems = []

@@ -250,7 +250,7 @@ def _prepare(model, x, options, settings, pending):
             )
     key = (prog.text, tuple(str(w.dtype) for w in ws), options.estimator, options.samples,
            options.loss if callable(options.loss) else str(options.loss), options.temperature,
-           settings["chunk_size"], settings["exact_chunk"], settings["probe_chunk"])
+           settings["chunk_size"], settings["memory_budget"], settings["exact_chunk"], settings["probe_chunk"])
     est = None
     cached = _CACHE.get(key)
     if cached is not None and _same_consts(cached[0], prog.consts):
