@@ -293,11 +293,7 @@ def _cmd_analyze(args: argparse.Namespace, out: Callable[[str], Any]) -> int:
             max_batches=args.max_batches, progress=not args.no_progress, **backend_options,
         )
     except (ValueError, TypeError) as err:
-        hint = ""
-        if type(model).__name__ == "RecursiveScriptModule":
-            hint = (" (this is a TorchScript module, whose layers the torch backend may not recognise; "
-                    "save the module itself with torch.save(model, path) instead)")
-        raise CLIError(f"{err}{hint}") from None
+        raise CLIError(str(err)) from None
     out(str(report))
     json_path = args.json or str(Path(args.model).with_suffix("")) + ".normflat.json"
     report.to_json(json_path)

@@ -1170,6 +1170,12 @@ def _unwrap(model: Any) -> Any:
         raise TypeError(f"The torch backend needs a torch.nn.Module, got {type(model).__name__}.")
     while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         model = model.module
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError(
+            "normflat cannot analyze a TorchScript module: its compiled graph bypasses the forward "
+            "hooks and torch.func transforms the estimators rely on. Analyze the eager nn.Module "
+            "instead (save it with torch.save(model) or torch.save(model.state_dict()) and rebuild it)."
+        )
     if any(_is_fsdp(m) for m in model.modules()) or any(
             type(p).__name__ == "DTensor" for p in model.parameters()):
         raise TypeError(

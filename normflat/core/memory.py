@@ -109,7 +109,7 @@ def chunk_size_for(
         raise ValueError(
             f"memory_budget={budget_bytes} bytes ({format_bytes(budget_bytes)}) is too small: "
             f"{what} needs {bytes_per_sample} bytes ({format_bytes(bytes_per_sample)}) for a single "
-            "sample. Raise memory_budget to at least that, analyze fewer layers (layers=[...]), or use "
+            "sample. Raise memory_budget to at least that, or use "
             "an estimator with less per-sample work (ggn-mc with samples=1, or hutchinson)."
         )
     if maximum is not None:

@@ -815,3 +815,12 @@ def test_group_estimates_average_to_the_diagonal(estimator):
     for p in problems:
         assert p.hessian_diag_samples.shape == (10, *p.shape)
         torch.testing.assert_close(p.hessian_diag_samples.mean(0), p.hessian_diag, atol=1e-15, rtol=1e-12)
+
+
+def test_torchscript_module_is_refused_clearly():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)).double()
+    scripted = torch.jit.script(model)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    for estimator in ("ggn", "exact"):
+        with pytest.raises(TypeError, match=r"TorchScript module.*torch\.save\(model\)"):
+            normflat.analyze(scripted, (x, y), estimator=estimator, progress=False)

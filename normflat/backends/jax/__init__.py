@@ -318,6 +318,7 @@ def _compute_in_dtype(model, data, options, settings) -> dict:
     if view is None:
         raise ValueError("The data is empty: it yielded no (x, y) batch. Pass an iterable of (x, y) batches "
                          "or one (x, y) pair of arrays.")
+    ndev = est.ndev
     diags, samples, ws, finite = est.finish(examples, tuple(w.layout == "flax" for w in view.weights))
     paths = list(est.paths)
     # Drop references to this model's arrays from the cached estimator.
@@ -334,7 +335,7 @@ def _compute_in_dtype(model, data, options, settings) -> dict:
     _data.run_checks(pending)
     device = str(next(iter(ws[0].devices()))) if hasattr(ws[0], "devices") else "cpu"
     meta = {"examples": examples, "batches": n_batches, "dtype": str(jnp.dtype(dtype)), "device": device,
-            "model_type": view.framework, "devices": est.ndev, "processes": processes}
+            "model_type": view.framework, "devices": ndev, "processes": processes}
     if settings["memory_budget"] is not None:
         meta["memory_budget"] = settings["memory_budget"]
     if est.max_block is not None:
@@ -373,11 +374,10 @@ def _combine_sums(est) -> None:
     """Sum the per-layer accumulators of all processes (same order everywhere: identical results)."""
     from jax.experimental import multihost_utils
 
+    est.reduce_devices()
     local = [np.asarray(s) for s in est.sums]
     gathered = multihost_utils.process_allgather(local)
     est.sums = [jnp.asarray(np.asarray(g).sum(axis=0)) for g in gathered]
-    if est.replicated is not None:
-        est.sums = est._replicate(est.sums)
 
 
 def _check_program_output(prog, view) -> None:

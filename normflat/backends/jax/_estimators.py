@@ -75,8 +75,11 @@ class _Base:
         self.paths = ["hvp"] * len(ws)
 
     #: Data-parallel shardings (batch axis over the mesh, replicated), or None on one device.
-    data_sharding = replicated = None
+    data_sharding = replicated = mesh = None
     ndev = 1
+    #: Positions of the batch-sharded arguments of ``_chunk`` and of its example offset (if any).
+    batch_args: tuple = (2, 3, 4)
+    offset_arg: int | None = None
 
     def reset(self, ws, others, seed: int, mesh=None, stream: int = 0) -> None:
         """Start a new accumulation for these weights and other leaves.
@@ -92,18 +95,20 @@ class _Base:
                 folded into the seed so that processes draw independent probes.
         """
         if mesh is not None and mesh.size > 1:
-            self.ndev = mesh.size
+            self.ndev, self.mesh = mesh.size, mesh
             self.data_sharding = NamedSharding(mesh, PartitionSpec("data"))
             self.replicated = NamedSharding(mesh, PartitionSpec())
             ws, others = self._replicate(ws), self._replicate(others)
         else:
-            self.ndev, self.data_sharding, self.replicated = 1, None, None
+            self.ndev, self.mesh, self.data_sharding, self.replicated = 1, None, None, None
         self.ws, self.others = ws, others
         if getattr(self, "_seed", None) != (seed, stream):
             root = jax.random.key(seed)
             self._seed, self.root = (seed, stream), (jax.random.fold_in(root, stream) if stream else root)
         self.sums = None  # set by the first batch (no zero arrays to dispatch)
+        self.extra = None  # on a mesh: sums of pieces that were not sharded (callable loss)
         self.block = None
+        self._piece_sharded = False
 
     def _replicate(self, leaves):
         return [jax.device_put(a, self.replicated) if isinstance(a, (jax.Array, np.ndarray)) else a
@@ -111,16 +116,73 @@ class _Base:
 
     def _shard(self, xl, y, mask):
         """Place a batch piece with its batch axis split over the mesh (no-op on one device)."""
+        self._piece_sharded = False
         if self.data_sharding is None:
             return xl, y, mask
         if mask is None and int(y.shape[0]) % self.ndev:
             # A callable loss sees the unpadded batch; one that does not split evenly stays whole.
             return self._replicate(xl), jax.device_put(y, self.replicated), None
+        self._piece_sharded = True
         put = functools.partial(jax.device_put, device=self.data_sharding)
         return [put(a) for a in xl], put(y), (None if mask is None else put(mask))
 
-    def _accumulate(self, vals) -> None:
+    def run(self, *args):
+        """The compiled chunk on the current piece: ``(values, stacked)``.
+
+        On a mesh the chunk runs under :func:`jax.shard_map`: every device
+        evaluates it on its slice of the batch and returns its own partial sums,
+        stacked on a leading device axis (``stacked=True``). The partial sums are
+        added elementwise over batches and summed over devices once, in
+        :meth:`reduce_devices`, so the per-batch steps contain no collective.
+        (XLA's in-process CPU all-reduce can deadlock when several sharded
+        executables are in flight on a machine with few cores; one exchange per
+        analysis is also cheaper than one per step.)
+        """
+        if not self._piece_sharded:
+            return self._jit(*args), False
+        fn = self._sharded.get(self.mesh) if hasattr(self, "_sharded") else None
+        if fn is None:
+            fn = self._make_sharded(len(args))
+        return fn(*args), True
+
+    def _make_sharded(self, nargs: int):
+        spec_b, spec_r = PartitionSpec("data"), PartitionSpec()
+        in_specs = tuple(spec_b if i in self.batch_args else spec_r for i in range(nargs))
+        off, last = self.offset_arg, self.batch_args[-1]
+
+        def body(*args):
+            args = list(args)
+            if off is not None:
+                # Global index of this device's first example: random draws follow examples, not devices.
+                args[off] = args[off] + jax.lax.axis_index("data") * args[last].shape[0]
+            return jax.tree_util.tree_map(lambda a: a[None], self._chunk(*args))
+
+        fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=spec_b, check_vma=False))
+        if not hasattr(self, "_sharded"):
+            self._sharded = {}
+        self._sharded[self.mesh] = fn
+        return fn
+
+    def _accumulate(self, vals, stacked: bool = False) -> None:
+        if self.mesh is not None and not stacked:
+            self.extra = list(vals) if self.extra is None else [s + v for s, v in zip(self.extra, vals)]
+            return
         self.sums = list(vals) if self.sums is None else [s + v for s, v in zip(self.sums, vals)]
+
+    def reduce_devices(self) -> None:
+        """Sum the per-device partial sums (host side, fixed order: deterministic)."""
+        if self.mesh is None:
+            return
+        total = None
+        if self.sums is not None:
+            total = [np.asarray(jax.device_get(a)).sum(axis=0) for a in self.sums]
+        if self.extra is not None:
+            extra = [np.asarray(jax.device_get(a)) for a in self.extra]
+            total = extra if total is None else [t + e for t, e in zip(total, extra)]
+        self.sums = [jnp.asarray(t) for t in total]
+        self.extra = None
+        self.mesh = self.data_sharding = None
+        self.ws = [np.asarray(jax.device_get(w)) if isinstance(w, jax.Array) else w for w in self.ws]
 
     def _activation_elements(self) -> int:
         """Elements of all intermediate values of the per-example forward program."""
@@ -175,6 +237,7 @@ class _Base:
     def finish(self, examples, canonical: tuple):
         """Mean-loss diagonals, group estimates (or None), weights — all in canonical layout
         (``canonical[k]``: whether weight k is in flax order) — and an all-finite flag."""
+        self.reduce_devices()
         groups, diags, ws, finite = _finish(self.sums, self.ws, examples, tuple(self._counts()), canonical)
         return diags, [g if self.G >= 2 else None for g in groups], ws, finite
 
@@ -207,7 +270,7 @@ class _Exact(_Base):
         self.max_block = self._budget_block(
             3 * self.basis * self._activation_elements() * jnp.dtype(self.dtype).itemsize,
             f"the exact Hessian-vector products ({self.basis} basis vectors per step, exact_chunk)")
-        self.fn = jax.jit(self._chunk)
+        self._jit = jax.jit(self._chunk)
 
     def _chunk(self, ws, others, xl, y, mask, start):
         def tangent(i):
@@ -225,13 +288,14 @@ class _Exact(_Base):
 
     def add_batch(self, xl, y, n, b, offset):
         for xp, yp, mask, _ in self.pieces(xl, y, n):
-            vals = jnp.concatenate([self.fn(self.ws, self.others, xp, yp, mask, start)
-                                    for start in range(0, self.total, self.basis)])[: self.total]
+            runs = [self.run(self.ws, self.others, xp, yp, mask, start) for start in range(0, self.total, self.basis)]
+            stacked = runs[0][1]
+            vals = jnp.concatenate([v for v, _ in runs], axis=-1)[..., : self.total]
             out, o = [], 0
             for w in self.ws:
-                out.append(vals[o:o + w.size].reshape((1,) + w.shape))
+                out.append(vals[..., o:o + w.size].reshape(vals.shape[:-1] + (1,) + w.shape))
                 o += w.size
-            self._accumulate(out)
+            self._accumulate(out, stacked)
 
 
 # ----------------------------------------------------------------------------- hutchinson
@@ -248,7 +312,7 @@ class _Hutchinson(_Base):
         self.max_block = self._budget_block(
             3 * self.P * self._activation_elements() * jnp.dtype(self.dtype).itemsize,
             f"the Hutchinson Hessian-vector products ({self.P} probes per step, probe_chunk)")
-        self.fn = jax.jit(self._chunk)
+        self._jit = jax.jit(self._chunk)
 
     def _chunk(self, ws, others, xl, y, mask, bkey, s0):
         s_idx = s0 + jnp.arange(self.P)
@@ -274,7 +338,7 @@ class _Hutchinson(_Base):
             # Probes are drawn per batch (and per piece of a large batch).
             bkey = jax.random.fold_in(jax.random.fold_in(self.root, b), start)
             for s0 in range(0, self.S, self.P):
-                self._accumulate(self.fn(self.ws, self.others, xp, yp, mask, bkey, s0))
+                self._accumulate(*self.run(self.ws, self.others, xp, yp, mask, bkey, s0))
 
     def _counts(self):
         return [len(range(g, self.S, self.G)) for g in range(self.G)]
@@ -297,6 +361,7 @@ class _GGN(_Base):
 
     def __init__(self, *args):
         super().__init__(*args)
+        self.batch_args, self.offset_arg = (2, 3), 5
         self.mc = self.options.estimator == "ggn-mc"
         if self.mc:
             self.S = self.options.samples
@@ -322,7 +387,7 @@ class _GGN(_Base):
         budget_block = self._budget_block(need, "the per-sample GGN signals")
         self.max_block = int(self.settings["chunk_size"] or budget_block
                              or max(1, _GGN_BUDGET // max(per_example, 1)))
-        self.fn = jax.jit(self._chunk)
+        self._jit = jax.jit(self._chunk)
 
     def _columns(self, zp, key):
         """(G, M, C) columns V with sum_j v_j v_j^T = softmax-CE Hessian (or its MC estimate)."""
@@ -439,4 +504,4 @@ class _GGN(_Base):
     def add_batch(self, xl, y, n, b, offset):
         # The GGN does not depend on the labels: a callable loss is rejected earlier.
         for xp, _, mask, s in self.pieces(xl, y, n):
-            self._accumulate(self.fn(self.ws, self.others, xp, mask, self.root, offset + s))
+            self._accumulate(*self.run(self.ws, self.others, xp, mask, self.root, offset + s))
