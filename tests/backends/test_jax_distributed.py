@@ -274,3 +274,43 @@ def test_two_processes_equal_single_process_and_each_other(results):
 def test_failing_process_raises_on_every_process(results):
     assert results["fail1"]["error"] == "RuntimeError: data source of process 1 failed"
     assert results["fail0"]["error"].startswith("RuntimeError: normflat: process(es) [1] failed")
+
+
+# ----------------------------------------------------------------------------- GGN speed-ups (in-process)
+
+
+@pytest.mark.parametrize("case", ["padded", "ties", "dilated", "valid"])
+def test_fast_max_pool_vjp_equals_xla(case):
+    """The GGN's max-pool VJP (argmax found once) equals XLA's select_and_scatter VJP."""
+    import jax
+    import jax.numpy as jnp
+
+    from normflat.backends.jax._program import _fast_max_pool, _hashable
+
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(5)
+        x = jnp.asarray(rng.normal(size=(7, 6, 3)))
+        kw = {"window_dimensions": (3, 3, 1), "window_strides": (2, 2, 1), "padding": ((1, 1), (1, 1), (0, 0)),
+              "base_dilation": (1, 1, 1), "window_dilation": (1, 1, 1)}
+        if case == "ties":  # many equal maxima: both pick the first in row-major window order
+            x = jnp.asarray(rng.integers(0, 2, size=(7, 6, 3)).astype(float))
+        elif case == "dilated":
+            # (JAX has no VJP for window dilation; the fast path leaves such pools to JAX.)
+            kw.update(base_dilation=(2, 1, 1), padding=((0, 1), (2, 2), (0, 0)))
+        elif case == "valid":
+            kw.update(window_strides=(1, 1, 1), padding=((0, 0), (0, 0), (0, 0)))
+
+        def xla(a):
+            return jax.lax.reduce_window(a, -jnp.inf, jax.lax.max, kw["window_dimensions"], kw["window_strides"],
+                                         kw["padding"], kw["base_dilation"], kw["window_dilation"])
+
+        y, vjp_ref = jax.vjp(xla, x)
+        (prim,) = {e.primitive for e in jax.make_jaxpr(xla)(x).jaxpr.eqns}
+        assert prim.name == "reduce_window_max"
+        pool = _fast_max_pool(prim, _hashable(kw))
+        y2, vjp_fast = jax.vjp(pool, x)
+        np.testing.assert_array_equal(np.asarray(y2), np.asarray(y))
+        dys = jnp.asarray(rng.normal(size=(4,) + y.shape))
+        got = jax.vmap(lambda d: vjp_fast(d)[0])(dys)
+        ref = jax.vmap(lambda d: vjp_ref(d)[0])(dys)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))

@@ -368,7 +368,8 @@ class _GGN(_Base):
             self.G = min(self.S, _MAX_GROUPS) if self.S >= 2 else 1
             self.M = math.ceil(self.S / self.G)
         else:
-            self.G, self.M = 1, self.num_classes
+            # diag(p) - p p^T has rank C-1: C-1 signals per example suffice (see _columns).
+            self.G, self.M = 1, self.num_classes - 1
         self.taps = {t.weight: t for t in self.prog.taps}
         self.gen = [k for k in range(len(self.ws)) if k not in self.taps]
         self.paths = ["fast" if k in self.taps else "generic" for k in range(len(self.ws))]
@@ -393,9 +394,16 @@ class _GGN(_Base):
         """(G, M, C) columns V with sum_j v_j v_j^T = softmax-CE Hessian (or its MC estimate)."""
         p = jax.nn.softmax(zp)
         if not self.mc:
-            sp = jnp.sqrt(p)
-            # Row c: sqrt(p_c) (e_c - p); these rows factor diag(p) - p p^T.
-            return (jnp.diag(sp) - sp[:, None] * p[None, :])[None]
+            # diag(p) - p p^T = S (I - q q^T) S with S = diag(q), q = sqrt(p), |q| = 1. The
+            # Householder reflection H = I - c u u^T, u = q + e_last, maps q to -e_last, so
+            # I - q q^T = H (I - e_last e_last^T) H and the C-1 rows (H S)_j, j < C-1, factor
+            # the Hessian: one back-propagated signal fewer than the C rows sqrt(p_c)(e_c - p).
+            # u_last = q_last + 1 >= 1, so c = 2 / |u|^2 never divides by a small number.
+            q = jnp.sqrt(p)
+            u = q.at[-1].add(1.0)
+            c = 2.0 / jnp.sum(u * u)
+            h = jnp.eye(p.shape[0], dtype=p.dtype)[:-1] - c * u[:-1, None] * u[None, :]
+            return (h * q[None, :])[None]
         n_slots = self.G * self.M
         labels = jax.random.categorical(key, jnp.log(p), shape=(n_slots,))
         s = jnp.arange(n_slots)
@@ -417,7 +425,7 @@ class _GGN(_Base):
             for k, w in zip(gen, wg):
                 w_all[k] = w
             rec: dict = {}
-            (z,) = prog.run(w_all, others, xl, eps, rec)
+            (z,) = prog.run(w_all, others, xl, eps, rec, fast_pool=True)
             return _head(z, self.options), rec
 
         zp, vjp_fn, rec = jax.vjp(fwd, eps0, [ws[k] for k in gen], has_aux=True)

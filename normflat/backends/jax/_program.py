@@ -15,11 +15,14 @@ VJPs), so the analysis can only choose a faster path, never a wrong one.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.extend.core as jex
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["Program", "Tap", "trace_program"]
@@ -95,8 +98,14 @@ class Program:
     # ------------------------------------------------------------------ evaluation
 
     def run(self, weights: Sequence[Any], others: Sequence[Any], x_leaves: Sequence[Any],
-            eps: dict[int, Any] | None = None, record: dict[int, Any] | None = None) -> list[Any]:
-        """Evaluate the program; add ``eps[op]`` to tap outputs, store tap activations in ``record``."""
+            eps: dict[int, Any] | None = None, record: dict[int, Any] | None = None,
+            fast_pool: bool = False) -> list[Any]:
+        """Evaluate the program; add ``eps[op]`` to tap outputs, store tap activations in ``record``.
+
+        ``fast_pool=True`` evaluates floating-point max-pooling with a reverse-mode-only
+        rule (see :func:`_fast_max_pool`); only for callers that never take forward-mode
+        derivatives (the GGN's VJPs).
+        """
         env: dict[int, Any] = dict(self.consts)
         env.update(zip(self.weight_refs, weights))
         env.update(zip(self.other_refs, others))
@@ -109,7 +118,12 @@ class Program:
         for i, op in enumerate(self.ops):
             args = [read(a) for a in op.ins]
             with op.ctx:
-                ans = op.prim.bind(*args, **op.params)
+                if (fast_pool and op.prim.name == "reduce_window_max"
+                        and jnp.issubdtype(args[0].dtype, jnp.floating)
+                        and all(d == 1 for d in op.params.get("window_dilation") or ())):
+                    ans = _fast_max_pool(op.prim, _hashable(op.params))(args[0])
+                else:
+                    ans = op.prim.bind(*args, **op.params)
             if op.prim.multiple_results:
                 env.update(zip(op.outs, ans))
             else:
@@ -142,6 +156,59 @@ class Program:
                 return op.prim.bind(*args, **op.params)
 
         return f
+
+
+def _hashable(params: dict) -> tuple:
+    def h(v):
+        return tuple(h(e) for e in v) if isinstance(v, (tuple, list)) else v
+    return tuple(sorted((k, h(v)) for k, v in params.items()))
+
+
+@functools.lru_cache(maxsize=64)
+def _fast_max_pool(prim, params: tuple) -> Callable[[Any], Any]:
+    """Max-pooling whose VJP is a scatter-add at the recorded argmax of each window.
+
+    XLA's own VJP (``select_and_scatter_add``) re-runs the window search for
+    every cotangent; the GGN back-propagates C-1 signals per example through the
+    same pooling, and on CPU that search dominated the CNN ``ggn`` cost (about 10x
+    slower than the scatter in isolation). Here the argmax (first maximum in
+    row-major window order, as XLA picks it) is found once in the forward pass.
+    """
+    kw = dict(params)
+
+    def value(x):
+        return prim.bind(x, **kw)
+
+    def argmax(x):
+        idx = jnp.arange(x.size, dtype=jnp.int32).reshape(x.shape)
+
+        def red(a, b):
+            (av, ai), (bv, bi) = a, b
+            take = (bv > av) | ((bv == av) & (bi < ai))
+            return jnp.where(take, bv, av), jnp.where(take, bi, ai)
+
+        _, am = jax.lax.reduce_window(
+            (x, idx), (jnp.asarray(-jnp.inf, x.dtype), jnp.asarray(-1, jnp.int32)), red,
+            kw["window_dimensions"], kw["window_strides"], kw["padding"], kw["base_dilation"],
+            kw["window_dilation"])
+        # Windows made only of padding (index -1) send their cotangent nowhere.
+        return jnp.where(am < 0, x.size, am)
+
+    @jax.custom_vjp
+    def pool(x):
+        return value(x)
+
+    def fwd(x):
+        return value(x), (argmax(x), jnp.zeros_like(x, shape=(0,) + x.shape))
+
+    def bwd(res, dy):
+        am, like = res
+        shape = like.shape[1:]
+        dx = jnp.zeros(math.prod(shape), dy.dtype).at[am.ravel()].add(dy.ravel(), mode="drop")
+        return (dx.reshape(shape),)
+
+    pool.defvjp(fwd, bwd)
+    return pool
 
 
 # ---------------------------------------------------------------------- tracing
