@@ -164,8 +164,19 @@ def _peel_degenerate(A, B, xp, log_a, log_b):
     m, n = log_a.size, log_b.size
     pos_a = np.asarray(to_numpy(A > 0))
     pos_b = np.asarray(to_numpy(B > 0))
-    if pos_a.all() and pos_b.all():
-        return np.arange(m), np.arange(n), (), (), np.zeros(n, int), np.zeros(m, int), None
+    if pos_a.all() or pos_b.all():
+        # Common case (no pruned weights, or no zero curvature): if every weight term
+        # exists, each column reaches every row, so all rows and columns that also
+        # have a curvature term form one block and the rest are simply dead (and
+        # symmetrically). No graph is needed.
+        row_alive = pos_a.any(axis=1) & pos_b.any(axis=1)
+        col_alive = pos_a.any(axis=0) & pos_b.any(axis=0)
+        log_a[~row_alive] = np.inf if pos_b.all() else -np.inf
+        log_b[~col_alive] = np.inf if pos_b.all() else -np.inf
+        rows, cols = np.flatnonzero(row_alive), np.flatnonzero(col_alive)
+        deg_rows = tuple(int(i) for i in np.flatnonzero(~row_alive))
+        deg_cols = tuple(int(j) for j in np.flatnonzero(~col_alive))
+        return rows, cols, deg_rows, deg_cols, np.zeros(cols.size, int), np.zeros(rows.size, int), None
     ia, ja = np.nonzero(pos_a)
     ib, jb = np.nonzero(pos_b)
     edges = coo_matrix(
