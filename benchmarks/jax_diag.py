@@ -22,8 +22,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any, Callable
 
 import jax
@@ -31,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import normflat
+from benchmarks._common import time_interleaved  # noqa: E402
 
 __all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "make_problem", "jax_figures", "main"]
 
@@ -113,24 +112,12 @@ def _runner(method: str, model, x, y) -> Callable[[], Any]:
         normflat.hessian_diagonal(model, (x, y), loss="ce", estimator=estimator, progress=False))
 
 
-def _time_interleaved(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    for run in runs.values():
-        run()  # warm-up: compilation
-    times: dict[str, list[float]] = {m: [] for m in runs}
-    for _ in range(repeats):
-        for m, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            times[m].append(time.perf_counter() - t0)
-    return {m: statistics.median(t) for m, t in times.items()}
-
-
 def jax_figures(repeats: int = 5, problems: tuple[str, ...] = tuple(PROBLEMS)) -> dict[str, dict[str, Any]]:
     """``{problem: {"seconds": {method: s}, "x_gradient": {method: multiple of one gradient}}}``."""
     out = {}
     for name in problems:
         model, x, y = make_problem(name)
-        seconds = _time_interleaved({m: _runner(m, model, x, y) for m in METHODS}, repeats)
+        seconds = time_interleaved({m: _runner(m, model, x, y) for m in METHODS}, repeats)
         out[name] = {"seconds": seconds, "x_gradient": {m: seconds[m] / seconds["gradient"] for m in METHODS}}
     return out
 

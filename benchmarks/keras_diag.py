@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from typing import Any, Callable
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
+from benchmarks._common import time_interleaved  # noqa: E402
 
 __all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "METHODS", "make_problem", "keras_figures", "main"]
 
@@ -114,24 +113,12 @@ def _runner(method: str, model, x, y) -> Callable[[], Any]:
     return run
 
 
-def _time_interleaved(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    for run in runs.values():
-        run()  # warm-up: traces the compiled functions
-    times: dict[str, list[float]] = {m: [] for m in runs}
-    for _ in range(repeats):
-        for m, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            times[m].append(time.perf_counter() - t0)
-    return {m: statistics.median(t) for m, t in times.items()}
-
-
 def keras_figures(repeats: int = 5, problems: tuple[str, ...] = tuple(PROBLEMS)) -> dict[str, dict[str, Any]]:
     """``{problem: {"seconds": {method: s}, "x_gradient": {method: multiple of one gradient}}}``."""
     out: dict[str, dict[str, Any]] = {}
     for name in problems:
         model, x, y = make_problem(name)
-        seconds = _time_interleaved({m: _runner(m, model, x, y) for m in METHODS}, repeats)
+        seconds = time_interleaved({m: _runner(m, model, x, y) for m in METHODS}, repeats)
         out[name] = {"seconds": seconds, "x_gradient": {m: seconds[m] / seconds["gradient"] for m in METHODS}}
     return out
 

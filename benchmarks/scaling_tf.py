@@ -30,6 +30,8 @@ import os
 import subprocess
 import sys
 
+from benchmarks._common import memory_vs_chunk
+
 _CHILD = r'''
 import json, os, resource, statistics, sys, time
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -109,16 +111,8 @@ def throughput(samples: int = 4096, repeats: int = 3) -> list[dict]:
 
 def memory() -> list[dict]:
     """Peak memory of one GGN pass vs chunk size (direct or from memory_budget)."""
-    rows = []
-    for options in ({"chunk_size": 8}, {"chunk_size": 32}, {"chunk_size": 128}, {"chunk_size": 256},
-                    {"memory_budget": "64MB"}, {"memory_budget": "256MB"}, {"memory_budget": "1GB"}):
-        rows.append({"options": options, **_child({"mode": "memory", "options": options})})
-    print("\nGGN peak memory, CNN 32x32x3 -> conv32 -> conv64/2 -> dense10, float32, one batch of 256")
-    print("| option | chunk size | peak memory added (MiB) | s per pass |\n|---|---|---|---|")
-    for row in rows:
-        (key, value), = row["options"].items()
-        print(f"| {key}={value!r} | {row['chunk_size']} | {row['peak_added_mb']:.0f} | {row['seconds']:.2f} |")
-    return rows
+    return memory_vs_chunk(lambda options: _child({"mode": "memory", "options": options}),
+                           "GGN peak memory, CNN 32x32x3 -> conv32 -> conv64/2 -> dense10, float32, one batch of 256")
 
 
 def main() -> None:

@@ -1,0 +1,45 @@
+"""Helpers shared by the benchmark scripts (timing, memory-vs-chunk tables)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+#: Chunk-size settings compared by the scaling benchmarks.
+MEMORY_OPTIONS = (
+    {"chunk_size": 8}, {"chunk_size": 32}, {"chunk_size": 128}, {"chunk_size": 256},
+    {"memory_budget": "64MB"}, {"memory_budget": "256MB"}, {"memory_budget": "1GB"},
+)
+
+
+def time_interleaved(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median wall time of each run after one warm-up call (compilation, tracing).
+
+    The runs alternate within each round so that slow drifts of the machine hit
+    every method alike.
+    """
+    for run in runs.values():
+        run()
+    times: dict[str, list[float]] = {m: [] for m in runs}
+    for _ in range(repeats):
+        for m, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            times[m].append(time.perf_counter() - t0)
+    return {m: statistics.median(t) for m, t in times.items()}
+
+
+def memory_vs_chunk(measure: Callable[[dict], dict], title: str) -> list[dict]:
+    """Run ``measure(options)`` for every :data:`MEMORY_OPTIONS` entry and print a table.
+
+    ``measure`` returns ``chunk_size``, ``peak_added_mb`` and ``seconds`` (measured in
+    a fresh process by the caller, so peaks do not mix).
+    """
+    rows = [{"options": options, **measure(options)} for options in MEMORY_OPTIONS]
+    print(f"\n{title}")
+    print("| option | chunk size | peak memory added (MiB) | s per pass |\n|---|---|---|---|")
+    for row in rows:
+        (key, value), = row["options"].items()
+        print(f"| {key}={value!r} | {row['chunk_size']} | {row['peak_added_mb']:.0f} | {row['seconds']:.2f} |")
+    return rows
