@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from typing import Any, Callable
@@ -43,3 +44,25 @@ def memory_vs_chunk(measure: Callable[[dict], dict], title: str) -> list[dict]:
         (key, value), = row["options"].items()
         print(f"| {key}={value!r} | {row['chunk_size']} | {row['peak_added_mb']:.0f} | {row['seconds']:.2f} |")
     return rows
+
+
+def print_throughput(rows: list[dict], unit: str, title: str) -> None:
+    """Markdown table of ``samples_per_s`` per row, relative to the first (one ``unit``)."""
+    print(f"\n{title}")
+    print(f"| {unit}s | samples/s | s per pass | vs 1 {unit} |\n|---|---|---|---|")
+    for row in rows:
+        print(f"| {row[unit + 's']} | {row['samples_per_s']:.0f} | {row['seconds']:.2f} | "
+              f"{row['samples_per_s'] / rows[0]['samples_per_s']:.2f}x |")
+
+
+def scaling_main(doc: str, throughput: Callable[[int, int], Any], memory: Callable[[], Any]) -> None:
+    """Command line of the scaling benchmarks: ``--section``, ``--samples``, ``--repeats``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--section", choices=("throughput", "memory", "all"), default="all")
+    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.section in ("throughput", "all"):
+        throughput(args.samples, args.repeats)
+    if args.section in ("memory", "all"):
+        memory()

@@ -27,14 +27,13 @@ shows the overhead of the sharded path, not the speed-up of 2 real devices.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks._common import memory_vs_chunk
+from benchmarks._common import memory_vs_chunk, print_throughput, scaling_main
 
 _CHILD = r'''
 import json, os, resource, statistics, sys, time
@@ -107,11 +106,7 @@ def throughput(samples: int = 4096, repeats: int = 3) -> list[dict]:
     for devices in (1, 2):
         r = _child({"mode": "throughput", "devices": devices, "samples": samples, "repeats": repeats}, devices)
         rows.append(r)
-    print(f"\nGGN throughput, 784-512-256-10 MLP (flax nnx), float32, {samples} samples, batch 128")
-    print("| devices | samples/s | s per pass | vs 1 device |\n|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['devices']} | {row['samples_per_s']:.0f} | {row['seconds']:.2f} | "
-              f"{row['samples_per_s'] / rows[0]['samples_per_s']:.2f}x |")
+    print_throughput(rows, "device", f"GGN throughput, 784-512-256-10 MLP (flax nnx), float32, {samples} samples, batch 128")
     return rows
 
 
@@ -122,15 +117,7 @@ def memory() -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--section", choices=("throughput", "memory", "all"), default="all")
-    parser.add_argument("--samples", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    if args.section in ("throughput", "all"):
-        throughput(args.samples, args.repeats)
-    if args.section in ("memory", "all"):
-        memory()
+    scaling_main(__doc__, throughput, memory)
 
 
 if __name__ == "__main__":

@@ -24,13 +24,12 @@ distributed path, not the speed-up of 2 real devices.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 
-from benchmarks._common import memory_vs_chunk
+from benchmarks._common import memory_vs_chunk, print_throughput, scaling_main
 
 _CHILD = r'''
 import json, os, resource, statistics, sys, time
@@ -101,11 +100,7 @@ def throughput(samples: int = 4096, repeats: int = 3) -> list[dict]:
     for replicas in (1, 2):
         r = _child({"mode": "throughput", "replicas": replicas, "samples": samples, "repeats": repeats})
         rows.append({"replicas": replicas, **r})
-    print(f"\nGGN throughput, 784-256-128-10 MLP, float32, {samples} samples, batch 128")
-    print("| replicas | samples/s | s per pass | vs 1 replica |\n|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['replicas']} | {row['samples_per_s']:.0f} | {row['seconds']:.2f} | "
-              f"{row['samples_per_s'] / rows[0]['samples_per_s']:.2f}x |")
+    print_throughput(rows, "replica", f"GGN throughput, 784-256-128-10 MLP, float32, {samples} samples, batch 128")
     return rows
 
 
@@ -116,15 +111,7 @@ def memory() -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--section", choices=("throughput", "memory", "all"), default="all")
-    parser.add_argument("--samples", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    if args.section in ("throughput", "all"):
-        throughput(args.samples, args.repeats)
-    if args.section in ("memory", "all"):
-        memory()
+    scaling_main(__doc__, throughput, memory)
 
 
 if __name__ == "__main__":

@@ -18,24 +18,23 @@ class CLIError(Exception):
     """A user error: printed as ``normflat: error: ...`` with exit status 2."""
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one number")
-    return values
+def _comma_list(convert: Any, noun: str) -> Any:
+    """An argparse type for comma-separated values such as ``0,0.5,1``."""
+
+    def parse(text: str) -> tuple:
+        try:
+            values = tuple(convert(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {noun}s, got {text!r}") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected at least one {noun}")
+        return values
+
+    return parse
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return values
+_floats = _comma_list(float, "number")
+_ints = _comma_list(int, "integer")
 
 
 def _positive_int(text: str) -> int:

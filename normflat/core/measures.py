@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -12,31 +12,45 @@ from normflat.core.problem import LayerProblem
 from normflat.core.report import LayerResult, Report
 from normflat.core.solver import ScalingSolution, solve_scaling
 
-__all__ = ["evaluate_layer", "analyze_problems", "normalized_sharpness", "curvature_and_weight_matrices"]
+__all__ = [
+    "LayerMatrices", "evaluate_layer", "analyze_problems", "normalized_sharpness", "curvature_and_weight_matrices",
+]
 
 DEFAULT_TOL = 1e-10
 DEFAULT_MAX_ITER = 10_000
 
 
-def curvature_and_weight_matrices(weight: Any, hessian_diag: Any) -> tuple[Any, Any, int, Any]:
-    """Return ``(A, B, clipped, xp)`` of SPEC §3 in float64.
+class LayerMatrices(NamedTuple):
+    """The ``out × in`` matrices of SPEC §3 and what falls out of forming them."""
+
+    A: Any
+    """``max(Σ_k H_ijk, 0)``: curvature summed over the kernel axes, clipped at 0."""
+    B: Any
+    """``Σ_k W_ijk²``: squared weights summed over the kernel axes."""
+    clipped: int
+    """Number of ``(out, in)`` entries whose curvature sum was negative."""
+    hessian_trace: float
+    """``Σ H`` before clipping."""
+    xp: Any
+    """Array namespace of ``A`` and ``B`` (float64)."""
+
+
+def curvature_and_weight_matrices(weight: Any, hessian_diag: Any) -> LayerMatrices:
+    """Form ``A`` and ``B`` of SPEC §3 in float64, in the arrays' own library.
 
     ``A_ij = max(Σ_k H_ijk, 0)`` and ``B_ij = Σ_k W_ijk²``, summed over the
-    kernel axes; ``clipped`` counts the entries where the curvature sum was
-    negative.
+    kernel axes.
     """
     xp = namespace_of(weight, hessian_diag)
-    W, xp_w = as_float64(weight, xp)
+    # Both arrays share xp, so both stay in it or both move to numpy.
+    W, _ = as_float64(weight, xp)
     H, xp = as_float64(hessian_diag, xp)
-    if xp_w is not xp:  # one of them fell back to numpy: keep both there
-        W, H = np.asarray(to_numpy(W)), np.asarray(to_numpy(H))
-        xp = namespace_of(W)
     out, inp = int(W.shape[0]), int(W.shape[1])
     H_sum = xp.sum(xp.reshape(H, (out, inp, -1)), axis=2)
     B = xp.sum(xp.reshape(W * W, (out, inp, -1)), axis=2)
     clipped = int(to_float(xp.sum(xp.astype(H_sum < 0, xp.float64))))
     A = xp.where(H_sum > 0, H_sum, xp.zeros_like(H_sum))
-    return A, B, clipped, xp
+    return LayerMatrices(A, B, clipped, to_float(xp.sum(H_sum)), xp)
 
 
 def evaluate_layer(
@@ -54,9 +68,7 @@ def evaluate_layer(
         sigmas, solver diagnostics, and standard errors when the problem carries
         independent estimates of the diagonal.
     """
-    A, B, clipped, xp = curvature_and_weight_matrices(problem.weight, problem.hessian_diag)
-    H, xp_h = as_float64(problem.hessian_diag, namespace_of(problem.hessian_diag))
-    hessian_trace = to_float(xp_h.sum(H))
+    A, B, clipped, hessian_trace, xp = curvature_and_weight_matrices(problem.weight, problem.hessian_diag)
     sum_a, sum_b = to_float(xp.sum(A)), to_float(xp.sum(B))
     matrix_ns = math.sqrt(sum_a * sum_b)
     elementwise = to_float(xp.sum(xp.sqrt(A * B)))

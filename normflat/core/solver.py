@@ -87,8 +87,8 @@ def solve_scaling(A: Any, B: Any, *, tol: float = 1e-10, max_iter: int = 10_000)
         (the value is then an upper bound that decreased monotonically).
     """
     xp = namespace_of(A, B)
-    A, xp = as_float64(A, xp)
-    B, xp = as_float64(B, namespace_of(B))
+    A, _ = as_float64(A, xp)
+    B, xp = as_float64(B, xp)  # same namespace: both stay in it or both move to numpy
     if A.ndim != 2 or tuple(A.shape) != tuple(B.shape):
         raise ValueError(f"A and B must be matrices of one shape, got {A.shape} and {B.shape}.")
     m, n = int(A.shape[0]), int(A.shape[1])
