@@ -1,0 +1,291 @@
+"""The one data contract of every framework: what a batch, a pair and a label are.
+
+A backend supplies a :class:`DataAdapter` (how to recognise and read its arrays
+and datasets); everything else — which objects are accepted, how a single pair,
+labels, one-hot rows, empty batches, ``max_batches`` and infinite datasets are
+treated, and every error message — lives here, once:
+
+* ``data`` is either one ``(x, y)`` pair of arrays, which is **one batch** (the
+  backends chunk inside a batch to bound memory; results do not depend on the
+  split), or an iterable of batches (DataLoader, ``tf.data.Dataset``, list,
+  generator). A batch is an ``(x, y)`` pair (tuple or list) or a mapping with
+  keys ``"x"`` and ``"y"``; ``x`` is an array or a tuple/list/dict of arrays
+  (multi-input models), all with the same leading sample axis.
+* ``y`` holds integer class indices ``(n,)`` (also ``(n, 1)``, and floats with
+  integral values), or one-hot rows ``(n, C)``, converted to indices. Soft
+  (probability) labels are refused: the built-in losses are those of hard labels.
+  With a custom loss callable, ``y`` is passed to it as given, and integer
+  labels are still checked against the number of logits.
+* Empty batches are skipped; data with no sample at all is an error.
+* ``max_batches`` counts the batches of ``data`` (a single pair is one batch);
+  a dataset that declares itself infinite (``tf.data`` ``.repeat()``) needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping, Protocol
+
+import numpy as np
+
+from normflat.engine.options import AnalysisOptions, limited
+
+__all__ = ["INFINITE", "DataAdapter", "Batch", "EmptyDataError", "batches", "labels_for", "input_leaves"]
+
+
+class _Infinite:
+    def __repr__(self) -> str:
+        return "INFINITE"
+
+
+#: What :meth:`DataAdapter.cardinality` returns for a dataset that never ends.
+INFINITE: Any = _Infinite()
+
+
+class DataAdapter(Protocol):
+    """What the engine needs to know about one framework's arrays and datasets."""
+
+    framework: str
+
+    def is_array(self, a: Any) -> bool:
+        """Whether ``a`` is an array this backend takes (its own tensors, numpy arrays)."""
+
+    def shape(self, a: Any) -> tuple[int, ...]:
+        """The static shape of an array (python ints)."""
+
+    def kind(self, a: Any) -> str:
+        """``"f"`` floating, ``"i"`` integer (signed or unsigned), ``"b"`` bool, ``"c"`` complex, ``"?"``."""
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        """A host copy of a (small) array, for label checks."""
+
+    def all_finite(self, a: Any) -> bool:
+        """Whether a floating array has no NaN or infinity."""
+
+    def cardinality(self, data: Any) -> Any:
+        """Number of batches of ``data``: an int, ``None`` if unknown, or :data:`INFINITE`."""
+
+    def reject(self, data: Any) -> str | None:
+        """A message if ``data`` is a framework object that is not a batch iterable (else None)."""
+
+    def iterate(self, data: Any) -> Iterable[Any]:
+        """Iterate the framework's dataset object (``tf.data`` yields tensors, not numpy)."""
+
+
+class EmptyDataError(ValueError):
+    """The data yielded no sample (in a distributed run: this rank's shard)."""
+
+
+@dataclass
+class Batch:
+    """One non-empty batch, checked.
+
+    Attributes:
+        index: Position of the batch in the data (empty batches count).
+        x: The inputs as given (array or tuple/list/dict of arrays).
+        y: The labels as given.
+        n: Number of samples.
+        offset: Position of the batch's first sample among all samples seen so far
+            (the stochastic estimators key their draws on it).
+    """
+
+    index: int
+    x: Any
+    y: Any
+    n: int
+    offset: int
+
+
+def input_leaves(x: Any) -> list[Any]:
+    """The arrays of an input structure (array, tuple/list/dict of arrays), in order."""
+    if isinstance(x, Mapping):
+        return [v for k in x for v in input_leaves(x[k])]
+    if isinstance(x, (tuple, list)):
+        return [v for item in x for v in input_leaves(item)]
+    return [x]
+
+
+def _is_inputs(x: Any, adapter: DataAdapter) -> bool:
+    if isinstance(x, (Mapping, tuple, list)):
+        leaves = input_leaves(x)
+        return bool(leaves) and all(adapter.is_array(v) for v in leaves)
+    return adapter.is_array(x)
+
+
+def _is_single_pair(data: Any, adapter: DataAdapter) -> bool:
+    return (isinstance(data, (tuple, list)) and len(data) == 2 and adapter.is_array(data[1])
+            and _is_inputs(data[0], adapter))
+
+
+def _split(batch: Any, index: int) -> tuple[Any, Any]:
+    if isinstance(batch, Mapping):
+        if "x" in batch and "y" in batch:
+            return batch["x"], batch["y"]
+        raise TypeError(
+            f"Batch {index} is a mapping with keys {sorted(map(str, batch))}; a mapping batch needs "
+            "the keys 'x' (inputs) and 'y' (labels). Otherwise yield (x, y) pairs."
+        )
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    if isinstance(batch, (tuple, list)) and len(batch) == 3:
+        raise TypeError(
+            f"Batch {index} has 3 entries (x, y, sample weights?); normflat analyzes the plain mean "
+            "loss, so batches must be (x, y) pairs. Drop the sample weights."
+        )
+    what = type(batch).__name__ + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+    raise TypeError(
+        f"Batch {index} is a {what}; every batch must be an (x, y) pair of inputs and class labels "
+        "(a dataset of single samples must be batched first, e.g. with a DataLoader)."
+    )
+
+
+def _check_batch(x: Any, y: Any, index: int, adapter: DataAdapter) -> int:
+    leaves = input_leaves(x)
+    if not leaves or not all(adapter.is_array(v) for v in leaves):
+        bad = next((type(v).__name__ for v in leaves if not adapter.is_array(v)), "nothing")
+        raise TypeError(
+            f"Batch {index}: the inputs x must be an array (or a tuple/list/dict of arrays) of the "
+            f"{adapter.framework} backend or numpy, got {bad}."
+        )
+    shapes = [adapter.shape(v) for v in leaves]
+    if any(len(s) == 0 for s in shapes):
+        raise ValueError(f"Batch {index}: every input array needs a leading batch axis; got a scalar.")
+    n = int(shapes[0][0])
+    if any(int(s[0]) != n for s in shapes):
+        raise ValueError(
+            f"Batch {index}: the input arrays have different numbers of samples "
+            f"{[int(s[0]) for s in shapes]}; every input of a batch needs the same leading size."
+        )
+    if not adapter.is_array(y):
+        raise TypeError(
+            f"Batch {index}: the labels y must be an array of the {adapter.framework} backend or numpy, "
+            f"got {type(y).__name__}."
+        )
+    y_shape = adapter.shape(y)
+    if len(y_shape) == 0:
+        raise ValueError(f"Batch {index}: the labels are a scalar; expected one label per sample, shape ({n},).")
+    if int(y_shape[0]) != n:
+        raise ValueError(
+            f"Batch {index}: {n} inputs but {int(y_shape[0])} labels; x and y of a batch must have the "
+            "same number of samples."
+        )
+    if n:
+        for v in leaves:
+            if adapter.kind(v) == "f" and not adapter.all_finite(v):
+                raise ValueError(
+                    f"Batch {index}: the inputs contain NaN or infinite values; clean or impute the data "
+                    "before analyzing."
+                )
+    return n
+
+
+def batches(data: Any, adapter: DataAdapter, options: AnalysisOptions) -> tuple[Iterator[Batch], int | None]:
+    """The checked, non-empty batches of ``data`` and their number when known.
+
+    Raises:
+        TypeError: If ``data`` or a batch has the wrong structure or types.
+        ValueError: For infinite data without ``max_batches``, mismatched sizes,
+            NaN/inf inputs, or data without any sample (raised when exhausted).
+    """
+    if data is None:
+        raise ValueError(
+            "analyze(model, data) needs training data: the Hessian diagonal is that of the mean "
+            "training loss over the data you pass."
+        )
+    if _is_single_pair(data, adapter):
+        source: Iterable[Any] = [tuple(data)]
+        total: int | None = 1
+    else:
+        message = adapter.reject(data)
+        if message:
+            raise TypeError(message)
+        if isinstance(data, (str, bytes, Mapping)) or adapter.is_array(data) or not hasattr(data, "__iter__"):
+            raise TypeError(
+                f"data must be one (x, y) pair of arrays or an iterable of (x, y) batches (a DataLoader, "
+                f"a tf.data.Dataset, a list, a generator), got {type(data).__name__}."
+            )
+        total = adapter.cardinality(data)
+        if total is INFINITE:
+            if options.max_batches is None:
+                raise ValueError(
+                    "The data is infinite (its cardinality says so, e.g. a tf.data dataset with "
+                    ".repeat()), so the analysis would never end. Remove .repeat() or pass "
+                    "max_batches=N to analyze the first N batches."
+                )
+            total = options.max_batches
+        source = adapter.iterate(data)
+    if total is not None and options.max_batches is not None:
+        total = min(total, options.max_batches)
+    return _generate(source, adapter, options), total
+
+
+def _generate(source: Iterable[Any], adapter: DataAdapter, options: AnalysisOptions) -> Iterator[Batch]:
+    offset = 0
+    for index, raw in enumerate(limited(source, options.max_batches)):
+        x, y = _split(raw, index)
+        n = _check_batch(x, y, index, adapter)
+        if n == 0:
+            continue  # an empty batch adds nothing (the same in every framework)
+        yield Batch(index, x, y, n, offset)
+        offset += n
+    if offset == 0:
+        raise EmptyDataError(
+            "The data is empty: it yielded no sample. Pass at least one (x, y) batch with samples."
+        )
+
+
+def labels_for(batch: Batch, num_classes: int, adapter: DataAdapter, options: AnalysisOptions) -> np.ndarray | None:
+    """Class indices of a batch as an ``int64`` host array, checked against ``num_classes``.
+
+    Returns ``None`` for a custom loss whose labels are not integer class indices
+    (they are passed to the loss as given).
+
+    Raises:
+        TypeError: For labels that are not class indices or one-hot rows.
+        ValueError: For labels out of range, soft labels, or shapes that do not fit.
+    """
+    index, y = batch.index, batch.y
+    kind = adapter.kind(y)
+    shape = adapter.shape(y)
+    custom = callable(options.loss)
+    if custom and not (kind == "i" and len(shape) == 1):
+        return None  # the custom loss receives y as given
+    arr = np.asarray(adapter.to_numpy(y))
+    if kind == "b" or kind == "c" or kind == "?":
+        raise TypeError(
+            f"Batch {index}: labels have dtype {arr.dtype}; normflat needs integer class indices "
+            "(or one-hot rows)."
+        )
+    if arr.ndim == 2 and arr.shape[1] == 1:
+        arr = arr[:, 0]
+    if arr.ndim == 2:
+        if arr.shape[1] != num_classes:
+            raise ValueError(
+                f"Batch {index}: labels have shape {arr.shape}, but the model has {num_classes} outputs; "
+                "pass class indices of shape (n,) or one-hot rows of shape (n, classes)."
+            )
+        if not np.all(np.isfinite(arr)) or not np.all((arr == 0) | (arr == 1)) or not np.all(arr.sum(1) == 1):
+            raise ValueError(
+                f"Batch {index}: 2-D labels must be one-hot rows (one 1 per row, zeros elsewhere); soft or "
+                "smoothed labels are not supported, because normflat's losses are those of hard labels. "
+                "Pass the class indices (y.argmax(-1))."
+            )
+        return arr.argmax(1).astype(np.int64)
+    if arr.ndim != 1:
+        raise ValueError(
+            f"Batch {index}: labels have shape {arr.shape}; expected class indices of shape (n,) or "
+            "one-hot rows (n, classes)."
+        )
+    if kind == "f":
+        if not np.all(np.isfinite(arr)) or not np.all(arr == np.round(arr)):
+            raise ValueError(
+                f"Batch {index}: floating-point labels must hold integer class indices; got non-integer "
+                "or non-finite values. Pass integer class indices."
+            )
+    ids = arr.astype(np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= num_classes):
+        raise ValueError(
+            f"Batch {index}: labels must be class indices in [0, {num_classes - 1}] for a model with "
+            f"{num_classes} outputs, got values in [{int(ids.min())}, {int(ids.max())}]."
+        )
+    return ids

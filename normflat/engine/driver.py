@@ -1,0 +1,229 @@
+"""The one analysis loop every backend runs: setup, batches, reduction, problems.
+
+A backend implements :class:`Session` for one model and one set of options:
+what is truly framework-specific (the layers it found, a forward pass, its
+autodiff kernels, its collectives). :func:`run` does the rest, the same way for
+every framework:
+
+1. the data contract (:mod:`normflat.engine.data`), with one progress bar;
+2. in a distributed run, the setup agreement and one status step per batch
+   (:mod:`normflat.engine.distributed`);
+3. the estimator state (:mod:`normflat.engine.estimators`): the session adds
+   each batch's per-layer ``(K, *shape)`` sums;
+4. the reduction over ranks, the group estimates and their mean;
+5. the model is restored by :meth:`Session.close`, also after an error or a
+   ``KeyboardInterrupt``.
+
+:func:`layer_problems` and :func:`hessian_diagonal` turn the result into
+``LayerProblem`` objects (:mod:`normflat.engine.problems`) or a dict of
+diagonals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from normflat.core.problem import LayerProblem
+from normflat.engine import data as data_contract
+from normflat.engine import distributed
+from normflat.engine import estimators
+from normflat.engine.data import Batch, DataAdapter
+from normflat.engine.distributed import Comm
+from normflat.engine.options import AnalysisOptions, progress_bar
+from normflat.engine.problems import LayerSpec, build_metadata, build_problems
+
+__all__ = ["Session", "Result", "run", "layer_problems", "hessian_diagonal"]
+
+
+class Session(Protocol):
+    """One model under analysis, as a backend sees it.
+
+    Attributes:
+        framework: ``"torch"``, ``"keras"`` or ``"jax"``.
+        framework_version: The framework's version string.
+        adapter: The backend's :class:`~normflat.engine.data.DataAdapter`.
+        layers: The analyzed weights, in model order (known after construction).
+        unsupported: Messages of the layers skipped (``on_unsupported``).
+    """
+
+    framework: str
+    framework_version: str
+    adapter: DataAdapter
+    layers: list[LayerSpec]
+    unsupported: list[str]
+
+    def signature(self) -> list[Any]:
+        """What this rank will compute (layer names, shapes, dtypes), for the setup agreement."""
+
+    def update(self, batch: Batch, state: estimators.SumState) -> None:
+        """Add one batch's per-layer ``(K, *native shape)`` sums to ``state``.
+
+        The session runs the forward, checks the output with
+        :func:`normflat.engine.losses.check_output_shape` / ``check_logit_stats``,
+        converts labels with :func:`normflat.engine.data.labels_for`, and draws
+        randomness from :mod:`normflat.engine.random` keyed on ``batch.offset``.
+        """
+
+    def zeros(self, layer: int) -> Any:
+        """``(K, *native shape)`` zeros of layer ``layer`` (a layer the loss never reached)."""
+
+    def all_finite(self, array: Any) -> bool:
+        """Whether a native array is finite."""
+
+    def canonical(self, layer: int, array: Any) -> Any:
+        """A native-shape array of layer ``layer`` in the canonical ``(out, in/groups, *k)`` layout."""
+
+    def weight(self, layer: int) -> Any:
+        """The canonical weight of layer ``layer`` (a detached copy or view)."""
+
+    def metadata(self) -> dict[str, Any]:
+        """``dtype``, ``device``, ``chunk_size``, ``memory_budget`` and ``backend`` extras."""
+
+    def close(self) -> None:
+        """Restore everything of the user's model and process that the session touched."""
+
+
+@dataclass
+class Result:
+    """Per-layer diagonals (canonical) and group estimates, plus the metadata."""
+
+    layers: list[LayerSpec]
+    weights: list[Any]
+    diags: list[Any]
+    samples: list[Any]
+    metadata: dict[str, Any]
+
+
+def _loop(session: Session, data: Any, options: AnalysisOptions, state: estimators.SumState,
+          comm: Comm | None) -> tuple[int, int]:
+    rank = comm.rank if comm is not None else 0
+    batches, total = data_contract.batches(data, session.adapter, options)
+    bar = progress_bar(batches, enabled=options.progress and rank == 0, desc=f"normflat {options.estimator}",
+                       total=total)
+    examples = count = 0
+    exhausted = False
+    while True:
+        error: BaseException | None = None
+        active = False
+        try:
+            if not exhausted:
+                batch = next(bar)
+                active = True
+                session.update(batch, state)
+                examples += batch.n
+                count += 1
+        except StopIteration:
+            exhausted = True
+        except data_contract.EmptyDataError:
+            if comm is None:
+                raise
+            exhausted = True  # an empty shard is not an error on its own: the ranks decide together
+        except Exception as err:  # noqa: BLE001 - propagated to every rank below
+            if comm is None:
+                raise
+            error = err
+        if comm is None:
+            if exhausted:
+                break
+        elif not distributed.step(comm, active, error, f"on batch {count}"):
+            break
+    return examples, count
+
+
+def run(make_session: Callable[[], Session], data: Any, options: AnalysisOptions,
+        comm: Comm | None = None) -> Result:
+    """Open a session, run the analysis loop over ``data``, always close the session.
+
+    Args:
+        make_session: Builds the backend's session (discovers the layers, checks
+            the backend options). In a distributed run its failure on one rank is
+            raised on every rank.
+        data: The user's data.
+        options: The validated options.
+        comm: The collectives of a distributed run, or ``None``.
+
+    Raises:
+        ValueError, TypeError: From the data contract, the session's checks, or a
+            non-finite diagonal; in a distributed run on every rank.
+    """
+    session: Session | None = None
+    error: BaseException | None = None
+    try:
+        session = make_session()
+    except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+        if comm is None:
+            raise
+        error = err
+    try:
+        if comm is not None:
+            signature = None if session is None else session.signature() + [repr(options)]
+            distributed.agree(comm, error, signature)
+        assert session is not None
+        state = estimators.init(len(session.layers), options)
+        examples, count = _loop(session, data, options, state, comm)
+        extra: dict[str, Any] = {}
+        if comm is not None:
+            filled = [s if s is not None else session.zeros(i) for i, s in enumerate(state.sums)]
+            state.sums = comm.sum_arrays(filled)
+            per_rank = comm.gather(examples)
+            examples, count = comm.sum_ints([examples, count])
+            extra = {"world_size": comm.size, "examples_per_rank": per_rank}
+            if examples == 0:
+                raise ValueError("The data is empty on every rank: no rank yielded a sample.")
+        results = estimators.finalize(state, options, examples, session.zeros, session.all_finite,
+                                      [layer.name for layer in session.layers])
+        diags = [session.canonical(i, d) for i, (d, _) in enumerate(results)]
+        samples = []
+        for i, (_, groups) in enumerate(results):
+            samples.append(None if groups is None else _stack([session.canonical(i, g) for g in groups]))
+        weights = [session.weight(i) for i in range(len(session.layers))]
+        meta = session.metadata()
+        backend = dict(meta.pop("backend", {}) or {})
+        if "examples_per_rank" in extra:
+            backend["examples_per_rank"] = extra["examples_per_rank"]
+        metadata = build_metadata(
+            session.framework, session.framework_version, options, examples=examples, batches=count,
+            dtype=meta.pop("dtype"), device=meta.pop("device"), unsupported=session.unsupported,
+            world_size=extra.get("world_size", 1), chunk_size=meta.pop("chunk_size", None),
+            memory_budget=meta.pop("memory_budget", None), backend={**backend, **meta},
+        )
+        return Result(list(session.layers), weights, diags, samples, metadata)
+    finally:
+        if session is not None:
+            session.close()
+
+
+def _stack(arrays: list[Any]) -> Any:
+    """Stack same-shape native arrays along a new axis 0 (any array library)."""
+    first = arrays[0]
+    mod = type(first).__module__.split(".")[0]
+    if mod == "torch":
+        import torch
+
+        return torch.stack(arrays)
+    if mod in ("jax", "jaxlib"):
+        import jax.numpy as jnp
+
+        return jnp.stack(arrays)
+    if mod == "tensorflow":
+        import tensorflow as tf
+
+        return tf.stack(arrays)
+    import numpy as np
+
+    return np.stack([np.asarray(a) for a in arrays])
+
+
+def layer_problems(make_session: Callable[[], Session], data: Any, options: AnalysisOptions,
+                   comm: Comm | None = None) -> tuple[list[LayerProblem], dict]:
+    """The backend contract of ``normflat.backends``: problems and report metadata."""
+    result = run(make_session, data, options, comm)
+    return build_problems(result.layers, result.weights, result.diags, result.samples), result.metadata
+
+
+def hessian_diagonal(make_session: Callable[[], Session], data: Any, options: AnalysisOptions,
+                     comm: Comm | None = None) -> dict[str, Any]:
+    """``{layer name: canonical diagonal}`` in model order."""
+    result = run(make_session, data, options, comm)
+    return {layer.name: d for layer, d in zip(result.layers, result.diags)}

@@ -1,0 +1,306 @@
+"""The losses and their curvature factors, written once against an array namespace.
+
+Every function takes the array namespace ``xp`` first: ``array_api_compat``'s
+namespace of torch arrays, ``jax.numpy``, numpy, or :data:`keras.ops` (the Keras
+backend passes a tiny adapter); the functions use only ``mean``, ``sum``,
+``max``, ``abs``, ``sqrt``, ``exp``, ``log``, ``where``, ``arange``, ``astype``
+and ``stack`` (see :func:`namespace_check`), and work under ``jit``/``vmap``/
+``tf.function``. The mathematics is method §6–§7:
+
+* normalized logits ``u = τ ẑ``, ``ẑ = (z − z̄) / √(mean((z − z̄)²) + ε)``,
+  computed after dividing by the largest centred logit, so that logits near the
+  float32 range (1e20 and beyond) neither overflow nor lose the value;
+* the softmax cross-entropy Hessian in ``u`` is ``H = diag(p) − p pᵀ = S Sᵀ``
+  with columns ``s_c = √p_c (e_c − p)``; a Householder reflection removes the
+  column along the null vector ``√p`` (:func:`ggn_factor`: ``C − 1`` signals);
+* ``ggn-mc`` replaces ``S`` by ``e_ỹ − p`` with ``ỹ ~ p`` drawn from the
+  framework-free uniforms of :mod:`normflat.engine.random`;
+* for ``nsce`` the signals are pulled back through the normalization, whose
+  Jacobian ``(τ/σ)(P − ẑ ẑᵀ / C)`` is symmetric (:func:`pull_back`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from normflat.engine.options import NSCE_EPS, AnalysisOptions
+
+__all__ = [
+    "normalize_logits",
+    "log_softmax",
+    "loss_sum",
+    "one_hot",
+    "ggn_factor",
+    "mc_signals",
+    "pull_back",
+    "output_signals",
+    "logit_stats",
+    "check_logit_stats",
+    "CONSTANT_LOGITS_RMS",
+    "check_output_shape",
+    "namespace_check",
+]
+
+#: ``nsce`` refuses rows whose centred logits have an RMS below this: there the ε of
+#: the normalization changes the normalized logits by more than 5e-5 relatively and the
+#: curvature is of order 1/ε (a zero-initialized head gives a Hessian trace of ~1e13).
+CONSTANT_LOGITS_RMS = math.sqrt(1e4 * NSCE_EPS)
+
+
+def _permute(xp: Any, x: Any, axes: tuple[int, ...]) -> Any:
+    fn = getattr(xp, "permute_dims", None) or xp.transpose
+    return fn(x, axes)
+
+
+def _arange_like(xp: Any, n: int, like: Any) -> Any:
+    try:
+        return xp.arange(n, device=getattr(like, "device", None))
+    except TypeError:  # namespaces without a device argument (keras.ops, numpy < 2)
+        return xp.arange(n)
+
+
+def normalize_logits(xp: Any, z: Any, temperature: float = 1.0) -> tuple[Any, Any, Any]:
+    """Normalized logits ``u = τ ẑ`` of ``(..., C)`` logits, stable at any magnitude.
+
+    Returns:
+        ``(u, zhat, sigma)``: ``u = τ ẑ``, ``ẑ`` and ``σ = √(mean((z − z̄)²) + ε)``
+        with a trailing axis of size 1; ``σ`` is computed as ``m · √(mean((zc/m)²) +
+        ε/m²)`` with ``m`` the largest ``|zc|``, which cannot overflow.
+    """
+    zc = z - xp.mean(z, axis=-1, keepdims=True)
+    m = xp.max(xp.abs(zc), axis=-1, keepdims=True)
+    m = xp.where(m > 0, m, xp.ones_like(m))
+    zs = zc / m
+    s = xp.sqrt(xp.mean(zs * zs, axis=-1, keepdims=True) + NSCE_EPS / (m * m))
+    zhat = zs / s
+    return temperature * zhat, zhat, m * s
+
+
+def log_softmax(xp: Any, u: Any) -> Any:
+    """``log softmax(u)`` over the last axis, stable for large logits."""
+    shifted = u - xp.max(u, axis=-1, keepdims=True)
+    return shifted - xp.log(xp.sum(xp.exp(shifted), axis=-1, keepdims=True))
+
+
+def one_hot(xp: Any, labels: Any, num_classes: int, dtype: Any) -> Any:
+    """``(n, C)`` one-hot rows of integer ``labels``."""
+    classes = _arange_like(xp, num_classes, labels)
+    return xp.astype(labels[..., None] == classes, dtype)
+
+
+def loss_sum(xp: Any, logits: Any, labels: Any, options: AnalysisOptions) -> Any:
+    """Sum over samples of the built-in loss (``"ce"`` or ``"nsce"``) of ``(n, C)`` logits.
+
+    Args:
+        xp: Array namespace of ``logits``.
+        logits: ``(n, C)`` logits.
+        labels: ``(n,)`` integer class indices (same namespace).
+        options: The analysis options (loss name and temperature).
+    """
+    u = normalize_logits(xp, logits, options.temperature)[0] if options.loss == "nsce" else logits
+    target = one_hot(xp, labels, int(logits.shape[-1]), logits.dtype)
+    return -xp.sum(target * log_softmax(xp, u))
+
+
+def _softmax(xp: Any, u: Any) -> Any:
+    e = xp.exp(u - xp.max(u, axis=-1, keepdims=True))
+    return e / xp.sum(e, axis=-1, keepdims=True)
+
+
+def ggn_factor(xp: Any, p: Any) -> Any:
+    """``C − 1`` signals ``(C−1, n, C)`` whose outer products sum to ``diag(p) − p pᵀ``.
+
+    ``S = diag(√p) − p √pᵀ`` has ``S Sᵀ = diag(p) − p pᵀ`` and ``S √p = 0``. With the
+    Householder reflection ``R`` mapping ``e_C`` to ``−√p`` (``v = √p + e_C``,
+    ``|v|² = 2(1 + √p_C) >= 2``: no cancellation), ``(S R)(S R)ᵀ = S Sᵀ`` and the
+    last column of ``S R`` vanishes. ``S R = S − (2/|v|²)(S v) vᵀ`` with
+    ``S v = √p ⊙ v − p (√pᵀ v)``.
+    """
+    c = int(p.shape[-1])
+    u = xp.sqrt(p)
+    eye = xp.astype(_arange_like(xp, c, p)[:, None] == _arange_like(xp, c, p)[None, :], p.dtype)
+    S = eye[None] * u[:, None, :] - p[:, :, None] * u[:, None, :]  # (n, C, C)
+    if c == 1:
+        return _permute(xp, S, (2, 0, 1))
+    last = xp.astype(_arange_like(xp, c, p) == c - 1, p.dtype)
+    v = u + last[None, :]
+    sv = u * v - p * xp.sum(u * v, axis=-1, keepdims=True)
+    scale = 2 / xp.sum(v * v, axis=-1)
+    SR = S - scale[:, None, None] * sv[:, :, None] * v[:, None, :]
+    return _permute(xp, SR[:, :, : c - 1], (2, 0, 1))
+
+
+def _cumsum(xp: Any, x: Any) -> Any:
+    fn = getattr(xp, "cumulative_sum", None) or xp.cumsum
+    return fn(x, axis=-1)
+
+
+def mc_signals(xp: Any, p: Any, uniforms: Any, groups: int) -> Any:
+    """Monte-Carlo signals ``(K, M, n, C)``: ``(e_ỹ − p)/√m_k`` with ``ỹ ~ p``.
+
+    Args:
+        xp: Array namespace.
+        p: ``(n, C)`` softmax probabilities.
+        uniforms: ``(n, S)`` uniforms of :func:`normflat.engine.random.sample_uniforms`
+            in ``p``'s namespace and dtype; draw ``d`` picks the first class whose
+            cumulative probability exceeds it.
+        groups: ``K``; draw ``d`` belongs to group ``d mod K``, whose ``m_k`` members
+            are scaled by ``1/√m_k`` so that each group's squares average its draws.
+    """
+    n, c = int(p.shape[0]), int(p.shape[1])
+    draws = int(uniforms.shape[1])
+    cum = _cumsum(xp, p)  # (n, C)
+    # The class of a draw: how many cumulative probabilities lie below the uniform
+    # (clipped: rounding can leave the last cumulative sum just below 1).
+    below = xp.astype(cum[:, None, : c - 1] <= uniforms[:, :, None], p.dtype)  # (n, S, C-1)
+    index = xp.sum(below, axis=-1)  # (n, S) float class index
+    classes = xp.astype(_arange_like(xp, c, p), p.dtype)
+    e = xp.astype(index[:, :, None] == classes[None, None, :], p.dtype) - p[:, None, :]  # (n, S, C)
+    members = -(-draws // groups)
+    out = []
+    for k in range(groups):
+        idx = list(range(k, draws, groups))
+        scale = 1.0 / math.sqrt(len(idx))
+        rows = [e[:, d, :] * scale for d in idx]
+        rows += [xp.zeros_like(p)] * (members - len(idx))
+        out.append(xp.stack(rows))
+    return xp.stack(out)  # (K, M, n, C)
+
+
+def pull_back(xp: Any, signals: Any, zhat: Any, sigma: Any, temperature: float) -> Any:
+    """Signals in the normalized logits pulled back to the raw logits (``nsce``).
+
+    The normalization's Jacobian ``(τ/σ)(P − ẑ ẑᵀ/C)`` (``P`` the centring
+    projection) is symmetric, so ``Jᵀ s = (τ/σ)(s − s̄ − ẑ (ẑ·s)/C)``.
+    """
+    c = int(signals.shape[-1])
+    centred = signals - xp.mean(signals, axis=-1, keepdims=True)
+    proj = xp.sum(signals * zhat, axis=-1, keepdims=True) / c
+    return (temperature / sigma) * (centred - zhat * proj)
+
+
+def output_signals(xp: Any, logits: Any, options: AnalysisOptions, uniforms: Any = None) -> Any:
+    """GGN signals ``(K, M, n, C)`` at the raw logits of one chunk.
+
+    ``Σ_{m} s_{k,m,i} s_{k,m,i}ᵀ`` is, for each sample ``i`` and group ``k``, the
+    loss Hessian in the logits (``ggn``: exactly, ``K = 1``, ``M = C − 1``) or an
+    unbiased estimate of it (``ggn-mc``: ``uniforms`` of shape ``(n, samples)``).
+    """
+    if options.loss == "nsce":
+        u, zhat, sigma = normalize_logits(xp, logits, options.temperature)
+    else:
+        u = logits
+    p = _softmax(xp, u)
+    if options.estimator == "ggn":
+        sig = ggn_factor(xp, p)[None]
+    else:
+        if uniforms is None:
+            raise ValueError("ggn-mc needs the uniforms of normflat.engine.random.sample_uniforms.")
+        sig = mc_signals(xp, p, uniforms, options.groups)
+    if options.loss == "nsce":
+        sig = pull_back(xp, sig, zhat, sigma, options.temperature)
+    return sig
+
+
+def logit_stats(xp: Any, logits: Any) -> Any:
+    """Five numbers summarizing ``(n, C)`` logits for :func:`check_logit_stats`.
+
+    Computable inside compiled code (one small array, checked on the host later):
+    ``[all finite, min entry, max |row sum − 1|, min row RMS of the centred logits,
+    max |entry|]``.
+    """
+    finite = xp.astype(xp.all(xp.isfinite(logits)), logits.dtype)
+    safe = xp.where(xp.isfinite(logits), logits, xp.zeros_like(logits))
+    zc = safe - xp.mean(safe, axis=-1, keepdims=True)
+    m = xp.max(xp.abs(zc), axis=-1, keepdims=True)
+    m1 = xp.where(m > 0, m, xp.ones_like(m))
+    rms = m1 * xp.sqrt(xp.mean((zc / m1) ** 2, axis=-1, keepdims=True))
+    rms = xp.where(m > 0, rms, xp.zeros_like(rms))
+    return xp.stack([
+        finite,
+        xp.min(safe),
+        xp.max(xp.abs(xp.sum(safe, axis=-1) - 1)),
+        xp.min(rms),
+        xp.max(xp.abs(safe)),
+    ])
+
+
+def check_logit_stats(stats: Any, options: AnalysisOptions, index: int, num_classes: int,
+                      dtype_eps: float) -> None:
+    """Raise the one error every framework gives for unusable logits.
+
+    Args:
+        stats: :func:`logit_stats` of a batch (any array type; read on the host).
+        options: The analysis options.
+        index: Batch index for the message.
+        num_classes: ``C``.
+        dtype_eps: Machine epsilon of the logits' dtype (``numpy.finfo(dtype).eps``).
+
+    Raises:
+        ValueError: For NaN/inf logits; for probabilities given as logits (built-in
+            losses); for constant logits with ``nsce``.
+    """
+    finite, lo, row_dev, min_rms, max_abs = (float(v) for v in np.asarray(stats, dtype=np.float64))
+    if not finite:
+        raise ValueError(
+            f"Batch {index}: the model's logits contain NaN or infinite values; check the weights "
+            "(a diverged training run?) and the inputs."
+        )
+    if callable(options.loss):
+        return
+    if lo >= 0 and row_dev <= max(1e-6, 8 * num_classes * dtype_eps):
+        raise ValueError(
+            f"Batch {index}: the model's outputs are non-negative rows that sum to 1, i.e. "
+            f"probabilities, but loss={options.loss!r} takes logits (it applies the softmax itself). "
+            "Remove the final softmax from the model (return the pre-softmax scores), or pass a "
+            "custom loss callable with estimator='exact' or 'hutchinson'."
+        )
+    if options.loss == "nsce" and min_rms <= max(CONSTANT_LOGITS_RMS, 64 * dtype_eps * max_abs):
+        raise ValueError(
+            f"Batch {index}: the model's logits are (nearly) equal across classes for some sample "
+            f"(RMS of the centred logits {min_rms:.3g}), e.g. a zero-initialized output layer. The "
+            "normalized softmax cross-entropy divides by that RMS, so its curvature there is of order "
+            "1/ε and the measures would be meaningless. Analyze a trained model, or pass loss='ce'."
+        )
+
+
+def namespace_check(xp: Any) -> list[str]:
+    """Names of the functions this module needs that ``xp`` lacks (empty when usable)."""
+    need = ("mean", "sum", "max", "min", "abs", "sqrt", "exp", "log", "where", "arange", "astype",
+            "stack", "zeros_like", "ones_like", "isfinite", "all")
+    missing = [n for n in need if not hasattr(xp, n)]
+    if not (hasattr(xp, "permute_dims") or hasattr(xp, "transpose")):
+        missing.append("permute_dims")
+    if not (hasattr(xp, "cumulative_sum") or hasattr(xp, "cumsum")):
+        missing.append("cumulative_sum")
+    return missing
+
+
+def check_output_shape(shape: tuple[int, ...], options: AnalysisOptions, index: int, n: int) -> int:
+    """Check the model's output shape ``(n, C)``; return ``C``.
+
+    Raises:
+        ValueError: For outputs that are not ``(batch, classes)`` logits, and for a
+            single output unit with a built-in loss.
+    """
+    shape = tuple(int(d) for d in shape)
+    if len(shape) != 2:
+        raise ValueError(
+            f"Batch {index}: the model's output has shape {shape}; normflat needs logits of shape "
+            "(batch, classes). Flatten or pool extra axes in the model, or wrap it."
+        )
+    if shape[0] != n:
+        raise ValueError(f"Batch {index}: the model returned {shape[0]} rows of logits for {n} samples.")
+    c = shape[1]
+    if c < 2 and not callable(options.loss):
+        raise ValueError(
+            f"The model has a single output unit (logits of shape {shape}); the built-in losses are the "
+            "softmax cross-entropy over at least 2 classes, for which one logit carries no curvature "
+            "(the measures would be 0). For a binary classifier return two logits, e.g. [0, z] "
+            "(torch.cat([torch.zeros_like(z), z], 1)), which is the same model as a sigmoid; or pass "
+            "a custom loss callable with estimator='exact' or 'hutchinson'."
+        )
+    return c

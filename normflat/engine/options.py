@@ -1,0 +1,192 @@
+"""Options shared by every backend: names, validation and defaults (method §6, §7, §9).
+
+Every framework receives the same validated :class:`AnalysisOptions`, so an option
+means the same thing and a bad value gets the same error whatever the model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, TypeVar
+
+__all__ = [
+    "ESTIMATORS",
+    "LOSSES",
+    "ON_UNSUPPORTED",
+    "NSCE_EPS",
+    "DEFAULT_SAMPLES",
+    "MAX_GROUPS",
+    "AnalysisOptions",
+    "validate_options",
+    "progress_bar",
+    "limited",
+]
+
+#: Hessian-diagonal estimators (method §6).
+ESTIMATORS = ("ggn", "ggn-mc", "hutchinson", "exact")
+#: Built-in losses (method §7): normalized softmax cross-entropy and plain cross-entropy.
+LOSSES = ("nsce", "ce")
+#: What to do with a layer that has parameters but no registered extractor.
+ON_UNSUPPORTED = ("error", "warn", "skip")
+#: ε of the normalized softmax cross-entropy (method §7).
+NSCE_EPS = 1e-12
+#: Default number of probes / Monte-Carlo draws of the stochastic estimators.
+DEFAULT_SAMPLES = {"ggn-mc": 1, "hutchinson": 100}
+#: At most this many independent group estimates are kept for standard errors.
+MAX_GROUPS = 10
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class AnalysisOptions:
+    """Validated options of ``analyze``/``hessian_diagonal``, passed to backends.
+
+    Attributes:
+        loss: ``"nsce"``, ``"ce"`` or a callable ``(logits, y) -> mean loss``.
+        estimator: One of :data:`ESTIMATORS`.
+        samples: Probes (hutchinson) or label draws per input (ggn-mc); ``None``
+            for the deterministic estimators.
+        seed: Seed of the stochastic estimators.
+        max_batches: Use at most this many batches of the data (``None``: all).
+        progress: Show a tqdm progress bar over batches.
+        on_unsupported: ``"error"``, ``"warn"`` or ``"skip"``.
+        temperature: ``τ`` of the normalized softmax cross-entropy.
+    """
+
+    loss: Any = "nsce"
+    estimator: str = "ggn"
+    samples: int | None = None
+    seed: int = 0
+    max_batches: int | None = None
+    progress: bool = True
+    on_unsupported: str = "warn"
+    temperature: float = 1.0
+
+    @property
+    def loss_name(self) -> str:
+        """Name recorded in reports: the built-in name or the callable's name."""
+        if isinstance(self.loss, str):
+            return self.loss
+        return getattr(self.loss, "__name__", type(self.loss).__name__)
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether the estimator draws random probes or labels."""
+        return self.estimator in ("ggn-mc", "hutchinson")
+
+    @property
+    def groups(self) -> int:
+        """Number ``K`` of independent group estimates (1 for the deterministic estimators).
+
+        Probe or draw ``j`` belongs to group ``j mod K``; with ``K >= 2`` the report
+        carries standard errors from the spread of the group means.
+        """
+        if not self.stochastic or self.samples is None or self.samples < 2:
+            return 1
+        return min(self.samples, MAX_GROUPS)
+
+
+def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}.")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}.")
+
+
+def validate_options(
+    *,
+    loss: Any = "nsce",
+    estimator: str = "ggn",
+    samples: int | None = None,
+    seed: int = 0,
+    max_batches: int | None = None,
+    progress: bool = True,
+    on_unsupported: str = "warn",
+    temperature: float = 1.0,
+) -> AnalysisOptions:
+    """Check the common options and fill defaults.
+
+    Raises:
+        ValueError: For unknown names or out-of-range numbers, naming the choices.
+        TypeError: For options of the wrong type.
+    """
+    if isinstance(loss, str):
+        if loss not in LOSSES:
+            raise ValueError(
+                f"Unknown loss {loss!r}; choose one of {', '.join(map(repr, LOSSES))} or pass a "
+                "callable (logits, y) -> mean loss."
+            )
+    elif not callable(loss):
+        raise TypeError(f"loss must be a name {LOSSES} or a callable, got {type(loss).__name__}.")
+    if not isinstance(estimator, str) or estimator not in ESTIMATORS:
+        raise ValueError(
+            f"Unknown estimator {estimator!r}; choose one of {', '.join(map(repr, ESTIMATORS))}."
+        )
+    if callable(loss) and estimator in ("ggn", "ggn-mc"):
+        raise ValueError(
+            f"estimator={estimator!r} needs the Hessian of the loss with respect to the logits, "
+            "which normflat knows only for the built-in losses 'nsce' and 'ce'. With a custom "
+            "loss callable use estimator='exact' or estimator='hutchinson'."
+        )
+    if on_unsupported not in ON_UNSUPPORTED:
+        raise ValueError(
+            f"Unknown on_unsupported={on_unsupported!r}; choose one of "
+            f"{', '.join(map(repr, ON_UNSUPPORTED))}."
+        )
+    _positive_int("samples", samples, allow_none=True)
+    if samples is not None and estimator not in DEFAULT_SAMPLES:
+        raise ValueError(
+            f"samples={samples} has no meaning for the deterministic estimator {estimator!r}; "
+            "samples sets the probes of 'hutchinson' or the label draws of 'ggn-mc'. Drop samples, "
+            "or choose one of those estimators."
+        )
+    if estimator in DEFAULT_SAMPLES and samples is None:
+        samples = DEFAULT_SAMPLES[estimator]
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r}.")
+    if seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed}.")
+    _positive_int("max_batches", max_batches, allow_none=True)
+    if not isinstance(progress, (bool, int)):
+        raise TypeError(f"progress must be True or False, got {progress!r}.")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}.")
+    return AnalysisOptions(
+        loss=loss,
+        estimator=estimator,
+        samples=samples,
+        seed=seed,
+        max_batches=max_batches,
+        progress=bool(progress),
+        on_unsupported=on_unsupported,
+        temperature=float(temperature),
+    )
+
+
+def progress_bar(
+    iterable: Iterable[T], *, enabled: bool, desc: str, total: int | None = None
+) -> Iterator[T]:
+    """Wrap ``iterable`` in a tqdm bar when ``enabled`` (tqdm is a core dependency)."""
+    if not enabled:
+        return iter(iterable)
+    from tqdm.auto import tqdm
+
+    return iter(tqdm(iterable, desc=desc, total=total, unit="batch", leave=False))
+
+
+def limited(iterable: Iterable[T], max_batches: int | None) -> Iterator[T]:
+    """Yield at most ``max_batches`` items (without drawing one more from ``iterable``)."""
+    if max_batches is None:
+        yield from iterable
+        return
+    if max_batches <= 0:
+        return
+    for i, item in enumerate(iterable):
+        yield item
+        if i + 1 >= max_batches:
+            return

@@ -1,0 +1,134 @@
+"""One registry model for every framework: ``{layer type: extractor}`` with MRO lookup.
+
+Each backend keeps one :class:`LayerRegistry` of its own extractor type (a
+torch ``LayerExtractor``, a Keras weight function, a JAX ``LayerRule``);
+adding a layer type is one :meth:`LayerRegistry.register` call. A type can also
+be registered as :data:`IGNORE` (its parameters never enter the measures, e.g.
+normalization scales) or as :class:`Unsupported` (a known type normflat refuses,
+with the reason). :class:`Skipped` collects what a model walk could not analyze
+and reports it once, according to ``on_unsupported``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+__all__ = ["IGNORE", "Unsupported", "LayerRegistry", "Skipped", "warn_user"]
+
+E = TypeVar("E")
+
+
+class _Ignore:
+    def __repr__(self) -> str:
+        return "IGNORE"
+
+
+#: Registered for types whose parameters are not weight matrices (method §9).
+IGNORE: Any = _Ignore()
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A registry entry refusing a layer type, with the reason shown to the user."""
+
+    reason: str
+
+
+class LayerRegistry(Generic[E]):
+    """``{type: extractor}``; a lookup walks the object's MRO (subclasses match).
+
+    Args:
+        framework: Name used in messages.
+        base: The framework's layer base class (``torch.nn.Module``), checked on
+            registration; ``None`` accepts any class.
+        hint: How a user registers a type (shown in messages).
+    """
+
+    def __init__(self, framework: str, base: type | tuple[type, ...] | None, hint: str) -> None:
+        self.framework = framework
+        self.base = base
+        self.hint = hint
+        self._entries: dict[type, Any] = {}
+
+    def register(self, cls: type, entry: E | Unsupported | Any) -> None:
+        """Register (or replace) the extractor of ``cls``."""
+        if not isinstance(cls, type) or (self.base is not None and not issubclass(cls, self.base)):
+            base = self.base.__name__ if isinstance(self.base, type) else self.base
+            raise TypeError(f"register_layer needs a {self.framework} layer class ({base} subclass), got {cls!r}.")
+        self._entries[cls] = entry
+
+    def unregister(self, cls: type) -> None:
+        """Forget ``cls`` (a no-op if it was not registered)."""
+        self._entries.pop(cls, None)
+
+    def lookup(self, obj: Any) -> Any:
+        """The entry of the closest registered class in ``type(obj).__mro__`` (or None)."""
+        for cls in type(obj).__mro__:
+            entry = self._entries.get(cls)
+            if entry is not None:
+                return entry
+        return None
+
+    def entries(self) -> dict[type, Any]:
+        """A copy of the registry."""
+        return dict(self._entries)
+
+
+@dataclass(frozen=True)
+class _Skip:
+    label: str
+    type_name: str
+    reason: str
+
+
+class Skipped:
+    """What a model walk could not analyze, reported once as ``on_unsupported`` says."""
+
+    def __init__(self, registry: LayerRegistry[Any]) -> None:
+        self.registry = registry
+        self.items: list[_Skip] = []
+
+    def add(self, label: str, obj: Any, reason: str | None = None) -> None:
+        """Record ``obj`` (named ``label``); without ``reason`` it lacks an extractor."""
+        name = type(obj).__name__
+        if reason is None:
+            reason = f"{name} has parameters but no registered extractor; register one with {self.registry.hint}"
+        self.items.append(_Skip(label, name, reason))
+
+    def messages(self) -> list[str]:
+        """``"label (Type: reason)"`` per skipped layer (the report's ``unsupported``)."""
+        return [f"{s.label} ({s.type_name}: {s.reason})" if not s.reason.startswith(s.type_name)
+                else f"{s.label} ({s.reason})" for s in self.items]
+
+    def report(self, on_unsupported: str) -> list[str]:
+        """Raise (``"error"``), warn once (``"warn"``) or stay silent (``"skip"``); return the messages."""
+        msgs = self.messages()
+        if msgs:
+            text = "normflat skips layers it cannot analyze: " + "; ".join(msgs)
+            if on_unsupported == "error":
+                raise ValueError(text + ". Pass on_unsupported='warn' or 'skip' to analyze the other layers.")
+            if on_unsupported == "warn":
+                warn_user(text + ".")
+        return msgs
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _user_stacklevel() -> int:
+    """Stack level of the first frame outside normflat (so warnings point at the user's call)."""
+    frame = sys._getframe(2)
+    level = 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the user's code; never touches the warning filters."""
+    warnings.warn(message, category, stacklevel=_user_stacklevel())
