@@ -262,7 +262,18 @@ def rescale_units(spec: NetSpec, layer: int, factors: np.ndarray) -> NetSpec:
     if wl[layer].bias is not None:
         wl[layer].bias = wl[layer].bias * factors
     nxt = wl[layer + 1]
-    nxt.weight = nxt.weight / factors.reshape((1, -1) + (1,) * (nxt.weight.ndim - 2))
+    groups = getattr(nxt, "groups", 1)
+    if groups == 1:
+        nxt.weight = nxt.weight / factors.reshape((1, -1) + (1,) * (nxt.weight.ndim - 2))
+    else:
+        # Input channel k of a grouped convolution is column k mod (in/groups) of the rows
+        # of group k div (in/groups) only.
+        weight = nxt.weight.copy()
+        in_g, out_g = weight.shape[1], weight.shape[0] // groups
+        for k, f in enumerate(factors):
+            g = k // in_g
+            weight[g * out_g:(g + 1) * out_g, k % in_g] /= f
+        nxt.weight = weight
     return out
 
 

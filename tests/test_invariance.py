@@ -101,3 +101,28 @@ def test_logit_scale_and_shift_with_nsce(builder, estimator):
     # measure also survives (SPEC §4 table).
     _check(builder, spec, transformed, loss="nsce", estimator=estimator, trace_changes=True,
            mns_invariant=True)
+
+
+@pytest.mark.parametrize("estimator", ["exact", "ggn"])
+@pytest.mark.parametrize("channels,groups", [((2, 4, 6), 2), ((2, 4, 4), 4)], ids=["grouped", "depthwise"])
+def test_grouped_conv_input_channel_rescaling(builder, estimator, channels, groups):
+    # Input channels of a grouped (depthwise) convolution rescaled against the output
+    # channels of the convolution before it: each input channel has its own column
+    # variance within its group, so normalized sharpness must not move (method §8).
+    spec = netspec.cnn(channels=channels, groups=groups, seed=8, image=4, maxpool=False)
+    factors = np.exp(np.random.default_rng(2).uniform(-2, 2, size=channels[1]))
+    before, after = _check(builder, spec, netspec.rescale_units(spec, 0, factors), loss="ce",
+                           estimator=estimator, mns_invariant=False)
+    assert before.layers[1].details["groups"] == groups
+    assert before.layers[1].col_sigma.shape == (channels[1],)
+    # The grouped layer itself is rescaled column-wise: its own NS is invariant, its trace is not.
+    assert abs(after.layers[1].hessian_trace - before.layers[1].hessian_trace) > 1e-3 * before.layers[1].hessian_trace
+
+
+@pytest.mark.parametrize("estimator", ["exact", "ggn"])
+@pytest.mark.parametrize("channels,groups", [((2, 4, 6), 2), ((2, 4, 4), 4)], ids=["grouped", "depthwise"])
+def test_grouped_conv_output_channel_rescaling(builder, estimator, channels, groups):
+    spec = netspec.cnn(channels=channels, groups=groups, seed=9, image=4, maxpool=False)
+    factors = np.exp(np.random.default_rng(3).uniform(-2, 2, size=channels[2]))
+    _check(builder, spec, netspec.rescale_units(spec, 1, factors), loss="ce", estimator=estimator,
+           mns_invariant=False)
