@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import normflat  # noqa: E402
-from normflat.keras import SharpnessCallback  # noqa: E402
+from normflat.integrations.keras import SharpnessCallback  # noqa: E402
 
 
 def main() -> None:

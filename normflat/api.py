@@ -6,7 +6,7 @@ from typing import Any
 
 from normflat.backends import backend_for
 from normflat.core.measures import DEFAULT_MAX_ITER, DEFAULT_TOL, analyze_problems
-from normflat.core.options import validate_options
+from normflat.engine.options import validate_options, validate_solver_options
 from normflat.core.problem import LayerProblem
 from normflat.core.report import Report
 
@@ -37,10 +37,11 @@ def analyze(
             list of :class:`LayerProblem` (framework-free path, ``data`` unused).
         data: Training data: a DataLoader / ``tf.data.Dataset`` / iterable of
             ``(x, y)`` batches, or one ``(x, y)`` pair.
-        loss: ``"nsce"`` (normalized softmax cross-entropy, SPEC §7), ``"ce"``, or a
+        loss: ``"nsce"`` (normalized softmax cross-entropy, method §7), ``"ce"``, or a
             callable ``(logits, y) -> mean loss``.
         estimator: Hessian-diagonal estimator: ``"ggn"``, ``"ggn-mc"``,
-            ``"hutchinson"`` or ``"exact"`` (SPEC §6).
+            ``"hutchinson"`` or ``"exact"`` (method §6; their meaning in every framework:
+            docs/semantics.md).
         samples: Probes (hutchinson, default 100) or label draws per input
             (ggn-mc, default 1).
         seed: Seed of the stochastic estimators.
@@ -69,6 +70,7 @@ def analyze(
                 "problems already hold the Hessian diagonals."
             )
         return analyze_problems(model, metadata={"framework": None}, tol=tol, max_iter=max_iter)
+    validate_solver_options(tol, max_iter)
     options = validate_options(
         loss=loss, estimator=estimator, samples=samples, seed=seed, max_batches=max_batches,
         progress=progress, on_unsupported=on_unsupported, temperature=temperature,
@@ -79,6 +81,8 @@ def analyze(
             "analyze(model, data) needs training data: the Hessian diagonal is that of the "
             "mean training loss over the data you pass."
         )
+    # The engine's metadata (normflat.engine.problems.METADATA_KEYS) already holds these
+    # keys for the built-in backends; a third-party backend may return fewer.
     problems, metadata = backend.layer_problems(model, data, options, **backend_options)
     meta = {
         "framework": name,

@@ -11,6 +11,8 @@ def test_import_normflat_imports_no_framework():
         import sys
         import numpy as np
         import normflat
+        import normflat.engine, normflat.engine.driver, normflat.engine.losses, normflat.engine.random
+        import normflat.integrations
         w = np.ones((3, 2)); h = np.ones((3, 2))
         normflat.analyze([normflat.LayerProblem("a", w, h)]).to_json()
         normflat.normalized_sharpness(w, h)

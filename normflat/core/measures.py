@@ -1,4 +1,4 @@
-"""Per-layer measures of SPEC §4, computed from a :class:`LayerProblem`."""
+"""Per-layer measures of method §4, computed from a :class:`LayerProblem`."""
 
 from __future__ import annotations
 
@@ -9,19 +9,32 @@ import numpy as np
 
 from normflat.core._arrays import as_float64, namespace_of, to_float, to_numpy
 from normflat.core.problem import LayerProblem
-from normflat.core.report import LayerResult, Report
-from normflat.core.solver import ScalingSolution, solve_scaling
+from normflat.core.report import LayerResult, Report, standard_error_of
+from normflat.core.solver import (
+    DEFAULT_MAX_ITER,
+    DEFAULT_TOL,
+    Entries,
+    ScalingSolution,
+    check_solver_options,
+    compose,
+    safe_log,
+    solve_entries,
+)
 
 __all__ = [
     "LayerMatrices", "evaluate_layer", "analyze_problems", "normalized_sharpness", "curvature_and_weight_matrices",
 ]
 
-DEFAULT_TOL = 1e-10
-DEFAULT_MAX_ITER = 10_000
+#: Below this, float64 values lose precision (subnormals start at 2.2e-308).
+_TINY = 1e-300
+#: Largest spread of one layer's weights whose squares fit one float64 scale.
+_WIDE = 1e150
+_LN2 = math.log(2.0)
+_LOG_HALF = math.log(0.5)
 
 
 class LayerMatrices(NamedTuple):
-    """The ``out × in`` matrices of SPEC §3 and what falls out of forming them."""
+    """The ``out × in`` matrices of method §3 and what falls out of forming them."""
 
     A: Any
     """``max(Σ_k H_ijk, 0)``: curvature summed over the kernel axes, clipped at 0."""
@@ -35,43 +48,186 @@ class LayerMatrices(NamedTuple):
     """Array namespace of ``A`` and ``B`` (float64)."""
 
 
+class _LayerEntries(NamedTuple):
+    """``A`` and ``B`` as :class:`Entries`, which hold any finite layer exactly."""
+
+    A: Entries
+    B: Entries
+    clipped: int
+    hessian_trace: float
+    xp: Any
+
+
 def curvature_and_weight_matrices(weight: Any, hessian_diag: Any) -> LayerMatrices:
-    """Form ``A`` and ``B`` of SPEC §3 in float64, in the arrays' own library.
+    """Form ``A`` and ``B`` of method §3 in float64, in the arrays' own library.
 
     ``A_ij = max(Σ_k H_ijk, 0)`` and ``B_ij = Σ_k W_ijk²``, summed over the
-    kernel axes.
+    kernel axes. The measures themselves never need these plain matrices (they
+    keep layers whose squared weights leave the float64 range exactly, see
+    method §5); this function is for inspecting and benchmarking the per-layer
+    problem.
+
+    Raises:
+        OverflowError: If an entry of ``A`` or ``B`` exceeds the float64 range
+            (weights above about 1e154 in magnitude); entries below about 1e-308
+            (weights below about 1e-154) are subnormal or zero here.
     """
+    entries = _layer_entries(weight, hessian_diag)
+    A, B = (_materialize(e, what) for e, what in ((entries.A, "A (curvature)"), (entries.B, "B (squared weights)")))
+    return LayerMatrices(A, B, entries.clipped, entries.hessian_trace, entries.xp)
+
+
+def _materialize(entries: Entries, what: str) -> Any:
+    xp = entries.xp
+    if entries.is_log:
+        with np.errstate(over="ignore"):
+            M = xp.exp(entries.values)
+    elif entries.exp2 == 0:
+        return entries.values
+    elif -1022 <= entries.exp2 <= 1023:
+        with np.errstate(over="ignore"):
+            M = entries.values * 2.0**entries.exp2
+    else:
+        with np.errstate(over="ignore"):
+            M = xp.exp(entries.logs())
+    if not bool(xp.all(xp.isfinite(M))):
+        raise OverflowError(
+            f"An entry of {what} exceeds the float64 range; use normflat.normalized_sharpness, "
+            "which handles such layers, or rescale the weights/loss."
+        )
+    return M
+
+
+def _layer_entries(weight: Any, hessian_diag: Any) -> _LayerEntries:
     xp = namespace_of(weight, hessian_diag)
     # Both arrays share xp, so both stay in it or both move to numpy.
     W, _ = as_float64(weight, xp)
     H, xp = as_float64(hessian_diag, xp)
     out, inp = int(W.shape[0]), int(W.shape[1])
-    H_sum = xp.sum(xp.reshape(H, (out, inp, -1)), axis=2)
-    B = xp.sum(xp.reshape(W * W, (out, inp, -1)), axis=2)
-    clipped = int(to_float(xp.sum(xp.astype(H_sum < 0, xp.float64))))
-    A = xp.where(H_sum > 0, H_sum, xp.zeros_like(H_sum))
-    return LayerMatrices(A, B, clipped, to_float(xp.sum(H_sum)), xp)
+    A, clipped, trace = _curvature(xp, xp.reshape(H, (out, inp, -1)))
+    B = _squared_weights(xp, xp.reshape(W, (out, inp, -1)))
+    return _LayerEntries(A, B, clipped, trace, xp)
+
+
+def _count(xp: Any, mask: Any) -> int:
+    return int(to_float(xp.sum(xp.astype(mask, xp.float64))))
+
+
+def _curvature(xp: Any, H3: Any) -> tuple[Entries, int, float]:
+    """``A`` with the number of clipped entries and the trace ``Σ H``."""
+    with np.errstate(over="ignore"):  # an overflowing sum is detected and redone below
+        H_sum = xp.sum(H3, axis=2)
+    if bool(xp.all(xp.isfinite(H_sum))):
+        A = xp.where(H_sum > 0, H_sum, xp.zeros_like(H_sum))
+        return Entries(A, xp), _count(xp, H_sum < 0), _signed_total(xp, H_sum)
+    # A kernel sum overflowed (entries near 1e308): sum every (row, column) pair in
+    # units of its own largest entry and keep the result as a logarithm.
+    top = xp.max(xp.abs(H3), axis=2)
+    unit = xp.where(top > 0, top, xp.ones_like(top))
+    S = xp.sum(H3 / unit[:, :, None], axis=2)
+    positive = S > 0
+    log_a = xp.where(positive, xp.log(unit) + xp.log(xp.where(positive, S, xp.ones_like(S))),
+                     xp.full_like(S, -math.inf))
+    return Entries(log_a, xp, log=True), _count(xp, S < 0), _signed_total(xp, S, unit)
+
+
+def _signed_total(xp: Any, X: Any, unit: Any = None) -> float:
+    """``Σ X`` (``Σ X ⊙ unit`` when given, with ``|X|`` moderate) where a plain sum may overflow."""
+    if unit is None:
+        with np.errstate(over="ignore"):  # an overflowing sum is redone in scaled units
+            direct = to_float(xp.sum(X))
+        if math.isfinite(direct):
+            return direct
+        e = math.frexp(to_float(xp.max(xp.abs(X))))[1]  # |X| <= 2^e
+        scaled = to_float(xp.sum(X * 2.0**-e))
+    else:
+        e = math.frexp(to_float(xp.max(unit)))[1]
+        scaled = to_float(xp.sum(X * (unit * 2.0**-e)))
+    # Powers of two scale exactly; terms far below the largest do not change the sum.
+    return math.copysign(compose((abs(scaled),), 0.0, e), scaled) if scaled else 0.0
+
+
+def _squared_weights(xp: Any, W3: Any) -> Entries:
+    """``B = Σ_k W²`` exactly: plain, scaled by a power of two, or in logs."""
+    with np.errstate(over="ignore"):  # squares beyond float64 are detected and redone below
+        B = xp.sum(W3 * W3, axis=2)
+    if bool(xp.all(xp.isfinite(B))):
+        small = B < _TINY
+        # Only pairs whose weights are all tiny but not all zero lose their value.
+        if not bool(xp.any(small)) or not bool(xp.any(small & xp.any(W3 != 0, axis=2))):
+            return Entries(B, xp)
+    top = xp.max(xp.abs(W3), axis=2)
+    w_max = to_float(xp.max(top))
+    w_min = to_float(xp.min(xp.where(top > 0, top, xp.full_like(top, math.inf))))
+    if w_max <= _WIDE * w_min:
+        # One power of two brings every pair's squares into range: exact.
+        e = math.frexp(w_max)[1]
+        scaled = W3 * 2.0**-e
+        return Entries(xp.sum(scaled * scaled, axis=2), xp, exp2=2 * e)
+    # The squares span more than float64 holds: each pair in units of its largest weight.
+    unit = xp.where(top > 0, top, xp.ones_like(top))
+    ratio = W3 / unit[:, :, None]
+    log_b = xp.where(top > 0, 2.0 * xp.log(unit) + safe_log(xp, xp.sum(ratio * ratio, axis=2)),
+                     xp.full_like(top, -math.inf))
+    return Entries(log_b, xp, log=True)
+
+
+def _sqrt_product(p: tuple[float, float, int], q: tuple[float, float, int]) -> float:
+    """``sqrt(P · Q)`` of two :meth:`Entries.total` results."""
+    if p[0] == 0.0 or q[0] == 0.0:
+        return 0.0
+    odd = (math.sqrt(2.0),) if (p[2] + q[2]) % 2 else ()
+    return compose((math.sqrt(p[0]), math.sqrt(q[0]), *odd), 0.5 * (p[1] + q[1]), (p[2] + q[2]) // 2)
+
+
+def _elementwise_bound(A: Entries, B: Entries) -> float:
+    """``Σ sqrt(A ⊙ B)``."""
+    xp = A.xp
+    if A.is_log or B.is_log:
+        mantissa, log_factor, _ = Entries(0.5 * (A.logs() + B.logs()), xp, log=True).total()
+        return compose((mantissa,), log_factor)
+    # sqrt of each factor: the product of two tiny entries would underflow.
+    total = to_float(xp.sum(xp.sqrt(A.values) * xp.sqrt(B.values)))
+    odd = (math.sqrt(2.0),) if (A.exp2 + B.exp2) % 2 else ()
+    return compose((total, *odd), 0.0, (A.exp2 + B.exp2) // 2) if total else 0.0
 
 
 def evaluate_layer(
     problem: LayerProblem, *, tol: float = DEFAULT_TOL, max_iter: int = DEFAULT_MAX_ITER
 ) -> LayerResult:
-    """Compute every measure of SPEC §4 for one layer.
+    """Compute every measure of method §4 for one layer.
+
+    Any finite float64 weights and curvature are handled exactly, however large,
+    small or mixed their magnitudes (method §5, numerics).
 
     Args:
         problem: The layer's weight and Hessian diagonal in canonical layout.
-        tol: Relative balance tolerance of the solver.
-        max_iter: Maximum number of solver sweeps.
+        tol: Relative balance tolerance of the solver, finite and ``> 0``.
+        max_iter: Maximum number of solver sweeps, an int ``>= 1``.
 
     Returns:
         A :class:`LayerResult` with the four measures, the optimal row and column
         sigmas, solver diagnostics, and standard errors when the problem carries
         independent estimates of the diagonal.
+
+    Raises:
+        TypeError, ValueError: If ``tol`` or ``max_iter`` is invalid.
+        OverflowError: If a measure itself exceeds the float64 range (the message
+            names the layer and the fix).
     """
-    A, B, clipped, hessian_trace, xp = curvature_and_weight_matrices(problem.weight, problem.hessian_diag)
-    sum_a, sum_b = to_float(xp.sum(A)), to_float(xp.sum(B))
-    matrix_ns = math.sqrt(sum_a * sum_b)
-    elementwise = to_float(xp.sum(xp.sqrt(A * B)))
+    tol, max_iter = check_solver_options(tol, max_iter)
+    try:
+        return _evaluate(problem, tol, max_iter)
+    except OverflowError as err:
+        raise OverflowError(f"Layer {problem.name!r}: {err}") from None
+
+
+def _evaluate(problem: LayerProblem, tol: float, max_iter: int) -> LayerResult:
+    entries = _layer_entries(problem.weight, problem.hessian_diag)
+    A, B = entries.A, entries.B
+    sum_a, sum_b = A.total(), B.total()
+    matrix_ns = _sqrt_product(sum_a, sum_b)
+    elementwise = _elementwise_bound(A, B)
     solution = _solve_grouped(A, B, problem.groups, tol=tol, max_iter=max_iter)
     # Rounding can put the solver's value a hair outside the sandwich it provably
     # lies in; clamp to keep the documented ordering exact.
@@ -80,46 +236,51 @@ def evaluate_layer(
     standard_error = None
     group_values = None
     if problem.hessian_diag_samples is not None:
-        group_values = _linearized_group_values(problem, A, B, xp, solution, sum_a, sum_b)
-        k = next(iter(group_values.values())).size
-        standard_error = {
-            name: float(np.std(vals, ddof=1) / math.sqrt(k)) for name, vals in group_values.items()
-        }
+        group_values = _linearized_group_values(
+            problem, entries, solution, sum_a, sum_b,
+            {"hessian_trace": entries.hessian_trace, "normalized_sharpness": solution.value,
+             "matrix_normalized_sharpness": matrix_ns, "elementwise_bound": elementwise},
+        )
+        standard_error = {name: standard_error_of(vals) for name, vals in group_values.items()}
 
+    # Sigmas beyond the float64 range (only for weights or curvature beyond about
+    # 1e±150) read inf or 0; degenerate_rows/cols tell them from optima at infinity.
+    with np.errstate(over="ignore"):
+        row_sigma, col_sigma = np.exp(solution.log_row_sigma), np.exp(solution.log_col_sigma)
     return LayerResult(
         name=problem.name,
         kind=problem.kind,
         shape=problem.shape,
         normalized_sharpness=float(value),
         matrix_normalized_sharpness=float(matrix_ns),
-        hessian_trace=float(hessian_trace),
+        hessian_trace=float(entries.hessian_trace),
         elementwise_bound=float(elementwise),
-        row_sigma=np.exp(solution.log_row_sigma),
-        col_sigma=np.exp(solution.log_col_sigma),
+        row_sigma=row_sigma,
+        col_sigma=col_sigma,
         iterations=solution.iterations,
         imbalance=solution.imbalance,
         converged=solution.converged,
         degenerate_rows=solution.degenerate_rows,
         degenerate_cols=solution.degenerate_cols,
-        clipped=clipped,
+        clipped=entries.clipped,
         standard_error=standard_error,
         details=dict(problem.details),
         _group_values=group_values,
     )
 
 
-def _solve_grouped(A: Any, B: Any, groups: int, *, tol: float, max_iter: int) -> ScalingSolution:
+def _solve_grouped(A: Entries, B: Entries, groups: int, *, tol: float, max_iter: int) -> ScalingSolution:
     """Solve a grouped layer as independent blocks and assemble one solution.
 
     Columns of the result index all ``groups · in/groups`` input channels; each
     block keeps its own gauge (geometric mean of its column sigmas is 1).
     """
     if groups == 1:
-        return solve_scaling(A, B, tol=tol, max_iter=max_iter)
-    rows_per_group, cols_per_group = int(A.shape[0]) // groups, int(A.shape[1])
+        return solve_entries(A, B, tol=tol, max_iter=max_iter)
+    rows_per_group, cols_per_group = A.shape[0] // groups, A.shape[1]
     parts = [
-        solve_scaling(A[g * rows_per_group : (g + 1) * rows_per_group],
-                      B[g * rows_per_group : (g + 1) * rows_per_group], tol=tol, max_iter=max_iter)
+        solve_entries(A.rows(g * rows_per_group, (g + 1) * rows_per_group),
+                      B.rows(g * rows_per_group, (g + 1) * rows_per_group), tol=tol, max_iter=max_iter)
         for g in range(groups)
     ]
     return ScalingSolution(
@@ -134,38 +295,94 @@ def _solve_grouped(A: Any, B: Any, groups: int, *, tol: float, max_iter: int) ->
     )
 
 
-def _linearized_group_values(problem, A, B, xp, solution, sum_a, sum_b) -> dict[str, np.ndarray]:
+def _linearized_group_values(
+    problem: LayerProblem,
+    entries: _LayerEntries,
+    solution: ScalingSolution,
+    sum_a: tuple[float, float, int],
+    sum_b: tuple[float, float, int],
+    base: dict[str, float],
+) -> dict[str, np.ndarray]:
     """First-order (delta-method) value of each measure for each group estimate.
 
-    Each group's value is ``m(A) + ∇m(A)·(A_k − A)``. By the envelope theorem the derivative of ``NS`` with respect to ``A_ij`` is ``½ v_ij`` with
+    Each group's value is ``m(A) + ∇m(A)·(A_k − A)``. By the envelope theorem the
+    derivative of ``NS`` with respect to ``A_ij`` is ``½ v_ij`` with
     ``v_ij = e^{a_i + b_j}`` the optimal variance. Entries whose curvature was
-    clipped or whose row/column is degenerate have derivative 0.
+    clipped or whose row/column is degenerate have derivative 0. Every product
+    ``deviation · derivative`` is formed from logarithms, so no intermediate
+    leaves the float64 range unless the result itself does.
     """
     samples, _ = as_float64(problem.hessian_diag_samples, namespace_of(problem.hessian_diag_samples))
     samples = np.asarray(to_numpy(samples))
-    A_np, B_np = np.asarray(to_numpy(A)), np.asarray(to_numpy(B))
     k = samples.shape[0]
-    out, inp = A_np.shape
-    A_groups = samples.reshape(k, out, inp, -1).sum(axis=3)
-    active = A_np > 0
+    out, inp = problem.shape[0], problem.shape[1]
+    per_pair = samples.reshape(k, out, inp, -1)
+    # Group kernel sums, in units of 2^e when a plain sum would overflow.
+    e = 0
+    A_groups = per_pair.sum(axis=3)
+    if not np.all(np.isfinite(A_groups)):
+        e = math.frexp(float(np.max(np.abs(samples))))[1]
+        A_groups = (per_pair * 2.0**-e).sum(axis=3)
+    trace = np.array([_signed_total(_np_namespace(), samples[g].reshape(-1)) for g in range(k)])
+    log_unit = e * _LN2
+
+    log_A = np.asarray(to_numpy(entries.A.logs()))
+    log_B = np.asarray(to_numpy(entries.B.logs()))
+    active = log_A > -math.inf
+    if entries.A.is_log:
+        A_units = np.where(active, np.exp(np.where(active, log_A - log_unit, 0.0)), 0.0)
+    else:  # exact: a power-of-two rescaling of the plain values
+        A_units = np.asarray(to_numpy(entries.A.values)) * 2.0 ** (entries.A.exp2 - e)
+    deviation = A_groups - A_units[None]
+
+    def linear_term(log_weight: np.ndarray) -> np.ndarray:
+        """``Σ_ij deviation_kij · e^{log_weight_ij}`` per group k (weight 0 off ``active``)."""
+        log_weight = np.where(active & np.isfinite(log_weight), log_weight, -math.inf)
+        with np.errstate(over="ignore"):
+            weight = np.exp(log_weight + log_unit)
+        if np.all(np.isfinite(weight)):
+            with np.errstate(over="ignore"):  # an overflowing total is refused below
+                totals = np.einsum("kij,ij->k", deviation, weight)
+        else:
+            # Weights beyond float64 (huge variances against tiny curvature): form each
+            # term from logarithms, which stay in range whenever the terms do.
+            nonzero = deviation != 0
+            log_dev = np.where(nonzero, np.log(np.where(nonzero, np.abs(deviation), 1.0)), -math.inf)
+            with np.errstate(over="ignore"):
+                terms = np.sign(deviation) * np.exp(log_dev + log_weight[None] + log_unit)
+                totals = terms.reshape(k, -1).sum(axis=1)
+        if not np.all(np.isfinite(totals)):
+            raise OverflowError(
+                "a standard error exceeds the float64 range; divide the loss (hence the Hessian "
+                "diagonal and its samples) by a constant."
+            )
+        return totals
+
     groups = problem.groups
     # Column sigma of entry (i, j) in the compact grouped layout: input channel
     # j of the group that output channel i belongs to.
     col_index = (np.arange(out) // (out // groups))[:, None] * inp + np.arange(inp)[None, :]
-    log_v = solution.log_row_sigma[:, None] + solution.log_col_sigma[col_index]
-    finite = np.isfinite(log_v) & active
-    v = np.where(finite, np.exp(np.where(finite, log_v, 0.0)), 0.0)
-    ratio = np.where(active, np.sqrt(np.where(active, B_np, 0.0) / np.where(active, A_np, 1.0)), 0.0)
-    mns_slope = 0.5 * math.sqrt(sum_b / sum_a) if sum_a > 0 else 0.0
-    deviation = A_groups - A_np[None]
-    return {
-        "hessian_trace": samples.reshape(k, -1).sum(axis=1),
-        "normalized_sharpness": solution.value + 0.5 * np.einsum("kij,ij->k", deviation, v),
-        "matrix_normalized_sharpness": math.sqrt(sum_a * sum_b)
-        + mns_slope * np.einsum("kij,ij->k", deviation, active),
-        "elementwise_bound": float(np.sqrt(A_np * B_np).sum())
-        + 0.5 * np.einsum("kij,ij->k", deviation, ratio),
+    with np.errstate(invalid="ignore"):  # inf - inf of two degenerate indices: no term
+        log_v = solution.log_row_sigma[:, None] + solution.log_col_sigma[col_index]
+    values = {
+        "hessian_trace": trace,
+        "normalized_sharpness": base["normalized_sharpness"] + linear_term(_LOG_HALF + log_v),
+        "elementwise_bound": base["elementwise_bound"] + linear_term(_LOG_HALF + 0.5 * (log_B - log_A)),
     }
+    if sum_a[0] > 0 and sum_b[0] > 0:
+        # d sqrt(ΣA·ΣB) / dA_ij = ½ sqrt(ΣB / ΣA)
+        log_slope = _LOG_HALF + 0.5 * (math.log(sum_b[0]) + sum_b[1] + sum_b[2] * _LN2
+                                       - math.log(sum_a[0]) - sum_a[1] - sum_a[2] * _LN2)
+        values["matrix_normalized_sharpness"] = base["matrix_normalized_sharpness"] + linear_term(
+            np.full(log_A.shape, log_slope))
+    else:
+        values["matrix_normalized_sharpness"] = np.full(k, base["matrix_normalized_sharpness"])
+    return {name: values[name] for name in ("hessian_trace", "normalized_sharpness",
+                                            "matrix_normalized_sharpness", "elementwise_bound")}
+
+
+def _np_namespace() -> Any:
+    return namespace_of(np.empty(0))
 
 
 def analyze_problems(
@@ -175,7 +392,21 @@ def analyze_problems(
     tol: float = DEFAULT_TOL,
     max_iter: int = DEFAULT_MAX_ITER,
 ) -> Report:
-    """Evaluate every layer and sum the measures into a :class:`Report`."""
+    """Evaluate every layer and sum the measures into a :class:`Report`.
+
+    Args:
+        problems: The layers, in model order; names must be unique.
+        metadata: Stored in the report (how it was produced).
+        tol: Relative balance tolerance of the solver, finite and ``> 0``.
+        max_iter: Maximum number of solver sweeps, an int ``>= 1``.
+
+    Raises:
+        TypeError: If an item is not a :class:`LayerProblem`, or ``tol``/``max_iter``
+            has the wrong type.
+        ValueError: If the list is empty, names repeat, or ``tol``/``max_iter`` are out
+            of range.
+    """
+    tol, max_iter = check_solver_options(tol, max_iter)
     problems = list(problems)
     if not problems:
         raise ValueError(
@@ -205,7 +436,7 @@ def normalized_sharpness(
     tol: float = DEFAULT_TOL,
     max_iter: int = DEFAULT_MAX_ITER,
 ) -> LayerResult:
-    """Normalized sharpness of one layer (SPEC §4).
+    """Normalized sharpness of one layer (method §4).
 
     Args:
         weight: Weight tensor in canonical layout ``(out, in, *kernel)``.
@@ -213,12 +444,17 @@ def normalized_sharpness(
         name: Name used in messages and the result.
         kind: Layer kind label.
         groups: Groups of a grouped convolution (see :class:`LayerProblem`).
-        tol: Relative balance tolerance of the solver.
-        max_iter: Maximum number of solver sweeps.
+        tol: Relative balance tolerance of the solver, finite and ``> 0``.
+        max_iter: Maximum number of solver sweeps, an int ``>= 1``.
 
     Returns:
         A :class:`LayerResult`; ``.value`` is the normalized sharpness, and the
         result also holds the other measures, the optimal sigmas and diagnostics.
+
+    Raises:
+        TypeError, ValueError: If the arrays are invalid (see :class:`LayerProblem`)
+            or ``tol``/``max_iter`` are.
+        OverflowError: If a measure exceeds the float64 range.
 
     Example:
         >>> import numpy as np, normflat
@@ -227,5 +463,6 @@ def normalized_sharpness(
         >>> round(normflat.normalized_sharpness(w, h).value, 6)
         9.044878
     """
+    tol, max_iter = check_solver_options(tol, max_iter)
     problem = LayerProblem(name, weight, hessian_diag, kind=kind, groups=groups)
     return evaluate_layer(problem, tol=tol, max_iter=max_iter)

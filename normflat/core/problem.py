@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from normflat.core._arrays import namespace_of
+import array_api_compat
+import numpy as np
+
+from normflat.core._arrays import as_float64, namespace_of, to_float, to_numpy
 
 __all__ = ["LayerProblem"]
 
@@ -17,7 +21,7 @@ class LayerProblem:
     Both arrays use the canonical layout ``(out, in, *kernel)``: rows are output
     units or channels, columns are input units or channels (per group for grouped
     convolutions), and any remaining axes are spatial kernel axes, which share one
-    posterior variance per (row, column) pair (SPEC §3).
+    posterior variance per (row, column) pair (method §3).
 
     Args:
         name: The layer's name in its framework (``features.0``, ``dense_1``,
@@ -25,12 +29,14 @@ class LayerProblem:
         weight: The weight tensor, any array-API array (numpy, torch, jax, ...).
         hessian_diag: The Hessian diagonal of the mean training loss with respect
             to ``weight``, same shape. Negative entries are allowed; curvature is
-            clipped at zero after the kernel sum (SPEC §6).
+            clipped at zero after the kernel sum (method §6).
         kind: A short label of the layer type (``"dense"``, ``"conv2d"``, ...).
         hessian_diag_samples: Optional ``(K, *weight.shape)`` array of ``K >= 2``
-            independent, unbiased estimates of the diagonal whose mean is
-            ``hessian_diag`` (for example group means of Hutchinson probes). When
-            given, the report carries standard errors of every measure.
+            independent, unbiased estimates of the diagonal whose mean over ``K``
+            is ``hessian_diag`` (for example group means of Hutchinson probes);
+            the mean is checked to within ``1e-6 · max|hessian_diag|`` (plus the
+            rounding of the samples' dtype). When given, the report carries
+            standard errors of every measure (method §6).
         details: Free-form information from the backend (which computational path
             produced the diagonal, sample counts); copied into the report.
         groups: Number of groups of a grouped convolution. The canonical weight is
@@ -42,7 +48,8 @@ class LayerProblem:
 
     Raises:
         TypeError: If an array is not a floating-point array.
-        ValueError: If shapes differ, are not at least 2-D, or contain NaN/inf.
+        ValueError: If shapes differ, are not at least 2-D, contain NaN/inf, or the
+            mean of ``hessian_diag_samples`` is not ``hessian_diag``.
     """
 
     name: str
@@ -88,6 +95,7 @@ class LayerProblem:
                     f"Layer {self.name!r}: hessian_diag_samples has shape {s_shape}; expected "
                     f"(K, {', '.join(map(str, w_shape))}) with K >= 2 independent estimates."
                 )
+            _check_samples_mean(self.name, self.hessian_diag, self.hessian_diag_samples)
         object.__setattr__(self, "details", dict(self.details))
 
     @property
@@ -123,4 +131,43 @@ def _check_array(layer: str, what: str, x: Any) -> None:
         raise ValueError(
             f"Layer {layer!r}: {what} contains NaN or infinite values; check the model's "
             "weights and the data, or the estimator's settings."
+        )
+
+
+#: Relative tolerance of the check that ``hessian_diag`` is the mean of the samples.
+SAMPLES_MEAN_RTOL = 1e-6
+
+
+def _check_samples_mean(layer: str, diag: Any, samples: Any) -> None:
+    """Require ``mean_k samples[k] == diag`` up to rounding.
+
+    The standard errors linearize every measure around ``diag`` and take the
+    spread of the samples around it; samples of another quantity (sums instead of
+    means, another layer, another layout) would give a confident, wrong error.
+    """
+    try:
+        xp = array_api_compat.array_namespace(samples, diag)
+    except TypeError:  # two libraries: compare on the host
+        samples, diag = np.asarray(to_numpy(samples)), np.asarray(to_numpy(diag))
+        xp = namespace_of(samples)
+    # Rounding of the mean in the arrays' own precision is allowed for.
+    eps = max(float(xp.finfo(samples.dtype).eps), float(xp.finfo(diag.dtype).eps))
+    S, _ = as_float64(samples, xp)
+    D, xp = as_float64(diag, xp)
+    s_max, d_max = to_float(xp.max(xp.abs(S))), to_float(xp.max(xp.abs(D)))
+    if max(s_max, d_max) == 0.0:
+        return
+    # Units of the largest magnitude (a power of two): samples near the float64
+    # limits neither overflow in the mean nor underflow in the bound.
+    unit = 2.0 ** -math.frexp(max(s_max, d_max))[1]
+    error = to_float(xp.max(xp.abs(xp.mean(S * unit, axis=0) - D * unit)))
+    k = int(samples.shape[0])
+    bound = SAMPLES_MEAN_RTOL * d_max * unit + 8.0 * k * eps * s_max * unit
+    if not error <= bound:
+        raise ValueError(
+            f"Layer {layer!r}: hessian_diag must be the mean over the K={k} estimates in "
+            f"hessian_diag_samples, but they differ by up to {error / unit:.3g} (allowed: "
+            f"{SAMPLES_MEAN_RTOL:g} of max|hessian_diag| plus rounding, {bound / unit:.3g}). Pass "
+            "hessian_diag=samples.mean(axis=0), with the samples as (K, *weight.shape) in the same "
+            "canonical layout."
         )

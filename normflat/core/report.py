@@ -11,15 +11,35 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LayerResult", "Report", "MEASURES"]
+# MEASURES lives in a leaf module so that the figures can use it without importing
+# this one; it stays importable from here.
+from normflat.core.constants import MEASURES
 
-#: The four measures of SPEC §4, in display order.
-MEASURES = (
-    "normalized_sharpness",
-    "matrix_normalized_sharpness",
-    "hessian_trace",
-    "elementwise_bound",
-)
+__all__ = ["LayerResult", "Report", "MEASURES", "standard_error_of"]
+
+
+def standard_error_of(values: Any) -> float:
+    """Standard error of the mean of ``K >= 2`` group values, ``std(ddof=1) / sqrt(K)``.
+
+    Formed in units of the largest deviation, so values near the float64 limits
+    give the right number rather than an overflow.
+
+    Raises:
+        OverflowError: If a group value is not finite (a measure beyond float64).
+    """
+    values = np.asarray(values, dtype=np.float64)
+    if not np.all(np.isfinite(values)):
+        raise OverflowError("a standard error is beyond the float64 range (non-finite group values).")
+    k = values.size
+    top = float(np.max(np.abs(values)))
+    if top == 0.0:
+        return 0.0
+    deviation = values / top - np.mean(values / top)
+    spread = float(np.max(np.abs(deviation)))
+    if spread == 0.0:
+        return 0.0
+    std = spread * math.sqrt(float(np.sum((deviation / spread) ** 2)) / (k - 1))
+    return float(std * top / math.sqrt(k))
 
 
 @dataclass(frozen=True, eq=False)
@@ -30,12 +50,15 @@ class LayerResult:
         name: Layer name in its framework.
         kind: Layer kind (``"dense"``, ``"conv2d"``, ...).
         shape: Canonical weight shape ``(out, in, *kernel)``.
-        normalized_sharpness: ``NS(A, B)`` (SPEC §4); also available as ``value``.
+        normalized_sharpness: ``NS(A, B)`` (method §4); also available as ``value``.
         matrix_normalized_sharpness: ``sqrt(ΣA · ΣB)``.
         hessian_trace: ``Σ H`` (unclipped).
         elementwise_bound: ``Σ sqrt(A ⊙ B)``.
         row_sigma: Optimal per-row scales ``σ_i = e^{a_i}`` (``inf``/``0`` for
-            degenerate rows whose optimum is at infinity, 1 for empty rows).
+            degenerate rows whose optimum is at infinity, 1 for empty rows; a
+            finite optimum beyond the float64 range, possible only for weights or
+            curvature beyond about 1e±150, also reads ``inf``/``0``, and
+            ``degenerate_rows`` tells the two apart).
         col_sigma: Optimal per-column scales ``σ'_j``, geometric mean 1 over the
             non-degenerate columns (per group for grouped convolutions, whose
             columns index all ``in`` input channels).
@@ -122,22 +145,22 @@ class Report:
     @property
     def normalized_sharpness(self) -> float:
         """Sum over layers of the normalized sharpness."""
-        return float(math.fsum(layer.normalized_sharpness for layer in self.layers))
+        return _total(self.layers, "normalized_sharpness")
 
     @property
     def matrix_normalized_sharpness(self) -> float:
         """Sum over layers of the matrix-normalized sharpness."""
-        return float(math.fsum(layer.matrix_normalized_sharpness for layer in self.layers))
+        return _total(self.layers, "matrix_normalized_sharpness")
 
     @property
     def hessian_trace(self) -> float:
         """Sum over layers of the Hessian trace of the weight tensors."""
-        return float(math.fsum(layer.hessian_trace for layer in self.layers))
+        return _total(self.layers, "hessian_trace")
 
     @property
     def elementwise_bound(self) -> float:
         """Sum over layers of the element-wise lower bound."""
-        return float(math.fsum(layer.elementwise_bound for layer in self.layers))
+        return _total(self.layers, "elementwise_bound")
 
     @property
     def totals(self) -> dict[str, float]:
@@ -158,10 +181,9 @@ class Report:
         sizes = {g[m].size for g in groups for m in g}
         if len(sizes) != 1:
             return None
-        k = sizes.pop()
-        return {
-            m: float(np.std(sum(g[m] for g in groups), ddof=1) / math.sqrt(k)) for m in MEASURES
-        }
+        with np.errstate(over="ignore"):  # an overflowing total is refused just below
+            totals = {m: sum(g[m] for g in groups) for m in MEASURES}
+        return {m: standard_error_of(totals[m]) for m in MEASURES}
 
     def layer(self, name: str) -> LayerResult:
         """The layer named ``name``."""
@@ -287,6 +309,17 @@ class Report:
         caption = html.escape(self._meta_line())
         return (f"<table class='normflat-report'><caption>normflat report {caption}</caption>"
                 f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+
+
+def _total(layers: list[LayerResult], measure: str) -> float:
+    try:
+        return float(math.fsum(getattr(layer, measure) for layer in layers))
+    except OverflowError:
+        raise OverflowError(
+            f"The total {measure} over the layers exceeds the float64 range (1.8e308); the "
+            "per-layer values are in report.layers. Divide the loss by a constant c to bring the "
+            "totals into range (sharpness measures scale by sqrt(c), the trace by c)."
+        ) from None
 
 
 def _fmt(x: float) -> str:

@@ -1,8 +1,9 @@
-"""Exact solver of the per-layer normalized-sharpness problem (SPEC §4-5)."""
+"""Exact solver of the per-layer normalized-sharpness problem (method §4-5)."""
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,10 +11,59 @@ import numpy as np
 
 from normflat.core._arrays import as_float64, namespace_of, to_float, to_numpy
 
-__all__ = ["ScalingSolution", "solve_scaling"]
+__all__ = ["DEFAULT_MAX_ITER", "DEFAULT_TOL", "ScalingSolution", "check_solver_options", "solve_scaling"]
 
-#: Exponents beyond this are absorbed into the matrices so exp() never overflows.
+#: Default relative balance tolerance (the optimality criterion of method §5).
+DEFAULT_TOL = 1e-10
+#: Default maximum number of alternating sweeps.
+DEFAULT_MAX_ITER = 10_000
+
+#: Working exponents beyond this are absorbed into the kernels, so that exp()
+#: of the working variables stays far from the float64 range.
 _ABSORB_LIMIT = 150.0
+#: Working row/column sums outside ``[_SAFE_LOW, _SAFE_HIGH]`` would lose precision
+#: (subnormals) or overflow; the iteration then re-absorbs or moves to log space.
+_SAFE_LOW = 1e-280
+_SAFE_HIGH = 1e280
+_LN2 = math.log(2.0)
+
+
+def check_solver_options(tol: Any, max_iter: Any) -> tuple[float, int]:
+    """Validate the solver's ``tol`` and ``max_iter`` and return them as float and int.
+
+    Args:
+        tol: Relative balance tolerance; a finite number ``> 0``.
+        max_iter: Maximum number of sweeps; an int ``>= 1``.
+
+    Returns:
+        ``(float(tol), int(max_iter))``.
+
+    Raises:
+        TypeError: If ``tol`` is not a real number or ``max_iter`` not an int (bools
+            are rejected for both).
+        ValueError: If ``tol`` is NaN, infinite or not positive, or ``max_iter < 1``.
+    """
+    if isinstance(tol, bool) or not isinstance(tol, numbers.Real):
+        raise TypeError(
+            f"tol must be a real number, the relative balance tolerance of the solver "
+            f"(finite and > 0, default {DEFAULT_TOL:g}); got {type(tol).__name__} {tol!r}."
+        )
+    if not math.isfinite(float(tol)) or float(tol) <= 0.0:
+        raise ValueError(
+            f"tol must be finite and > 0 (a relative balance tolerance such as the default "
+            f"{DEFAULT_TOL:g}; the value's relative error is about tol²); got {tol!r}."
+        )
+    if isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral):
+        raise TypeError(
+            f"max_iter must be an int >= 1, the maximum number of solver sweeps (default "
+            f"{DEFAULT_MAX_ITER}); got {type(max_iter).__name__} {max_iter!r}."
+        )
+    if int(max_iter) < 1:
+        raise ValueError(
+            f"max_iter must be an int >= 1, the maximum number of solver sweeps (default "
+            f"{DEFAULT_MAX_ITER}); got {max_iter!r}."
+        )
+    return float(tol), int(max_iter)
 
 
 @dataclass(frozen=True)
@@ -46,7 +96,7 @@ class ScalingSolution:
     degenerate_cols: tuple[int, ...]
 
 
-def solve_scaling(A: Any, B: Any, *, tol: float = 1e-10, max_iter: int = 10_000) -> ScalingSolution:
+def solve_scaling(A: Any, B: Any, *, tol: float = DEFAULT_TOL, max_iter: int = DEFAULT_MAX_ITER) -> ScalingSolution:
     r"""Minimize the per-layer PAC-Bayes objective over row and column log-variances.
 
     Solves, for non-negative ``out × in`` matrices ``A`` (curvature) and ``B``
@@ -64,7 +114,7 @@ def solve_scaling(A: Any, B: Any, *, tol: float = 1e-10, max_iter: int = 10_000)
     per half sweep, monotone decrease). It stops when every row and column is
     balanced, ``|Σ_j P_ij - Σ_j Q_ij| <= tol · Σ_j (P_ij + Q_ij)`` with
     ``P = A e^{a+b}``, ``Q = B e^{-a-b}``; at that point the relative error of the
-    value is of order ``tol²``.
+    value is of order ``tol²`` (method §5).
 
     Terms whose infimum lies at infinity are found exactly first (strongly
     connected components of the support graph, see :func:`_peel_degenerate`): a
@@ -72,53 +122,169 @@ def solve_scaling(A: Any, B: Any, *, tol: float = 1e-10, max_iter: int = 10_000)
     whose weights are zero contributes 0 in the limit ``a_i → -∞`` (likewise
     columns), and sparse patterns can let further terms vanish. The remaining
     blocks have attained minima, so the iteration converges linearly and the
-    returned value is the infimum even where it is not attained. The matrices are
-    rescaled to unit maximum and large exponents are absorbed into them, so
-    entries spanning ``1e-30 .. 1e30`` are handled in float64.
+    returned value is the infimum even where it is not attained.
+
+    Any finite non-negative float64 entries are handled: the matrices are
+    rescaled to unit maximum, the working variables are absorbed into the
+    matrices (recomputed from the logarithms of the entries) before their
+    exponentials leave a safe range, and when the rows' or columns' totals span
+    more than the float64 range the iteration continues with log-sum-exp sums,
+    which need no common scale at all.
 
     Args:
         A: Non-negative curvature matrix ``(out, in)``, any array-API array.
         B: Non-negative squared-weight matrix, same shape and library.
-        tol: Relative balance tolerance (optimality criterion).
-        max_iter: Maximum number of sweeps.
+        tol: Relative balance tolerance (optimality criterion), finite and ``> 0``.
+        max_iter: Maximum number of sweeps, an int ``>= 1``.
 
     Returns:
         The :class:`ScalingSolution`; ``converged`` is False if ``max_iter`` was hit
         (the value is then an upper bound that decreased monotonically).
+
+    Raises:
+        TypeError: If ``tol`` or ``max_iter`` has the wrong type.
+        ValueError: If ``tol``/``max_iter`` are out of range, the shapes differ or
+            are not 2-D, or an entry is negative, NaN or infinite.
+        OverflowError: If the value itself exceeds the float64 range.
     """
+    tol, max_iter = check_solver_options(tol, max_iter)
     xp = namespace_of(A, B)
     A, _ = as_float64(A, xp)
     B, xp = as_float64(B, xp)  # same namespace: both stay in it or both move to numpy
     if A.ndim != 2 or tuple(A.shape) != tuple(B.shape):
         raise ValueError(f"A and B must be matrices of one shape, got {A.shape} and {B.shape}.")
-    m, n = int(A.shape[0]), int(A.shape[1])
+    for name, M in (("A", A), ("B", B)):
+        if not bool(xp.all(xp.isfinite(M))):
+            raise ValueError(f"{name} contains NaN or infinite entries; the solver needs finite matrices.")
+        if bool(xp.any(M < 0)):
+            raise ValueError(
+                f"{name} has negative entries; curvature and squared weights are non-negative "
+                "(clip negative curvature at 0 first, as normflat.normalized_sharpness does)."
+            )
+    return solve_entries(Entries(A, xp), Entries(B, xp), tol=tol, max_iter=max_iter)
 
+
+class Entries:
+    """A non-negative float64 matrix held either as values or as logarithms.
+
+    ``Entries(M, xp, exp2=k)`` stands for the matrix ``2^k · M`` (``M`` finite and
+    non-negative; a power of two keeps the scaling exact); ``Entries(L, xp,
+    log=True)`` for ``exp(L)`` with ``L = -inf`` for zero entries. The log form
+    holds matrices whose entries do not fit one float64 scale (squared weights of
+    a layer whose weights span more than about 1e±150), the scaled form a matrix
+    that is uniformly huge or tiny. Internal to the core.
+    """
+
+    def __init__(self, values: Any, xp: Any, *, exp2: int = 0, log: bool = False):
+        self.values, self.xp, self.exp2, self.is_log = values, xp, int(exp2), log
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.values.shape[0]), int(self.values.shape[1])
+
+    def positive(self) -> Any:
+        """Boolean xp array of the non-zero entries."""
+        return self.values > -math.inf if self.is_log else self.values > 0
+
+    def logs(self) -> Any:
+        """The entries' natural logarithms (``-inf`` for zeros), without warnings."""
+        if self.is_log:
+            return self.values
+        return safe_log(self.xp, self.values) + self.exp2 * _LN2
+
+    def total(self) -> tuple[float, float, int]:
+        """``Σ`` of the entries as ``(mantissa, log_factor, exp2)`` for :func:`compose`.
+
+        The mantissa is 0 when every entry is zero.
+        """
+        xp = self.xp
+        if not self.is_log:
+            return to_float(xp.sum(self.values)), 0.0, self.exp2
+        top = to_float(xp.max(self.values))
+        if top == -math.inf:
+            return 0.0, 0.0, 0
+        return to_float(xp.sum(xp.exp(self.values - top))), top, 0
+
+    def take(self, index: Any, axis: int) -> Entries:
+        return Entries(self.xp.take(self.values, index, axis=axis), self.xp, exp2=self.exp2, log=self.is_log)
+
+    def rows(self, start: int, stop: int) -> Entries:
+        return Entries(self.values[start:stop, :], self.xp, exp2=self.exp2, log=self.is_log)
+
+    def masked(self, mask: Any) -> Entries:
+        """Set the entries where ``mask`` (xp bool) is False to zero."""
+        xp = self.xp
+        if self.is_log:
+            return Entries(xp.where(mask, self.values, xp.full_like(self.values, -math.inf)), xp, log=True)
+        return Entries(xp.where(mask, self.values, xp.zeros_like(self.values)), xp, exp2=self.exp2)
+
+
+def safe_log(xp: Any, v: Any) -> Any:
+    """``log(v)`` with ``-inf`` for zeros, without a divide-by-zero warning."""
+    pos = v > 0
+    return xp.where(pos, xp.log(xp.where(pos, v, xp.ones_like(v))), xp.full_like(v, -math.inf))
+
+
+def compose(factors: tuple[float, ...] = (), log_factor: float = 0.0, exp2: int = 0) -> float:
+    """``Π factors · e^{log_factor} · 2^exp2`` without intermediate over- or underflow.
+
+    The factors are positive finite floats. Exact powers of two stay exact, so a
+    uniformly rescaled layer scales its measures exactly.
+
+    Raises:
+        OverflowError: If the product exceeds the float64 range.
+    """
+    q = round(log_factor / _LN2)
+    mantissa, exponent = math.exp(log_factor - q * _LN2), exp2 + q
+    for f in factors:
+        fm, fe = math.frexp(f)
+        mantissa *= fm
+        exponent += fe
+    fm, fe = math.frexp(mantissa)
+    if fm == 0.0:
+        return 0.0
+    if exponent + fe > 1024:
+        raise OverflowError(
+            f"The result is about 2^{exponent + fe}, beyond the float64 range (1.8e308). Divide the "
+            "loss (hence the Hessian diagonal) by a constant c: normalized sharpness, the "
+            "matrix-normalized sharpness and the element-wise bound scale by sqrt(c), the trace by c."
+        )
+    return math.ldexp(fm, exponent + fe)
+
+
+def solve_entries(A: Entries, B: Entries, *, tol: float, max_iter: int) -> ScalingSolution:
+    """:func:`solve_scaling` on already validated :class:`Entries` (no checks)."""
+    xp = A.xp
+    m, n = A.shape
     log_a = np.zeros(m)
     log_b = np.zeros(n)
-    rows, cols, deg_rows, deg_cols, col_block, row_block, keep = _peel_degenerate(A, B, xp, log_a, log_b)
+    pos_a = np.asarray(to_numpy(A.positive()))
+    pos_b = np.asarray(to_numpy(B.positive()))
+    rows, cols, deg_rows, deg_cols, col_block, row_block, keep = _peel_degenerate(pos_a, pos_b, log_a, log_b)
     if rows.size == 0 or cols.size == 0:
         return ScalingSolution(0.0, log_a, log_b, 0, 0.0, True, deg_rows, deg_cols)
 
-    device = getattr(A, "device", None)
+    device = getattr(A.values, "device", None)
     kwargs = {"device": device} if device is not None else {}
     if rows.size < m:
-        A = xp.take(A, xp.asarray(rows, **kwargs), axis=0)
-        B = xp.take(B, xp.asarray(rows, **kwargs), axis=0)
+        index = xp.asarray(rows, **kwargs)
+        A, B = A.take(index, 0), B.take(index, 0)
     if cols.size < n:
-        A = xp.take(A, xp.asarray(cols, **kwargs), axis=1)
-        B = xp.take(B, xp.asarray(cols, **kwargs), axis=1)
-
+        index = xp.asarray(cols, **kwargs)
+        A, B = A.take(index, 1), B.take(index, 1)
     if keep is not None:  # drop the terms that vanish in the infimum
-        mask = xp.asarray(keep.astype(np.float64), **kwargs)
-        A, B = A * mask, B * mask
+        mask = xp.asarray(keep, **kwargs)
+        A, B = A.masked(mask), B.masked(mask)
 
-    # Unit-maximum rescaling: NS(sA·A', sB·B') = sqrt(sA·sB)·NS(A', B') with a shift
-    # of ½log(sB/sA) in a.
-    scale_a, scale_b = to_float(xp.max(A)), to_float(xp.max(B))
-    A, B = A / scale_a, B / scale_b
-    value, a, b, iterations, imbalance = _alternate(A, B, xp, tol, max_iter, kwargs)
-    value *= math.sqrt(scale_a) * math.sqrt(scale_b)
-    a = a + 0.5 * (math.log(scale_b) - math.log(scale_a))
+    iteration = _Iteration(A, B, kwargs)
+    total, log_scale, a, b, iterations, imbalance = iteration.run(tol, max_iter)
+    # Undo the normalization of the iteration: NS(sA·A', sB·B') = sqrt(sA·sB)·NS(A', B'),
+    # with the row log-variances shifted by ½·log(sB/sA).
+    half_power = (math.sqrt(2.0),) if (A.exp2 + B.exp2) % 2 else ()
+    value = compose((total, math.sqrt(iteration.scale_a), math.sqrt(iteration.scale_b), *half_power),
+                    log_scale + 0.5 * (iteration.log_top_a + iteration.log_top_b), (A.exp2 + B.exp2) // 2)
+    a = a + 0.5 * (math.log(iteration.scale_b) - math.log(iteration.scale_a)
+                   + iteration.log_top_b - iteration.log_top_a + (B.exp2 - A.exp2) * _LN2)
 
     # Gauge: in every independent block the column log-sigmas have mean 0.
     blocks = int(col_block.max()) + 1
@@ -137,7 +303,7 @@ def solve_scaling(A: Any, B: Any, *, tol: float = 1e-10, max_iter: int = 10_000)
     )
 
 
-def _peel_degenerate(A, B, xp, log_a, log_b):
+def _peel_degenerate(pos_a, pos_b, log_a, log_b):
     """Find the terms whose infimum lies at infinity and the blocks that remain.
 
     Substituting ``c_j = -b_j``, a term ``A_ij e^{a_i + b_j}`` can be driven to 0
@@ -152,18 +318,17 @@ def _peel_degenerate(A, B, xp, log_a, log_b):
     are degenerate: dead units (no curvature), pruned weights, or any pattern in
     which every term can be sent to 0.
 
-    Writes ``+inf`` (only weight terms), ``-inf`` (only curvature terms) or 0
-    (neither, or both kinds but all vanishing) into ``log_a``/``log_b`` for
-    degenerate indices. Returns ``(rows, cols, deg_rows, deg_cols, component_of_col,
-    component_of_row, keep)`` where ``keep`` is ``None`` or the boolean
-    ``(len(rows), len(cols))`` mask of terms that stay.
+    Takes the numpy boolean supports ``A > 0`` and ``B > 0``. Writes ``+inf`` (only
+    weight terms), ``-inf`` (only curvature terms) or 0 (neither, or both kinds
+    but all vanishing) into ``log_a``/``log_b`` for degenerate indices. Returns
+    ``(rows, cols, deg_rows, deg_cols, component_of_col, component_of_row, keep)``
+    where ``keep`` is ``None`` or the boolean ``(len(rows), len(cols))`` mask of
+    terms that stay.
     """
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import connected_components
 
     m, n = log_a.size, log_b.size
-    pos_a = np.asarray(to_numpy(A > 0))
-    pos_b = np.asarray(to_numpy(B > 0))
     if pos_a.all() or pos_b.all():
         # Common case (no pruned weights, or no zero curvature): if every weight term
         # exists, each column reaches every row, so all rows and columns that also
@@ -204,35 +369,172 @@ def _peel_degenerate(A, B, xp, log_a, log_b):
     return rows, cols, deg_rows, deg_cols, compact[rows.size:], compact[: rows.size], keep
 
 
-def _alternate(A, B, xp, tol, max_iter, kwargs):
-    """Exact alternating minimization on strictly balanced-able A, B (unit max)."""
-    n = int(A.shape[1])
-    b = xp.zeros((n,), dtype=xp.float64, **kwargs)
-    a_offset = xp.zeros((int(A.shape[0]),), dtype=xp.float64, **kwargs)
-    b_offset = xp.zeros((n,), dtype=xp.float64, **kwargs)
-    imbalance = math.inf
-    value = math.inf
-    iterations = 0
-    for iterations in range(1, max_iter + 1):
-        row_a = A @ xp.exp(b)
-        row_b = B @ xp.exp(-b)
-        a = 0.5 * (xp.log(row_b) - xp.log(row_a))
-        col_a = (xp.exp(a) @ A) * xp.exp(b)
-        col_b = (xp.exp(-a) @ B) * xp.exp(-b)
-        imbalance = to_float(xp.max(xp.abs(col_a - col_b) / (col_a + col_b)))
-        if imbalance <= tol or iterations == max_iter:
-            value = to_float(xp.sum(xp.sqrt(row_a * row_b)))
-            break
-        b = b + 0.5 * (xp.log(col_b) - xp.log(col_a))
-        if to_float(xp.max(xp.abs(b))) > _ABSORB_LIMIT or to_float(xp.max(xp.abs(a))) > _ABSORB_LIMIT:
-            # Move the scalings into the matrices; exp(a_i + b_j) of the current
-            # point has a moderate range because it balances A against B.
-            exponent = a[:, None] + b[None, :]
-            A = A * xp.exp(exponent)
-            B = B * xp.exp(-exponent)
-            a_offset = a_offset + a
-            b_offset = b_offset + b
-            b = xp.zeros_like(b)
-    a_total = to_numpy(a + a_offset).astype(np.float64)
-    b_total = to_numpy(b + b_offset).astype(np.float64)
-    return value, a_total, b_total, iterations, imbalance
+class _Iteration:
+    """Alternating exact block minimization on blocks whose minimum is attained.
+
+    It solves the normalized problem ``(A', B')``: plain matrices divided by their
+    largest entry (``scale_a``, ``scale_b``, besides their power-of-two ``exp2``),
+    log matrices shifted by their largest log (``log_top_a``, ``log_top_b``). The
+    caller undoes the normalization.
+
+    The fast path works on kernels ``K_A = A' e^{x0_i + y0_j - α}`` and
+    ``K_B = B' e^{-x0_i - y0_j - β}``, where ``(x0, y0)`` is an absorbed point and
+    ``α, β`` are log scales (0 at the start, where the kernels are ``A'`` and
+    ``B'`` exactly). By ``NS(e^α K_A, e^β K_B) = e^{(α+β)/2} NS(K_A, K_B)`` the
+    working variables ``(a, b)`` on the kernels give the point
+    ``x = x0 + a + (β - α)/2``, ``y = y0 + b``. Each sweep costs four
+    matrix-vector products. The kernels are recomputed from the logarithms of
+    the entries (never by compounding products, which would lose small entries
+    for good) when the working variables grow past ``_ABSORB_LIMIT`` or a row or
+    column total leaves ``[_SAFE_LOW, _SAFE_HIGH]``. If the totals are out of
+    range right after an absorption, their spread exceeds what one common scale
+    can hold, and the remaining sweeps use log-sum-exp sums instead: exact in any
+    range, a few times slower.
+    """
+
+    def __init__(self, A: Entries, B: Entries, kwargs: dict[str, Any]):
+        self.xp, self.kwargs = A.xp, kwargs
+        self.m, self.n = A.shape
+        self.log_mode = A.is_log or B.is_log
+        self.scale_a = self.scale_b = 1.0
+        self.log_top_a = self.log_top_b = 0.0
+        if self.log_mode:
+            # Both in logs (the plain one carries its power of two into its logs).
+            # The powers of two stay with the caller, so plain operands enter without them.
+            log_a, log_b = (E.values if E.is_log else safe_log(self.xp, E.values) for E in (A, B))
+            self.log_top_a, self.log_top_b = to_float(self.xp.max(log_a)), to_float(self.xp.max(log_b))
+            self.logs: tuple[Any, Any] | None = (log_a - self.log_top_a, log_b - self.log_top_b)
+        else:
+            self.scale_a, self.scale_b = to_float(self.xp.max(A.values)), to_float(self.xp.max(B.values))
+            self.plain = (A.values, B.values)
+            self.logs = None
+
+    def _log_entries(self) -> tuple[Any, Any]:
+        """Logs of the normalized entries; precise where the ratio itself is representable."""
+        if self.logs is None:
+            xp = self.xp
+            out = []
+            for values, scale in zip(self.plain, (self.scale_a, self.scale_b)):
+                ratio = values / scale
+                direct = safe_log(xp, ratio)
+                # Entries that underflow in the ratio keep their log through log(v) - log(scale).
+                tiny = (ratio < 1e-300) & (values > 0)
+                out.append(xp.where(tiny, safe_log(xp, values) - math.log(scale), direct))
+            self.logs = (out[0], out[1])
+        return self.logs
+
+    def _zeros(self, size: int) -> Any:
+        return self.xp.zeros((size,), dtype=self.xp.float64, **self.kwargs)
+
+    def _absorb(self, x: Any, y: Any) -> None:
+        """Kernels at the point ``(x, y)``, with one common scale.
+
+        One scale for both kernels makes the absorbed point the working origin
+        (``α = β``). Near balance the largest terms of ``P`` and ``Q`` differ by at
+        most a factor ``out·in``, so both kernels keep entries near 1.
+        """
+        xp = self.xp
+        log_a, log_b = self._log_entries()
+        exponent = x[:, None] + y[None, :]
+        ea, eb = log_a + exponent, log_b - exponent
+        gamma = max(to_float(xp.max(ea)), to_float(xp.max(eb)))
+        self.alpha = self.beta = gamma
+        self.K_A, self.K_B = xp.exp(ea - gamma), xp.exp(eb - gamma)
+        self.x0, self.y0 = x, y
+
+    def _point(self, a: Any, b: Any) -> tuple[Any, Any]:
+        return self.x0 + a + 0.5 * (self.beta - self.alpha), self.y0 + b
+
+    def _safe(self, *sums: Any) -> bool:
+        xp = self.xp
+        both = xp.concat(sums)
+        return bool(xp.all((both > _SAFE_LOW) & (both < _SAFE_HIGH)))
+
+    def run(self, tol: float, max_iter: int) -> tuple[float, float, np.ndarray, np.ndarray, int, float]:
+        """Iterate on the normalized problem.
+
+        Returns:
+            ``(total, log_scale, x, y, sweeps, imbalance)``: the normalized value is
+            ``total · e^{log_scale}``; ``x``, ``y`` (numpy) are its minimizer.
+        """
+        xp = self.xp
+        if self.log_mode:
+            return self._run_log(self._zeros(self.m), self._zeros(self.n), 0, tol, max_iter)
+        # Unit-maximum start: exact, and all that ordinary layers ever need.
+        self.K_A, self.K_B = self.plain[0] / self.scale_a, self.plain[1] / self.scale_b
+        self.alpha = self.beta = 0.0
+        self.x0, self.y0 = self._zeros(self.m), self._zeros(self.n)
+        a, b = self._zeros(self.m), self._zeros(self.n)
+        fresh = True  # no column step since the kernels were formed
+        absorptions = 0  # in a row, without a completed sweep
+        iterations = 0
+        while True:
+            if absorptions > 2:  # a common scale cannot hold these totals
+                return self._run_log(*self._point(a, b), iterations, tol, max_iter)
+            eb, emb = xp.exp(b), xp.exp(-b)
+            row_a, row_b = self.K_A @ eb, self.K_B @ emb
+            if not self._safe(row_a, row_b):
+                if fresh:
+                    return self._run_log(*self._point(a, b), iterations, tol, max_iter)
+                self._absorb(*self._point(a, b))
+                a, b, fresh, absorptions = self._zeros(self.m), self._zeros(self.n), True, absorptions + 1
+                continue
+            a = 0.5 * (xp.log(row_b) - xp.log(row_a))
+            if to_float(xp.max(xp.abs(a))) > _ABSORB_LIMIT:
+                # Rows far from balance (e.g. the first sweep on a badly scaled
+                # matrix): absorb the exact row step so that exp(a) stays moderate.
+                self._absorb(*self._point(a, b))
+                a, b, fresh, absorptions = self._zeros(self.m), self._zeros(self.n), True, absorptions + 1
+                continue
+            ea = xp.exp(a)
+            col_a = (ea @ self.K_A) * eb
+            col_b = ((1.0 / ea) @ self.K_B) * emb
+            if not self._safe(col_a, col_b):
+                if fresh:
+                    return self._run_log(*self._point(a, b), iterations, tol, max_iter)
+                self._absorb(*self._point(a, b))
+                a, b, fresh, absorptions = self._zeros(self.m), self._zeros(self.n), True, absorptions + 1
+                continue
+            iterations += 1
+            absorptions = 0
+            imbalance = to_float(xp.max(xp.abs(col_a - col_b) / (col_a + col_b)))
+            if imbalance <= tol or iterations >= max_iter:
+                total = to_float(xp.sum(xp.sqrt(row_a) * xp.sqrt(row_b)))
+                x, y = self._point(a, b)
+                return total, 0.5 * (self.alpha + self.beta), _numpy64(x), _numpy64(y), iterations, imbalance
+            b = b + 0.5 * (xp.log(col_b) - xp.log(col_a))
+            fresh = False
+            if to_float(xp.max(xp.abs(b))) > _ABSORB_LIMIT:
+                self._absorb(*self._point(a, b))
+                a, b, fresh = self._zeros(self.m), self._zeros(self.n), True
+
+    def _run_log(self, x: Any, y: Any, iterations: int, tol: float, max_iter: int):
+        """The same sweeps with log-sum-exp sums, from the point ``(x, y)``."""
+        xp = self.xp
+        log_a, log_b = self._log_entries()
+        while True:
+            ra = _logsumexp(log_a + y[None, :], axis=1)
+            rb = _logsumexp(log_b - y[None, :], axis=1)
+            x = 0.5 * (rb - ra)
+            exponent = x[:, None] + y[None, :]
+            ca = _logsumexp(log_a + exponent, axis=0)
+            cb = _logsumexp(log_b - exponent, axis=0)
+            iterations += 1
+            # |e^u - e^v| / (e^u + e^v) = tanh(|u - v| / 2)
+            imbalance = to_float(xp.max(xp.tanh(0.5 * xp.abs(ca - cb))))
+            if imbalance <= tol or iterations >= max_iter:
+                log_value = to_float(_logsumexp(0.5 * (ra + rb), axis=0))
+                return 1.0, log_value, _numpy64(x), _numpy64(y), iterations, imbalance
+            y = y + 0.5 * (cb - ca)
+
+
+def _logsumexp(L: Any, axis: int) -> Any:
+    """``log Σ exp(L)`` along ``axis``; every slice must hold a finite entry."""
+    xp = namespace_of(L)
+    top = xp.max(L, axis=axis)
+    shifted = L - (top[:, None] if axis == 1 and L.ndim == 2 else top)
+    return top + xp.log(xp.sum(xp.exp(shifted), axis=axis))
+
+
+def _numpy64(x: Any) -> np.ndarray:
+    return np.asarray(to_numpy(x), dtype=np.float64)

@@ -2,7 +2,8 @@
 
 Trains models on partially random labels, computes every measure on each, and
 correlates the measures with the generalization gap, before and after random
-function-preserving rescalings. See ``docs/study.md``.
+function-preserving rescalings. See ``docs/study.md``. The figures of the results
+are in :mod:`normflat.study.figures` (matplotlib, imported on demand).
 """
 
 from normflat.study.datasets import DATASETS, Dataset, DatasetNotFoundError, load_dataset

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from normflat.core.report import MEASURES
+from normflat.core.constants import MEASURE_LABELS, MEASURES
 
 __all__ = ["DEFAULT_ORDERS", "invariance_rows", "format_invariance", "write_invariance"]
 
@@ -77,8 +77,6 @@ def invariance_rows(
 
 def format_invariance(rows: Sequence[dict[str, Any]]) -> str:
     """The table printed by ``normflat invariance``: each measure relative to the original."""
-    from normflat.study.run import MEASURE_LABELS
-
     head = f"{'r (decades)':>11}{'logits err':>12}" + "".join(f"{MEASURE_LABELS[m]:>30}" for m in MEASURES)
     lines = ["Measure of the rescaled model / measure of the original (same function):", head, "-" * len(head)]
     for row in rows:
@@ -106,7 +104,7 @@ def write_invariance(rows: Sequence[dict[str, Any]], out: str | Path, meta: dict
         import matplotlib  # noqa: F401
     except ImportError:
         return files
-    from normflat.plotting import save_invariance_figure
+    from normflat.study.figures import save_invariance_figure
 
     files["figure"] = save_invariance_figure(rows, str(out / "invariance.png"))
     return files

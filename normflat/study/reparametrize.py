@@ -1,4 +1,4 @@
-"""Random function-preserving rescalings of trained torch models (SPEC §1, §8).
+"""Random function-preserving rescalings of trained torch models (method §1, §8).
 
 Two exact symmetries of the study's ``nn.Sequential`` models are used:
 

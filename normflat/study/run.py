@@ -2,7 +2,7 @@
 
 For every combination of label-randomization ratio, seed and training
 hyperparameters a model is trained to fit its (partially random) training
-labels, the four measures of SPEC §4 are computed on the training data (the
+labels, the four measures of method §4 are computed on the training data (the
 labels it was trained on), and, in the *reparametrization arm*, recomputed after
 a random function-preserving rescaling of the same model. Each measure is then
 correlated with the generalization gap (training accuracy minus test accuracy)
@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from normflat.core.report import MEASURES
+from normflat.core.constants import MEASURE_LABELS, MEASURES
 from normflat.study.frameworks import FRAMEWORKS
 from normflat.study.stats import kendall_tau, pearson_r
 
@@ -42,13 +42,6 @@ __all__ = [
     "torch_loader",
 ]
 
-#: Display names of the measures.
-MEASURE_LABELS = {
-    "normalized_sharpness": "normalized sharpness",
-    "matrix_normalized_sharpness": "matrix-normalized sharpness",
-    "hessian_trace": "Hessian trace",
-    "elementwise_bound": "elementwise bound",
-}
 DEFAULT_RATIOS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 
 
@@ -76,7 +69,7 @@ class StudyConfig:
         analysis_size: Training examples whose mean loss Hessian is analyzed
             (``None``: all training examples).
         analysis_batch_size: Batch size of the analysis data loader.
-        estimator: Hessian-diagonal estimator (SPEC §6).
+        estimator: Hessian-diagonal estimator (method §6).
         loss: ``"nsce"`` or ``"ce"``.
         samples: Probes / draws of the stochastic estimators.
         reparam: Run the reparametrization arm.
@@ -431,7 +424,8 @@ def _write_outputs(result: StudyResult, out: Path, layer_reports: dict[str, Any]
         import matplotlib  # noqa: F401
     except ImportError:
         return files  # figures are optional: matplotlib is not a core dependency
-    from normflat.plotting import save_layers_figure, save_study_figure
+    from normflat.plotting import save_layers_figure
+    from normflat.study.figures import save_study_figure
 
     files["figure"] = str(out / "gap_vs_measures.png")
     save_study_figure(result, files["figure"])

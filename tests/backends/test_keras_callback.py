@@ -19,7 +19,7 @@ require_frameworks("tensorflow", "keras")
 import keras  # noqa: E402
 
 import normflat  # noqa: E402
-from normflat.keras import SharpnessCallback  # noqa: E402
+from normflat.integrations.keras import SharpnessCallback  # noqa: E402
 
 
 def test_callback_records_totals_into_history():

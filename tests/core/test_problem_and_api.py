@@ -116,7 +116,9 @@ def test_option_validation(kwargs, exc, match):
 def test_option_defaults():
     assert validate_options(estimator="hutchinson").samples == 100
     assert validate_options(estimator="ggn-mc").samples == 1
-    assert validate_options(estimator="ggn", samples=5).samples is None
+    # samples means nothing to a deterministic estimator: refused, not silently dropped.
+    with pytest.raises(ValueError, match="no meaning for the deterministic estimator 'ggn'"):
+        validate_options(estimator="ggn", samples=5)
     assert validate_options(loss=lambda z, y: z, estimator="exact").loss_name == "<lambda>"
 
 

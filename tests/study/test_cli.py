@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 import normflat  # noqa: E402
 from normflat.cli import main  # noqa: E402
-from normflat.core.report import MEASURES  # noqa: E402
+from normflat.core.constants import MEASURES  # noqa: E402
 from normflat.study.models import build_model  # noqa: E402
 from normflat.study.run import load_result  # noqa: E402
 

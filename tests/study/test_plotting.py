@@ -1,4 +1,5 @@
-"""Figures: per-layer bars, the study scatter plots, the invariance plot (matplotlib, Agg)."""
+"""Figures: per-layer bars (normflat.plotting), the study scatter plots and the invariance
+plot (normflat.study.figures), with matplotlib's Agg backend."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 
 import normflat  # noqa: E402
-from normflat.core.report import MEASURES  # noqa: E402
-from normflat.plotting import plot_invariance, plot_report, plot_study, save_layers_figure  # noqa: E402
+from normflat.core.constants import MEASURES  # noqa: E402
+from normflat.plotting import plot_report, save_layers_figure  # noqa: E402
+from normflat.study.figures import plot_invariance, plot_study, save_invariance_figure, save_study_figure  # noqa: E402
 from normflat.study.run import StudyResult, correlations  # noqa: E402
 
 
@@ -82,3 +84,15 @@ def test_layers_and_invariance_figures(tmp_path):
     assert ax.get_yscale() == "log"
     ydata = [list(line.get_ydata()) for line in ax.get_lines()]
     assert [1.0, 1.0, 1.0] in ydata and [1.0, 10.0, 100.0] in ydata
+
+
+def test_study_figures_are_saved_from_the_study_package(tmp_path):
+    path = save_study_figure(fake_result(), str(tmp_path / "s.png"))
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG" and path.endswith("s.png")
+    rows = [{"orders": r, **{f"{m}_ratio": 1.0 + r for m in MEASURES}} for r in (0.0, 1.0)]
+    path = save_invariance_figure(rows, str(tmp_path / "i.png"))
+    assert (tmp_path / "i.png").read_bytes()[:4] == b"\x89PNG"
+    import normflat.plotting
+
+    # Report figures and study figures live apart: plotting has no study functions left.
+    assert not hasattr(normflat.plotting, "plot_study") and not hasattr(normflat.plotting, "plot_invariance")
