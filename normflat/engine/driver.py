@@ -98,7 +98,12 @@ class Result:
 def _loop(session: Session, data: Any, options: AnalysisOptions, state: estimators.SumState,
           comm: Comm | None) -> tuple[int, int]:
     rank = comm.rank if comm is not None else 0
-    batches, total = data_contract.batches(data, session.adapter, options)
+    try:
+        batches, total = data_contract.batches(data, session.adapter, options)
+    except Exception as err:  # noqa: BLE001 - in a distributed run, raised on every rank by the first step
+        if comm is None:
+            raise
+        batches, total = _raising(err), None
     bar = progress_bar(batches, enabled=options.progress and rank == 0, desc=f"normflat {options.estimator}",
                        total=total)
     examples = count = 0
@@ -129,6 +134,12 @@ def _loop(session: Session, data: Any, options: AnalysisOptions, state: estimato
         elif not distributed.step(comm, active, error, f"on batch {count}"):
             break
     return examples, count
+
+
+def _raising(error: BaseException):
+    """An iterator whose first ``next`` raises ``error`` (a data error on this rank only)."""
+    raise error
+    yield  # noqa: unreachable - makes this a generator
 
 
 def run(make_session: Callable[[], Session], data: Any, options: AnalysisOptions,

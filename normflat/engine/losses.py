@@ -41,6 +41,7 @@ __all__ = [
     "check_logit_stats",
     "CONSTANT_LOGITS_RMS",
     "check_output_shape",
+    "check_loss_value",
     "namespace_check",
 ]
 
@@ -150,7 +151,7 @@ def mc_signals(xp: Any, p: Any, uniforms: Any, groups: int) -> Any:
         groups: ``K``; draw ``d`` belongs to group ``d mod K``, whose ``m_k`` members
             are scaled by ``1/√m_k`` so that each group's squares average its draws.
     """
-    n, c = int(p.shape[0]), int(p.shape[1])
+    c = int(p.shape[1])  # the sample axis may be unknown while tracing (tf.function, relaxed shapes)
     draws = int(uniforms.shape[1])
     cum = _cumsum(xp, p)  # (n, C)
     # The class of a draw: how many cumulative probabilities lie below the uniform
@@ -304,3 +305,30 @@ def check_output_shape(shape: tuple[int, ...], options: AnalysisOptions, index: 
             "a custom loss callable with estimator='exact' or 'hutchinson'."
         )
     return c
+
+
+def check_loss_value(shape: tuple[int, ...], finite: bool, index: int, options: AnalysisOptions) -> None:
+    """Raise the one error every framework gives for an unusable loss value of one batch.
+
+    Args:
+        shape: Shape of the value the loss returned (a custom loss must return a scalar).
+        finite: Whether the value is finite.
+        index: Batch index for the message.
+        options: The analysis options (whether the loss is a custom callable).
+
+    Raises:
+        TypeError: If a custom loss returned more than one number (a per-sample vector
+            would be summed and the measures off by the batch size).
+        ValueError: If the loss is NaN or infinite.
+    """
+    shape = tuple(int(d) for d in shape)
+    if callable(options.loss) and int(np.prod(shape, dtype=np.int64)) != 1:
+        raise TypeError(
+            f"Batch {index}: the loss callable returned an array of shape {shape}; it must return the "
+            "mean loss of the batch, a scalar (reduce a per-sample loss with .mean())."
+        )
+    if not finite:
+        raise ValueError(
+            f"Batch {index}: the loss is NaN or infinite; check the loss function, the weights and the "
+            "inputs."
+        )

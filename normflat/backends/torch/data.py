@@ -1,0 +1,110 @@
+"""The torch :class:`~normflat.engine.data.DataAdapter` and the move of a batch onto the model.
+
+The engine decides what data means (:mod:`normflat.engine.data`); this module
+only says how to read torch tensors, numpy arrays and DataLoaders, and converts a
+checked batch to tensors on the model's device (floating inputs in the model's
+dtype).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+import torch.utils.data
+
+__all__ = ["TorchAdapter", "ADAPTER", "to_model", "inputs_to_model"]
+
+
+class TorchAdapter:
+    """Torch tensors and numpy arrays; DataLoaders and any iterable of batches."""
+
+    framework = "torch"
+
+    def is_array(self, a: Any) -> bool:
+        return isinstance(a, (torch.Tensor, np.ndarray))
+
+    def shape(self, a: Any) -> tuple[int, ...]:
+        return tuple(int(d) for d in a.shape)
+
+    def kind(self, a: Any) -> str:
+        if isinstance(a, np.ndarray):
+            k = a.dtype.kind
+            return {"f": "f", "i": "i", "u": "i", "b": "b", "c": "c"}.get(k, "?")
+        if a.dtype == torch.bool:
+            return "b"
+        if a.is_floating_point():
+            return "f"
+        if a.is_complex():
+            return "c"
+        return "i"
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        if isinstance(a, np.ndarray):
+            return a
+        return a.detach().cpu().numpy()
+
+    def all_finite(self, a: Any) -> bool:
+        if isinstance(a, np.ndarray):
+            return bool(np.isfinite(a).all())
+        if a.device.type == "meta":
+            return True  # no values to check; the session refuses the device itself
+        if not a.is_floating_point():
+            return True
+        # One reduction decides the common case; the element-wise test runs only if the
+        # sum is not finite (it can overflow for huge finite values).
+        return bool(torch.isfinite(a.sum())) or bool(torch.isfinite(a).all())
+
+    def cardinality(self, data: Any) -> Any:
+        try:
+            return int(len(data))
+        except TypeError:  # generators, IterableDataset loaders without a length
+            return None
+
+    def reject(self, data: Any) -> str | None:
+        if isinstance(data, torch.utils.data.Dataset) and not isinstance(data, torch.utils.data.IterableDataset):
+            return (f"data is a {type(data).__name__}, which yields single samples; wrap it in a DataLoader "
+                    "(torch.utils.data.DataLoader(dataset, batch_size=...)).")
+        return None
+
+    def iterate(self, data: Any):
+        return data
+
+
+ADAPTER = TorchAdapter()
+
+
+def to_model(t: Any, what: str, index: int, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` as a tensor on ``device`` that can enter autograd; floating tensors cast to ``dtype``.
+
+    Raises:
+        ValueError: If a tensor is on another device than the model.
+    """
+    if isinstance(t, np.ndarray):
+        t = torch.as_tensor(t, device=device)
+    if t.device != device:
+        raise ValueError(
+            f"Batch {index}: the {what} are on device {t.device} but the model is on {device}; move the "
+            f"data to the model's device (x.to({str(device)!r})) or the model to the data's."
+        )
+    if t.is_inference():
+        t = t.clone()  # tensors made under torch.inference_mode() cannot enter autograd
+    if dtype is not None and torch.is_floating_point(t) and t.dtype != dtype:
+        t = t.to(dtype)  # the analysis runs in the model's dtype
+    return t
+
+
+def inputs_to_model(x: Any, index: int, device: torch.device, dtype: torch.dtype) -> tuple:
+    """The positional arguments of ``model(*xs)``: a tuple/list is spread, one array is one argument.
+
+    A dict of inputs is passed as keyword-less positional values in key order (torch
+    modules take positional inputs).
+    """
+    if isinstance(x, Mapping):
+        items = tuple(x[k] for k in x)
+    elif isinstance(x, (tuple, list)):
+        items = tuple(x)
+    else:
+        items = (x,)
+    return tuple(to_model(xi, "inputs", index, device, dtype) for xi in items)

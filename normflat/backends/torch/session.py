@@ -1,0 +1,401 @@
+"""The torch :class:`~normflat.engine.driver.Session`: one model under analysis.
+
+It holds the layers found by :func:`~normflat.backends.torch.layers.collect_layers`,
+runs one batch's estimator kernels (:mod:`~normflat.backends.torch.ggn`,
+:mod:`~normflat.backends.torch.hvp`) and adds their per-layer ``(K, *shape)``
+sums to the engine's state; the engine does the loop, the data contract, the
+distributed protocol and the problems. Everything runs on the model's device in
+the model's dtype, with autograd on also under ``torch.no_grad()`` or
+``torch.inference_mode()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import array_api_compat
+import torch
+
+from normflat.backends.torch import ggn as ggn_kernels
+from normflat.backends.torch import hvp
+from normflat.backends.torch.data import ADAPTER, inputs_to_model, to_model
+from normflat.backends.torch.distributed import TorchComm
+from normflat.backends.torch.layers import TorchLayer, all_finite, collect_layers, unwrap
+from normflat.backends.torch.state import ModelState, claim, release
+from normflat.engine import losses
+from normflat.engine import random as nrandom
+from normflat.engine.data import Batch, labels_for
+from normflat.engine.estimators import SumState
+from normflat.engine.options import AnalysisOptions
+
+__all__ = ["Settings", "parse_settings", "TorchSession", "BACKEND_OPTIONS", "DEFAULT_MAX_EXACT_PARAMS",
+           "DEFAULT_SIGNAL_ROWS"]
+
+#: ``estimator="exact"`` refuses models with more recognised weight entries unless ``force=True``.
+DEFAULT_MAX_EXACT_PARAMS = 20_000
+#: Default bound on ``signals × samples`` rows back-propagated at once by the GGN paths.
+DEFAULT_SIGNAL_ROWS = 8192
+#: The torch backend's own options (``distributed`` is taken by the package entry points).
+BACKEND_OPTIONS = ("force", "max_exact_params", "chunk_size", "memory_budget", "exact_chunk", "probe_chunk",
+                   "fast", "distributed")
+
+_XP = array_api_compat.array_namespace(torch.empty(0))
+
+
+@dataclass
+class Settings:
+    """The checked backend options."""
+
+    force: bool = False
+    max_exact_params: int = DEFAULT_MAX_EXACT_PARAMS
+    chunk_size: int | None = None
+    memory_budget: Any = None
+    exact_chunk: int = 64
+    probe_chunk: int = 16
+    fast: bool = True
+
+
+def parse_settings(backend_options: dict[str, Any]) -> Settings:
+    """Check the backend options (without ``distributed``).
+
+    Raises:
+        TypeError: For an unknown option.
+        ValueError: For a bad value.
+    """
+    unknown = sorted(set(backend_options) - set(BACKEND_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"Unknown option(s) for the torch backend: {unknown}; it accepts {list(BACKEND_OPTIONS)}."
+        )
+    s = Settings(**backend_options)
+    for name in ("max_exact_params", "exact_chunk", "probe_chunk"):
+        v = getattr(s, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}.")
+    if s.chunk_size is not None and (isinstance(s.chunk_size, bool) or not isinstance(s.chunk_size, int)
+                                     or s.chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {s.chunk_size!r}.")
+    if s.memory_budget is not None:
+        from normflat.core.memory import parse_memory_budget
+
+        if s.chunk_size is not None:
+            raise ValueError(
+                "Pass either chunk_size (samples per step) or memory_budget (the chunk size is then "
+                "chosen from it), not both."
+            )
+        s.memory_budget = parse_memory_budget(s.memory_budget)
+    return s
+
+
+class TorchSession:
+    """One ``nn.Module`` under analysis (the engine's session contract).
+
+    Construction discovers the layers, checks the backend options, records the
+    model's state (:class:`~normflat.backends.torch.state.ModelState`), switches
+    to ``eval()`` and installs the capture hooks; :meth:`close` undoes all of it.
+    """
+
+    framework = "torch"
+    adapter = ADAPTER
+
+    def __init__(self, model: Any, options: AnalysisOptions, backend_options: dict[str, Any],
+                 comm: TorchComm | None) -> None:
+        self.framework_version = torch.__version__
+        self.options = options
+        self.comm = comm
+        self.rank = comm.rank if comm is not None else 0
+        self.settings = parse_settings(backend_options)
+        model = unwrap(model)
+        # The skipped-layer warning once per analysis: on rank 0 of a distributed run.
+        on_unsupported = options.on_unsupported
+        if self.rank != 0 and on_unsupported == "warn":
+            on_unsupported = "skip"
+        self._layers, self.unsupported = collect_layers(model, options, self.settings.fast, on_unsupported)
+        self.layers = [layer.spec for layer in self._layers]
+        self._index = {id(layer): i for i, layer in enumerate(self._layers)}
+        first = self._layers[0].param
+        self.device, self.dtype = first.device, first.dtype
+        est = options.estimator
+        if est == "exact" and not self.settings.force:
+            total = sum(layer.param.numel() for layer in self._layers)
+            if total > self.settings.max_exact_params:
+                raise ValueError(
+                    f"estimator='exact' needs one Hessian-vector product per weight entry per batch; this "
+                    f"model has {total} weight entries, above the limit max_exact_params="
+                    f"{self.settings.max_exact_params}. Use estimator='ggn' or 'hutchinson', or pass force=True "
+                    "(or a larger max_exact_params) to run it anyway."
+                )
+        self.ggn = est in ("ggn", "ggn-mc")
+        self.chunk: int | None = self.settings.chunk_size
+        self.checked = False
+        self.batched = False
+        self.batches_seen = 0
+        self.probes = hvp.Probes(self._layers, options.seed) if est == "hutchinson" else None
+        self.capture: ggn_kernels.Capture | None = None
+        self._closed = False
+        self.model = model
+        self.state: ModelState | None = None
+        claim(model)  # raises, with nothing to undo, if another thread analyzes this module
+        try:
+            self.state = ModelState(model)
+            model.eval()  # BatchNorm uses its running statistics, dropout is off
+            if self.ggn:
+                fast = [layer for layer in self._layers if layer.fast]
+                self.capture = ggn_kernels.Capture(fast)
+                for layer in fast:
+                    layer.param.requires_grad_(True)  # so the layer outputs carry gradients for the signals
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ engine contract
+
+    def signature(self) -> list[Any]:
+        """``(name, kind, shape, dtype)`` per layer, for the distributed setup agreement."""
+        return [(layer.name, layer.ext.kind, tuple(layer.param.shape), str(layer.param.dtype))
+                for layer in self._layers]
+
+    def update(self, batch: Batch, state: SumState) -> None:
+        """Add one checked batch's per-layer ``(K, *shape)`` sums to ``state``."""
+        # Autograd on, also when called under torch.no_grad() or torch.inference_mode()
+        # (both are thread-local switches).
+        with torch.inference_mode(False), torch.enable_grad():
+            xs = inputs_to_model(batch.x, batch.index, self.device, self.dtype)
+            if self.ggn:
+                self._ggn_update(batch, xs, state)
+            else:
+                self._hvp_update(batch, xs, state)
+        self.batches_seen += 1
+
+    def zeros(self, layer: int) -> torch.Tensor:
+        """``(K, *shape)`` zeros of a layer the loss never reached."""
+        p = self._layers[layer].param
+        return torch.zeros((self.options.groups, *p.shape), dtype=p.dtype, device=p.device)
+
+    def all_finite(self, array: Any) -> bool:
+        """Whether a tensor is finite."""
+        return all_finite(array)
+
+    def canonical(self, layer: int, array: Any) -> Any:
+        """A tensor of the parameter's shape in the canonical ``(out, in/groups, *k)`` layout."""
+        return self._layers[layer].canonical(array)
+
+    def weight(self, layer: int) -> Any:
+        """The canonical weight (a detached view of the parameter)."""
+        return self._layers[layer].canonical(self._layers[layer].param.detach())
+
+    def metadata(self) -> dict[str, Any]:
+        """``dtype``, ``device``, ``chunk_size``, ``memory_budget``; merges the ranks' layer paths."""
+        devices = [str(self.device)]
+        chunk = self.chunk
+        if self.comm is not None:
+            # Called on every rank after the reduction. A rank that saw no batch never
+            # learned which layers need the generic path: merge, so every rank reports alike.
+            infos = self.comm.gather((self.batches_seen > 0, str(self.device),
+                                      [(layer.fast, layer.spec.path, layer.spec.reason) for layer in self._layers],
+                                      self.chunk))
+            ran = [info for info in infos if info[0]] or infos
+            for i, layer in enumerate(self._layers):
+                slow = next((info[2][i] for info in ran if not info[2][i][0]), None)
+                if slow is not None and layer.fast:
+                    layer.fast = False
+                    layer.spec.path, layer.spec.reason = slow[1], slow[2]
+            devices = list(dict.fromkeys(info[1] for info in infos))
+            chunks = [info[3] for info in infos if info[3] is not None]
+            chunk = max(chunks) if chunks else None
+        return {
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "device": ", ".join(devices),
+            "chunk_size": chunk if self.ggn else None,
+            "memory_budget": self.settings.memory_budget,
+            "backend": {},
+        }
+
+    def close(self) -> None:
+        """Remove the hooks and restore the model (idempotent; the driver always calls it)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.capture is not None:
+                self.capture.remove()
+            if self.state is not None:
+                self.state.restore()
+        finally:
+            release(self.model)
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_logits(self, logits: Any, batch: Batch, rows: int) -> int:
+        if not isinstance(logits, torch.Tensor):
+            raise TypeError(
+                f"The model returned a {type(logits).__name__}; normflat needs a forward that maps inputs "
+                "to a (batch, classes) logits tensor."
+            )
+        c = losses.check_output_shape(tuple(logits.shape), self.options, batch.index, rows)
+        stats = losses.logit_stats(_XP, logits.detach())
+        losses.check_logit_stats(stats.cpu().numpy(), self.options, batch.index, c,
+                                 float(torch.finfo(logits.dtype).eps))
+        return c
+
+    def _labels(self, batch: Batch, c: int) -> torch.Tensor:
+        ids = labels_for(batch, c, ADAPTER, self.options)
+        if ids is None:  # a custom loss gets the labels as given
+            return to_model(batch.y, "labels", batch.index, self.device, None)
+        return torch.as_tensor(ids, device=self.device)
+
+    def _loss_sum(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if callable(self.options.loss):
+            return self.options.loss(logits, y).reshape(()) * logits.shape[0]
+        return losses.loss_sum(_XP, logits, y, self.options)
+
+    def _check_loss(self, logits: torch.Tensor, y: torch.Tensor, index: int) -> None:
+        if callable(self.options.loss):
+            value = self.options.loss(logits, y)
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"Batch {index}: the loss callable returned a {type(value).__name__}; it must return "
+                    "the mean loss of the batch as a scalar torch tensor (differentiable in the logits)."
+                )
+        else:
+            value = losses.loss_sum(_XP, logits, y, self.options)
+        losses.check_loss_value(tuple(value.shape), all_finite(value.detach()), index, self.options)
+
+    # ------------------------------------------------------------------ exact, hutchinson
+
+    def _hvp_update(self, batch: Batch, xs: tuple, state: SumState) -> None:
+        with torch.no_grad():
+            logits = self.model(*xs)
+        c = self._check_logits(logits, batch, batch.n)
+        y = self._labels(batch, c)
+        self._check_loss(logits, y, batch.index)
+        del logits
+        loss_of = hvp.functional_loss(self.model, xs, lambda z: self._loss_sum(z, y))
+        if self.options.estimator == "exact":
+            hvp.exact_update(loss_of, self._layers, self.settings.exact_chunk, state)
+        else:
+            assert self.probes is not None and self.options.samples is not None
+            hvp.hutchinson_update(loss_of, self._layers, self.probes, self.options.samples, self.options.groups,
+                                  self.settings.probe_chunk, state)
+
+    # ------------------------------------------------------------------ ggn, ggn-mc
+
+    def _signals_per_sample(self, c: int) -> int:
+        if self.options.estimator == "ggn":
+            return max(c - 1, 1)
+        k = self.options.groups
+        assert self.options.samples is not None
+        return k * -(-self.options.samples // k)
+
+    def _choose_chunk(self, logits: torch.Tensor, rows: int, c: int) -> int:
+        """Samples per GGN step: bound the signal rows back-propagated at once."""
+        per_sample = self._signals_per_sample(c)
+        if self.settings.memory_budget is None:
+            return max(1, DEFAULT_SIGNAL_ROWS // per_sample)
+        from normflat.core.memory import chunk_size_for
+
+        # Per sample: the signals at every fast layer output (and a stacked copy), and the
+        # generic path's per-signal weight gradients.
+        assert self.capture is not None
+        item = logits.element_size()
+        outs = sum(self.capture.outputs[id(layer)].numel() // rows for layer in self._layers
+                   if id(layer) in self.capture.outputs)
+        weights = sum(layer.param.numel() for layer in self._layers if not layer.fast)
+        need = per_sample * item * (2 * (outs + c) + weights)
+        return chunk_size_for(self.settings.memory_budget, need, "the back-propagated GGN signals")
+
+    def _first_check(self, logits: torch.Tensor, fast: list[TorchLayer]) -> None:
+        """On the first forward: the fast rules need each weight used once, by its own module,
+        called once per forward; and the graph decides batched vs looped backward."""
+        assert self.capture is not None
+        cap = self.capture
+        outs = [cap.outputs[id(layer)] for layer in fast if id(layer) in cap.outputs]
+        uses, self.batched = ggn_kernels.inspect_graph(logits.grad_fn, {id(layer.param): layer for layer in fast},
+                                                       outs)
+        for layer in fast:
+            calls = cap.calls.get(id(layer), 0)
+            if calls != 1:
+                layer.disable_fast(f"module called {calls} times per forward")
+            elif uses[id(layer.param)] != 1:
+                layer.disable_fast(f"weight used {uses[id(layer.param)]} times in the graph")
+            elif id(layer) not in cap.outputs:
+                layer.disable_fast("module input or output is not a single tensor")
+        self.checked = True
+
+    def _ggn_update(self, batch: Batch, xs: tuple, state: SumState) -> None:
+        n = batch.n
+        assert self.capture is not None
+        cap = self.capture
+        step = self.chunk or n
+        labels_checked = False
+        for start in range(0, n, step):
+            sl = slice(start, min(n, start + step))
+            rows = sl.stop - sl.start
+            xc = tuple(xi[sl] for xi in xs)
+            cap.reset()
+            logits = self.model(*xc)
+            c = self._check_logits(logits, batch, rows)
+            if not labels_checked:
+                self._labels(batch, c)  # the data contract: labels in range (the GGN does not use them)
+                labels_checked = True
+            if self.chunk is None:
+                # The class count is known after the first forward, which is redone in chunks if
+                # the whole batch is too big.
+                self.chunk = self._choose_chunk(logits, rows, c)
+                if self.chunk < rows:
+                    cap.reset()
+                    del logits
+                    return self._ggn_update(batch, xs, state)
+            uniforms = None
+            if self.options.estimator == "ggn-mc":
+                assert self.options.samples is not None
+                u = nrandom.sample_uniforms(self.options.seed, self.rank, batch.offset + start, rows,
+                                            self.options.samples)
+                uniforms = torch.from_numpy(u).to(device=logits.device, dtype=logits.dtype)
+            sig = losses.output_signals(_XP, logits.detach(), self.options, uniforms)  # (K, M, rows, C)
+            fast = [layer for layer in self._layers if layer.fast]
+            if not self.checked and fast:
+                self._first_check(logits, fast)
+                fast = [layer for layer in fast if layer.fast]
+            for layer in fast:
+                if cap.calls.get(id(layer), 0) != 1 or cap.modified(id(layer)):
+                    # Dynamic models: re-checked on every chunk; earlier chunks' sums stay valid.
+                    layer.disable_fast("layer not called exactly once, or its input modified in place")
+            fast = [layer for layer in fast if layer.fast]
+            if fast:
+                self._fast_squares(logits, sig, fast, state)
+            del logits
+            cap.reset()
+            generic = [layer for layer in self._layers if not layer.fast]
+            if generic:
+                cap.active = False
+                try:
+                    res = ggn_kernels.generic_ggn(self.model, xc, sig, generic)
+                finally:
+                    cap.active = True
+                for layer in generic:
+                    state.add(self._index[id(layer)], res[layer.param_name].detach())
+
+    def _fast_squares(self, logits: torch.Tensor, sig: torch.Tensor, fast: list[TorchLayer],
+                      state: SumState) -> None:
+        assert self.capture is not None
+        cap = self.capture
+        k, m, nc, _ = sig.shape
+        outs = [cap.outputs[id(layer)] for layer in fast]
+        grads = list(ggn_kernels.backprop_signals(logits, outs, sig.reshape(k * m, nc, -1), self.batched))
+        for i, layer in enumerate(fast):
+            parts, grads[i] = grads[i], None  # the rule may free the parts once used
+            if parts is None:  # the layer does not influence the logits
+                continue
+            deltas = ggn_kernels.Deltas(parts, k, m)
+            del parts
+            rule = layer.ext.ggn_squares
+            assert rule is not None
+            try:
+                value = rule(layer.module, cap.inputs[id(layer)],
+                             deltas if ggn_kernels.wants_deltas(rule) else deltas.stacked())
+            except ggn_kernels.NoFastPath as why:  # handled by the generic path, this chunk included
+                layer.disable_fast(str(why))
+                continue
+            state.add(self._index[id(layer)], value.detach())
