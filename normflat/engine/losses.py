@@ -68,16 +68,21 @@ def normalize_logits(xp: Any, z: Any, temperature: float = 1.0) -> tuple[Any, An
 
     Returns:
         ``(u, zhat, sigma)``: ``u = τ ẑ``, ``ẑ`` and ``σ = √(mean((z − z̄)²) + ε)``
-        with a trailing axis of size 1; ``σ`` is computed as ``m · √(mean((zc/m)²) +
-        ε/m²)`` with ``m`` the largest ``|zc|``, which cannot overflow.
+        with a trailing axis of size 1; ``σ`` is computed as ``t · √(mean((zc/t)²) +
+        ε/t²)`` with ``t = max(max|zc|, √ε)``, which neither overflows nor underflows.
     """
     zc = z - xp.mean(z, axis=-1, keepdims=True)
     m = xp.max(xp.abs(zc), axis=-1, keepdims=True)
-    m = xp.where(m > 0, m, xp.ones_like(m))
-    zs = zc / m
-    s = xp.sqrt(xp.mean(zs * zs, axis=-1, keepdims=True) + NSCE_EPS / (m * m))
+    # Divide by t = max(m, √ε) rather than m: (ε/m²) would overflow for m ~ 1e20 and lose
+    # precision (subnormal m²) for m ~ 1e-20 in float32; with t >= √ε the added term
+    # q² = ε/t² lies in [0, 1].
+    root_eps = math.sqrt(NSCE_EPS)
+    t = xp.where(m > root_eps, m, xp.ones_like(m) * root_eps)
+    zs = zc / t
+    q = root_eps / t
+    s = xp.sqrt(xp.mean(zs * zs, axis=-1, keepdims=True) + q * q)
     zhat = zs / s
-    return temperature * zhat, zhat, m * s
+    return temperature * zhat, zhat, t * s
 
 
 def log_softmax(xp: Any, u: Any) -> Any:

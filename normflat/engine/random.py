@@ -60,9 +60,11 @@ def sample_uniforms(seed: int, stream: int, start: int, n: int, draws: int) -> n
         ``(seed, stream, start + i, d)``.
     """
     key = _key(seed, stream, 0x6D63)
-    idx = (np.arange(start, start + n, dtype=np.uint64)[:, None] * np.uint64(max(draws, 1))
-           + np.arange(draws, dtype=np.uint64)[None, :])
-    bits = _mix(key ^ _mix(idx + _GOLDEN))
+    # Hash the sample position and the draw index separately (not i·draws + d), so that
+    # draw d of a sample is the same whatever the number of draws.
+    position = np.arange(start, start + n, dtype=np.uint64)[:, None]
+    draw = np.arange(draws, dtype=np.uint64)[None, :]
+    bits = _mix(_mix(key ^ _mix(position + _GOLDEN)) ^ (draw + _GOLDEN))
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
 
 

@@ -123,7 +123,7 @@ def _user_stacklevel() -> int:
     """Stack level of the first frame outside normflat (so warnings point at the user's call)."""
     frame = sys._getframe(2)
     level = 2
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
         frame = frame.f_back
         level += 1
     return level

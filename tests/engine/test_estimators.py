@@ -1,0 +1,118 @@
+"""The ``(init, update, finalize)`` estimator state of :mod:`normflat.engine.estimators` (method §6)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from normflat.engine import estimators, validate_options
+
+SHAPES = [(3, 2), (2, 2, 3)]
+
+
+def _zeros(options):
+    return lambda i: np.zeros((options.groups,) + SHAPES[i])
+
+
+def _finite(a):
+    return bool(np.all(np.isfinite(a)))
+
+
+def _finalize(state, options, examples):
+    return estimators.finalize(state, options, examples, _zeros(options), _finite, ["first", "second"])
+
+
+@pytest.mark.parametrize("estimator,samples,groups", [
+    ("ggn", None, 1), ("exact", None, 1), ("ggn-mc", 1, 1), ("ggn-mc", 3, 3), ("hutchinson", 1, 1),
+    ("hutchinson", 7, 7), ("hutchinson", 100, 10), ("ggn-mc", 25, 10),
+])
+def test_groups(estimator, samples, groups):
+    options = validate_options(estimator=estimator, samples=samples)
+    assert options.groups == groups
+    state = estimators.init(2, options)
+    assert state.groups == groups and state.sums == [None, None]
+
+
+def test_hutchinson_divisors_are_probes_per_group():
+    options = validate_options(estimator="hutchinson", samples=25)  # 10 groups of 3 or 2 probes
+    np.testing.assert_array_equal(estimators.divisors(options, 6), 6.0 * np.array([3] * 5 + [2] * 5))
+
+
+@pytest.mark.parametrize("estimator,samples", [("ggn-mc", 25), ("ggn-mc", 1), ("ggn", None), ("exact", None)])
+def test_other_divisors_are_examples(estimator, samples):
+    # ggn-mc signals are already scaled by 1/√m_k (losses.mc_signals)
+    options = validate_options(estimator=estimator, samples=samples)
+    np.testing.assert_array_equal(estimators.divisors(options, 6), np.full(options.groups, 6.0))
+
+
+def test_update_and_finalize_hutchinson():
+    rng = np.random.default_rng(0)
+    options = validate_options(estimator="hutchinson", samples=13)  # 10 groups: 2,2,2,1,...
+    k = options.groups
+    state = estimators.init(2, options)
+    parts = [rng.normal(size=(k, 3, 2)) for _ in range(3)]
+    for part in parts:
+        assert estimators.update(state, 0, part) is state
+    results = _finalize(state, options, examples=5)
+    counts = np.array([2, 2, 2] + [1] * 7)
+    groups_ref = sum(parts) / (5.0 * counts[:, None, None])
+    diag, groups = results[0]
+    assert len(groups) == k
+    np.testing.assert_allclose(np.stack(groups), groups_ref, rtol=1e-15)
+    np.testing.assert_allclose(diag, groups_ref.mean(0), rtol=1e-14)
+    # the untouched layer: zeros of its shape, with K zero group estimates
+    diag2, groups2 = results[1]
+    assert diag2.shape == SHAPES[1] and not np.any(diag2)
+    assert len(groups2) == k and all(g.shape == SHAPES[1] and not np.any(g) for g in groups2)
+
+
+def test_finalize_deterministic_single_group():
+    options = validate_options(estimator="ggn")
+    state = estimators.init(2, options)
+    a, b = np.arange(6.0).reshape(1, 3, 2), np.ones((1, 3, 2))
+    state.add(0, a)
+    state.add(0, b)
+    (diag, groups), (diag2, groups2) = _finalize(state, options, examples=4)
+    assert groups is None and groups2 is None
+    np.testing.assert_allclose(diag, (a[0] + b[0]) / 4, rtol=1e-15)
+    assert diag2.shape == SHAPES[1] and not np.any(diag2)
+
+
+def test_finalize_ggn_mc_groups():
+    options = validate_options(estimator="ggn-mc", samples=3)
+    state = estimators.init(2, options)
+    v = np.arange(18.0).reshape(3, 3, 2)
+    state.add(0, v)
+    diag, groups = _finalize(state, options, examples=2)[0]
+    np.testing.assert_allclose(np.stack(groups), v / 2, rtol=1e-15)
+    np.testing.assert_allclose(diag, v.mean(0) / 2, rtol=1e-15)
+
+
+def test_update_does_not_alias_the_first_contribution():
+    # The first contribution becomes the sum; adding later ones must not write into the
+    # caller's array (the state adds out of place).
+    options = validate_options(estimator="ggn")
+    state = estimators.init(1, options)
+    first = np.ones((1, 3, 2))
+    state.add(0, first)
+    state.add(0, np.ones((1, 3, 2)))
+    np.testing.assert_array_equal(first, 1.0)
+
+
+def test_wrong_group_count():
+    options = validate_options(estimator="ggn-mc", samples=4)
+    state = estimators.init(2, options)
+    with pytest.raises(ValueError, match="has 1 groups, expected 4"):
+        state.add(0, np.zeros((1, 3, 2)))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_diagonal_names_the_layer(bad):
+    options = validate_options(estimator="ggn")
+    state = estimators.init(2, options)
+    state.add(0, np.ones((1, 3, 2)))
+    v = np.ones((1, 2, 2, 3))
+    v[0, 1, 0, 2] = bad
+    state.add(1, v)
+    with pytest.raises(ValueError, match="Layer 'second': the Hessian diagonal is not finite"):
+        _finalize(state, options, examples=3)

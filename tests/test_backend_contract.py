@@ -1,0 +1,553 @@
+"""The backend contract: every model builder, through the public API only.
+
+Whatever the framework, ``normflat.analyze`` / ``normflat.hessian_diagonal``
+must treat data, labels and errors the same way (one engine, method §9), give
+deterministic, split-independent and framework-independent stochastic
+estimates (normflat's own counter-based draws, probes in the canonical layout,
+method §6), and leave the user's model exactly as it was, also after an error
+or a ``KeyboardInterrupt``.
+
+Only the builders (``tests/builders``) and a few framework helpers below
+(appending a softmax, a custom loss, a state fingerprint) know the framework.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import normflat
+from normflat.engine import DETAIL_KEYS, METADATA_KEYS
+from tests import netspec
+from tests.builders import BUILDERS, load_builder
+
+FRAMEWORK = {"torch": "torch", "keras": "keras", "equinox": "jax", "flax_nnx": "jax", "flax_linen": "jax"}
+
+
+@pytest.fixture(params=BUILDERS)
+def builder(request):
+    module = load_builder(request.param)
+    module.NAME = request.param
+    return module
+
+
+def _mlp(seed=0, sizes=(4, 5, 3)):
+    return netspec.mlp(sizes, seed=seed)
+
+
+def _cnn(seed=0):
+    return netspec.cnn(channels=(2, 3, 4), image=4, seed=seed, batchnorm=True, maxpool=False)
+
+
+def _kw(builder, **kw):
+    kw.setdefault("progress", False)
+    return {**kw, **builder.ANALYZE_KWARGS}
+
+
+def _numpy(a):
+    if hasattr(a, "detach"):
+        a = a.detach().cpu()
+    return np.asarray(a, dtype=np.float64)
+
+
+def _diag(builder, model, data, **kw):
+    return [_numpy(v) for v in normflat.hessian_diagonal(model, data, **_kw(builder, **kw)).values()]
+
+
+def _batches(builder, x, y, size):
+    """Framework-native batches as a list of (x, y) tuples."""
+    return [tuple(b) for b in builder.make_data(x, y, size)]
+
+
+def _pair(builder, x, y):
+    """One framework-native (x, y) pair."""
+    (batch,) = _batches(builder, x, y, len(x))
+    return batch
+
+
+def _native(builder, a):
+    """A label array in the framework's own array type."""
+    if builder.NAME == "torch":
+        import torch
+
+        return torch.as_tensor(a)
+    if builder.NAME == "keras":
+        import tensorflow as tf
+
+        return tf.convert_to_tensor(a)
+    import jax.numpy as jnp
+
+    return jnp.asarray(a)
+
+
+def _xp(builder):
+    """The framework's array functions, for custom losses."""
+    if builder.NAME == "torch":
+        import torch
+
+        return torch
+    if builder.NAME == "keras":
+        import keras
+
+        return keras.ops
+    import jax.numpy as jnp
+
+    return jnp
+
+
+def _assert_same(a, b, rtol=1e-12, what=""):
+    assert len(a) == len(b), what
+    scale = max(float(np.max(np.abs(v))) for v in b)
+    for i, (u, v) in enumerate(zip(a, b)):
+        np.testing.assert_allclose(u, v, rtol=rtol, atol=rtol * 1e-3 * scale, err_msg=f"{what} layer {i}")
+
+
+# ----------------------------------------------------------------------------- framework helpers
+
+
+def _with_softmax(builder, model):
+    """The model followed by a softmax: its outputs are probabilities, not logits."""
+    name = builder.NAME
+    if name == "torch":
+        from torch import nn
+
+        return nn.Sequential(model, nn.Softmax(dim=1))
+    if name == "keras":
+        import keras
+
+        # A softmax written out: a final Softmax layer or activation is removed by the
+        # Keras backend (docs/semantics.md), see test_keras_final_softmax_is_stripped.
+        def probabilities(t):
+            e = keras.ops.exp(t - keras.ops.max(t, axis=-1, keepdims=True))
+            return e / keras.ops.sum(e, axis=-1, keepdims=True)
+
+        return keras.Model(model.input, keras.layers.Lambda(probabilities, dtype="float64")(model.outputs[0]))
+    import jax
+
+    if name == "equinox":
+        import equinox as eqx
+
+        class WithSoftmax(eqx.Module):
+            net: eqx.Module
+
+            def __call__(self, x):
+                return jax.nn.softmax(self.net(x), axis=-1)
+
+        return WithSoftmax(model)
+    if name == "flax_nnx":
+        from flax import nnx
+
+        class WithSoftmaxNnx(nnx.Module):
+            def __init__(self, net):
+                self.net = net
+
+            def __call__(self, h):
+                return jax.nn.softmax(self.net(h), axis=-1)
+
+        return WithSoftmaxNnx(model)
+    if name == "flax_linen":
+        import flax.linen as linen
+
+        module, variables = model
+
+        class WithSoftmaxLinen(linen.Module):
+            inner: linen.Module
+
+            @linen.compact
+            def __call__(self, h):
+                return jax.nn.softmax(self.inner(h), axis=-1)
+
+        wrapped = {k: {"inner": v} for k, v in variables.items()}
+        return WithSoftmaxLinen(module.clone()), wrapped
+    raise AssertionError(name)
+
+
+def _fingerprint(builder, model):
+    """Everything of the model (and the framework's global state) an analysis must not change."""
+    state = {"numpy_rng": repr(np.random.get_state()[1][:8].tolist())}
+    name = builder.NAME
+    if name == "torch":
+        import torch
+
+        state["params"] = [(n, p.detach().clone().numpy(), p.requires_grad, p.grad is None, p.dtype)
+                           for n, p in model.named_parameters()]
+        state["buffers"] = [(n, b.detach().clone().numpy()) for n, b in model.named_buffers()]
+        state["training"] = [(n, m.training) for n, m in model.named_modules()]
+        state["hooks"] = [(n, len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+                          for n, m in model.named_modules()]
+        state["global"] = (torch.is_grad_enabled(), torch.get_default_dtype(), torch.get_rng_state().numpy().tobytes())
+    elif name == "keras":
+        import keras
+
+        state["weights"] = [(w.path, w.trainable, np.array(w.numpy())) for w in model.weights]
+        # a replaced call (class or instance attribute) must be put back
+        state["layers"] = [(layer.name, layer.trainable, type(layer).call, vars(layer).get("call"))
+                           for layer in model.layers]
+        state["model"] = (model.trainable, len(model.trainable_weights), len(model.non_trainable_weights))
+    else:
+        import jax
+
+        if name == "flax_nnx":
+            from flax import nnx
+
+            tree = nnx.state(model)
+        elif name == "flax_linen":
+            tree = model[1]
+        else:
+            tree = model
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        state["leaves"] = [np.array(v) if hasattr(v, "shape") else v for v in leaves]
+        state["treedef"] = str(treedef)
+    return state
+
+
+def _assert_fingerprint_equal(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert _equal(a[key], b[key]), key
+
+
+def _equal(a, b):
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape and np.array_equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_equal(u, v) for u, v in zip(a, b))
+    return a == b
+
+
+# ----------------------------------------------------------------------------- data contract
+
+
+def test_single_pair_is_one_batch_and_equals_batches(builder):
+    spec = _mlp(1)
+    x, y = netspec.data(spec, n=12, seed=2)
+    model = builder.build(spec)
+    one = normflat.analyze(model, _pair(builder, x, y), **_kw(builder))
+    assert one.metadata["batches"] == 1 and one.metadata["examples"] == 12
+    many = normflat.analyze(model, _batches(builder, x, y, 5), **_kw(builder))
+    assert many.metadata["batches"] == 3 and many.metadata["examples"] == 12
+    assert many.normalized_sharpness == pytest.approx(one.normalized_sharpness, rel=1e-12)
+    _assert_same(_diag(builder, model, _batches(builder, x, y, 5)), _diag(builder, model, _pair(builder, x, y)))
+
+
+def test_one_hot_labels_equal_class_indices(builder):
+    spec = _mlp(2)
+    x, y = netspec.data(spec, n=8, seed=3)
+    model = builder.build(spec)
+    onehot = np.eye(spec.num_classes)[y]
+    for estimator in ("ggn", "exact"):
+        ref = _diag(builder, model, builder.make_data(x, y, 4), estimator=estimator)
+        got = _diag(builder, model, builder.make_data(x, onehot, 4), estimator=estimator)
+        _assert_same(got, ref, rtol=1e-14, what=estimator)
+
+
+def test_empty_batch_is_skipped(builder):
+    spec = _mlp(3)
+    x, y = netspec.data(spec, n=8, seed=4)
+    model = builder.build(spec)
+    batches = _batches(builder, x, y, 4)
+    empty = tuple(a[:0] for a in batches[0])
+    ref = normflat.analyze(model, batches, **_kw(builder))
+    got = normflat.analyze(model, [empty, batches[0], empty, batches[1], empty], **_kw(builder))
+    assert got.metadata["examples"] == 8 and got.metadata["batches"] == 2
+    assert got.normalized_sharpness == pytest.approx(ref.normalized_sharpness, rel=1e-13)
+    _assert_same(_diag(builder, model, [empty, batches[0], empty, batches[1]], estimator="ggn-mc", samples=2),
+                 _diag(builder, model, batches, estimator="ggn-mc", samples=2), rtol=1e-13)
+
+
+def test_max_batches(builder):
+    spec = _mlp(4)
+    x, y = netspec.data(spec, n=12, seed=5)
+    model = builder.build(spec)
+    got = normflat.analyze(model, builder.make_data(x, y, 4), **_kw(builder, max_batches=2))
+    assert got.metadata["examples"] == 8 and got.metadata["batches"] == 2
+    ref = normflat.analyze(model, builder.make_data(x[:8], y[:8], 4), **_kw(builder))
+    assert got.normalized_sharpness == pytest.approx(ref.normalized_sharpness, rel=1e-13)
+
+
+def test_max_batches_does_not_draw_one_more(builder):
+    spec = _mlp(4)
+    x, y = netspec.data(spec, n=12, seed=5)
+    model = builder.build(spec)
+    drawn = []
+
+    def gen():
+        for i, batch in enumerate(_batches(builder, x, y, 3)):
+            drawn.append(i)
+            yield batch
+
+    report = normflat.analyze(model, gen(), **_kw(builder, max_batches=2))
+    assert report.metadata["batches"] == 2 and drawn == [0, 1]
+
+
+def test_mismatched_lengths(builder):
+    spec = _mlp(5)
+    x, y = netspec.data(spec, n=6, seed=6)
+    xb, yb = _pair(builder, x, y)
+    with pytest.raises(ValueError, match="6 inputs but 5 labels"):
+        normflat.analyze(builder.build(spec), (xb, yb[:5]), **_kw(builder))
+
+
+def test_labels_out_of_range(builder):
+    spec = _mlp(6)
+    x, _ = netspec.data(spec, n=6, seed=7)
+    for bad in (np.full(6, spec.num_classes), np.full(6, -1)):
+        with pytest.raises(ValueError, match=r"class indices in \[0, 2\]"):
+            normflat.analyze(builder.build(spec), builder.make_data(x, bad, 3), **_kw(builder))
+
+
+def test_soft_labels_refused(builder):
+    spec = _mlp(7)
+    x, _ = netspec.data(spec, n=6, seed=8)
+    soft = np.full((6, 3), 1 / 3)
+    xb = _pair(builder, x, np.zeros(6, dtype=np.int64))[0]
+    with pytest.raises(ValueError, match="soft or smoothed labels are not supported"):
+        normflat.analyze(builder.build(spec), (xb, _native(builder, soft)), **_kw(builder))
+
+
+def test_all_empty_data(builder):
+    spec = _mlp(8)
+    x, y = netspec.data(spec, n=4, seed=9)
+    model = builder.build(spec)
+    empty = tuple(a[:0] for a in _pair(builder, x, y))
+    for data in ([empty, empty], [], empty):
+        with pytest.raises(ValueError, match="The data is empty"):
+            normflat.analyze(model, data, **_kw(builder))
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_probabilities_refused(builder):
+    spec = _mlp(9)
+    x, y = netspec.data(spec, n=6, seed=10)
+    model = _with_softmax(builder, builder.build(spec))
+    for loss in ("nsce", "ce"):
+        with pytest.raises(ValueError, match="probabilities"):
+            normflat.analyze(model, builder.make_data(x, y, 3), **_kw(builder, loss=loss))
+
+
+def test_keras_final_softmax_is_stripped(builder):
+    # Documented Keras behaviour (docs/semantics.md): a final Softmax of a functional
+    # model is made the identity while analyzing, so the numbers are those of the logits.
+    if builder.NAME != "keras":
+        pytest.skip("Keras only")
+    import keras
+
+    spec = _mlp(9)
+    x, y = netspec.data(spec, n=6, seed=10)
+    model = builder.build(spec)
+    wrapped = keras.Model(model.input, keras.layers.Softmax(dtype="float64")(model.outputs[0]))
+    pred = builder.predict(wrapped, x)
+    got = normflat.analyze(wrapped, builder.make_data(x, y, 3), **_kw(builder))
+    ref = normflat.analyze(model, builder.make_data(x, y, 3), **_kw(builder))
+    assert got.metadata["backend"].get("stripped_softmax")
+    assert got.normalized_sharpness == pytest.approx(ref.normalized_sharpness, rel=1e-12)
+    np.testing.assert_array_equal(builder.predict(wrapped, x), pred)  # the softmax is back
+
+
+def test_zero_initialized_head(builder):
+    spec = _mlp(10)
+    head = spec.weight_layers()[-1]
+    head.weight[:] = 0.0
+    head.bias[:] = 0.0
+    x, y = netspec.data(spec, n=6, seed=11)
+    model = builder.build(spec)
+    with pytest.raises(ValueError, match=r"nearly\) equal across classes"):
+        normflat.analyze(model, builder.make_data(x, y, 3), **_kw(builder, loss="nsce"))
+    report = normflat.analyze(model, builder.make_data(x, y, 3), **_kw(builder, loss="ce"))
+    assert np.isfinite(report.normalized_sharpness) and np.isfinite(report.hessian_trace)
+
+
+def test_single_output_unit(builder):
+    spec = _mlp(11, sizes=(4, 5, 1))
+    x, _ = netspec.data(spec, n=6, seed=12)
+    with pytest.raises(ValueError, match="single output unit"):
+        normflat.analyze(builder.build(spec), builder.make_data(x, np.zeros(6, dtype=np.int64), 3), **_kw(builder))
+
+
+def test_custom_loss_errors(builder):
+    spec = _mlp(12)
+    x, y = netspec.data(spec, n=6, seed=13)
+    model = builder.build(spec)
+    xp = _xp(builder)
+
+    def per_sample(z, labels):
+        return xp.mean(z * z, axis=1)
+
+    def nan_loss(z, labels):
+        return xp.mean(z * z) * float("nan")
+
+    for estimator in ("exact", "hutchinson"):
+        with pytest.raises(TypeError, match="must return the mean loss"):
+            normflat.analyze(model, builder.make_data(x, y, 3), **_kw(builder, loss=per_sample, estimator=estimator))
+        # the engine's loss check, not only the later non-finite-diagonal error (which also says NaN)
+        with pytest.raises(ValueError, match="Batch 0: the loss is NaN or infinite"):
+            normflat.analyze(model, builder.make_data(x, y, 3), **_kw(builder, loss=nan_loss, estimator=estimator))
+
+
+def test_option_errors(builder):
+    spec = _mlp(13)
+    x, y = netspec.data(spec, n=6, seed=14)
+    model = builder.build(spec)
+    with pytest.raises(ValueError, match="samples=3 has no meaning"):
+        normflat.analyze(model, builder.make_data(x, y, 3), **_kw(builder, estimator="ggn", samples=3))
+    with pytest.raises(ValueError, match="tol must be a positive finite number"):
+        normflat.analyze(model, builder.make_data(x, y, 3), **_kw(builder, tol=-1))
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+def test_metadata_and_details(builder):
+    spec = _cnn(1)
+    x, y = netspec.data(spec, n=6, seed=15)
+    report = normflat.analyze(builder.build(spec), builder.make_data(x, y, 4), **_kw(builder, estimator="ggn-mc",
+                                                                                    samples=2, seed=3))
+    meta = report.metadata
+    assert set(meta) >= set(METADATA_KEYS)
+    assert meta["framework"] == FRAMEWORK[builder.NAME]
+    assert (meta["estimator"], meta["samples"], meta["seed"], meta["loss"]) == ("ggn-mc", 2, 3, "nsce")
+    assert (meta["examples"], meta["batches"], meta["world_size"]) == (6, 2, 1)
+    assert len(report.layers) == len(spec.weight_layers())
+    for layer in report.layers:
+        assert set(layer.details) >= set(DETAIL_KEYS), layer.name
+
+
+# ----------------------------------------------------------------------------- determinism
+
+
+@pytest.mark.parametrize("estimator,samples", [("ggn", None), ("exact", None), ("ggn-mc", 3), ("hutchinson", 4)])
+def test_deterministic(builder, estimator, samples):
+    spec = _mlp(14)
+    x, y = netspec.data(spec, n=8, seed=16)
+    model = builder.build(spec)
+    a = _diag(builder, model, builder.make_data(x, y, 4), estimator=estimator, samples=samples, seed=1)
+    b = _diag(builder, model, builder.make_data(x, y, 4), estimator=estimator, samples=samples, seed=1)
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(u, v)
+    if samples is not None:
+        c = _diag(builder, model, builder.make_data(x, y, 4), estimator=estimator, samples=samples, seed=2)
+        assert not all(np.allclose(u, v, rtol=1e-6) for u, v in zip(a, c))
+
+
+@pytest.mark.parametrize("estimator,samples", [("ggn-mc", 3), ("hutchinson", 4)])
+def test_stochastic_independent_of_the_split(builder, estimator, samples):
+    spec = _mlp(15)
+    x, y = netspec.data(spec, n=9, seed=17)
+    model = builder.build(spec)
+    one = _diag(builder, model, _pair(builder, x, y), estimator=estimator, samples=samples, seed=4)
+    three = _diag(builder, model, builder.make_data(x, y, 4), estimator=estimator, samples=samples, seed=4)
+    _assert_same(three, one, rtol=1e-10, what=estimator)
+
+
+_TORCH_REFERENCE: dict = {}
+
+
+@pytest.mark.parametrize("estimator,samples", [("ggn-mc", 2), ("hutchinson", 3)])
+def test_stochastic_same_as_torch(builder, estimator, samples):
+    if builder.NAME == "torch":
+        pytest.skip("torch is the reference")
+    spec = _cnn(2)  # conv + dense: probes must be drawn in the canonical layout
+    x, y = netspec.data(spec, n=6, seed=18)
+    if estimator not in _TORCH_REFERENCE:  # computed once for all builders
+        torch_builder = load_builder("torch")
+        torch_builder.NAME = "torch"
+        _TORCH_REFERENCE[estimator] = _diag(torch_builder, torch_builder.build(spec), torch_builder.make_data(x, y, 4),
+                                            estimator=estimator, samples=samples, seed=5)
+    ref = _TORCH_REFERENCE[estimator]
+    got = _diag(builder, builder.build(spec), builder.make_data(x, y, 4), estimator=estimator, samples=samples,
+                seed=5)
+    _assert_same(got, ref, rtol=1e-8, what=f"{builder.NAME} vs torch")
+
+
+# ----------------------------------------------------------------------------- the model is untouched
+
+
+def _prepared(builder, spec):
+    """A model with a frozen parameter where the framework has the notion (it must stay frozen)."""
+    model = builder.build(spec)
+    if builder.NAME == "torch":
+        next(p for n, p in model.named_parameters() if n.endswith("bias")).requires_grad_(False)
+    elif builder.NAME == "keras":
+        next(layer for layer in model.layers if layer.weights).trainable = False
+    return model
+
+
+def test_fingerprint_detects_changes(builder):
+    # The check below must be able to fail: a changed weight or flag changes the fingerprint.
+    spec = _cnn(3)
+    model = _prepared(builder, spec)
+    before = _fingerprint(builder, model)
+    if builder.NAME == "torch":
+        next(model.parameters()).requires_grad_(False)
+        changed = [_fingerprint(builder, model)]
+        model.train()
+        changed.append(_fingerprint(builder, model))
+        with __import__("torch").no_grad():
+            next(model.parameters()).add_(1e-12)
+        changed.append(_fingerprint(builder, model))
+    elif builder.NAME == "keras":
+        model.layers[-1].trainable = False
+        changed = [_fingerprint(builder, model)]
+        model.layers[-1].trainable = True
+        w = model.layers[-1].weights[0]
+        w.assign(w.numpy() + 1e-12)
+        changed.append(_fingerprint(builder, model))
+    else:
+        other = spec.copy()
+        other.weight_layers()[0].weight[0, 0, 0, 0] += 1e-12
+        changed = [_fingerprint(builder, _prepared(builder, other))]
+    for fp in changed:
+        with pytest.raises(AssertionError):
+            _assert_fingerprint_equal(fp, before)
+
+
+@pytest.mark.parametrize("estimator", ["ggn-mc", "exact"])
+def test_model_untouched_after_success(builder, estimator):
+    spec = _cnn(3)
+    x, y = netspec.data(spec, n=6, seed=19)
+    model = _prepared(builder, spec)
+    # Lists of batches: iterating a torch DataLoader draws from torch's global RNG itself.
+    data = _batches(builder, x, y, 4)
+    before, pred = _fingerprint(builder, model), builder.predict(model, x)
+    samples = {"ggn-mc": 2, "hutchinson": 2}.get(estimator)
+    normflat.analyze(model, data, **_kw(builder, estimator=estimator, samples=samples))
+    _assert_fingerprint_equal(_fingerprint(builder, model), before)
+    np.testing.assert_array_equal(builder.predict(model, x), pred)
+
+
+def test_model_untouched_after_an_error_mid_pass(builder):
+    spec = _cnn(4)
+    x, y = netspec.data(spec, n=8, seed=20)
+    x_bad = x.copy()
+    x_bad[5] = np.nan  # in the 2nd batch
+    model = _prepared(builder, spec)
+    data = _batches(builder, x_bad, y, 4)
+    before, pred = _fingerprint(builder, model), builder.predict(model, x)
+    for estimator in ("ggn", "exact"):
+        with pytest.raises(ValueError, match="Batch 1: the inputs contain NaN"):
+            normflat.analyze(model, data, **_kw(builder, estimator=estimator))
+        _assert_fingerprint_equal(_fingerprint(builder, model), before)
+        np.testing.assert_array_equal(builder.predict(model, x), pred)
+
+
+def test_model_untouched_after_keyboard_interrupt(builder):
+    spec = _cnn(5)
+    x, y = netspec.data(spec, n=8, seed=21)
+    model = _prepared(builder, spec)
+    batches = _batches(builder, x, y, 4)
+    before, pred = _fingerprint(builder, model), builder.predict(model, x)
+
+    def interrupted():
+        yield batches[0]
+        raise KeyboardInterrupt  # the user presses Ctrl-C while the 2nd batch loads
+
+    for estimator, samples in (("ggn", None), ("hutchinson", 2)):
+        with pytest.raises(KeyboardInterrupt):
+            normflat.analyze(model, interrupted(), **_kw(builder, estimator=estimator, samples=samples))
+        _assert_fingerprint_equal(_fingerprint(builder, model), before)
+        np.testing.assert_array_equal(builder.predict(model, x), pred)
+    # and the model still analyzes normally afterwards
+    report = normflat.analyze(model, batches, **_kw(builder))
+    assert report.metadata["examples"] == 8
