@@ -17,6 +17,7 @@ from normflat.core import (
     normalized_sharpness,
     solve_scaling,
 )
+from normflat.core.report import compare_reports, load_report
 
 __version__ = "0.1.0"
 
@@ -28,7 +29,9 @@ __all__ = [
     "LayerResult",
     "Report",
     "analyze",
+    "compare_reports",
     "hessian_diagonal",
+    "load_report",
     "normalized_sharpness",
     "register_backend",
     "solve_scaling",

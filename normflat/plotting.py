@@ -6,6 +6,9 @@ imports :mod:`normflat.study`, nor :mod:`normflat.core.report` (the measure name
 come from :mod:`normflat.core.constants`), so ``Report.plot`` can import it
 without a cycle.
 
+:func:`plot_comparison` draws a :class:`~normflat.core.report.ReportComparison`
+(duck-typed, for the same reason).
+
 matplotlib is an optional dependency (``pip install matplotlib`` or
 ``normflat[all]``). :func:`save_layers_figure` draws on a standalone
 :class:`matplotlib.figure.Figure`, so it works without a display and leaves
@@ -21,7 +24,7 @@ import numpy as np
 
 from normflat.core.constants import MEASURE_LABELS, MEASURES
 
-__all__ = ["plot_report", "save_layers_figure"]
+__all__ = ["plot_comparison", "plot_report", "save_layers_figure"]
 
 _LABELS = MEASURE_LABELS
 
@@ -121,3 +124,66 @@ def save_layers_figure(reports: Mapping[str, Any], path: str, *, measures: Seque
         fig.suptitle(title)
     fig.savefig(path, dpi=110)
     return str(path)
+
+
+def plot_comparison(comparison: Any, measure: str = "normalized_sharpness", *, path: Any = None,
+                    title: str = "", log: bool | None = None) -> Any:
+    """Per-layer grouped bars of several reports side by side, and their totals.
+
+    Left panel: one group of bars per layer, one bar per report (a layer that a
+    report lacks gets no bar but a ``missing`` mark). Right panel: each report's
+    total. Made by :meth:`ReportComparison.plot` and
+    ``normflat.compare_reports(...).plot()``.
+
+    Args:
+        comparison: A :class:`~normflat.core.report.ReportComparison`.
+        measure: One of ``normalized_sharpness``, ``matrix_normalized_sharpness``,
+            ``hessian_trace``, ``elementwise_bound``.
+        path: If given, the figure is also saved there (PNG, or any format
+            matplotlib knows from the suffix).
+        title: Figure title.
+        log: Logarithmic value axes; ``None`` (default) chooses it when the bars
+            span more than a factor of 20.
+
+    Returns:
+        The standalone matplotlib Figure.
+    """
+    require_matplotlib()
+    _check_measure(measure)
+    labels, names = list(comparison.labels), list(comparison.layer_names)
+    fig = new_figure(figsize=(max(6.0, 0.45 * len(names) * len(labels) + 4.0), 3.8), layout="constrained")
+    ax, ax_total = fig.subplots(1, 2, width_ratios=[max(len(names), 1), max(1.5, 0.5 * len(labels))])
+    width = 0.8 / len(labels)
+    values = np.array([[np.nan if (v := comparison.value(measure, n, label)) is None else v for n in names]
+                       for label in labels], dtype=float)
+    totals = np.array([comparison.total(measure, label) for label in labels], dtype=float)
+    shown = np.concatenate([values[np.isfinite(values)], totals[np.isfinite(totals)]])
+    if log is None:
+        positive = shown[shown > 0]
+        log = positive.size == shown.size and positive.size > 0 and positive.max() > 20 * positive.min()
+    for i, label in enumerate(labels):
+        x = np.arange(len(names)) + (i - (len(labels) - 1) / 2) * width
+        present = np.isfinite(values[i])
+        ax.bar(x[present], values[i][present], width=width, color=f"C{i}", label=label)
+        for xm in x[~present]:  # a layer this report lacks: say so where its bar would be
+            ax.text(xm, 0.0, "missing", rotation=90, ha="center", va="bottom", fontsize=7, color="0.4",
+                    transform=ax.get_xaxis_transform())
+    ax.set_xticks(np.arange(len(names)))
+    ax.set_xticklabels(names, rotation=30 if len(names) > 4 else 0, ha="right" if len(names) > 4 else "center")
+    ax.set_xlabel("layer")
+    ax.set_ylabel(_LABELS[measure])
+    ax.set_title(f"{_LABELS[measure]} per layer")
+    ax.legend(fontsize=8)
+    ax_total.bar(np.arange(len(labels)), totals, color=[f"C{i}" for i in range(len(labels))])
+    ax_total.set_xticks(np.arange(len(labels)))
+    ax_total.set_xticklabels(labels, rotation=30 if len(labels) > 3 else 0,
+                             ha="right" if len(labels) > 3 else "center")
+    ax_total.set_title("total")
+    if log:
+        ax.set_yscale("log")
+        ax_total.set_yscale("log")
+    if title:
+        fig.suptitle(title)
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig

@@ -1,13 +1,21 @@
-"""Results: one :class:`LayerResult` per weight tensor, totals in a :class:`Report`."""
+"""Results: one :class:`LayerResult` per weight tensor, totals in a :class:`Report`.
+
+Reports serialize to strict JSON (:meth:`Report.to_json`) in the versioned schema
+:data:`SCHEMA` and load back exactly (:meth:`Report.from_json`,
+:func:`load_report`); :func:`compare_reports` puts several reports side by side
+per layer. The JSON format is described in ``docs/api.md`` ("Report files").
+"""
 
 from __future__ import annotations
 
 import html
 import json
 import math
-from dataclasses import dataclass, field
+import os
+import re
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -15,7 +23,17 @@ import numpy as np
 # this one; it stays importable from here.
 from normflat.core.constants import MEASURES
 
-__all__ = ["LayerResult", "Report", "MEASURES", "standard_error_of"]
+__all__ = [
+    "LayerResult", "Report", "ReportComparison", "MEASURES", "SCHEMA", "compare_reports", "load_report",
+    "standard_error_of",
+]
+
+#: Name and version of the JSON format written by :meth:`Report.to_json`. The
+#: version is raised whenever a reader of the previous version would misread a
+#: file; a reader refuses versions newer than its own.
+SCHEMA = "normflat.report/1"
+_SCHEMA_RE = re.compile(r"normflat\.report/(\d+)")
+_SCHEMA_VERSION = 1
 
 
 def standard_error_of(values: Any) -> float:
@@ -110,23 +128,50 @@ class LayerResult:
             return np.sqrt(self.row_sigma[:, None] * self.col_sigma[col_index])
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict; infinite sigmas (optimum at infinity) become ``None``."""
+        """JSON-ready dict in the :data:`SCHEMA` layout (strict JSON: no NaN/Infinity).
+
+        Non-finite numbers of the numeric fields are the strings ``"inf"``,
+        ``"-inf"`` and ``"nan"`` (``float()`` reads them back), so an optimum at
+        infinity (``row_sigma`` of a degenerate row) stays distinguishable from NaN.
+        """
         return {
             "name": self.name,
             "kind": self.kind,
             "shape": list(self.shape),
-            **{m: getattr(self, m) for m in MEASURES},
-            "row_sigma": _json_floats(self.row_sigma),
-            "col_sigma": _json_floats(self.col_sigma),
+            **{m: _encode_float(getattr(self, m)) for m in MEASURES},
+            "row_sigma": _encode_floats(self.row_sigma),
+            "col_sigma": _encode_floats(self.col_sigma),
             "iterations": self.iterations,
-            "imbalance": self.imbalance,
+            "imbalance": _encode_float(self.imbalance),
             "converged": self.converged,
             "degenerate_rows": list(self.degenerate_rows),
             "degenerate_cols": list(self.degenerate_cols),
             "clipped": self.clipped,
-            "standard_error": self.standard_error,
-            "details": _jsonable(self.details),
+            "standard_error": _encode_measure_dict(self.standard_error),
+            # The per-group values behind the standard errors: the report's total
+            # standard error is formed from them (per-group sums over layers).
+            "group_values": None if self._group_values is None else {
+                m: _encode_floats(v) for m, v in self._group_values.items()},
+            "details": _encode_value(self.details),
         }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "LayerResult":
+        """Inverse of :meth:`to_dict` (one layer of a :data:`SCHEMA` report).
+
+        Raises:
+            ValueError: If ``data`` is not a layer of a normflat report.
+        """
+        return _layer_from_dict(data, tagged=True, where="layer")
+
+    def __eq__(self, other: object) -> bool:
+        # Value equality (arrays element by element, NaN equal to NaN in the same
+        # place), so that a report read back from JSON compares equal to the original.
+        if not isinstance(other, LayerResult):
+            return NotImplemented
+        return all(_same(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable numpy arrays inside: no value hash
 
 
 @dataclass(frozen=True, eq=False)
@@ -193,16 +238,28 @@ class Report:
         raise KeyError(f"No layer named {name!r}; layers are {[l.name for l in self.layers]}.")
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict with totals, standard errors, metadata and layers."""
+        """JSON-ready dict: schema, totals, standard errors, metadata and layers.
+
+        ``totals`` and ``standard_error`` are derived (read for convenience, recomputed
+        on loading). Non-finite floats are encoded as described in
+        :meth:`LayerResult.to_dict`; in ``metadata`` and ``details`` they are the
+        tagged object ``{"$float": "inf"}``, a tuple is ``{"$tuple": [...]}``, a
+        numpy array ``{"$array": [...], "dtype": ..., "shape": [...]}``, and a dict
+        with a key starting with ``$`` is wrapped as ``{"$dict": {...}}``; values
+        JSON cannot hold (other objects) are stored as their ``repr`` string.
+        """
         return {
-            "totals": self.totals,
-            "standard_error": self.standard_error,
-            "metadata": _jsonable(self.metadata),
+            "schema": SCHEMA,
+            "totals": _encode_measure_dict(self.totals),
+            "standard_error": _encode_measure_dict(self.standard_error),
+            "metadata": _encode_value(self.metadata),
             "layers": [layer.to_dict() for layer in self.layers],
         }
 
     def to_json(self, path: str | Path | None = None, *, indent: int = 2) -> str:
-        """Serialize to JSON (standard-compliant: no NaN/Infinity literals).
+        """Serialize to strict JSON (no NaN/Infinity literals) in the :data:`SCHEMA` layout.
+
+        :meth:`from_json` and :func:`load_report` read it back exactly.
 
         Args:
             path: If given, the JSON is also written to this file.
@@ -215,6 +272,89 @@ class Report:
         if path is not None:
             Path(path).write_text(text + "\n", encoding="utf-8")
         return text
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Report":
+        """Inverse of :meth:`to_dict`: the report exactly as it was written.
+
+        Reads the current schema and files written before the schema was
+        versioned (no ``"schema"`` key; their ``null`` sigmas were optima at
+        infinity and read as ``inf``, their metadata as plain JSON, and they hold
+        no per-group values, so the total's standard error is ``None``).
+
+        Raises:
+            ValueError: If ``data`` is not a normflat report, or was written by a
+                newer normflat in a schema version this one cannot read.
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"A normflat report is a JSON object; got {type(data).__name__}.")
+        schema = data.get("schema")
+        if schema is None:
+            if "layers" not in data:
+                raise ValueError("Not a normflat report: it has neither a 'schema' nor a 'layers' entry.")
+            tagged = False  # the unversioned format of normflat 0.1 before the schema
+        else:
+            match = _SCHEMA_RE.fullmatch(str(schema))
+            if match is None:
+                raise ValueError(
+                    f"Not a normflat report: its schema is {schema!r}, not {SCHEMA!r}."
+                )
+            version = int(match.group(1))
+            if version > _SCHEMA_VERSION:
+                raise ValueError(
+                    f"This report is in schema {schema!r}, written by a newer normflat; this normflat "
+                    f"reads {SCHEMA!r} and older. Upgrade normflat (pip install -U normflat) to read it."
+                )
+            if version < 1:
+                raise ValueError(f"Unknown report schema {schema!r}; this normflat reads {SCHEMA!r}.")
+            tagged = True
+        layers = data.get("layers")
+        if not isinstance(layers, list):
+            raise ValueError("Not a normflat report: 'layers' must be a list of layer objects.")
+        metadata = data.get("metadata") or {}
+        return cls(
+            layers=[_layer_from_dict(d, tagged=tagged, where=f"layer {i}") for i, d in enumerate(layers)],
+            metadata=_decode_value(metadata) if tagged else dict(metadata),
+        )
+
+    @classmethod
+    def from_json(cls, source: str | os.PathLike) -> "Report":
+        """Read a report written by :meth:`to_json`, from a file path or the JSON text itself.
+
+        Args:
+            source: A path (``str`` or path-like) of a ``.json`` file, or JSON text
+                (a string starting with ``{``).
+
+        Raises:
+            FileNotFoundError: If ``source`` is a path that does not exist.
+            ValueError: If the text is not JSON, or not a report this normflat reads.
+        """
+        if isinstance(source, str) and source.lstrip().startswith("{"):
+            text, where = source, "the JSON text"
+        else:
+            text, where = Path(source).read_text(encoding="utf-8"), str(source)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where} is not valid JSON ({err}); expected a report written by "
+                             "Report.to_json.") from None
+        try:
+            return cls.from_dict(data)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+
+    def compare(self, *others: "Report", labels: Sequence[str] | None = None,
+                measures: Sequence[str] = ("normalized_sharpness", "hessian_trace")) -> "ReportComparison":
+        """This report beside ``others``, per layer; see :func:`compare_reports`."""
+        return compare_reports([self, *others], labels=labels, measures=measures)
+
+    def __eq__(self, other: object) -> bool:
+        # Same layers (value equality, see LayerResult) and the same metadata.
+        if not isinstance(other, Report):
+            return NotImplemented
+        return _same(self.layers, other.layers) and _same(self.metadata, other.metadata)
+
+    __hash__ = None  # type: ignore[assignment]
 
     def to_dataframe(self) -> Any:
         """One row per layer with the scalar fields, as a pandas DataFrame.
@@ -279,21 +419,12 @@ class Report:
 
     def __str__(self) -> str:
         header, rows = self._table_rows()
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        left = {0, 1, 2}
-
-        def line(cells):
-            return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-        out = ["normflat report" + (f" ({self._meta_line()})" if self._meta_line() else "")]
-        out.append(line(header))
-        out.append("  ".join("-" * w for w in widths))
-        out.extend(line(r) for r in rows[:-1 - bool(self.standard_error)])
-        out.append("  ".join("-" * w for w in widths))
-        out.extend(line(r) for r in rows[len(self.layers):])
+        title = "normflat report" + (f" ({self._meta_line()})" if self._meta_line() else "")
+        notes = []
         if any(not layer.converged for layer in self.layers):
-            out.append("! solver stopped at max_iter before reaching its tolerance")
-        return "\n".join(out)
+            notes.append("! solver stopped at max_iter before reaching its tolerance")
+        n = len(self.layers)
+        return _text_table(title, header, rows[:n], rows[n:], notes)
 
     def __repr__(self) -> str:
         return (f"Report(layers={len(self.layers)}, normalized_sharpness={self.normalized_sharpness:.6g}, "
@@ -326,22 +457,421 @@ def _fmt(x: float) -> str:
     return f"{x:.6g}"
 
 
-def _json_floats(values: np.ndarray) -> list[float | None]:
-    return [float(v) if math.isfinite(v) else None for v in np.asarray(values, dtype=float).ravel()]
 
 
-def _jsonable(value: Any) -> Any:
+# --- JSON encoding (schema normflat.report/1) -----------------------------------------
+#
+# Strict JSON has no NaN or Infinity. Numeric fields of the schema (measures, sigmas,
+# imbalance, standard errors, group values) hold the strings "inf", "-inf" and "nan"
+# where the value is not finite: `float()` and numpy read them back, and an optimum at
+# infinity (a degenerate row's sigma) stays distinct from NaN. Free-form fields
+# (metadata, details) can hold any string, so there a non-finite float is the tagged
+# object {"$float": "inf"} instead, and tuples and arrays are tagged likewise so that
+# they come back as the same type.
+
+_NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def _encode_float(value: Any) -> float | str:
+    x = float(value)
+    if math.isfinite(x):
+        return x
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def _encode_floats(values: Any) -> list[float | str]:
+    return [_encode_float(v) for v in np.asarray(values, dtype=np.float64).ravel()]
+
+
+def _encode_measure_dict(values: Mapping[str, float] | None) -> dict[str, float | str] | None:
+    return None if values is None else {str(k): _encode_float(v) for k, v in values.items()}
+
+
+def _decode_float(value: Any, where: str, *, none: float | None = None) -> float:
+    """A numeric field: a JSON number or one of the strings of :data:`_NONFINITE`.
+
+    ``none`` is what ``null`` stands for (unversioned files wrote ``null`` for an
+    infinite sigma); ``None`` refuses it.
+    """
+    if isinstance(value, str) and value in _NONFINITE:
+        return _NONFINITE[value]
+    if value is None and none is not None:
+        return none
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where} must be a number or one of 'inf', '-inf', 'nan'; got {value!r}.")
+    return float(value)
+
+
+def _decode_floats(values: Any, where: str, *, none: float | None = None) -> np.ndarray:
+    if not isinstance(values, list):
+        raise ValueError(f"{where} must be a list of numbers; got {type(values).__name__}.")
+    return np.array([_decode_float(v, where, none=none) for v in values], dtype=np.float64)
+
+
+def _decode_measure_dict(values: Any, where: str) -> dict[str, float] | None:
+    if values is None:
+        return None
+    if not isinstance(values, dict):
+        raise ValueError(f"{where} must be an object of numbers or null; got {type(values).__name__}.")
+    return {str(k): _decode_float(v, f"{where}[{k!r}]") for k, v in values.items()}
+
+
+def _encode_value(value: Any) -> Any:
+    """A free-form value (metadata, details) as tagged JSON; inverse :func:`_decode_value`."""
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (np.integer,)):
+        out = {str(k): _encode_value(v) for k, v in value.items()}
+        # A key starting with "$" would read as a tag: wrap such a dict.
+        return {"$dict": out} if any(k.startswith("$") for k in out) else out
+    if isinstance(value, tuple):
+        return {"$tuple": [_encode_value(v) for v in value]}
+    if isinstance(value, list):
+        return [_encode_value(v) for v in value]
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
         return int(value)
     if isinstance(value, (float, np.floating)):
-        v = float(value)
-        return v if math.isfinite(v) else None
-    if isinstance(value, np.ndarray):
-        return _jsonable(value.tolist())
-    if value is None or isinstance(value, (str, int, bool)):
+        x = float(value)
+        return x if math.isfinite(x) else {"$float": _encode_float(x)}
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        return {"$array": [_encode_value(v) for v in value.ravel().tolist()], "dtype": value.dtype.str,
+                "shape": list(value.shape)}
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return str(value)  # np.str_ too
+    return repr(value)  # not representable in JSON: kept readable, read back as a string
+
+
+def _decode_value(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_decode_value(v) for v in value]
+    if not isinstance(value, dict):
         return value
-    return repr(value)
+    tags = [k for k in value if k.startswith("$")]
+    if not tags:
+        return {k: _decode_value(v) for k, v in value.items()}
+    if tags == ["$dict"] and len(value) == 1 and isinstance(value["$dict"], dict):
+        return {k: _decode_value(v) for k, v in value["$dict"].items()}
+    if tags == ["$tuple"] and len(value) == 1 and isinstance(value["$tuple"], list):
+        return tuple(_decode_value(v) for v in value["$tuple"])
+    if tags == ["$float"] and len(value) == 1:
+        return _decode_float(value["$float"], "a tagged float")
+    if tags == ["$array"] and set(value) == {"$array", "dtype", "shape"}:
+        flat = [_decode_value(v) for v in value["$array"]]
+        return np.array(flat, dtype=np.dtype(value["dtype"])).reshape(value["shape"])
+    raise ValueError(f"Unknown tagged value {sorted(value)!r} in the report's metadata or details.")
+
+
+_LAYER_KEYS = ("name", "kind", "shape", *MEASURES, "row_sigma", "col_sigma", "iterations", "imbalance",
+               "converged", "degenerate_rows", "degenerate_cols", "clipped")
+
+
+def _layer_from_dict(data: Any, *, tagged: bool, where: str) -> LayerResult:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} must be a JSON object; got {type(data).__name__}.")
+    missing = [k for k in _LAYER_KEYS if k not in data]
+    if missing:
+        raise ValueError(f"{where} ({data.get('name', '?')!r}) lacks {', '.join(missing)}.")
+    where = f"{where} ({data['name']!r})"
+    groups = data.get("group_values")
+    if groups is not None and not isinstance(groups, dict):
+        raise ValueError(f"{where}: group_values must be an object of lists or null.")
+    details = data.get("details") or {}
+    try:
+        return LayerResult(
+            name=str(data["name"]),
+            kind=str(data["kind"]),
+            shape=tuple(int(n) for n in data["shape"]),
+            **{m: _decode_float(data[m], f"{where}: {m}") for m in MEASURES},
+            # null sigmas come from unversioned files, which wrote null for an
+            # optimum at infinity (the only non-finite sigma the solver produces).
+            row_sigma=_decode_floats(data["row_sigma"], f"{where}: row_sigma", none=math.inf),
+            col_sigma=_decode_floats(data["col_sigma"], f"{where}: col_sigma", none=math.inf),
+            iterations=int(data["iterations"]),
+            imbalance=_decode_float(data["imbalance"], f"{where}: imbalance"),
+            converged=bool(data["converged"]),
+            degenerate_rows=tuple(int(i) for i in data["degenerate_rows"]),
+            degenerate_cols=tuple(int(j) for j in data["degenerate_cols"]),
+            clipped=int(data["clipped"]),
+            standard_error=_decode_measure_dict(data.get("standard_error"), f"{where}: standard_error"),
+            details=_decode_value(details) if tagged else dict(details),
+            _group_values=None if groups is None else {
+                str(m): _decode_floats(v, f"{where}: group_values[{m!r}]") for m, v in groups.items()},
+        )
+    except (TypeError, KeyError) as err:
+        raise ValueError(f"{where} is malformed: {err}.") from None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Exact equality of report fields: arrays by shape, dtype and elements (NaN equal to
+    NaN), containers by type and items, floats with NaN equal to NaN."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape
+                and a.dtype == b.dtype and bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")))
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
+                and all(_same(a[k], b[k]) for k in a))
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b  # True is not 1 in metadata
+    return bool(a == b)
+
+
+def load_report(path: str | os.PathLike) -> Report:
+    """Read a report file written by :meth:`Report.to_json` (any schema version up to :data:`SCHEMA`).
+
+    Raises:
+        FileNotFoundError: If there is no such file.
+        ValueError: If the file is not a normflat report this version reads.
+    """
+    return Report.from_json(Path(path))
+
+
+# --- comparison of reports ---------------------------------------------------------------
+
+_SHORT_LABELS = {
+    "normalized_sharpness": "norm. sharpness",
+    "matrix_normalized_sharpness": "matrix-norm.",
+    "hessian_trace": "Hessian trace",
+    "elementwise_bound": "elementwise",
+}
+
+
+@dataclass(frozen=True, eq=False)
+class ReportComparison:
+    """Several reports side by side, per layer, as made by :func:`compare_reports`.
+
+    Layers are matched by name; a layer that one report lacks has the value
+    ``None`` for that report (shown as ``missing``). ``print(comparison)`` gives
+    the text table, notebooks show it as HTML, :meth:`to_dataframe` gives a pandas
+    DataFrame and :meth:`plot` the figure.
+
+    Attributes:
+        reports: The reports, in the order given.
+        labels: One unique label per report.
+        measures: The measures shown (of ``normflat.MEASURES``).
+        layer_names: Every layer name, in the first report's order, then the layers
+            only later reports have, in their order.
+    """
+
+    reports: tuple[Report, ...]
+    labels: tuple[str, ...]
+    measures: tuple[str, ...]
+    layer_names: tuple[str, ...]
+
+    def value(self, measure: str, layer: str, label: str) -> float | None:
+        """``measure`` of ``layer`` in the report labelled ``label``; ``None`` if it lacks the layer."""
+        found = _layers_by_name(self.reports[self.labels.index(label)]).get(layer)
+        return None if found is None else getattr(found, measure)
+
+    def total(self, measure: str, label: str) -> float:
+        """The total ``measure`` of the report labelled ``label`` (over its own layers)."""
+        return getattr(self.reports[self.labels.index(label)], measure)
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per layer and a last one for the totals:
+        ``{"layer", "kind", "shape", measure: {label: value or None}}`` (kind and
+        shape from the first report that has the layer; the totals' shape is ``None``)."""
+        by_name = [_layers_by_name(r) for r in self.reports]
+        rows = []
+        for name in self.layer_names:
+            present = [layers[name] for layers in by_name if name in layers]
+            row: dict[str, Any] = {"layer": name, "kind": present[0].kind, "shape": tuple(present[0].shape)}
+            for m in self.measures:
+                row[m] = {label: (getattr(layers[name], m) if name in layers else None)
+                          for label, layers in zip(self.labels, by_name)}
+            rows.append(row)
+        total: dict[str, Any] = {"layer": "total", "kind": "", "shape": None}
+        for m in self.measures:
+            total[m] = {label: getattr(r, m) for label, r in zip(self.labels, self.reports)}
+        rows.append(total)
+        return rows
+
+    @property
+    def missing(self) -> dict[str, list[str]]:
+        """``{label: [layer names that report lacks]}`` for the reports that lack any."""
+        out = {}
+        for label, report in zip(self.labels, self.reports):
+            names = _layers_by_name(report)
+            absent = [n for n in self.layer_names if n not in names]
+            if absent:
+                out[label] = absent
+        return out
+
+    def to_dataframe(self) -> Any:
+        """The table as a pandas DataFrame: index the layers and ``total``, columns
+        ``(measure, label)`` plus ``kind`` and ``shape``; missing values are NaN.
+
+        Raises:
+            ImportError: If pandas is not installed.
+        """
+        try:
+            import pandas as pd
+        except ImportError as err:
+            raise ImportError(
+                "ReportComparison.to_dataframe() needs pandas; install it with `pip install pandas` "
+                "(or `pip install normflat[all]`); `comparison.rows` has the same table as dicts."
+            ) from err
+        rows = self.rows
+        columns = [("kind", ""), ("shape", "")] + [(m, label) for m in self.measures for label in self.labels]
+        data = [[row["kind"], "" if row["shape"] is None else row["shape"]]
+                + [math.nan if row[m][label] is None else row[m][label] for m in self.measures
+                   for label in self.labels] for row in rows]
+        return pd.DataFrame(data, index=pd.Index([row["layer"] for row in rows], name="layer"),
+                            columns=pd.MultiIndex.from_tuples(columns, names=["measure", "report"]))
+
+    def plot(self, measure: str = "normalized_sharpness", path: str | os.PathLike | None = None,
+             **kwargs: Any) -> Any:
+        """Grouped bars per layer and the totals (matplotlib); see
+        :func:`normflat.plotting.plot_comparison`."""
+        from normflat.plotting import plot_comparison
+
+        return plot_comparison(self, measure=measure, path=path, **kwargs)
+
+    def _table(self) -> tuple[list[tuple[str, int]], list[str], list[list[str]], list[list[str]]]:
+        ratio = len(self.labels) == 2  # two reports (before/after): their ratio reads best
+        sub = [*self.labels, f"{self.labels[1]}/{self.labels[0]}"] if ratio else list(self.labels)
+        groups = [("", 3)] + [(_SHORT_LABELS[m], len(sub)) for m in self.measures]
+        header = ["layer", "kind", "shape"] + sub * len(self.measures)
+        body = []
+        for row in self.rows:
+            cells = [row["layer"], row["kind"], "x".join(map(str, row["shape"] or ()))]
+            for m in self.measures:
+                values = [row[m][label] for label in self.labels]
+                cells += ["missing" if v is None else _fmt(v) for v in values]
+                if ratio:
+                    a, b = values
+                    cells.append("" if a is None or b is None or a == 0 else _fmt(b / a))
+            body.append(cells)
+        return groups, header, body[:-1], body[-1:]
+
+    def __str__(self) -> str:
+        groups, header, body, footer = self._table()
+        title = f"normflat comparison of {len(self.reports)} reports: {', '.join(self.labels)}"
+        notes = []
+        if self.missing:
+            notes.append("missing: the layer is not in that report (layers are matched by name); each "
+                         "total sums its own report's layers")
+        return _text_table(title, header, body, footer, notes, groups=groups)
+
+    def _repr_html_(self) -> str:
+        groups, header, body, footer = self._table()
+        top = "".join(f"<th colspan='{n}'>{html.escape(t)}</th>" for t, n in groups)
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+        rows = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in body + footer)
+        caption = html.escape(", ".join(self.labels))
+        return (f"<table class='normflat-comparison'><caption>normflat comparison: {caption}</caption>"
+                f"<thead><tr>{top}</tr><tr>{head}</tr></thead><tbody>{rows}</tbody></table>")
+
+    def __repr__(self) -> str:
+        return (f"ReportComparison(labels={list(self.labels)}, layers={len(self.layer_names)}, "
+                f"measures={list(self.measures)})")
+
+
+def _layers_by_name(report: Report) -> dict[str, LayerResult]:
+    return {layer.name: layer for layer in report.layers}
+
+
+def compare_reports(
+    reports: Sequence[Report | str | os.PathLike] | Mapping[str, Report | str | os.PathLike],
+    labels: Sequence[str] | None = None,
+    *,
+    measures: Sequence[str] = ("normalized_sharpness", "hessian_trace"),
+) -> ReportComparison:
+    """Put reports side by side per layer, e.g. a checkpoint before and after fine-tuning.
+
+    Layers are matched by name; a layer only some reports have is shown as
+    ``missing`` in the others.
+
+    Args:
+        reports: The reports, or paths of report files (read with
+            :func:`load_report`), as a list or as ``{label: report}``.
+        labels: One unique label per report (default: the mapping's keys, a file's
+            name without ``.json``, else ``report 1``, ``report 2``, ...).
+        measures: The measures to show, of ``normflat.MEASURES``.
+
+    Returns:
+        A :class:`ReportComparison`: ``print`` it for the table, ``.to_dataframe()``
+        for pandas, ``.rows`` for plain dicts, ``.plot()`` for the figure.
+
+    Raises:
+        TypeError: If an item is neither a :class:`Report` nor a path.
+        ValueError: For no reports, labels that do not match them one to one, an
+            unknown measure, or a report whose layer names repeat.
+    """
+    if isinstance(reports, Mapping):
+        if labels is not None:
+            raise ValueError("Pass labels either as the mapping's keys or as labels=, not both.")
+        labels = [str(k) for k in reports]
+        reports = list(reports.values())
+    items = list(reports)
+    if not items:
+        raise ValueError("compare_reports() needs at least one report.")
+    loaded, default_labels = [], []
+    for i, item in enumerate(items):
+        if isinstance(item, Report):
+            loaded.append(item)
+            default_labels.append(f"report {i + 1}")
+        elif isinstance(item, (str, os.PathLike)):
+            loaded.append(load_report(item))
+            name = Path(item).name
+            default_labels.append(name[: -len(".json")] if name.endswith(".json") else name)
+        else:
+            raise TypeError(f"compare_reports() takes Report objects or report file paths; item {i} is "
+                            f"a {type(item).__name__}.")
+    labels = default_labels if labels is None else [str(label) for label in labels]
+    if len(labels) != len(loaded):
+        raise ValueError(f"{len(labels)} labels for {len(loaded)} reports; pass one label per report.")
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"Labels must be unique, got {labels}.")
+    measures = tuple(measures)
+    unknown = [m for m in measures if m not in MEASURES]
+    if unknown or not measures:
+        raise ValueError(f"Unknown measures {unknown}; choose from {', '.join(MEASURES)}.")
+    names: list[str] = []
+    for label, report in zip(labels, loaded):
+        own = [layer.name for layer in report.layers]
+        repeated = sorted({n for n in own if own.count(n) > 1})
+        if repeated:
+            raise ValueError(f"Report {label!r} has repeated layer names {repeated}; layers are matched "
+                             "by name, so each must be unique.")
+        names += [n for n in own if n not in names]
+    return ReportComparison(reports=tuple(loaded), labels=tuple(labels), measures=measures,
+                            layer_names=tuple(names))
+
+
+def _text_table(title: str, header: list[str], body: list[list[str]], footer: list[list[str]],
+                notes: Sequence[str] = (), *, groups: Sequence[tuple[str, int]] = (), left: int = 3) -> str:
+    """A plain-text table: title, header line(s), rule, body, rule, footer, notes.
+
+    The first ``left`` columns are left-aligned (names), the others right-aligned
+    (numbers). ``groups`` is an optional line above the header of ``(text, n)``
+    spans, each over the next ``n`` columns (a measure over its reports).
+    """
+    everything = [header, *body, *footer]
+    widths = [max(len(r[i]) for r in everything) for i in range(len(header))]
+    start = 0
+    for text, n in groups:  # widen a group's last column if its title is wider than it
+        span = sum(widths[start:start + n]) + 2 * (n - 1)
+        widths[start + n - 1] += max(0, len(text) - span)
+        start += n
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    out = [title]
+    if groups:
+        cells, start = [], 0
+        for text, n in groups:
+            cells.append(text.ljust(sum(widths[start:start + n]) + 2 * (n - 1)))
+            start += n
+        out.append("  ".join(cells).rstrip())
+    out += [line(header), rule, *(line(r) for r in body), rule, *(line(r) for r in footer), *notes]
+    return "\n".join(out)

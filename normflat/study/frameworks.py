@@ -210,7 +210,10 @@ class KerasAdapter:
         return clone
 
     def analysis_data(self, x: np.ndarray, y: np.ndarray, batch_size: int) -> tuple[Any, dict[str, Any]]:
-        return (x.astype(np.float64), y), {"batch_size": batch_size}
+        # A list of (x, y) batches, as for the other frameworks: the Keras backend takes a
+        # single (x, y) pair as one batch (its batch_size option is deprecated).
+        x = x.astype(np.float64)
+        return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(y), batch_size)], {}
 
     def check_inputs(self, x: np.ndarray) -> np.ndarray:
         return x.astype(np.float64)

@@ -15,11 +15,15 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from normflat.core.constants import MEASURE_LABELS, MEASURES
+from normflat.study.outputs import replace_outputs
 
-__all__ = ["DEFAULT_ORDERS", "invariance_rows", "format_invariance", "write_invariance"]
+__all__ = ["DEFAULT_ORDERS", "INVARIANCE_FILES", "invariance_rows", "format_invariance", "write_invariance"]
 
 #: Decades ``r`` of the factor draws (factors in ``[10^-r, 10^r]``).
 DEFAULT_ORDERS = (0.5, 1.0, 2.0, 3.0, 4.0)
+
+#: The files ``normflat invariance`` writes (replaced as a whole by the next run).
+INVARIANCE_FILES = ("invariance.csv", "invariance.json", "invariance.png")
 
 
 def invariance_rows(
@@ -90,21 +94,28 @@ def format_invariance(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def write_invariance(rows: Sequence[dict[str, Any]], out: str | Path, meta: dict[str, Any]) -> dict[str, str]:
-    """Write ``invariance.csv``, ``invariance.json`` and (with matplotlib) ``invariance.png``."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    files = {"csv": str(out / "invariance.csv"), "json": str(out / "invariance.json")}
-    with open(files["csv"], "w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0].keys()))
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in row.items()})
-    Path(files["json"]).write_text(json.dumps({"meta": meta, "rows": list(rows)}, indent=2) + "\n", encoding="utf-8")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return files
-    from normflat.study.figures import save_invariance_figure
+    """Write ``invariance.csv``, ``invariance.json`` and (with matplotlib) ``invariance.png``.
 
-    files["figure"] = save_invariance_figure(rows, str(out / "invariance.png"))
-    return files
+    They replace the previous run's files in ``out`` as a whole
+    (:mod:`normflat.study.outputs`): no figure of an earlier run stays beside new numbers.
+    """
+    out = Path(out)
+    names = {"csv": "invariance.csv", "json": "invariance.json"}
+    with replace_outputs(out, legacy=INVARIANCE_FILES) as stage:
+        with open(stage / names["csv"], "w", newline="", encoding="utf-8") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(rows[0].keys()))
+            writer.writeheader()
+            for row in rows:
+                writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in row.items()})
+        (stage / names["json"]).write_text(json.dumps({"meta": meta, "rows": list(rows)}, indent=2) + "\n",
+                                           encoding="utf-8")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            pass  # figures are optional: matplotlib is not a core dependency
+        else:
+            from normflat.study.figures import save_invariance_figure
+
+            names["figure"] = "invariance.png"
+            save_invariance_figure(rows, str(stage / names["figure"]))
+    return {role: str(out / name) for role, name in names.items()}

@@ -27,6 +27,7 @@ import numpy as np
 
 from normflat.core.constants import MEASURE_LABELS, MEASURES
 from normflat.study.frameworks import FRAMEWORKS
+from normflat.study.outputs import check_output_folder, replace_outputs
 from normflat.study.stats import kendall_tau, pearson_r
 
 __all__ = [
@@ -43,6 +44,10 @@ __all__ = [
 ]
 
 DEFAULT_RATIOS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+
+#: What a study wrote into its folder before folders had a manifest: replaced as a
+#: whole by the next run (see :mod:`normflat.study.outputs`).
+STUDY_FILES = ("results.csv", "results.json", "gap_vs_measures.png", "layers.png", "reports/run*.json")
 
 
 @dataclass
@@ -74,7 +79,8 @@ class StudyConfig:
         samples: Probes / draws of the stochastic estimators.
         reparam: Run the reparametrization arm.
         reparam_orders: Rescaling factors are drawn from ``[10^-r, 10^r]``.
-        out: Output folder.
+        out: Output folder; a new run replaces the previous run's files there as a
+            whole (:mod:`normflat.study.outputs`).
         progress: Show progress bars.
         threads: torch CPU threads (default 1: the models are tiny and more threads
             mostly contend; ``None`` keeps torch's default).
@@ -145,6 +151,7 @@ class StudyConfig:
         if self.reparam_orders <= 0:
             raise ValueError(f"reparam_orders must be > 0 decades, got {self.reparam_orders}.")
         validate_options(loss=self.loss, estimator=self.estimator, samples=self.samples)
+        check_output_folder(self.out)
 
     @property
     def models(self) -> int:
@@ -320,6 +327,10 @@ def _versions(fw: Any) -> dict[str, Any]:
 def run_study(config: StudyConfig, *, echo: Any = print) -> StudyResult:
     """Run a study and write its files into ``config.out``.
 
+    The files are staged and replace the previous run's files in ``config.out``
+    only once the study has finished, so results of two runs never mix and a
+    failed run leaves the previous results intact (:mod:`normflat.study.outputs`).
+
     Args:
         config: The settings.
         echo: Called with progress messages (``print`` by default; ``None`` silences).
@@ -327,11 +338,7 @@ def run_study(config: StudyConfig, *, echo: Any = print) -> StudyResult:
     Returns:
         The :class:`StudyResult` (also written to ``results.json``).
     """
-    from tqdm.auto import tqdm
-
-    from normflat.study.datasets import load_dataset
     from normflat.study.frameworks import adapter
-    from normflat.study.training import corrupt_labels
 
     say = echo or (lambda *a, **k: None)
     config.validate()
@@ -339,8 +346,17 @@ def run_study(config: StudyConfig, *, echo: Any = print) -> StudyResult:
     fw.set_threads(config.threads)
     t_start = time.perf_counter()
     out = Path(config.out)
-    (out / "reports").mkdir(parents=True, exist_ok=True)
+    with replace_outputs(out, legacy=STUDY_FILES) as stage:
+        return _run_study(config, fw, out, stage, say, t_start)
 
+
+def _run_study(config: StudyConfig, fw: Any, out: Path, stage: Path, say: Any, t_start: float) -> StudyResult:
+    from tqdm.auto import tqdm
+
+    from normflat.study.datasets import load_dataset
+    from normflat.study.training import corrupt_labels
+
+    (stage / "reports").mkdir()
     data = load_dataset(config.dataset, config.data_dir, train_size=config.train_size,
                         test_size=config.test_size, seed=0)
     say(f"normflat study: {config.models} models ({config.dataset}: {len(data.y_train)} train / "
@@ -383,7 +399,7 @@ def run_study(config: StudyConfig, *, echo: Any = print) -> StudyResult:
             **{m: getattr(report, m) for m in MEASURES},
             "train_seconds": trained.seconds, "analyze_seconds": t_an,
         }
-        report.to_json(out / "reports" / f"run{run_id:03d}.json")
+        report.to_json(stage / "reports" / f"run{run_id:03d}.json")
         if run_id == showcase:
             layer_reports["trained"] = report
         if config.reparam:
@@ -393,7 +409,7 @@ def run_study(config: StudyConfig, *, echo: Any = print) -> StudyResult:
             row.update({f"rescaled_{m}": getattr(report_r, m) for m in MEASURES})
             row["rescale_function_error"] = err
             row["rescale_spread_decades"] = spread
-            report_r.to_json(out / "reports" / f"run{run_id:03d}_rescaled.json")
+            report_r.to_json(stage / "reports" / f"run{run_id:03d}_rescaled.json")
             if run_id == showcase:
                 layer_reports["rescaled"] = report_r
         rows.append(row)
@@ -403,19 +419,19 @@ def run_study(config: StudyConfig, *, echo: Any = print) -> StudyResult:
         config=asdict(config), rows=rows, correlations=correlations(rows, reparam=config.reparam),
         environment={**_versions(fw), "wall_seconds": None},
     )
-    files = _write_outputs(result, out, layer_reports, rows[showcase])
+    names = _write_outputs(result, stage, layer_reports, rows[showcase])
     result.environment["wall_seconds"] = time.perf_counter() - t_start
-    result.files = files
-    result.to_json(out / "results.json")
+    result.files = {role: str(out / name) for role, name in names.items()}  # where they end up
+    result.to_json(stage / "results.json")
     return result
 
 
-def _write_outputs(result: StudyResult, out: Path, layer_reports: dict[str, Any],
+def _write_outputs(result: StudyResult, stage: Path, layer_reports: dict[str, Any],
                    showcase: dict[str, Any]) -> dict[str, str]:
-    files = {"csv": str(out / "results.csv"), "json": str(out / "results.json"),
-             "reports": str(out / "reports")}
+    """Write the CSV and the figures into ``stage``; returns their names by role."""
+    files = {"csv": "results.csv", "json": "results.json", "reports": "reports"}
     columns = list(result.rows[0].keys())
-    with open(out / "results.csv", "w", newline="", encoding="utf-8") as fh:
+    with open(stage / "results.csv", "w", newline="", encoding="utf-8") as fh:
         writer = csv.DictWriter(fh, fieldnames=columns)
         writer.writeheader()
         for row in result.rows:
@@ -427,11 +443,11 @@ def _write_outputs(result: StudyResult, out: Path, layer_reports: dict[str, Any]
     from normflat.plotting import save_layers_figure
     from normflat.study.figures import save_study_figure
 
-    files["figure"] = str(out / "gap_vs_measures.png")
-    save_study_figure(result, files["figure"])
-    files["layers_figure"] = str(out / "layers.png")
+    files["figure"] = "gap_vs_measures.png"
+    save_study_figure(result, str(stage / files["figure"]))
+    files["layers_figure"] = "layers.png"
     save_layers_figure(
-        layer_reports, files["layers_figure"],
+        layer_reports, str(stage / files["layers_figure"]),
         title=f"run {showcase['run']} (ratio {showcase['ratio']:g}, seed {showcase['seed']})",
     )
     return files

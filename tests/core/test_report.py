@@ -33,7 +33,8 @@ def test_to_dict_and_json_round_trip(report, tmp_path):
     assert loaded["totals"]["normalized_sharpness"] == pytest.approx(report.normalized_sharpness, rel=1e-15)
     fc1 = loaded["layers"][0]
     assert fc1["name"] == "fc1" and fc1["shape"] == [4, 3]
-    assert fc1["row_sigma"][1] is None  # optimum at infinity
+    assert fc1["row_sigma"][1] == "inf"  # optimum at infinity, a tagged string (strict JSON)
+    assert loaded["schema"] == "normflat.report/1"
     assert fc1["degenerate_rows"] == [1]
     assert loaded["layers"][1]["details"] == {"path": "fast"}
     for key in ("iterations", "imbalance", "converged", "clipped", "col_sigma", "standard_error"):

@@ -207,7 +207,7 @@ def test_analyze_command_keras(tmp_path, capsys):
     assert main(["analyze", str(tmp_path / "m.keras"), "--data", str(tmp_path / "d.npz"), "--batch-size", "8",
                  "--no-progress", "--json", str(tmp_path / "r.json")]) == 0
     saved = json.loads((tmp_path / "r.json").read_text())
-    direct = normflat.analyze(model, (x, y), batch_size=30, progress=False)
+    direct = normflat.analyze(model, (x, y), progress=False)
     assert saved["metadata"]["framework"] == "keras" and saved["metadata"]["examples"] == 30
     assert saved["totals"]["normalized_sharpness"] == pytest.approx(direct.normalized_sharpness, rel=1e-5)
     assert [layer["name"] for layer in saved["layers"]] == [layer.name for layer in direct.layers]
