@@ -5,7 +5,7 @@ layout (dense ``(out, in)``, conv ``(out, in/groups, kh, kw)``) and a numpy
 reference forward pass. Each framework's builder (``tests/builders/*.py``)
 turns a spec into a native model with exactly these weights, so the same
 network can be analyzed in every framework and transformed by the
-function-preserving reparametrizations of SPEC §8 without touching framework
+function-preserving reparametrizations of method §8 without touching framework
 code. Image inputs are NCHW here; builders of NHWC frameworks transpose.
 """
 
@@ -237,7 +237,7 @@ def data(spec: NetSpec, n=12, seed=1):
     return x, y
 
 
-# ----------------------------------------------------------------------------- reparametrizations (SPEC §8)
+# ----------------------------------------------------------------------------- reparametrizations (method §8)
 
 
 def rescale_layers(spec: NetSpec, first: int, second: int, c: float) -> NetSpec:

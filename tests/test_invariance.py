@@ -1,4 +1,4 @@
-"""SPEC §8: the invariance suite every backend must pass.
+"""Method §8: the invariance suite every backend must pass.
 
 Each test builds the same small network in every framework (``tests/builders``),
 applies a transformation that provably leaves the function unchanged, checks
@@ -98,7 +98,7 @@ def test_logit_scale_and_shift_with_nsce(builder, estimator):
     spec = netspec.mlp((5, 7, 4), activation="tanh", seed=7)
     transformed = netspec.scale_shift_logits(spec, 6.0, -2.5)
     # Only the last layer changes, by a layer-wise scale, which the matrix-normalized
-    # measure also survives (SPEC §4 table).
+    # measure also survives (method §4 table).
     _check(builder, spec, transformed, loss="nsce", estimator=estimator, trace_changes=True,
            mns_invariant=True)
 

@@ -364,10 +364,12 @@ def _linearized_group_values(
     col_index = (np.arange(out) // (out // groups))[:, None] * inp + np.arange(inp)[None, :]
     with np.errstate(invalid="ignore"):  # inf - inf of two degenerate indices: no term
         log_v = solution.log_row_sigma[:, None] + solution.log_col_sigma[col_index]
+    with np.errstate(invalid="ignore"):  # -inf - (-inf): zero weight and zero curvature, no term
+        log_ratio = 0.5 * (log_B - log_A)
     values = {
         "hessian_trace": trace,
         "normalized_sharpness": base["normalized_sharpness"] + linear_term(_LOG_HALF + log_v),
-        "elementwise_bound": base["elementwise_bound"] + linear_term(_LOG_HALF + 0.5 * (log_B - log_A)),
+        "elementwise_bound": base["elementwise_bound"] + linear_term(_LOG_HALF + log_ratio),
     }
     if sum_a[0] > 0 and sum_b[0] > 0:
         # d sqrt(ΣA·ΣB) / dA_ij = ½ sqrt(ΣB / ΣA)

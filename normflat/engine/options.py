@@ -19,6 +19,7 @@ __all__ = [
     "MAX_GROUPS",
     "AnalysisOptions",
     "validate_options",
+    "validate_solver_options",
     "progress_bar",
     "limited",
 ]
@@ -166,6 +167,21 @@ def validate_options(
         on_unsupported=on_unsupported,
         temperature=float(temperature),
     )
+
+
+def validate_solver_options(tol: Any, max_iter: Any) -> None:
+    """Check the solver options before any model work starts (the core checks them again).
+
+    Raises:
+        TypeError: If ``max_iter`` is not an int or ``tol`` not a number.
+        ValueError: If ``tol`` is not a finite positive number or ``max_iter < 1``.
+    """
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)):
+        raise TypeError(f"tol must be a positive finite number, got {tol!r}.")
+    if not (math.isfinite(tol) and tol > 0):
+        raise ValueError(f"tol must be a positive finite number (a relative balance tolerance such as 1e-10), "
+                         f"got {tol!r}.")
+    _positive_int("max_iter", max_iter)
 
 
 def progress_bar(
