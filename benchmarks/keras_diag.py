@@ -107,8 +107,8 @@ def _runner(method: str, model, x, y) -> Callable[[], Any]:
     estimator = {"normflat_ggn": "ggn", "normflat_ggn_mc": "ggn-mc"}[method]
 
     def run():
-        out = normflat.hessian_diagonal(model, (x, y), loss="ce", estimator=estimator, progress=False,
-                                        batch_size=int(x.shape[0]))
+        # One (x, y) pair is one batch; the chunk size is chosen automatically.
+        out = normflat.hessian_diagonal(model, (x, y), loss="ce", estimator=estimator, progress=False)
         return [v.numpy() for v in out.values()]
     return run
 

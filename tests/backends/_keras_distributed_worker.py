@@ -53,6 +53,11 @@ def build_cnn() -> keras.Model:
     ])
 
 
+def batches(x, y, size):
+    """A list of (x, y) batches of ``size`` (the last one shorter)."""
+    return [(x[a:a + size], y[a:a + size]) for a in range(0, len(y), size)]
+
+
 def diagonals(model, data, **kw):
     return [np.asarray(v.numpy()) for v in normflat.hessian_diagonal(model, data, progress=False, **kw).values()]
 
@@ -94,13 +99,12 @@ def main(out_path: str) -> None:
     cnn_single.set_weights(cnn.get_weights())
     outside = build_mlp()  # built outside any scope; distributed because analyze runs inside it
     for name, (model, single), data, estimators, kw in [
-        # 23 samples: 5 batches of 5 (odd count, last one partial), 1 of 32 (replica 1 gets no data),
-        # 6 of 4 in chunks of 2 through the generic per-sample Jacobian path.
-        ("mlp_b5", (mlp, mlp_single), (x, y), ("ggn", "exact"), {"batch_size": 5}),
-        ("mlp_one_batch", (mlp, mlp_single), (x, y), ("ggn", "exact"), {"batch_size": 32}),
-        ("mlp_generic_chunked", (mlp, mlp_single), (x, y), ("ggn",),
-         {"batch_size": 4, "chunk_size": 2, "fast": False}),
-        ("cnn_b3", (cnn, cnn_single), (xi, yi), ("ggn",), {"batch_size": 3}),
+        # 23 samples: 5 batches of 5 (odd count, last one partial), one (x, y) pair (one batch of 23,
+        # split between the replicas), 6 of 4 in chunks of 2 through the generic per-sample Jacobian path.
+        ("mlp_b5", (mlp, mlp_single), batches(x, y, 5), ("ggn", "exact"), {}),
+        ("mlp_one_batch", (mlp, mlp_single), (x, y), ("ggn", "exact"), {}),
+        ("mlp_generic_chunked", (mlp, mlp_single), batches(x, y, 4), ("ggn",), {"chunk_size": 2, "fast": False}),
+        ("cnn_b3", (cnn, cnn_single), batches(xi, yi, 3), ("ggn",), {}),
         ("scope_only_dataset", (outside, outside), dataset, ("ggn",), {}),
     ]:
         for est in estimators:
@@ -111,36 +115,39 @@ def main(out_path: str) -> None:
                 "report": report_diff(dist_report, ref_report),
                 "examples": [dist_report.metadata["examples"], ref_report.metadata["examples"]],
                 "batches": [dist_report.metadata["batches"], ref_report.metadata["batches"]],
-                "replicas": dist_report.metadata.get("replicas"),
-                "ref_replicas": ref_report.metadata.get("replicas"),
+                "replicas": dist_report.metadata["backend"].get("replicas"),
+                "ref_replicas": ref_report.metadata["backend"].get("replicas"),
             }
             if name == "mlp_b5" and est == "ggn":
                 ref = diagonals(single, data, estimator=est, **kw)
                 case["diag"] = max_rel_diff(diagonals(model, data, estimator=est, **kw), ref)
                 opt_out = normflat.analyze(model, data, estimator=est, distributed=False, **kw, progress=False)
-                case["opt_out_replicas"] = opt_out.metadata.get("replicas", 1)
+                case["opt_out_replicas"] = opt_out.metadata["backend"].get("replicas", 1)
                 case["opt_out_report"] = report_diff(opt_out, ref_report)
             result["cases"][f"{name}/{est}"] = case
 
     # Stochastic estimators: run distributed (twice: reproducible), report standard errors.
     for est, samples in (("ggn-mc", 4), ("hutchinson", 8)):
-        rep = normflat.analyze(mlp, (x, y), estimator=est, samples=samples, batch_size=5, progress=False)
-        again = normflat.analyze(mlp, (x, y), estimator=est, samples=samples, batch_size=5, progress=False)
+        rep = normflat.analyze(mlp, batches(x, y, 5), estimator=est, samples=samples, progress=False)
+        again = normflat.analyze(mlp, batches(x, y, 5), estimator=est, samples=samples, progress=False)
+        single = normflat.analyze(mlp_single, batches(x, y, 5), estimator=est, samples=samples, progress=False)
         result["cases"][f"stochastic/{est}"] = {
             "has_se": all(layer.standard_error is not None for layer in rep.layers),
             "reproducible": all(a.normalized_sharpness == b.normalized_sharpness
                                 for a, b in zip(rep.layers, again.layers)),
-            "replicas": rep.metadata.get("replicas"),
+            "replicas": rep.metadata["backend"].get("replicas"),
+            # The draws are keyed on sample positions and the probes fixed: the same numbers as on one device.
+            "single_device": report_diff(rep, single),
         }
 
     # A failure inside replica 1 only (its batch holds a value > 100): raises, no hang.
     with strategy.scope():
         failing = build_mlp(fail=True)
     xf = x.copy()
-    xf[6] = 1e3  # batch 1 of size 5 -> replica 1
+    xf[9] = 1e3  # batch 1 (samples 5-9) is split 3 + 2 between the replicas: sample 9 -> replica 1
     for est in ("ggn", "exact"):
         try:
-            normflat.analyze(failing, (xf, y), estimator=est, batch_size=5, progress=False)
+            normflat.analyze(failing, batches(xf, y, 5), estimator=est, progress=False)
             result[f"failure/{est}"] = "no error"
         except Exception as err:  # noqa: BLE001 - the test checks the type and message
             result[f"failure/{est}"] = f"{type(err).__name__}: {err}"[:300]

@@ -31,17 +31,17 @@ def test_callback_records_totals_into_history():
                               keras.layers.Dense(3, activation="softmax")])
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     probe = (x[:32], y[:32])
-    cb = SharpnessCallback(probe, every=2, estimator="ggn", batch_size=16)
+    cb = SharpnessCallback(probe, every=2, estimator="ggn", chunk_size=16)
     history = model.fit(x, y, epochs=4, batch_size=16, verbose=0, callbacks=[cb])
     ns = history.history["normalized_sharpness"]
     assert len(ns) == 4 and math.isnan(ns[0]) and math.isnan(ns[2])
     assert ns[1] > 0 and ns[3] > 0 and ns[1] != ns[3]
     assert [epoch for epoch, _ in cb.reports] == [1, 3]
     # The last entry is the analysis of the trained model (final softmax stripped).
-    final = normflat.analyze(model, probe, progress=False, batch_size=16)
+    final = normflat.analyze(model, probe, progress=False, chunk_size=16)
     for name in normflat.MEASURES:
         assert history.history[name][3] == pytest.approx(getattr(final, name), rel=1e-6)
-    assert final.metadata["stripped_softmax"] == model.layers[-1].name
+    assert final.metadata["backend"]["stripped_softmax"] == model.layers[-1].name
     with pytest.raises(ValueError, match="every"):
         SharpnessCallback(probe, every=0)
 

@@ -122,6 +122,7 @@ def test_distributed_stochastic_estimators(mirrored, est):
     assert result["replicas"] == 2
     assert result["has_se"]  # group estimates reduced across replicas -> standard errors
     assert result["reproducible"]
+    assert result["single_device"] <= TOL  # draws keyed on sample positions, fixed probes
 
 
 @pytest.mark.parametrize("est", ["ggn", "exact"])
@@ -133,7 +134,8 @@ def test_failure_in_one_replica_raises(mirrored, est):
 
 @pytest.mark.parametrize("index", [0, 1])
 def test_multi_worker_mirrored_strategy(workers, index):
-    """Two local workers (TF_CONFIG, one CPU replica each): both get the single-device result."""
+    """Two local workers (TF_CONFIG, one CPU replica each), each with its own shard: both get the
+    single-device result on all the data."""
     result = workers[f"worker{index}"]
     if isinstance(result, str):
         pytest.fail(result)
@@ -142,8 +144,8 @@ def test_multi_worker_mirrored_strategy(workers, index):
         assert result[est] <= TOL
         assert result[f"{est}_metadata"] == {"examples": 23, "batches": 5, "replicas": 2, "workers": 2}
     # Worker 1's batch fails inside its replica: worker 1 raises that error, worker 0 is told
-    # (through the final collective) and raises too, instead of waiting forever.
-    expected = "InvalidArgumentError" if index == 1 else "RuntimeError: The analysis failed on 1 replica(s)"
+    # (through the engine's per-batch status step) and raises too, instead of waiting forever.
+    expected = "InvalidArgumentError" if index == 1 else "DistributedFailure: normflat stopped on rank 0"
     assert result["failure"].startswith(expected), result["failure"]
 
 
@@ -190,26 +192,26 @@ def test_distributed_dataset_is_refused_with_the_fix(mlp):
 
 def test_single_replica_strategy_runs_on_one_device(mlp):
     model, data = mlp
-    ref = _diag(model, data, batch_size=8)
+    ref = _diag(model, data, chunk_size=8)
     with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
-        report = normflat.analyze(model, data, batch_size=8, progress=False)
-        got = _diag(model, data, batch_size=8)
-    assert "replicas" not in report.metadata
+        report = normflat.analyze(model, data, chunk_size=8, progress=False)
+        got = _diag(model, data, chunk_size=8)
+    assert "replicas" not in report.metadata["backend"] and report.metadata["world_size"] == 1
     for a, b in zip(got, ref):
         np.testing.assert_allclose(a, b, rtol=1e-12)
 
 
 def test_memory_budget_chooses_chunk_and_keeps_result(mlp):
     model, data = mlp
-    ref = _diag(model, data, batch_size=20)
-    small = normflat.analyze(model, data, batch_size=20, memory_budget="3KB", progress=False).metadata
-    smaller = normflat.analyze(model, data, batch_size=20, memory_budget=1500, progress=False).metadata
+    ref = _diag(model, data)
+    small = normflat.analyze(model, data, memory_budget="3KB", progress=False).metadata
+    smaller = normflat.analyze(model, data, memory_budget=1500, progress=False).metadata
     assert 1 <= smaller["chunk_size"] < small["chunk_size"] < 20  # a whole batch does not fit
     assert small["memory_budget"] == 3000
     for budget in ("3KB", 1500):
-        for a, b in zip(_diag(model, data, batch_size=20, memory_budget=budget), ref):
+        for a, b in zip(_diag(model, data, memory_budget=budget), ref):
             np.testing.assert_allclose(a, b, rtol=1e-12)
-    large = normflat.analyze(model, data, batch_size=20, memory_budget="1GiB", progress=False).metadata
+    large = normflat.analyze(model, data, memory_budget="1GiB", progress=False).metadata
     assert large["chunk_size"] >= 20
 
 
@@ -231,10 +233,10 @@ def test_memory_budget_estimate_grows_with_chunk_on_generic_path(mlp):
     model, data = mlp
     # The generic path's per-sample Jacobians grow quadratically with the chunk: a budget that
     # fits 20 samples on the fast path fits fewer on the generic one.
-    fast = normflat.analyze(model, data, batch_size=20, memory_budget="20KB", progress=False).metadata
-    generic = normflat.analyze(model, data, batch_size=20, memory_budget="20KB", fast=False,
+    fast = normflat.analyze(model, data, memory_budget="20KB", progress=False).metadata
+    generic = normflat.analyze(model, data, memory_budget="20KB", fast=False,
                                progress=False).metadata
     assert generic["chunk_size"] < fast["chunk_size"]
-    for a, b in zip(_diag(model, data, batch_size=20, memory_budget="20KB", fast=False),
-                    _diag(model, data, batch_size=20)):
+    for a, b in zip(_diag(model, data, memory_budget="20KB", fast=False),
+                    _diag(model, data)):
         np.testing.assert_allclose(a, b, rtol=1e-12)

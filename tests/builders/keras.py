@@ -3,7 +3,9 @@
 Images are NHWC in Keras: conv kernels ``(out, in, kh, kw)`` become
 ``(kh, kw, in, out)``, dense kernels ``(out, in)`` become ``(in, out)``, and
 inputs are transposed from NCHW. Symmetric padding is a ``ZeroPadding2D``
-followed by a ``'valid'`` convolution, which reproduces the spec exactly.
+followed by a ``'valid'`` convolution, which reproduces the spec exactly. A
+grouped convolution with one input channel per group is a ``DepthwiseConv2D``,
+any other a ``Conv2D(groups=...)``.
 """
 
 from __future__ import annotations
@@ -62,11 +64,22 @@ def _layer(layer, h, dtype, assignments, counter):
     if isinstance(layer, netspec.Conv2d):
         if layer.padding:
             h = L.ZeroPadding2D(layer.padding, dtype=dtype, name=name("pad"))(h)
-        out_c, _, kh, kw = layer.weight.shape
+        out_c, in_g, kh, kw = layer.weight.shape
+        bias = [layer.bias] if layer.bias is not None else []
+        if layer.groups > 1 and in_g == 1 and int(h.shape[-1]) == layer.groups:
+            # Depthwise (one input channel per group): Keras' own DepthwiseConv2D, kernel
+            # (kh, kw, in, m) with output channel i*m + j reading input channel i.
+            m = out_c // layer.groups
+            conv = L.DepthwiseConv2D((kh, kw), strides=layer.stride, padding="valid", depth_multiplier=m,
+                                     use_bias=layer.bias is not None, dtype=dtype, name=name("depthwise"))
+            out = conv(h)
+            kernel = layer.weight.reshape(layer.groups, m, kh, kw).transpose(2, 3, 0, 1)
+            assignments.append(lambda c=conv, w=[kernel] + bias: c.set_weights(w))
+            return out
         conv = L.Conv2D(out_c, (kh, kw), strides=layer.stride, padding="valid", groups=layer.groups,
                         use_bias=layer.bias is not None, dtype=dtype, name=name("conv"))
         out = conv(h)
-        weights = [np.transpose(layer.weight, (2, 3, 1, 0))] + ([layer.bias] if layer.bias is not None else [])
+        weights = [np.transpose(layer.weight, (2, 3, 1, 0))] + bias
         assignments.append(lambda c=conv, w=weights: c.set_weights(w))
         return out
     if isinstance(layer, netspec.Relu):

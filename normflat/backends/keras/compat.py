@@ -1,0 +1,129 @@
+"""Every touch of a private or internal Keras / TensorFlow API, in one place.
+
+Keras 3 has no public way to list a layer's direct sub-layers, to find the
+layer producing a functional model's output, to tell Keras' own ``call`` of a
+convolution from a user's override, or to read the strategy a model was built
+under. Each helper below says why it needs the internal name and degrades to a
+safe answer (the generic path, no stripping, no strategy) when a Keras release
+moves it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+__all__ = [
+    "children",
+    "flatten_layers",
+    "base_conv_class",
+    "functional_class",
+    "output_layer",
+    "dense_kernel",
+    "causal_padding",
+    "model_strategy",
+    "set_instance_attr",
+    "del_instance_attr",
+    "instance_attr",
+    "group_norm_helpers",
+]
+
+_MISSING = object()
+
+
+def children(layer: Any) -> list[Any]:
+    """Direct sub-layers of ``layer`` in tracking order.
+
+    ``Layer._layers`` is the only list of *direct* children (``_flatten_layers``
+    recurses and the public ``layers`` exists on models only); the model walk
+    needs them to prefix the names of nested models.
+    """
+    return [child for child in getattr(layer, "_layers", []) if isinstance(child, keras.layers.Layer)]
+
+
+def flatten_layers(model: Any) -> list[Any]:
+    """All layers below ``model`` (``Layer._flatten_layers``: Keras has no public recursive listing)."""
+    return list(model._flatten_layers(include_self=False))
+
+
+def base_conv_class() -> type | None:
+    """Keras' internal ``BaseConv``: its ``call``/``convolution_op`` identify a plain convolution.
+
+    The fast GGN path taps a convolution's input and pre-activation, which is only
+    right when the layer runs Keras' own ``call``; ``None`` (another Keras layout)
+    sends convolutions to the generic path.
+    """
+    try:
+        from keras.src.layers.convolutional.base_conv import BaseConv
+    except ImportError:  # pragma: no cover - other Keras layouts
+        return None
+    return BaseConv
+
+
+def functional_class() -> type:
+    """Keras' internal ``Functional`` model class (to find the layer of a functional model's output)."""
+    try:
+        from keras.src.models.functional import Functional
+    except ImportError:  # pragma: no cover - other Keras layouts: only Sequential models are inspected
+        return keras.Sequential
+    return Functional
+
+
+def output_layer(model: Any) -> Any | None:
+    """The layer that produced a functional model's single output.
+
+    ``KerasTensor._keras_history`` is the only link from a symbolic output to its layer.
+    """
+    history = getattr(model.outputs[0], "_keras_history", None)
+    return None if history is None else history[0]
+
+
+def dense_kernel(layer: Any) -> Any:
+    """The variable of a ``Dense`` kernel.
+
+    ``Dense.kernel`` is a property that, for LoRA or quantized layers, computes a
+    tensor; ``_kernel`` is the variable itself, which is what is differentiated.
+    """
+    return layer._kernel if hasattr(layer, "_kernel") else layer.kernel
+
+
+def causal_padding(layer: Any) -> Any:
+    """``BaseConv._compute_causal_padding``: the exact padding Keras applies for ``padding="causal"``."""
+    return layer._compute_causal_padding()
+
+
+def model_strategy(model: Any) -> Any | None:
+    """The ``tf.distribute`` strategy a model was built under (``Trainer._distribute_strategy``).
+
+    Keras records it privately at construction; there is no public accessor.
+    """
+    return getattr(model, "_distribute_strategy", None)
+
+
+def instance_attr(obj: Any, attr: str) -> Any:
+    """The instance's own value of ``attr`` (``_MISSING`` when it falls back to the class)."""
+    return obj.__dict__.get(attr, _MISSING)
+
+
+def set_instance_attr(obj: Any, attr: str, value: Any) -> None:
+    """Set an attribute on one layer instance, bypassing Keras' attribute tracking.
+
+    ``Layer.__setattr__`` would track a function as a sub-object and change the
+    layer's state; ``object.__setattr__`` only shadows the class attribute of
+    this one instance (no module or class is changed).
+    """
+    object.__setattr__(obj, attr, value)
+
+
+def del_instance_attr(obj: Any, attr: str, old: Any) -> None:
+    """Restore ``attr`` of one instance to ``old`` (an earlier :func:`instance_attr` value)."""
+    if old is _MISSING:
+        obj.__dict__.pop(attr, None)
+    else:
+        object.__setattr__(obj, attr, old)
+
+
+def group_norm_helpers(layer: Any) -> tuple[Any, Any]:
+    """``GroupNormalization``'s private reshape helpers (its own group layout, reused as is)."""
+    return layer._reshape_into_groups, layer._create_broadcast_shape

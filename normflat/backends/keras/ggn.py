@@ -1,0 +1,301 @@
+"""The ``ggn`` and ``ggn-mc`` kernels: per-layer sums of squared per-sample gradients (method §6).
+
+The GGN diagonal of the mean loss is ``(1/N) Σ_n Σ_d (J_nᵀ s_nd)²`` where the
+output signals ``s_nd`` come from :func:`normflat.engine.losses.output_signals`
+at the raw logits: the ``C − 1`` columns of a factor of the loss Hessian
+(``ggn``), or ``(e_ỹ − p)/√m_k`` with ``ỹ`` drawn from the engine's
+framework-free uniforms (``ggn-mc``). One compiled step runs the forward pass
+once, back-propagates a block of signals to the tapped pre-activations of every
+``Dense``/``Conv`` layer (the *fast* path) and forms the per-sample squares
+there; other layers (shared, subclassed, depthwise, registered) take the
+*generic* path of per-sample Jacobian products. The step returns the
+``(K, *canonical)`` sums of one chunk of samples; the engine divides.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+import tensorflow as tf
+
+from normflat.backends.keras.layers import Entry
+from normflat.backends.keras.ops import TF
+from normflat.backends.keras.state import ModelState
+from normflat.core.memory import chunk_size_for
+from normflat.engine.losses import logit_stats, output_signals
+from normflat.engine.options import AnalysisOptions
+
+__all__ = ["Taps", "ggn_step_fn", "signal_layout", "ggn_bytes", "ggn_chunk_size", "SIGNAL_BLOCK", "compute_dtype"]
+
+#: Signals back-propagated per compiled step (unrolled in the graph; more are done in blocks).
+SIGNAL_BLOCK = 16
+#: Budget of one GGN chunk's largest intermediate (bytes); sets the default chunk size.
+CHUNK_BYTES = 2**28
+
+
+def compute_dtype(dtype: Any) -> Any:
+    """Losses and signals are formed in at least float32 (half-precision logits lose the curvature)."""
+    dtype = tf.as_dtype(dtype)
+    return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+
+
+class Taps:
+    """Records each tapped layer's input and pre-activation during a forward pass.
+
+    The wrappers are set on the layer instances through ``state`` (restored when
+    the analysis ends). ``records[name]`` collects ``[input, pre_activation]`` per
+    call; ``tape``, while set, watches the pre-activations (frozen kernels are
+    not watched automatically).
+    """
+
+    def __init__(self, state: ModelState, tapped: list[Entry]) -> None:
+        self.records: dict[str, list] = {}
+        self.tape: tf.GradientTape | None = None
+        for entry in tapped:
+            self._tap(state, entry)
+
+    def _tap(self, state: ModelState, entry: Entry) -> None:
+        layer, name = entry.layer, entry.name
+        original_call = layer.call  # bound method (or an instance attribute set before)
+        original_activation = layer.activation
+
+        def call(inputs, *args, **kwargs):
+            self.records.setdefault(name, []).append([inputs, None])
+            return original_call(inputs, *args, **kwargs)
+
+        def activation(y):
+            if self.tape is not None:
+                self.tape.watch(y)
+            record = self.records.get(name)
+            if record and record[-1][1] is None:
+                record[-1][1] = y
+            return original_activation(y)
+
+        state.set(layer, "call", call)
+        state.set(layer, "activation", activation)
+
+
+def signal_layout(options: AnalysisOptions, num_classes: int) -> tuple[list[int], list[int]]:
+    """Which of the flattened ``(K·M)`` engine signals are real, and their group ids.
+
+    ``ggn``: ``K = 1``, ``M = C − 1``, all real. ``ggn-mc``: draw ``d`` is member
+    ``d // K`` of group ``d mod K``; groups with fewer members are padded with zero
+    signals by the engine, which are dropped here (they would cost a back-propagation
+    each and add nothing).
+    """
+    if options.estimator == "ggn":
+        return list(range(num_classes - 1)), [0] * (num_classes - 1)
+    k, samples = options.groups, options.samples
+    members = -(-samples // k)
+    index, seg = [], []
+    for g in range(k):
+        for m in range(members):
+            if g + m * k < samples:
+                index.append(g * members + m)
+                seg.append(g)
+    return index, seg
+
+
+def _same_padding(size: int, k: int, s: int, d: int) -> tuple[int, int]:
+    total = max((math.ceil(size / s) - 1) * s + (k - 1) * d + 1 - size, 0)
+    return total // 2, total - total // 2
+
+
+def _patches(x: Any, layer: Any) -> Any:
+    """Channels-last input -> (n, positions, kernel offsets, in) windows matching the convolution."""
+    r = layer.rank
+    k, s, d = tuple(layer.kernel_size), tuple(layer.strides), tuple(layer.dilation_rate)
+    spatial = [int(v) for v in x.shape[1:-1]]
+    pads = []
+    for i in range(r):
+        if layer.padding == "same":
+            pads.append(list(_same_padding(spatial[i], k[i], s[i], d[i])))
+        elif layer.padding == "causal":
+            pads.append([(k[i] - 1) * d[i], 0])
+        else:
+            pads.append([0, 0])
+    if any(p != [0, 0] for p in pads):
+        x = tf.pad(x, [[0, 0]] + pads + [[0, 0]])
+    padded = [spatial[i] + sum(pads[i]) for i in range(r)]
+    outs = [(padded[i] - (k[i] - 1) * d[i] - 1) // s[i] + 1 for i in range(r)]
+    windows = []
+    for offset in itertools.product(*[range(ki) for ki in k]):
+        index = [slice(None)]
+        for i in range(r):
+            start = offset[i] * d[i]
+            index.append(slice(start, start + (outs[i] - 1) * s[i] + 1, s[i]))
+        index.append(slice(None))
+        windows.append(x[tuple(index)])
+    stacked = tf.stack(windows, axis=-2)  # (n, *outs, koff, in)
+    return tf.reshape(stacked, [tf.shape(x)[0], math.prod(outs), len(windows), int(x.shape[-1])])
+
+
+def _per_sample_squares(a: Any, g: Any, seg: Any, groups: int) -> Any:
+    """``Σ_n (per-sample gradient)²`` per signal group, with per-sample gradients as batched matmuls.
+
+    ``a``: (n, T, K) layer inputs (patches); ``g``: (n, T, B, O) signals. The
+    per-sample gradient of signal b is ``g[n, :, b]ᵀ a[n]`` (O × K); returns (groups, O, K).
+    """
+    b, o, k = int(g.shape[-2]), int(g.shape[-1]), int(a.shape[-1])
+    n, t = tf.shape(a)[0], tf.shape(a)[1]
+    # transpose_a: no copy of the (large) signal tensor.
+    sq = tf.reduce_sum(tf.square(tf.matmul(tf.reshape(g, [n, t, b * o]), a, transpose_a=True)), axis=0)
+    return tf.math.unsorted_segment_sum(tf.reshape(sq, [b, o, k]), seg, groups)
+
+
+def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int) -> Any:
+    """Per-group sums over samples and signals of squared per-sample gradients, canonical layout.
+
+    ``x``: the layer input (n, ...); ``gs``: the B back-propagated signals at
+    the pre-activation, each shaped like it. Grouped convolutions give
+    ``(K, out, in/groups, *k)``: each output channel's own input channels only.
+    """
+    layer = entry.layer
+    b = len(gs)
+    if entry.fast == "dense":
+        if len(x.shape) == 2:
+            # Per-sample gradient x ⊗ g is rank one: its square is x² ⊗ g², summed over n by a matmul.
+            g2 = tf.math.unsorted_segment_sum(tf.square(tf.stack(gs)), seg, groups)  # (K, n, out)
+            return tf.matmul(g2, tf.square(x)[None], transpose_a=True)  # (K, out, in)
+        n = tf.shape(x)[0]
+        xf = tf.reshape(x, [n, -1, int(x.shape[-1])])
+        gf = tf.reshape(tf.stack(gs, axis=-2), [n, -1, b, int(gs[0].shape[-1])])
+        return _per_sample_squares(xf, gf, seg, groups)
+    r = layer.rank
+    if layer.data_format == "channels_first":
+        x = tf.transpose(x, [0] + list(range(2, r + 2)) + [1])
+        gs = [tf.transpose(g, [0] + list(range(2, r + 2)) + [1]) for g in gs]
+    patches = _patches(x, layer)  # (n, P, koff, cin)
+    n = tf.shape(patches)[0]
+    npos, koff, cin = int(patches.shape[1]), int(patches.shape[2]), int(patches.shape[3])
+    cout = int(gs[0].shape[-1])
+    groups_conv = int(getattr(layer, "groups", 1))
+    gf = tf.reshape(tf.stack(gs, axis=-2), [n, npos, b, cout])
+    cin_g, cout_g = cin // groups_conv, cout // groups_conv
+    parts = []
+    for gi in range(groups_conv):
+        a = patches if groups_conv == 1 else patches[..., gi * cin_g:(gi + 1) * cin_g]
+        g = gf if groups_conv == 1 else gf[..., gi * cout_g:(gi + 1) * cout_g]
+        parts.append(_per_sample_squares(tf.reshape(a, [n, npos, koff * cin_g]), g, seg, groups))
+    sq = parts[0] if groups_conv == 1 else tf.concat(parts, axis=1)  # (K, out, koff·cin_g)
+    k = tuple(layer.kernel_size)
+    sq = tf.reshape(sq, [groups, cout, *k, cin_g])
+    return tf.transpose(sq, [0, 1, r + 2] + list(range(2, r + 2)))  # (K, out, in/groups, *k)
+
+
+def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, groups: int, block: int,
+                num_classes: int, holder: dict) -> Callable[..., Any]:
+    """The compiled GGN step of one chunk of samples and one block of signals.
+
+    ``step(x, uniforms, start)`` returns the ``(K, *canonical)`` sums per layer and
+    the :func:`~normflat.engine.losses.logit_stats` of the chunk. ``uniforms`` are
+    the chunk's ``(n, samples)`` draws (``ggn-mc``; ``(n, 0)`` for ``ggn``);
+    ``start`` selects the block of signals. ``holder["taps"]`` is the
+    :class:`Taps` active when the function (re)traces; the model is held weakly.
+    """
+    fast = [e for e in entries if e.fast]
+    generic = [e for e in entries if not e.fast]
+    model_ref = weakref.ref(model)
+    index, seg_list = signal_layout(options, num_classes)
+
+    @tf.function(reduce_retracing=True)
+    def step(x, uniforms, start):
+        taps = holder["taps"]
+        taps.records.clear()
+        with tf.GradientTape(persistent=True) as tape:
+            taps.tape = tape
+            for e in generic:
+                tape.watch(e.variable.value)
+            z = model_ref()(x, training=False)
+        taps.tape = None
+        zc = tf.cast(tf.stop_gradient(z), compute_dtype(z.dtype))
+        stats = logit_stats(TF, zc)
+        sig = output_signals(TF, zc, options, tf.cast(uniforms, zc.dtype))  # (K, M, n, C)
+        c = int(z.shape[-1])
+        s = tf.gather(tf.reshape(sig, [-1, tf.shape(zc)[0], c]), index)
+        s = tf.cast(s, z.dtype)
+        seg = tf.constant(seg_list, tf.int32)
+        # A fixed-size block of signals; past the end, zero (padding) signals add nothing.
+        s = tf.pad(s, [[0, block], [0, 0], [0, 0]])[start:start + block]
+        seg = tf.pad(seg, [[0, block]])[start:start + block]
+        s = tf.ensure_shape(s, [block, None, c])
+        out = {}
+        if fast:
+            pre = [taps.records[e.name][0][1] for e in fast]
+            # One back-propagation per signal, unrolled: much faster on CPU than pfor here.
+            back = [tape.gradient(z, pre, output_gradients=s[i]) for i in range(block)]
+            for j, e in enumerate(fast):
+                gs = [back[i][j] for i in range(block)]
+                out[e.name] = _fast_squares(e, taps.records[e.name][0][0], gs, seg, groups)
+        if generic:
+            n = tf.shape(z)[0]
+            # One signal per (signal, sample): per-sample gradients through the whole model.
+            flat = tf.reshape(s, [-1, c])  # (B*n, C)
+            rows = tf.tile(tf.range(n), [block])
+            og = tf.one_hot(rows, n, dtype=z.dtype)[:, :, None] * flat[:, None, :]  # (B*n, n, C)
+            variables = [e.variable.value for e in generic]
+
+            def per_sample(o):
+                grads = tape.gradient(z, variables, output_gradients=o)
+                return [tf.zeros_like(v) if gr is None else gr for gr, v in zip(grads, variables)]
+
+            grads = tf.vectorized_map(per_sample, og)
+            sample_seg = tf.repeat(seg, n)
+            for e, gr in zip(generic, grads):
+                sq = tf.math.unsorted_segment_sum(tf.square(gr), sample_seg, groups)
+                out[e.name] = tf.vectorized_map(e.weight.to_canonical, sq)
+        del tape
+        return [out[e.name] for e in entries], stats
+
+    return step
+
+
+def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: int, block: int) -> tuple[int, int]:
+    """Estimated bytes of one GGN step as ``linear * n + quadratic * n²`` for a chunk of n samples.
+
+    Counts the per-sample intermediates that grow with the chunk: the
+    back-propagated signals at every tapped pre-activation and layer input
+    (the unrolled signals of a block may be live at once), the largest
+    per-layer per-sample-gradient work (batched matmul result and its square,
+    convolution patches), and for layers on the generic path the per-sample
+    Jacobian products, whose output-gradient tensor and vectorized backward
+    pass grow with n² (one signal per sample of the chunk).
+    """
+    item = tf.as_dtype(dtype).size
+    linear = input_size + num_classes * (block + 2)
+    work = 0
+    for e in entries:
+        if not e.fast:
+            continue
+        size = int(np.prod(e.variable.shape))
+        linear += e.in_size * (block + 1) + e.pre_size * (block + 1)
+        if e.fast == "dense" and e.input_rank == 2:
+            work = max(work, block * e.pre_size)  # stacked squared signals
+        else:
+            layer = e.layer
+            positions = e.pre_size // max(1, int(layer.filters if e.fast == "conv" else e.variable.shape[-1]))
+            patches = positions * size // max(1, int(e.variable.shape[-1])) if e.fast == "conv" else e.in_size
+            work = max(work, 2 * block * size + block * e.pre_size + patches)
+    generic = [e for e in entries if not e.fast]
+    quadratic = 0
+    if generic:
+        activations = input_size + num_classes + sum(e.in_size + e.pre_size for e in entries)
+        linear += 2 * block * sum(int(np.prod(e.variable.shape)) for e in generic)
+        quadratic = block * (num_classes + 2 * activations)
+    return (linear + work) * item, quadratic * item
+
+
+def ggn_chunk_size(linear: int, quadratic: int, memory_budget: int | None, block: int) -> int:
+    """Samples per GGN step: the largest chunk whose step fits the memory budget (default: 256 MiB, no error)."""
+    if memory_budget is None:
+        return int(max(1, min(1024, CHUNK_BYTES // (linear + quadratic))))
+    what = f"the GGN step ({block} back-propagated signals per sample, estimated)"
+    chunk = chunk_size_for(memory_budget, linear + quadratic, what=what, maximum=1024)
+    while chunk > 1 and chunk * linear + chunk * chunk * quadratic > memory_budget:
+        chunk = max(1, min(chunk - 1, int(chunk * 0.9)))
+    return chunk
+

@@ -1,0 +1,120 @@
+"""The ``exact`` and ``hutchinson`` kernels: Hessian-vector products by nested ``GradientTape``s (method §6).
+
+Both differentiate the **sum** of the loss over one chunk of samples (a
+custom loss returns the chunk's mean, multiplied by its size here), so the
+engine's division by the number of samples gives the Hessian of the mean loss
+whatever the batch and chunk split.
+
+* ``exact``: one-hot probes of one layer at a time; the sums are ``(1, *shape)``.
+* ``hutchinson``: Rademacher probes of :func:`normflat.engine.random.rademacher`,
+  drawn in the canonical ``(out, in/groups, *k)`` layout (the same probe for the
+  same weight entry in every framework) and moved to the variable's layout; the
+  same probes for every batch and rank. Probe ``j`` adds ``v_j ⊙ H v_j`` to
+  group ``j mod K``; the engine divides by the probes per group.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+import tensorflow as tf
+
+from normflat.backends.keras.ggn import compute_dtype
+from normflat.backends.keras.layers import Entry
+from normflat.backends.keras.ops import TF
+from normflat.engine.losses import check_loss_value, logit_stats, loss_sum
+from normflat.engine.options import AnalysisOptions
+from normflat.engine.random import rademacher
+
+__all__ = ["hvp_step_fns", "native_positions", "native_probes", "EXACT_BLOCK", "PROBE_BLOCK"]
+
+#: Probe entries per exact step, over all analyzed weights (bounds the vectorized HVPs' memory).
+EXACT_BLOCK = 2**22
+#: Probe entries per Hutchinson step, over all analyzed weights.
+PROBE_BLOCK = 2**24
+
+
+def _loss_sum(z: Any, target: Any, options: AnalysisOptions, holder: dict) -> Any:
+    if callable(options.loss):
+        value = tf.convert_to_tensor(options.loss(z, target))
+        if value.shape.is_fully_defined():  # checked while tracing: a per-sample vector is refused
+            check_loss_value(tuple(value.shape), True, holder.get("index", 0), options)
+        value = tf.reshape(value, [])
+        return value * tf.cast(tf.shape(z)[0], value.dtype)
+    zc = tf.cast(z, compute_dtype(z.dtype))
+    return loss_sum(TF, zc, target, options)
+
+
+def hvp_step_fns(model: Any, entries: list[Entry], options: AnalysisOptions, groups: int,
+                 holder: dict) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Compiled ``exact_step(x, target, indices, layer)`` and ``hutchinson_step(x, target, probes, seg)``.
+
+    ``exact_step`` returns the Hessian diagonal entries ``indices`` of layer
+    ``layer`` (flat, variable layout); ``hutchinson_step`` the per-layer
+    ``(K, *variable shape)`` sums of ``v ⊙ H v``; both also the loss sum and the
+    :func:`~normflat.engine.losses.logit_stats` of the chunk.
+    """
+    variables = [e.variable.value for e in entries]
+    sizes = [int(np.prod(v.shape)) for v in variables]
+    model_ref = weakref.ref(model)
+
+    def grads_and_hvp(x, target, probes, layer):
+        with tf.GradientTape(persistent=True) as outer:
+            for v in variables:
+                outer.watch(v)
+            with tf.GradientTape() as inner:
+                for v in variables:
+                    inner.watch(v)
+                z = model_ref()(x, training=False)
+                loss = _loss_sum(z, target, options, holder)
+            g = inner.gradient(loss, variables)
+            g = [tf.zeros_like(v) if gi is None else gi for gi, v in zip(g, variables)]
+        if layer is not None:
+            sources, targets_ = [variables[layer]], [g[layer]]
+        else:
+            sources, targets_ = variables, g
+
+        def hvp(vs):
+            out = outer.gradient(targets_, sources, output_gradients=vs)
+            return [tf.zeros_like(s) if o is None else o for o, s in zip(out, sources)]
+
+        stats = logit_stats(TF, tf.cast(tf.stop_gradient(z), compute_dtype(z.dtype)))
+        return tf.vectorized_map(hvp, probes), loss, stats
+
+    @tf.function(reduce_retracing=True)
+    def exact_step(x, target, indices, layer):
+        v = variables[layer]
+        probes = tf.reshape(tf.one_hot(indices, sizes[layer], dtype=v.dtype), [-1, *v.shape])
+        (hv,), loss, stats = grads_and_hvp(x, target, [probes], layer)
+        return tf.reduce_sum(tf.reshape(hv * probes, [tf.shape(indices)[0], -1]), axis=1), loss, stats
+
+    @tf.function(reduce_retracing=True)
+    def hutchinson_step(x, target, probes, seg):
+        hv, loss, stats = grads_and_hvp(x, target, probes, None)
+        return [tf.math.unsorted_segment_sum(p * h, seg, groups) for p, h in zip(probes, hv)], loss, stats
+
+    return exact_step, hutchinson_step
+
+
+def native_positions(entry: Entry) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Where each canonical entry lives in the variable: ``(flat native index per canonical entry, canonical shape)``.
+
+    ``to_canonical`` only moves entries, so applying it to the entries' own
+    indices gives the permutation (also for registered layers' converters).
+    """
+    shape = tuple(int(d) for d in entry.variable.shape)
+    numel = int(np.prod(shape, dtype=np.int64))
+    index = tf.reshape(tf.range(numel, dtype=tf.float64), shape)
+    canon = np.asarray(entry.weight.to_canonical(index).numpy())
+    return canon.reshape(-1).astype(np.int64), tuple(int(d) for d in canon.shape)
+
+
+def native_probes(seed: int, layer: int, probes: range, positions: np.ndarray, canonical_shape: tuple[int, ...],
+                  shape: tuple[int, ...]) -> np.ndarray:
+    """Rademacher probes ``(m, *variable shape)`` (int8): the engine's canonical probes in the variable layout."""
+    canon = rademacher(seed, layer, probes, canonical_shape).reshape(len(probes), -1)
+    out = np.empty_like(canon)
+    out[:, positions] = canon
+    return out.reshape(len(probes), *shape)

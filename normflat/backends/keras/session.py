@@ -1,0 +1,507 @@
+"""The Keras :class:`~normflat.engine.driver.Session`: one model, one analysis.
+
+The engine's driver owns the data loop, the estimator sums, the distributed
+protocol and the problem building; the session holds the analyzed layers and,
+for one checked batch at a time, runs the estimator kernels (:mod:`.ggn`,
+:mod:`.hvp`) over chunks of the batch, dealt to the local ``tf.distribute``
+replicas when there are several, and adds the ``(K, *layout)`` sums to the
+engine's state. The layout of the sums is canonical for the GGN kernels
+(they produce it directly) and the variable's own for the HVP kernels
+(:meth:`KerasSession.canonical` converts at the end).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from normflat.backends.keras import compat
+from normflat.backends.keras.calls import grouped_conv_call, is_plain_norm, norm_call
+from normflat.backends.keras.data import ADAPTER, to_tensor
+from normflat.backends.keras.distributed import Replicas
+from normflat.backends.keras.ggn import SIGNAL_BLOCK, Taps, compute_dtype, ggn_bytes, ggn_chunk_size, ggn_step_fn
+from normflat.backends.keras.hvp import EXACT_BLOCK, PROBE_BLOCK, hvp_step_fns, native_positions, native_probes
+from normflat.backends.keras.layers import Entry, fast_kind, final_softmax, walk
+from normflat.backends.keras.ops import TF
+from normflat.backends.keras.state import ModelState
+from normflat.engine.data import Batch, labels_for
+from normflat.engine.estimators import SumState
+from normflat.engine.losses import check_logit_stats, check_loss_value, check_output_shape, logit_stats
+from normflat.engine.options import AnalysisOptions
+from normflat.engine.problems import LayerSpec
+from normflat.engine.random import sample_uniforms
+
+__all__ = ["BackendConfig", "KerasSession", "HVP_CHUNK"]
+
+#: Default samples per exact/hutchinson step (their probes are processed in fixed blocks).
+HVP_CHUNK = 512
+#: Hutchinson probes of all layers are kept for the whole analysis up to this many bytes.
+PROBE_CACHE_BYTES = 2**28
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """The checked Keras backend options (see the package docstring)."""
+
+    layers: list[str] | None = None
+    chunk_size: int | None = None
+    memory_budget: int | None = None
+    max_exact_params: float = 20_000
+    fast: bool = True
+    distributed: bool | None = None
+
+
+# Compiled functions and eager probes are cached per model (weakly: an entry dies with its
+# model), so repeated analyses (a callback every epoch, benchmarks) trace only once.
+_CACHE_GUARD = threading.Lock()
+_COMPILED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_PROBES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _cached(cache: "weakref.WeakKeyDictionary[Any, dict]", model: Any, key: Any,
+            factory: Callable[[], Any] | None) -> Any:
+    with _CACHE_GUARD:
+        try:
+            per_model = cache.setdefault(model, {})
+        except TypeError:  # not weak-referenceable: no caching
+            return None if factory is None else factory()
+        if key not in per_model:
+            if factory is None:
+                return None
+            per_model[key] = factory()
+        return per_model[key]
+
+
+def _store(cache: "weakref.WeakKeyDictionary[Any, dict]", model: Any, key: Any, value: Any) -> None:
+    with _CACHE_GUARD:
+        try:
+            cache.setdefault(model, {})[key] = value
+        except TypeError:
+            pass
+
+
+def _per_sample_elements(t: Any) -> int:
+    return int(np.prod([int(d) for d in t.shape[1:]], dtype=np.int64))
+
+
+def _slice(x: Any, a: int, b: int) -> Any:
+    return tf.nest.map_structure(lambda t: t[a:b], x)
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(
+            f"The Keras backend needs a Keras 3 model (keras.Model / keras.layers.Layer), got "
+            f"{type(model).__name__}. tf.keras (Keras 2) models are not supported; build the model with "
+            "Keras 3."
+        )
+    if keras.backend.backend() != "tensorflow":
+        raise RuntimeError(
+            f"This Keras model runs on Keras' {keras.backend.backend()!r} backend; normflat's Keras support "
+            "needs the 'tensorflow' backend. Set the environment variable KERAS_BACKEND=tensorflow before "
+            "importing keras (for JAX models, pass an equinox/flax model or an (apply_fn, params) pair)."
+        )
+    if not model.built:
+        raise ValueError(
+            f"The Keras model {model.name!r} is not built (it has no weights yet). Call it on a batch "
+            "(model(x)) or call model.build(input_shape) before analyzing it."
+        )
+
+
+class KerasSession:
+    """One Keras model under analysis (the engine's ``Session`` protocol).
+
+    Args:
+        model: A built Keras 3 model on the TensorFlow backend.
+        options: The validated common options.
+        config: The Keras backend options.
+        strategy: The ``tf.distribute`` strategy to use (``None``: one device).
+        rank: This worker's rank (the ``ggn-mc`` stream).
+        as_tensors: Return ``tf.Tensor`` diagonals in the kernel dtype
+            (``hessian_diagonal``) instead of float64 numpy arrays (problems).
+    """
+
+    framework = "keras"
+
+    def __init__(self, model: Any, options: AnalysisOptions, config: BackendConfig, strategy: Any = None,
+                 rank: int = 0, as_tensors: bool = False) -> None:
+        _check_model(model)
+        # Taken first: the walk and the softmax detection read instance attributes that a
+        # concurrent analysis of the same model may have set.
+        self.state = ModelState(model)
+        try:
+            self._setup(model, options, config, strategy, rank, as_tensors)
+            self._install()
+        except BaseException:
+            self.state.restore()
+            raise
+
+    def _setup(self, model: Any, options: AnalysisOptions, config: BackendConfig, strategy: Any, rank: int,
+               as_tensors: bool) -> None:
+        self.framework_version = keras.__version__
+        self.adapter = ADAPTER
+        self.model = model
+        self.options = options
+        self.config = config
+        self.rank = rank
+        self.as_tensors = as_tensors
+        self.hvp = options.estimator in ("exact", "hutchinson")
+        entries, self.unsupported = walk(model, options.on_unsupported, config.layers)
+        if not config.fast:
+            for e in entries:
+                e.fast, e.reason = None, "fast=False"
+        self.entries: list[Entry] = entries
+        sizes = [int(np.prod(e.variable.shape)) for e in entries]
+        self.total_params = sum(sizes)
+        if options.estimator == "exact" and self.total_params > config.max_exact_params:
+            raise ValueError(
+                f"estimator='exact' needs one Hessian-vector product per weight; the analyzed layers have "
+                f"{self.total_params} weights (limit {config.max_exact_params}). Use estimator='ggn' or "
+                "'hutchinson', restrict layers=[...], or pass force=True (or max_exact_params=...) to run it "
+                "anyway."
+            )
+        self.dtype = tf.as_dtype(entries[0].variable.dtype)
+        self.device = str(entries[0].variable.value.device) or "cpu"
+        self.host = "GPU" not in self.device.upper() and "TPU" not in self.device.upper()
+        self._canonical_shapes: list[tuple[int, ...]] | None = None  # computed when first needed
+        self.layers = [
+            LayerSpec(e.name, e.weight.kind, e.variable.path, groups=int(e.weight.groups),
+                      path="hvp" if self.hvp else ("fast" if e.fast else "generic"),
+                      reason=None if self.hvp else e.reason, extra={"layer_class": type(e.layer).__name__})
+            for e in entries
+        ]
+        self.replicas = Replicas(strategy) if strategy is not None else None
+        self.strip = None if callable(options.loss) else final_softmax(model)
+        self.grouped = [l for l in compat.flatten_layers(model)
+                        if isinstance(l, (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D))
+                        and getattr(l, "groups", 1) > 1 and fast_kind(l)]
+        self.num_classes = 0
+        self.input_size = 0
+        self.chunk: int | None = None
+        self._probed = False
+        self._step: Any = None
+        self._holder: dict = {}
+        self._probe_cache: list[tuple[range, list[Any]]] | None = None
+
+    # ------------------------------------------------------------------ model state
+
+    def _install(self) -> None:
+        """Set the instance attributes this analysis needs (restored by :meth:`close`)."""
+        state = self.state
+        if self.strip is not None:
+            layer, attr = self.strip
+            if attr == "activation":
+                state.set(layer, "activation", keras.activations.linear)
+            else:
+                state.set(layer, "call", lambda inputs, *a, **k: inputs)
+        for layer in self.grouped:
+            state.set(layer, "call", grouped_conv_call(layer))
+        if self.hvp:
+            # Second derivatives through Layer/GroupNormalization need the plain variance.
+            for layer in compat.flatten_layers(self.model):
+                if is_plain_norm(layer):
+                    state.set(layer, "call", norm_call(layer))
+            self.taps = None
+        else:
+            self.taps = Taps(state, [e for e in self.entries if e.fast])
+
+    def close(self) -> None:
+        self.state.restore()
+
+    # ------------------------------------------------------------------ engine protocol
+
+    def signature(self) -> list[Any]:
+        return [(e.name, tuple(int(d) for d in e.variable.shape), tf.as_dtype(e.variable.dtype).name)
+                for e in self.entries]
+
+    def zeros(self, layer: int) -> Any:
+        entry = self.entries[layer]
+        if self.hvp:
+            shape = tuple(int(d) for d in entry.variable.shape)
+        else:
+            if self._canonical_shapes is None:
+                self._canonical_shapes = [
+                    tuple(int(d) for d in e.weight.to_canonical(tf.convert_to_tensor(e.variable.value)).shape)
+                    for e in self.entries
+                ]
+            shape = self._canonical_shapes[layer]
+        if self.host:
+            return np.zeros((self.options.groups, *shape))
+        return tf.zeros((self.options.groups, *shape), tf.float64)
+
+    def all_finite(self, array: Any) -> bool:
+        if isinstance(array, np.ndarray):
+            return bool(np.isfinite(array).all())
+        return bool(tf.reduce_all(tf.math.is_finite(array)))
+
+    def canonical(self, layer: int, array: Any) -> Any:
+        entry = self.entries[layer]
+        if self.hvp:
+            array = entry.weight.to_canonical(tf.convert_to_tensor(array))
+        if self.as_tensors:
+            if isinstance(array, np.ndarray):  # astype then constant: twice as fast as constant(dtype=)
+                return tf.constant(array.astype(tf.as_dtype(entry.variable.dtype).as_numpy_dtype, copy=False))
+            return tf.cast(array, entry.variable.dtype)
+        return np.asarray(array, dtype=np.float64)
+
+    def _add(self, state: SumState, layer: int, value: Any) -> None:
+        """Add a kernel's output to the sums, which are float64 from the second contribution on.
+
+        On the CPU the sums are numpy arrays: a CPU tensor's ``__array__`` is a
+        view, and numpy's arithmetic has a fraction of TensorFlow's per-op
+        overhead, which matters for small models. The first contribution is kept
+        as it is (a float32 view for a float32 model): a batch in one chunk is
+        then only divided by its size, correctly rounded, instead of being cast
+        back and forth. On an accelerator the sums stay on the device, in float64.
+        """
+        if self.host:
+            arr = np.asarray(value)
+            state.add(layer, arr if state.sums[layer] is None else arr.astype(np.float64))
+        else:
+            state.add(layer, tf.cast(value, tf.float64))
+
+    def weight(self, layer: int) -> Any:
+        if self.as_tensors:
+            return None  # hessian_diagonal reports no weights: skip the copy (it costs as much as a small step)
+        e = self.entries[layer]
+        return np.asarray(e.weight.to_canonical(tf.convert_to_tensor(e.variable.value)).numpy(), dtype=np.float64)
+
+    def metadata(self) -> dict[str, Any]:
+        backend: dict[str, Any] = {"keras_version": keras.__version__, "tensorflow_version": tf.__version__}
+        if self.strip is not None:
+            backend["stripped_softmax"] = self.strip[0].name
+        if self.replicas is not None:
+            backend.update(self.replicas.describe())
+        return {
+            "dtype": self.dtype.name,
+            "device": self.device,
+            "chunk_size": self.chunk,
+            "memory_budget": self.config.memory_budget,
+            "backend": backend,
+        }
+
+    def update(self, batch: Batch, state: SumState) -> None:
+        x = to_tensor(batch.x)
+        if not self._probed:
+            self._probe(x, batch)
+        labels = labels_for(batch, self.num_classes, ADAPTER, self.options)
+        if self.hvp:
+            self._update_hvp(x, labels, batch, state)
+        else:
+            self._update_ggn(x, batch, state)
+
+    # ------------------------------------------------------------------ first forward
+
+    def _probe_key(self, x: Any) -> Any:
+        signature = tuple((tuple(t.shape[1:]), t.dtype.name) for t in tf.nest.flatten(x))
+        return (signature, tuple((e.name, id(e.variable.value), e.fast) for e in self.entries),
+                None if self.strip is None else id(self.strip[0]), tuple(id(l) for l in self.grouped),
+                callable(self.options.loss), self.hvp)
+
+    def _probe(self, x: Any, batch: Batch) -> None:
+        """The first forward: number of classes, logits checks, which taps really fired.
+
+        For the GGN the result is cached per model and input signature (an eager
+        Keras forward costs as much as a compiled GGN step of a small model); the
+        compiled steps check the logits of every chunk anyway.
+        """
+        key = self._probe_key(x)
+        cached = None if self.hvp else _cached(_PROBES, self.model, key, None)
+        if cached is not None:
+            self.num_classes, self.input_size, fast = cached
+            for entry, (f, rank, in_size, pre_size, reason) in zip(self.entries, fast):
+                entry.fast, entry.input_rank, entry.in_size, entry.pre_size, entry.reason = (
+                    f, rank, in_size, pre_size, reason)
+        else:
+            self._probe_eager(x, batch)
+            if not self.hvp:
+                _store(_PROBES, self.model, key, (self.num_classes, self.input_size,
+                                                  [(e.fast, e.input_rank, e.in_size, e.pre_size, e.reason)
+                                                   for e in self.entries]))
+        if not self.hvp:
+            for spec, e in zip(self.layers, self.entries):
+                spec.path, spec.reason = ("fast", None) if e.fast else ("generic", e.reason)
+        self._probed = True
+
+    def _probe_eager(self, x: Any, batch: Batch) -> None:
+        rows = min(batch.n, 2)
+        first = _slice(x, 0, rows)
+        if self.taps is not None:
+            self.taps.records.clear()
+        z = self.model(first, training=False)
+        if not isinstance(z, tf.Tensor):
+            raise ValueError(
+                f"Batch {batch.index}: the model returned a {type(z).__name__}; normflat needs one logits "
+                "tensor of shape (batch, classes)."
+            )
+        self.num_classes = check_output_shape(tuple(z.shape), self.options, batch.index, rows)
+        zc = tf.cast(z, compute_dtype(z.dtype))
+        check_logit_stats(logit_stats(TF, zc), self.options, batch.index, self.num_classes,
+                          float(np.finfo(zc.dtype.as_numpy_dtype).eps))
+        if self.taps is not None:
+            for entry in self.entries:
+                if entry.fast:
+                    recs = self.taps.records.get(entry.name, [])
+                    if len(recs) != 1 or recs[0][1] is None:
+                        # A shared or bypassed layer: its one input/pre-activation is not the whole story.
+                        entry.fast, entry.reason = None, "called more than once per forward, or bypassed"
+                    else:
+                        entry.input_rank = len(recs[0][0].shape)
+                        entry.in_size = _per_sample_elements(recs[0][0])
+                        entry.pre_size = _per_sample_elements(recs[0][1])
+            self.taps.records.clear()
+        self.input_size = sum(_per_sample_elements(t) for t in tf.nest.flatten(first))
+
+    # ------------------------------------------------------------------ chunks and replicas
+
+    def _pieces(self, n: int, chunk: int) -> list[tuple[int, int]]:
+        """Balanced chunks of a batch of ``n`` (fewer distinct shapes to trace), at least one per replica."""
+        count = -(-n // chunk)
+        if self.replicas is not None:
+            count = min(n, max(count, self.replicas.local))
+        size = -(-n // count)
+        return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+    def _map(self, fn: Callable[..., Any], args: list[tuple], shared: tuple = ()) -> list[Any]:
+        """``fn(*a, *shared)`` for every ``a`` in ``args``: in order on one device, or dealt to the replicas."""
+        if self.replicas is None:
+            return [fn(*a, *shared) for a in args]
+        local = self.replicas.local
+        out: list[Any] = []
+        for r in range(0, len(args), local):
+            round_args = list(args[r:r + local])
+            real = len(round_args)
+            round_args += [round_args[0]] * (local - real)  # idle replicas recompute a piece, ignored
+            out.extend(self.replicas.call(fn, round_args, shared)[:real])
+        return out
+
+    # ------------------------------------------------------------------ GGN
+
+    def _ggn_step(self) -> tuple[Any, int, int]:
+        options = self.options
+        signals = options.samples if options.estimator == "ggn-mc" else self.num_classes - 1
+        block = min(signals, SIGNAL_BLOCK)
+        if self._step is None:
+            key = ("ggn", options.estimator, options.loss, options.temperature, options.samples, self.num_classes,
+                   tuple((e.name, e.fast, id(e.variable.value), e.weight.kind) for e in self.entries),
+                   None if self.strip is None else (id(self.strip[0]), self.strip[1]),
+                   tuple(id(layer) for layer in self.grouped), block)
+
+            def factory():
+                holder: dict = {}
+                return ggn_step_fn(self.model, self.entries, options, options.groups, block, self.num_classes,
+                                   holder), holder
+
+            self._step, self._holder = _cached(_COMPILED, self.model, key, factory)
+            if self.config.chunk_size is not None:
+                self.chunk = self.config.chunk_size
+            else:
+                linear, quadratic = ggn_bytes(self.entries, self.dtype, self.input_size, self.num_classes, block)
+                self.chunk = ggn_chunk_size(linear, quadratic, self.config.memory_budget, block)
+        self._holder["taps"] = self.taps
+        return self._step, signals, block
+
+    def _update_ggn(self, x: Any, batch: Batch, state: SumState) -> None:
+        step, signals, block = self._ggn_step()
+        options = self.options
+        out_dtype = compute_dtype(self.dtype)
+        pieces = self._pieces(batch.n, self.chunk)
+        args = []
+        for a, b in pieces:
+            xc = x if (a, b) == (0, batch.n) else _slice(x, a, b)
+            if options.estimator == "ggn-mc":
+                u = sample_uniforms(options.seed, self.rank, batch.offset + a, b - a, options.samples)
+            else:
+                u = np.zeros((b - a, 0))
+            args.append((xc, tf.constant(u, out_dtype)))
+        eps = float(np.finfo(out_dtype.as_numpy_dtype).eps)
+        for start in range(0, signals, block):
+            results = self._map(step, args, (tf.constant(start, tf.int32),))
+            for sums, stats in results:
+                if start == 0:
+                    check_logit_stats(stats, options, batch.index, self.num_classes, eps)
+                for i, v in enumerate(sums):
+                    self._add(state, i, v)
+
+    # ------------------------------------------------------------------ exact / hutchinson
+
+    def _hvp_steps(self) -> tuple[Any, Any]:
+        if self._step is None:
+            options = self.options
+            key = ("hvp", options.estimator, options.loss, options.temperature, options.groups,
+                   tuple((e.name, id(e.variable.value), e.weight.kind) for e in self.entries),
+                   None if self.strip is None else (id(self.strip[0]), self.strip[1]),
+                   tuple(id(layer) for layer in self.grouped))
+
+            def factory():
+                holder: dict = {}
+                return hvp_step_fns(self.model, self.entries, options, options.groups, holder), holder
+
+            self._step, self._holder = _cached(_COMPILED, self.model, key, factory)
+            self.chunk = self.config.chunk_size or HVP_CHUNK
+        return self._step
+
+    def _probe_blocks(self) -> list[tuple[range, list[Any]]]:
+        """The Hutchinson probes in blocks: ``[(probe indices, per-layer (m, *shape) tensors)]``."""
+        if self._probe_cache is not None:
+            return self._probe_cache
+        samples = self.options.samples
+        chunk = max(1, min(samples, PROBE_BLOCK // max(self.total_params, 1)))
+        layout = [native_positions(e) for e in self.entries]
+        blocks = []
+        for a in range(0, samples, chunk):
+            probes = range(a, min(a + chunk, samples))
+            blocks.append((probes, [
+                tf.constant(native_probes(self.options.seed, i, probes, pos, shape,
+                                          tuple(int(d) for d in e.variable.shape)), e.variable.dtype)
+                for i, (e, (pos, shape)) in enumerate(zip(self.entries, layout))
+            ]))
+        if samples * self.total_params * self.dtype.size <= PROBE_CACHE_BYTES:
+            self._probe_cache = blocks  # the same probes for every batch (method §6)
+        return blocks
+
+    def _check(self, loss: Any, stats: Any, batch: Batch) -> None:
+        check_logit_stats(stats, self.options, batch.index, self.num_classes,
+                          float(np.finfo(compute_dtype(self.dtype).as_numpy_dtype).eps))
+        check_loss_value((), bool(np.isfinite(float(loss))), batch.index, self.options)
+
+    def _update_hvp(self, x: Any, labels: np.ndarray | None, batch: Batch, state: SumState) -> None:
+        exact_step, hutchinson_step = self._hvp_steps()
+        self._holder["index"] = batch.index
+        if callable(self.options.loss):
+            target = to_tensor(batch.y)
+        else:
+            target = tf.constant(labels, tf.int32)
+        pieces = self._pieces(batch.n, self.chunk)
+        args = [((x, target) if (a, b) == (0, batch.n) else (_slice(x, a, b), target[a:b])) for a, b in pieces]
+        if self.options.estimator == "exact":
+            for li, e in enumerate(self.entries):
+                size = int(np.prod(e.variable.shape))
+                block = max(1, min(size, EXACT_BLOCK // max(self.total_params, 1)))
+                parts: list[list[Any]] = [[] for _ in pieces]
+                for a in range(0, size, block):
+                    results = self._map(exact_step, args, (tf.range(a, min(a + block, size)), li))
+                    for p, (diag, loss, stats) in enumerate(results):
+                        if a == 0 and li == 0:
+                            self._check(loss, stats, batch)
+                        parts[p].append(diag)
+                for p in parts:
+                    diag = tf.reshape(tf.concat(p, 0), e.variable.shape)
+                    self._add(state, li, diag[None])
+            return
+        groups = self.options.groups
+        for probes, tensors in self._probe_blocks():
+            seg = tf.constant(np.asarray(probes) % groups, tf.int32)
+            results = self._map(hutchinson_step, [(xa, ta, tensors) for xa, ta in args], (seg,))
+            for sums, loss, stats in results:
+                if probes.start == 0:
+                    self._check(loss, stats, batch)
+                for i, v in enumerate(sums):
+                    self._add(state, i, v)
+
