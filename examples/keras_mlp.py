@@ -43,7 +43,7 @@ def main() -> None:
     print(f"test accuracy {acc:.3f}")
 
     # The GGN diagonal of the mean training loss over all training samples.
-    report = normflat.analyze(model, (x_train, y_train), batch_size=256, progress=False)
+    report = normflat.analyze(model, (x_train, y_train), progress=False)
     print(report)
 
     # A cheaper stochastic estimate, with standard errors.
@@ -58,7 +58,7 @@ def main() -> None:
     rescaled.get_layer("hidden").set_weights([w1 * 10.0, b1 * 10.0])
     rescaled.get_layer("logits").set_weights([w2 / 10.0, b2])
     same = np.allclose(rescaled(x_test).numpy(), model(x_test).numpy(), atol=1e-4)
-    after = normflat.analyze(rescaled, (x_train, y_train), batch_size=256, progress=False)
+    after = normflat.analyze(rescaled, (x_train, y_train), progress=False)
     print(f"rescaled model computes the same function: {same}")
     print(f"  hessian trace        {report.hessian_trace:10.4f} -> {after.hessian_trace:10.4f}")
     print(f"  normalized sharpness {report.normalized_sharpness:10.4f} -> {after.normalized_sharpness:10.4f}")
