@@ -21,17 +21,17 @@ arrays), a folder with ``x.npy`` and ``y.npy``, or a ``"module:function"``
 returning a loader, an iterable of batches or an ``(x, y)`` pair.
 
 Every wrong combination raises :class:`CheckpointError` (a ``ValueError``) whose
-one-line message names the cause and the fix. :func:`predict` and
-:func:`accuracy` run the forward pass of a model of any framework.
+one-line message names the cause and the fix. :func:`check_fits` runs one
+forward pass on two examples, so data the model cannot take is a clear error
+before a long analysis; :func:`predict` and :func:`accuracy` run the forward
+pass of a model of any framework.
 
-The command line: :func:`add_cli` registers the ``analyze`` subcommand on an
-argparse ``subparsers`` object, :func:`add_checkpoint_arguments` adds the
-checkpoint options to an existing parser, :func:`run_cli` runs it.
+The command line (``normflat analyze`` and ``normflat compare``, in
+:mod:`normflat.cli`) is a thin layer over these functions.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
 import os
@@ -44,10 +44,12 @@ import numpy as np
 
 __all__ = [
     "CheckpointError", "load_model", "load_data", "resolve_factory", "save_flax_nnx", "predict", "accuracy",
-    "framework_of", "add_checkpoint_arguments", "add_cli", "run_cli",
+    "framework_of", "check_fits", "analysis_data", "CHECKPOINT_SUFFIXES",
 ]
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+#: The checkpoint file suffixes :func:`load_model` reads (a Hugging Face directory is one checkpoint too).
+CHECKPOINT_SUFFIXES = (*_TORCH_SUFFIXES, ".ckpt", ".safetensors", ".keras", ".eqx", ".msgpack")
 _SAVE_NPZ = "save the data with numpy.savez(path, x=inputs, y=labels)"
 
 
@@ -217,8 +219,10 @@ def _load(p: Path, factory: Any, trust_pickle: bool) -> Any:
                                   "flax nnx module (or a (linen module, variables) pair) to load it into.")
         return _load_flax(p, factory)
     raise CheckpointError(
-        f"Unknown checkpoint type {suffix or '(no suffix)'!r} of {path}; normflat reads .pt/.pth/.bin torch "
-        "state_dicts, .safetensors, .keras, .eqx (equinox), .msgpack (flax) files and Hugging Face directories."
+        f"Unknown checkpoint type {suffix or '(no suffix)'!r} of {path}; normflat reads .pt/.pth/.bin/.ckpt torch "
+        "files (a state_dict with --model, or a whole module with --trust-pickle), .safetensors, .keras, .eqx "
+        "(equinox), .msgpack (flax) files and Hugging Face directories: save the model in one of these formats "
+        "(e.g. model.save('model.keras') or torch.save(model.state_dict(), 'weights.pt'))."
     )
 
 
@@ -231,8 +235,9 @@ def _load_directory(p: Path, factory: Any) -> Any:
     if (p / "saved_model.pb").is_file():
         raise CheckpointError(f"{p} is a TensorFlow SavedModel, which Keras 3 cannot load as a model to analyze; "
                               "save the model with model.save('model.keras') and pass that file.")
-    raise CheckpointError(f"{p} is a directory but not a Hugging Face model directory (no config.json); pass a "
-                          "checkpoint file, or the folder written by model.save_pretrained(folder).")
+    raise CheckpointError(f"{p} is a folder but not a Hugging Face model directory (no config.json); pass a "
+                          "model file (.pt, .safetensors, .keras, ...), or the folder written by "
+                          "model.save_pretrained(folder).")
 
 
 def _load_hf(p: Path) -> Any:
@@ -288,10 +293,24 @@ def _load_torch(p: Path, factory: Any, trust_pickle: bool) -> Any:
 
     if _is_torchscript(p):
         raise CheckpointError(f"{p} is a TorchScript archive; normflat analyzes eager modules (TorchScript bypasses "
-                              "the hooks it needs). Save model.state_dict() and pass it with --model module:function.")
+                              "the hooks it needs). Save torch.save(model.state_dict(), path) and pass it with --model "
+                              "module:function, or torch.save(model) and pass --trust-pickle.")
+    if not _looks_like_torch_file(p):
+        raise CheckpointError(
+            f"Cannot load {p} as a torch checkpoint: it is neither a zip archive written by torch.save nor a "
+            "legacy torch pickle (it is truncated, corrupted or of another format). Save the weights with "
+            "torch.save(model.state_dict(), path) and pass --model module:function, or the whole module with "
+            "torch.save(model, path) and pass --trust-pickle."
+        )
     try:
         obj = torch.load(str(p), map_location="cpu", weights_only=True)
     except Exception as err:
+        if "weights only" not in str(err).lower() and "weights_only" not in str(err):
+            raise CheckpointError(
+                f"Cannot load {p} with torch.load ({_one_line(err)}); the file may be truncated or corrupted. "
+                "Save it again with torch.save(model.state_dict(), path) (with --model module:function) or "
+                "torch.save(model, path) (with --trust-pickle)."
+            ) from err
         if factory is not None:
             raise CheckpointError(f"{p} is not a state_dict of tensors ({_one_line(err)}); with --model, save "
                                   "torch.save(model.state_dict(), path).") from err
@@ -317,6 +336,13 @@ def _load_torch(p: Path, factory: Any, trust_pickle: bool) -> Any:
         raise CheckpointError(f"{p} holds a state_dict (weights only, {len(state)} tensors); pass the architecture "
                               "with --model module:function (a function returning the untrained model).")
     return _into_torch_model(_build(factory, str(p)), state, p)
+
+
+def _looks_like_torch_file(p: Path) -> bool:
+    """A torch.save file: a zip archive (torch 1.6+) or a legacy pickle (protocol 2+ starts with 0x80)."""
+    with open(p, "rb") as fh:
+        head = fh.read(4)
+    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
 def _state_dict_of(obj: Any, p: Path) -> dict[str, Any]:
@@ -504,8 +530,8 @@ def load_data(spec: Any) -> Any:
     if p.is_dir():
         return _load_npy_folder(p)
     if p.suffix.lower() == ".npy":
-        raise CheckpointError(f"{text} is a single .npy array; the data needs inputs and labels: pass the folder "
-                              f"holding x.npy and y.npy, or {_SAVE_NPZ}.")
+        raise CheckpointError(f"{text} is an .npy file (a single .npy array); the data needs inputs and labels: "
+                              f"pass an .npz file or the folder holding x.npy and y.npy; {_SAVE_NPZ}.")
     return _load_npz(p)
 
 
@@ -514,8 +540,8 @@ def _load_npz(p: Path) -> tuple[np.ndarray, np.ndarray]:
         magic = fh.read(6)
     # np.load guesses the format from the content and calls a text file "pickled data".
     if magic.startswith(b"\x93NUMPY"):
-        raise CheckpointError(f"{p} is an .npy file (a single array); the data needs inputs and labels: "
-                              f"{_SAVE_NPZ}.")
+        raise CheckpointError(f"{p} is an .npy file (a single array) named like an .npz; the data needs inputs and "
+                              f"labels: {_SAVE_NPZ}.")
     if not magic.startswith(b"PK\x03\x04"):
         raise CheckpointError(f"{p} is not an .npz file (an .npz is a zip archive of arrays; this file "
                               f"{'is empty' if not magic else 'is not a zip archive'}); {_SAVE_NPZ}.")
@@ -526,10 +552,11 @@ def _load_npz(p: Path) -> tuple[np.ndarray, np.ndarray]:
         if "pickle" in str(err):
             raise CheckpointError(f"{p} holds object (pickled) arrays, which normflat does not load; save x and y "
                                   "as numeric arrays.") from err
-        raise CheckpointError(f"Cannot read {p} as an .npz file ({_one_line(err)}); {_SAVE_NPZ}.") from err
+        raise CheckpointError(f"Cannot read {p} as an .npz file ({_one_line(err)}); it may be truncated or "
+                              f"corrupted: {_SAVE_NPZ}.") from err
     except Exception as err:  # zipfile.BadZipFile, EOFError, OSError: a damaged archive
-        raise CheckpointError(f"Cannot read {p} as an .npz file ({_one_line(err)}); it may be truncated. "
-                              f"{_SAVE_NPZ[0].upper() + _SAVE_NPZ[1:]}.") from err
+        raise CheckpointError(f"Cannot read {p} as an .npz file ({_one_line(err)}); it may be truncated or "
+                              f"corrupted: {_SAVE_NPZ}.") from err
     if "x" in arrays and "y" in arrays:
         x, y = arrays["x"], arrays["y"]
     elif len(arrays) == 2:
@@ -549,8 +576,9 @@ def _load_npz(p: Path) -> tuple[np.ndarray, np.ndarray]:
 def _load_npy_folder(p: Path) -> tuple[np.ndarray, np.ndarray]:
     missing = [n for n in ("x.npy", "y.npy") if not (p / n).is_file()]
     if missing:
-        raise CheckpointError(f"The data folder {p} lacks {' and '.join(missing)}; it must hold x.npy (inputs) and "
-                              "y.npy (labels), written with numpy.save.")
+        raise CheckpointError(f"The data {p} is a folder that lacks {' and '.join(missing)}; pass an .npz file with "
+                              "arrays x and y, or a folder holding x.npy (inputs) and y.npy (labels) written with "
+                              "numpy.save.")
     arrays = []
     for name in ("x.npy", "y.npy"):
         try:
@@ -678,79 +706,13 @@ def accuracy(model: Any, data: Any, *, batch_size: int = 256) -> float:
     return right / total
 
 
-# ============================================================================ command line
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--model``, ``--framework`` and ``--trust-pickle`` (the checkpoint options) to ``parser``."""
-    g = parser.add_argument_group("checkpoint")
-    g.add_argument("--model", dest="factory", default=None, metavar="MODULE:FUNCTION",
-                   help="function building the architecture, for weight-only checkpoints (.pt/.pth state_dict, "
-                        ".safetensors, .eqx, .msgpack), e.g. mymodels:make_net or path/to/file.py:make_net")
-    g.add_argument("--framework", dest="checkpoint_framework", default=None,
-                   choices=("torch", "keras", "jax", "equinox", "flax"),
-                   help="check that the checkpoint loads as a model of this framework")
-    g.add_argument("--trust-pickle", action="store_true",
-                   help="allow unpickling a whole torch module (torch.save(model)); unpickling runs code from the "
-                        "file, so only for files you trust")
-
-
-def add_analysis_arguments(parser: argparse.ArgumentParser) -> None:
-    """The analysis options shared by ``analyze`` and ``compare``."""
-    import normflat
-
-    g = parser.add_argument_group("analysis")
-    g.add_argument("--estimator", choices=normflat.ESTIMATORS, default="ggn", help="Hessian-diagonal estimator")
-    g.add_argument("--loss", choices=normflat.LOSSES, default="nsce",
-                   help="nsce = normalized softmax cross-entropy (default), ce = plain cross-entropy")
-    g.add_argument("--samples", type=_positive_int, default=None, help="probes (hutchinson) or label draws (ggn-mc)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the stochastic estimators")
-    g.add_argument("--batch-size", type=_positive_int, default=256, help="analysis batch size (default 256)")
-    g.add_argument("--max-batches", type=_positive_int, default=None, help="use at most this many batches")
-    g.add_argument("--on-unsupported", choices=("error", "warn", "skip"), default="warn",
-                   help="layers normflat does not support (embeddings, attention): warn (default), skip or error")
-    g.add_argument("--no-progress", action="store_true", help="hide progress bars")
-
-
-def add_cli(subparsers: Any, name: str = "analyze") -> argparse.ArgumentParser:
-    """Register the ``analyze`` subcommand (checkpoints of every kind) on ``subparsers``.
-
-    Returns:
-        The subcommand's parser; its default ``func`` is :func:`run_cli`.
-    """
-    a = subparsers.add_parser(
-        name, help="analyze a saved model or checkpoint on training data",
-        description="Analyze a checkpoint: a torch state_dict (.pt/.pth) or .safetensors file with --model "
-                    "module:function, a Hugging Face model directory, a .keras file, an equinox (.eqx) or flax "
-                    "(.msgpack) checkpoint with --model, or a pickled torch module with --trust-pickle; on data "
-                    "from an .npz, a folder of .npy files or module:function. Prints the per-layer table and "
-                    "writes JSON.",
-    )
-    a.add_argument("checkpoint", help="checkpoint file or Hugging Face directory")
-    a.add_argument("--data", required=True,
-                   help=".npz with arrays x and y, a folder with x.npy and y.npy, or module:function returning data")
-    add_checkpoint_arguments(a)
-    add_analysis_arguments(a)
-    a.add_argument("--float64", action="store_true", help="analyze a float64 copy of a torch model")
-    a.add_argument("--json", default=None, help="write the report here (default: CHECKPOINT.normflat.json)")
-    a.add_argument("--plot", default=None, help="also save the per-layer figure (PNG) here")
-    a.set_defaults(func=run_cli)
-    return a
+# ============================================================================ analysis data
 
 
 def analysis_data(model: Any, data: Any, batch_size: int) -> Any:
     """``data`` as the model's backend takes it: ``(x, y)`` numpy arrays become
-    batches (torch tensors in the model's dtype for torch models)."""
+    batches (torch tensors in the model's dtype for torch models); anything else
+    (a loader, an iterable of batches) is returned as it is."""
     if not (isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], np.ndarray)):
         return data
     x, y = data
@@ -765,47 +727,39 @@ def analysis_data(model: Any, data: Any, batch_size: int) -> Any:
     return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(y), batch_size)]
 
 
-def analyze_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The :func:`normflat.analyze` keyword options of parsed ``add_analysis_arguments``."""
-    return {"estimator": args.estimator, "loss": args.loss, "samples": args.samples, "seed": args.seed,
-            "max_batches": args.max_batches, "progress": not args.no_progress,
-            "on_unsupported": args.on_unsupported}
+def check_fits(model: Any, data: Any, where: str = "the data") -> None:
+    """One forward pass on the first two examples of ``(x, y)`` arrays, so an ``x``
+    the model cannot take, an output that is not ``(batch, classes)`` logits or a
+    label outside the model's classes is a clear error before the analysis starts.
 
-
-def run_cli(args: argparse.Namespace, out: Callable[[str], Any] = print) -> int:
-    """Run the ``analyze`` subcommand; returns the exit status.
+    The pass runs in inference mode (torch eval mode, restored; Keras
+    ``training=False``): BatchNorm statistics and dropout are left as they were.
+    Data that is not a pair of arrays (a loader from ``module:function``) is not
+    checked, so that no batch of a one-shot iterator is consumed.
 
     Raises:
-        CheckpointError: For every user error (the ``normflat`` command prints it as
-            one ``normflat: error:`` line with exit status 2).
+        CheckpointError: Naming the shapes and the fix.
     """
-    import normflat
-
-    json_path = args.json or str(Path(args.checkpoint).with_suffix("")) + ".normflat.json"
-    for option, path in (("--json", json_path), ("--plot", args.plot)):
-        if path is None:
-            continue
-        if Path(path).is_dir():
-            raise CheckpointError(f"{option} {path} is a folder; pass a file name.")
-        if not Path(path).parent.is_dir():
-            raise CheckpointError(f"{option} {path}: the folder {Path(path).parent} does not exist; create it.")
-    model = load_model(args.checkpoint, factory=args.factory, framework=args.checkpoint_framework,
-                       trust_pickle=args.trust_pickle)
-    if getattr(args, "float64", False):
-        if framework_of(model) != "torch":
-            raise CheckpointError("--float64 applies to torch models only; drop it.")
-        model = model.double()
-    data = analysis_data(model, load_data(args.data), args.batch_size)
+    if not (isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], np.ndarray)
+            and isinstance(data[1], np.ndarray)):
+        return
+    x, y = data
     try:
-        report = normflat.analyze(model, data, **analyze_options(args))
-    except (ValueError, TypeError) as err:
-        raise CheckpointError(_one_line(err)) from err
-    out(str(report))
-    report.to_json(json_path)
-    out(f"report written to {json_path}")
-    if args.plot:
-        from normflat.plotting import save_layers_figure
-
-        save_layers_figure({Path(args.checkpoint).name: report}, args.plot, title=f"{args.checkpoint} on {args.data}")
-        out(f"per-layer figure written to {args.plot}")
-    return 0
+        logits = predict(model, x[: min(2, len(x))])
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure of the user's model on the user's x
+        expects = getattr(model, "input_shape", None)
+        expected = f" (the model expects {expects})" if expects is not None else ""
+        raise CheckpointError(
+            f"The model cannot take x from {where}: x has shape {x.shape}, i.e. examples of shape "
+            f"{x.shape[1:]}{expected}, and the model fails on them ({_one_line(err)}). Save x in the layout the "
+            "model expects, examples first."
+        ) from err
+    shape = tuple(np.shape(logits))
+    if len(shape) != 2:
+        raise CheckpointError(f"The model's output has shape {shape} on x from {where}; normflat analyzes "
+                              "classifiers whose output is (batch, classes) logits.")
+    if int(y.max()) >= shape[1]:
+        raise CheckpointError(f"y in {where} has labels up to {int(y.max())}, but the model outputs {shape[1]} "
+                              f"classes; labels must be class indices 0..{shape[1] - 1}.")

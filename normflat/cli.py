@@ -1,4 +1,4 @@
-"""The ``normflat`` command line: ``study``, ``analyze`` and ``invariance``.
+"""The ``normflat`` command line: ``study``, ``analyze``, ``compare`` and ``invariance``.
 
 Run ``normflat --help`` or ``normflat COMMAND --help``; ``python -m normflat``
 works the same. See ``docs/cli.md``.
@@ -7,15 +7,28 @@ works the same. See ``docs/cli.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 __all__ = ["main", "build_parser"]
 
 
 class CLIError(Exception):
     """A user error: printed as ``normflat: error: ...`` with exit status 2."""
+
+
+@contextlib.contextmanager
+def _checkpoint_errors() -> Iterator[None]:
+    """A :class:`~normflat.checkpoints.CheckpointError` (a wrong checkpoint, factory or
+    data file) becomes a CLIError; ``--debug`` shows both tracebacks."""
+    from normflat.checkpoints import CheckpointError
+
+    try:
+        yield
+    except CheckpointError as err:
+        raise CLIError(str(err)) from err
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,7 +73,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _add_analysis_options(p: argparse.ArgumentParser) -> None:
+def _add_analysis_options(p: argparse.ArgumentParser, *, checkpoints: bool = False) -> None:
     from normflat.core.options import ESTIMATORS, LOSSES
 
     g = p.add_argument_group("analysis")
@@ -70,7 +83,38 @@ def _add_analysis_options(p: argparse.ArgumentParser) -> None:
                    help="nsce = normalized softmax cross-entropy (default), ce = plain cross-entropy")
     g.add_argument("--samples", type=_positive_int, default=None,
                    help="probes (hutchinson) or label draws (ggn-mc)")
+    if checkpoints:  # analyze and compare: the analysis of saved checkpoints on the user's data
+        g.add_argument("--seed", type=int, default=0, help="seed of the stochastic estimators (default 0)")
+        g.add_argument("--batch-size", type=_positive_int, default=256,
+                       help="analysis (and accuracy) batch size (default 256)")
+        g.add_argument("--max-batches", type=_positive_int, default=None, help="use at most this many batches")
+        g.add_argument("--on-unsupported", choices=("error", "warn", "skip"), default="warn",
+                       help="layers with parameters that normflat does not analyze (embeddings, attention): "
+                            "warn and skip them (default), skip them silently, or stop with an error")
     g.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+_FRAMEWORKS = ("torch", "keras", "jax", "equinox", "flax")
+
+
+def _add_checkpoint_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpoint")
+    g.add_argument("--model", dest="factory", default=None, metavar="MODULE:FUNCTION",
+                   help="function (no arguments) building the untrained architecture, for weight-only "
+                        "checkpoints (.pt/.pth/.bin/.ckpt state_dict, .safetensors, .eqx, .msgpack): "
+                        "mymodels:make_net (./mymodels.py) or path/to/file.py:make_net")
+    g.add_argument("--framework", dest="checkpoint_framework", default=None, choices=_FRAMEWORKS,
+                   help="check that the checkpoint loads as a model of this framework")
+    g.add_argument("--trust-pickle", action="store_true",
+                   help="allow loading a whole pickled torch module (torch.save(model)); unpickling runs "
+                        "code from the file, so only for files you trust")
+
+
+def _analyze_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The :func:`normflat.analyze` keyword options of ``analyze`` and ``compare``."""
+    return {"estimator": args.estimator, "loss": args.loss, "samples": args.samples, "seed": args.seed,
+            "max_batches": args.max_batches, "progress": not args.no_progress,
+            "on_unsupported": args.on_unsupported}
 
 
 def _add_model_options(p: argparse.ArgumentParser, *, study: bool) -> None:
@@ -147,22 +191,50 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_study)
 
     a = sub.add_parser(
-        "analyze", help="analyze a saved model on data from an .npz file",
-        description="Analyze a saved model: a TorchScript or torch.save'd nn.Module (.pt/.pth) or a Keras "
-                    ".keras file, with training data in an .npz holding arrays x and y. Prints the "
-                    "per-layer table and writes JSON.",
+        "analyze", help="analyze a saved model or checkpoint on its training data",
+        description="Analyze a checkpoint: a torch state_dict (.pt/.pth/.bin/.ckpt) or .safetensors file with "
+                    "--model module:function building the architecture, a Hugging Face model directory "
+                    "(save_pretrained output, loaded offline), a Keras .keras file, an equinox (.eqx) or flax "
+                    "(.msgpack) checkpoint with --model, or a whole pickled torch module with --trust-pickle; "
+                    "on data from an .npz with arrays x and y, a folder with x.npy and y.npy, or a Python "
+                    "module:function returning a loader. Prints the per-layer table and writes JSON.",
     )
-    a.add_argument("model", help="model file: .pt / .pth (torch) or .keras")
-    a.add_argument("--data", required=True, help=".npz file with arrays x (inputs) and y (integer labels)")
-    a.add_argument("--batch-size", type=_positive_int, default=256, help="analysis batch size (default 256)")
-    a.add_argument("--max-batches", type=_positive_int, default=None, help="use at most this many batches")
-    a.add_argument("--seed", type=int, default=0, help="seed of the stochastic estimators")
-    a.add_argument("--float64", action="store_true", help="analyze a float64 copy of a torch model")
-    a.add_argument("--json", default=None, help="write the report here (default: MODEL.normflat.json)")
-    a.add_argument("--plot", default=None, help="also save the per-layer figure (PNG) here")
-    _add_analysis_options(a)
+    a.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint file or Hugging Face model directory")
+    a.add_argument("--data", required=True,
+                   help=".npz with arrays x (inputs) and y (integer labels), a folder with x.npy and y.npy, "
+                        "or module:function returning a loader, batches or an (x, y) pair")
+    _add_checkpoint_options(a)
+    o = a.add_argument_group("output")
+    o.add_argument("--float64", action="store_true", help="analyze a float64 copy of a torch model")
+    o.add_argument("--json", default=None, help="write the report here (default: CHECKPOINT.normflat.json)")
+    o.add_argument("--plot", default=None, help="also save the per-layer figure (PNG, SVG, PDF) here")
+    _add_analysis_options(a, checkpoints=True)
     a.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     a.set_defaults(func=_cmd_analyze)
+
+    c = sub.add_parser(
+        "compare", help="analyze a set of checkpoints and rank each measure against their generalization gap",
+        description="Analyze each checkpoint on its training data, measure its train and test accuracy and the "
+                    "generalization gap (train minus test accuracy), and with 3 or more checkpoints Kendall's "
+                    "tau of each measure against the gap: the random-label study on your own model family. "
+                    "Writes compare.csv, compare.json, reports/ and compare.png into --out.",
+    )
+    c.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",
+                   help="checkpoint files, Hugging Face directories, folders of checkpoints or glob patterns "
+                        "(e.g. 'ckpts/*.pt')")
+    c.add_argument("--train", required=True,
+                   help="training data (the labels the models were trained on): .npz with x and y, a folder "
+                        "with x.npy and y.npy, or module:function")
+    c.add_argument("--test", required=True, help="test data, likewise")
+    _add_checkpoint_options(c)
+    o = c.add_argument_group("output")
+    o.add_argument("--out", default="normflat-compare",
+                   help="output folder (default ./normflat-compare); a new run replaces the previous run's "
+                        "files there as a whole")
+    o.add_argument("--no-figure", action="store_true", help="do not draw compare.png")
+    _add_analysis_options(c, checkpoints=True)
+    c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
+    c.set_defaults(func=_cmd_compare)
 
     v = sub.add_parser(
         "invariance", help="show that rescaling a model without changing its function moves the "
@@ -176,8 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     v.add_argument("--orders", type=_floats, default=None,
                    help="decades r of the rescalings, comma-separated (default 0.5,1,2,3,4)")
-    v.add_argument("--model", default=None, help="a saved torch nn.Sequential (.pt) instead of training one")
-    v.add_argument("--data", default=None, help="with --model: .npz with arrays x and y")
+    v.add_argument("--model", default=None,
+                   help="a saved torch nn.Sequential (torch.save(model), with --trust-pickle) instead of "
+                        "training one")
+    v.add_argument("--data", default=None, help="with --model: .npz with arrays x and y (or a folder of x.npy, y.npy)")
+    v.add_argument("--trust-pickle", action="store_true",
+                   help="with --model: allow unpickling the saved module (runs code from the file: only for "
+                        "files you trust)")
     v.add_argument("--out", default="normflat-invariance", help="output folder (default ./normflat-invariance)")
     v.add_argument("--quick", action="store_true", help="tiny settings, seconds")
     _add_analysis_options(v)
@@ -230,168 +307,6 @@ def _cmd_study(args: argparse.Namespace, out: Callable[[str], Any]) -> int:
     return 0
 
 
-_ZIP_MAGIC, _NPY_MAGIC = b"PK\x03\x04", b"\x93NUMPY"
-_SAVE_NPZ = "Save the data with numpy.savez(path, x=inputs, y=labels)."
-
-
-def _load_npz(path: str) -> tuple[Any, Any]:
-    """``x`` and ``y`` of an ``.npz`` file, or a CLIError that names the fix."""
-    import numpy as np
-
-    p = Path(path)
-    if p.is_dir():
-        raise CLIError(f"--data {path} is a folder; pass an .npz file with arrays x and y. {_SAVE_NPZ}")
-    if not p.is_file():
-        raise CLIError(f"Data file {path} does not exist; pass --data FILE.npz with arrays x and y.")
-    with open(p, "rb") as fh:
-        magic = fh.read(6)
-    # np.load guesses the format from the content and calls text "pickled data":
-    # tell the formats apart first, so the message names the real problem.
-    if magic.startswith(_NPY_MAGIC):
-        raise CLIError(f"{path} is an .npy file (a single array); --data needs an .npz file holding two "
-                       f"arrays, x (inputs) and y (labels). {_SAVE_NPZ}")
-    if not magic.startswith(_ZIP_MAGIC):
-        raise CLIError(f"{path} is not an .npz file (an .npz is a zip archive of arrays; this file "
-                       f"{'is empty' if not magic else 'is not a zip archive'}). {_SAVE_NPZ}")
-    try:
-        with np.load(p, allow_pickle=False) as npz:
-            keys = set(npz.files)
-            if not {"x", "y"} <= keys:
-                raise CLIError(f"{path} must hold arrays named 'x' and 'y'; it has {sorted(keys)}. "
-                               f"{_SAVE_NPZ}")
-            x, y = npz["x"], npz["y"]
-    except CLIError:
-        raise
-    except ValueError as err:
-        if "pickle" in str(err):
-            raise CLIError(f"{path} holds object (pickled) arrays, which normflat does not load; save x "
-                           f"and y as numeric arrays. {_SAVE_NPZ}") from err
-        raise CLIError(f"Cannot read {path} as an .npz file ({_first_line(err)}); it may be truncated or "
-                       f"corrupted. {_SAVE_NPZ}") from err
-    except Exception as err:  # zipfile.BadZipFile, OSError, EOFError: a damaged archive
-        raise CLIError(f"Cannot read {path} as an .npz file ({_first_line(err)}); it may be truncated or "
-                       f"corrupted. {_SAVE_NPZ}") from err
-    if x.dtype.kind not in "biuf":
-        raise CLIError(f"x in {path} must be a numeric array, got dtype {x.dtype}.")
-    if y.ndim != 1 or y.dtype.kind not in "iu":
-        raise CLIError(f"y in {path} must be a 1-D array of integer class labels, got {y.dtype} {y.shape}.")
-    if x.ndim < 2 or len(x) != len(y):
-        raise CLIError(f"x in {path} must have one row per label (examples first): x has shape {x.shape}, "
-                       f"y has {len(y)} labels.")
-    if len(y) == 0:
-        raise CLIError(f"{path} holds no examples (x and y are empty).")
-    if y.min() < 0:
-        raise CLIError(f"y in {path} has negative labels ({int(y.min())}); labels are class indices 0..C-1.")
-    return x, y
-
-
-_TORCH_HINT = ("Save the whole module with torch.save(model, path) (its class must be importable when "
-               "loading) or torch.jit.save.")
-
-
-def _load_torch_model(path: str) -> Any:
-    import warnings
-
-    import torch
-
-    try:
-        with warnings.catch_warnings():  # torch 2.9+ deprecates TorchScript; the file may still be one
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return torch.jit.load(path, map_location="cpu")
-    except Exception:  # not TorchScript: a torch.save'd module
-        pass
-    try:
-        # A full pickled nn.Module needs weights_only=False: only load files you trust.
-        obj = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:
-        raise CLIError(f"Cannot load {path} as a TorchScript or torch.save'd model ({_first_line(err)}). "
-                       f"{_TORCH_HINT}") from err
-    if not isinstance(obj, torch.nn.Module):
-        raise CLIError(
-            f"{path} holds a {type(obj).__name__}, not an nn.Module (a state_dict needs the model's "
-            "code: build the model in Python, load the state_dict and call normflat.analyze, or save "
-            "the whole module with torch.save(model, path) / torch.jit.save)."
-        )
-    return obj
-
-
-_TORCH_SUFFIXES = (".pt", ".pth", ".ptc", ".torchscript")
-
-
-def _check_model_path(path: str) -> Path:
-    p = Path(path)
-    if p.is_dir():
-        raise CLIError(f"Model {path} is a folder; pass a model file: a .pt/.pth torch file or a .keras file.")
-    if not p.is_file():
-        raise CLIError(f"Model file {path} does not exist.")
-    if p.suffix not in (".keras", *_TORCH_SUFFIXES):
-        raise CLIError(f"Unknown model file type {p.suffix or '(no suffix)'!r} of {path}; use a .pt/.pth "
-                       "torch file (torch.save(model, path)) or a .keras file (model.save('model.keras')).")
-    return p
-
-
-def _load_model(path: str) -> tuple[str, Any]:
-    import zipfile
-
-    p = _check_model_path(path)
-    if p.suffix == ".keras":
-        # Keras reports "File not found" for any file that is not a zip archive:
-        # check first, and import Keras (slow, noisy) only for a plausible file.
-        if not zipfile.is_zipfile(p):
-            raise CLIError(f"{path} is not a valid .keras file (a .keras file is a zip archive written by "
-                           "model.save('model.keras'); this one is truncated, corrupted or of another "
-                           "format).")
-        try:
-            import keras
-        except ImportError:
-            raise CLIError("Loading a .keras file needs Keras: pip install keras tensorflow.") from None
-        try:
-            return "keras", keras.saving.load_model(str(p), compile=False)
-        except Exception as err:
-            raise CLIError(f"Cannot load {path} as a Keras model ({_first_line(err)}). A .keras file is "
-                           "written by model.save('model.keras'); custom layers must be importable and "
-                           "registered with keras.saving.register_keras_serializable.") from err
-    return "torch", _load_torch_model(str(p))
-
-
-def _check_fits(framework: str, model: Any, x: Any, y: Any, data: str) -> None:
-    """One forward pass on the first examples, so a wrong x shape or label range is a
-    clear error rather than a traceback from deep inside the analysis."""
-    import numpy as np
-
-    probe = x[: min(2, len(x))]
-    try:
-        if framework == "torch":
-            import torch
-
-            dtype = next((p.dtype for p in model.parameters()), torch.float32)
-            modes = [(m, m.training) for m in model.modules()]
-            model.eval()  # no BatchNorm statistics updated, no dropout: the model is left as it was
-            try:
-                with torch.no_grad():
-                    logits = model(torch.as_tensor(probe).to(dtype))
-            finally:
-                for m, training in modes:
-                    m.training = training
-            out_shape = tuple(logits.shape)
-        else:
-            out_shape = tuple(np.shape(model(probe, training=False)))
-    except Exception as err:
-        expects = getattr(model, "input_shape", None)
-        expected = f" (the model expects {expects})" if expects is not None else ""
-        raise CLIError(
-            f"The model cannot take x from {data}: x has shape {x.shape}, i.e. examples of shape "
-            f"{x.shape[1:]}{expected}, and the model fails on them ({_first_line(err)}). Save x in the "
-            "layout the model expects, examples first."
-        ) from err
-    if len(out_shape) != 2:
-        raise CLIError(f"The model's output has shape {out_shape} on x from {data}; normflat analyzes "
-                       "classifiers whose output is (batch, classes) logits.")
-    if int(y.max()) >= out_shape[1]:
-        raise CLIError(f"y in {data} has labels up to {int(y.max())}, but the model outputs {out_shape[1]} "
-                       f"classes; labels must be class indices 0..{out_shape[1] - 1}.")
-
-
 def _check_output_file(path: str, option: str) -> None:
     p = Path(path)
     if p.is_dir():
@@ -416,44 +331,63 @@ def _check_plot_path(path: str) -> None:
 
 def _cmd_analyze(args: argparse.Namespace, out: Callable[[str], Any]) -> int:
     import normflat
+    from normflat import checkpoints
 
-    # Every input and output path is checked before the (possibly long) analysis.
-    _check_model_path(args.model)
-    json_path = args.json or str(Path(args.model).with_suffix("")) + ".normflat.json"
+    # Every output path is checked before the (possibly long) loading and analysis.
+    json_path = args.json or str(Path(args.checkpoint).with_suffix("")) + ".normflat.json"
     _check_output_file(json_path, "--json")
     if args.plot:
         _check_plot_path(args.plot)
-    framework, model = _load_model(args.model)
-    x, y = _load_npz(args.data)
-    if framework == "torch" and args.float64:
-        model = model.double()
-    _check_fits(framework, model, x, y, args.data)
-    if framework == "torch":
-        import torch
-
-        from normflat.study.run import torch_loader
-
-        dtype = next((p.dtype for p in model.parameters()), torch.float32)
-        data = torch_loader(torch.as_tensor(x).to(dtype), torch.as_tensor(y).long(), args.batch_size)
-        backend_options: dict[str, Any] = {}
-    else:  # a list of (x, y) batches of --batch-size, as the torch DataLoader gives
-        data = [(x[i:i + args.batch_size], y[i:i + args.batch_size]) for i in range(0, len(y), args.batch_size)]
-        backend_options = {}
+    with _checkpoint_errors():
+        model = checkpoints.load_model(args.checkpoint, factory=args.factory, framework=args.checkpoint_framework,
+                                       trust_pickle=args.trust_pickle)
+        if args.float64:
+            if checkpoints.framework_of(model) != "torch":
+                raise CLIError("--float64 applies to torch models only; drop it.")
+            model = model.double()
+        data = checkpoints.load_data(args.data)
+        checkpoints.check_fits(model, data, args.data)  # one forward on two examples: shape, classes
+        batches = checkpoints.analysis_data(model, data, args.batch_size)
     try:
-        report = normflat.analyze(
-            model, data, estimator=args.estimator, loss=args.loss, samples=args.samples, seed=args.seed,
-            max_batches=args.max_batches, progress=not args.no_progress, **backend_options,
-        )
+        report = normflat.analyze(model, batches, **_analyze_options(args))
     except (ValueError, TypeError) as err:
-        raise CLIError(str(err)) from err
+        raise CLIError(_first_line(err)) from err
     out(str(report))
     report.to_json(json_path)
     out(f"report written to {json_path}")
     if args.plot:
         from normflat.plotting import save_layers_figure
 
-        save_layers_figure({Path(args.model).name: report}, args.plot, title=f"{args.model} on {args.data}")
+        name = Path(args.checkpoint).name
+        save_layers_figure({name: report}, args.plot, title=f"{args.checkpoint} on {args.data}")
         out(f"per-layer figure written to {args.plot}")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace, out: Callable[[str], Any]) -> int:
+    from normflat.compare import compare_checkpoints, expand_checkpoints
+    from normflat.study.outputs import check_output_folder
+
+    check_output_folder(args.out)  # before the analyses, not after
+    options = _analyze_options(args)
+    options["progress"] = False  # one line per checkpoint instead
+    estimator = options.pop("estimator")
+    with _checkpoint_errors():
+        files = expand_checkpoints(args.checkpoints)
+        result = compare_checkpoints(
+            files, factory=args.factory, train=args.train, test=args.test, estimator=estimator,
+            framework=args.checkpoint_framework, trust_pickle=args.trust_pickle, batch_size=args.batch_size,
+            echo=None if args.no_progress else out, **options,
+        )
+    out("")
+    out(result.table())
+    written = result.write(args.out, figure=not args.no_figure)
+    out("")
+    out(f"wrote {written['csv']}, {written['json']} and the per-checkpoint reports in {written['reports']}/")
+    if "figure" in written:
+        out(f"figure: {written['figure']} (gap vs each measure)")
+    elif not args.no_figure:
+        out("figure skipped: install matplotlib to get it")
     return 0
 
 
@@ -475,15 +409,22 @@ def _cmd_invariance(args: argparse.Namespace, out: Callable[[str], Any]) -> int:
               "progress": not args.no_progress}
     orders = args.orders or ((1.0, 3.0) if args.quick else DEFAULT_ORDERS)
     if args.model is not None:
+        from normflat import checkpoints
+
         if args.data is None:
             raise CLIError("--model needs --data FILE.npz with the training data (arrays x and y).")
-        framework, model = _load_model(args.model)
-        x, y = _load_npz(args.data)
-        if framework != "torch":
-            raise CLIError(f"`normflat invariance --model` rescales torch nn.Sequential models; {args.model} "
-                           "is a Keras model.")
-        model = model.double().eval()
-        _check_fits("torch", model, x, y, args.data)
+        with _checkpoint_errors():
+            model = checkpoints.load_model(args.model, trust_pickle=args.trust_pickle)
+            if checkpoints.framework_of(model) != "torch":
+                raise CLIError(f"`normflat invariance --model` rescales torch nn.Sequential models; {args.model} "
+                               f"is a {checkpoints.framework_of(model)} model.")
+            data = checkpoints.load_data(args.data)
+            if not isinstance(data, tuple):
+                raise CLIError(f"`normflat invariance --data` takes an .npz file or a folder of x.npy and y.npy; "
+                               f"{args.data} is a function.")
+            x, y = data
+            model = model.double().eval()
+            checkpoints.check_fits(model, (x, y), args.data)
         x_t, y_t = torch.as_tensor(x).double(), torch.as_tensor(y).long()
         meta = {"model": args.model, "data": args.data}
     else:
@@ -525,7 +466,9 @@ def _cmd_invariance(args: argparse.Namespace, out: Callable[[str], Any]) -> int:
 def _user_error(err: BaseException) -> str | None:
     """The one-line message of an error caused by the user's input or machine, or
     ``None`` for anything else (a bug: its traceback is shown)."""
-    if isinstance(err, CLIError):
+    from normflat.checkpoints import CheckpointError
+
+    if isinstance(err, (CLIError, CheckpointError)):
         return str(err)
     if isinstance(err, ImportError):  # a framework or optional package that this command needs
         return (f"{err}. Install the missing package (e.g. pip install 'normflat[all]') to use this "

@@ -14,13 +14,14 @@ Example:
     >>> result = compare_checkpoints("ckpts/*.pt", factory="mymodels:make_net", train="train.npz", test="test.npz")
     >>> print(result.table())
     >>> result.to_csv("compare.csv"); result.to_json("compare.json"); result.figure("compare.png")
+    >>> result.write("results/")     # all of them, replacing a previous run's files as a whole
 
-The command line: :func:`add_cli` registers ``normflat compare``, :func:`run_cli` runs it.
+The command line ``normflat compare`` (in :mod:`normflat.cli`) is a thin layer over
+:func:`compare_checkpoints` and :meth:`CompareResult.write`.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import glob
 import json
@@ -32,22 +33,21 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from normflat.checkpoints import (
+    CHECKPOINT_SUFFIXES,
     CheckpointError,
     accuracy,
-    add_analysis_arguments,
-    add_checkpoint_arguments,
     analysis_data,
-    analyze_options,
+    check_fits,
     load_data,
     load_model,
 )
 from normflat.core.constants import MEASURE_LABELS, MEASURES
 
-__all__ = ["CompareResult", "compare_checkpoints", "expand_checkpoints", "add_cli", "run_cli"]
+__all__ = ["CompareResult", "compare_checkpoints", "expand_checkpoints", "COMPARE_FILES", "CHECKPOINT_SUFFIXES"]
 
-#: Checkpoint files picked from a folder (and a Hugging Face directory is one checkpoint).
-CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".keras", ".eqx", ".msgpack")
 SCHEMA = "normflat.compare/1"
+#: The files :meth:`CompareResult.write` puts into its folder (replaced as a whole by the next run).
+COMPARE_FILES = ("compare.csv", "compare.json", "compare.png", "reports/*.json")
 
 
 def _finite_or_none(v: Any) -> Any:
@@ -164,6 +164,35 @@ class CompareResult:
         self.plot(**kwargs).savefig(path, dpi=110)
         return str(path)
 
+    def write(self, out: str | os.PathLike, *, figure: bool = True) -> dict[str, str]:
+        """Write ``compare.csv``, ``compare.json``, ``reports/<checkpoint>.json`` and
+        (with ``figure`` and matplotlib installed) ``compare.png`` into the folder ``out``.
+
+        The files are staged and replace the previous run's files there as a whole
+        (see :mod:`normflat.study.outputs`): results of two runs never mix, and
+        files normflat did not write are left alone.
+
+        Returns:
+            ``{"csv", "json", "reports"[, "figure"]}``: the paths written.
+
+        Raises:
+            normflat.study.outputs.OutputFolderError: If ``out`` is a file.
+        """
+        from normflat.study.outputs import replace_outputs
+
+        out = Path(out)
+        files = {"csv": str(out / "compare.csv"), "json": str(out / "compare.json"), "reports": str(out / "reports")}
+        with replace_outputs(out, legacy=COMPARE_FILES) as stage:
+            self.to_csv(stage / "compare.csv")
+            self.to_json(stage / "compare.json", reports_dir=stage / "reports")
+            if figure:
+                try:
+                    self.figure(stage / "compare.png")
+                    files["figure"] = str(out / "compare.png")
+                except ImportError:
+                    pass  # matplotlib is optional
+        return files
+
 
 def _num(v: Any, width: int, kind: str) -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
@@ -262,6 +291,8 @@ def compare_checkpoints(paths: str | os.PathLike | Iterable[str | os.PathLike], 
     for path, name in zip(files, _names(files)):
         start = time.perf_counter()
         model = load_model(path, factory=factory, framework=framework, trust_pickle=trust_pickle)
+        check_fits(model, train_data, f"the train data {train if isinstance(train, (str, os.PathLike)) else ''}".strip())
+        check_fits(model, test_data, f"the test data {test if isinstance(test, (str, os.PathLike)) else ''}".strip())
         try:
             report = normflat.analyze(model, analysis_data(model, train_data, batch_size), **options)
             train_acc = accuracy(model, train_data, batch_size=batch_size)
@@ -296,69 +327,3 @@ def compare_checkpoints(paths: str | os.PathLike | Iterable[str | os.PathLike], 
 
 def _jsonable(v: Any) -> bool:
     return v is None or isinstance(v, (bool, int, float, str))
-
-
-# ============================================================================ command line
-
-
-def add_cli(subparsers: Any, name: str = "compare") -> argparse.ArgumentParser:
-    """Register the ``compare`` subcommand on an argparse ``subparsers`` object.
-
-    Returns:
-        The subcommand's parser; its default ``func`` is :func:`run_cli`.
-    """
-    c = subparsers.add_parser(
-        name, help="analyze a set of checkpoints and rank each measure against their generalization gap",
-        description="Analyze each checkpoint on its training data, measure its train and test accuracy and the "
-                    "gap, and (with 3 or more checkpoints) Kendall's tau of each measure against the gap. "
-                    "Writes compare.csv, compare.json, reports/ and compare.png into --out.",
-    )
-    c.add_argument("checkpoints", nargs="+",
-                   help="checkpoint files, folders of checkpoints or glob patterns (e.g. 'ckpts/*.pt')")
-    c.add_argument("--train", required=True,
-                   help="training data: .npz with x and y, a folder with x.npy and y.npy, or module:function")
-    c.add_argument("--test", required=True, help="test data, likewise")
-    add_checkpoint_arguments(c)
-    add_analysis_arguments(c)
-    c.add_argument("--out", default="normflat-compare", help="output folder (default ./normflat-compare)")
-    c.add_argument("--no-figure", action="store_true", help="do not draw compare.png")
-    c.set_defaults(func=run_cli)
-    return c
-
-
-def run_cli(args: argparse.Namespace, out: Callable[[str], Any] = print) -> int:
-    """Run the ``compare`` subcommand; returns the exit status.
-
-    Raises:
-        CheckpointError: For every user error (printed by ``normflat`` as one
-            ``normflat: error:`` line, exit status 2).
-    """
-    out_dir = Path(args.out)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise CheckpointError(f"--out {args.out} is a file; pass a folder name.")
-    files = expand_checkpoints(args.checkpoints)
-    options = analyze_options(args)
-    options["progress"] = False  # one line per checkpoint instead
-    estimator = options.pop("estimator")
-    result = compare_checkpoints(files, factory=args.factory, train=args.train, test=args.test, estimator=estimator,
-                                 framework=args.checkpoint_framework, trust_pickle=args.trust_pickle,
-                                 batch_size=args.batch_size, echo=None if args.no_progress else out, **options)
-    out("")
-    out(result.table())
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Results of two runs must never mix: the previous run's per-checkpoint reports go.
-    for old in (out_dir / "reports").glob("*.json"):
-        old.unlink()
-    stale = out_dir / "compare.png"
-    if stale.exists():
-        stale.unlink()
-    written = [result.to_csv(out_dir / "compare.csv"), result.to_json(out_dir / "compare.json",
-                                                                      reports_dir=out_dir / "reports")]
-    if not args.no_figure:
-        try:
-            written.append(result.figure(out_dir / "compare.png"))
-        except ImportError:
-            out("figure skipped: install matplotlib to get it")
-    out("")
-    out(f"wrote {', '.join(written)} and {out_dir / 'reports'}/")
-    return 0

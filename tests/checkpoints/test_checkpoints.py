@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -16,7 +15,16 @@ import pytest
 from tests.builders import require_frameworks
 
 import normflat  # noqa: E402
-from normflat.checkpoints import CheckpointError, accuracy, add_cli, load_data, load_model, predict, resolve_factory
+from normflat.checkpoints import (  # noqa: E402
+    CheckpointError,
+    accuracy,
+    check_fits,
+    load_data,
+    load_model,
+    predict,
+    resolve_factory,
+)
+from normflat.cli import main  # noqa: E402
 
 
 def _module(tmp_path, monkeypatch, body: str) -> str:
@@ -179,11 +187,8 @@ def test_hf_directory_loads_offline(tmp_path, monkeypatch):
     assert 0.0 <= accuracy(view, (ids.numpy(), y)) <= 1.0
     # the command line on the directory, with token ids in an .npz
     np.savez(tmp_path / "tokens.npz", x=ids.numpy(), y=y)
-    parser = argparse.ArgumentParser(prog="normflat")
-    add_cli(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["analyze", str(tmp_path / "hf"), "--data", str(tmp_path / "tokens.npz"),
-                              "--on-unsupported", "skip", "--no-progress", "--json", str(tmp_path / "hf.json")])
-    assert args.func(args, lambda line: None) == 0
+    assert main(["analyze", str(tmp_path / "hf"), "--data", str(tmp_path / "tokens.npz"),
+                 "--on-unsupported", "skip", "--no-progress", "--json", str(tmp_path / "hf.json")]) == 0
     saved = json.loads((tmp_path / "hf.json").read_text())
     assert saved["totals"]["normalized_sharpness"] == pytest.approx(report.normalized_sharpness, rel=1e-5)
     with pytest.raises(CheckpointError, match="holds its architecture"):
@@ -363,19 +368,30 @@ def test_load_data_formats_and_errors(tmp_path, monkeypatch):
     assert issubclass(CheckpointError, ValueError)
 
 
+def _cli_error(argv, capsys) -> str:
+    """The one ``normflat: error:`` line of a command that must fail with exit status 2."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("normflat: error: ") and "Traceback" not in err, err
+    return err
+
+
 def test_analyze_cli_on_a_state_dict(tmp_path, torch_setup, capsys):
     import torch
 
     name, net = torch_setup
     torch.save(net.state_dict(), tmp_path / "w.pt")
+    from safetensors.torch import save_file
+
+    save_file(net.state_dict(), str(tmp_path / "w.safetensors"))
     x, y = _xy()
     np.savez(tmp_path / "train.npz", x=x, y=y)
-    parser = argparse.ArgumentParser(prog="normflat")
-    add_cli(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["analyze", str(tmp_path / "w.pt"), "--model", f"{name}:make_net", "--data",
-                              str(tmp_path / "train.npz"), "--no-progress", "--plot", str(tmp_path / "l.png"),
-                              "--batch-size", "16"])
-    assert args.func(args, print) == 0
+    assert main(["analyze", str(tmp_path / "w.pt"), "--model", f"{name}:make_net", "--data",
+                 str(tmp_path / "train.npz"), "--no-progress", "--plot", str(tmp_path / "l.png"),
+                 "--batch-size", "16"]) == 0
     out = capsys.readouterr().out
     assert "report written to" in out
     report = json.loads((tmp_path / "w.normflat.json").read_text())
@@ -383,16 +399,49 @@ def test_analyze_cli_on_a_state_dict(tmp_path, torch_setup, capsys):
     # float32 sums over 16-example batches vs one batch: equal to rounding
     assert report["totals"]["normalized_sharpness"] == pytest.approx(direct.normalized_sharpness, rel=1e-5)
     assert (tmp_path / "l.png").stat().st_size > 1000
-    args = parser.parse_args(["analyze", str(tmp_path / "w.pt"), "--model", f"{name}:make_net", "--data",
-                              str(tmp_path / "train.npz"), "--float64", "--json", str(tmp_path / "r64.json"),
-                              "--no-progress"])
-    assert args.func(args, print) == 0
+    assert main(["analyze", str(tmp_path / "w.pt"), "--model", f"{name}:make_net", "--data",
+                 str(tmp_path / "train.npz"), "--float64", "--json", str(tmp_path / "r64.json"),
+                 "--no-progress"]) == 0
     report64 = json.loads((tmp_path / "r64.json").read_text())
     assert report64["metadata"]["dtype"] == "float64"
-    args = parser.parse_args(["analyze", str(tmp_path / "w.pt"), "--data", str(tmp_path / "train.npz")])
-    with pytest.raises(CheckpointError, match="--model module:function"):
-        args.func(args, print)
-    args = parser.parse_args(["analyze", str(tmp_path / "w.pt"), "--model", f"{name}:make_net", "--data",
-                              str(tmp_path / "train.npz"), "--json", str(tmp_path / "nodir" / "r.json")])
-    with pytest.raises(CheckpointError, match="does not exist; create it"):
-        args.func(args, print)
+    # a safetensors file and a folder of .npy files
+    (tmp_path / "npy").mkdir()
+    np.save(tmp_path / "npy" / "x.npy", x)
+    np.save(tmp_path / "npy" / "y.npy", y)
+    assert main(["analyze", str(tmp_path / "w.safetensors"), "--model", f"{name}:make_net", "--data",
+                 str(tmp_path / "npy"), "--no-progress", "--batch-size", "16"]) == 0
+    saved = json.loads((tmp_path / "w.normflat.json").read_text())
+    assert saved["totals"]["normalized_sharpness"] == pytest.approx(report["totals"]["normalized_sharpness"],
+                                                                    rel=1e-12)
+    # a pickled whole module only with --trust-pickle
+    torch.save(net, tmp_path / "whole.pt")
+    err = _cli_error(["analyze", str(tmp_path / "whole.pt"), "--data", str(tmp_path / "train.npz")], capsys)
+    assert "--trust-pickle" in err and "runs code from the file" in err
+    assert main(["analyze", str(tmp_path / "whole.pt"), "--trust-pickle", "--data", str(tmp_path / "train.npz"),
+                 "--no-progress", "--json", str(tmp_path / "whole.json")]) == 0
+    err = _cli_error(["analyze", str(tmp_path / "w.pt"), "--data", str(tmp_path / "train.npz")], capsys)
+    assert "--model module:function" in err
+    err = _cli_error(["analyze", str(tmp_path / "w.pt"), "--model", f"{name}:make_net", "--data",
+                      str(tmp_path / "train.npz"), "--json", str(tmp_path / "nodir" / "r.json")], capsys)
+    assert "does not exist" in err and "create it" in err
+    err = _cli_error(["analyze", str(tmp_path / "w.pt"), "--model", f"{name}:make_wide", "--data",
+                      str(tmp_path / "train.npz")], capsys)
+    assert "do not match the factory's architecture" in err
+    np.savez(tmp_path / "wide.npz", x=np.zeros((4, 5), "float32"), y=np.zeros(4, dtype=int))
+    err = _cli_error(["analyze", str(tmp_path / "w.pt"), "--model", f"{name}:make_net", "--data",
+                      str(tmp_path / "wide.npz")], capsys)
+    assert "cannot take x" in err and "shape (4, 5)" in err
+
+
+def test_check_fits(torch_setup):
+    _, net = torch_setup
+    x, y = _xy()
+    check_fits(net, (x, y))
+    with pytest.raises(CheckpointError, match="cannot take x from d.npz: x has shape"):
+        check_fits(net, (np.zeros((3, 5), "float32"), np.zeros(3, dtype=int)), "d.npz")
+    with pytest.raises(CheckpointError, match="labels up to 7, but the model outputs 3 classes"):
+        check_fits(net, (x, np.full(len(x), 7)))
+    net.train()
+    check_fits(net, (x, y))
+    assert net.training  # one forward in eval mode, the mode restored
+    check_fits(net, [(x, y)])  # a loader is not consumed: not checked

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import textwrap
@@ -20,7 +19,9 @@ import torch  # noqa: E402
 
 import normflat  # noqa: E402
 from normflat.checkpoints import CheckpointError  # noqa: E402
-from normflat.compare import CompareResult, add_cli, compare_checkpoints, expand_checkpoints  # noqa: E402
+from normflat.cli import main  # noqa: E402
+from normflat.compare import CompareResult, compare_checkpoints, expand_checkpoints  # noqa: E402
+from normflat.study.outputs import MANIFEST  # noqa: E402
 from normflat.study.stats import kendall_tau  # noqa: E402
 
 FACTORY = """
@@ -124,29 +125,35 @@ def test_two_checkpoints_have_no_tau_and_errors(family):
 
 def test_compare_cli(family, capsys):
     name, tmp = family
-    parser = argparse.ArgumentParser(prog="normflat")
-    add_cli(parser.add_subparsers(dest="command"))
     out = tmp / "out"
-    args = parser.parse_args(["compare", str(tmp / "ckpts" / "r*.pt"), "--model", f"{name}:make_net",
-                              "--train", str(tmp / "train.npz"), "--test", str(tmp / "test.npz"), "--out", str(out),
-                              "--estimator", "ggn", "--loss", "ce"])
-    assert args.func(args, print) == 0
+    assert main(["compare", str(tmp / "ckpts" / "r*.pt"), "--model", f"{name}:make_net",
+                 "--train", str(tmp / "train.npz"), "--test", str(tmp / "test.npz"), "--out", str(out),
+                 "--estimator", "ggn", "--loss", "ce"]) == 0
     text = capsys.readouterr().out
     assert "r0.pt: train acc" in text and "Kendall's tau" in text
-    assert {p.name for p in out.iterdir()} == {"compare.csv", "compare.json", "compare.png", "reports"}
+    assert {p.name for p in out.iterdir()} == {"compare.csv", "compare.json", "compare.png", "reports", MANIFEST}
     data = json.loads((out / "compare.json").read_text())
     assert data["settings"]["loss"] == "ce" and len(data["rows"]) == 4
-    # A second, smaller run into the same folder leaves no report of the first.
-    args = parser.parse_args(["compare", str(tmp / "ckpts" / "r0.pt"), str(tmp / "ckpts" / "r1.pt"), "--model",
-                              f"{name}:make_net", "--train", str(tmp / "train.npz"), "--test", str(tmp / "test.npz"),
-                              "--out", str(out), "--no-progress", "--no-figure"])
-    assert args.func(args, print) == 0
-    assert sorted(p.name for p in (out / "reports").iterdir()) == ["r0.pt.json", "r1.pt.json"]
+    # A second, smaller run into the same folder leaves no file of the first, and none of the user's goes.
+    (out / "reports" / "notes.txt").write_text("mine")
+    assert main(["compare", str(tmp / "ckpts" / "r0.pt"), str(tmp / "ckpts" / "r1.pt"), "--model",
+                 f"{name}:make_net", "--train", str(tmp / "train.npz"), "--test", str(tmp / "test.npz"),
+                 "--out", str(out), "--no-progress", "--no-figure"]) == 0
+    assert sorted(p.name for p in (out / "reports").iterdir()) == ["notes.txt", "r0.pt.json", "r1.pt.json"]
     assert not (out / "compare.png").exists()
+    assert len(json.loads((out / "compare.json").read_text())["rows"]) == 2
     (tmp / "afile").write_text("x")
-    args = parser.parse_args(["compare", str(tmp / "ckpts"), "--model", f"{name}:make_net", "--train",
-                              str(tmp / "train.npz"), "--test", str(tmp / "test.npz"), "--out", str(tmp / "afile")])
-    with pytest.raises(CheckpointError, match="is a file"):
-        args.func(args, print)
-    with pytest.raises(SystemExit):
-        parser.parse_args(["compare", str(tmp / "ckpts"), "--train", "t.npz"])  # --test is required
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(["compare", str(tmp / "ckpts"), "--model", f"{name}:make_net", "--train",
+              str(tmp / "train.npz"), "--test", str(tmp / "test.npz"), "--out", str(tmp / "afile")])
+    assert info.value.code == 2 and "is a file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["compare", str(tmp / "ckpts"), "--train", "t.npz"])  # --test is required
+    assert info.value.code == 2 and "--test" in capsys.readouterr().err
+    # A state_dict without --model: one line naming the fix.
+    with pytest.raises(SystemExit) as info:
+        main(["compare", str(tmp / "ckpts"), "--train", str(tmp / "train.npz"), "--test", str(tmp / "test.npz"),
+              "--out", str(tmp / "o2")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "holds a state_dict" in err and "--model" in err and not (tmp / "o2").exists()

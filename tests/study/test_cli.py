@@ -141,7 +141,7 @@ def test_analyze_command(tmp_path, capsys):
     rng = np.random.default_rng(0)
     x, y = rng.random((50, 1, 8, 8)), rng.integers(0, 10, 50)
     np.savez(tmp_path / "data.npz", x=x, y=y)
-    code = main(["analyze", str(path), "--data", str(tmp_path / "data.npz"), "--batch-size", "16",
+    code = main(["analyze", str(path), "--trust-pickle", "--data", str(tmp_path / "data.npz"), "--batch-size", "16",
                  "--no-progress", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")])
     assert code == 0
     printed = capsys.readouterr().out
@@ -160,7 +160,9 @@ def test_analyze_errors(tmp_path, capsys):
     torch.save(model.state_dict(), tmp_path / "sd.pt")
     cases = [
         (["analyze", str(tmp_path / "none.pt"), "--data", str(tmp_path / "bad.npz")], "does not exist"),
-        (["analyze", str(tmp_path / "m.pt"), "--data", str(tmp_path / "bad.npz")], "arrays named 'x' and 'y'"),
+        (["analyze", str(tmp_path / "m.pt"), "--data", str(tmp_path / "bad.npz")], "--trust-pickle"),
+        (["analyze", str(tmp_path / "m.pt"), "--trust-pickle", "--data", str(tmp_path / "bad.npz")],
+         "arrays named 'x' and 'y'"),
         (["analyze", str(tmp_path / "sd.pt"), "--data", str(tmp_path / "bad.npz")], "state_dict"),
     ]
     for argv, message in cases:

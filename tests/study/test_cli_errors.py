@@ -21,6 +21,7 @@ from normflat.study.models import build_model  # noqa: E402
 from normflat.study.outputs import MANIFEST  # noqa: E402
 
 TINY = ["--quick", "--train-size", "120", "--test-size", "80", "--epochs", "2", "--no-progress"]
+TRUST = ["--trust-pickle"]  # m.pt is a whole pickled module: loading it runs code from the file
 
 
 def run_cli(argv, capsys):
@@ -62,35 +63,43 @@ def files(tmp_path):
     (tmp_path / "corrupt.keras").write_text("garbage")
     (tmp_path / "bad.pt").write_text("hello")
     (tmp_path / "model.onnx").write_text("x")
+    (tmp_path / "weights.safetensors").write_bytes(b"")
     (tmp_path / "folder.npz").mkdir()
     (tmp_path / "plainfile").write_text("x")
     return tmp_path
 
 
 @pytest.mark.parametrize("model, data, extra, fragments", [
-    ("m.pt", "shape.npz", [], ["cannot take x", "shape (6, 3)", "layout the model expects"]),
-    ("m.pt", "labels.npz", [], ["labels up to 12", "outputs 10 classes"]),
-    ("m.pt", "neg.npz", [], ["negative labels"]),
-    ("m.pt", "floaty.npz", [], ["integer class labels"]),
-    ("m.pt", "short.npz", [], ["one row per label"]),
-    ("m.pt", "keys.npz", [], ["arrays named 'x' and 'y'", "numpy.savez"]),
-    ("m.pt", "object.npz", [], ["object (pickled) arrays", "numeric arrays"]),
-    ("m.pt", "array.npy", [], ["is an .npy file", "numpy.savez"]),
-    ("m.pt", "text.npz", [], ["is not an .npz file", "not a zip archive"]),
-    ("m.pt", "empty.npz", [], ["is not an .npz file", "is empty"]),
-    ("m.pt", "truncated.npz", [], ["Cannot read", "truncated or corrupted"]),
-    ("m.pt", "missing.npz", [], ["does not exist"]),
-    ("m.pt", "folder.npz", [], ["is a folder", ".npz file"]),
+    ("m.pt", "shape.npz", TRUST, ["cannot take x", "shape (6, 3)", "layout the model expects"]),
+    ("m.pt", "labels.npz", TRUST, ["labels up to 12", "outputs 10 classes"]),
+    ("m.pt", "neg.npz", TRUST, ["negative labels"]),
+    ("m.pt", "floaty.npz", TRUST, ["integer class labels"]),
+    ("m.pt", "short.npz", TRUST, ["one row per label"]),
+    ("m.pt", "keys.npz", TRUST, ["arrays named 'x' and 'y'", "numpy.savez"]),
+    ("m.pt", "object.npz", TRUST, ["object (pickled) arrays", "numeric arrays"]),
+    ("m.pt", "array.npy", TRUST, ["is an .npy file", "numpy.savez"]),
+    ("m.pt", "text.npz", TRUST, ["is not an .npz file", "not a zip archive"]),
+    ("m.pt", "empty.npz", TRUST, ["is not an .npz file", "is empty"]),
+    ("m.pt", "truncated.npz", TRUST, ["Cannot read", "truncated or corrupted"]),
+    ("m.pt", "missing.npz", TRUST, ["does not exist"]),
+    ("m.pt", "folder.npz", TRUST, ["is a folder", "lacks x.npy and y.npy", ".npz file"]),
+    ("m.pt", "good.npz", [], ["runs code from the file", "--trust-pickle", "state_dict"]),
     ("corrupt.keras", "good.npz", [], ["not a valid .keras file", "model.save"]),
-    ("bad.pt", "good.npz", [], ["Cannot load", "torch.save(model, path)"]),
-    ("sd.pt", "good.npz", [], ["state_dict"]),
-    ("model.onnx", "good.npz", [], ["Unknown model file type '.onnx'", ".keras"]),
+    ("corrupt.keras", "good.npz", ["--model", "mymodels:make"], ["holds its architecture", "drop the model factory"]),
+    ("bad.pt", "good.npz", [], ["Cannot load", "truncated, corrupted", "torch.save(model, path)"]),
+    ("bad.pt", "good.npz", TRUST, ["Cannot load", "torch.save(model, path)"]),
+    ("sd.pt", "good.npz", [], ["holds a state_dict", "--model module:function"]),
+    ("sd.pt", "good.npz", ["--model", "no_such_module:make"], ["Cannot import the factory module", "PYTHONPATH"]),
+    ("sd.pt", "good.npz", ["--model", "make_net"], ["must be 'module:function'"]),
+    ("weights.safetensors", "good.npz", [], ["holds weights only", "--model module:function"]),
+    ("model.onnx", "good.npz", [], ["Unknown checkpoint type '.onnx'", ".keras", "save the model"]),
     ("missing.pt", "good.npz", [], ["does not exist"]),
     ("folder.npz", "good.npz", [], ["is a folder", "model file"]),
-    ("m.pt", "good.npz", ["--json", "folder.npz"], ["--json", "is a folder"]),
-    ("m.pt", "good.npz", ["--json", "nowhere/r.json"], ["folder", "does not exist"]),
-    ("m.pt", "good.npz", ["--plot", "figure.npz"], ["cannot write .npz files", ".png"]),
-    ("m.pt", "good.npz", ["--plot", "plainfile/x.png"], ["--plot", "does not exist"]),
+    ("m.pt", "good.npz", [*TRUST, "--framework", "keras"], ["loaded as a torch model", "--framework keras"]),
+    ("m.pt", "good.npz", [*TRUST, "--json", "folder.npz"], ["--json", "is a folder"]),
+    ("m.pt", "good.npz", [*TRUST, "--json", "nowhere/r.json"], ["folder", "does not exist"]),
+    ("m.pt", "good.npz", [*TRUST, "--plot", "figure.npz"], ["cannot write .npz files", ".png"]),
+    ("m.pt", "good.npz", [*TRUST, "--plot", "plainfile/x.png"], ["--plot", "does not exist"]),
 ])
 def test_analyze_bad_inputs(files, capsys, monkeypatch, model, data, extra, fragments):
     monkeypatch.chdir(files)
@@ -103,16 +112,38 @@ def test_analyze_bad_inputs(files, capsys, monkeypatch, model, data, extra, frag
 def test_out_pointing_at_a_file(files, capsys):
     for argv in (["study", *TINY, "--out", str(files / "plainfile")],
                  ["study", *TINY, "--out", str(files / "plainfile" / "sub")],
-                 ["invariance", "--quick", "--no-progress", "--out", str(files / "plainfile")]):
+                 ["invariance", "--quick", "--no-progress", "--out", str(files / "plainfile")],
+                 ["compare", str(files / "m.pt"), "--trust-pickle", "--train", str(files / "good.npz"),
+                  "--test", str(files / "good.npz"), "--out", str(files / "plainfile")]):
         code, err = run_cli(argv, capsys)
         assert_one_line_error(code, err, "plainfile", "is a file")
     assert (files / "plainfile").read_text() == "x"
 
 
+@pytest.mark.parametrize("argv, fragments", [
+    (["m.pt", "--trust-pickle", "--train", "shape.npz", "--test", "good.npz"], ["cannot take x", "shape.npz"]),
+    (["m.pt", "--trust-pickle", "--train", "good.npz", "--test", "labels.npz"], ["labels up to 12"]),
+    (["m.pt", "--trust-pickle", "--train", "good.npz", "--test", "array.npy"], ["is an .npy file"]),
+    (["m.pt", "--train", "good.npz", "--test", "good.npz"], ["--trust-pickle"]),
+    (["sd.pt", "--train", "good.npz", "--test", "good.npz"], ["holds a state_dict", "--model"]),
+    (["nothing/*.pt", "--train", "good.npz", "--test", "good.npz"], ["No checkpoint matches"]),
+    (["folder.npz", "--train", "good.npz", "--test", "good.npz"], ["holds no checkpoint"]),
+])
+def test_compare_bad_inputs(files, capsys, monkeypatch, argv, fragments):
+    monkeypatch.chdir(files)
+    before = sorted(os.listdir(files))
+    code, err = run_cli(["compare", *argv, "--no-progress", "--out", "cmp"], capsys)
+    assert_one_line_error(code, err, *fragments)
+    assert sorted(os.listdir(files)) == before  # no output folder on an error
+
+
 def test_invariance_bad_model_input(files, capsys):
     code, err = run_cli(["invariance", "--model", str(files / "m.pt"), "--data", str(files / "shape.npz"),
-                         "--no-progress", "--out", str(files / "inv")], capsys)
+                         "--trust-pickle", "--no-progress", "--out", str(files / "inv")], capsys)
     assert_one_line_error(code, err, "cannot take x")
+    code, err = run_cli(["invariance", "--model", str(files / "m.pt"), "--data", str(files / "good.npz"),
+                         "--no-progress", "--out", str(files / "inv")], capsys)
+    assert_one_line_error(code, err, "--trust-pickle")
     assert not (files / "inv").exists()
 
 
@@ -120,6 +151,8 @@ def test_argparse_errors_are_one_line(capsys):
     for argv, fragment in ((["study", "--ratios", "a,b"], "comma-separated numbers"),
                            (["study", "--bogus"], "unrecognized arguments"),
                            (["analyze", "m.pt"], "--data"),
+                           (["compare", "m.pt", "--train", "t.npz"], "--test"),
+                           (["analyze", "m.pt", "--data", "d.npz", "--framework", "mxnet"], "invalid choice"),
                            (["nosuchcommand"], "invalid choice")):
         code, err = run_cli(argv, capsys)
         assert_one_line_error(code, err, fragment, "--help")
@@ -128,7 +161,7 @@ def test_argparse_errors_are_one_line(capsys):
 def test_debug_shows_the_traceback(files, capsys):
     from normflat.cli import CLIError
 
-    argv = ["analyze", str(files / "m.pt"), "--data", str(files / "array.npy")]
+    argv = ["analyze", str(files / "m.pt"), "--trust-pickle", "--data", str(files / "array.npy")]
     with pytest.raises(CLIError, match="is an .npy file"):
         main(["--debug", *argv])
     with pytest.raises(CLIError):
@@ -144,7 +177,7 @@ def test_a_bug_is_not_hidden(files, capsys, monkeypatch):
 
     monkeypatch.setattr(normflat, "analyze", broken)
     with pytest.raises(RuntimeError, match="a bug"):
-        main(["analyze", str(files / "m.pt"), "--data", str(files / "good.npz"), "--no-progress"])
+        main(["analyze", str(files / "m.pt"), "--trust-pickle", "--data", str(files / "good.npz"), "--no-progress"])
 
 
 def _folder(out):
