@@ -74,8 +74,9 @@ def _report(model, data, **kw):
     import normflat
 
     r = normflat.analyze(model, data, progress=False, dtype="float64", **kw)
-    return {"totals": r.totals, "se": r.standard_error, "meta": {k: r.metadata.get(k) for k in
-                                                                   ("examples", "batches", "devices", "processes")}}
+    meta = {"examples": r.metadata["examples"], "batches": r.metadata["batches"],
+            "devices": r.metadata["backend"]["devices"], "processes": r.metadata["world_size"]}
+    return {"totals": r.totals, "se": r.standard_error, "meta": meta}
 
 
 def worker_devices() -> dict:
@@ -256,7 +257,7 @@ def test_sharded_stochastic_estimators_reproduce_single_device(results, estimato
 def test_errors_raise_instead_of_hanging(results):
     errors = results["devices"]["errors"]
     assert errors["iterator"] == "RuntimeError: data source failed"
-    assert errors["labels"].startswith("ValueError: Labels must lie in [0, 3]")
+    assert errors["labels"].startswith("ValueError: Batch 0: labels must be class indices in [0, 3]")
     assert errors["budget"].startswith("ValueError: memory_budget=100 bytes")
     assert errors["devices"].startswith("ValueError: devices=3 but this process has 2 local device(s)")
 
@@ -273,7 +274,9 @@ def test_two_processes_equal_single_process_and_each_other(results):
 
 def test_failing_process_raises_on_every_process(results):
     assert results["fail1"]["error"] == "RuntimeError: data source of process 1 failed"
-    assert results["fail0"]["error"].startswith("RuntimeError: normflat: process(es) [1] failed")
+    # The engine's failure agreement: the other process raises DistributedFailure naming rank 1.
+    assert results["fail0"]["error"].startswith("DistributedFailure: normflat stopped on rank 0 because 1 of 2")
+    assert "rank 1: RuntimeError: data source of process 1 failed" in results["fail0"]["error"]
 
 
 # ----------------------------------------------------------------------------- GGN speed-ups (in-process)
@@ -285,7 +288,7 @@ def test_fast_max_pool_vjp_equals_xla(case):
     import jax
     import jax.numpy as jnp
 
-    from normflat.backends.jax._program import _fast_max_pool, _hashable
+    from normflat.backends.jax.program import _fast_max_pool, _hashable
 
     with jax.enable_x64(True):
         rng = np.random.default_rng(5)

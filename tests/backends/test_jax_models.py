@@ -167,7 +167,7 @@ def test_equinox_batch_model_and_vmap_option():
     x, y = _data()
     with pytest.warns(UserWarning, match="w0"):
         r = normflat.analyze(model, (x, y), loss="ce", estimator="exact", progress=False)
-    assert r.metadata["vmap"] is False and [l.name for l in r.layers] == ["lin"]
+    assert r.metadata["backend"]["vmap"] is False and [l.name for l in r.layers] == ["lin"]
     d = normflat.hessian_diagonal(model, (x, y), loss="ce", estimator="exact", progress=False,
                                   layouts={"w0": "out,in"})
     assert list(d) == ["w0", "lin"]
@@ -175,7 +175,7 @@ def test_equinox_batch_model_and_vmap_option():
     # The per-example equinox MLP: vmap detected; forcing vmap=False on it fails clearly.
     seq = eqx.nn.Sequential([_eqx_mlp()[0], eqx.nn.Lambda(jnp.tanh), _eqx_mlp()[1]])
     r = normflat.analyze(seq, (x, y), loss="ce", estimator="ggn", progress=False)
-    assert r.metadata["vmap"] is True and [l.name for l in r.layers] == ["layers/0", "layers/2"]
+    assert r.metadata["backend"]["vmap"] is True and [l.name for l in r.layers] == ["layers/0", "layers/2"]
     r2 = normflat.analyze(seq, (x, y), loss="ce", estimator="ggn", progress=False, vmap=True)
     assert r2.normalized_sharpness == r.normalized_sharpness
 
@@ -345,9 +345,9 @@ def _seq():
     ([], "empty"),
     ((np.ones((4, 5)), np.array([0, 1, 3, 0])), r"\[0, 2\]"),
     ((np.ones((4, 5)), np.array([0, 1, -1, 0])), r"\[0, 2\]"),
-    ((np.ones((4, 5)), np.array([0.0, 1.0, 1.0, 0.0])), "integer"),
-    ((np.ones((4, 5)), np.eye(3)[[0, 1, 1, 0]].astype(int)), "argmax"),
-    ((np.ones((4, 5)), np.array([0, 1, 1])), "vector of 4"),
+    ((np.ones((4, 5)), np.array([0.0, 1.5, 1.0, 0.0])), "integer"),
+    ((np.ones((4, 5)), np.full((4, 3), 1 / 3)), "one-hot"),
+    ((np.ones((4, 5)), np.array([0, 1, 1])), "4 inputs but 3 labels"),
     ((np.full((4, 5), np.nan), np.array([0, 1, 1, 0])), "NaN"),
 ])
 def test_bad_data(data, match):

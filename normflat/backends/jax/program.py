@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.extend.core as jex
+from normflat.backends.jax.compat import Literal, bind_params, eqn_context
 import jax.numpy as jnp
 import numpy as np
 
@@ -83,6 +83,7 @@ class Program:
     x_refs: list[int]
     out_refs: list[Any]
     shapes: dict[int, tuple] = field(default_factory=dict)
+    dtypes: dict[int, Any] = field(default_factory=dict)
     taps: list[Tap] = field(default_factory=list)
     first_use: list[float] = field(default_factory=list)
     text: str = ""
@@ -133,6 +134,12 @@ class Program:
                     record[i] = args[1 - tap_at[i].weight_pos]
                 env[op.outs[0]] = ans
         return [read(a) for a in self.out_refs]
+
+    def half_precision_ops(self) -> list[str]:
+        """Names of the primitives that compute in float16 / bfloat16."""
+        half = {jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)}
+        return sorted({op.prim.name for op in self.ops for r in op.outs
+                       if self.dtypes.get(r) is not None and jnp.dtype(self.dtypes[r]) in half})
 
     def layout_fn(self, tap: Tap) -> Callable[[Any], Any]:
         """The function weight -> the operand the tap primitive sees."""
@@ -221,6 +228,7 @@ def trace_program(fn: Callable, weights: Sequence[Any], others: Sequence[Any], x
     ops: list[_Op] = []
     consts: dict[int, Any] = {}
     shapes: dict[int, tuple] = {}
+    dtypes: dict[int, Any] = {}
 
     def fresh() -> int:
         counter[0] += 1
@@ -236,7 +244,7 @@ def trace_program(fn: Callable, weights: Sequence[Any], others: Sequence[Any], x
             env[v] = a
 
         def atom(v):
-            return ("lit", v.val) if isinstance(v, jex.Literal) else env[v]
+            return ("lit", v.val) if isinstance(v, Literal) else env[v]
 
         for eqn in jaxpr.eqns:
             ins = [atom(v) for v in eqn.invars]
@@ -253,7 +261,8 @@ def trace_program(fn: Callable, weights: Sequence[Any], others: Sequence[Any], x
             outs = [fresh() for _ in eqn.outvars]
             for v, r in zip(eqn.outvars, outs):
                 shapes[r] = tuple(getattr(v.aval, "shape", ()))
-            ops.append(_Op(eqn.primitive, eqn.primitive.get_bind_params(eqn.params), eqn.ctx.manager, ins, outs))
+                dtypes[r] = getattr(v.aval, "dtype", None)
+            ops.append(_Op(eqn.primitive, bind_params(eqn), eqn_context(eqn), ins, outs))
             for v, r in zip(eqn.outvars, outs):
                 env[v] = ("ref", r)
         return [atom(v) for v in jaxpr.outvars]
@@ -265,6 +274,7 @@ def trace_program(fn: Callable, weights: Sequence[Any], others: Sequence[Any], x
     out_atoms = inline(closed.jaxpr, closed.consts, in_atoms)
     refs = [a[1] for a in in_atoms]
     prog = Program(ops, consts, refs[:n_w], refs[n_w:n_w + n_o], refs[n_w + n_o:], out_atoms, shapes)
+    prog.dtypes = dtypes
     prog.text = str(closed.jaxpr)
     _analyse(prog, n_w)
     return prog

@@ -1,16 +1,26 @@
-"""Adapters: equinox, flax nnx, flax linen and ``(apply_fn, params)`` as one pure function.
+"""The JAX layer registry and the model views of equinox, flax nnx, flax linen and ``(apply_fn, params)``.
 
-Every adapter produces a :class:`ModelView`: the model's floating-point leaves
-(cast to the compute dtype), which of them are weight tensors of recognised
-layers, and pure functions ``(leaves, x) -> logits`` for a batch and for one
-example. The user's objects are only read: equinox and linen models are
-immutable, and an nnx module is split into a private copy that is switched to
-evaluation mode (the user's module keeps its mode and state).
+**Registry.** One :class:`~normflat.engine.registry.LayerRegistry` ``{module class:
+entry}`` with MRO lookup, as in every backend: an entry is a :class:`LayerRule`
+(which leaf of the module is its weight, in which layout, with how many groups),
+:data:`~normflat.engine.registry.IGNORE` (normalization layers: their scales are
+held fixed, method §9) or :class:`~normflat.engine.registry.Unsupported` (a known
+type normflat refuses, with the reason). Keys are equinox, flax nnx or flax linen
+module classes. A floating leaf with at least 2 dimensions that no rule claims is
+reported through :class:`~normflat.engine.registry.Skipped` (``on_unsupported``);
+``layouts={leaf path: layout}`` declares or overrides single leaves.
+
+**Views.** Every model kind becomes a :class:`ModelView`: its floating-point
+leaves (cast to the compute dtype), the weight leaves found by the registry, and
+pure functions ``(leaves, x) -> logits`` for a batch and for one example. The
+user's objects are only read: equinox and linen models are immutable, and an nnx
+module is split into a private copy switched to evaluation mode.
 """
 
 from __future__ import annotations
 
-import warnings
+import functools
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -19,7 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["ModelView", "WeightInfo", "make_view", "LAYOUT_ALIASES", "path_str"]
+from normflat.backends.jax.cache import LRU
+from normflat.backends.jax.compat import is_frozen_collection_error
+from normflat.engine.registry import IGNORE, LayerRegistry, Skipped, Unsupported
+
+__all__ = ["LayerRule", "REGISTRY", "register_layer", "registered_layers", "ModelView", "WeightInfo",
+           "make_view", "LAYOUT_ALIASES", "path_str", "pick_dtype"]
 
 #: Accepted names of weight layouts in ``layouts=``: canonical (torch/equinox) or flax/Keras.
 LAYOUT_ALIASES = {
@@ -27,6 +42,153 @@ LAYOUT_ALIASES = {
     "canonical": "canonical",
     "*k,in,out": "flax", "in,out": "flax", "(*k, in, out)": "flax", "flax": "flax",
 }
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    """How normflat reads the weight of one module class.
+
+    Attributes:
+        leaf: Name of the module's weight leaf (``"weight"`` in equinox, ``"kernel"``
+            in flax); the module's other leaves (biases) are held fixed.
+        layout: ``"canonical"`` (``(out, in/groups, *k)``, torch/equinox order) or
+            ``"flax"`` (``(*k, in/groups, out)``).
+        groups: Attribute of the module holding its number of groups (grouped
+            convolutions), a function ``module -> int``, or ``None`` (1).
+        kind: Short type label; ``None``: ``"dense"`` for 2-D weights, ``"conv{N}d"``
+            otherwise.
+    """
+
+    leaf: str = "kernel"
+    layout: str = "flax"
+    groups: str | Callable[[Any], int] | None = None
+    kind: str | None = None
+
+    def groups_of(self, module: Any) -> int:
+        """The number of groups of ``module`` (1 when the rule has none)."""
+        if self.groups is None or module is None:
+            return 1
+        g = self.groups(module) if callable(self.groups) else getattr(module, self.groups, 1)
+        return int(g or 1)
+
+    def kind_of(self, ndim: int) -> str:
+        """The layer kind for a weight with ``ndim`` dimensions."""
+        return self.kind or _conv_kind(ndim)
+
+
+def _check_entry(entry: Any) -> None:
+    if entry is IGNORE or isinstance(entry, Unsupported):
+        return
+    if not isinstance(entry, LayerRule):
+        raise TypeError(f"A JAX layer entry is a LayerRule, IGNORE or Unsupported(reason), got {entry!r}.")
+    if entry.layout not in ("canonical", "flax"):
+        raise ValueError(f"LayerRule.layout must be 'canonical' or 'flax', got {entry.layout!r}.")
+
+
+REGISTRY: LayerRegistry[LayerRule] = LayerRegistry(
+    "JAX", None, "normflat.backends.jax.register_layer(Type, LayerRule(leaf=..., layout=...)), or declare "
+    "the leaf with layouts={path: 'out,in,*k' or '*k,in,out'}")
+_BUILTINS_LOADED: set[str] = set()
+
+
+def _module_bases() -> tuple[type, ...]:
+    bases = []
+    for mod, attr in (("equinox", "Module"), ("flax.nnx", "Module"), ("flax.linen", "Module")):
+        m = sys.modules.get(mod)
+        if m is not None:
+            bases.append(getattr(m, attr))
+    return tuple(bases)
+
+
+def register_layer(module_type: type, entry: LayerRule | Unsupported | Any = None, *,
+                   unsupported: str | None = None, **rule: Any) -> None:
+    """Register (or replace) how normflat reads a JAX module class, in one call.
+
+    Examples::
+
+        register_layer(MyDense, LayerRule(leaf="w", layout="canonical"))  # w: (out, in)
+        register_layer(MyConv, leaf="kernel", layout="flax", groups="feature_group_count")
+        register_layer(MyNorm, IGNORE)                                   # scales held fixed
+        register_layer(MyAttention, unsupported="attention is not a weight matrix layer")
+
+    Args:
+        module_type: An ``equinox.Module``, ``flax.nnx.Module`` or ``flax.linen.Module``
+            subclass; its subclasses match too unless registered themselves.
+        entry: A :class:`LayerRule`, :data:`~normflat.engine.registry.IGNORE` or
+            :class:`~normflat.engine.registry.Unsupported`; or pass the rule's fields
+            as keywords.
+        unsupported: Shorthand for ``Unsupported(reason)``.
+
+    Raises:
+        TypeError: If ``module_type`` is not a JAX module class or the entry is invalid.
+    """
+    _load_builtins()
+    bases = _module_bases()
+    if not isinstance(module_type, type) or not bases or not issubclass(module_type, bases):
+        raise TypeError(
+            f"register_layer needs an equinox, flax nnx or flax linen module class, got {module_type!r}.")
+    if unsupported is not None:
+        entry = Unsupported(unsupported)
+    elif entry is None:
+        entry = LayerRule(**rule)
+    elif rule:
+        raise TypeError("Pass either an entry or LayerRule fields as keywords, not both.")
+    _check_entry(entry)
+    REGISTRY.register(module_type, entry)
+
+
+def registered_layers() -> dict[type, Any]:
+    """A copy of the registry ``{module class: LayerRule | IGNORE | Unsupported}``."""
+    _load_builtins()
+    return REGISTRY.entries()
+
+
+_TRANSPOSED = ("transposed convolutions are not supported yet (their kernel maps out to in); declare a "
+               "leaf with layouts= if you know its canonical order")
+_EMBED = ("embeddings are lookup tables, not weight matrices fed by activations; their curvature is not "
+          "covered by the per-layer problem")
+_GENERAL = "its kernel has several input or output axes; declare its layout with layouts= if it is a matrix"
+
+
+def _load_builtins() -> None:
+    """Register the built-in types of every JAX library imported so far (once per library)."""
+    eqx = sys.modules.get("equinox")
+    if eqx is not None and "equinox" not in _BUILTINS_LOADED:
+        _BUILTINS_LOADED.add("equinox")
+        nn = eqx.nn
+        REGISTRY.register(nn.Linear, LayerRule(leaf="weight", layout="canonical", kind="dense"))
+        REGISTRY.register(nn.Conv, LayerRule(leaf="weight", layout="canonical", groups="groups"))
+        REGISTRY.register(nn.ConvTranspose, Unsupported(_TRANSPOSED))
+        REGISTRY.register(nn.Embedding, Unsupported(_EMBED))
+        for name in ("LayerNorm", "BatchNorm", "GroupNorm", "RMSNorm"):
+            if hasattr(nn, name):
+                REGISTRY.register(getattr(nn, name), IGNORE)
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and "flax.nnx" not in _BUILTINS_LOADED:
+        _BUILTINS_LOADED.add("flax.nnx")
+        REGISTRY.register(nnx.Linear, LayerRule(kind="dense"))
+        REGISTRY.register(nnx.Conv, LayerRule(groups="feature_group_count"))
+        REGISTRY.register(nnx.ConvTranspose, Unsupported(_TRANSPOSED))
+        REGISTRY.register(nnx.Embed, Unsupported(_EMBED))
+        for name in ("LinearGeneral", "Einsum"):
+            if hasattr(nnx, name):
+                REGISTRY.register(getattr(nnx, name), Unsupported(_GENERAL))
+        for name in ("LayerNorm", "BatchNorm", "GroupNorm", "RMSNorm"):
+            if hasattr(nnx, name):
+                REGISTRY.register(getattr(nnx, name), IGNORE)
+    linen = sys.modules.get("flax.linen")
+    if linen is not None and "flax.linen" not in _BUILTINS_LOADED:
+        _BUILTINS_LOADED.add("flax.linen")
+        REGISTRY.register(linen.Dense, LayerRule(kind="dense"))
+        REGISTRY.register(linen.Conv, LayerRule(groups="feature_group_count"))
+        REGISTRY.register(linen.ConvTranspose, Unsupported(_TRANSPOSED))
+        REGISTRY.register(linen.Embed, Unsupported(_EMBED))
+        for name in ("DenseGeneral", "Einsum"):
+            if hasattr(linen, name):
+                REGISTRY.register(getattr(linen, name), Unsupported(_GENERAL))
+        for name in ("LayerNorm", "BatchNorm", "GroupNorm", "RMSNorm"):
+            if hasattr(linen, name):
+                REGISTRY.register(getattr(linen, name), IGNORE)
 
 
 @dataclass
@@ -38,7 +200,8 @@ class WeightInfo:
         path: Full path of the leaf (``layers/0/weight``).
         leaf: Index in :attr:`ModelView.leaves`.
         kind: ``"dense"``, ``"conv2d"``, ...
-        layout: ``"canonical"`` (out, in, *k) or ``"flax"`` (*k, in, out).
+        layout: ``"canonical"`` (out, in/groups, *k) or ``"flax"`` (*k, in/groups, out).
+        groups: Groups of a grouped convolution.
     """
 
     name: str
@@ -46,15 +209,37 @@ class WeightInfo:
     leaf: int
     kind: str
     layout: str
+    groups: int = 1
 
     def to_canonical(self, a: Any, batch_dims: int = 0) -> Any:
         """Transpose an array in this weight's native layout (after ``batch_dims`` axes)."""
         if self.layout == "canonical":
             return a
-        nd = a.ndim - batch_dims
-        lead = tuple(range(batch_dims))
+        return _transpose(a, batch_dims, to_canonical=True)
+
+    def to_native(self, a: Any, batch_dims: int = 0) -> Any:
+        """The inverse of :meth:`to_canonical` (numpy or JAX arrays)."""
+        if self.layout == "canonical":
+            return a
+        return _transpose(a, batch_dims, to_canonical=False)
+
+
+def _transpose(a: Any, batch_dims: int, to_canonical: bool) -> Any:
+    nd = a.ndim - batch_dims
+    lead = tuple(range(batch_dims))
+    # flax (*k, in, out) <-> canonical (out, in, *k): the two permutations are inverses.
+    if to_canonical:
         perm = lead + (batch_dims + nd - 1, batch_dims + nd - 2) + tuple(batch_dims + i for i in range(nd - 2))
-        return jnp.transpose(a, perm)
+    else:
+        perm = lead + tuple(batch_dims + 2 + i for i in range(nd - 2)) + (batch_dims + 1, batch_dims)
+    return a.transpose(perm) if isinstance(a, np.ndarray) else _transposer(perm)(a)
+
+
+@functools.lru_cache(maxsize=256)
+def _transposer(perm: tuple) -> Callable[[Any], Any]:
+    # A compiled transpose: one fast dispatch instead of JAX's eager path, which costs
+    # more than the transpose itself for the few arrays of a report.
+    return jax.jit(lambda a: jnp.transpose(a, perm))
 
 
 @dataclass
@@ -70,13 +255,13 @@ class ModelView:
     apply_example: Callable[[list, list, Any], Any]
     vmap: bool | None = None
     dtype: Any = None
-    #: (weight arrays, check) evaluated with the first batch's checks.
-    weight_check: Any = None
     #: Hashable description of everything the traced program depends on besides the
     #: leaf values (None: not hashable, the program is traced every time).
     struct: Any = None
     #: Objects whose ids appear in ``struct``, kept alive with cache entries.
     struct_refs: list = field(default_factory=list)
+    #: Messages of the leaves the registry could not analyze (``on_unsupported``).
+    unsupported: list[str] = field(default_factory=list)
 
     def split(self) -> tuple[list, list]:
         """``(weights, others)``: weight leaves in :attr:`weights` order, then every other input leaf."""
@@ -184,33 +369,47 @@ def _conv_kind(ndim: int) -> str:
 
 
 def make_view(model: Any, x0: Any, *, dtype: Any, vmap: bool | None, state: Any, apply_kwargs: dict,
-              layouts: dict, on_unsupported: str) -> ModelView:
-    """Build the :class:`ModelView` of any supported model (``x0``: the first input batch)."""
-    import sys
+              layouts: dict) -> ModelView:
+    """Build the :class:`ModelView` of any supported model (``x0``: the first input batch).
 
+    The unsupported leaves are listed in :attr:`ModelView.unsupported`; the caller
+    reports them according to ``on_unsupported``.
+    """
+    _load_builtins()
     eqx = sys.modules.get("equinox")
     nnx = sys.modules.get("flax.nnx")
     linen = sys.modules.get("flax.linen")
     if eqx is not None and isinstance(model, eqx.Module):
-        view, types = _equinox(model, x0, dtype, vmap, state)
+        view, owners = _equinox(model, x0, dtype, vmap, state)
     else:
         if vmap is not None or state is not None:
             raise TypeError("vmap= and state= are options of equinox models only.")
         if nnx is not None and isinstance(model, nnx.Module):
-            view, types = _nnx(model, dtype)
+            view, owners = _nnx(model, dtype)
         elif linen is not None and isinstance(model, tuple) and isinstance(model[0], linen.Module):
-            view, types = _linen(model[0], model[1], x0, dtype, apply_kwargs)
+            view, owners = _linen(model[0], model[1], x0, dtype, apply_kwargs)
         else:
-            view, types = _pair(model[0], model[1], dtype, apply_kwargs)
+            view, owners = _pair(model[0], model[1], dtype, apply_kwargs)
     if apply_kwargs and view.framework in ("equinox", "flax.nnx"):
         raise TypeError("apply_kwargs= is an option of (flax linen module, variables) and (apply_fn, params) "
                         "models; call options of equinox / nnx modules belong in the module.")
-    _select_weights(view, types, layouts, on_unsupported)
+    _select_weights(view, owners, layouts)
     return view
 
 
-def _select_weights(view: ModelView, types: dict, layouts: dict, on_unsupported: str) -> None:
-    """Decide which leaves are weight tensors of recognised layers, and their layout."""
+_PAIR_REASON = ("a parameter leaf of an (apply_fn, params) model not named 'kernel'; declare its layout with "
+                "layouts={path: 'out,in,*k' or '*k,in,out'}")
+
+
+def _select_weights(view: ModelView, owners: dict, layouts: dict) -> None:
+    """Decide which leaves are weight tensors, from ``layouts=`` and the registry.
+
+    Args:
+        view: The model view (its ``weights`` list is filled).
+        owners: ``{leaf path: owning module}`` (``None``: unknown owner, the
+            ``(apply_fn, params)`` convention of leaves named ``kernel`` applies).
+        layouts: The user's ``layouts=``.
+    """
     unknown = set(layouts) - set(view.paths)
     if unknown:
         raise ValueError(
@@ -218,7 +417,7 @@ def _select_weights(view: ModelView, types: dict, layouts: dict, on_unsupported:
             f"Parameter leaves with at least 2 dimensions: "
             f"{[p for p, l in zip(view.paths, view.leaves) if np.ndim(l) >= 2]}."
         )
-    unsupported = []
+    skipped = Skipped(REGISTRY)
     for i, (path, leaf) in enumerate(zip(view.paths, view.leaves)):
         name, _, last = path.rpartition("/")
         name = name or last
@@ -230,35 +429,52 @@ def _select_weights(view: ModelView, types: dict, layouts: dict, on_unsupported:
                 raise ValueError(f"layouts[{path!r}] = {lay!r}; choose one of {sorted(LAYOUT_ALIASES)} or None.")
             if np.ndim(leaf) < 2:
                 raise ValueError(f"layouts[{path!r}]: the leaf has shape {np.shape(leaf)}; a weight needs >= 2 dims.")
-            view.weights.append(WeightInfo(name, path, i, _conv_kind(np.ndim(leaf)), LAYOUT_ALIASES[lay]))
+            owner = owners.get(path)
+            rule = REGISTRY.lookup(owner) if owner is not None else None
+            groups = rule.groups_of(owner) if isinstance(rule, LayerRule) else 1
+            view.weights.append(WeightInfo(name, path, i, _conv_kind(np.ndim(leaf)), LAYOUT_ALIASES[lay], groups))
             continue
+        if path not in owners:
+            # (apply_fn, params): flax's convention, leaves named "kernel" are (*k, in, out) kernels.
+            if last == "kernel" and 2 <= np.ndim(leaf) <= 5:
+                view.weights.append(WeightInfo(name, path, i, _conv_kind(np.ndim(leaf)), "flax"))
+            elif np.ndim(leaf) >= 2:
+                skipped.add(f"{path} {tuple(np.shape(leaf))}", leaf, _PAIR_REASON)
+            continue
+        owner = owners[path]
+        entry = REGISTRY.lookup(owner) if owner is not None else None
+        if entry is IGNORE:
+            continue  # normalization layers: their parameters are held fixed (method §9)
+        if isinstance(entry, LayerRule):
+            if last == entry.leaf and np.ndim(leaf) >= 2:
+                view.weights.append(WeightInfo(name, path, i, entry.kind_of(np.ndim(leaf)), entry.layout,
+                                               entry.groups_of(owner)))
+            continue  # the rule's other leaves (biases) are held fixed
         if np.ndim(leaf) < 2:
-            continue  # biases, normalization scales: not weights (SPEC §9)
-        rec = types.get(path)
-        if rec == "ignore":
-            continue  # a known non-weight leaf of a recognised layer (e.g. equinox conv bias (out, 1, 1))
-        if rec is not None:
-            kind, layout = rec
-            view.weights.append(WeightInfo(name, path, i, kind, layout))
+            continue  # biases, scales of unknown modules: not weights (method §9)
+        label = f"{path} {tuple(np.shape(leaf))}"
+        if isinstance(entry, Unsupported):
+            skipped.add(label, owner, entry.reason)
         else:
-            unsupported.append(f"{path} {tuple(np.shape(leaf))}")
-    if unsupported:
-        msg = (f"normflat holds these parameters fixed because they do not belong to a recognised dense or "
-               f"convolution layer of {view.framework}: {', '.join(unsupported)}. If one is a weight matrix, "
-               "declare its layout with layouts={path: 'out,in,*k' or '*k,in,out'}; pass "
-               "on_unsupported='skip' to silence this.")
-        if on_unsupported == "error":
-            raise ValueError(msg)
-        if on_unsupported == "warn":
-            warnings.warn(msg, stacklevel=4)
+            skipped.add(label, owner if owner is not None else leaf)
+    view.unsupported = skipped.messages()
+    view.skipped = skipped  # type: ignore[attr-defined]
+
+
+def check_has_weights(view: ModelView) -> None:
+    """Raise if the registry found no weight to analyze (after the skipped layers were reported)."""
     if not view.weights:
         raise ValueError(
             f"The {view.framework} model has no weight tensor of a recognised dense or convolution layer, so "
-            "there is nothing to analyze. Declare weight layouts with layouts={path: ...}."
+            "there is nothing to analyze. Declare weight layouts with layouts={path: ...}, or register the "
+            "module class with normflat.backends.jax.register_layer."
         )
 
 
 # ----------------------------------------------------------------------------- equinox
+
+
+_VMAP_CACHE = LRU(32)
 
 
 def _equinox(model, x0, dtype, vmap, state):
@@ -271,16 +487,7 @@ def _equinox(model, x0, dtype, vmap, state):
     dtype = dtype or pick_dtype([a for _, a in flat])
     leaves = [_as(a, dtype) for _, a in flat]
     st_leaves, st_def = jax.tree_util.tree_flatten(_cast(state, dtype)) if state is not None else ([], None)
-    types = {}
-    for (p, leaf), path in zip(flat, paths):
-        parent = _walk(model, p[:-1])
-        last = path.rpartition("/")[2]
-        if last == "weight" and isinstance(parent, eqx.nn.Linear) and np.ndim(leaf) == 2:
-            types[path] = ("dense", "canonical")
-        elif last == "weight" and isinstance(parent, eqx.nn.Conv) and not isinstance(parent, eqx.nn.ConvTranspose):
-            types[path] = (_conv_kind(np.ndim(leaf)), "canonical")
-        elif last == "bias" and isinstance(parent, (eqx.nn.Conv, eqx.nn.Linear)):
-            types[path] = "ignore"
+    owners = {path: _walk(model, p[:-1]) for (p, _), path in zip(flat, paths)}
 
     def call(leaves, extra, x):
         m = eqx.combine(jax.tree_util.tree_unflatten(treedef, leaves), static)
@@ -302,9 +509,7 @@ def _equinox(model, x0, dtype, vmap, state):
         if vmap is None:
             vmap = _detect_vmap(lambda l, x: call(l, st_leaves, x), leaves, x0)
             if dkey is not None:
-                _VMAP_CACHE[dkey] = vmap
-                while len(_VMAP_CACHE) > 32:
-                    _VMAP_CACHE.pop(next(iter(_VMAP_CACHE)))
+                _VMAP_CACHE.put(dkey, vmap)
     if vmap:
         def apply_batch(leaves, extra, x):
             return jax.vmap(call, in_axes=(None, None, 0))(leaves, extra, x)
@@ -317,10 +522,7 @@ def _equinox(model, x0, dtype, vmap, state):
     view = ModelView("equinox", leaves, paths, [], st_leaves, apply_batch, apply_example, vmap, dtype=dtype)
     view.struct = None if struct is None else struct + (vmap,)
     view.struct_refs = refs + [static]
-    return view, types
-
-
-_VMAP_CACHE: dict = {}
+    return view, owners
 
 
 def _detect_vmap(call, leaves, x0) -> bool:
@@ -351,46 +553,34 @@ def _detect_vmap(call, leaves, x0) -> bool:
 # ----------------------------------------------------------------------------- flax nnx
 
 
-_NNX_EVAL: dict = {}
+_NNX_EVAL = LRU(32)
 
 
 def _nnx(model, dtype):
     from flax import nnx
 
     user_gdef, params, rest = nnx.split(model, nnx.Param, ...)  # reads only: the user's module is unchanged
-    cached = None
-    try:
-        cached = _NNX_EVAL.get(user_gdef)
-    except TypeError:
-        pass
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    dtype = dtype or pick_dtype(leaves)
+    key = (user_gdef, str(dtype))
+    cached = _NNX_EVAL.get(key)
     if cached is None:
         # A private copy switched to evaluation mode (BatchNorm running averages, no dropout);
         # the mode lives in the graph definition, so it is cached per user graph definition.
         clone = nnx.merge(user_gdef, params, rest)
         clone.eval()
+        _promote_compute_dtypes(nnx, clone, dtype)
         gdef, params_e, _ = nnx.split(clone, nnx.Param, ...)
         flat = jax.tree_util.tree_flatten_with_path(params_e)[0]
         clean = [p[:-1] if p and getattr(p[-1], "name", None) == "value" else p for p, _ in flat]
-        types = {}
-        for (_, leaf), p in zip(flat, clean):
-            path = path_str(p)
-            parent = _walk(clone, p[:-1])
-            if path.rpartition("/")[2] != "kernel":
-                continue
-            if isinstance(parent, nnx.Linear) and np.ndim(leaf) == 2:
-                types[path] = ("dense", "flax")
-            elif isinstance(parent, nnx.Conv) and not isinstance(parent, nnx.ConvTranspose):
-                types[path] = (_conv_kind(np.ndim(leaf)), "flax")
-        cached = (gdef, [path_str(p) for p in clean], types)
-        try:
-            _NNX_EVAL[user_gdef] = cached
-            while len(_NNX_EVAL) > 32:
-                _NNX_EVAL.pop(next(iter(_NNX_EVAL)))
-        except TypeError:
-            pass
-    gdef, paths, types = cached
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    dtype = dtype or pick_dtype(leaves)
+        paths = [path_str(p) for p in clean]
+        owner_list = [_walk(clone, p[:-1]) for p in clean]
+        cached = (gdef, paths, owner_list)
+        _NNX_EVAL.put(key, cached)
+    gdef, paths, owner_list = cached
+    # Every floating module attribute in the compute dtype: nnx layers with param_dtype
+    # float16 but dtype=None compute in the promoted dtype of inputs and parameters, and a
+    # float16 statistic or constant left in the graph would meet float32 values in lax.add.
     leaves = [_as(a, dtype) for a in leaves]
     rest_leaves, rest_def = jax.tree_util.tree_flatten(_cast(rest, dtype))
 
@@ -402,12 +592,36 @@ def _nnx(model, dtype):
         return apply_batch(leaves, extra, jax.tree_util.tree_map(lambda a: a[None], x))[0]
 
     view = ModelView("flax.nnx", leaves, paths, [], rest_leaves, apply_batch, apply_example)
+    view.user_states = (params, rest)  # type: ignore[attr-defined]  (for state.ModelState)
     view.struct = _struct("nnx", gdef, treedef, rest_def, _avals(leaves), _avals(rest_leaves), refs=view.struct_refs)
     view.dtype = dtype
-    return view, types
+    return view, dict(zip(paths, owner_list))
+
+
+def _promote_compute_dtypes(nnx, clone, dtype) -> None:
+    """Raise half-precision ``dtype=`` attributes of the private copy's layers to ``dtype``.
+
+    An nnx layer with ``dtype=jnp.float16`` casts its inputs and parameters to
+    float16 in the forward pass; Hessians in half precision are meaningless (and the
+    traced program would mix float16 activations with float32 signals), so the copy
+    computes in the analysis dtype. The user's module is not touched.
+    """
+    target = jnp.dtype(dtype)
+    modules = [node for _, node in nnx.iter_graph(clone) if isinstance(node, nnx.Module)]
+    for m in modules:
+        dt = getattr(m, "dtype", None)
+        try:
+            low = dt is not None and jnp.issubdtype(dt, jnp.floating) and jnp.dtype(dt).itemsize < target.itemsize
+        except TypeError:
+            low = False
+        if low:
+            object.__setattr__(m, "dtype", target)
 
 
 # ----------------------------------------------------------------------------- flax linen
+
+
+_LINEN_OWNERS = LRU(32)
 
 
 def _linen(module, variables, x0, dtype, apply_kwargs):
@@ -437,41 +651,29 @@ def _linen(module, variables, x0, dtype, apply_kwargs):
                      tuple(sorted(apply_kwargs.items())), _avals(jax.tree_util.tree_leaves(x0)), refs=refs)
     view = ModelView("flax.linen", leaves, paths, [], o_leaves, apply_batch, apply_example, struct=struct,
                      struct_refs=refs, dtype=dtype)
-    if struct is not None and struct in _LINEN_TYPES:
-        return view, _LINEN_TYPES[struct]
-    # The module types behind each parameter path, recorded during one abstract call.
-    seen: dict[tuple, type] = {}
+    seen = _LINEN_OWNERS.get(struct) if struct is not None else None
+    if seen is None:
+        # The module behind each parameter path, recorded during one abstract call
+        # (linen modules exist only while bound; intercept_methods is linen's public hook).
+        seen = {}
 
-    def interceptor(f, args, kwargs, context):
-        seen.setdefault(tuple(context.module.path), type(context.module))
-        return f(*args, **kwargs)
+        def interceptor(f, args, kwargs, context):
+            seen.setdefault(tuple(context.module.path), context.module)
+            return f(*args, **kwargs)
 
-    with nn.intercept_methods(interceptor):
-        _check_linen_call(lambda: jax.eval_shape(apply_batch, leaves, o_leaves, x0))
-    types = {}
-    for (p, leaf), path in zip(flat, paths):
-        owner = seen.get(tuple(path_str([k]) for k in p[:-1]))
-        if path.rpartition("/")[2] != "kernel":
-            continue
-        if owner is not None and issubclass(owner, nn.Dense) and np.ndim(leaf) == 2:
-            types[path] = ("dense", "flax")
-        elif owner is not None and issubclass(owner, nn.Conv):
-            types[path] = (_conv_kind(np.ndim(leaf)), "flax")
-    if struct is not None:
-        _LINEN_TYPES[struct] = types
-        while len(_LINEN_TYPES) > 32:
-            _LINEN_TYPES.pop(next(iter(_LINEN_TYPES)))
-    return view, types
-
-
-_LINEN_TYPES: dict = {}
+        with nn.intercept_methods(interceptor):
+            _check_linen_call(lambda: jax.eval_shape(apply_batch, leaves, o_leaves, x0))
+        if struct is not None:
+            _LINEN_OWNERS.put(struct, seen)
+    owners = {path: seen.get(tuple(path_str([k]) for k in p[:-1])) for (p, _), path in zip(flat, paths)}
+    return view, owners
 
 
 def _check_linen_call(fn):
     try:
         return fn()
     except Exception as err:
-        if type(err).__name__ == "ModifyScopeVariableError":
+        if is_frozen_collection_error(err):
             raise ValueError(
                 "The linen model tried to update a variable collection (e.g. BatchNorm batch_stats in "
                 "training mode). normflat analyzes the model in inference mode: pass the call arguments "
@@ -504,11 +706,7 @@ def _pair(apply_fn, params, dtype, apply_kwargs):
     def apply_example(leaves, extra, x):
         return apply_batch(leaves, extra, jax.tree_util.tree_map(lambda a: a[None], x))[0]
 
-    types = {}
-    for path, leaf in zip(paths, leaves):
-        if path.rpartition("/")[2] == "kernel" and 2 <= np.ndim(leaf) <= 5:
-            types[path] = (_conv_kind(np.ndim(leaf)), "flax")
     view = ModelView("jax", leaves, paths, [], o_leaves, apply_batch, apply_example, dtype=dtype)
     view.struct = _struct("pair", apply_fn, treedef, o_def, _avals(leaves), _avals(o_leaves),
                           tuple(sorted(apply_kwargs.items())), refs=view.struct_refs)
-    return view, types
+    return view, {}  # no module objects: the leaf-name convention applies

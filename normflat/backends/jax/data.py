@@ -1,0 +1,124 @@
+"""The JAX backend's :class:`~normflat.engine.data.DataAdapter`, casts and conversions.
+
+The data contract itself (pairs, batches, one-hot labels, empty and infinite
+data, every message) is the engine's (:mod:`normflat.engine.data`); this module
+only says what a JAX array is and how to read it. Inputs may be JAX arrays,
+numpy arrays, or torch tensors / ``tf.data`` tensors (anything with ``__array__``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from normflat.engine.data import INFINITE
+
+__all__ = ["JaxAdapter", "ADAPTER", "to_jax", "cast_inputs"]
+
+
+def _is_tensor_like(a: Any) -> bool:
+    return hasattr(a, "shape") and hasattr(a, "dtype") and not isinstance(a, (str, bytes, type))
+
+
+class JaxAdapter:
+    """Arrays of the JAX backend: ``jax.Array``, numpy, and other framework tensors."""
+
+    framework = "jax"
+
+    def is_array(self, a: Any) -> bool:
+        return isinstance(a, (jax.Array, np.ndarray)) or (_is_tensor_like(a) and hasattr(a, "__array__"))
+
+    def shape(self, a: Any) -> tuple[int, ...]:
+        return tuple(int(d) for d in a.shape)
+
+    def kind(self, a: Any) -> str:
+        dt = _np_dtype(a)
+        if dt is None:
+            return "?"
+        if np.issubdtype(dt, np.floating) or dt == jnp.bfloat16:
+            return "f"
+        if np.issubdtype(dt, np.integer):
+            return "i"
+        if np.issubdtype(dt, np.bool_):
+            return "b"
+        if np.issubdtype(dt, np.complexfloating):
+            return "c"
+        return "?"
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        if hasattr(a, "detach"):  # torch tensors
+            a = a.detach().cpu()
+        return np.asarray(a)
+
+    def all_finite(self, a: Any) -> bool:
+        # Device arrays are checked by the session inside one deferred computation (no
+        # device synchronisation per batch); host arrays cost nothing to check here.
+        if isinstance(a, jax.Array):
+            return True
+        return bool(np.all(np.isfinite(self.to_numpy(a))))
+
+    def cardinality(self, data: Any) -> Any:
+        tf = _tf_dataset_cardinality(data)
+        if tf is not None:
+            return tf
+        try:
+            return len(data)
+        except TypeError:
+            return None
+
+    def reject(self, data: Any) -> str | None:
+        return None
+
+    def iterate(self, data: Any) -> Iterable[Any]:
+        if type(data).__module__.startswith("tensorflow") and hasattr(data, "as_numpy_iterator"):
+            return data.as_numpy_iterator()
+        return data
+
+
+def _np_dtype(a: Any) -> Any:
+    dt = getattr(a, "dtype", None)
+    if dt is None:
+        return None
+    try:
+        return np.dtype(dt)
+    except TypeError:
+        # torch dtypes are not numpy dtypes: ask a zero-size host copy.
+        try:
+            return np.asarray(a[:0].detach().cpu() if hasattr(a, "detach") else a[:0]).dtype
+        except Exception:  # noqa: BLE001 - an unknown array type
+            return None
+
+
+def _tf_dataset_cardinality(data: Any) -> Any:
+    if not type(data).__module__.startswith("tensorflow") or not hasattr(data, "cardinality"):
+        return None
+    import tensorflow as tf
+
+    n = int(data.cardinality())
+    if n == int(tf.data.INFINITE_CARDINALITY):
+        return INFINITE
+    return None if n < 0 else n
+
+
+#: The adapter instance the sessions use.
+ADAPTER = JaxAdapter()
+
+
+def to_jax(a: Any) -> Any:
+    """``a`` as a JAX array (JAX arrays are returned as they are)."""
+    if isinstance(a, jax.Array):
+        return a
+    if hasattr(a, "detach"):  # torch tensors
+        a = a.detach().cpu().numpy()
+    return jnp.asarray(np.asarray(a))
+
+
+def cast_inputs(x: Any, dtype: Any) -> Any:
+    """An input pytree as JAX arrays, floating leaves in the compute dtype (tokens stay integer)."""
+    def cast(a):
+        a = to_jax(a)
+        return a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != dtype else a
+    return jax.tree_util.tree_map(cast, x)

@@ -1,0 +1,205 @@
+"""GGN kernels of the JAX backend: ``ggn`` and ``ggn-mc`` (method §6).
+
+For each example the traced forward program (:mod:`~normflat.backends.jax.program`)
+is re-run with zero perturbations on the tap outputs. The output signals are the
+engine's (:func:`normflat.engine.losses.output_signals`): the ``C − 1`` columns
+of a factor of the loss Hessian in the logits (``ggn``), or ``(e_ỹ − p)/√m_k``
+with labels drawn from the engine's uniforms (``ggn-mc``,
+:func:`normflat.engine.random.sample_uniforms` keyed on the sample's position in
+the data stream, so the draws do not depend on the batch split), pulled back
+through the normalization for ``nsce``. One VJP per signal gives the signals at
+every tap and the per-example gradients of the other weights at once. Taps then
+form the per-example squares from their inputs: a dense layer as one contraction
+of squared inputs with squared signals, a convolution from per-example gradients
+of that layer only (input patches and one batched matmul).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from normflat.backends.jax.kernel import Kernel, Run
+from normflat.engine.losses import output_signals
+from normflat.engine.random import sample_uniforms
+
+__all__ = ["GGN"]
+
+#: Elements of per-example intermediate results one vectorised GGN chunk may hold.
+_GGN_BUDGET = 2**26
+
+
+def _balance(a, d):
+    """``(a·t, d/t)`` with ``t`` a power of 2 that gives both the same magnitude (per example).
+
+    The dense path squares the activation and the signals separately; their product is
+    a squared gradient entry, but each factor alone can leave the float32 range (logits
+    near 1e20 give signals near 1e-20, whose squares underflow). Scaling by a power of
+    2 is exact, so the product is unchanged.
+    """
+    ma, md = jnp.max(jnp.abs(a)), jnp.max(jnp.abs(d))
+    ok = (ma > 0) & (md > 0) & jnp.isfinite(ma) & jnp.isfinite(md)
+    e = jnp.round(0.5 * (jnp.log2(jnp.where(ok, md, 1)) - jnp.log2(jnp.where(ok, ma, 1))))
+    t = jnp.exp2(e).astype(a.dtype)
+    return a * t, d / t
+
+
+class GGN(Kernel):
+    """Exact (or Monte-Carlo) GGN diagonal from per-example signals."""
+
+    batch_args = (2, 3, 4)
+    label_mask = False
+
+    def __init__(self, options, prog, ws, dtype, num_classes, settings):
+        self.mc = options.estimator == "ggn-mc"
+        if self.mc:
+            self.S = options.samples
+            self.G = options.groups
+            self.M = math.ceil(self.S / self.G)
+        else:
+            # diag(p) - p p^T has rank C-1: C-1 signals per example suffice (engine.losses.ggn_factor).
+            self.G, self.M = 1, num_classes - 1
+        self.taps = {t.weight: t for t in prog.taps}
+        self.gen = [k for k in range(len(ws)) if k not in self.taps]
+        super().__init__(options, prog, ws, dtype, num_classes, settings)
+        self.paths = ["fast" if k in self.taps else "generic" for k in range(len(ws))]
+        per_example = 0
+        for k, w in enumerate(ws):
+            t = self.taps.get(k)
+            if t is not None and t.squares_factor:
+                out_size = math.prod(prog.shapes[prog.ops[t.op].outs[0]])
+                act_size = math.prod(prog.shapes.get(prog.ops[t.op].ins[1 - t.weight_pos][1], (1,)))
+                per_example += self.G * self.M * out_size + act_size
+            else:
+                per_example += self.G * self.M * int(np.prod(w.shape))
+        # Per example: the signals and squared gradients counted above, plus the forward
+        # intermediates kept for the VJP and one back-propagated signal per column.
+        need = (per_example + (1 + self.G * self.M) * self._activation_elements()) * jnp.dtype(self.dtype).itemsize
+        budget_block = self._budget_block(need, "the per-sample GGN signals")
+        self.max_block = int(settings["chunk_size"] or budget_block or max(1, _GGN_BUDGET // max(per_example, 1)))
+
+    def begin(self, ws, others, mesh, *, seed, stream, weights=None) -> Run:
+        run = super().begin(ws, others, mesh, seed=seed, stream=stream, weights=weights)
+        run.extras["seed"], run.extras["stream"] = seed, stream
+        return run
+
+    def _group_sum(self, v):
+        return v.reshape((self.G, self.M) + v.shape[1:]).sum(axis=1)
+
+    def _per_example(self, ws, others, xl, u):
+        prog, taps, gen = self.prog, self.taps, self.gen
+        eps0 = {t.op: jnp.zeros(prog.shapes[prog.ops[t.op].outs[0]], self.dtype) for t in taps.values()}
+
+        def fwd(eps, wg):
+            w_all = list(ws)
+            for k, w in zip(gen, wg):
+                w_all[k] = w
+            rec: dict = {}
+            (z,) = prog.run(w_all, others, xl, eps, rec, fast_pool=True)
+            return z, rec
+
+        z, vjp_fn, rec = jax.vjp(fwd, eps0, [ws[k] for k in gen], has_aux=True)
+        sig = output_signals(jnp, z[None], self.options, u[None] if self.mc else None)  # (K, M, 1, C)
+        cols = sig.reshape(self.G * self.M, -1)
+        d_eps, d_wg = jax.vmap(vjp_fn)(cols)
+        out = {}
+        for j, k in enumerate(gen):
+            out[k] = self._group_sum(d_wg[j] ** 2)
+        for k, t in taps.items():
+            a, d = rec[t.op], d_eps[t.op]
+            if t.squares_factor:
+                a, d = _balance(a, d)
+                out[k] = (a * a, self._group_sum(d * d))
+            elif self._conv_patches_ok(t, a):
+                out[k] = self._conv_squares(t, a, d, prog.layout_fn(t)(ws[k]).shape)
+            else:
+                f, wp = prog.tap_fn(t), prog.layout_fn(t)(ws[k])
+                _, vjp_w = jax.vjp(lambda w_: f(a, w_), wp)
+                grads = jax.vmap(lambda dd: vjp_w(dd)[0])(d)
+                out[k] = self._group_sum(grads**2)
+        return out, z
+
+    def _conv_patches_ok(self, t, a) -> bool:
+        op = self.prog.ops[t.op]
+        prm = op.params
+        return (op.prim.name == "conv_general_dilated" and t.weight_pos == 1
+                and prm["batch_group_count"] == 1 and all(v == 1 for v in (prm["lhs_dilation"] or ()))
+                and a.shape[prm["dimension_numbers"].lhs_spec[0]] == 1)
+
+    def _conv_squares(self, t, a, d, wp_shape):
+        """Sum over signals of squared per-example conv-kernel gradients, from input patches.
+
+        The per-example gradient for signal j is ``delta_j (out, positions) @ patches
+        (positions, in*k)`` per group: one batched matmul instead of a convolution per
+        example and signal. Returned in the layout of the kernel operand.
+        """
+        prm = self.prog.ops[t.op].params
+        dn = prm["dimension_numbers"]
+        ks = [wp_shape[i] for i in dn.rhs_spec[2:]]
+        out_ch, in_g = wp_shape[dn.rhs_spec[0]], wp_shape[dn.rhs_spec[1]]
+        g = prm["feature_group_count"]
+        patches = jax.lax.conv_general_dilated_patches(
+            jnp.transpose(a, dn.lhs_spec), ks, prm["window_strides"], prm["padding"],
+            rhs_dilation=prm["rhs_dilation"], precision=jax.lax.Precision.HIGHEST)  # (1, C*K, *out)
+        pm = patches.reshape(g, in_g * math.prod(ks), -1)
+        cols = d.shape[0]
+        dm = jnp.transpose(d, (0,) + tuple(1 + i for i in dn.out_spec)).reshape(cols, g, out_ch // g, -1)
+        # Output order (group, signal, out, in*k) is the natural dot_general order: no transpose of
+        # the largest array; squares are summed over the signals of each estimate group.
+        grads = jnp.einsum("gjop,gkp->gjok", jnp.swapaxes(dm, 0, 1), pm)
+        sq = (grads * grads).reshape(g, self.G, self.M, out_ch // g, -1).sum(axis=2)
+        sq = jnp.swapaxes(sq, 0, 1).reshape((self.G, out_ch, in_g, *ks))
+        inv = [int(i) for i in np.argsort(dn.rhs_spec)]
+        return jnp.transpose(sq, (0,) + tuple(1 + i for i in inv))
+
+    def _chunk(self, ws, others, xl, mask, u):
+        outs, z = jax.vmap(self._per_example, in_axes=(None, None, 0, 0))(ws, others, xl, u)
+
+        def masked_sum(v):
+            return jnp.tensordot(mask, v, axes=1)
+
+        res = []
+        for k, w in enumerate(ws):
+            t = self.taps.get(k)
+            if t is None:
+                res.append(masked_sum(outs[k]))
+                continue
+            layout = self.prog.layout_fn(t)
+            wp = layout(w)
+            if t.squares_factor:
+                a2, d2 = outs[k]
+                a2 = a2 * mask.reshape((-1,) + (1,) * (a2.ndim - 1))
+                f = self.prog.tap_fn(t)
+                # sum_n,c (delta_nc^2)(a_n^2)^T: the tap's own weight VJP applied to squares.
+                _, vjp_sq = jax.vjp(lambda w_: jax.vmap(lambda a: f(a, w_))(a2), wp)
+                dwp = jax.vmap(lambda d: vjp_sq(d)[0], in_axes=1)(d2)
+            else:
+                dwp = masked_sum(outs[k])
+            _, vjp_layout = jax.vjp(layout, w)
+            res.append(jax.vmap(lambda v: vjp_layout(v)[0])(dwp))
+        # Padded rows repeat a real example: they change no logit statistic.
+        return res, self.stats(z)
+
+    def _uniforms(self, run: Run, offset: int, start: int, length: int, block: int):
+        """The piece's ``(block, S)`` uniforms (rows past ``length`` are padding, zeros)."""
+        if not self.mc:
+            u = run.extras.get(("u0", block))
+            if u is None:
+                u = run.extras[("u0", block)] = jnp.zeros((block, 1), self.dtype)
+            return u
+        u = sample_uniforms(run.extras["seed"], run.extras["stream"], offset + start, length, self.S)
+        if length < block:
+            u = np.concatenate([u, np.zeros((block - length, self.S))])
+        return jnp.asarray(u, dtype=self.dtype)
+
+    def run_piece(self, run: Run, piece, offset: int):
+        # The GGN does not depend on the labels (a callable loss is refused by the engine).
+        xp, _, mask, start, length, sharded = piece
+        u = self._uniforms(run, offset, start, length, int(mask.shape[0]))
+        if sharded:
+            u = run.shard([u])[0]
+        vals, stats = self.call(run, [run.ws, run.others, xp, mask, u], sharded)
+        return vals, stats, sharded

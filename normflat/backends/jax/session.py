@@ -1,0 +1,322 @@
+"""The JAX backend's :class:`~normflat.engine.driver.Session`: one model under analysis.
+
+The engine's driver (:func:`normflat.engine.driver.run`) owns the loop, the data
+contract, the estimator state, the distributed protocol and the report; this
+session supplies what is JAX-specific:
+
+* the layers: the model view and its weights (:mod:`~normflat.backends.jax.layers`),
+  in model order, the order in which the traced forward program
+  (:mod:`~normflat.backends.jax.program`) first uses each weight. Tracing needs
+  the shapes of one input, so the session prepares itself on the first batch;
+* one batch's per-layer ``K`` group sums (canonical layout) from the cached, compiled
+  kernels (:mod:`~normflat.backends.jax.hvp`, :mod:`~normflat.backends.jax.ggn`);
+* the value checks with the engine's messages: the logits' statistics
+  (:func:`normflat.engine.losses.logit_stats`) and the finiteness of device inputs
+  are computed inside the compiled steps and checked on the host together, with
+  one device synchronisation at the end of the data (every batch in a
+  multi-process run, so that the engine's step protocol stops every process);
+* the canonical ``(out, in/groups, *k)`` layout and the metadata.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from normflat.backends.jax import distributed
+from normflat.backends.jax.cache import LRU
+from normflat.backends.jax.data import ADAPTER, cast_inputs, to_jax
+from normflat.backends.jax.ggn import GGN
+from normflat.backends.jax.hvp import Exact, Hutchinson
+from normflat.backends.jax.kernel import GroupSums, combine_stats
+from normflat.backends.jax.layers import check_has_weights, make_view
+from normflat.backends.jax.program import trace_program
+from normflat.backends.jax.state import ModelState
+from normflat.engine.data import Batch, labels_for
+from normflat.engine.estimators import SumState
+from normflat.engine.losses import check_logit_stats, check_loss_value, check_output_shape
+from normflat.engine.options import AnalysisOptions
+from normflat.engine.problems import LayerSpec
+
+__all__ = ["JaxSession"]
+
+_KERNELS = {"exact": Exact, "hutchinson": Hutchinson, "ggn": GGN, "ggn-mc": GGN}
+# Compiled kernels of recent models, keyed by the traced per-example program, so that
+# repeated analyses (e.g. during training) do not recompile. Small: each holds XLA executables.
+_CACHE = LRU(8)
+# Traced and analysed per-example programs, keyed by the model's structure.
+_TRACES = LRU(8)
+
+#: The engine's message for NaN/inf inputs (normflat.engine.data), for device arrays
+#: whose check is deferred to one synchronisation.
+_NAN_INPUTS = ("Batch {index}: the inputs contain NaN or infinite values; clean or impute the data before "
+               "analyzing.")
+
+
+@jax.jit
+def _all_finite(arrays):
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays]))
+
+
+@jax.jit
+def _finite(a):
+    return jnp.all(jnp.isfinite(a))
+
+
+@jax.jit
+def _finite_each(parts):
+    return [jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in p])) if p else jnp.asarray(True) for p in parts]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _transpose_all(layouts, arrays):
+    return [a if lay == "canonical" else jnp.transpose(a, (a.ndim - 1, a.ndim - 2) + tuple(range(a.ndim - 2)))
+            for lay, a in zip(layouts, arrays)]
+
+
+def _canonical_weights(view) -> list:
+    """The canonical weights of every layer, in one compiled call."""
+    return _transpose_all(tuple(w.layout for w in view.weights), [view.leaves[w.leaf] for w in view.weights])
+
+
+class JaxSession:
+    """One JAX model and one set of options under analysis."""
+
+    framework = "jax"
+    adapter = ADAPTER
+
+    def __init__(self, model: Any, options: AnalysisOptions, settings: dict, comm: Any = None,
+                 host_outputs: bool = False) -> None:
+        self.framework_version = jax.__version__
+        self.model, self.options, self.settings, self.comm = model, options, settings, comm
+        self.host_outputs = host_outputs
+        self.layers: list[LayerSpec] = []
+        self.unsupported: list[str] = []
+        self._state = ModelState(model)
+        self._finished = False
+        self._mesh = distributed.mesh(settings)
+        self._stream = comm.rank if comm is not None else 0
+        self._pending: list = []
+        self.view = self.kernel = self.run = None
+        self._weights = None
+        self._sum_state: SumState | None = None
+        self._flags: list | None = None
+        self._finite_calls = 0
+
+    # ------------------------------------------------------------------ engine protocol
+
+    def signature(self) -> list[Any]:
+        tree = self.model
+        nnx = sys.modules.get("flax.nnx")
+        if nnx is not None and isinstance(self.model, nnx.Module):
+            tree = nnx.state(self.model)
+        leaves = [a for a in jax.tree_util.tree_leaves(tree) if hasattr(a, "shape") and hasattr(a, "dtype")]
+        return [type(self.model).__name__, [(tuple(a.shape), str(a.dtype)) for a in leaves],
+                sorted((k, repr(v)) for k, v in self.settings.items() if k not in ("state", "devices"))]
+
+    def update(self, batch: Batch, state: SumState) -> None:
+        if self.view is None:
+            self._prepare(batch)
+        n, index, options = batch.n, batch.index, self.options
+        check_output_shape((n,) + self.out_shape, options, index, n)
+        labels = labels_for(batch, self.num_classes, self.adapter, options)
+        x = cast_inputs(batch.x, self.dtype)
+        xl = jax.tree_util.tree_leaves(x)
+        if isinstance(self.kernel, GGN):
+            y = None  # the GGN does not depend on the labels
+        elif callable(options.loss):
+            y = to_jax(batch.y)  # the custom loss receives y as given
+        else:
+            y = jnp.asarray(labels, dtype=jnp.int32)
+        vals, stats = self.kernel.batch(self.run, xl, y, n, batch.offset)
+        # Dispatched after the kernel, so that they do not delay its start: the input check
+        # (same pytree order as xl) and, once, the canonical weights for the report.
+        device_inputs = [a for a, orig in zip(xl, jax.tree_util.tree_leaves(batch.x))
+                         if isinstance(orig, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating)]
+        inputs_ok = _all_finite(device_inputs) if device_inputs else None
+        if self._weights is None:
+            self._weights = _canonical_weights(self.view)
+        if callable(options.loss):
+            # A per-sample loss is known at trace time: refuse it at once (engine message).
+            shape = getattr(self.kernel, "loss_shape", ())
+            if int(np.prod(shape, dtype=np.int64)) != 1:
+                check_loss_value(shape, True, index, options)
+        self._sum_state = state
+        if len(state.sums) < len(self.layers):
+            # The layers are known from the first batch on (tracing needs an input).
+            state.sums.extend([None] * (len(self.layers) - len(state.sums)))
+        for i, v in enumerate(vals):
+            state.add(i, v)
+        self._pending.append((index, stats, inputs_ok))
+        if self.comm is not None:
+            self._run_checks()  # every process must learn of a bad batch in this step
+
+    def zeros(self, layer: int) -> Any:
+        shape = self._canonical_shape(layer) if self.kernel is not None else ()
+        zero = jnp.zeros(tuple(shape), self.dtype if self.kernel is not None else jnp.float32)
+        return GroupSums([zero] * self.options.groups)
+
+    def all_finite(self, array: Any) -> bool:
+        # The engine's first call after the data: evaluate the deferred checks first, so that
+        # bad logits or inputs get their own message rather than "the diagonal is not finite";
+        # the same synchronisation fetches whether each layer's sums are finite (the engine
+        # asks layer by layer, in order; a diagonal is a sum divided by positive counts).
+        if self._flags is None:
+            sums = self._sum_state.sums if self._sum_state is not None else []
+            parts = [() if g is None else (g.parts if isinstance(g, GroupSums) else (g,)) for g in sums]
+            self._run_checks(extra=_finite_each(parts))
+        i, self._finite_calls = self._finite_calls, self._finite_calls + 1
+        if self.kernel is not None and i < len(self._flags) and tuple(array.shape) == self._canonical_shape(i):
+            return bool(self._flags[i])
+        return bool(_finite(array)) if isinstance(array, jax.Array) else bool(np.isfinite(array).all())
+
+    def canonical(self, layer: int, array: Any) -> Any:
+        # The kernels hand over their sums in the canonical layout already (transposed inside
+        # the compiled split of each batch), so this session's "native" layout is canonical.
+        return np.asarray(array) if self.host_outputs else jnp.asarray(array)
+
+    def _canonical_shape(self, layer: int) -> tuple:
+        shape = tuple(self.kernel.shapes[layer])
+        if self.view.weights[layer].layout == "flax":
+            shape = (shape[-1], shape[-2]) + shape[:-2]
+        return shape
+
+    def weight(self, layer: int) -> Any:
+        if self._weights is None:
+            # One compiled call for every layer (dispatched early, next to the first batch).
+            self._weights = _canonical_weights(self.view)
+        out = self._weights[layer]
+        return np.asarray(out) if self.host_outputs else out
+
+    def metadata(self) -> dict[str, Any]:
+        ws = self.run.ws if self.run is not None else []
+        device = str(next(iter(ws[0].devices()))) if ws and hasattr(ws[0], "devices") else "cpu"
+        self._finished = True  # the engine asks for the metadata after the last batch and the checks
+        backend = {"model_type": self.view.framework, "devices": self.run.ndev,
+                   "processes": self.comm.size if self.comm is not None else 1}
+        if self.view.vmap is not None:
+            backend["vmap"] = self.view.vmap
+        return {"dtype": str(jnp.dtype(self.dtype)), "device": device, "chunk_size": self.kernel.max_block,
+                "memory_budget": self.settings["memory_budget"], "backend": backend}
+
+    def close(self) -> None:
+        if not self._finished:
+            # normflat never writes into the user's model; after an error or an interrupt
+            # the state is checked (and put back) all the same.
+            self._state.restore()
+        # Drop references to this model's arrays (the kernels are cached, the run is not).
+        self.run = None
+        self._pending = []
+
+    # ------------------------------------------------------------------ preparation
+
+    def _prepare(self, batch: Batch) -> None:
+        settings, options = self.settings, self.options
+        x_given = batch.x
+        view = make_view(self.model, jax.tree_util.tree_map(to_jax, x_given), dtype=settings["dtype"],
+                         vmap=settings["vmap"], state=settings["state"],
+                         apply_kwargs=dict(settings["apply_kwargs"] or {}), layouts=dict(settings["layouts"] or {}))
+        self._state = ModelState(self.model, getattr(view, "user_states", ()))
+        self.unsupported = view.skipped.report(options.on_unsupported)
+        check_has_weights(view)
+        dtype = view.dtype
+        x = cast_inputs(x_given, dtype)
+        x0 = jax.tree_util.tree_map(lambda a: a[0], x)
+        tkey = None
+        if view.struct is not None:
+            tkey = (view.struct, tuple(w.path for w in view.weights),
+                    tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree_util.tree_leaves(x0)),
+                    str(jax.tree_util.tree_structure(x0)))
+        entry = _TRACES.get(tkey) if tkey is not None else None
+        if entry is None:
+            ws, others = view.split()
+            fn = view.example_fn()
+            treedef = jax.tree_util.tree_structure(x0)
+            prog = trace_program(lambda w_, o_, xl: [fn(w_, o_, jax.tree_util.tree_unflatten(treedef, xl))],
+                                 ws, others, jax.tree_util.tree_leaves(x0))
+            # Model order: where each weight first meets the data in the forward pass.
+            order = sorted(range(len(ws)), key=lambda k: (prog.first_use[k], k))
+            prog.reorder(order)
+            if tkey is not None:
+                # The traced program depends only on the structure (like jax.jit's cache).
+                _TRACES.put(tkey, (prog, order, view.struct_refs))
+        else:
+            prog, order, _ = entry
+        half = prog.half_precision_ops()
+        if half:
+            raise ValueError(
+                f"The {view.framework} model computes in half precision inside its forward pass "
+                f"({', '.join(half)} in float16/bfloat16), e.g. a layer built with dtype=jnp.float16. "
+                "Hessians in half precision are meaningless and normflat computes in at least float32: build "
+                "the layers with dtype=None or jnp.float32 (param_dtype may stay float16), or analyze a "
+                "float32 copy of the model."
+            )
+        view.weights = [view.weights[k] for k in order]
+        ws, others = view.split()
+        out = prog.out_refs[0] if len(prog.out_refs) == 1 else None
+        per_example = tuple(prog.shapes.get(out[1], ())) if out is not None and out[0] == "ref" else ()
+        self.out_shape = per_example if len(prog.out_refs) == 1 else (0, 0)
+        num_classes = check_output_shape((batch.n,) + self.out_shape, options, batch.index, batch.n)
+        if options.estimator == "exact":
+            total = sum(int(np.prod(w.shape)) for w in ws)
+            if total > settings["max_exact_params"] and not settings["force"]:
+                raise ValueError(
+                    f"estimator='exact' needs one Hessian-vector product per weight entry ({total} here, more "
+                    f"than max_exact_params={settings['max_exact_params']}). Use estimator='ggn' or "
+                    "'hutchinson', or pass force=True if you really want it."
+                )
+        key = (prog.text, tuple(str(w.dtype) for w in ws), options.estimator, options.samples,
+               options.loss if callable(options.loss) else str(options.loss), options.temperature,
+               settings["chunk_size"], settings["memory_budget"], settings["exact_chunk"], settings["probe_chunk"])
+        kernel = None
+        cached = _CACHE.get(key)
+        if cached is not None and _same_consts(cached[0], prog.consts):
+            kernel = cached[1]
+        if kernel is None:
+            kernel = _KERNELS[options.estimator](options, prog, ws, dtype, num_classes, settings)
+            _CACHE.put(key, (prog.consts, kernel))
+        self.run = kernel.begin(ws, others, self._mesh, seed=options.seed, stream=self._stream,
+                                weights=view.weights)
+        self.view, self.kernel, self.dtype, self.num_classes = view, kernel, dtype, num_classes
+        self.layers = [LayerSpec(w.name, w.kind, w.path, groups=w.groups, path=p, extra={"leaf": w.path})
+                       for w, p in zip(view.weights, kernel.paths)]
+
+    # ------------------------------------------------------------------ deferred checks
+
+    def _run_checks(self, extra: Any = None) -> None:
+        """Evaluate the deferred value checks with one device synchronisation; raise the first failure.
+
+        Args:
+            extra: Per-layer finiteness flags of the sums, fetched in the same synchronisation.
+        """
+        pending, self._pending = self._pending, []
+        values, flags = jax.device_get(([(stats, ok) for _, stats, ok in pending], extra))
+        if extra is not None:
+            self._flags = [bool(f) for f in flags]
+        eps = float(np.finfo(np.dtype(self.dtype)).eps)
+        for (index, _, _), (stats, ok) in zip(pending, values):
+            if ok is not None and not bool(ok):
+                raise ValueError(_NAN_INPUTS.format(index=index))
+            st = combine_stats(stats)
+            check_logit_stats(st[:5], self.options, index, self.num_classes, eps)
+            check_loss_value(getattr(self.kernel, "loss_shape", ()) if callable(self.options.loss) else (),
+                             bool(st[5] > 0), index, self.options)
+
+
+def _same_consts(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if x is y:
+            continue
+        if np.shape(x) != np.shape(y) or getattr(x, "dtype", None) != getattr(y, "dtype", None):
+            return False
+        if not np.array_equal(np.asarray(x), np.asarray(y)):
+            return False
+    return True
