@@ -8,8 +8,6 @@ deep-learning framework; backends load when a model of theirs is analyzed.
 from normflat.api import analyze, hessian_diagonal
 from normflat.backends import register_backend
 from normflat.core import (
-    ESTIMATORS,
-    LOSSES,
     MEASURES,
     LayerProblem,
     LayerResult,
@@ -18,6 +16,7 @@ from normflat.core import (
     solve_scaling,
 )
 from normflat.core.report import compare_reports, load_report
+from normflat.engine.options import ESTIMATORS, LOSSES
 
 __version__ = "0.1.0"
 

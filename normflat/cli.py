@@ -74,7 +74,7 @@ def _positive_int(text: str) -> int:
 
 
 def _add_analysis_options(p: argparse.ArgumentParser, *, checkpoints: bool = False) -> None:
-    from normflat.core.options import ESTIMATORS, LOSSES
+    from normflat.engine.options import ESTIMATORS, LOSSES
 
     g = p.add_argument_group("analysis")
     g.add_argument("--estimator", choices=ESTIMATORS, default="ggn",

@@ -3,8 +3,8 @@
 Every function takes the array namespace ``xp`` first: ``array_api_compat``'s
 namespace of torch arrays, ``jax.numpy``, numpy, or :data:`keras.ops` (the Keras
 backend passes a tiny adapter); the functions use only ``mean``, ``sum``,
-``max``, ``abs``, ``sqrt``, ``exp``, ``log``, ``where``, ``arange``, ``astype``
-and ``stack`` (see :func:`namespace_check`), and work under ``jit``/``vmap``/
+``max``, ``abs``, ``sqrt``, ``exp``, ``log``, ``where``, ``arange``, ``astype``,
+``stack``, ``concat`` and ``reshape`` (see :func:`namespace_check`), and work under ``jit``/``vmap``/
 ``tf.function``. The mathematics is method §6–§7:
 
 * normalized logits ``u = τ ẑ``, ``ẑ = (z − z̄) / √(mean((z − z̄)²) + ε)``,
@@ -166,14 +166,13 @@ def mc_signals(xp: Any, p: Any, uniforms: Any, groups: int) -> Any:
     classes = xp.astype(_arange_like(xp, c, p), p.dtype)
     e = xp.astype(index[:, :, None] == classes[None, None, :], p.dtype) - p[:, None, :]  # (n, S, C)
     members = -(-draws // groups)
-    out = []
-    for k in range(groups):
-        idx = list(range(k, draws, groups))
-        scale = 1.0 / math.sqrt(len(idx))
-        rows = [e[:, d, :] * scale for d in idx]
-        rows += [xp.zeros_like(p)] * (members - len(idx))
-        out.append(xp.stack(rows))
-    return xp.stack(out)  # (K, M, n, C)
+    if members * groups > draws:  # pad to whole rounds; the padding rows are zero signals
+        e = xp.concat([e, xp.zeros_like(e[:, : members * groups - draws, :])], axis=1)
+    # Draw d = m·K + k sits at (m, k): one reshape deals the draws round-robin into groups,
+    # vectorized (a loop over draws would build thousands of ops in compiled code).
+    e = _permute(xp, xp.reshape(e, (-1, members, groups, c)), (2, 1, 0, 3))  # (K, M, n, C)
+    counts = [len(range(k, draws, groups)) for k in range(groups)]
+    return xp.stack([e[k] * (1.0 / math.sqrt(counts[k])) for k in range(groups)])
 
 
 def pull_back(xp: Any, signals: Any, zhat: Any, sigma: Any, temperature: float) -> Any:
@@ -276,7 +275,7 @@ def check_logit_stats(stats: Any, options: AnalysisOptions, index: int, num_clas
 def namespace_check(xp: Any) -> list[str]:
     """Names of the functions this module needs that ``xp`` lacks (empty when usable)."""
     need = ("mean", "sum", "max", "min", "abs", "sqrt", "exp", "log", "where", "arange", "astype",
-            "stack", "zeros_like", "ones_like", "isfinite", "all")
+            "stack", "concat", "reshape", "zeros_like", "ones_like", "isfinite", "all")
     missing = [n for n in need if not hasattr(xp, n)]
     if not (hasattr(xp, "permute_dims") or hasattr(xp, "transpose")):
         missing.append("permute_dims")

@@ -120,7 +120,7 @@ class StudyConfig:
         Raises:
             ValueError: For an invalid setting.
         """
-        from normflat.core.options import validate_options
+        from normflat.engine.options import validate_options
         from normflat.study.datasets import DATASETS
         from normflat.study.models import ARCHITECTURES
 

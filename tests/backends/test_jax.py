@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import normflat  # noqa: E402
-from normflat.core.options import NSCE_EPS  # noqa: E402
+from normflat.engine.options import NSCE_EPS  # noqa: E402
 from tests import netspec  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)

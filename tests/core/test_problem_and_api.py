@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import normflat
-from normflat.core.options import validate_options
+from normflat.engine.options import validate_options
 
 
 def test_layer_problem_holds_canonical_arrays():

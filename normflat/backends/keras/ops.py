@@ -66,6 +66,14 @@ class _TensorFlowNamespace:
         return tf.stack(list(arrays), axis=axis)
 
     @staticmethod
+    def reshape(x: Any, shape: Any) -> Any:
+        return tf.reshape(x, shape)
+
+    @staticmethod
+    def concat(arrays: Any, axis: int = 0) -> Any:
+        return tf.concat(list(arrays), axis=axis)
+
+    @staticmethod
     def permute_dims(x: Any, axes: Any) -> Any:
         return tf.transpose(x, axes)
 
