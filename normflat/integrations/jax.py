@@ -29,12 +29,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax  # noqa: F401  # the helper is for JAX loops: fail early and clearly without JAX
 
-from normflat.integrations.tracking import Tracker
+from normflat.integrations.tracking import LoopTracker
 
 __all__ = ["SharpnessTracker"]
 
 
-class SharpnessTracker:
+class SharpnessTracker(LoopTracker):
     """Analyze a JAX model every N optimizer steps or epochs of an optax loop.
 
     Args:
@@ -56,23 +56,6 @@ class SharpnessTracker:
     Attributes:
         history: A :class:`~normflat.integrations.history.TrackingHistory`.
     """
-
-    def __init__(self, data: Any, *, every_n_epochs: int | None = None, every_n_steps: int | None = None,
-                 max_batches: int | None = None, log: Sequence[str] | str | None = None, per_layer: bool = False,
-                 prefix: str = "", logger: Callable[[dict[str, float], int], Any] | None = None,
-                 keep_reports: bool = True, **analyze_options: Any) -> None:
-        if logger is not None and not callable(logger):
-            raise TypeError(f"logger must be a callable logger(metrics, step), got {type(logger).__name__}.")
-        self.tracker = Tracker(data, every_n_epochs=every_n_epochs, every_n_steps=every_n_steps,
-                               max_batches=max_batches, log=log, per_layer=per_layer, prefix=prefix,
-                               keep_reports=keep_reports, **analyze_options)
-        self.logger = logger
-        self._steps = 0
-
-    @property
-    def history(self) -> Any:
-        """The analyses so far (a :class:`~normflat.integrations.history.TrackingHistory`)."""
-        return self.tracker.history
 
     def step(self, model: Any, step: int | None = None, *, epoch: int | None = None, params: Any = None,
              variables: Any = None, **call_options: Any) -> dict | None:

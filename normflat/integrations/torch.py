@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from normflat.integrations.tracking import Tracker
+from normflat.integrations.tracking import LoopTracker
 
 __all__ = ["SharpnessTracker", "to_device"]
 
@@ -60,7 +60,7 @@ def device_transform(model: torch.nn.Module) -> Callable[[Any], Any] | None:
     return lambda batch: to_device(batch, device)
 
 
-class SharpnessTracker:
+class SharpnessTracker(LoopTracker):
     """Analyze a torch model every N steps or epochs of a hand-written loop.
 
     Call :meth:`step` after each optimizer step and :meth:`epoch_end` after each
@@ -90,23 +90,6 @@ class SharpnessTracker:
     Attributes:
         history: A :class:`~normflat.integrations.history.TrackingHistory`.
     """
-
-    def __init__(self, data: Any, *, every_n_epochs: int | None = None, every_n_steps: int | None = None,
-                 max_batches: int | None = None, log: Sequence[str] | str | None = None, per_layer: bool = False,
-                 prefix: str = "", logger: Callable[[dict[str, float], int], Any] | None = None,
-                 keep_reports: bool = True, **analyze_options: Any) -> None:
-        if logger is not None and not callable(logger):
-            raise TypeError(f"logger must be a callable logger(metrics, step), got {type(logger).__name__}.")
-        self.tracker = Tracker(data, every_n_epochs=every_n_epochs, every_n_steps=every_n_steps,
-                               max_batches=max_batches, log=log, per_layer=per_layer, prefix=prefix,
-                               keep_reports=keep_reports, **analyze_options)
-        self.logger = logger
-        self._steps = 0
-
-    @property
-    def history(self) -> Any:
-        """The analyses so far (a :class:`~normflat.integrations.history.TrackingHistory`)."""
-        return self.tracker.history
 
     def step(self, model: torch.nn.Module, step: int | None = None, *, epoch: int | None = None) -> dict | None:
         """Call after an optimizer step; analyzes when a step-scheduled analysis is due.

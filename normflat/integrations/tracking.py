@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from normflat.core.constants import MEASURES
 from normflat.integrations.history import HistoryEntry, TrackingHistory
 
-__all__ = ["Tracker", "iterate_quietly", "LOGGABLE"]
+__all__ = ["Tracker", "LoopTracker", "iterate_quietly", "LOGGABLE"]
 
 #: The values a tracker can log: the four totals of method §4.
 LOGGABLE = MEASURES
@@ -270,3 +270,25 @@ class _Mapped:
 
     def __len__(self) -> int:
         return len(self.data)  # type: ignore[arg-type]
+
+
+class LoopTracker:
+    """What the hand-written-loop helpers (plain torch, JAX) share: the options, an
+    optional ``logger(metrics, step)`` and the history; subclasses add ``step``/``epoch_end``."""
+
+    def __init__(self, data: Any, *, every_n_epochs: int | None = None, every_n_steps: int | None = None,
+                 max_batches: int | None = None, log: Sequence[str] | str | None = None, per_layer: bool = False,
+                 prefix: str = "", logger: Callable[[dict[str, float], int], Any] | None = None,
+                 keep_reports: bool = True, **analyze_options: Any) -> None:
+        if logger is not None and not callable(logger):
+            raise TypeError(f"logger must be a callable logger(metrics, step), got {type(logger).__name__}.")
+        self.tracker = Tracker(data, every_n_epochs=every_n_epochs, every_n_steps=every_n_steps,
+                               max_batches=max_batches, log=log, per_layer=per_layer, prefix=prefix,
+                               keep_reports=keep_reports, **analyze_options)
+        self.logger = logger
+        self._steps = 0
+
+    @property
+    def history(self) -> Any:
+        """The analyses so far (a :class:`~normflat.integrations.history.TrackingHistory`)."""
+        return self.tracker.history
