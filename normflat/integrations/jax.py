@@ -25,7 +25,7 @@ Example (equinox with optax):
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping
 
 import jax  # noqa: F401  # the helper is for JAX loops: fail early and clearly without JAX
 
