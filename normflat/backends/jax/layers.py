@@ -160,35 +160,34 @@ def _load_builtins() -> None:
         REGISTRY.register(nn.Conv, LayerRule(leaf="weight", layout="canonical", groups="groups"))
         REGISTRY.register(nn.ConvTranspose, Unsupported(_TRANSPOSED))
         REGISTRY.register(nn.Embedding, Unsupported(_EMBED))
-        for name in ("LayerNorm", "BatchNorm", "GroupNorm", "RMSNorm"):
-            if hasattr(nn, name):
-                REGISTRY.register(getattr(nn, name), IGNORE)
+        _ignore_norms(nn)
     nnx = sys.modules.get("flax.nnx")
     if nnx is not None and "flax.nnx" not in _BUILTINS_LOADED:
         _BUILTINS_LOADED.add("flax.nnx")
-        REGISTRY.register(nnx.Linear, LayerRule(kind="dense"))
-        REGISTRY.register(nnx.Conv, LayerRule(groups="feature_group_count"))
-        REGISTRY.register(nnx.ConvTranspose, Unsupported(_TRANSPOSED))
-        REGISTRY.register(nnx.Embed, Unsupported(_EMBED))
-        for name in ("LinearGeneral", "Einsum"):
-            if hasattr(nnx, name):
-                REGISTRY.register(getattr(nnx, name), Unsupported(_GENERAL))
-        for name in ("LayerNorm", "BatchNorm", "GroupNorm", "RMSNorm"):
-            if hasattr(nnx, name):
-                REGISTRY.register(getattr(nnx, name), IGNORE)
+        _register_flax(nnx, nnx.Linear, nnx.Embed, ("LinearGeneral", "Einsum"))
     linen = sys.modules.get("flax.linen")
     if linen is not None and "flax.linen" not in _BUILTINS_LOADED:
         _BUILTINS_LOADED.add("flax.linen")
-        REGISTRY.register(linen.Dense, LayerRule(kind="dense"))
-        REGISTRY.register(linen.Conv, LayerRule(groups="feature_group_count"))
-        REGISTRY.register(linen.ConvTranspose, Unsupported(_TRANSPOSED))
-        REGISTRY.register(linen.Embed, Unsupported(_EMBED))
-        for name in ("DenseGeneral", "Einsum"):
-            if hasattr(linen, name):
-                REGISTRY.register(getattr(linen, name), Unsupported(_GENERAL))
-        for name in ("LayerNorm", "BatchNorm", "GroupNorm", "RMSNorm"):
-            if hasattr(linen, name):
-                REGISTRY.register(getattr(linen, name), IGNORE)
+        _register_flax(linen, linen.Dense, linen.Embed, ("DenseGeneral", "Einsum"))
+
+
+def _register_flax(api: Any, dense: type, embed: type, general: tuple[str, ...]) -> None:
+    """The built-in entries of one flax API (nnx or linen): the same rules, other class names."""
+    REGISTRY.register(dense, LayerRule(kind="dense"))
+    REGISTRY.register(api.Conv, LayerRule(groups="feature_group_count"))
+    REGISTRY.register(api.ConvTranspose, Unsupported(_TRANSPOSED))
+    REGISTRY.register(embed, Unsupported(_EMBED))
+    for name in general:
+        if hasattr(api, name):
+            REGISTRY.register(getattr(api, name), Unsupported(_GENERAL))
+    _ignore_norms(api)
+
+
+def _ignore_norms(api: Any) -> None:
+    """Normalization layers: their scales and shifts never enter the measures (method §9)."""
+    for name in ("LayerNorm", "BatchNorm", "GroupNorm", "RMSNorm"):
+        if hasattr(api, name):
+            REGISTRY.register(getattr(api, name), IGNORE)
 
 
 @dataclass
