@@ -25,6 +25,9 @@ def analyze(
     progress: bool = True,
     on_unsupported: str = "warn",
     temperature: float = 1.0,
+    ignore_index: int = -100,
+    output: Any = None,
+    shift_labels: bool | None = None,
     tol: float = DEFAULT_TOL,
     max_iter: int = DEFAULT_MAX_ITER,
     **backend_options: Any,
@@ -50,6 +53,13 @@ def analyze(
         on_unsupported: What to do with layers that have parameters but are not
             recognised: ``"error"``, ``"warn"`` or ``"skip"``.
         temperature: ``τ`` of the normalized softmax cross-entropy.
+        ignore_index: Token label not counted by a sequence loss (logits
+            ``(batch, tokens, classes)`` with labels ``(batch, tokens)``, method §6.3).
+        output: What to take from a model output that is not an array: ``None``
+            (``.logits`` of a Hugging Face output, ``["logits"]`` of a dict, the first
+            entry of a tuple), a key/attribute name, an index, or a callable.
+        shift_labels: Whether token logits at ``t`` predict the label at ``t + 1``
+            (``None``: yes for Hugging Face causal language models, no otherwise).
         tol: Relative balance tolerance of the per-layer solver.
         max_iter: Maximum solver sweeps per layer.
         **backend_options: Options of the model's backend (see its guide).
@@ -74,6 +84,7 @@ def analyze(
     options = validate_options(
         loss=loss, estimator=estimator, samples=samples, seed=seed, max_batches=max_batches,
         progress=progress, on_unsupported=on_unsupported, temperature=temperature,
+        ignore_index=ignore_index, output=output, shift_labels=shift_labels,
     )
     name, backend = backend_for(model)
     if data is None:
@@ -108,6 +119,9 @@ def hessian_diagonal(
     progress: bool = True,
     on_unsupported: str = "warn",
     temperature: float = 1.0,
+    ignore_index: int = -100,
+    output: Any = None,
+    shift_labels: bool | None = None,
     **backend_options: Any,
 ) -> dict[str, Any]:
     """Hessian (or GGN) diagonal of the mean training loss for every recognised layer.
@@ -121,6 +135,7 @@ def hessian_diagonal(
     options = validate_options(
         loss=loss, estimator=estimator, samples=samples, seed=seed, max_batches=max_batches,
         progress=progress, on_unsupported=on_unsupported, temperature=temperature,
+        ignore_index=ignore_index, output=output, shift_labels=shift_labels,
     )
     _, backend = backend_for(model)
     return backend.hessian_diagonal(model, data, options, **backend_options)

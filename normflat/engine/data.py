@@ -8,11 +8,20 @@ treated, and every error message — lives here, once:
 * ``data`` is either one ``(x, y)`` pair of arrays, which is **one batch** (the
   backends chunk inside a batch to bound memory; results do not depend on the
   split), or an iterable of batches (DataLoader, ``tf.data.Dataset``, list,
-  generator). A batch is an ``(x, y)`` pair (tuple or list) or a mapping with
-  keys ``"x"`` and ``"y"``; ``x`` is an array or a tuple/list/dict of arrays
-  (multi-input models), all with the same leading sample axis.
+  generator). A batch is an ``(x, y)`` pair (tuple or list), a mapping with
+  keys ``"x"`` and ``"y"``, or a Hugging Face style mapping (a dict or
+  ``BatchEncoding`` as data collators produce) whose ``"labels"`` (or
+  ``"label"``) entry holds the labels and whose other entries (``input_ids``,
+  ``attention_mask``, ``pixel_values``...) are the model's **keyword** inputs
+  (:attr:`Batch.keywords`); ``x`` is an array or a tuple/list/dict of arrays
+  (multi-input models), all with the same leading sample axis. A single such
+  mapping is one batch, like a single pair.
 * ``y`` holds integer class indices ``(n,)`` (also ``(n, 1)``, and floats with
-  integral values), or one-hot rows ``(n, C)``, converted to indices. Soft
+  integral values), or one-hot rows ``(n, C)``, converted to indices. For
+  token logits ``(n, T, C)`` it holds token labels ``(n, T)``, where
+  ``ignore_index`` (default -100) marks tokens the loss does not count
+  (method §6.3); with ``shift`` the label of position ``t`` is ``y[:, t + 1]``
+  (causal language models fed ``labels = input_ids``). Soft
   (probability) labels are refused: the built-in losses are those of hard labels.
   With a custom loss callable, ``y`` is passed to it as given, and integer
   labels are still checked against the number of logits.
@@ -30,7 +39,11 @@ import numpy as np
 
 from normflat.engine.options import AnalysisOptions, limited
 
-__all__ = ["INFINITE", "DataAdapter", "Batch", "EmptyDataError", "batches", "labels_for", "input_leaves"]
+__all__ = ["INFINITE", "DataAdapter", "Batch", "EmptyDataError", "batches", "labels_for", "input_leaves",
+           "LABEL_KEYS"]
+
+#: Keys of a Hugging Face style mapping batch that hold the labels (the rest are inputs).
+LABEL_KEYS = ("labels", "label")
 
 
 class _Infinite:
@@ -87,6 +100,8 @@ class Batch:
         n: Number of samples.
         offset: Position of the batch's first sample among all samples seen so far
             (the stochastic estimators key their draws on it).
+        keywords: ``x`` is a dict of keyword inputs (``model(**x)``), from a Hugging
+            Face style mapping batch; otherwise ``x`` is passed positionally.
     """
 
     index: int
@@ -94,6 +109,7 @@ class Batch:
     y: Any
     n: int
     offset: int
+    keywords: bool = False
 
 
 def input_leaves(x: Any) -> list[Any]:
@@ -113,20 +129,37 @@ def _is_inputs(x: Any, adapter: DataAdapter) -> bool:
 
 
 def _is_single_pair(data: Any, adapter: DataAdapter) -> bool:
+    if isinstance(data, Mapping):  # one Hugging Face style batch ({"input_ids": ..., "labels": ...})
+        key = _label_key(data)
+        return key is not None and adapter.is_array(data[key]) and all(
+            _is_inputs(v, adapter) for k, v in data.items() if k != key)
     return (isinstance(data, (tuple, list)) and len(data) == 2 and adapter.is_array(data[1])
             and _is_inputs(data[0], adapter))
 
 
-def _split(batch: Any, index: int) -> tuple[Any, Any]:
+def _label_key(batch: Mapping) -> str | None:
+    if "x" in batch and "y" in batch:
+        return None
+    return next((k for k in LABEL_KEYS if k in batch), None)
+
+
+def _split(batch: Any, index: int) -> tuple[Any, Any, bool]:
     if isinstance(batch, Mapping):
         if "x" in batch and "y" in batch:
-            return batch["x"], batch["y"]
+            return batch["x"], batch["y"], False
+        key = _label_key(batch)
+        if key is not None:
+            inputs = {k: v for k, v in batch.items() if k != key}
+            if not inputs:
+                raise TypeError(f"Batch {index} is a mapping with only {key!r}; it needs the model's inputs too.")
+            return inputs, batch[key], True
         raise TypeError(
-            f"Batch {index} is a mapping with keys {sorted(map(str, batch))}; a mapping batch needs "
-            "the keys 'x' (inputs) and 'y' (labels). Otherwise yield (x, y) pairs."
+            f"Batch {index} is a mapping with keys {sorted(map(str, batch))} but no labels; a mapping "
+            "batch needs the keys 'x' (inputs) and 'y' (labels), or Hugging Face style keyword inputs "
+            "with a 'labels' entry (as a data collator produces). Otherwise yield (x, y) pairs."
         )
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
+        return batch[0], batch[1], False
     if isinstance(batch, (tuple, list)) and len(batch) == 3:
         raise TypeError(
             f"Batch {index} has 3 entries (x, y, sample weights?); normflat analyzes the plain mean "
@@ -193,7 +226,7 @@ def batches(data: Any, adapter: DataAdapter, options: AnalysisOptions) -> tuple[
             "training loss over the data you pass."
         )
     if _is_single_pair(data, adapter):
-        source: Iterable[Any] = [tuple(data)]
+        source: Iterable[Any] = [data if isinstance(data, Mapping) else tuple(data)]
         total: int | None = 1
     else:
         message = adapter.reject(data)
@@ -222,11 +255,11 @@ def batches(data: Any, adapter: DataAdapter, options: AnalysisOptions) -> tuple[
 def _generate(source: Iterable[Any], adapter: DataAdapter, options: AnalysisOptions) -> Iterator[Batch]:
     offset = 0
     for index, raw in enumerate(limited(source, options.max_batches)):
-        x, y = _split(raw, index)
+        x, y, keywords = _split(raw, index)
         n = _check_batch(x, y, index, adapter)
         if n == 0:
             continue  # an empty batch adds nothing (the same in every framework)
-        yield Batch(index, x, y, n, offset)
+        yield Batch(index, x, y, n, offset, keywords)
         offset += n
     if offset == 0:
         raise EmptyDataError(
@@ -234,8 +267,20 @@ def _generate(source: Iterable[Any], adapter: DataAdapter, options: AnalysisOpti
         )
 
 
-def labels_for(batch: Batch, num_classes: int, adapter: DataAdapter, options: AnalysisOptions) -> np.ndarray | None:
+def labels_for(batch: Batch, num_classes: int, adapter: DataAdapter, options: AnalysisOptions,
+               tokens: int | None = None, shift: bool = False) -> np.ndarray | None:
     """Class indices of a batch as an ``int64`` host array, checked against ``num_classes``.
+
+    Args:
+        batch: The batch.
+        num_classes: ``C``, the last axis of the logits.
+        adapter: The backend's data adapter.
+        options: The analysis options (``loss``, ``ignore_index``).
+        tokens: ``T`` when the logits are token logits ``(n, T, C)``; the labels must
+            then be ``(n, T)`` token labels, and the result is ``(n, T)`` with
+            ``options.ignore_index`` at the tokens not counted.
+        shift: Token logits at ``t`` predict the label at ``t + 1`` (causal language
+            models): the result at ``t`` is ``y[:, t + 1]``, the last position ignored.
 
     Returns ``None`` for a custom loss whose labels are not integer class indices
     (they are passed to the loss as given).
@@ -244,6 +289,8 @@ def labels_for(batch: Batch, num_classes: int, adapter: DataAdapter, options: An
         TypeError: For labels that are not class indices or one-hot rows.
         ValueError: For labels out of range, soft labels, or shapes that do not fit.
     """
+    if tokens is not None:
+        return _token_labels(batch, num_classes, int(tokens), adapter, options, shift)
     index, y = batch.index, batch.y
     kind = adapter.kind(y)
     shape = adapter.shape(y)
@@ -288,4 +335,52 @@ def labels_for(batch: Batch, num_classes: int, adapter: DataAdapter, options: An
             f"Batch {index}: labels must be class indices in [0, {num_classes - 1}] for a model with "
             f"{num_classes} outputs, got values in [{int(ids.min())}, {int(ids.max())}]."
         )
+    return ids
+
+
+def _token_labels(batch: Batch, num_classes: int, tokens: int, adapter: DataAdapter, options: AnalysisOptions,
+                  shift: bool) -> np.ndarray | None:
+    index, y = batch.index, batch.y
+    kind = adapter.kind(y)
+    shape = tuple(int(d) for d in adapter.shape(y))
+    if callable(options.loss) and not (kind == "i" and len(shape) == 2):
+        return None  # the custom loss receives y as given
+    if len(shape) == 1 or (len(shape) == 2 and shape[1] == 1 and tokens != 1):
+        raise ValueError(
+            f"Batch {index}: the model returns token logits of shape ({batch.n}, {tokens}, {num_classes}) but "
+            f"the labels {shape} hold one class per sample. For a classifier, reduce the sequence in the "
+            "model (pool, or take the first token) so that it returns (batch, classes) logits; for a "
+            "sequence model pass token labels of shape (batch, tokens)."
+        )
+    if len(shape) != 2:
+        raise ValueError(
+            f"Batch {index}: token labels have shape {shape}; for token logits ({batch.n}, {tokens}, "
+            f"{num_classes}) normflat needs integer token labels of shape ({batch.n}, {tokens}) (soft or one-hot "
+            "token labels are not supported), with ignore_index marking tokens not counted."
+        )
+    if shape[1] != tokens:
+        raise ValueError(
+            f"Batch {index}: {shape[1]} token labels per sample but the model returns logits for {tokens} "
+            "tokens; pass labels of the same length as the model's output sequence."
+        )
+    arr = np.asarray(adapter.to_numpy(y))
+    if kind not in ("i", "f"):
+        raise TypeError(f"Batch {index}: token labels have dtype {arr.dtype}; normflat needs integer token ids.")
+    if kind == "f" and (not np.all(np.isfinite(arr)) or not np.all(arr == np.round(arr))):
+        raise ValueError(
+            f"Batch {index}: floating-point token labels must hold integer class indices; pass integer labels."
+        )
+    ids = arr.astype(np.int64)
+    ignored = ids == options.ignore_index
+    bad = ~ignored & ((ids < 0) | (ids >= num_classes))
+    if bad.any():
+        v = ids[bad]
+        raise ValueError(
+            f"Batch {index}: token labels must be class indices in [0, {num_classes - 1}] or "
+            f"ignore_index={options.ignore_index} (tokens not counted), got values in "
+            f"[{int(v.min())}, {int(v.max())}]. Pass ignore_index= if your data marks padding differently."
+        )
+    ids = np.where(ignored, options.ignore_index, ids)
+    if shift:
+        ids = np.concatenate([ids[:, 1:], np.full((ids.shape[0], 1), options.ignore_index, np.int64)], axis=1)
     return ids

@@ -31,7 +31,7 @@ from normflat.engine import estimators
 from normflat.engine.data import Batch, DataAdapter
 from normflat.engine.distributed import Comm
 from normflat.engine.options import AnalysisOptions, progress_bar
-from normflat.engine.problems import LayerSpec, build_metadata, build_problems
+from normflat.engine.problems import LayerSpec, build_metadata, build_problems, split_diagonals
 
 __all__ = ["Session", "Result", "run", "layer_problems", "hessian_diagonal"]
 
@@ -56,13 +56,17 @@ class Session(Protocol):
     def signature(self) -> list[Any]:
         """What this rank will compute (layer names, shapes, dtypes), for the setup agreement."""
 
-    def update(self, batch: Batch, state: estimators.SumState) -> None:
+    def update(self, batch: Batch, state: estimators.SumState) -> int | None:
         """Add one batch's per-layer ``(K, *native shape)`` sums to ``state``.
 
         The session runs the forward, checks the output with
         :func:`normflat.engine.losses.check_output_shape` / ``check_logit_stats``,
         converts labels with :func:`normflat.engine.data.labels_for`, and draws
         randomness from :mod:`normflat.engine.random` keyed on ``batch.offset``.
+
+        Returns:
+            The number of terms the batch adds to the mean loss: the counted tokens
+            of token logits (method §6.3), or ``None`` for one term per sample.
         """
 
     def zeros(self, layer: int) -> Any:
@@ -106,7 +110,7 @@ def _loop(session: Session, data: Any, options: AnalysisOptions, state: estimato
         batches, total = _raising(err), None
     bar = progress_bar(batches, enabled=options.progress and rank == 0, desc=f"normflat {options.estimator}",
                        total=total)
-    examples = count = 0
+    examples = count = terms = 0
     exhausted = False
     while True:
         error: BaseException | None = None
@@ -115,8 +119,9 @@ def _loop(session: Session, data: Any, options: AnalysisOptions, state: estimato
             if not exhausted:
                 batch = next(bar)
                 active = True
-                session.update(batch, state)
+                added = session.update(batch, state)
                 examples += batch.n
+                terms += batch.n if added is None else int(added)
                 count += 1
         except StopIteration:
             exhausted = True
@@ -133,7 +138,7 @@ def _loop(session: Session, data: Any, options: AnalysisOptions, state: estimato
                 break
         elif not distributed.step(comm, active, error, f"on batch {count}"):
             break
-    return examples, count
+    return examples, count, terms
 
 
 def _raising(error: BaseException):
@@ -172,17 +177,23 @@ def run(make_session: Callable[[], Session], data: Any, options: AnalysisOptions
             distributed.agree(comm, error, signature)
         assert session is not None
         state = estimators.init(len(session.layers), options)
-        examples, count = _loop(session, data, options, state, comm)
+        examples, count, terms = _loop(session, data, options, state, comm)
         extra: dict[str, Any] = {}
         if comm is not None:
             filled = [s if s is not None else session.zeros(i) for i, s in enumerate(state.sums)]
             state.sums = comm.sum_arrays(filled)
             per_rank = comm.gather(examples)
-            examples, count = comm.sum_ints([examples, count])
+            examples, count, terms = comm.sum_ints([examples, count, terms])
             extra = {"world_size": comm.size, "examples_per_rank": per_rank}
             if examples == 0:
                 raise ValueError("The data is empty on every rank: no rank yielded a sample.")
-        results = estimators.finalize(state, options, examples, session.zeros, session.all_finite,
+        if terms == 0:
+            raise ValueError(
+                f"No token of the data is counted by the loss: every token label equals ignore_index="
+                f"{options.ignore_index}. Pass labels for at least one token (or the right ignore_index)."
+            )
+        # The mean loss averages its terms: samples, or the counted tokens of token logits.
+        results = estimators.finalize(state, options, terms, session.zeros, session.all_finite,
                                       [layer.name for layer in session.layers])
         diags = [session.canonical(i, d) for i, (d, _) in enumerate(results)]
         samples = []
@@ -198,6 +209,7 @@ def run(make_session: Callable[[], Session], data: Any, options: AnalysisOptions
             dtype=meta.pop("dtype"), device=meta.pop("device"), unsupported=session.unsupported,
             world_size=extra.get("world_size", 1), chunk_size=meta.pop("chunk_size", None),
             memory_budget=meta.pop("memory_budget", None), backend={**backend, **meta},
+            loss_terms=terms, parameters=getattr(session, "parameters", None),
         )
         return Result(list(session.layers), weights, diags, samples, metadata)
     finally:
@@ -237,4 +249,4 @@ def hessian_diagonal(make_session: Callable[[], Session], data: Any, options: An
                      comm: Comm | None = None) -> dict[str, Any]:
     """``{layer name: canonical diagonal}`` in model order."""
     result = run(make_session, data, options, comm)
-    return {layer.name: d for layer, d in zip(result.layers, result.diags)}
+    return split_diagonals(result.layers, result.diags)

@@ -73,7 +73,8 @@ def finalize(state: SumState, options: AnalysisOptions, examples: int, zeros: Ca
     Args:
         state: The accumulated sums.
         options: The analysis options.
-        examples: Total number of samples (over all ranks).
+        examples: Total number of terms of the mean loss over all ranks (samples, or
+            the counted tokens of token logits, method §6.3).
         zeros: ``layer -> (K, *shape)`` zeros for a layer that never got a
             contribution (it does not influence the loss: its curvature is 0).
         all_finite: Backend's finiteness test.

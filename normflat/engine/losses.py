@@ -16,7 +16,11 @@ backend passes a tiny adapter); the functions use only ``mean``, ``sum``,
 * ``ggn-mc`` replaces ``S`` by ``e_ỹ − p`` with ``ỹ ~ p`` drawn from the
   framework-free uniforms of :mod:`normflat.engine.random`;
 * for ``nsce`` the signals are pulled back through the normalization, whose
-  Jacobian ``(τ/σ)(P − ẑ ẑᵀ / C)`` is symmetric (:func:`pull_back`).
+  Jacobian ``(τ/σ)(P − ẑ ẑᵀ / C)`` is symmetric (:func:`pull_back`);
+* token logits ``(n, T, C)`` (method §6.3): every counted token is one term of
+  the mean loss; labels equal to ``ignore_index`` are masked out, and the GGN
+  signals of token ``t`` are placed at token ``t`` only (:func:`token_signals`),
+  so that every (token, signal) pair is its own squared per-sample gradient.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ __all__ = [
     "mc_signals",
     "pull_back",
     "output_signals",
+    "token_signals",
     "logit_stats",
     "check_logit_stats",
     "CONSTANT_LOGITS_RMS",
@@ -98,16 +103,19 @@ def one_hot(xp: Any, labels: Any, num_classes: int, dtype: Any) -> Any:
 
 
 def loss_sum(xp: Any, logits: Any, labels: Any, options: AnalysisOptions) -> Any:
-    """Sum over samples of the built-in loss (``"ce"`` or ``"nsce"``) of ``(n, C)`` logits.
+    """Sum over samples (or counted tokens) of the built-in loss (``"ce"`` or ``"nsce"``).
 
     Args:
         xp: Array namespace of ``logits``.
-        logits: ``(n, C)`` logits.
-        labels: ``(n,)`` integer class indices (same namespace).
+        logits: ``(n, C)`` logits, or ``(n, T, C)`` token logits.
+        labels: ``(n,)`` (or ``(n, T)``) integer class indices in the same namespace;
+            negative entries (``ignore_index``) are not counted.
         options: The analysis options (loss name and temperature).
     """
     u = normalize_logits(xp, logits, options.temperature)[0] if options.loss == "nsce" else logits
-    target = one_hot(xp, labels, int(logits.shape[-1]), logits.dtype)
+    counted = labels >= 0
+    safe = xp.where(counted, labels, xp.zeros_like(labels))
+    target = one_hot(xp, safe, int(logits.shape[-1]), logits.dtype) * xp.astype(counted, logits.dtype)[..., None]
     return -xp.sum(target * log_softmax(xp, u))
 
 
@@ -210,6 +218,34 @@ def output_signals(xp: Any, logits: Any, options: AnalysisOptions, uniforms: Any
     return sig
 
 
+def token_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, uniforms: Any = None) -> Any:
+    """GGN signals ``(K, M·T, n, T, C)`` of token logits ``(n, T, C)`` (method §6.3).
+
+    The loss Hessian of one sequence is block-diagonal over its tokens, so its
+    factor is the per-token factor of :func:`output_signals` placed at one token:
+    signal ``m·T + t`` is the ``m``-th signal of token ``t`` at position ``t`` and
+    zero elsewhere. Tokens not counted (``counted`` is 0) carry zero signals.
+
+    Args:
+        xp: Array namespace.
+        logits: ``(n, T, C)`` token logits.
+        options: The analysis options.
+        counted: ``(n, T)`` 1 for counted tokens, 0 for ignored ones (logits' dtype).
+        uniforms: ``ggn-mc`` only: ``(n, T·S)`` uniforms, token ``t`` taking columns
+            ``t·S .. (t+1)·S − 1``.
+    """
+    n, t, c = (int(d) for d in logits.shape)
+    rows = xp.reshape(logits, (n * t, c))
+    if uniforms is not None:
+        uniforms = xp.reshape(uniforms, (n * t, -1))
+    sig = output_signals(xp, rows, options, uniforms)  # (K, M, n·T, C)
+    k, m = int(sig.shape[0]), int(sig.shape[1])
+    sig = xp.reshape(sig, (k, m, n, t, c)) * counted[None, None, :, :, None]
+    place = xp.astype(_arange_like(xp, t, logits)[:, None] == _arange_like(xp, t, logits)[None, :], logits.dtype)
+    placed = sig[:, :, None, :, :, :] * place[None, None, :, None, :, None]  # (K, M, T, n, T, C)
+    return xp.reshape(placed, (k, m * t, n, t, c))
+
+
 def logit_stats(xp: Any, logits: Any) -> Any:
     """Five numbers summarizing ``(n, C)`` logits for :func:`check_logit_stats`.
 
@@ -285,21 +321,23 @@ def namespace_check(xp: Any) -> list[str]:
 
 
 def check_output_shape(shape: tuple[int, ...], options: AnalysisOptions, index: int, n: int) -> int:
-    """Check the model's output shape ``(n, C)``; return ``C``.
+    """Check the model's output shape ``(n, C)`` or ``(n, T, C)`` (token logits); return ``C``.
 
     Raises:
-        ValueError: For outputs that are not ``(batch, classes)`` logits, and for a
-            single output unit with a built-in loss.
+        ValueError: For outputs that are neither ``(batch, classes)`` nor
+            ``(batch, tokens, classes)`` logits, and for a single output unit with a
+            built-in loss.
     """
     shape = tuple(int(d) for d in shape)
-    if len(shape) != 2:
+    if len(shape) not in (2, 3):
         raise ValueError(
             f"Batch {index}: the model's output has shape {shape}; normflat needs logits of shape "
-            "(batch, classes). Flatten or pool extra axes in the model, or wrap it."
+            "(batch, classes), or token logits (batch, tokens, classes) with token labels (batch, tokens). "
+            "Flatten or pool extra axes in the model, or wrap it."
         )
     if shape[0] != n:
         raise ValueError(f"Batch {index}: the model returned {shape[0]} rows of logits for {n} samples.")
-    c = shape[1]
+    c = shape[-1]
     if c < 2 and not callable(options.loss):
         raise ValueError(
             f"The model has a single output unit (logits of shape {shape}); the built-in losses are the "

@@ -54,6 +54,15 @@ class AnalysisOptions:
         progress: Show a tqdm progress bar over batches.
         on_unsupported: ``"error"``, ``"warn"`` or ``"skip"``.
         temperature: ``τ`` of the normalized softmax cross-entropy.
+        ignore_index: Token label that is not counted in a sequence loss (method §6.3).
+        output: What to take from a model output that is not an array (method §9):
+            ``None`` (an array as is; ``.logits`` / ``["logits"]`` of a Hugging Face
+            ``ModelOutput`` or a dict; the first entry of a tuple), a key or
+            attribute name, a tuple index, or a callable ``output -> logits``.
+        shift_labels: Whether token logits at position ``t`` predict the label at
+            ``t + 1`` (a causal language model fed ``labels = input_ids``, as Hugging
+            Face's own loss shifts them); ``None``: the backend decides (shifted for
+            Hugging Face causal language models, not otherwise).
     """
 
     loss: Any = "nsce"
@@ -64,6 +73,9 @@ class AnalysisOptions:
     progress: bool = True
     on_unsupported: str = "warn"
     temperature: float = 1.0
+    ignore_index: int = -100
+    output: Any = None
+    shift_labels: bool | None = None
 
     @property
     def loss_name(self) -> str:
@@ -108,6 +120,9 @@ def validate_options(
     progress: bool = True,
     on_unsupported: str = "warn",
     temperature: float = 1.0,
+    ignore_index: int = -100,
+    output: Any = None,
+    shift_labels: bool | None = None,
 ) -> AnalysisOptions:
     """Check the common options and fill defaults.
 
@@ -157,6 +172,22 @@ def validate_options(
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
             math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}.")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int (the label of tokens the loss skips, -100 by default), "
+                        f"got {ignore_index!r}.")
+    if ignore_index >= 0:
+        raise ValueError(
+            f"ignore_index must be negative (a value no class index takes; torch and Hugging Face use "
+            f"-100), got {ignore_index}."
+        )
+    if output is not None and not (isinstance(output, (str, int)) and not isinstance(output, bool)) \
+            and not callable(output):
+        raise TypeError(
+            f"output must be None, a key or attribute name (e.g. 'logits'), a tuple index, or a callable "
+            f"output -> logits; got {output!r}."
+        )
+    if shift_labels is not None and not isinstance(shift_labels, bool):
+        raise TypeError(f"shift_labels must be True, False or None (decided by the backend), got {shift_labels!r}.")
     return AnalysisOptions(
         loss=loss,
         estimator=estimator,
@@ -166,6 +197,9 @@ def validate_options(
         progress=bool(progress),
         on_unsupported=on_unsupported,
         temperature=float(temperature),
+        ignore_index=int(ignore_index),
+        output=output,
+        shift_labels=shift_labels,
     )
 
 

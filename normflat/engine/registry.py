@@ -17,7 +17,42 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-__all__ = ["IGNORE", "Unsupported", "LayerRegistry", "Skipped", "warn_user"]
+__all__ = ["IGNORE", "Unsupported", "LayerRegistry", "Skipped", "warn_user", "excluded_reason",
+           "ADDED_TABLE_NAMES"]
+
+#: Parameter names (last component) of tables and tokens that models *add* to their
+#: activations rather than multiply inputs by: they are biases over positions or
+#: tokens, not weight matrices (method §3). Matched case-insensitively.
+ADDED_TABLE_NAMES = (
+    "pos_embed", "pos_embedding", "position_embeddings", "position_embedding", "absolute_pos_embed",
+    "relative_position_bias_table", "rel_pos_h", "rel_pos_w", "relative_position_bias", "pos_bias",
+    "cls_token", "dist_token", "reg_token", "register_tokens", "mask_token", "class_token",
+    "gamma", "gamma_1", "gamma_2", "layer_scale", "layerscale", "ls1", "ls2", "scale", "lambda1",
+)
+
+
+def excluded_reason(name: str, shape: tuple[int, ...]) -> str | None:
+    """Why a parameter outside every recognised layer is not a weight matrix, or ``None``.
+
+    One rule for every framework (method §3): a parameter with fewer than two axes
+    longer than 1 is a vector or a scalar (bias, scale, layer-scale, a token); a
+    parameter named like a position table or token (:data:`ADDED_TABLE_NAMES`), or
+    shaped for broadcasting over the batch (a leading axis of 1, e.g. ``(1, N, d)``),
+    is added to activations. Such parameters are listed in the report's
+    ``excluded`` metadata, never warned about. Anything else (``None``) is a weight
+    the user could register a layer rule for.
+    """
+    shape = tuple(int(d) for d in shape)
+    last = name.replace("/", ".").replace(":", ".").split(".")[-1].lower()
+    if last.endswith("bias") or last in ("b", "beta"):
+        return "bias"
+    if sum(1 for d in shape if d > 1) < 2:
+        return "a vector or scalar (scale, layer-scale or token), not a weight matrix"
+    if last in ADDED_TABLE_NAMES:
+        return "a table or token added to activations, not a weight matrix"
+    if len(shape) >= 3 and shape[0] == 1:
+        return "shaped (1, ...) to be added to activations (a position table or token), not a weight matrix"
+    return None
 
 E = TypeVar("E")
 

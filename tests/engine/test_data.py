@@ -50,7 +50,14 @@ def test_mapping_batches():
     got, _ = _all([{"x": x, "y": y, "extra": 1}])
     assert got[0].x is x and got[0].y is y
     with pytest.raises(TypeError, match="keys 'x'"):
-        _all([{"inputs": x, "labels": y}])
+        _all([{"inputs": x, "targets": y}])
+    # Hugging Face style: the labels entry is y, the rest are keyword inputs.
+    got, _ = _all([{"input_ids": x, "attention_mask": x, "labels": y}])
+    assert got[0].keywords and set(got[0].x) == {"input_ids", "attention_mask"} and got[0].y is y
+    got, _ = _all({"pixel_values": x, "label": y})  # a single mapping is one batch
+    assert len(got) == 1 and got[0].keywords and list(got[0].x) == ["pixel_values"]
+    with pytest.raises(TypeError, match="only 'labels'"):
+        _all([{"labels": y}])
 
 
 def test_multi_input_structures():

@@ -269,8 +269,8 @@ def test_non_finite_logits_refused_for_every_loss(bad):
 def test_check_output_shape():
     o = _opts()
     assert losses.check_output_shape((5, 3), o, 0, 5) == 3
-    with pytest.raises(ValueError, match=r"output has shape \(5, 3, 2\)"):
-        losses.check_output_shape((5, 3, 2), o, 0, 5)
+    with pytest.raises(ValueError, match=r"output has shape \(5, 3, 2, 2\)"):
+        losses.check_output_shape((5, 3, 2, 2), o, 0, 5)
     with pytest.raises(ValueError, match=r"output has shape \(5,\)"):
         losses.check_output_shape((5,), o, 0, 5)
     with pytest.raises(ValueError, match="returned 4 rows of logits for 5 samples"):
