@@ -9,12 +9,14 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 STAMP="$VENV/.normflat-install-stamp"
-WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/requirements-ci.txt" | sha256sum | cut -d' ' -f1)"
+WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/requirements-ci.txt" "$ROOT/requirements-nodeps.txt" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     echo "normflat: installing normflat[dev] with the pinned CPU frameworks (requirements-ci.txt); takes ~2 minutes the first time"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "$ROOT[dev]" -r "$ROOT/requirements-ci.txt" 2>&1 \
         | grep -v "is ignored: it is neither a file nor a directory" || true
-    "$VENV/bin/python" -c "import normflat, torch, tensorflow, keras, jax, flax, equinox" \
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r "$ROOT/requirements-nodeps.txt" 2>&1 \
+        | grep -v "is ignored: it is neither a file nor a directory" || true
+    "$VENV/bin/python" -c "import normflat, torch, torchvision, timm, transformers, tensorflow, keras, keras_hub, jax, flax, equinox" \
         || { echo "normflat: installation failed" >&2; exit 1; }
     echo "$WANT" > "$STAMP"
 fi
