@@ -18,17 +18,28 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 __all__ = ["IGNORE", "Unsupported", "LayerRegistry", "Skipped", "warn_user", "excluded_reason",
-           "ADDED_TABLE_NAMES"]
+           "position_table", "ADDED_TABLE_NAMES", "POSITION_TABLE_NAMES"]
 
 #: Parameter names (last component) of tables and tokens that models *add* to their
-#: activations rather than multiply inputs by: they are biases over positions or
-#: tokens, not weight matrices (method §3). Matched case-insensitively.
+#: activations and that are not position tables: biases over tokens or heads, tokens,
+#: layer-scale vectors (method §3). Matched case-insensitively.
 ADDED_TABLE_NAMES = (
-    "pos_embed", "pos_embedding", "position_embeddings", "position_embedding", "absolute_pos_embed",
     "relative_position_bias_table", "rel_pos_h", "rel_pos_w", "relative_position_bias", "pos_bias",
-    "cls_token", "dist_token", "reg_token", "register_tokens", "mask_token", "class_token",
-    "gamma", "gamma_1", "gamma_2", "layer_scale", "layerscale", "ls1", "ls2", "scale", "lambda1",
+    "attention_biases", "cls_token", "dist_token", "reg_token", "register_tokens", "mask_token",
+    "class_token", "gamma", "gamma_1", "gamma_2", "layer_scale", "layerscale", "ls1", "ls2", "scale",
+    "lambda1",
 )
+#: Names (last component) of learned position tables held as plain parameters
+#: (timm ``pos_embed``, Hugging Face ViT ``position_embeddings``): analyzed as
+#: embeddings of the positions (method §3).
+POSITION_TABLE_NAMES = (
+    "pos_embed", "pos_embedding", "position_embeddings", "position_embedding", "absolute_pos_embed",
+    "positional_embedding", "pos_emb",
+)
+
+
+def _last_name(name: str) -> str:
+    return name.replace("/", ".").replace(":", ".").split(".")[-1].lower()
 
 
 def excluded_reason(name: str, shape: tuple[int, ...]) -> str | None:
@@ -36,23 +47,44 @@ def excluded_reason(name: str, shape: tuple[int, ...]) -> str | None:
 
     One rule for every framework (method §3): a parameter with fewer than two axes
     longer than 1 is a vector or a scalar (bias, scale, layer-scale, a token); a
-    parameter named like a position table or token (:data:`ADDED_TABLE_NAMES`), or
-    shaped for broadcasting over the batch (a leading axis of 1, e.g. ``(1, N, d)``),
-    is added to activations. Such parameters are listed in the report's
-    ``excluded`` metadata, never warned about. Anything else (``None``) is a weight
-    the user could register a layer rule for.
+    parameter named like a bias table, token or scale (:data:`ADDED_TABLE_NAMES`) is
+    added to activations. Such parameters are listed in the report's ``excluded``
+    metadata, never warned about. ``None``: a weight matrix (a position table, see
+    :func:`position_table`, or a weight the user could register a layer rule for).
     """
     shape = tuple(int(d) for d in shape)
-    last = name.replace("/", ".").replace(":", ".").split(".")[-1].lower()
+    last = _last_name(name)
     if last.endswith("bias") or last in ("b", "beta"):
         return "bias"
     if sum(1 for d in shape if d > 1) < 2:
         return "a vector or scalar (scale, layer-scale or token), not a weight matrix"
     if last in ADDED_TABLE_NAMES:
-        return "a table or token added to activations, not a weight matrix"
-    if len(shape) >= 3 and shape[0] == 1:
-        return "shaped (1, ...) to be added to activations (a position table or token), not a weight matrix"
+        return "a bias table, token or scale added to activations, not a weight matrix"
     return None
+
+
+def position_table(name: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(features, positions)``, the canonical shape of a learned position table, or ``None``.
+
+    A parameter outside every recognised layer is a position table when it is named
+    like one (:data:`POSITION_TABLE_NAMES`) or shaped to broadcast over the batch (a
+    leading axis of 1, two more axes longer than 1, e.g. ``(1, N, d)``). Adding row
+    ``t`` of the table at position ``t`` is the lookup of position ``t``: the table is
+    the embedding of the positions, canonical ``(features, positions)`` with the
+    last axis the features and the others (leading 1 dropped) the positions.
+    """
+    shape = tuple(int(d) for d in shape)
+    if excluded_reason(name, shape) is not None:
+        return None
+    named = _last_name(name) in POSITION_TABLE_NAMES
+    broadcast = len(shape) >= 3 and shape[0] == 1
+    if not (named or broadcast):
+        return None
+    rest = shape[1:] if shape[0] == 1 else shape
+    features, positions = rest[-1], 1
+    for d in rest[:-1]:
+        positions *= d
+    return features, positions
 
 E = TypeVar("E")
 

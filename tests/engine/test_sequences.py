@@ -13,7 +13,7 @@ from normflat.engine.data import Batch, labels_for
 from normflat.engine.outputs import select_output
 from normflat.engine.problems import LayerSpec, ParameterStatus, build_metadata, build_problems, coverage, \
     split_diagonals
-from normflat.engine.registry import excluded_reason
+from normflat.engine.registry import excluded_reason, position_table
 from tests.engine._fakes import NumpyAdapter, logit_hessians
 
 RNG = np.random.default_rng(7)
@@ -192,10 +192,18 @@ def test_excluded_reason_rules():
     assert excluded_reason("fc.bias", (3,)) == "bias"
     assert "vector" in excluded_reason("blocks.0.ls1.gamma", (192,))
     assert "vector" in excluded_reason("cls_token", (1, 1, 192))
-    assert "added to activations" in excluded_reason("pos_embed", (1, 65, 192))
     assert "added to activations" in excluded_reason("blocks.0.attn.relative_position_bias_table", (169, 4))
-    assert "(1, ...)" in excluded_reason("my_table", (1, 10, 8))
+    assert excluded_reason("pos_embed", (1, 65, 192)) is None
     assert excluded_reason("custom.kernel", (3, 4)) is None
+
+
+def test_position_tables_are_embeddings_of_the_positions():
+    assert position_table("pos_embed", (1, 65, 192)) == (192, 65)
+    assert position_table("vit.embeddings.position_embeddings", (1, 5, 8)) == (8, 5)
+    assert position_table("learned", (1, 4, 6, 16)) == (16, 24)  # a 2-D grid of positions
+    assert position_table("pos_embedding", (10, 8)) == (8, 10)
+    assert position_table("cls_token", (1, 1, 8)) is None
+    assert position_table("custom.kernel", (3, 4)) is None
 
 
 def test_coverage_counts_matrix_entries_not_excluded():
