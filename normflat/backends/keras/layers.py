@@ -13,11 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import sys
+
 import keras
 import tensorflow as tf
 
 from normflat.backends.keras import compat
-from normflat.engine.registry import IGNORE, LayerRegistry, Skipped, Unsupported
+from normflat.engine.problems import ParameterStatus
+from normflat.engine.registry import IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table
 
 __all__ = [
     "KerasWeight",
@@ -29,6 +32,7 @@ __all__ = [
     "fast_kind",
     "final_softmax",
     "UnsupportedLayer",
+    "einsum_layout",
 ]
 
 
@@ -46,6 +50,9 @@ class KerasWeight:
             several weight tensors; empty for one.
         groups: Groups of a grouped convolution (depthwise: the input channels);
             output channels of group ``k`` read only the input channels of group ``k``.
+        blocks: For a weight that packs several linear maps along its canonical rows
+            (the gates of a recurrent kernel), ``(suffix, start, stop)`` per map; each
+            is reported as its own matrix ``f"{name}.{suffix}"`` (method §3).
     """
 
     variable: Any
@@ -53,6 +60,7 @@ class KerasWeight:
     kind: str
     suffix: str = ""
     groups: int = 1
+    blocks: tuple[tuple[str, int, int], ...] | None = None
 
 
 class UnsupportedLayer(Exception):
@@ -142,9 +150,137 @@ def _separable_weights(layer: Any) -> list[KerasWeight]:
     ]
 
 
+def einsum_layout(equation: str, kernel_rank: int) -> tuple[tuple[int, ...], int, int]:
+    """The canonical layout of an ``EinsumDense`` kernel (method §3, multi-axis kernels).
+
+    The kernel's axes are either *contracted* (they appear in the input, not in the
+    output) or *output-only* (in the output, not in the input). The layer is then the
+    linear map from the flattened contracted input axes to the flattened output-only
+    axes, one matrix ``(∏ output-only axes, ∏ contracted axes)``, each group flattened
+    in the order its axes appear in the output and in the input.
+
+    Returns:
+        ``(perm, rows, cols)``: the kernel transposition to (output-only axes,
+        contracted axes) and the numbers of their axes.
+
+    Raises:
+        UnsupportedLayer: For a kernel axis that is also a batch-like axis (in the
+            input and the output: a separate matrix per index, not one map) or that
+            is summed out (in neither), and for equations that cannot be parsed.
+    """
+    text = equation.replace(" ", "")
+    try:
+        lhs, out = text.split("->")
+        inp, ker = lhs.split(",")
+    except ValueError:
+        raise UnsupportedLayer(f"EinsumDense equation {equation!r} is not of the form 'input,kernel->output'")
+    inp, out = inp.replace("...", ""), out.replace("...", "")
+    if "." in ker or len(ker) != kernel_rank or len(set(ker)) != len(ker):
+        raise UnsupportedLayer(f"EinsumDense equation {equation!r} does not name each kernel axis once")
+    batch_like = [a for a in ker if a in inp and a in out]
+    summed = [a for a in ker if a not in inp and a not in out]
+    if batch_like or summed:
+        what = (f"kernel axes {batch_like} appear in the input and the output (one matrix per index, "
+                "not one linear map)" if batch_like else f"kernel axes {summed} are summed out")
+        raise UnsupportedLayer(
+            f"EinsumDense equation {equation!r}: {what}; normflat analyzes kernels whose axes are either "
+            "contracted with the input or output-only. Register the layer with register_layer to choose "
+            "its matrices"
+        )
+    outputs = [a for a in out if a in ker]
+    contracted = [a for a in inp if a in ker]
+    perm = tuple(ker.index(a) for a in outputs + contracted)
+    return perm, len(outputs), len(contracted)
+
+
+def _einsum_canonical(perm: tuple[int, ...], rows: int) -> Callable[[Any], Any]:
+    def convert(t):
+        t = tf.transpose(t, perm)
+        shape = tf.shape(t)
+        return tf.reshape(t, tf.stack([tf.reduce_prod(shape[:rows]), tf.reduce_prod(shape[rows:])]))
+
+    return convert
+
+
+def _einsum_weights(layer: Any) -> list[KerasWeight]:
+    _refuse_lora(layer)
+    kernel = compat.dense_kernel(layer)
+    perm, rows, _ = einsum_layout(layer.equation, len(kernel.shape))
+    return [KerasWeight(kernel, _einsum_canonical(perm, rows), "einsum_dense")]
+
+
+def _embedding_weights(layer: Any) -> list[KerasWeight]:
+    """An embedding table ``(vocabulary, features)`` is the matrix ``(features, vocabulary)`` (method §3).
+
+    keras-hub's ``ReversibleEmbedding`` also maps features back to the vocabulary:
+    with ``tie_weights`` through the same table (one variable, reported once, its
+    diagonal covering both uses), otherwise through its own ``reverse_embeddings``
+    ``(features, vocabulary)``, a dense kernel (canonical ``(vocabulary, features)``).
+    """
+    _refuse_lora(layer)
+    table = getattr(layer, "_embeddings", None)
+    if table is None:
+        table = layer.embeddings
+    weights = [KerasWeight(table, _transpose_fn((1, 0)), "embedding")]
+    reverse = getattr(layer, "reverse_embeddings", None)
+    if reverse is not None and not getattr(layer, "tie_weights", True) and reverse is not table:
+        weights.append(KerasWeight(reverse, _transpose_fn((1, 0)), "dense", "/reverse"))
+    return weights
+
+
+def _position_embedding_weights(layer: Any) -> list[KerasWeight]:
+    """keras-hub ``PositionEmbedding``: the table ``(positions, features)`` is the embedding of the positions."""
+    table = getattr(layer, "position_embeddings", None)
+    if table is None:
+        raise UnsupportedLayer("PositionEmbedding without its position_embeddings table")
+    return [KerasWeight(table, _transpose_fn((1, 0)), "position_embedding")]
+
+
+#: Keras gate order of the recurrent cells' packed kernels (columns of ``kernel``/``recurrent_kernel``).
+_GATES = {"LSTMCell": ("i", "f", "c", "o"), "GRUCell": ("z", "r", "h"), "SimpleRNNCell": ()}
+
+
+def _recurrent_weights(gates: tuple[str, ...], kind: str) -> Callable[[Any], list[KerasWeight]]:
+    """A recurrent cell's ``kernel`` (in, G·H) and ``recurrent_kernel`` (H, G·H), each one matrix per gate.
+
+    Both are transposed to ``(G·H, in)`` / ``(G·H, H)`` (method §3) and split into the
+    gate blocks with :attr:`KerasWeight.blocks`, named after Keras' own gate order.
+    """
+
+    def extract(layer: Any) -> list[KerasWeight]:
+        _refuse_lora(layer)
+        hidden = int(layer.units)
+        blocks = tuple((g, k * hidden, (k + 1) * hidden) for k, g in enumerate(gates)) or None
+        return [KerasWeight(layer.kernel, _transpose_fn((1, 0)), kind, "/kernel", blocks=blocks),
+                KerasWeight(layer.recurrent_kernel, _transpose_fn((1, 0)), kind, "/recurrent_kernel",
+                            blocks=blocks)]
+
+    return extract
+
+
+_KERAS_HUB_REGISTERED = False
+
+
+def _register_keras_hub() -> None:
+    """keras-hub's own embedding layers, registered once keras-hub is imported (never imported here)."""
+    global _KERAS_HUB_REGISTERED
+    if _KERAS_HUB_REGISTERED or "keras_hub" not in sys.modules:
+        return
+    _KERAS_HUB_REGISTERED = True
+    hub_layers = getattr(sys.modules["keras_hub"], "layers", None)
+    cls = getattr(hub_layers, "PositionEmbedding", None)
+    if isinstance(cls, type) and cls not in REGISTRY.entries():  # a user's own entry wins
+        register_layer(cls, _position_embedding_weights)
+
+
 def _register_builtins() -> None:
     L = keras.layers
     register_layer(L.Dense, _dense_weights)
+    register_layer(L.EinsumDense, _einsum_weights)
+    register_layer(L.Embedding, _embedding_weights)
+    register_layer(L.LSTMCell, _recurrent_weights(_GATES["LSTMCell"], "lstm"))
+    register_layer(L.GRUCell, _recurrent_weights(_GATES["GRUCell"], "gru"))
+    register_layer(L.SimpleRNNCell, _recurrent_weights(_GATES["SimpleRNNCell"], "simple_rnn"))
     for cls in (L.Conv1D, L.Conv2D, L.Conv3D):
         register_layer(cls, _conv_weights)
     for name in ("DepthwiseConv1D", "DepthwiseConv2D"):
@@ -209,22 +345,87 @@ def fast_kind(layer: Any) -> str | None:
     return None
 
 
-def _own_weights(layer: Any) -> list[str]:
+def _own_weights(layer: Any) -> list[Any]:
+    """The variables of ``layer`` itself, not of its sub-layers."""
     sub = {id(w) for child in compat.children(layer) for w in child.weights}
-    return [w.path for w in layer.weights if id(w) not in sub]
+    return [w for w in layer.weights if id(w) not in sub]
 
 
-def walk(model: Any, on_unsupported: str, select: list[str] | None) -> tuple[list[Entry], list[str]]:
-    """Recognised weight layers in model order, and the messages of the skipped ones.
+def _shape(variable: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in variable.shape)
+
+
+#: Why the parameters of a normalization layer (registered as IGNORE) are not weight matrices.
+NORMALIZATION_REASON = "a normalization layer's scale, shift or statistics, not a weight matrix"
+
+
+class _Inventory:
+    """Every variable of the model, once, with what became of it (method §3, ``ParameterStatus``)."""
+
+    def __init__(self) -> None:
+        self.status: dict[int, ParameterStatus] = {}
+        self.order: list[int] = []
+
+    def set(self, variable: Any, status: str, reason: str | None = None) -> None:
+        key = id(variable)
+        if key not in self.status:
+            self.order.append(key)
+        elif self.status[key].status == "analyzed":
+            return  # a shared variable analyzed under its first user stays analyzed
+        self.status[key] = ParameterStatus(variable.path, _shape(variable), status, reason)
+
+    def __contains__(self, variable: Any) -> bool:
+        return id(variable) in self.status
+
+    def listing(self) -> list[ParameterStatus]:
+        return [self.status[k] for k in self.order]
+
+
+def walk(model: Any, on_unsupported: str,
+         select: list[str] | None) -> tuple[list[Entry], list[str], list[ParameterStatus]]:
+    """Recognised weights in model order, the messages of the skipped ones, and the parameter inventory.
+
+    A variable used by several layers (a tied embedding) is analyzed once, under its
+    first user. Parameters outside every recognised layer are excluded by the engine's
+    rule (:func:`~normflat.engine.registry.excluded_reason`: biases, vectors, tokens,
+    scales), analyzed as embeddings of the positions when they are learned position
+    tables (:func:`~normflat.engine.registry.position_table`), and skipped (warned
+    about, by weight name) otherwise.
 
     Raises:
-        ValueError: With ``on_unsupported="error"`` and a skipped layer; for unknown
+        ValueError: With ``on_unsupported="error"`` and a skipped weight; for unknown
             names in ``select``; if nothing can be analyzed.
         TypeError: If ``select`` is not a list of names.
     """
+    _register_keras_hub()
     entries: list[Entry] = []
     skipped = Skipped(REGISTRY)
+    inventory = _Inventory()
     seen: set[int] = set()
+
+    def loose(name: str, layer: Any, variables: list[Any]) -> None:
+        """Variables of a layer without a registry entry: excluded, position tables, or skipped."""
+        unknown = []
+        for v in variables:
+            if v in inventory:
+                continue
+            reason = excluded_reason(v.path, _shape(v))
+            if reason is not None:
+                inventory.set(v, "excluded", reason)
+            elif position_table(v.path, _shape(v)) is not None:
+                features, positions = position_table(v.path, _shape(v))
+                entries.append(Entry(f"{name}/{v.name}", layer, KerasWeight(
+                    v, _position_table_canonical(features, positions), "position_table", f"/{v.name}"),
+                    None, "a learned position table (generic path)"))
+                inventory.set(v, "analyzed")
+            else:
+                unknown.append(v)
+        if unknown:
+            for v in unknown:
+                inventory.set(v, "skipped", f"{type(layer).__name__} has no registered extractor")
+            paths = [v.path for v in unknown]
+            skipped.add(name, layer, f"{type(layer).__name__} has weights {paths} but no registered extractor; "
+                                     f"register it with {REGISTRY.hint}")
 
     def visit(layer: Any, prefix: str) -> None:
         for child in compat.children(layer):
@@ -234,15 +435,24 @@ def walk(model: Any, on_unsupported: str, select: list[str] | None) -> tuple[lis
             name = prefix + child.name
             entry = REGISTRY.lookup(child)
             if entry is IGNORE:
+                for v in child.weights:
+                    if v not in inventory:
+                        inventory.set(v, "excluded", NORMALIZATION_REASON)
                 continue
             if isinstance(entry, Unsupported):
                 skipped.add(name, child, entry.reason)
+                for v in child.weights:
+                    if v not in inventory:
+                        inventory.set(v, "skipped", entry.reason)
                 continue
             if entry is not None:
                 try:
                     weights = entry(child)
                 except UnsupportedLayer as err:
                     skipped.add(name, child, str(err))
+                    for v in child.weights:
+                        if v not in inventory:
+                            inventory.set(v, "skipped", str(err))
                     continue
                 kind = fast_kind(child)
                 fast = kind if len(weights) == 1 else None
@@ -250,17 +460,25 @@ def walk(model: Any, on_unsupported: str, select: list[str] | None) -> tuple[lis
                     "several weight tensors in one layer" if kind else
                     f"{type(child).__name__} has no fast path (not Keras' own Dense/Conv call)")
                 for w in weights:
+                    if w.variable in inventory:  # shared with an earlier layer: analyzed there
+                        continue
                     entries.append(Entry(name + w.suffix, child, w, fast, reason))
-            elif compat.children(child):
+                    inventory.set(w.variable, "analyzed")
+                for v in child.weights:  # its other weights: biases by definition, or skipped
+                    if v not in inventory:
+                        reason_v = excluded_reason(v.path, _shape(v))
+                        if reason_v is not None:
+                            inventory.set(v, "excluded", reason_v)
+                        else:
+                            inventory.set(v, "skipped", f"not among the weights the {type(child).__name__} "
+                                                        "extractor reports")
+                continue
+            if compat.children(child):
                 visit(child, name + "/")
-                own = _own_weights(child)
-                if own:
-                    skipped.add(name, child, f"{type(child).__name__} has own weights {own} outside its "
-                                            f"sub-layers; register it with {REGISTRY.hint}")
-            elif child.weights:
-                skipped.add(name, child)
+            loose(name, child, _own_weights(child))
 
     visit(model, "")
+    loose(model.name, model, [v for v in model.weights if v not in inventory])
     unsupported = skipped.report(on_unsupported)
     if select is not None:
         if isinstance(select, str) or not all(isinstance(s, str) for s in select):
@@ -269,13 +487,24 @@ def walk(model: Any, on_unsupported: str, select: list[str] | None) -> tuple[lis
         unknown = [s for s in select if s not in known]
         if unknown:
             raise ValueError(f"Unknown layer name(s) {unknown}; this model's analyzable layers are {known}.")
-        entries = [e for e in entries if e.name in set(select)]
+        chosen = set(select)
+        for e in entries:
+            if e.name not in chosen:
+                inventory.status[id(e.variable)] = ParameterStatus(
+                    e.variable.path, _shape(e.variable), "skipped", "not selected (layers=...)")
+        entries = [e for e in entries if e.name in chosen]
     if not entries:
         raise ValueError(
-            "The model has no layer normflat can analyze (Dense, Conv1D/2D/3D, DepthwiseConv, "
-            "SeparableConv, or classes added with register_layer)."
+            "The model has no layer normflat can analyze (Dense, EinsumDense, MultiHeadAttention, Embedding, "
+            "LSTM/GRU/SimpleRNN, Conv1D/2D/3D, DepthwiseConv, SeparableConv, or classes added with "
+            "register_layer)."
         )
-    return entries, unsupported
+    return entries, unsupported, inventory.listing()
+
+
+def _position_table_canonical(features: int, positions: int) -> Callable[[Any], Any]:
+    """A loose position table (``(1, N, d)``, ``(N, d)``, ...) as its ``(features, positions)`` matrix."""
+    return lambda t: tf.transpose(tf.reshape(t, [positions, features]))
 
 
 def _is_softmax(fn: Any) -> bool:

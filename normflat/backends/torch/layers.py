@@ -18,13 +18,15 @@ import torch
 from torch import nn
 
 from normflat.backends.torch import compat
-from normflat.backends.torch.ggn import conv_squares, conv_transpose_squares, linear_squares
+from normflat.backends.torch.ggn import (
+    conv_squares, conv_transpose_squares, embedding_bag_squares, embedding_squares, linear_squares)
 from normflat.engine.options import AnalysisOptions
-from normflat.engine.problems import LayerSpec
-from normflat.engine.registry import IGNORE, LayerRegistry, Skipped, Unsupported
+from normflat.engine.problems import LayerSpec, ParameterStatus
+from normflat.engine.registry import IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table
 
 __all__ = [
     "LayerExtractor",
+    "ModuleWeight",
     "REGISTRY",
     "register_layer",
     "registered_layers",
@@ -36,6 +38,27 @@ __all__ = [
 
 def _default_weight(module: nn.Module) -> Any:
     return getattr(module, "weight", None)
+
+
+@dataclass(frozen=True)
+class ModuleWeight:
+    """One of several weight matrices of a module (attention projections, recurrent weights).
+
+    Args:
+        suffix: The report name is ``f"{module name}.{suffix}"``; ``None``: the module's name.
+        param: The ``nn.Parameter``.
+        to_canonical: ``tensor -> tensor`` to the canonical layout (only moves entries);
+            ``None``: the parameter is canonical as stored.
+        blocks: ``[(suffix, start, stop), ...]``: canonical row blocks that are separate
+            linear maps (method §3, "Packed maps are split"); ``None``: one map.
+        kind: The report kind; ``None``: the extractor's.
+    """
+
+    suffix: str | None
+    param: Any
+    to_canonical: Callable[[torch.Tensor], torch.Tensor] | None = None
+    blocks: list[tuple[str, int, int]] | None = None
+    kind: str | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +86,18 @@ class LayerExtractor:
             this reason (their sub-modules are not analyzed either).
         groups: ``module -> int``, the groups of a grouped convolution (each output
             channel sees ``in/groups`` input channels). Default: 1.
+        blocks: ``module -> [(suffix, start, stop), ...] | None``: for a weight that
+            packs several linear maps along its canonical rows (a fused query/key/value
+            projection, recurrent gates), the row range of each map; each becomes its
+            own problem ``f"{name}.{suffix}"`` (method §3, "Packed maps are split").
+            Default: one problem.
+        weights: ``module -> [ModuleWeight, ...]`` for a module with several weight
+            matrices; replaces ``weight``/``to_canonical``/``blocks``. Such weights use
+            the generic GGN path (``generic_reason`` says why).
+        generic_reason: Why a layer without a fast rule takes the generic path
+            (recorded in the details as ``generic_reason``). Default: ``"no fast rule"``.
+        check: ``module -> str | None``: a reason to refuse this module configuration
+            (raised as a ``ValueError`` naming the layer). Default: accept.
     """
 
     kind: str = "layer"
@@ -71,6 +106,10 @@ class LayerExtractor:
     ggn_squares: Callable[[nn.Module, torch.Tensor, Any], torch.Tensor] | None = None
     unsupported: str | None = None
     groups: Callable[[nn.Module], int] | None = None
+    blocks: Callable[[nn.Module], list[tuple[str, int, int]] | None] | None = None
+    weights: Callable[[nn.Module], list[ModuleWeight]] | None = None
+    generic_reason: str | None = None
+    check: Callable[[nn.Module], str | None] | None = None
 
 
 #: ``{module type: LayerExtractor | IGNORE | Unsupported}``.
@@ -126,6 +165,64 @@ def _groups_of(module: nn.Module) -> int:
     return int(module.groups)
 
 
+def _transposed(module: nn.Module, t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1)
+
+
+def _attention_weights(module: nn.Module) -> list[ModuleWeight]:
+    """``nn.MultiheadAttention``: the query, key and value maps and the output projection.
+
+    The packed ``in_proj_weight`` ``(3E, E)`` is one parameter with three row blocks;
+    with ``kdim``/``vdim`` different from ``E`` torch keeps three parameters.
+    """
+    e = module.embed_dim
+    out: list[ModuleWeight] = []
+    if module.in_proj_weight is not None:
+        out.append(ModuleWeight(None, module.in_proj_weight,
+                                blocks=[("query", 0, e), ("key", e, 2 * e), ("value", 2 * e, 3 * e)]))
+    else:
+        out += [ModuleWeight("query", module.q_proj_weight), ModuleWeight("key", module.k_proj_weight),
+                ModuleWeight("value", module.v_proj_weight)]
+    out.append(ModuleWeight("out_proj", module.out_proj.weight, kind="dense"))
+    return out
+
+
+#: Gate names of torch's recurrent weights, in torch's row order.
+_GATES = {"LSTM": ("i", "f", "g", "o"), "GRU": ("r", "z", "n"), "RNN_TANH": None, "RNN_RELU": None}
+
+
+def _recurrent_weights(module: nn.Module) -> list[ModuleWeight]:
+    """``nn.RNN``/``nn.LSTM``/``nn.GRU``: input, recurrent (and projection) weights of every
+    layer and direction, each ``(gates · hidden, in)`` split per gate (method §3)."""
+    gates = _GATES.get(module.mode)
+    h = module.hidden_size
+    out: list[ModuleWeight] = []
+    for name, p in module.named_parameters(recurse=False):
+        if not name.startswith("weight_"):
+            continue
+        blocks = None
+        if gates is not None and not name.startswith("weight_hr"):
+            blocks = [(g, i * h, (i + 1) * h) for i, g in enumerate(gates)]
+        out.append(ModuleWeight(name, p, blocks=blocks))
+    return out
+
+
+def _check_embedding(module: nn.Module) -> str | None:
+    if module.max_norm is not None:
+        return ("max_norm is set: torch renormalizes the table rows in place during every forward, "
+                "which would change the model's weights; normflat never changes the model. Analyze a "
+                "copy with max_norm=None after renormalizing it once (copy.deepcopy(model), then set "
+                "max_norm=None on the copy's embeddings)")
+    if module.scale_grad_by_freq:
+        return ("scale_grad_by_freq=True rescales the gradients autograd computes by the token "
+                "frequencies of the batch, so they are not the derivatives of the loss; analyze a copy "
+                "with scale_grad_by_freq=False (it does not change the function)")
+    if getattr(module, "sparse", False):
+        return ("sparse=True makes autograd return sparse gradients, which torch.func cannot "
+                "differentiate again; analyze a copy with sparse=False (it does not change the function)")
+    return None
+
+
 def _register_builtins() -> None:
     register_layer(nn.Linear, kind="dense", ggn_squares=linear_squares)
     for cls, kind in ((nn.Conv1d, "conv1d"), (nn.Conv2d, "conv2d"), (nn.Conv3d, "conv3d")):
@@ -134,13 +231,17 @@ def _register_builtins() -> None:
                       (nn.ConvTranspose3d, "conv_transpose3d")):
         register_layer(cls, kind=kind, to_canonical=_conv_transpose_canonical,
                        ggn_squares=conv_transpose_squares, groups=_groups_of)
-    register_layer(nn.MultiheadAttention, unsupported=(
-        "attention projections are not supported yet; analyze the other layers with "
-        "on_unsupported='skip' or 'warn'"))
-    register_layer(nn.Embedding, unsupported=(
-        "an embedding table is a lookup, not a weight matrix applied to inputs"))
-    register_layer(nn.EmbeddingBag, unsupported="an embedding table is a lookup, not a weight matrix")
-    register_layer(nn.RNNBase, unsupported="recurrent layers are not supported yet")
+    register_layer(nn.MultiheadAttention, kind="attention", weights=_attention_weights,
+                   generic_reason="nn.MultiheadAttention applies its weights functionally")
+    # A lookup of row v is E^T times the one-hot vector of v: canonical (features, vocabulary).
+    register_layer(nn.Embedding, kind="embedding", to_canonical=_transposed, ggn_squares=embedding_squares,
+                   check=_check_embedding)
+    register_layer(nn.EmbeddingBag, kind="embedding_bag", to_canonical=_transposed,
+                   ggn_squares=embedding_bag_squares, check=_check_embedding)
+    for cls, kind in ((nn.LSTM, "lstm"), (nn.GRU, "gru"), (nn.RNN, "rnn")):
+        register_layer(cls, kind=kind, weights=_recurrent_weights,
+                       generic_reason="recurrent layers take the generic path")
+    register_layer(nn.RNNBase, unsupported="a recurrent layer type other than nn.RNN, nn.LSTM and nn.GRU")
     # Normalization and activation parameters never enter the measures (method §9).
     ignored = [compat.NORM_BASE, nn.LayerNorm, nn.GroupNorm, nn.PReLU]
     if hasattr(nn, "RMSNorm"):
@@ -157,13 +258,19 @@ _register_builtins()
 
 @dataclass
 class TorchLayer:
-    """One analyzed weight: its report spec and what the kernels need."""
+    """One analyzed weight: its report spec and what the kernels need.
+
+    ``convert`` (set for the weights of multi-weight modules and position tables)
+    maps a tensor of the parameter's shape to the canonical layout; otherwise the
+    extractor's ``to_canonical`` does.
+    """
 
     spec: LayerSpec
     module: nn.Module
     param: nn.Parameter
     ext: LayerExtractor
     fast: bool
+    convert: Callable[[torch.Tensor], torch.Tensor] | None = None
     _perm: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -174,8 +281,13 @@ class TorchLayer:
     def param_name(self) -> str:
         return self.spec.param
 
+    def _moves(self) -> bool:
+        return self.convert is not None or self.ext.to_canonical is not None
+
     def canonical(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor of the parameter's shape in the canonical layout."""
+        if self.convert is not None:
+            return self.convert(t)
         return self.ext.to_canonical(self.module, t) if self.ext.to_canonical else t
 
     def canonical_shape(self) -> tuple[int, ...]:
@@ -187,7 +299,7 @@ class TorchLayer:
         ``to_canonical`` only moves entries, so applying it to the native positions
         ``0 .. numel-1`` gives, for each canonical entry, the native position it came from.
         """
-        if self.ext.to_canonical is None:
+        if not self._moves():
             return t
         if self._perm is None:
             native = torch.arange(self.param.numel(), device=t.device).reshape(self.param.shape)
@@ -229,9 +341,90 @@ def unwrap(model: Any) -> nn.Module:
     return model
 
 
+#: Extractor of learned position tables held as loose parameters (method §3, "Position tables").
+POSITION_TABLE = LayerExtractor(kind="position_embedding",
+                                generic_reason="a position table added to the activations")
+_NORM_REASON = "a normalization or activation parameter, not a weight matrix"
+
+
+def _position_convert(shape: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    features, positions = shape
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(positions, features).transpose(0, 1)
+    return convert
+
+
+class _Walk:
+    """State of one model walk: the layers found and every parameter's status."""
+
+    def __init__(self, model: nn.Module, ggn: bool, use_fast: bool) -> None:
+        self.ggn, self.use_fast = ggn, use_fast
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.status: dict[str, ParameterStatus] = {}
+        self.layers: list[TorchLayer] = []
+        self.by_param: dict[int, TorchLayer] = {}
+        self.skipped = Skipped(REGISTRY)
+
+    def mark(self, p: Any, status: str, reason: str | None = None) -> None:
+        name = self.names.get(id(p))
+        if name is not None and name not in self.status:
+            self.status[name] = ParameterStatus(name, tuple(p.shape), status, reason)
+
+    def add(self, label: str, module: nn.Module, w: Any, ext: LayerExtractor, *, kind: str | None = None,
+            convert: Callable | None = None, blocks: list | None = None, rule: bool = True) -> None:
+        if not isinstance(w, nn.Parameter) or id(w) not in self.names:
+            self.skipped.add(label, module, (
+                "its weight is not a parameter of the model, e.g. computed by "
+                "torch.nn.utils.parametrize; remove the parametrization first"))
+            return
+        if id(w) in self.by_param:  # tied weight: one Hessian diagonal, reported under the first name
+            first = self.by_param[id(w)]
+            first.spec.shared_with.append(label)
+            if self.ggn:
+                first.disable_fast("weight shared between modules")
+            return
+        fast = self.ggn and self.use_fast and rule and ext.ggn_squares is not None
+        if fast or not self.ggn:
+            reason = None
+        elif not self.use_fast:
+            reason = "fast=False"
+        else:
+            reason = ext.generic_reason or "no fast rule"
+        spec = LayerSpec(label, kind or ext.kind, self.names[id(w)],
+                         groups=int(ext.groups(module)) if ext.groups is not None and rule else 1,
+                         path=("fast" if fast else "generic") if self.ggn else "hvp",
+                         reason=reason, blocks=blocks)
+        layer = TorchLayer(spec, module, w, ext, fast, convert)
+        self.layers.append(layer)
+        self.by_param[id(w)] = layer
+        self.mark(w, "analyzed")
+
+    def loose(self, name: str, module: nn.Module) -> None:
+        """The direct parameters of a module without an extractor."""
+        label = name or type(module).__name__
+        for pname, p in module.named_parameters(recurse=False):
+            full = f"{name}.{pname}" if name else pname
+            shape = tuple(p.shape)
+            why = excluded_reason(full, shape)
+            if why is not None:
+                self.mark(p, "excluded", why)
+                continue
+            table = position_table(full, shape)
+            if table is not None and id(p) not in self.by_param:
+                self.add(self.names.get(id(p), full), module, p, POSITION_TABLE,
+                         convert=_position_convert(table), rule=False)
+                continue
+            if id(p) in self.by_param:
+                continue
+            self.skipped.add(f"{label}.{pname}" if name else pname, module)
+            self.mark(p, "skipped", "no registered extractor for its module")
+
+
 def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
-                   on_unsupported: str) -> tuple[list[TorchLayer], list[str]]:
-    """The analyzed weights of ``model`` in ``named_modules()`` order, and the skipped ones.
+                   on_unsupported: str) -> tuple[list[TorchLayer], list[str], list[ParameterStatus]]:
+    """The analyzed weights of ``model`` in ``named_modules()`` order, the skipped ones, and
+    the status of every parameter (analyzed, excluded or skipped; method §3).
 
     Args:
         model: The (unwrapped) module.
@@ -241,15 +434,15 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
             on rank 0 only).
 
     Raises:
-        ValueError: For no supported layer, non-finite weights, several devices, or an
-            unsupported layer with ``on_unsupported="error"``.
+        ValueError: For no supported layer, non-finite weights, several devices, a
+            refused layer configuration, or an unsupported layer with
+            ``on_unsupported="error"``.
         TypeError: For non-floating weights.
     """
-    ggn = options.estimator in ("ggn", "ggn-mc")
-    param_names = {id(p): n for n, p in model.named_parameters()}
-    layers: list[TorchLayer] = []
-    by_param: dict[int, TorchLayer] = {}
-    skipped = Skipped(REGISTRY)
+    from normflat.backends.torch import hf
+
+    hf.register_known_layers()
+    walk = _Walk(model, options.estimator in ("ggn", "ggn-mc"), use_fast)
     skip_prefixes: list[str] = []
     for name, module in model.named_modules():
         if any(name == p or name.startswith(p + ".") for p in skip_prefixes):
@@ -257,46 +450,55 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
         label = name or type(module).__name__
         entry = REGISTRY.lookup(module)
         if entry is IGNORE:
+            for p in module.parameters(recurse=False):
+                walk.mark(p, "excluded", _NORM_REASON)
             continue
         if isinstance(entry, Unsupported):
             if any(True for _ in module.parameters()):
-                skipped.add(label, module, entry.reason)
+                walk.skipped.add(label, module, entry.reason)
+            for p in module.parameters():
+                walk.mark(p, "skipped", entry.reason)
             skip_prefixes.append(name)
             continue
         if entry is None:
-            if any(True for _ in module.parameters(recurse=False)):
-                skipped.add(label, module)
+            walk.loose(name, module)
             continue
         ext: LayerExtractor = entry
-        w = ext.weight(module)
         skip_prefixes.append(name)
-        if w is None:
-            continue
-        if not isinstance(w, nn.Parameter) or id(w) not in param_names:
-            skipped.add(label, module, (
-                "its weight is not a parameter of the model, e.g. computed by "
-                "torch.nn.utils.parametrize; remove the parametrization first"))
-            continue
-        if id(w) in by_param:  # tied weight: one Hessian diagonal, reported under the first name
-            first = by_param[id(w)]
-            first.spec.shared_with.append(label)
-            if ggn:
-                first.disable_fast("weight shared between modules")
-            continue
-        fast = ggn and use_fast and ext.ggn_squares is not None
-        groups = int(ext.groups(module)) if ext.groups is not None else 1
-        spec = LayerSpec(label, ext.kind, param_names[id(w)], groups=groups,
-                         path=("fast" if fast else "generic") if ggn else "hvp",
-                         reason=None if fast or not ggn else ("no fast rule" if use_fast else "fast=False"))
-        layer = TorchLayer(spec, module, w, ext, fast)
-        layers.append(layer)
-        by_param[id(w)] = layer
-    messages = skipped.report(on_unsupported)
+        if ext.check is not None:
+            refused = ext.check(module)
+            if refused:
+                raise ValueError(f"Layer {label!r} ({type(module).__name__}): {refused}.")
+        if ext.weights is not None:
+            for mw in ext.weights(module):
+                sub = label if mw.suffix is None else f"{label}.{mw.suffix}"
+                # convert=identity keeps a module-level to_canonical from applying to every weight.
+                convert = mw.to_canonical or (_identity if ext.to_canonical is not None else None)
+                walk.add(sub, module, mw.param, ext, kind=mw.kind, convert=convert,
+                         blocks=mw.blocks, rule=False)
+        else:
+            w = ext.weight(module)
+            if w is not None:
+                walk.add(label, module, w, ext, blocks=_blocks_of(ext, module))
+        # The module's other parameters (biases; sub-modules are not walked): excluded
+        # by definition, or weights its extractor does not read.
+        for pname, p in module.named_parameters():
+            if id(p) in walk.by_param:
+                continue
+            full = f"{name}.{pname}" if name else pname
+            why = excluded_reason(full, tuple(p.shape))
+            if why is not None:
+                walk.mark(p, "excluded", why)
+            elif walk.names.get(id(p)) not in walk.status:
+                walk.skipped.add(full, module, "a parameter its layer extractor does not read")
+                walk.mark(p, "skipped", "a parameter its layer extractor does not read")
+    messages = walk.skipped.report(on_unsupported)
+    layers = walk.layers
     if not layers:
         raise ValueError(
             f"The model {type(model).__name__} has no supported weight layer (nn.Linear, nn.Conv1d/2d/3d, "
-            "nn.ConvTranspose1d/2d/3d, or a type registered with "
-            "normflat.backends.torch.register_layer)."
+            "nn.ConvTranspose1d/2d/3d, nn.Embedding, nn.MultiheadAttention, nn.RNN/LSTM/GRU, or a type "
+            "registered with normflat.backends.torch.register_layer)."
         )
     for layer in layers:
         if not torch.is_floating_point(layer.param):
@@ -312,7 +514,23 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
             f"The model's weights are on several devices {sorted(map(str, devices))}; normflat needs "
             "the whole model on one device (model.to(device))."
         )
-    return layers, messages
+    names = [n for n, _ in model.named_parameters()]
+    params = dict(model.named_parameters())
+    inventory = [walk.status.get(n) or ParameterStatus(n, tuple(params[n].shape), "skipped",
+                                                       "not reached by the model walk")
+                 for n in names]
+    return layers, messages, inventory
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _blocks_of(ext: LayerExtractor, module: nn.Module) -> list[tuple[str, int, int]] | None:
+    if ext.blocks is None:
+        return None
+    blocks = ext.blocks(module)
+    return [(str(s), int(a), int(b)) for s, a, b in blocks] if blocks else None
 
 
 def all_finite(t: torch.Tensor) -> bool:
