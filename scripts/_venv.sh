@@ -16,6 +16,10 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
         | grep -v "is ignored: it is neither a file nor a directory" || true
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r "$ROOT/requirements-nodeps.txt" 2>&1 \
         | grep -v "is ignored: it is neither a file nor a directory" || true
+    # The CUDA build of torch 2.14.1 pulls in triton, a GPU kernel compiler that segfaults on
+    # import once TensorFlow is loaded (torch.func imports torch._dynamo, which imports it). These
+    # machines have no GPU and torch treats triton as optional: remove it.
+    "$VENV/bin/python" -m pip uninstall --quiet --disable-pip-version-check -y triton >/dev/null 2>&1 || true
     "$VENV/bin/python" -c "import normflat, torch, torchvision, timm, transformers, tensorflow, keras, keras_hub, jax, flax, equinox" \
         || { echo "normflat: installation failed" >&2; exit 1; }
     echo "$WANT" > "$STAMP"
