@@ -492,9 +492,16 @@ def test_register_layer_and_on_unsupported():
         def call(self, x):
             return x @ self.w
 
+    class Mix(L.Layer):  # unregistered too, with a weight matrix
+        def build(self, shape):
+            self.m = self.add_weight(shape=(shape[-1], 5), dtype=F64)
+
+        def call(self, x):
+            return x @ self.m
+
     _seed(7)
     inp = keras.Input((4,), dtype=F64)
-    einsum = L.EinsumDense("ab,bc->ac", output_shape=5, dtype=F64, name="einsum")
+    einsum = Mix(dtype=F64, name="einsum")
     scale = Scale(dtype=F64, name="scale")
     model = keras.Model(inp, scale(L.Dense(4, activation="tanh", dtype=F64, name="d")(einsum(inp))))
     x, y = data_for(model, n=5)

@@ -22,14 +22,16 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
-from normflat.backends.keras.layers import Entry
+from normflat.backends.keras.layers import Entry, einsum_fast_axes
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for
-from normflat.engine.losses import logit_stats, output_signals
+from normflat.engine.losses import logit_stats, output_signals, token_signals
 from normflat.engine.options import AnalysisOptions
+from normflat.engine.outputs import select_output
 
-__all__ = ["Taps", "ggn_step_fn", "signal_layout", "ggn_bytes", "ggn_chunk_size", "SIGNAL_BLOCK", "compute_dtype"]
+__all__ = ["Taps", "ggn_step_fn", "model_logits", "signal_layout", "ggn_bytes", "ggn_chunk_size", "SIGNAL_BLOCK",
+           "compute_dtype"]
 
 #: Signals back-propagated per compiled step (unrolled in the graph; more are done in blocks).
 SIGNAL_BLOCK = 16
@@ -41,6 +43,19 @@ def compute_dtype(dtype: Any) -> Any:
     """Losses and signals are formed in at least float32 (half-precision logits lose the curvature)."""
     dtype = tf.as_dtype(dtype)
     return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+
+
+def _is_tensor(a: Any) -> bool:
+    return isinstance(a, tf.Tensor)
+
+
+def model_logits(model: Any, x: Any, options: AnalysisOptions) -> Any:
+    """The model's logits for inputs ``x``: its output reduced by ``options.output`` (method §9).
+
+    Works eagerly and inside ``tf.function``; a dict of named inputs is passed
+    positionally, as Keras functional models take it (keras-hub backbones).
+    """
+    return select_output(model(x, training=False), options.output, _is_tensor)
 
 
 class Taps:
@@ -61,6 +76,17 @@ class Taps:
     def _tap(self, state: ModelState, entry: Entry) -> None:
         layer, name = entry.layer, entry.name
         original_call = layer.call  # bound method (or an instance attribute set before)
+        if entry.fast == "embedding":
+            # A lookup has no activation: its output is what the signals are pulled back to.
+            def lookup(inputs, *args, **kwargs):
+                out = original_call(inputs, *args, **kwargs)
+                if self.tape is not None:
+                    self.tape.watch(out)
+                self.records.setdefault(name, []).append([inputs, out])
+                return out
+
+            state.set(layer, "call", lookup)
+            return
         original_activation = layer.activation
 
         def call(inputs, *args, **kwargs):
@@ -79,24 +105,27 @@ class Taps:
         state.set(layer, "activation", activation)
 
 
-def signal_layout(options: AnalysisOptions, num_classes: int) -> tuple[list[int], list[int]]:
-    """Which of the flattened ``(K·M)`` engine signals are real, and their group ids.
+def signal_layout(options: AnalysisOptions, num_classes: int, tokens: int = 1) -> tuple[list[int], list[int]]:
+    """Which of the flattened ``(K·M·T)`` engine signals are real, and their group ids.
 
     ``ggn``: ``K = 1``, ``M = C − 1``, all real. ``ggn-mc``: draw ``d`` is member
     ``d // K`` of group ``d mod K``; groups with fewer members are padded with zero
     signals by the engine, which are dropped here (they would cost a back-propagation
-    each and add nothing).
+    each and add nothing). Token logits have ``T`` signals per member, one per token
+    (:func:`normflat.engine.losses.token_signals`: signal ``m·T + t``).
     """
     if options.estimator == "ggn":
-        return list(range(num_classes - 1)), [0] * (num_classes - 1)
+        count = (num_classes - 1) * tokens
+        return list(range(count)), [0] * count
     k, samples = options.groups, options.samples
     members = -(-samples // k)
     index, seg = [], []
     for g in range(k):
         for m in range(members):
             if g + m * k < samples:
-                index.append(g * members + m)
-                seg.append(g)
+                for t in range(tokens):
+                    index.append((g * members + m) * tokens + t)
+                    seg.append(g)
     return index, seg
 
 
@@ -147,6 +176,57 @@ def _per_sample_squares(a: Any, g: Any, seg: Any, groups: int) -> Any:
     return tf.math.unsorted_segment_sum(tf.reshape(sq, [b, o, k]), seg, groups)
 
 
+def _embedding_squares(ids: Any, gs: list[Any], seg: Any, groups: int, vocabulary: int) -> Any:
+    """``(K, features, vocabulary)`` per-sample squares of an embedding table (method §3, Embeddings).
+
+    The per-sample gradient of row ``v`` is the sum of the output signals at the
+    positions of sample ``n`` that look up ``v``: a scatter of the signals per
+    (sample, id) pair, squared, then added into the vocabulary. Only the pairs that
+    occur are formed (at most ``n·T`` of them), never an ``(n, vocabulary)`` array.
+    """
+    b = len(gs)
+    d = int(gs[0].shape[-1])
+    n = tf.shape(ids)[0]
+    ids = tf.reshape(tf.cast(ids, tf.int64), [n, -1])  # (n, T)
+    t = tf.shape(ids)[1]
+    pair = tf.range(tf.cast(n, tf.int64))[:, None] * vocabulary + ids  # one key per (sample, id)
+    keys, slot = tf.unique(tf.reshape(pair, [-1]))
+    g = tf.reshape(tf.stack(gs, axis=-2), [n * t, b * d])  # (n·T, B·d)
+    per_pair = tf.math.unsorted_segment_sum(g, slot, tf.shape(keys)[0])  # (U, B·d)
+    sq = tf.transpose(tf.reshape(tf.square(per_pair), [-1, b, d]), [1, 0, 2])  # (B, U, d)
+    sq = tf.math.unsorted_segment_sum(sq, seg, groups)  # (K, U, d)
+    rows = tf.math.floormod(keys, vocabulary)
+    table = tf.math.unsorted_segment_sum(tf.transpose(sq, [1, 0, 2]), rows, vocabulary)  # (V, K, d)
+    return tf.transpose(table, [1, 2, 0])  # (K, d, V)
+
+
+def _einsum_squares(equation: str, x: Any, gs: list[Any], seg: Any, groups: int) -> Any:
+    """``(K, ∏ output-only, ∏ contracted)`` per-sample squares of an ``EinsumDense`` kernel.
+
+    The pre-activation is linear in the kernel: per sample it is the dense map from
+    the flattened contracted input axes to the flattened output-only axes, applied
+    at every index of the shared axes (positions). The per-sample gradient is then
+    ``Σ_positions g ⊗ x``, formed by batched matmuls as for a dense layer on sequences.
+    """
+    inp, _, out, shared, input_only, contracted = einsum_fast_axes(equation)
+    outputs = "".join(a for a in out[1:] if a not in shared)
+    n = tf.shape(x)[0]
+    if input_only:
+        x = tf.reduce_sum(x, axis=[inp.index(a) for a in input_only])
+        inp = "".join(a for a in inp if a not in input_only)
+    x = tf.transpose(x, [inp.index(a) for a in inp[0] + shared + contracted])
+    in_size = int(np.prod([int(x.shape[1 + len(shared) + i]) for i in range(len(contracted))]))
+    xf = tf.reshape(x, [n, -1, in_size])
+    b = len(gs)
+    g = tf.stack(gs, axis=1)  # (n, B, *out[1:])
+    perm = [0, 1] + [2 + out[1:].index(a) for a in shared + outputs]
+    g = tf.transpose(g, perm)  # (n, B, shared..., outputs...)
+    out_size = int(np.prod([int(g.shape[2 + len(shared) + i]) for i in range(len(outputs))]))
+    g = tf.reshape(g, [n, b, -1, out_size])
+    gf = tf.transpose(g, [0, 2, 1, 3])  # (n, P, B, O)
+    return _per_sample_squares(xf, gf, seg, groups)
+
+
 def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int) -> Any:
     """Per-group sums over samples and signals of squared per-sample gradients, canonical layout.
 
@@ -156,6 +236,10 @@ def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int) ->
     """
     layer = entry.layer
     b = len(gs)
+    if entry.fast == "embedding":
+        return _embedding_squares(x, gs, seg, groups, int(entry.variable.shape[0]))
+    if entry.fast == "einsum":
+        return _einsum_squares(layer.equation, x, gs, seg, groups)
     if entry.fast == "dense":
         if len(x.shape) == 2:
             # Per-sample gradient x ⊗ g is rank one: its square is x² ⊗ g², summed over n by a matmul.
@@ -188,41 +272,53 @@ def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int) ->
 
 
 def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, groups: int, block: int,
-                num_classes: int, holder: dict) -> Callable[..., Any]:
+                num_classes: int, holder: dict, tokens: int | None = None,
+                sequential: bool = False) -> Callable[..., Any]:
     """The compiled GGN step of one chunk of samples and one block of signals.
 
-    ``step(x, uniforms, start)`` returns the ``(K, *canonical)`` sums per layer and
-    the :func:`~normflat.engine.losses.logit_stats` of the chunk. ``uniforms`` are
-    the chunk's ``(n, samples)`` draws (``ggn-mc``; ``(n, 0)`` for ``ggn``);
-    ``start`` selects the block of signals. ``holder["taps"]`` is the
+    ``step(x, uniforms, counted, start)`` returns the ``(K, *canonical)`` sums per
+    layer and the :func:`~normflat.engine.losses.logit_stats` of the chunk.
+    ``uniforms`` are the chunk's ``(n, samples·T)`` draws (``ggn-mc``; ``(n, 0)`` for
+    ``ggn``); ``counted`` is the ``(n, T)`` 0/1 mask of the counted tokens of token
+    logits ``(n, T, C)`` (``tokens = T``, method §6.3; ``(n, 0)`` for ``(n, C)``
+    logits); ``start`` selects the block of signals. ``holder["taps"]`` is the
     :class:`Taps` active when the function (re)traces; the model is held weakly.
+    ``sequential``: the generic path's per-sample gradients run one after the other
+    (``tf.map_fn``) rather than vectorized: vectorizing the backward pass of a
+    ``tf.while_loop`` (recurrent layers) takes far longer to compile than the loop runs.
     """
     fast = [e for e in entries if e.fast]
     generic = [e for e in entries if not e.fast]
     model_ref = weakref.ref(model)
-    index, seg_list = signal_layout(options, num_classes)
+    index, seg_list = signal_layout(options, num_classes, tokens or 1)
 
     @tf.function(reduce_retracing=True)
-    def step(x, uniforms, start):
+    def step(x, uniforms, counted, start):
         taps = holder["taps"]
         taps.records.clear()
         with tf.GradientTape(persistent=True) as tape:
             taps.tape = tape
             for e in generic:
                 tape.watch(e.variable.value)
-            z = model_ref()(x, training=False)
+            z = model_logits(model_ref(), x, options)
         taps.tape = None
         zc = tf.cast(tf.stop_gradient(z), compute_dtype(z.dtype))
-        stats = logit_stats(TF, zc)
-        sig = output_signals(TF, zc, options, tf.cast(uniforms, zc.dtype))  # (K, M, n, C)
         c = int(z.shape[-1])
-        s = tf.gather(tf.reshape(sig, [-1, tf.shape(zc)[0], c]), index)
+        stats = logit_stats(TF, tf.reshape(zc, [-1, c]))
+        u = tf.cast(uniforms, zc.dtype)
+        if tokens is None:
+            sig = output_signals(TF, zc, options, u)  # (K, M, n, C)
+        else:
+            zc = tf.ensure_shape(zc, [None, tokens, c])
+            sig = token_signals(TF, zc, options, tf.cast(counted, zc.dtype), u)  # (K, M·T, n, T, C)
+        rest = [c] if tokens is None else [tokens, c]
+        s = tf.gather(tf.reshape(sig, [-1, tf.shape(zc)[0], *rest]), index)
         s = tf.cast(s, z.dtype)
         seg = tf.constant(seg_list, tf.int32)
         # A fixed-size block of signals; past the end, zero (padding) signals add nothing.
-        s = tf.pad(s, [[0, block], [0, 0], [0, 0]])[start:start + block]
+        s = tf.pad(s, [[0, block]] + [[0, 0]] * (1 + len(rest)))[start:start + block]
         seg = tf.pad(seg, [[0, block]])[start:start + block]
-        s = tf.ensure_shape(s, [block, None, c])
+        s = tf.ensure_shape(s, [block, None, *rest])
         out = {}
         if fast:
             pre = [taps.records[e.name][0][1] for e in fast]
@@ -234,16 +330,23 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
         if generic:
             n = tf.shape(z)[0]
             # One signal per (signal, sample): per-sample gradients through the whole model.
-            flat = tf.reshape(s, [-1, c])  # (B*n, C)
+            flat = tf.reshape(s, [-1, *rest])  # (B*n, C) or (B*n, T, C)
             rows = tf.tile(tf.range(n), [block])
-            og = tf.one_hot(rows, n, dtype=z.dtype)[:, :, None] * flat[:, None, :]  # (B*n, n, C)
+            hot = tf.reshape(tf.one_hot(rows, n, dtype=z.dtype), [-1, n] + [1] * len(rest))
+            og = hot * flat[:, None]  # (B*n, n, *rest): the signal at one sample only
             variables = [e.variable.value for e in generic]
 
             def per_sample(o):
                 grads = tape.gradient(z, variables, output_gradients=o)
-                return [tf.zeros_like(v) if gr is None else gr for gr, v in zip(grads, variables)]
+                # An embedding's gradient is sparse (IndexedSlices): made dense to be squared.
+                return [tf.zeros_like(v) if gr is None else tf.convert_to_tensor(gr)
+                        for gr, v in zip(grads, variables)]
 
-            grads = tf.vectorized_map(per_sample, og)
+            if sequential:
+                grads = tf.map_fn(per_sample, og, fn_output_signature=[tf.TensorSpec(v.shape, v.dtype)
+                                                                       for v in variables])
+            else:
+                grads = tf.vectorized_map(per_sample, og)
             sample_seg = tf.repeat(seg, n)
             for e, gr in zip(generic, grads):
                 sq = tf.math.unsorted_segment_sum(tf.square(gr), sample_seg, groups)

@@ -18,10 +18,12 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable
 
+import keras
 import numpy as np
 import tensorflow as tf
 
-from normflat.backends.keras.ggn import compute_dtype
+from normflat.backends.keras import compat
+from normflat.backends.keras.ggn import compute_dtype, model_logits
 from normflat.backends.keras.layers import Entry
 from normflat.backends.keras.ops import TF
 from normflat.engine.losses import check_loss_value, logit_stats, loss_sum
@@ -47,14 +49,24 @@ def _loss_sum(z: Any, target: Any, options: AnalysisOptions, holder: dict) -> An
     return loss_sum(TF, zc, target, options)
 
 
+def has_recurrence(model: Any) -> bool:
+    """Whether the model runs a recurrent layer (a ``tf.while_loop`` through time)."""
+    return any(isinstance(layer, keras.layers.RNN) for layer in compat.flatten_layers(model))
+
+
 def hvp_step_fns(model: Any, entries: list[Entry], options: AnalysisOptions, groups: int,
-                 holder: dict) -> tuple[Callable[..., Any], Callable[..., Any]]:
+                 holder: dict, sequential: bool = False) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """Compiled ``exact_step(x, target, indices, layer)`` and ``hutchinson_step(x, target, probes, seg)``.
 
     ``exact_step`` returns the Hessian diagonal entries ``indices`` of layer
     ``layer`` (flat, variable layout); ``hutchinson_step`` the per-layer
     ``(K, *variable shape)`` sums of ``v ⊙ H v``; both also the loss sum and the
     :func:`~normflat.engine.losses.logit_stats` of the chunk.
+
+    ``sequential``: the probes' Hessian-vector products run one after the other
+    (``tf.map_fn``) instead of vectorized: TensorFlow's vectorization cannot convert
+    the second derivative of a ``tf.while_loop`` (recurrent layers); the result
+    is the same.
     """
     variables = [e.variable.value for e in entries]
     sizes = [int(np.prod(v.shape)) for v in variables]
@@ -67,10 +79,11 @@ def hvp_step_fns(model: Any, entries: list[Entry], options: AnalysisOptions, gro
             with tf.GradientTape() as inner:
                 for v in variables:
                     inner.watch(v)
-                z = model_ref()(x, training=False)
+                z = model_logits(model_ref(), x, options)
                 loss = _loss_sum(z, target, options, holder)
             g = inner.gradient(loss, variables)
-            g = [tf.zeros_like(v) if gi is None else gi for gi, v in zip(g, variables)]
+            # Embedding gradients are IndexedSlices: dense, to be differentiated again.
+            g = [tf.zeros_like(v) if gi is None else tf.convert_to_tensor(gi) for gi, v in zip(g, variables)]
         if layer is not None:
             sources, targets_ = [variables[layer]], [g[layer]]
         else:
@@ -78,9 +91,13 @@ def hvp_step_fns(model: Any, entries: list[Entry], options: AnalysisOptions, gro
 
         def hvp(vs):
             out = outer.gradient(targets_, sources, output_gradients=vs)
-            return [tf.zeros_like(s) if o is None else o for o, s in zip(out, sources)]
+            return [tf.zeros_like(s) if o is None else tf.convert_to_tensor(o) for o, s in zip(out, sources)]
 
-        stats = logit_stats(TF, tf.cast(tf.stop_gradient(z), compute_dtype(z.dtype)))
+        zs = tf.reshape(tf.stop_gradient(z), [-1, int(z.shape[-1])])  # token logits: one row per token
+        stats = logit_stats(TF, tf.cast(zs, compute_dtype(z.dtype)))
+        if sequential:
+            signature = [tf.TensorSpec(s.shape, s.dtype) for s in sources]
+            return tf.map_fn(hvp, probes, fn_output_signature=signature), loss, stats
         return tf.vectorized_map(hvp, probes), loss, stats
 
     @tf.function(reduce_retracing=True)

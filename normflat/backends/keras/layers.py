@@ -4,8 +4,13 @@ One :class:`~normflat.engine.registry.LayerRegistry` maps a Keras layer class
 to an extractor ``layer -> [KerasWeight, ...]`` (MRO lookup: subclasses
 match); normalization layers are registered as
 :data:`~normflat.engine.registry.IGNORE` (their parameters never enter the
-measures, method §9). The walk returns the analyzed weights in model order and
-collects what it cannot analyze in a :class:`~normflat.engine.registry.Skipped`.
+measures, method §9). Built in: ``Dense``, ``EinsumDense`` (so ``MultiHeadAttention``
+through its projections), ``Embedding`` (and keras-hub's ``ReversibleEmbedding``,
+``PositionEmbedding``), the recurrent cells (``LSTMCell``, ``GRUCell``,
+``SimpleRNNCell``, split per gate), convolutions (method §3). The walk returns
+the analyzed weights in model order, collects what it cannot analyze in a
+:class:`~normflat.engine.registry.Skipped`, and lists every variable of the
+model with its :class:`~normflat.engine.problems.ParameterStatus`.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ __all__ = [
     "final_softmax",
     "UnsupportedLayer",
     "einsum_layout",
+    "einsum_fast_axes",
 ]
 
 
@@ -77,7 +83,8 @@ def register_layer(layer_class: type, extractor: Callable[[Any], list[KerasWeigh
     """Register how to read the weight matrices of a Keras layer class.
 
     Registered layers are analyzed with the generic (per-sample Jacobian) GGN
-    path; the built-in ``Dense`` and ``Conv1D/2D/3D`` have a faster one.
+    path; the built-in ``Dense``, ``EinsumDense``, ``Embedding`` and
+    ``Conv1D/2D/3D`` have faster ones.
 
     Args:
         layer_class: A ``keras.layers.Layer`` subclass; subclasses of it match too
@@ -191,6 +198,28 @@ def einsum_layout(equation: str, kernel_rank: int) -> tuple[tuple[int, ...], int
     contracted = [a for a in inp if a in ker]
     perm = tuple(ker.index(a) for a in outputs + contracted)
     return perm, len(outputs), len(contracted)
+
+
+def einsum_fast_axes(equation: str) -> tuple[str, str, str, str, str, str] | None:
+    """``(input, kernel, output, shared, input_only, contracted)`` subscripts for the fast GGN path.
+
+    The fast path needs the sample axis first in the input and the output (and not
+    in the kernel), and no ellipsis. ``shared`` are the other axes of both the
+    input and the output but not of the kernel (positions, heads' sequence axes),
+    over which a sample's gradient sums; ``input_only`` axes are summed by the
+    einsum itself. ``None``: take the generic path.
+    """
+    text = equation.replace(" ", "")
+    if "." in text or "->" not in text or "," not in text:
+        return None
+    lhs, out = text.split("->")
+    inp, ker = lhs.split(",")
+    if not inp or not out or inp[0] != out[0] or inp[0] in ker:
+        return None
+    shared = "".join(a for a in inp[1:] if a in out and a not in ker)
+    input_only = "".join(a for a in inp if a not in out and a not in ker)
+    contracted = "".join(a for a in inp if a in ker)
+    return inp, ker, out, shared, input_only, contracted
 
 
 def _einsum_canonical(perm: tuple[int, ...], rows: int) -> Callable[[Any], Any]:
@@ -307,7 +336,8 @@ class Entry:
         name: Report name (layer path plus the weight's suffix).
         layer: The Keras layer.
         weight: Its :class:`KerasWeight`.
-        fast: ``"dense"``/``"conv"`` for the fast GGN path, ``None`` for the generic one.
+        fast: ``"dense"``/``"conv"``/``"einsum"``/``"embedding"`` for the fast GGN path,
+            ``None`` for the generic one.
         reason: Why the generic path is used.
         input_rank: Rank of the tapped input (seen by the probe).
         in_size: Per-sample elements of the tapped input (memory estimate).
@@ -331,8 +361,14 @@ class Entry:
 def fast_kind(layer: Any) -> str | None:
     """Whether a layer's pre-activation and input can be tapped (its call is Keras' own)."""
     cls = type(layer)
+    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+        return None
     if isinstance(layer, keras.layers.Dense) and cls.call is keras.layers.Dense.call:
         return "dense"
+    if isinstance(layer, keras.layers.EinsumDense) and cls.call is keras.layers.EinsumDense.call:
+        return "einsum" if einsum_fast_axes(layer.equation) is not None else None
+    if isinstance(layer, keras.layers.Embedding) and cls.call is keras.layers.Embedding.call:
+        return "embedding"
     base = compat.base_conv_class()
     if (
         base is not None

@@ -25,8 +25,10 @@ from normflat.backends.keras import compat
 from normflat.backends.keras.calls import grouped_conv_call, is_plain_norm, norm_call
 from normflat.backends.keras.data import ADAPTER, to_tensor
 from normflat.backends.keras.distributed import Replicas
-from normflat.backends.keras.ggn import SIGNAL_BLOCK, Taps, compute_dtype, ggn_bytes, ggn_chunk_size, ggn_step_fn
-from normflat.backends.keras.hvp import EXACT_BLOCK, PROBE_BLOCK, hvp_step_fns, native_positions, native_probes
+from normflat.backends.keras.ggn import (SIGNAL_BLOCK, Taps, compute_dtype, ggn_bytes, ggn_chunk_size, ggn_step_fn,
+                                        model_logits)
+from normflat.backends.keras.hvp import (EXACT_BLOCK, PROBE_BLOCK, has_recurrence, hvp_step_fns, native_positions,
+                                        native_probes)
 from normflat.backends.keras.layers import Entry, fast_kind, final_softmax, walk
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
@@ -152,7 +154,7 @@ class KerasSession:
         self.rank = rank
         self.as_tensors = as_tensors
         self.hvp = options.estimator in ("exact", "hutchinson")
-        entries, self.unsupported = walk(model, options.on_unsupported, config.layers)
+        entries, self.unsupported, self.parameters = walk(model, options.on_unsupported, config.layers)
         if not config.fast:
             for e in entries:
                 e.fast, e.reason = None, "fast=False"
@@ -173,7 +175,8 @@ class KerasSession:
         self.layers = [
             LayerSpec(e.name, e.weight.kind, e.variable.path, groups=int(e.weight.groups),
                       path="hvp" if self.hvp else ("fast" if e.fast else "generic"),
-                      reason=None if self.hvp else e.reason, extra={"layer_class": type(e.layer).__name__})
+                      reason=None if self.hvp else e.reason, extra={"layer_class": type(e.layer).__name__},
+                      blocks=list(e.weight.blocks) if e.weight.blocks else None)
             for e in entries
         ]
         self.replicas = Replicas(strategy) if strategy is not None else None
@@ -182,10 +185,17 @@ class KerasSession:
                         if isinstance(l, (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D))
                         and getattr(l, "groups", 1) > 1 and fast_kind(l)]
         self.num_classes = 0
+        self.tokens: int | None = None  # T of token logits (n, T, C), None for (n, C) logits
+        # Keras models compute no loss themselves, so nothing marks one that wants shifted
+        # labels (keras-hub's CausalLM preprocessors shift the labels in the data): no shift
+        # unless asked for (method §6.3).
+        self.shift = bool(options.shift_labels)
+        self._probed_for: Any = None
         self.input_size = 0
         self.chunk: int | None = None
         self._probed = False
         self._step: Any = None
+        self._step_tokens: Any = None
         self._holder: dict = {}
         self._probe_cache: list[tuple[range, list[Any]]] | None = None
 
@@ -286,21 +296,32 @@ class KerasSession:
             "backend": backend,
         }
 
-    def update(self, batch: Batch, state: SumState) -> None:
+    def update(self, batch: Batch, state: SumState) -> int | None:
+        # A mapping batch (Hugging Face style, ``batch.keywords``) is the dict of the model's
+        # named inputs: Keras models take it positionally, model(x_dict) (keras-hub backbones).
         x = to_tensor(batch.x)
-        if not self._probed:
-            self._probe(x, batch)
-        labels = labels_for(batch, self.num_classes, ADAPTER, self.options)
+        signature = self._signature(x)
+        if not self._probed or signature != self._probed_for:
+            self._probe(x, batch)  # again when the shapes change: T of token logits may differ
+            self._probed_for = signature
+        labels = labels_for(batch, self.num_classes, ADAPTER, self.options, tokens=self.tokens, shift=self.shift)
         if self.hvp:
             self._update_hvp(x, labels, batch, state)
         else:
-            self._update_ggn(x, batch, state)
+            self._update_ggn(x, labels, batch, state)
+        if self.tokens is None or labels is None:
+            return None
+        return int(np.count_nonzero(labels >= 0))  # the counted tokens (method §6.3)
 
     # ------------------------------------------------------------------ first forward
 
+    @staticmethod
+    def _signature(x: Any) -> Any:
+        return tuple((tuple(t.shape[1:]), t.dtype.name) for t in tf.nest.flatten(x))
+
     def _probe_key(self, x: Any) -> Any:
-        signature = tuple((tuple(t.shape[1:]), t.dtype.name) for t in tf.nest.flatten(x))
-        return (signature, tuple((e.name, id(e.variable.value), e.fast) for e in self.entries),
+        return (self._signature(x), self._probe_key_output(),
+                tuple((e.name, id(e.variable.value), e.fast) for e in self.entries),
                 None if self.strip is None else id(self.strip[0]), tuple(id(l) for l in self.grouped),
                 callable(self.options.loss), self.hvp)
 
@@ -314,14 +335,14 @@ class KerasSession:
         key = self._probe_key(x)
         cached = None if self.hvp else _cached(_PROBES, self.model, key, None)
         if cached is not None:
-            self.num_classes, self.input_size, fast = cached
+            self.num_classes, self.tokens, self.input_size, fast = cached
             for entry, (f, rank, in_size, pre_size, reason) in zip(self.entries, fast):
                 entry.fast, entry.input_rank, entry.in_size, entry.pre_size, entry.reason = (
                     f, rank, in_size, pre_size, reason)
         else:
             self._probe_eager(x, batch)
             if not self.hvp:
-                _store(_PROBES, self.model, key, (self.num_classes, self.input_size,
+                _store(_PROBES, self.model, key, (self.num_classes, self.tokens, self.input_size,
                                                   [(e.fast, e.input_rank, e.in_size, e.pre_size, e.reason)
                                                    for e in self.entries]))
         if not self.hvp:
@@ -334,14 +355,10 @@ class KerasSession:
         first = _slice(x, 0, rows)
         if self.taps is not None:
             self.taps.records.clear()
-        z = self.model(first, training=False)
-        if not isinstance(z, tf.Tensor):
-            raise ValueError(
-                f"Batch {batch.index}: the model returned a {type(z).__name__}; normflat needs one logits "
-                "tensor of shape (batch, classes)."
-            )
+        z = model_logits(self.model, first, self.options)
         self.num_classes = check_output_shape(tuple(z.shape), self.options, batch.index, rows)
-        zc = tf.cast(z, compute_dtype(z.dtype))
+        self.tokens = int(z.shape[1]) if len(z.shape) == 3 else None
+        zc = tf.cast(tf.reshape(z, [-1, self.num_classes]), compute_dtype(z.dtype))
         check_logit_stats(logit_stats(TF, zc), self.options, batch.index, self.num_classes,
                           float(np.finfo(zc.dtype.as_numpy_dtype).eps))
         if self.taps is not None:
@@ -385,10 +402,15 @@ class KerasSession:
 
     def _ggn_step(self) -> tuple[Any, int, int]:
         options = self.options
-        signals = options.samples if options.estimator == "ggn-mc" else self.num_classes - 1
+        signals = (options.samples if options.estimator == "ggn-mc" else self.num_classes - 1) * (self.tokens or 1)
         block = min(signals, SIGNAL_BLOCK)
+        key_tokens = (self.tokens, block)
+        if self._step is not None and self._step_tokens != key_tokens:
+            self._step = None  # another sequence length: another signal layout
         if self._step is None:
+            self._step_tokens = key_tokens
             key = ("ggn", options.estimator, options.loss, options.temperature, options.samples, self.num_classes,
+                   self.tokens, self._probe_key_output(),
                    tuple((e.name, e.fast, id(e.variable.value), e.weight.kind) for e in self.entries),
                    None if self.strip is None else (id(self.strip[0]), self.strip[1]),
                    tuple(id(layer) for layer in self.grouped), block)
@@ -396,30 +418,37 @@ class KerasSession:
             def factory():
                 holder: dict = {}
                 return ggn_step_fn(self.model, self.entries, options, options.groups, block, self.num_classes,
-                                   holder), holder
+                                   holder, tokens=self.tokens, sequential=has_recurrence(self.model)), holder
 
             self._step, self._holder = _cached(_COMPILED, self.model, key, factory)
             if self.config.chunk_size is not None:
                 self.chunk = self.config.chunk_size
             else:
-                linear, quadratic = ggn_bytes(self.entries, self.dtype, self.input_size, self.num_classes, block)
+                linear, quadratic = ggn_bytes(self.entries, self.dtype, self.input_size,
+                                              self.num_classes * (self.tokens or 1), block)
                 self.chunk = ggn_chunk_size(linear, quadratic, self.config.memory_budget, block)
         self._holder["taps"] = self.taps
         return self._step, signals, block
 
-    def _update_ggn(self, x: Any, batch: Batch, state: SumState) -> None:
+    def _update_ggn(self, x: Any, labels: np.ndarray | None, batch: Batch, state: SumState) -> None:
         step, signals, block = self._ggn_step()
         options = self.options
         out_dtype = compute_dtype(self.dtype)
         pieces = self._pieces(batch.n, self.chunk)
+        tokens = self.tokens or 1
+        if self.tokens is not None:
+            counted = (labels >= 0).astype(np.float64)  # (n, T): tokens whose label is counted
+        else:
+            counted = np.zeros((batch.n, 0))
         args = []
         for a, b in pieces:
             xc = x if (a, b) == (0, batch.n) else _slice(x, a, b)
             if options.estimator == "ggn-mc":
-                u = sample_uniforms(options.seed, self.rank, batch.offset + a, b - a, options.samples)
+                # Token t of a sequence takes draws t·S .. (t+1)·S − 1 (losses.token_signals).
+                u = sample_uniforms(options.seed, self.rank, batch.offset + a, b - a, options.samples * tokens)
             else:
                 u = np.zeros((b - a, 0))
-            args.append((xc, tf.constant(u, out_dtype)))
+            args.append((xc, tf.constant(u, out_dtype), tf.constant(counted[a:b], out_dtype)))
         eps = float(np.finfo(out_dtype.as_numpy_dtype).eps)
         for start in range(0, signals, block):
             results = self._map(step, args, (tf.constant(start, tf.int32),))
@@ -431,17 +460,23 @@ class KerasSession:
 
     # ------------------------------------------------------------------ exact / hutchinson
 
+    def _probe_key_output(self) -> Any:
+        output = self.options.output
+        return output if output is None or isinstance(output, (str, int)) else id(output)
+
     def _hvp_steps(self) -> tuple[Any, Any]:
         if self._step is None:
             options = self.options
             key = ("hvp", options.estimator, options.loss, options.temperature, options.groups,
+                   self._probe_key_output(),
                    tuple((e.name, id(e.variable.value), e.weight.kind) for e in self.entries),
                    None if self.strip is None else (id(self.strip[0]), self.strip[1]),
                    tuple(id(layer) for layer in self.grouped))
 
             def factory():
                 holder: dict = {}
-                return hvp_step_fns(self.model, self.entries, options, options.groups, holder), holder
+                return hvp_step_fns(self.model, self.entries, options, options.groups, holder,
+                                    sequential=has_recurrence(self.model)), holder
 
             self._step, self._holder = _cached(_COMPILED, self.model, key, factory)
             self.chunk = self.config.chunk_size or HVP_CHUNK

@@ -1,0 +1,434 @@
+"""Keras EinsumDense, MultiHeadAttention, Embedding and recurrent layers, and token logits (method §3, §6.3, §8).
+
+Every diagonal is checked against a reference built here, independently of the
+backend: full per-sample Jacobians of the (normalized) logits with respect to
+each analyzed variable (``tf.GradientTape.jacobian``), the per-token loss
+Hessian ``diag(p) − p pᵀ`` in those logits, and the canonical layouts of
+method §3 written out per layer. The ``exact`` estimator is checked against the
+diagonal of the full Hessian of the mean loss. Everything in float64.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import normflat  # noqa: E402
+from normflat.engine.options import NSCE_EPS  # noqa: E402
+
+L = keras.layers
+F64 = "float64"
+RTOL = 1e-10
+
+
+# ----------------------------------------------------------------------------- canonical layouts (method §3)
+
+
+def _transposed(k):
+    return k.T
+
+
+def _einsum_abc_cd(k):  # "abc,cd->abd": kernel (c, d) -> (d, c)
+    return k.T
+
+
+def _einsum_abc_bcd(k):  # "abc,bcd->ad": kernel (b, c, d) -> (d, b·c)
+    return k.transpose(2, 0, 1).reshape(k.shape[2], -1)
+
+
+def _mha_in(k):  # query/key/value kernel (d, H, hd) -> (H·hd, d), rows head-major
+    return k.transpose(1, 2, 0).reshape(-1, k.shape[0])
+
+
+def _mha_out(k):  # output kernel (H, hd, d) -> (d, H·hd)
+    return k.transpose(2, 0, 1).reshape(k.shape[2], -1)
+
+
+def _mha(prefix):
+    return {f"{prefix}/query": ("query", _mha_in), f"{prefix}/key": ("key", _mha_in),
+            f"{prefix}/value": ("value", _mha_in), f"{prefix}/attention_output": ("attention_output", _mha_out)}
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def _normalized(z, loss):
+    if loss == "nsce":
+        zc = z - tf.reduce_mean(z, axis=-1, keepdims=True)
+        return zc / tf.sqrt(tf.reduce_mean(zc**2, axis=-1, keepdims=True) + NSCE_EPS)
+    return z
+
+
+def ggn_reference(model, variables, x, y, loss):
+    """``(1/N) Σ_n Σ_t counted J_ntᵀ (diag p − p pᵀ) J_nt`` per variable, native layout.
+
+    ``y`` is ``(n,)`` for ``(n, C)`` logits or ``(n, T)`` token labels with negative
+    entries not counted; ``N`` the number of counted terms.
+    """
+    with tf.GradientTape(persistent=True) as tape:
+        u = _normalized(model(x, training=False), loss)
+        u3 = u[:, None, :] if len(u.shape) == 2 else u  # (n, T, C), T = 1 for a classifier
+    y2 = np.asarray(y).reshape(u3.shape[:2])
+    p = tf.nn.softmax(u3).numpy()
+    c = p.shape[-1]
+    hess = np.einsum("nta,ab->ntab", p, np.eye(c)) - np.einsum("nta,ntb->ntab", p, p)
+    counted = (y2 >= 0).astype(np.float64)
+    hess = hess * counted[:, :, None, None]
+    out = []
+    jacobians = tape.jacobian(u3, [v.value for v in variables], experimental_use_pfor=False)
+    for v, jac in zip(variables, jacobians):  # (n, T, C, *shape) each
+        j = tf.convert_to_tensor(jac).numpy().reshape(*u3.shape, -1)
+        out.append(np.einsum("ntai,ntab,ntbi->i", j, hess, j).reshape(v.shape) / counted.sum())
+    return out
+
+
+def hessian_reference(model, variables, x, y, loss):
+    """Diagonal of the full Hessian of the mean loss over the counted terms, per variable."""
+    y2 = np.asarray(y)
+    with tf.GradientTape(persistent=True) as outer:
+        with tf.GradientTape() as inner:
+            u = _normalized(model(x, training=False), loss)
+            counted = y2 >= 0
+            ce = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.constant(np.where(counted, y2, 0)), u)
+            value = tf.reduce_sum(ce * counted) / counted.sum()
+        grads = inner.gradient(value, [v.value for v in variables])
+        grads = [tf.convert_to_tensor(g) for g in grads]
+    out = []
+    for v, g in zip(variables, grads):
+        h = outer.jacobian(g, v.value, experimental_use_pfor=False).numpy()
+        size = int(np.prod(v.shape))
+        out.append(np.diag(h.reshape(size, size)).reshape(v.shape))
+    return out
+
+
+def _joined(got, name):
+    """The diagonal of one variable: as is, or its gate / q-k-v blocks stacked back."""
+    if name in got:
+        return np.asarray(got[name])
+    parts = [np.asarray(v) for k, v in got.items() if k.rsplit(".", 1)[0] == name]
+    assert parts, (name, list(got))
+    return np.concatenate(parts, axis=0)
+
+
+def _layer_variable(model, path):
+    for v in model.weights:
+        if v.path == path:
+            return v
+    raise KeyError(path)
+
+
+def check_against(model, x, y, expected, loss="ce", estimator="ggn", reference=ggn_reference, **kw):
+    """``expected``: ``{report name: (variable path, canonical fn)}``; every name is compared."""
+    got = normflat.hessian_diagonal(model, (x, y), loss=loss, estimator=estimator, progress=False, **kw)
+    variables = [_layer_variable(model, path) for path, _ in expected.values()]
+    refs = reference(model, variables, x, y, loss)
+    for (name, (_, canonical)), ref in zip(expected.items(), refs):
+        np.testing.assert_allclose(_joined(got, name), canonical(ref), rtol=RTOL, atol=1e-14 * np.abs(ref).max(),
+                                   err_msg=name)
+    return got
+
+
+def _rng(seed):
+    keras.utils.set_random_seed(seed)
+    return np.random.default_rng(seed)
+
+
+def _randomize(model, rng, scale=0.7):
+    """Random weights, biases included (so that no curvature vanishes by symmetry)."""
+    for v in model.weights:
+        v.assign(rng.normal(size=v.shape) * scale)
+
+
+# ----------------------------------------------------------------------------- brute force
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_einsum_dense_two_equations(fast):
+    rng = _rng(1)
+    inp = keras.Input((3, 4), dtype=F64)
+    h = L.EinsumDense("abc,cd->abd", output_shape=(3, 5), bias_axes="d", activation="tanh", dtype=F64,
+                      name="e1")(inp)
+    out = L.EinsumDense("abc,bcd->ad", output_shape=3, dtype=F64, name="e2")(h)
+    model = keras.Model(inp, out)
+    _randomize(model, rng)
+    x, y = rng.normal(size=(4, 3, 4)), rng.integers(0, 3, 4)
+    got = check_against(model, x, y, {"e1": ("e1/kernel", _einsum_abc_cd), "e2": ("e2/kernel", _einsum_abc_bcd)},
+                        loss="nsce", fast=fast)
+    assert got["e2"].shape == (3, 15)
+    rep = normflat.analyze(model, (x, y), progress=False, fast=fast)
+    assert [l.details["path"] for l in rep.layers] == ["fast" if fast else "generic"] * 2
+
+
+def test_einsum_with_a_batch_like_kernel_axis_is_refused():
+    inp = keras.Input((3, 4), dtype=F64)
+    # "b" is in the input, the kernel and the output: one matrix per b, not one linear map.
+    h = L.EinsumDense("abc,bcd->abd", output_shape=(3, 2), dtype=F64, name="per_position")(inp)
+    model = keras.Model(inp, L.Dense(2, dtype=F64, name="head")(L.Flatten()(h)))
+    x, y = np.ones((2, 3, 4)), np.array([0, 1])
+    with pytest.raises(ValueError, match=r"per_position.*kernel axes \['b'\] appear in the input and the output"):
+        normflat.analyze(model, (x, y), on_unsupported="error", progress=False)
+    with pytest.warns(UserWarning, match="per_position"):
+        rep = normflat.analyze(model, (x, y), progress=False)
+    assert [l.name for l in rep.layers] == ["head"]
+    assert rep.metadata["coverage"] < 0.5
+
+
+@pytest.fixture(scope="module")
+def attention_model():
+    rng = _rng(2)
+    inp = keras.Input((3, 4), dtype=F64)
+    a = L.MultiHeadAttention(num_heads=2, key_dim=2, dtype=F64, name="mha")(inp, inp)
+    out = L.Dense(3, dtype=F64, name="head")(L.Flatten(dtype=F64)(a))
+    model = keras.Model(inp, out)
+    _randomize(model, rng)
+    return model, rng.normal(size=(3, 3, 4)), rng.integers(0, 3, 3)
+
+
+@pytest.mark.parametrize("loss", ["ce", "nsce"])
+def test_multi_head_attention_ggn(attention_model, loss):
+    model, x, y = attention_model
+    expected = {k: (f"mha/{v[0]}/kernel", v[1]) for k, v in _mha("mha").items()}
+    expected["head"] = ("head/kernel", _transposed)
+    got = check_against(model, x, y, expected, loss=loss)
+    assert got["mha/query"].shape == (4, 4) and got["mha/attention_output"].shape == (4, 4)
+
+
+def test_multi_head_attention_exact(attention_model):
+    model, x, y = attention_model
+    expected = {k: (f"mha/{v[0]}/kernel", v[1]) for k, v in _mha("mha").items()}
+    check_against(model, x, y, expected, loss="nsce", estimator="exact", reference=hessian_reference)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_embedding_with_repeated_ids(fast):
+    rng = _rng(3)
+    inp = keras.Input((4,), dtype="int32")
+    h = L.Embedding(6, 3, dtype=F64, name="emb")(inp)
+    out = L.Dense(3, dtype=F64, name="head")(L.Flatten(dtype=F64)(L.Activation("tanh", dtype=F64)(h)))
+    model = keras.Model(inp, out)
+    _randomize(model, rng)
+    x = np.array([[1, 1, 2, 5], [0, 3, 3, 3], [5, 1, 5, 1]], dtype="int32")  # repeats within and across samples
+    got = check_against(model, x, rng.integers(0, 3, 3), {"emb": ("emb/embeddings", _transposed),
+                                                          "head": ("head/kernel", _transposed)}, fast=fast)
+    assert got["emb"].shape == (3, 6)
+    assert np.all(np.asarray(got["emb"])[:, 4] == 0)  # id 4 never looked up: no curvature
+
+
+@pytest.fixture(scope="module")
+def recurrent_model():
+    rng = _rng(4)
+    inp = keras.Input((3, 2), dtype=F64)
+    h = L.LSTM(2, return_sequences=True, dtype=F64, name="lstm")(inp)
+    h = L.Bidirectional(L.GRU(2, return_sequences=True, dtype=F64, name="gru"), dtype=F64, name="bi")(h)
+    h = L.GRU(2, return_sequences=True, reset_after=False, dtype=F64, name="gru_v1")(h)
+    h = L.SimpleRNN(2, dtype=F64, name="rnn")(h)
+    out = L.Dense(3, dtype=F64, name="head")(h)
+    model = keras.Model(inp, out)
+    _randomize(model, rng)
+    return model, rng.normal(size=(3, 3, 2)), rng.integers(0, 3, 3)
+
+
+def test_recurrent_layers_ggn_through_time(recurrent_model):
+    model, x, y = recurrent_model
+    expected = {}
+    for layer, cell in [("lstm", "lstm_cell"), ("bi/forward_gru", "gru_cell"), ("bi/backward_gru", "gru_cell"),
+                        ("gru_v1", "gru_cell"), ("rnn", "simple_rnn_cell")]:
+        for w in ("kernel", "recurrent_kernel"):
+            expected[f"{layer}/{cell}/{w}"] = (f"{layer}/{cell}/{w}", _transposed)
+    got = check_against(model, x, y, expected, loss="nsce")
+    assert [k for k in got if k.startswith("lstm/lstm_cell/kernel")] == [
+        f"lstm/lstm_cell/kernel.{g}" for g in "ifco"]
+    assert [k for k in got if k.startswith("gru_v1/gru_cell/recurrent_kernel")] == [
+        f"gru_v1/gru_cell/recurrent_kernel.{g}" for g in "zrh"]
+    assert got["lstm/lstm_cell/recurrent_kernel.f"].shape == (2, 2)
+    assert "rnn/simple_rnn_cell/kernel" in got  # no gates: one matrix
+
+
+def test_lstm_exact():
+    rng = _rng(5)
+    inp = keras.Input((3, 2), dtype=F64)
+    out = L.Dense(2, dtype=F64, name="head")(L.LSTM(2, dtype=F64, name="lstm")(inp))
+    model = keras.Model(inp, out)
+    _randomize(model, rng)
+    x, y = rng.normal(size=(2, 3, 2)), np.array([0, 1])
+    check_against(model, x, y, {"lstm/lstm_cell/kernel": ("lstm/lstm_cell/kernel", _transposed),
+                                "lstm/lstm_cell/recurrent_kernel": ("lstm/lstm_cell/recurrent_kernel", _transposed)},
+                  loss="ce", estimator="exact", reference=hessian_reference)
+
+
+@pytest.fixture(scope="module")
+def token_model():
+    """A token language model: Embedding, one attention block, a vocabulary head, logits (B, T, V)."""
+    rng = _rng(6)
+    inp = keras.Input((4,), dtype="int32")
+    e = L.Embedding(7, 4, dtype=F64, name="emb")(inp)
+    a = L.MultiHeadAttention(num_heads=2, key_dim=2, dtype=F64, name="mha")(e, e, use_causal_mask=True)
+    h = L.Add(dtype=F64)([e, a])
+    out = L.Dense(5, dtype=F64, name="lm_head")(h)
+    model = keras.Model(inp, out)
+    _randomize(model, rng)
+    x = rng.integers(0, 7, (3, 4)).astype("int32")
+    y = rng.integers(0, 5, (3, 4))
+    y[0, 3] = y[2, 0] = y[2, 1] = -100  # padding and a prompt, not counted
+    return model, x, y
+
+
+@pytest.mark.parametrize("loss", ["ce", "nsce"])
+def test_token_logits_with_ignore_index(token_model, loss):
+    model, x, y = token_model
+    expected = {k: (f"mha/{v[0]}/kernel", v[1]) for k, v in _mha("mha").items()}
+    expected["emb"] = ("emb/embeddings", _transposed)
+    expected["lm_head"] = ("lm_head/kernel", _transposed)
+    check_against(model, x, y, expected, loss=loss)
+    rep = normflat.analyze(model, (x, y), loss=loss, progress=False)
+    assert rep.metadata["loss_terms"] == int((y >= 0).sum()) == 9
+    assert rep.metadata["examples"] == 3
+
+
+def test_token_logits_shifted_labels_and_exact(token_model):
+    model, x, y = token_model
+    full = np.where(y < 0, 1, y)
+    shifted = np.concatenate([full[:, 1:], np.full((3, 1), -100)], axis=1)
+    a = normflat.hessian_diagonal(model, (x, full), loss="ce", shift_labels=True, progress=False)
+    b = normflat.hessian_diagonal(model, (x, shifted), loss="ce", progress=False)
+    for k in a:
+        np.testing.assert_allclose(np.asarray(a[k]), np.asarray(b[k]), rtol=1e-13, err_msg=k)
+    # The exact estimator on token logits: against the full Hessian of the mean over counted tokens.
+    check_against(model, x, y, {"lm_head": ("lm_head/kernel", _transposed), "emb": ("emb/embeddings", _transposed)},
+                  loss="nsce", estimator="exact", reference=hessian_reference, layers=["emb", "lm_head"])
+
+
+def test_token_logits_ggn_mc_is_unbiased(token_model):
+    model, x, y = token_model
+    ref = normflat.hessian_diagonal(model, (x, y), loss="ce", progress=False, layers=["lm_head"])["lm_head"]
+    mc = normflat.hessian_diagonal(model, (x, y), loss="ce", estimator="ggn-mc", samples=400, seed=3,
+                                   progress=False, layers=["lm_head"])["lm_head"]
+    ref, mc = np.asarray(ref), np.asarray(mc)
+    assert np.abs(mc - ref).max() < 0.25 * np.abs(ref).max()
+    assert not np.allclose(mc, ref, rtol=1e-6)  # a real Monte-Carlo estimate, not the exact GGN
+
+
+def test_keyword_batches_and_dict_outputs():
+    """A mapping batch with named inputs (keras-hub style) and a model returning a dict of outputs."""
+    rng = _rng(7)
+    ids = keras.Input((3,), dtype="int32", name="token_ids")
+    mask = keras.Input((3,), dtype=F64, name="padding_mask")
+    e = L.Embedding(5, 2, dtype=F64, name="emb")(ids)
+    pooled = L.Dot(axes=1, dtype=F64)([e, mask])
+    logits = L.Dense(3, dtype=F64, name="head")(pooled)
+    model = keras.Model({"token_ids": ids, "padding_mask": mask}, {"logits": logits, "features": pooled})
+    _randomize(model, rng)
+    x = {"token_ids": rng.integers(0, 5, (3, 3)).astype("int32"), "padding_mask": np.array(
+        [[1.0, 1, 0], [1, 1, 1], [1, 0, 0]])}
+    y = rng.integers(0, 3, 3)
+    got = normflat.hessian_diagonal(model, {**x, "labels": y}, loss="ce", progress=False)
+    plain = keras.Model({"token_ids": ids, "padding_mask": mask}, logits)
+    ref = ggn_reference(plain, [model.get_layer("emb").embeddings, model.get_layer("head").kernel], x, y, "ce")
+    np.testing.assert_allclose(np.asarray(got["emb"]), ref[0].T, rtol=RTOL)
+    np.testing.assert_allclose(np.asarray(got["head"]), ref[1].T, rtol=RTOL)
+    with pytest.raises(TypeError, match=r"output='scores': the model returned a dict .*without that key"):
+        normflat.analyze(model, {**x, "labels": y}, output="scores", progress=False)
+
+
+# ----------------------------------------------------------------------------- invariance (method §8, items 5-7)
+
+
+def _analyze(model, x, y):
+    return normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+
+
+def _assert_invariant(before, after):
+    assert after.normalized_sharpness == pytest.approx(before.normalized_sharpness, rel=1e-8)
+    for a, b in zip(before.layers, after.layers):
+        assert a.name == b.name
+        assert b.normalized_sharpness == pytest.approx(a.normalized_sharpness, rel=1e-8, abs=1e-300), a.name
+    assert abs(after.hessian_trace / before.hessian_trace - 1) > 1e-3
+
+
+def _clone(model):
+    twin = keras.models.clone_model(model)
+    twin.set_weights(model.get_weights())
+    return twin
+
+
+def test_attention_per_head_rescalings_are_invariant(attention_model):
+    model, x, y = attention_model
+    twin = _clone(model)
+    mha = twin.get_layer("mha")
+    c = np.array([3.0, 0.25])  # per head
+    d = np.array([0.5, 4.0])
+    q, k, v, o = mha._query_dense, mha._key_dense, mha._value_dense, mha._output_dense
+    q.kernel.assign(q.kernel.numpy() * c[None, :, None])
+    q.bias.assign(q.bias.numpy() * c[:, None])
+    k.kernel.assign(k.kernel.numpy() / c[None, :, None])
+    k.bias.assign(k.bias.numpy() / c[:, None])
+    v.kernel.assign(v.kernel.numpy() * d[None, :, None])
+    v.bias.assign(v.bias.numpy() * d[:, None])
+    o.kernel.assign(o.kernel.numpy() / d[:, None, None])
+    np.testing.assert_allclose(twin(x).numpy(), model(x).numpy(), rtol=1e-12)
+    _assert_invariant(_analyze(model, x, y), _analyze(twin, x, y))
+
+
+def test_embedding_feature_rescaling_is_invariant():
+    rng = _rng(8)
+    inp = keras.Input((3,), dtype="int32")
+    h = L.Flatten(dtype=F64)(L.Embedding(5, 2, dtype=F64, name="emb")(inp))
+    out = L.Dense(3, dtype=F64, name="out")(L.Dense(4, activation="tanh", dtype=F64, name="mix")(h))
+    model = keras.Model(inp, out)
+    _randomize(model, rng)
+    x, y = rng.integers(0, 5, (4, 3)).astype("int32"), rng.integers(0, 3, 4)
+    twin = _clone(model)
+    c = np.array([5.0, 0.3])
+    emb, mix = twin.get_layer("emb"), twin.get_layer("mix")
+    emb.embeddings.assign(emb.embeddings.numpy() * c[None, :])
+    mix.kernel.assign(mix.kernel.numpy() / np.tile(c, 3)[:, None])  # input t·d + j of the flattened sequence
+    np.testing.assert_allclose(twin(x).numpy(), model(x).numpy(), rtol=1e-12)
+    _assert_invariant(_analyze(model, x, y), _analyze(twin, x, y))
+
+
+def test_relu_rnn_hidden_unit_rescaling_is_invariant():
+    rng = _rng(9)
+    inp = keras.Input((3, 2), dtype=F64)
+    h = L.SimpleRNN(3, activation="relu", dtype=F64, name="rnn")(inp)
+    model = keras.Model(inp, L.Dense(3, dtype=F64, name="head")(h))
+    _randomize(model, rng, scale=0.5)
+    x, y = rng.normal(size=(4, 3, 2)), rng.integers(0, 3, 4)
+    twin = _clone(model)
+    c = np.array([2.0, 0.5, 7.0])
+    cell, head = twin.get_layer("rnn").cell, twin.get_layer("head")
+    cell.kernel.assign(cell.kernel.numpy() * c[None, :])
+    cell.bias.assign(cell.bias.numpy() * c)
+    cell.recurrent_kernel.assign(cell.recurrent_kernel.numpy() * c[None, :] / c[:, None])  # D⁻¹ U D
+    head.kernel.assign(head.kernel.numpy() / c[:, None])
+    np.testing.assert_allclose(twin(x).numpy(), model(x).numpy(), rtol=1e-12)
+    _assert_invariant(_analyze(model, x, y), _analyze(twin, x, y))
+
+
+# ----------------------------------------------------------------------------- inventory and errors
+
+
+def test_inventory_lists_every_weight(recurrent_model):
+    model, x, y = recurrent_model
+    rep = normflat.analyze(model, (x, y), progress=False)
+    assert rep.metadata["coverage"] == 1.0
+    assert set(rep.metadata["excluded"]) == {v.path for v in model.weights if v.path.endswith("bias")}
+    assert rep.metadata["unsupported"] == []
+
+
+def test_bad_token_labels_give_the_engine_messages(token_model):
+    model, x, y = token_model
+    with pytest.raises(ValueError, match="hold one class per sample"):
+        normflat.analyze(model, (x, y[:, 0]), progress=False)
+    with pytest.raises(ValueError, match="3 token labels per sample but the model returns logits for 4"):
+        normflat.analyze(model, (x, y[:, :3]), progress=False)
+    with pytest.raises(ValueError, match=r"in \[0, 4\] or ignore_index=-100"):
+        normflat.analyze(model, (x, np.where(y < 0, 9, y)), progress=False)
+    with pytest.raises(ValueError, match="No token of the data is counted"):
+        normflat.analyze(model, (x, np.full_like(y, -100)), progress=False)

@@ -1,0 +1,139 @@
+"""Whole Keras architectures: every weight matrix is analyzed (``coverage``, method §3).
+
+Transformers and recurrent classifiers built from Keras layers, keras-hub BERT
+and GPT-2 built from tiny configs (no downloads), and ``keras.applications``
+ConvNeXtTiny / MobileNetV2 / ResNet50 with ``weights=None`` at 32×32. One tiny
+batch each; the numbers themselves are checked against brute force in
+``test_keras_layers.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import keras  # noqa: E402
+import keras_hub  # noqa: E402
+
+import normflat  # noqa: E402
+from normflat.backends.keras.layers import walk  # noqa: E402
+from normflat.engine.problems import coverage  # noqa: E402
+
+L = keras.layers
+F64 = "float64"
+
+
+def _covered(model, data, **kw):
+    rep = normflat.analyze(model, data, progress=False, **kw)
+    assert rep.metadata["unsupported"] == []
+    assert rep.metadata["coverage"] >= 0.99, rep.metadata
+    assert np.isfinite(rep.normalized_sharpness) and rep.normalized_sharpness > 0
+    return rep
+
+
+def test_attention_transformer_classifier():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((4, 8), dtype=F64)
+    a = L.MultiHeadAttention(num_heads=2, key_dim=4, dtype=F64, name="mha")(inp, inp)
+    h = L.LayerNormalization(dtype=F64, name="ln1")(L.Add(dtype=F64)([inp, a]))
+    f = L.Dense(8, dtype=F64, name="ff_out")(L.Dense(16, activation="gelu", dtype=F64, name="ff_in")(h))
+    h = L.LayerNormalization(dtype=F64, name="ln2")(L.Add(dtype=F64)([h, f]))
+    out = L.Dense(3, dtype=F64, name="cls")(L.GlobalAveragePooling1D(dtype=F64)(h))
+    model = keras.Model(inp, out)
+    rng = np.random.default_rng(0)
+    rep = _covered(model, (rng.normal(size=(3, 4, 8)), np.array([0, 1, 2])))
+    assert [l.name for l in rep.layers] == ["mha/query", "mha/key", "mha/value", "mha/attention_output", "ff_in",
+                                            "ff_out", "cls"]
+    assert rep.metadata["coverage"] == 1.0
+    excluded = rep.metadata["excluded"]
+    assert {"ln1/gamma", "ln1/beta", "mha/query/bias", "cls/bias"} <= set(excluded)
+    assert "normalization" in excluded["ln1/gamma"] and excluded["mha/query/bias"] == "bias"
+
+
+def test_lstm_classifier():
+    keras.utils.set_random_seed(1)
+    inp = keras.Input((5,), dtype="int32")
+    h = L.Embedding(20, 6, mask_zero=True, dtype=F64, name="emb")(inp)
+    h = L.LSTM(4, dtype=F64, name="lstm")(h)
+    model = keras.Model(inp, L.Dense(2, dtype=F64, name="cls")(h))
+    x = np.array([[3, 4, 5, 0, 0], [1, 2, 3, 4, 5], [7, 0, 0, 0, 0]], dtype="int32")  # zero = padding
+    rep = _covered(model, (x, np.array([0, 1, 1])))
+    assert rep.metadata["coverage"] == 1.0
+    assert "lstm/lstm_cell/kernel.o" in [l.name for l in rep.layers]
+
+
+def test_token_language_model():
+    keras.utils.set_random_seed(2)
+    inp = keras.Input((5,), dtype="int32")
+    e = L.Embedding(12, 8, dtype=F64, name="emb")(inp)
+    a = L.MultiHeadAttention(num_heads=2, key_dim=4, dtype=F64, name="mha")(e, e, use_causal_mask=True)
+    h = L.LayerNormalization(dtype=F64)(L.Add(dtype=F64)([e, a]))
+    model = keras.Model(inp, L.Dense(12, dtype=F64, name="vocab")(h))  # logits (B, T, V)
+    rng = np.random.default_rng(2)
+    ids = rng.integers(1, 12, (2, 5)).astype("int32")
+    labels = np.concatenate([ids[:, 1:], np.full((2, 1), -100)], axis=1)  # next token, last not counted
+    rep = _covered(model, (ids, labels))
+    assert rep.metadata["loss_terms"] == 8
+
+
+def test_keras_hub_bert_classifier():
+    keras.utils.set_random_seed(3)
+    backbone = keras_hub.models.BertBackbone(vocabulary_size=30, num_layers=1, num_heads=2, hidden_dim=8,
+                                             intermediate_dim=16, max_sequence_length=8)
+    model = keras_hub.models.BertTextClassifier(backbone, num_classes=2, preprocessor=None)
+    rng = np.random.default_rng(3)
+    batch = {"token_ids": rng.integers(0, 30, (2, 6)).astype("int32"),
+             "segment_ids": np.zeros((2, 6), "int32"),
+             "padding_mask": np.array([[1] * 6, [1] * 4 + [0] * 2], "int32"),
+             "labels": np.array([0, 1])}  # a Hugging Face style mapping batch: named inputs
+    rep = _covered(model, batch, loss="ce")  # random init: nearly equal logits, nsce would refuse them
+    names = [l.name for l in rep.layers]
+    assert "bert_backbone/token_embedding" in names and "bert_backbone/position_embedding" in names
+    assert "bert_backbone/transformer_layer_0/self_attention_layer/query" in names
+
+
+def test_keras_hub_gpt2_causal_lm_with_tied_embedding():
+    keras.utils.set_random_seed(4)
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=20, num_layers=1, num_heads=2, hidden_dim=8,
+                                             intermediate_dim=16, max_sequence_length=8)
+    model = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, 20, (2, 5)).astype("int32")
+    x = {"token_ids": ids, "padding_mask": np.ones((2, 5), "int32")}
+    # keras-hub's preprocessor shifts the labels in the data; the model itself does not.
+    y = np.concatenate([ids[:, 1:], np.full((2, 1), -100)], axis=1)
+    rep = _covered(model, (x, y), loss="ce", estimator="ggn-mc", samples=2)
+    names = [l.name for l in rep.layers]
+    assert names.count("gpt2_backbone/token_embedding") == 1  # tied with the LM head: reported once
+    assert rep.metadata["loss_terms"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["MobileNetV2", "ResNet50"])
+def test_keras_applications(name):
+    keras.utils.set_random_seed(5)
+    model = getattr(keras.applications, name)(weights=None, input_shape=(32, 32, 3), classes=2)
+    x = np.random.default_rng(5).uniform(0, 255, (1, 32, 32, 3)).astype("float32")
+    _covered(model, (x, np.array([1])), loss="ce", estimator="ggn-mc", samples=1)
+
+
+def test_keras_applications_convnext_inventory():
+    """ConvNeXtTiny's inventory (its depthwise convolutions are Conv2D with groups = channels).
+
+    Only the walk is run: the analysis splits each grouped convolution into one
+    convolution per group (TensorFlow has no CPU derivative of grouped
+    convolutions), thousands of ops that take minutes to compile on a CPU.
+    """
+    keras.utils.set_random_seed(6)
+    model = keras.applications.ConvNeXtTiny(weights=None, input_shape=(32, 32, 3), classes=2)
+    entries, unsupported, parameters = walk(model, "warn", None)
+    assert unsupported == []
+    assert coverage(parameters) >= 0.99
+    assert {p.name for p in parameters} == {v.path for v in model.weights}
+    assert any(e.weight.groups > 1 for e in entries)  # the depthwise 7×7 convolutions are analyzed
+    excluded = {p.name: p.reason for p in parameters if p.status == "excluded"}
+    assert any(name.endswith("gamma") for name in excluded)  # layer-scale vectors, not weight matrices
