@@ -508,23 +508,27 @@ def test_unsupported_layers():
             self.emb = nn.Embedding(10, 4)
             self.att = nn.MultiheadAttention(4, 2, batch_first=True)
             self.scale = nn.Parameter(torch.ones(4))
+            self.mix = nn.Parameter(torch.eye(4))  # a loose weight matrix: no extractor reads it
             self.head = nn.Linear(4, 3)
 
         def forward(self, tokens):
             h = self.emb(tokens)
             h, _ = self.att(h, h, h)
-            return self.head(h.mean(1) * self.scale)
+            return self.head(h.mean(1) @ self.mix * self.scale)
 
     torch.manual_seed(0)
     model = WithAttention().to(DT).eval()
     x, y = torch.randint(0, 10, (5, 6)), torch.randint(0, 3, (5,))
-    with pytest.raises(ValueError, match=r"att \(MultiheadAttention") as info:
+    with pytest.raises(ValueError, match=r"mix \(WithAttention has parameters") as info:
         normflat.analyze(model, (x, y), on_unsupported="error", progress=False)
-    assert "emb (Embedding" in str(info.value) and "WithAttention has parameters" in str(info.value)
+    assert "scale" not in str(info.value)  # a vector is excluded by definition, never warned about
     with pytest.warns(UserWarning, match="cannot analyze"):
         report = normflat.analyze(model, (x, y), on_unsupported="warn", progress=False)
-    assert [layer.name for layer in report.layers] == ["head"]  # att.out_proj belongs to att
-    assert len(report.metadata["unsupported"]) == 3
+    assert [layer.name for layer in report.layers] == [
+        "emb", "att.query", "att.key", "att.value", "att.out_proj", "head"]
+    assert len(report.metadata["unsupported"]) == 1
+    assert set(report.metadata["excluded"]) == {"scale", "att.in_proj_bias", "att.out_proj.bias", "head.bias"}
+    assert report.metadata["coverage"] < 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         normflat.analyze(model, (x, y), on_unsupported="skip", progress=False)
@@ -647,7 +651,8 @@ def test_bad_labels(small):
 
 
 def test_bad_logits_rank():
-    model = nn.Sequential(nn.Linear(4, 3), nn.Unflatten(1, (3, 1)))
+    # (batch, tokens, classes) are token logits (method §6.3); four axes are neither.
+    model = nn.Sequential(nn.Linear(4, 6), nn.Unflatten(1, (3, 1, 2)))
     with pytest.raises(ValueError, match=r"logits of shape \(batch, classes\)"):
         nf(model.double(), (torch.randn(2, 4, dtype=DT), torch.tensor([0, 1])))
 

@@ -31,8 +31,12 @@ How the estimators are computed (method §6), all on the model's device and dtyp
 (``hutchinson`` with the framework-free probes of :mod:`normflat.engine.random`);
 ``ggn`` / ``ggn-mc`` back-propagate the loss-Hessian factor of
 :func:`normflat.engine.losses.output_signals` to the weight layers and sum squared
-per-sample gradients (fast rules for dense, convolution and transposed
-convolution layers; a generic ``vmap`` path for the others).
+per-sample gradients (fast rules for dense, convolution, transposed
+convolution and embedding layers; a generic ``vmap`` path for the others:
+attention, recurrent layers, position tables, shared weights). Token logits
+``(n, T, C)`` use the per-token signals of method §6.3; Hugging Face style
+mapping batches are passed as keyword inputs, and :mod:`~normflat.backends.torch.hf`
+holds what the backend knows about model libraries.
 """
 
 from __future__ import annotations
@@ -40,12 +44,13 @@ from __future__ import annotations
 from typing import Any
 
 from normflat.backends.torch.distributed import create as _create_comm
-from normflat.backends.torch.layers import LayerExtractor, register_layer, registered_layers
+from normflat.backends.torch.layers import LayerExtractor, ModuleWeight, register_layer, registered_layers
 from normflat.backends.torch.session import DEFAULT_MAX_EXACT_PARAMS, TorchSession
 from normflat.engine import driver
 from normflat.engine.options import AnalysisOptions
 
 __all__ = [
+    "ModuleWeight",
     "LayerExtractor",
     "register_layer",
     "registered_layers",

@@ -8,13 +8,14 @@ dtype).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
 import torch
 import torch.utils.data
 
-__all__ = ["TorchAdapter", "ADAPTER", "to_model", "inputs_to_model"]
+__all__ = ["TorchAdapter", "ADAPTER", "to_model", "inputs_to_model", "ModelInputs"]
 
 
 class TorchAdapter:
@@ -95,16 +96,62 @@ def to_model(t: Any, what: str, index: int, device: torch.device, dtype: torch.d
     return t
 
 
-def inputs_to_model(x: Any, index: int, device: torch.device, dtype: torch.dtype) -> tuple:
-    """The positional arguments of ``model(*xs)``: a tuple/list is spread, one array is one argument.
+@dataclass
+class ModelInputs:
+    """The inputs of ``model(*args, **kwargs)`` for ``n`` samples.
 
-    A dict of inputs is passed as keyword-less positional values in key order (torch
-    modules take positional inputs).
+    Positional inputs are per-sample tensors (leading axis ``n``). Keyword inputs
+    (Hugging Face style batches) are per-sample when they are tensors with leading
+    axis ``n`` (``input_ids``, ``attention_mask``); anything else is passed as is to
+    every chunk and every sample.
     """
+
+    args: tuple
+    kwargs: dict
+    n: int
+
+    def _per_sample(self, v: Any) -> bool:
+        return isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == self.n
+
+    def batched_kwargs(self) -> dict:
+        """The per-sample keyword inputs."""
+        return {k: v for k, v in self.kwargs.items() if self._per_sample(v)}
+
+    def constant_kwargs(self) -> dict:
+        """The keyword inputs shared by all samples."""
+        return {k: v for k, v in self.kwargs.items() if not self._per_sample(v)}
+
+    def rows(self, sl: slice) -> "ModelInputs":
+        """The inputs of samples ``sl``."""
+        n = len(range(*sl.indices(self.n)))
+        kwargs = {k: v[sl] if self._per_sample(v) else v for k, v in self.kwargs.items()}
+        return ModelInputs(tuple(xi[sl] for xi in self.args), kwargs, n)
+
+    def call(self, model: Any) -> Any:
+        """``model(*args, **kwargs)``."""
+        return model(*self.args, **self.kwargs)
+
+
+def inputs_to_model(x: Any, index: int, device: torch.device, dtype: torch.dtype, n: int,
+                    keywords: bool = False) -> ModelInputs:
+    """The inputs of the model: keyword inputs (``keywords``), or positional ones.
+
+    A tuple/list is spread, one array is one argument; a dict of inputs that is not a
+    keyword batch is passed as positional values in key order (torch modules take
+    positional inputs). Non-floating inputs (token ids, masks) keep their dtype.
+    """
+    if keywords and isinstance(x, Mapping):
+        kwargs = {k: to_model(v, "inputs", index, device, dtype) if _is_tensor_like(v) else v
+                  for k, v in x.items()}
+        return ModelInputs((), kwargs, n)
     if isinstance(x, Mapping):
         items = tuple(x[k] for k in x)
     elif isinstance(x, (tuple, list)):
         items = tuple(x)
     else:
         items = (x,)
-    return tuple(to_model(xi, "inputs", index, device, dtype) for xi in items)
+    return ModelInputs(tuple(to_model(xi, "inputs", index, device, dtype) for xi in items), {}, n)
+
+
+def _is_tensor_like(v: Any) -> bool:
+    return isinstance(v, (torch.Tensor, np.ndarray))

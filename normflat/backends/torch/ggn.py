@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +31,11 @@ __all__ = [
     "NoFastPath",
     "Deltas",
     "linear_squares",
+    "transposed_linear_squares",
     "conv_squares",
     "conv_transpose_squares",
+    "embedding_squares",
+    "embedding_bag_squares",
     "Capture",
     "inspect_graph",
     "backprop_signals",
@@ -91,16 +94,24 @@ def _builtin(rule):
     return rule
 
 
+def _with_call(rule):
+    rule._normflat_call = True  # also receives the module's other positional and keyword inputs
+    return rule
+
+
+def wants_call(rule: Any) -> bool:
+    """Whether a fast rule takes the module's other inputs ``(args[1:], kwargs)`` too."""
+    return bool(getattr(rule, "_normflat_call", False))
+
+
 def wants_deltas(rule: Any) -> bool:
     """Whether a fast rule takes :class:`Deltas` (the built-in ones) or a stacked tensor."""
     return bool(getattr(rule, "_normflat_deltas", False))
 
 
-@_builtin
-def linear_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas) -> torch.Tensor:
-    """Fast GGN rule of ``nn.Linear``: ``(K, out, in)`` sums of squared per-sample gradients."""
+def _dense_squares(a: torch.Tensor, deltas: Deltas, out_f: int, in_f: int) -> torch.Tensor:
+    """``(K, out, in)`` sums of squared per-sample gradients of ``y = W a`` (``W`` ``(out, in)``)."""
     K, M = deltas.k, deltas.m
-    out_f, in_f = module.weight.shape
     n = a.shape[0]
     if a.dim() == 2:
         # Per-sample gradient δ aᵀ is rank one: its square is δ² (a²)ᵀ, summed over n by a matmul.
@@ -121,6 +132,21 @@ def linear_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas) -> torch.
             g = torch.matmul(d[sl].transpose(1, 2), a[sl])  # (c, out, in) per-sample gradients
             res[j // M] += g.square_().sum(0)
     return res
+
+
+@_builtin
+def linear_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas) -> torch.Tensor:
+    """Fast GGN rule of ``nn.Linear``: ``(K, out, in)`` sums of squared per-sample gradients."""
+    out_f, in_f = module.weight.shape
+    return _dense_squares(a, deltas, out_f, in_f)
+
+
+@_builtin
+def transposed_linear_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas) -> torch.Tensor:
+    """Fast GGN rule of a dense layer storing its weight as ``(in, out)`` (``y = a W + b``, e.g.
+    Hugging Face ``Conv1D``): ``(K, in, out)`` sums, in the parameter's own layout."""
+    in_f, out_f = module.weight.shape
+    return _dense_squares(a, deltas, out_f, in_f).transpose(1, 2)
 
 
 def _conv_pads(module: nn.Module) -> list[int]:
@@ -209,6 +235,84 @@ def conv_transpose_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas) -
     return res.permute(1, 0, 2, 3).reshape(K, cin, cout_g, *k)
 
 
+def _scatter_squares(table: torch.Tensor, keys: torch.Tensor, entry_weights: torch.Tensor | None,
+                     entry_rows: torch.Tensor, deltas: Deltas) -> torch.Tensor:
+    """Sums of squared per-sample gradients of a looked-up table ``(V, d)``.
+
+    Entry ``e`` of the lookups adds ``weight_e · table[row of key_e]`` to output row
+    ``entry_rows[e]``; ``keys`` (``sample · V + id``) identify the table rows of one
+    sample. A sample's gradient of row ``v`` is the sum of the output signals of its
+    entries with id ``v``: sum equal keys, square, and scatter-add into the table rows,
+    without any ``(n, V, d)`` tensor.
+    """
+    K, M = deltas.k, deltas.m
+    vocab, d = table.shape
+    uniq, inverse = torch.unique(keys, return_inverse=True)
+    rows = uniq % vocab
+    res = table.new_zeros(K, vocab, d)
+    for j in range(len(deltas.parts)):
+        part, deltas.parts[j] = deltas.parts[j], None
+        signal = part.reshape(-1, d)[entry_rows]
+        if entry_weights is not None:
+            signal = signal * entry_weights[:, None]
+        per_sample = signal.new_zeros(uniq.shape[0], d).index_add_(0, inverse, signal)
+        res[j // M].index_add_(0, rows, per_sample.square_())
+    return res
+
+
+@_builtin
+def embedding_squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas) -> torch.Tensor:
+    """Fast GGN rule of ``nn.Embedding``: ``(K, V, d)`` sums of squared per-sample gradients.
+
+    Rows at ``padding_idx`` get no gradient (as in torch's backward).
+    """
+    vocab = module.weight.shape[0]
+    n = ids.shape[0]
+    flat = ids.reshape(n, -1)
+    sample = torch.arange(n, device=ids.device).repeat_interleave(flat.shape[1])
+    flat = flat.reshape(-1).long()
+    entry_rows = torch.arange(flat.shape[0], device=ids.device)
+    if module.padding_idx is not None:
+        keep = flat != module.padding_idx
+        flat, sample, entry_rows = flat[keep], sample[keep], entry_rows[keep]
+    return _scatter_squares(module.weight, sample * vocab + flat, None, entry_rows, deltas)
+
+
+@_with_call
+@_builtin
+def embedding_bag_squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas, args: tuple = (),
+                          kwargs: dict | None = None) -> torch.Tensor:
+    """Fast GGN rule of ``nn.EmbeddingBag`` (modes ``sum`` and ``mean``, with offsets,
+    ``per_sample_weights`` and ``padding_idx``); each bag is one sample (output row)."""
+    kwargs = kwargs or {}
+    if module.mode == "max":
+        raise NoFastPath("EmbeddingBag mode='max'")
+    offsets = args[0] if len(args) > 0 else kwargs.get("offsets")
+    weights = args[1] if len(args) > 1 else kwargs.get("per_sample_weights")
+    vocab = module.weight.shape[0]
+    bags = deltas.parts[0].shape[0]
+    if ids.dim() == 2:
+        flat = ids.reshape(-1).long()
+        bag = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(ids.shape[1])
+    else:
+        if offsets is None:
+            raise NoFastPath("EmbeddingBag with 1-D input and no offsets")
+        flat = ids.long()
+        starts = offsets[:bags].long()
+        bag = torch.searchsorted(starts, torch.arange(flat.shape[0], device=ids.device), right=True) - 1
+    w = torch.ones(flat.shape[0], dtype=module.weight.dtype, device=ids.device)
+    if weights is not None:
+        w = w * weights.reshape(-1).to(w.dtype)
+    keep = bag >= 0
+    if module.padding_idx is not None:
+        keep = keep & (flat != module.padding_idx)  # padding entries are left out of the bag
+    flat, bag, w = flat[keep], bag[keep], w[keep]
+    if module.mode == "mean":
+        counts = torch.zeros(bags, dtype=w.dtype, device=w.device).index_add_(0, bag, torch.ones_like(w))
+        w = w / counts[bag]
+    return _scatter_squares(module.weight, bag * vocab + flat, w, bag, deltas)
+
+
 # ============================================================================ capture and graph
 
 
@@ -223,13 +327,15 @@ class Capture:
         self.inputs: dict[int, torch.Tensor] = {}
         self.versions: dict[int, int] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.extras: dict[int, tuple[tuple, dict]] = {}
         self.calls: dict[int, int] = {}
         self.active = True  # off while the generic path runs the model
         self._thread = threading.get_ident()
-        self._handles = [layer.module.register_forward_hook(self._hook(id(layer))) for layer in layers]
+        self._handles = [layer.module.register_forward_hook(self._hook(id(layer)), with_kwargs=True)
+                         for layer in layers]
 
     def _hook(self, key: int):
-        def hook(module, args, output):
+        def hook(module, args, kwargs, output):
             if not self.active or threading.get_ident() != self._thread:
                 return None
             self.calls[key] = self.calls.get(key, 0) + 1
@@ -239,6 +345,7 @@ class Capture:
             self.inputs[key] = a
             self.versions[key] = compat.tensor_version(a)
             self.outputs[key] = output
+            self.extras[key] = (tuple(args[1:]), dict(kwargs))
             # Downstream sees a copy, so an in-place op after the layer (ReLU(inplace=True))
             # cannot rebase the tensor whose gradient we ask for.
             return output.clone()
@@ -251,6 +358,7 @@ class Capture:
 
     def reset(self) -> None:
         self.inputs.clear(), self.versions.clear(), self.outputs.clear(), self.calls.clear()
+        self.extras.clear()
 
     def remove(self) -> None:
         for h in self._handles:
@@ -328,51 +436,58 @@ def backprop_signals(logits: torch.Tensor, outs: list[torch.Tensor], sig: torch.
 _VMAP_ERRORS = (RuntimeError, NotImplementedError, TypeError, ValueError)
 
 
-def generic_ggn(model: nn.Module, xs: tuple, sig: torch.Tensor, layers: list[Any]) -> dict[str, torch.Tensor]:
+def generic_ggn(model: nn.Module, inputs: Any, sig: torch.Tensor, layers: list[Any],
+                pick: Callable[[Any], torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-sample, per-signal weight gradients by ``vmap`` over a per-sample ``vjp``.
 
     Args:
         model: The module.
-        xs: The inputs of a chunk of ``n`` samples.
-        sig: ``(K, M, n, C)`` output signals.
+        inputs: The :class:`~normflat.backends.torch.data.ModelInputs` of a chunk of ``n`` samples.
+        sig: ``(K, M, n, *out)`` output signals (``out`` is ``(C,)`` or ``(T, C)``).
         layers: The layers on the generic path.
+        pick: The logits inside the model's output (the ``output`` option).
 
     Returns:
         ``{param name: (K, *shape)}`` sums of squares over samples and signals.
     """
-    k, m, n, c = sig.shape
+    k, m, n = sig.shape[:3]
     ws = {layer.param_name: layer.param.detach() for layer in layers}
-    s = sig.permute(2, 0, 1, 3).reshape(n, k * m, c)
+    s = sig.movedim(2, 0).reshape(n, k * m, *sig.shape[3:])
+    args, batched, const = inputs.args, inputs.batched_kwargs(), inputs.constant_kwargs()
 
-    def per_sample(s_n, *x_n):
+    def per_sample(s_n, args_n, kw_n):
         def f(w):
-            return functional_call(model, w, tuple(xi.unsqueeze(0) for xi in x_n), strict=False).squeeze(0)
+            kw = {**const, **{key: v.unsqueeze(0) for key, v in kw_n.items()}}
+            out = functional_call(model, w, tuple(xi.unsqueeze(0) for xi in args_n), kw, strict=False)
+            return pick(out).squeeze(0)
         _, pullback = vjp(f, ws)
         g = vmap(pullback)(s_n)[0]
         return {name: v.square().reshape(k, m, *v.shape[1:]).sum(1) for name, v in g.items()}
 
     try:
-        res = vmap(per_sample)(s, *xs)
+        res = vmap(per_sample)(s, args, batched)
         return {name: v.sum(0) for name, v in res.items()}
     except _VMAP_ERRORS:
-        pass  # something vmap cannot batch (data-dependent control flow, .item()): one sample at a time
+        pass  # something vmap cannot batch (data-dependent control flow, .item(), fused RNN kernels)
     total: dict[str, torch.Tensor] | None = None
     for i in range(n):
+        args_i = tuple(xi[i] for xi in args)
+        kw_i = {key: v[i] for key, v in batched.items()}
         try:
-            r = per_sample(s[i], *(xi[i] for xi in xs))
+            r = per_sample(s[i], args_i, kw_i)
         except _VMAP_ERRORS:
-            r = _per_sample_loop(model, tuple(xi[i:i + 1] for xi in xs), s[i], layers, k, m)
+            r = _per_sample_loop(model, inputs.rows(slice(i, i + 1)), s[i], layers, k, m, pick)
         total = r if total is None else {name: total[name] + r[name] for name in r}
     assert total is not None
     return total
 
 
-def _per_sample_loop(model, x_n, s_n, layers, k, m):
+def _per_sample_loop(model, x_n, s_n, layers, k, m, pick):
     # Plain autograd on detached copies of the weights swapped in by functional_call: the
     # user's parameters (their requires_grad flags) are never touched.
     ws = {layer.param_name: layer.param.detach().requires_grad_(True) for layer in layers}
     with torch.enable_grad():
-        out = functional_call(model, ws, x_n, strict=False)[0]
+        out = pick(functional_call(model, ws, x_n.args, x_n.kwargs, strict=False))[0]
         total = {name: torch.zeros((k, *w.shape), dtype=w.dtype, device=w.device) for name, w in ws.items()}
         params = list(ws.values())
         for j in range(k * m):

@@ -112,8 +112,13 @@ def hutchinson_update(loss_of: Callable[[dict], torch.Tensor], layers: list[Any]
             state.add(index, sums)
 
 
-def functional_loss(model: Any, xs: tuple, loss_sum: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
-    """``weights -> loss sum of the batch`` with the given weights swapped into ``model``."""
+def functional_loss(model: Any, inputs: Any, loss_sum: Callable[[torch.Tensor], torch.Tensor],
+                    pick: Callable[[Any], torch.Tensor]) -> Callable:
+    """``weights -> loss sum of the batch`` with the given weights swapped into ``model``.
+
+    ``inputs`` is a :class:`~normflat.backends.torch.data.ModelInputs`; ``pick`` takes
+    the logits out of the model's output (the ``output`` option).
+    """
     def f(ws: dict[str, torch.Tensor]) -> torch.Tensor:
-        return loss_sum(functional_call(model, ws, xs, strict=False))
+        return loss_sum(pick(functional_call(model, ws, inputs.args, inputs.kwargs, strict=False)))
     return f

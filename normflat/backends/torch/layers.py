@@ -487,8 +487,12 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
                 continue
             full = f"{name}.{pname}" if name else pname
             why = excluded_reason(full, tuple(p.shape))
+            table = position_table(full, tuple(p.shape))
             if why is not None:
                 walk.mark(p, "excluded", why)
+            elif table is not None:
+                walk.add(walk.names.get(id(p), full), module, p, POSITION_TABLE,
+                         convert=_position_convert(table), rule=False)
             elif walk.names.get(id(p)) not in walk.status:
                 walk.skipped.add(full, module, "a parameter its layer extractor does not read")
                 walk.mark(p, "skipped", "a parameter its layer extractor does not read")

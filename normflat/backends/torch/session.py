@@ -11,15 +11,17 @@ the model's dtype, with autograd on also under ``torch.no_grad()`` or
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import array_api_compat
 import torch
+from torch import nn
 
+from normflat.backends.torch import compat, hf, hvp
 from normflat.backends.torch import ggn as ggn_kernels
-from normflat.backends.torch import hvp
-from normflat.backends.torch.data import ADAPTER, inputs_to_model, to_model
+from normflat.backends.torch.data import ADAPTER, ModelInputs, inputs_to_model, to_model
 from normflat.backends.torch.distributed import TorchComm
 from normflat.backends.torch.layers import TorchLayer, all_finite, collect_layers, unwrap
 from normflat.backends.torch.state import ModelState, claim, release
@@ -28,6 +30,7 @@ from normflat.engine import random as nrandom
 from normflat.engine.data import Batch, labels_for
 from normflat.engine.estimators import SumState
 from normflat.engine.options import AnalysisOptions
+from normflat.engine.outputs import select_output
 
 __all__ = ["Settings", "parse_settings", "TorchSession", "BACKEND_OPTIONS", "DEFAULT_MAX_EXACT_PARAMS",
            "DEFAULT_SIGNAL_ROWS"]
@@ -36,6 +39,8 @@ __all__ = ["Settings", "parse_settings", "TorchSession", "BACKEND_OPTIONS", "DEF
 DEFAULT_MAX_EXACT_PARAMS = 20_000
 #: Default bound on ``signals × samples`` rows back-propagated at once by the GGN paths.
 DEFAULT_SIGNAL_ROWS = 8192
+#: Bound on the entries of one block of placed token signals ``(K, M·tokens, n, T, C)``.
+TOKEN_SIGNAL_ENTRIES = 1 << 24
 #: The torch backend's own options (``distributed`` is taken by the package entry points).
 BACKEND_OPTIONS = ("force", "max_exact_params", "chunk_size", "memory_budget", "exact_chunk", "probe_chunk",
                    "fast", "distributed")
@@ -111,7 +116,8 @@ class TorchSession:
         on_unsupported = options.on_unsupported
         if self.rank != 0 and on_unsupported == "warn":
             on_unsupported = "skip"
-        self._layers, self.unsupported = collect_layers(model, options, self.settings.fast, on_unsupported)
+        self._layers, self.unsupported, self.parameters = collect_layers(model, options, self.settings.fast,
+                                                                         on_unsupported)
         self.layers = [layer.spec for layer in self._layers]
         self._index = {id(layer): i for i, layer in enumerate(self._layers)}
         first = self._layers[0].param
@@ -135,6 +141,9 @@ class TorchSession:
         self.capture: ggn_kernels.Capture | None = None
         self._closed = False
         self.model = model
+        # Causal language models: the logits at t predict the label at t + 1 (method §6.3).
+        self._recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
+        self.shift = bool(options.shift_labels) if options.shift_labels is not None else bool(hf.is_causal_lm(model))
         self.state: ModelState | None = None
         claim(model)  # raises, with nothing to undo, if another thread analyzes this module
         try:
@@ -153,20 +162,42 @@ class TorchSession:
 
     def signature(self) -> list[Any]:
         """``(name, kind, shape, dtype)`` per layer, for the distributed setup agreement."""
-        return [(layer.name, layer.ext.kind, tuple(layer.param.shape), str(layer.param.dtype))
+        return [(layer.name, layer.spec.kind, tuple(layer.param.shape), str(layer.param.dtype))
                 for layer in self._layers]
 
-    def update(self, batch: Batch, state: SumState) -> None:
-        """Add one checked batch's per-layer ``(K, *shape)`` sums to ``state``."""
+    def update(self, batch: Batch, state: SumState) -> int | None:
+        """Add one checked batch's per-layer ``(K, *shape)`` sums to ``state``.
+
+        Returns:
+            The counted tokens for token logits with a built-in loss (the mean loss is
+            over them, method §6.3), ``None`` for one term per sample.
+        """
         # Autograd on, also when called under torch.no_grad() or torch.inference_mode()
         # (both are thread-local switches).
-        with torch.inference_mode(False), torch.enable_grad():
-            xs = inputs_to_model(batch.x, batch.index, self.device, self.dtype)
+        with torch.inference_mode(False), torch.enable_grad(), self._analysis_mode():
+            xs = inputs_to_model(batch.x, batch.index, self.device, self.dtype, batch.n, batch.keywords)
             if self.ggn:
-                self._ggn_update(batch, xs, state)
+                terms = self._ggn_update(batch, xs, state)
             else:
-                self._hvp_update(batch, xs, state)
+                terms = self._hvp_update(batch, xs, state)
         self.batches_seen += 1
+        return terms
+
+    @contextlib.contextmanager
+    def _analysis_mode(self) -> Iterator[None]:
+        """What every forward of the analysis runs in (thread-local effects only)."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(hf.analysis_mode(self.model, self.options))
+            if self._recurrent:
+                # The fused recurrent kernels run as plain recurrences: vmap can batch those, and
+                # their backward is much faster on CPU (compat.FunctionalKernels). Only for models
+                # with recurrent layers: a function mode costs a little on every torch call.
+                stack.enter_context(compat.FunctionalKernels(attention=False))
+            yield
+
+    def _pick(self, out: Any) -> Any:
+        """The logits inside the model's output (the ``output`` option)."""
+        return select_output(out, self.options.output, _is_tensor)
 
     def zeros(self, layer: int) -> torch.Tensor:
         """``(K, *shape)`` zeros of a layer the loss never reached."""
@@ -239,11 +270,16 @@ class TorchSession:
                                  float(torch.finfo(logits.dtype).eps))
         return c
 
-    def _labels(self, batch: Batch, c: int) -> torch.Tensor:
-        ids = labels_for(batch, c, ADAPTER, self.options)
+    def _labels(self, batch: Batch, c: int, logits: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        """The labels on the device, and the counted tokens (token logits, built-in loss) or ``None``."""
+        tokens = int(logits.shape[1]) if logits.dim() == 3 else None
+        ids = labels_for(batch, c, ADAPTER, self.options, tokens=tokens, shift=self.shift)
         if ids is None:  # a custom loss gets the labels as given
-            return to_model(batch.y, "labels", batch.index, self.device, None)
-        return torch.as_tensor(ids, device=self.device)
+            return to_model(batch.y, "labels", batch.index, self.device, None), None
+        y = torch.as_tensor(ids, device=self.device)
+        if tokens is None or callable(self.options.loss):
+            return y, None
+        return y, int((y >= 0).sum())
 
     def _loss_sum(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if callable(self.options.loss):
@@ -264,33 +300,40 @@ class TorchSession:
 
     # ------------------------------------------------------------------ exact, hutchinson
 
-    def _hvp_update(self, batch: Batch, xs: tuple, state: SumState) -> None:
+    def _hvp_update(self, batch: Batch, xs: ModelInputs, state: SumState) -> int | None:
         with torch.no_grad():
-            logits = self.model(*xs)
+            logits = self._pick(xs.call(self.model))
         c = self._check_logits(logits, batch, batch.n)
-        y = self._labels(batch, c)
+        y, terms = self._labels(batch, c, logits)
         self._check_loss(logits, y, batch.index)
         del logits
-        loss_of = hvp.functional_loss(self.model, xs, lambda z: self._loss_sum(z, y))
-        if self.options.estimator == "exact":
-            hvp.exact_update(loss_of, self._layers, self.settings.exact_chunk, state)
-        else:
-            assert self.probes is not None and self.options.samples is not None
-            hvp.hutchinson_update(loss_of, self._layers, self.probes, self.options.samples, self.options.groups,
-                                  self.settings.probe_chunk, state)
+        loss_of = hvp.functional_loss(self.model, xs, lambda z: self._loss_sum(z, y), self._pick)
+        # Hessian-vector products need attention's double backward (the math kernel).
+        with compat.FunctionalKernels(attention=True):
+            if self.options.estimator == "exact":
+                hvp.exact_update(loss_of, self._layers, self.settings.exact_chunk, state)
+            else:
+                assert self.probes is not None and self.options.samples is not None
+                hvp.hutchinson_update(loss_of, self._layers, self.probes, self.options.samples,
+                                      self.options.groups, self.settings.probe_chunk, state)
+        return terms
 
     # ------------------------------------------------------------------ ggn, ggn-mc
 
-    def _signals_per_sample(self, c: int) -> int:
+    def _signals_per_sample(self, c: int, tokens: int) -> int:
+        """Back-propagated signals per sample: per token, ``C − 1`` (ggn) or the drawn ones."""
         if self.options.estimator == "ggn":
-            return max(c - 1, 1)
-        k = self.options.groups
-        assert self.options.samples is not None
-        return k * -(-self.options.samples // k)
+            per_token = max(c - 1, 1)
+        else:
+            k = self.options.groups
+            assert self.options.samples is not None
+            per_token = k * -(-self.options.samples // k)
+        return per_token * tokens
 
     def _choose_chunk(self, logits: torch.Tensor, rows: int, c: int) -> int:
         """Samples per GGN step: bound the signal rows back-propagated at once."""
-        per_sample = self._signals_per_sample(c)
+        tokens = int(logits.shape[1]) if logits.dim() == 3 else 1
+        per_sample = self._signals_per_sample(c, tokens)
         if self.settings.memory_budget is None:
             return max(1, DEFAULT_SIGNAL_ROWS // per_sample)
         from normflat.core.memory import chunk_size_for
@@ -302,7 +345,7 @@ class TorchSession:
         outs = sum(self.capture.outputs[id(layer)].numel() // rows for layer in self._layers
                    if id(layer) in self.capture.outputs)
         weights = sum(layer.param.numel() for layer in self._layers if not layer.fast)
-        need = per_sample * item * (2 * (outs + c) + weights)
+        need = per_sample * item * (2 * (outs + c * tokens) + weights)
         return chunk_size_for(self.settings.memory_budget, need, "the back-propagated GGN signals")
 
     def _first_check(self, logits: torch.Tensor, fast: list[TorchLayer]) -> None:
@@ -323,22 +366,54 @@ class TorchSession:
                 layer.disable_fast("module input or output is not a single tensor")
         self.checked = True
 
-    def _ggn_update(self, batch: Batch, xs: tuple, state: SumState) -> None:
+    def _signal_blocks(self, logits: torch.Tensor, counted: torch.Tensor | None,
+                       uniforms: torch.Tensor | None) -> Iterator[torch.Tensor]:
+        """The GGN signals of a chunk, in blocks ``(K, M', rows, *logits.shape[1:])``.
+
+        ``(n, C)`` logits: one block from :func:`~normflat.engine.losses.output_signals`.
+        Token logits ``(n, T, C)``: the signals of :func:`~normflat.engine.losses.token_signals`
+        (each token's factor placed at its own position, ignored tokens zero; method §6.3),
+        formed a few tokens at a time so that the placed ``(K, M·T, n, T, C)`` tensor, which
+        grows with ``T²``, never exists whole.
+        """
+        z = logits
+        if z.dim() == 2:
+            yield losses.output_signals(_XP, z, self.options, uniforms)  # (K, M, rows, C)
+            return
+        assert counted is not None
+        n, t, c = z.shape
+        base = losses.output_signals(_XP, z.reshape(n * t, c), self.options,
+                                     None if uniforms is None else uniforms.reshape(n * t, -1))
+        k, m = base.shape[:2]
+        base = base.reshape(k, m, n, t, c) * counted[None, None, :, :, None]
+        per_token = k * m * n * t * c
+        step = max(1, min(t, TOKEN_SIGNAL_ENTRIES // max(per_token, 1),
+                          DEFAULT_SIGNAL_ROWS // max(m * n, 1)))
+        for start in range(0, t, step):
+            stop = min(t, start + step)
+            placed = z.new_zeros(k, m, stop - start, n, t, c)
+            for j, pos in enumerate(range(start, stop)):
+                placed[:, :, j, :, pos, :] = base[:, :, :, pos, :]
+            yield placed.reshape(k, m * (stop - start), n, t, c)
+
+    def _ggn_update(self, batch: Batch, xs: ModelInputs, state: SumState) -> int | None:
         n = batch.n
         assert self.capture is not None
         cap = self.capture
         step = self.chunk or n
-        labels_checked = False
+        ids: torch.Tensor | None = None
+        terms: int | None = None
         for start in range(0, n, step):
             sl = slice(start, min(n, start + step))
             rows = sl.stop - sl.start
-            xc = tuple(xi[sl] for xi in xs)
+            xc = xs.rows(sl)
             cap.reset()
-            logits = self.model(*xc)
+            logits = self._pick(xc.call(self.model))
             c = self._check_logits(logits, batch, rows)
-            if not labels_checked:
-                self._labels(batch, c)  # the data contract: labels in range (the GGN does not use them)
-                labels_checked = True
+            if ids is None:
+                # The data contract: labels in range. The GGN uses the labels of token logits only,
+                # for the counted tokens.
+                ids, terms = self._labels(batch, c, logits)
             if self.chunk is None:
                 # The class count is known after the first forward, which is redone in chunks if
                 # the whole batch is too big.
@@ -347,13 +422,22 @@ class TorchSession:
                     cap.reset()
                     del logits
                     return self._ggn_update(batch, xs, state)
+            tokens = int(logits.shape[1]) if logits.dim() == 3 else None
+            counted = None
+            if tokens is not None:
+                if callable(self.options.loss) or ids.dim() != 2:
+                    raise ValueError(
+                        f"Batch {batch.index}: the GGN estimators of token logits need the built-in losses "
+                        "('ce' or 'nsce') and integer token labels; use estimator='exact' or 'hutchinson' "
+                        "with a custom loss."
+                    )
+                counted = (ids[sl] >= 0).to(logits.dtype)
             uniforms = None
             if self.options.estimator == "ggn-mc":
                 assert self.options.samples is not None
-                u = nrandom.sample_uniforms(self.options.seed, self.rank, batch.offset + start, rows,
-                                            self.options.samples)
+                draws = self.options.samples * (tokens or 1)
+                u = nrandom.sample_uniforms(self.options.seed, self.rank, batch.offset + start, rows, draws)
                 uniforms = torch.from_numpy(u).to(device=logits.device, dtype=logits.dtype)
-            sig = losses.output_signals(_XP, logits.detach(), self.options, uniforms)  # (K, M, rows, C)
             fast = [layer for layer in self._layers if layer.fast]
             if not self.checked and fast:
                 self._first_check(logits, fast)
@@ -363,27 +447,35 @@ class TorchSession:
                     # Dynamic models: re-checked on every chunk; earlier chunks' sums stay valid.
                     layer.disable_fast("layer not called exactly once, or its input modified in place")
             fast = [layer for layer in fast if layer.fast]
+            z = logits.detach()
             if fast:
-                self._fast_squares(logits, sig, fast, state)
+                for sig in self._signal_blocks(z, counted, uniforms):
+                    self._fast_squares(logits, sig, fast, state)
+                    fast = [layer for layer in fast if layer.fast]
             del logits
             cap.reset()
             generic = [layer for layer in self._layers if not layer.fast]
             if generic:
                 cap.active = False
                 try:
-                    res = ggn_kernels.generic_ggn(self.model, xc, sig, generic)
+                    for sig in self._signal_blocks(z, counted, uniforms):
+                        # The math attention kernel has vmap batching rules; the fused one does not.
+                        with compat.FunctionalKernels(attention=True):
+                            res = ggn_kernels.generic_ggn(self.model, xc, sig, generic, self._pick)
+                        for layer in generic:
+                            state.add(self._index[id(layer)], res[layer.param_name].detach())
                 finally:
                     cap.active = True
-                for layer in generic:
-                    state.add(self._index[id(layer)], res[layer.param_name].detach())
+        return terms
 
     def _fast_squares(self, logits: torch.Tensor, sig: torch.Tensor, fast: list[TorchLayer],
                       state: SumState) -> None:
         assert self.capture is not None
         cap = self.capture
-        k, m, nc, _ = sig.shape
+        k, m, nc = sig.shape[:3]
         outs = [cap.outputs[id(layer)] for layer in fast]
-        grads = list(ggn_kernels.backprop_signals(logits, outs, sig.reshape(k * m, nc, -1), self.batched))
+        grads = list(ggn_kernels.backprop_signals(logits, outs, sig.reshape(k * m, nc, *sig.shape[3:]),
+                                                  self.batched))
         for i, layer in enumerate(fast):
             parts, grads[i] = grads[i], None  # the rule may free the parts once used
             if parts is None:  # the layer does not influence the logits
@@ -393,9 +485,16 @@ class TorchSession:
             rule = layer.ext.ggn_squares
             assert rule is not None
             try:
-                value = rule(layer.module, cap.inputs[id(layer)],
-                             deltas if ggn_kernels.wants_deltas(rule) else deltas.stacked())
+                arg = deltas if ggn_kernels.wants_deltas(rule) else deltas.stacked()
+                if ggn_kernels.wants_call(rule):
+                    value = rule(layer.module, cap.inputs[id(layer)], arg, *cap.extras[id(layer)])
+                else:
+                    value = rule(layer.module, cap.inputs[id(layer)], arg)
             except ggn_kernels.NoFastPath as why:  # handled by the generic path, this chunk included
                 layer.disable_fast(str(why))
                 continue
             state.add(self._index[id(layer)], value.detach())
+
+
+def _is_tensor(a: Any) -> bool:
+    return isinstance(a, torch.Tensor)

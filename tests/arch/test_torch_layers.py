@@ -1,0 +1,408 @@
+"""Torch attention, embeddings, recurrent layers and position tables against brute force (float64).
+
+``ggn`` must equal the per-sample-Jacobian GGN diagonal (``torch.func.jacrev`` of
+the logits w.r.t. every parameter, the per-token loss Hessian in the logits) to
+1e-10, and ``exact`` the diagonal of the full autodiff Hessian (method §6, §6.3),
+in the canonical layouts of method §3.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import normflat
+from tests.arch import _torch_reference as ref
+
+DT = torch.float64
+V, D, T, N, C = 13, 8, 5, 3, 4
+
+
+def _close(got: dict, want: dict, rtol: float = 1e-10) -> None:
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for k in want:
+        g = torch.as_tensor(got[k], dtype=DT)
+        assert g.shape == want[k].shape, (k, g.shape, want[k].shape)
+        scale = want[k].abs().max()
+        assert scale > 0, k  # every analyzed weight reaches the loss in these models
+        err = (g - want[k]).abs().max() / scale
+        assert err < rtol, (k, float(err))
+
+
+def _check_ggn(model, data, loss="nsce", tables=None, shift=False, **kw):
+    got = normflat.hessian_diagonal(model, data, loss=loss, estimator="ggn", progress=False, **kw)
+    want = ref.problems(model, ref.ggn_diagonal(model, data, loss, shift=shift), tables)
+    _close(got, want)
+    return got
+
+
+def _ids(*shape, low=0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, V, shape, generator=g)
+
+
+def _labels(*shape, classes=C, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, classes, shape, generator=g)
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class AttentionClassifier(nn.Module):
+    """Embedding -> nn.MultiheadAttention (packed, or kdim/vdim) -> mean -> Linear."""
+
+    def __init__(self, kdim=None, vdim=None):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.kdim, self.vdim = kdim, vdim
+        self.to_k = nn.Linear(D, kdim, bias=False) if kdim else None
+        self.to_v = nn.Linear(D, vdim, bias=False) if vdim else None
+        self.att = nn.MultiheadAttention(D, 2, batch_first=True, kdim=kdim, vdim=vdim)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        k = self.to_k(h) if self.to_k is not None else h
+        v = self.to_v(h) if self.to_v is not None else h
+        a, _ = self.att(h, k, v)
+        return self.head(torch.tanh(a).mean(1))
+
+
+class TokenTagger(nn.Module):
+    """Embedding (padding_idx) -> tanh -> Linear per token: token logits (n, T, C)."""
+
+    def __init__(self, padding_idx=None):
+        super().__init__()
+        self.emb = nn.Embedding(V, D, padding_idx=padding_idx)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+class BagClassifier(nn.Module):
+    def __init__(self, mode, padding_idx=None, weighted=False, offsets=False):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(V, D, mode=mode, padding_idx=padding_idx)
+        self.weighted, self.offsets = weighted, offsets
+        self.head = nn.Linear(D, C)
+
+    def forward(self, ids, w):
+        psw = w if self.weighted else None
+        if self.offsets:  # 1-D input with offsets, the bags of the rows
+            n, length = ids.shape
+            off = torch.arange(0, n * length, length, device=ids.device)
+            h = self.bag(ids.reshape(-1), off, per_sample_weights=None if psw is None else psw.reshape(-1))
+        else:
+            h = self.bag(ids, per_sample_weights=psw)
+        return self.head(torch.tanh(h))
+
+
+class TinyLM(nn.Module):
+    """Embedding + position table + transformer layer + LM head tied to the embedding."""
+
+    def __init__(self, tied=True):
+        super().__init__()
+        self.wte = nn.Embedding(V, D)
+        self.pos_embed = nn.Parameter(torch.randn(1, T, D) * 0.3)
+        self.block = nn.TransformerEncoderLayer(D, 2, 12, dropout=0.0, batch_first=True)
+        self.lm_head = nn.Linear(D, V, bias=False)
+        if tied:
+            self.lm_head.weight = self.wte.weight
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.wte(input_ids) + self.pos_embed[:, :input_ids.shape[1]]
+        mask = None if attention_mask is None else attention_mask == 0
+        h = self.block(h, src_key_padding_mask=mask)
+        return {"logits": self.lm_head(h)}
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell, **kw):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.rnn = cell(D, 3, batch_first=True, **kw)
+        out = (kw.get("proj_size") or 3) * (2 if kw.get("bidirectional") else 1)
+        self.head = nn.Linear(out, C)
+
+    def forward(self, ids, h0=None):
+        out, _ = self.rnn(self.emb(ids)) if h0 is None else self.rnn(self.emb(ids), h0)
+        return self.head(out.mean(1))  # every step of both directions reaches the loss
+
+
+def _init(model, seed=0):
+    torch.manual_seed(seed)
+    model = model.to(DT).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)  # non-zero biases, asymmetric weights
+    return model
+
+
+# ----------------------------------------------------------------------------- ggn vs brute force
+
+
+@pytest.mark.parametrize("loss", ["nsce", "ce"])
+def test_multihead_attention_packed(loss):
+    model = _init(AttentionClassifier())
+    data = [(_ids(N, T), _labels(N))]
+    got = _check_ggn(model, data, loss)
+    assert {"att.query", "att.key", "att.value", "att.out_proj"} <= set(got)
+
+
+def test_multihead_attention_separate_kdim_vdim_and_generic_reason():
+    model = _init(AttentionClassifier(kdim=6, vdim=5))
+    data = [(_ids(N, T), _labels(N))]
+    got = _check_ggn(model, data)
+    assert got["att.key"].shape == (D, 6) and got["att.value"].shape == (D, 5)
+    report = normflat.analyze(model, data, progress=False)
+    details = {layer.name: layer.details for layer in report.layers}
+    assert details["att.query"]["path"] == "generic"
+    assert "functionally" in details["att.query"]["generic_reason"]
+    assert details["emb"]["path"] == "fast"
+
+
+@pytest.mark.parametrize("loss", ["nsce", "ce"])
+def test_embedding_repeated_ids_padding_and_token_logits_with_ignore_index(loss):
+    model = _init(TokenTagger(padding_idx=2))
+    ids = torch.tensor([[2, 5, 5, 7, 5], [1, 2, 2, 1, 9], [4, 4, 4, 4, 4]])
+    y = _labels(N, T)
+    y[0, 1], y[2, 4] = ref.IGNORE, ref.IGNORE
+    data = [(ids, y)]
+    got = _check_ggn(model, data, loss)
+    assert got["emb"].shape == (D, V)
+    assert torch.all(torch.as_tensor(got["emb"])[:, 2] == 0)  # no gradient at padding_idx
+    report = normflat.analyze(model, data, loss=loss, progress=False)
+    assert report.metadata["loss_terms"] == N * T - 2
+    assert report.layers[0].details["path"] == "fast"
+
+
+@pytest.mark.parametrize("shift", [True, False])
+def test_embedding_fast_rule_equals_generic_path(shift):
+    model = _init(TokenTagger())
+    y = _labels(N, T, classes=C)
+    data = [(_ids(N, T), y)]
+    fast = normflat.hessian_diagonal(model, data, shift_labels=shift, progress=False)
+    generic = normflat.hessian_diagonal(model, data, shift_labels=shift, progress=False, fast=False)
+    want = ref.problems(model, ref.ggn_diagonal(model, data, "nsce", shift=shift))
+    _close(fast, want)
+    _close(generic, want)
+
+
+@pytest.mark.parametrize("mode, padding_idx, weighted, offsets", [
+    ("sum", None, True, False), ("mean", 3, False, False), ("mean", None, False, True), ("sum", 3, True, True),
+    ("max", None, False, False)])
+def test_embedding_bag(mode, padding_idx, weighted, offsets):
+    model = _init(BagClassifier(mode, padding_idx, weighted, offsets))
+    ids = torch.tensor([[3, 5, 5, 1], [7, 3, 3, 3], [0, 12, 12, 6]])
+    w = torch.rand(N, 4, dtype=DT, generator=torch.Generator().manual_seed(3)) + 0.5
+    data = [((ids, w), _labels(N))]
+    _check_ggn(model, data)
+    report = normflat.analyze(model, data, progress=False)
+    assert report.layers[0].details["path"] == ("generic" if mode == "max" else "fast")
+
+
+def test_tied_lm_head_position_table_and_shifted_token_labels():
+    model = _init(TinyLM())
+    ids = _ids(2, T)
+    y = ids.clone()
+    y[1, 2] = ref.IGNORE  # after the shift: the label of position 1
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": y}
+    data = [({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, y)]
+    got = normflat.hessian_diagonal(model, batch, shift_labels=True, progress=False)
+    want = ref.problems(model, ref.ggn_diagonal(model, data, "nsce", shift=True), {"pos_embed": D})
+    _close(got, want)
+    report = normflat.analyze(model, batch, shift_labels=True, progress=False)
+    names = [layer.name for layer in report.layers]
+    assert "lm_head" not in names and names.count("wte") == 1
+    wte = report.layers[names.index("wte")]
+    assert wte.details["shared_with"] == ["lm_head"] and wte.shape == (D, V)
+    assert report.layers[names.index("pos_embed")].shape == (D, T)
+    assert report.metadata["loss_terms"] == 2 * (T - 1) - 1
+
+
+@pytest.mark.parametrize("cell, kw", [
+    (nn.RNN, dict(nonlinearity="tanh", num_layers=2, bidirectional=True)),
+    (nn.RNN, dict(nonlinearity="relu")),
+    (nn.LSTM, dict(num_layers=2, bidirectional=True, proj_size=2)),
+    (nn.GRU, dict(num_layers=2, bidirectional=True)),
+])
+def test_recurrent_layers(cell, kw):
+    model = _init(Recurrent(cell, **kw))
+    data = [(_ids(N, 4), _labels(N))]
+    got = _check_ggn(model, data)
+    gates = {nn.LSTM: "ifgo", nn.GRU: "rzn", nn.RNN: ""}[cell]
+    for g in gates:
+        assert f"rnn.weight_ih_l0.{g}" in got and f"rnn.weight_hh_l0.{g}" in got
+    if kw.get("bidirectional"):
+        assert any(k.startswith("rnn.weight_ih_l1_reverse") for k in got)
+
+
+def test_recurrent_with_initial_state():
+    model = _init(Recurrent(nn.GRU))
+    h0 = torch.randn(1, N, 3, dtype=DT, generator=torch.Generator().manual_seed(4))
+    # h0 is per sample along axis 1: give it batch-first, the model moves the axis.
+
+    class WithState(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids, h):
+            return self.inner(ids, h.transpose(0, 1).contiguous())
+
+    wrapped = WithState(model)
+    data = [((_ids(N, 4), h0.transpose(0, 1).contiguous()), _labels(N))]
+    _check_ggn(wrapped, data)
+
+
+def test_exact_matches_autodiff_hessian_on_attention_lstm_embedding():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(7, 4)
+            self.att = nn.MultiheadAttention(4, 2, batch_first=True)
+            self.lstm = nn.LSTM(4, 2, batch_first=True)
+            self.head = nn.Linear(2, 3)
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            a, _ = self.att(h, h, h, need_weights=False)  # the fused attention kernel
+            out, _ = self.lstm(a)
+            return self.head(out)  # token logits
+
+    model = _init(Mixed())
+    ids = torch.tensor([[1, 3, 3, 6], [0, 2, 5, 1]])
+    y = torch.tensor([[0, 2, ref.IGNORE, 1], [1, 1, 0, 2]])
+    data = [(ids, y)]
+    names = [k for k, _ in model.named_parameters() if "weight" in k and "bias" not in k]
+    want = ref.problems(model, ref.hessian_diagonal(model, data, "nsce", names))
+    got = normflat.hessian_diagonal(model, data, estimator="exact", progress=False)
+    _close(got, want)
+
+
+def test_exact_through_transformer_encoder_layer_double_backward():
+    model = _init(TinyLM(tied=False))
+    ids = _ids(2, 3)
+    data = [(ids, ids)]
+    names = [k for k, _ in model.named_parameters()
+             if k.endswith("weight") and "norm" not in k] + ["pos_embed"]
+    want = ref.problems(model, ref.hessian_diagonal(model, data, "ce", names, shift=True), {"pos_embed": D})
+    got = normflat.hessian_diagonal(model, data, loss="ce", estimator="exact", shift_labels=True,
+                                    progress=False, force=True)
+    _close(got, want)
+
+
+def test_lstm_packing_its_padded_input_inside_the_forward():
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, D)
+            self.lstm = nn.LSTM(D, 3, batch_first=True)
+            self.head = nn.Linear(3, C)
+
+        def forward(self, ids, lengths):
+            packed = nn.utils.rnn.pack_padded_sequence(self.emb(ids), lengths.cpu(), batch_first=True,
+                                                       enforce_sorted=False)
+            _, (h, _) = self.lstm(packed)
+            return self.head(h[-1])
+
+    model = _init(Packed())
+    data = [((_ids(N, T), torch.tensor([5, 2, 3])), _labels(N))]
+    _check_ggn(model, data)
+
+
+def test_frozen_transformer_decoder_layer_in_eval_mode():
+    """A frozen model in eval mode: torch's fused fast paths must not replace the layers whose
+    gradients normflat needs (ggn against brute force)."""
+
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, D)
+            self.enc = nn.TransformerEncoderLayer(D, 2, 12, dropout=0.0, batch_first=True)
+            self.dec = nn.TransformerDecoderLayer(D, 2, 12, dropout=0.0, batch_first=True)
+            self.head = nn.Linear(D, C)
+
+        def forward(self, src, tgt):
+            memory = self.enc(self.emb(src))
+            causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1], dtype=DT)
+            return self.head(self.dec(self.emb(tgt), memory, tgt_mask=causal, tgt_is_causal=True))
+
+    model = _init(Decoder())
+    for p in model.parameters():
+        p.requires_grad_(False)
+    data = [((_ids(2, 4, seed=7), _ids(2, 3, seed=8)), _labels(2, 3))]
+    _check_ggn(model, data)
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_register_layer_for_a_transposed_dense_layer_with_its_fast_rule():
+    """A dense layer storing its weight (in, out), like Hugging Face's Conv1D: canonical transposed,
+    fast rule ``transposed_linear_squares``; the same diagonal as the generic path and brute force."""
+    from normflat.backends.torch import register_layer, registered_layers
+    from normflat.backends.torch.ggn import transposed_linear_squares
+    from normflat.backends.torch.layers import REGISTRY
+
+    class InOut(nn.Module):
+        def __init__(self, n_in, n_out):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(n_in, n_out) * 0.5)
+            self.bias = nn.Parameter(torch.randn(n_out) * 0.1)
+
+        def forward(self, x):
+            return x @ self.weight + self.bias
+
+    model = _init(nn.Sequential(nn.Embedding(V, D), InOut(D, 6), nn.Tanh(), InOut(6, C)))
+    data = [(_ids(N, T), _labels(N, T))]
+    assert InOut not in registered_layers()
+    register_layer(InOut, kind="dense", to_canonical=lambda m, t: t.T, ggn_squares=transposed_linear_squares)
+    try:
+        fast = normflat.analyze(model, data, progress=False)
+        assert [layer.details["path"] for layer in fast.layers] == ["fast", "fast", "fast"]
+        assert fast.layers[1].shape == (6, D)
+        got = normflat.hessian_diagonal(model, data, progress=False)
+        generic = normflat.hessian_diagonal(model, data, progress=False, fast=False)
+    finally:
+        REGISTRY.unregister(InOut)
+    native = ref.ggn_diagonal(model, data, "nsce")
+    want = {"0": native["0.weight"].T, "1": native["1.weight"].T, "3": native["3.weight"].T}
+    _close(got, want)
+    _close(generic, want)
+
+
+@pytest.mark.parametrize("cell, kw", [
+    (nn.LSTM, dict(num_layers=2, bidirectional=True, proj_size=2)), (nn.LSTM, dict(bias=False)),
+    (nn.GRU, dict(num_layers=2, bidirectional=True)), (nn.GRU, dict(bias=False)),
+    (nn.RNN, dict(nonlinearity="relu", bidirectional=True)), (nn.RNN, dict(num_layers=2)),
+])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_functional_recurrence_equals_the_fused_kernel(cell, kw, batch_first, monkeypatch):
+    """The plain recurrence normflat differentiates (compat.FunctionalKernels) computes what torch's
+    fused kernel computes: outputs and final states, batched and unbatched, with a given state."""
+    from normflat.backends.torch import compat
+    from normflat.backends.torch.compat import FunctionalKernels
+
+    calls = []
+    plain = compat._recurrence
+    monkeypatch.setattr(compat, "_recurrence", lambda *a: calls.append(a[0]) or plain(*a))
+
+    torch.manual_seed(0)
+    rnn = cell(3, 4, batch_first=batch_first, **kw).to(DT).eval()
+    x = torch.randn(2, 5, 3, dtype=DT)  # 2 sequences of 5 steps
+    if not batch_first:
+        x = x.transpose(0, 1).contiguous()
+    layers = kw.get("num_layers", 1) * (2 if kw.get("bidirectional") else 1)
+    h0 = torch.randn(layers, 2, kw.get("proj_size") or 4, dtype=DT)
+    state = (h0, torch.randn(layers, 2, 4, dtype=DT)) if cell is nn.LSTM else h0
+    for args in ((x,), (x, state), (torch.randn(5, 3, dtype=DT),)):  # the last one unbatched
+        want = rnn(*args)
+        with FunctionalKernels():
+            got = rnn(*args)
+        flat = [want[0], *(want[1] if isinstance(want[1], tuple) else (want[1],))]
+        flat_got = [got[0], *(got[1] if isinstance(got[1], tuple) else (got[1],))]
+        for a, b in zip(flat, flat_got):
+            assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+    assert len(calls) == 3  # the plain recurrence ran, not the fused kernel
