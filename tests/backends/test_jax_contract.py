@@ -281,7 +281,8 @@ class Scale(eqx.Module):
 def test_registry_register_ignore_unsupported_and_mro():
     entries = nf_jax.registered_layers()
     assert isinstance(entries[eqx.nn.Linear], nf_jax.LayerRule)
-    assert entries[nnx.BatchNorm] is IGNORE and isinstance(entries[nnx.Embed], Unsupported)
+    assert entries[nnx.BatchNorm] is IGNORE and isinstance(entries[nnx.ConvTranspose], Unsupported)
+    assert entries[nnx.Embed].kind == "embedding"  # embeddings are layers (method §3)
     rng = np.random.default_rng(1)
     layer = Scale(jnp.asarray(rng.normal(size=(3, 5))), jnp.asarray(1.5))
     model = eqx.nn.Sequential([layer])

@@ -209,7 +209,7 @@ def test_equinox_state_option_uses_running_statistics():
     assert model.bn.inference is False  # the user's module is not switched
 
 
-def test_equinox_embedding_is_reported_unsupported():
+def test_equinox_embedding_is_analyzed():
     class Tokens(eqx.Module):
         emb: eqx.nn.Embedding
         lin: eqx.nn.Linear
@@ -221,11 +221,9 @@ def test_equinox_embedding_is_reported_unsupported():
     model = Tokens(eqx.nn.Embedding(10, 4, key=k1), eqx.nn.Linear(4, 3, key=k2))
     t = jnp.asarray(np.random.default_rng(0).integers(0, 10, size=(5, 7)))
     y = jnp.asarray([0, 1, 2, 0, 1])
-    with pytest.raises(ValueError, match="emb/weight"):
-        normflat.analyze(model, (t, y), progress=False, on_unsupported="error")
-    with pytest.warns(UserWarning, match="emb/weight"):
-        r = normflat.analyze(model, (t, y), progress=False)
-    assert [l.name for l in r.layers] == ["lin"]
+    # the table (vocabulary, features) is the matrix (features, vocabulary) of method §3
+    r = normflat.analyze(model, (t, y), progress=False, on_unsupported="error")
+    assert [(l.name, l.kind, l.shape) for l in r.layers] == [("emb", "embedding", (4, 10)), ("lin", "dense", (3, 4))]
 
 
 # ----------------------------------------------------------------------------- flax nnx and linen
@@ -383,7 +381,8 @@ def test_bad_model_and_options():
     with pytest.raises(ValueError, match="no weight tensor"):
         normflat.analyze((lambda p, x: x[:, :3] * p["s"], {"s": jnp.ones(3)}), (x, y), progress=False)
     with pytest.raises(ValueError, match=r"\(batch, classes\)"):
-        normflat.analyze((lambda p, x: (x @ p["d"]["kernel"])[:, :, None], _pair_params()["dense0"] and
+        # (batch, tokens, classes) are token logits (method §6.3); four axes are no logits at all
+        normflat.analyze((lambda p, x: (x @ p["d"]["kernel"])[:, :, None, None], _pair_params()["dense0"] and
                           {"d": {"kernel": jnp.ones((5, 3))}}), (x, y), progress=False)
 
 

@@ -39,7 +39,10 @@ Backend options (keyword arguments of :func:`normflat.analyze`):
 ``layouts``
     ``{leaf path: layout}`` declaring weight tensors that normflat does not
     recognise (or overriding it): ``"out,in,*k"`` (torch/equinox order),
-    ``"*k,in,out"`` (flax/Keras order), or ``None`` to exclude a leaf.
+    ``"*k,in,out"`` (flax/Keras order), the role of every axis of a multi-axis
+    kernel (``"in,out,out"``, or ``{"out": axes, "in": axes}``; canonical
+    ``(∏ out, ∏ in)``, method §3), or ``None`` to exclude a leaf. Layouts are
+    checked against the traced program: one that misreads a kernel is refused.
 ``dtype``
     Compute dtype. Default: the weights' dtype (at least float32). ``"float64"``
     computes in double precision, enabling ``jax_enable_x64`` locally if needed.

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from normflat.backends.jax.kernel import Kernel, Run
-from normflat.engine.losses import output_signals
+from normflat.engine.losses import output_signals, token_signals
 from normflat.engine.random import sample_uniforms
 
 __all__ = ["GGN"]
@@ -65,6 +65,12 @@ class GGN(Kernel):
         self.taps = {t.weight: t for t in prog.taps}
         self.gen = [k for k in range(len(ws)) if k not in self.taps]
         super().__init__(options, prog, ws, dtype, num_classes, settings)
+        # Token logits (method §6.3): every (token, signal) pair is its own back-propagated signal, and
+        # the counted-token mask of the piece is one more batch input (not a Python branch).
+        self.T = self.tokens or 1
+        self.cols = self.M * self.T
+        if self.tokens is not None:
+            self.batch_args = (2, 3, 4, 5)
         self.paths = ["fast" if k in self.taps else "generic" for k in range(len(ws))]
         per_example = 0
         for k, w in enumerate(ws):
@@ -72,12 +78,12 @@ class GGN(Kernel):
             if t is not None and t.squares_factor:
                 out_size = math.prod(prog.shapes[prog.ops[t.op].outs[0]])
                 act_size = math.prod(prog.shapes.get(prog.ops[t.op].ins[1 - t.weight_pos][1], (1,)))
-                per_example += self.G * self.M * out_size + act_size
+                per_example += self.G * self.cols * out_size + act_size
             else:
-                per_example += self.G * self.M * int(np.prod(w.shape))
+                per_example += self.G * self.cols * int(np.prod(w.shape))
         # Per example: the signals and squared gradients counted above, plus the forward
         # intermediates kept for the VJP and one back-propagated signal per column.
-        need = (per_example + (1 + self.G * self.M) * self._activation_elements()) * jnp.dtype(self.dtype).itemsize
+        need = (per_example + (1 + self.G * self.cols) * self._activation_elements()) * jnp.dtype(self.dtype).itemsize
         budget_block = self._budget_block(need, "the per-sample GGN signals")
         self.max_block = int(settings["chunk_size"] or budget_block or max(1, _GGN_BUDGET // max(per_example, 1)))
 
@@ -87,9 +93,9 @@ class GGN(Kernel):
         return run
 
     def _group_sum(self, v):
-        return v.reshape((self.G, self.M) + v.shape[1:]).sum(axis=1)
+        return v.reshape((self.G, self.cols) + v.shape[1:]).sum(axis=1)
 
-    def _per_example(self, ws, others, xl, u):
+    def _per_example(self, ws, others, xl, u, counted=None):
         prog, taps, gen = self.prog, self.taps, self.gen
         eps0 = {t.op: jnp.zeros(prog.shapes[prog.ops[t.op].outs[0]], self.dtype) for t in taps.values()}
 
@@ -102,8 +108,11 @@ class GGN(Kernel):
             return z, rec
 
         z, vjp_fn, rec = jax.vjp(fwd, eps0, [ws[k] for k in gen], has_aux=True)
-        sig = output_signals(jnp, z[None], self.options, u[None] if self.mc else None)  # (K, M, 1, C)
-        cols = sig.reshape(self.G * self.M, -1)
+        if counted is None:
+            sig = output_signals(jnp, z[None], self.options, u[None] if self.mc else None)  # (K, M, 1, C)
+        else:  # (K, M·T, 1, T, C): the signals of each counted token, placed at that token
+            sig = token_signals(jnp, z[None], self.options, counted[None], u[None] if self.mc else None)
+        cols = sig.reshape((self.G * self.cols,) + z.shape)
         d_eps, d_wg = jax.vmap(vjp_fn)(cols)
         out = {}
         for j, k in enumerate(gen):
@@ -150,13 +159,16 @@ class GGN(Kernel):
         # Output order (group, signal, out, in*k) is the natural dot_general order: no transpose of
         # the largest array; squares are summed over the signals of each estimate group.
         grads = jnp.einsum("gjop,gkp->gjok", jnp.swapaxes(dm, 0, 1), pm)
-        sq = (grads * grads).reshape(g, self.G, self.M, out_ch // g, -1).sum(axis=2)
+        sq = (grads * grads).reshape(g, self.G, self.cols, out_ch // g, -1).sum(axis=2)
         sq = jnp.swapaxes(sq, 0, 1).reshape((self.G, out_ch, in_g, *ks))
         inv = [int(i) for i in np.argsort(dn.rhs_spec)]
         return jnp.transpose(sq, (0,) + tuple(1 + i for i in inv))
 
-    def _chunk(self, ws, others, xl, mask, u):
-        outs, z = jax.vmap(self._per_example, in_axes=(None, None, 0, 0))(ws, others, xl, u)
+    def _chunk(self, ws, others, xl, mask, u, counted=None):
+        if counted is None:
+            outs, z = jax.vmap(self._per_example, in_axes=(None, None, 0, 0))(ws, others, xl, u)
+        else:
+            outs, z = jax.vmap(self._per_example, in_axes=(None, None, 0, 0, 0))(ws, others, xl, u, counted)
 
         def masked_sum(v):
             return jnp.tensordot(mask, v, axes=1)
@@ -190,16 +202,21 @@ class GGN(Kernel):
             if u is None:
                 u = run.extras[("u0", block)] = jnp.zeros((block, 1), self.dtype)
             return u
-        u = sample_uniforms(run.extras["seed"], run.extras["stream"], offset + start, length, self.S)
+        # Token logits: S draws per token, token t taking columns t·S .. (t+1)·S - 1 (engine.losses).
+        u = sample_uniforms(run.extras["seed"], run.extras["stream"], offset + start, length, self.S * self.T)
         if length < block:
-            u = np.concatenate([u, np.zeros((block - length, self.S))])
+            u = np.concatenate([u, np.zeros((block - length, self.S * self.T))])
         return jnp.asarray(u, dtype=self.dtype)
 
     def run_piece(self, run: Run, piece, offset: int):
-        # The GGN does not depend on the labels (a callable loss is refused by the engine).
-        xp, _, mask, start, length, sharded = piece
+        # The GGN does not depend on the labels (a callable loss is refused by the engine); for token
+        # logits the session passes the (n, T) counted-token mask in their place.
+        xp, counted, mask, start, length, sharded = piece
         u = self._uniforms(run, offset, start, length, int(mask.shape[0]))
         if sharded:
             u = run.shard([u])[0]
-        vals, stats = self.call(run, [run.ws, run.others, xp, mask, u], sharded)
+        args = [run.ws, run.others, xp, mask, u]
+        if self.tokens is not None:
+            args.append(counted)
+        vals, stats = self.call(run, args, sharded)
         return vals, stats, sharded

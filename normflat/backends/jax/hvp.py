@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from normflat.backends.jax.kernel import Kernel, Run
+from normflat.backends.jax.layers import canonical_shape
 from normflat.engine.losses import loss_sum
 from normflat.engine.random import rademacher
 
@@ -142,6 +143,4 @@ class Hutchinson(_LossKernel):
 
 def _canonical_shape(info, native_shape: tuple) -> tuple:
     """The canonical ``(out, in/groups, *k)`` shape of a weight with native shape ``native_shape``."""
-    if info.layout == "canonical":
-        return tuple(native_shape)
-    return (native_shape[-1], native_shape[-2]) + tuple(native_shape[:-2])
+    return canonical_shape(native_shape, info.layout)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from normflat.backends.jax.layers import to_canonical
 from normflat.core.memory import chunk_size_for
 from normflat.engine.losses import logit_stats
 from normflat.engine.options import AnalysisOptions
@@ -90,12 +91,8 @@ def _add_all(a, b):
 @functools.partial(jax.jit, static_argnums=0)
 def _split_groups(layouts, vals):
     # (K, *native) per layer -> K canonical (out, in/groups, *k) arrays per layer, in one compiled
-    # call: the transposes of flax kernels fuse with the split instead of costing one call each.
-    def canon(a, layout):
-        if layout != "flax":
-            return a
-        return jnp.transpose(a, (a.ndim - 1, a.ndim - 2) + tuple(range(a.ndim - 2)))
-    return [tuple(canon(v[k], lay) for k in range(v.shape[0])) for lay, v in zip(layouts, vals)]
+    # call: the transposes of flax and multi-axis kernels fuse with the split instead of costing one call each.
+    return [tuple(to_canonical(v[k], lay) for k in range(v.shape[0])) for lay, v in zip(layouts, vals)]
 
 
 class Run:
@@ -140,6 +137,10 @@ class Kernel:
         self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
         self.dtype, self.num_classes, self.settings = dtype, num_classes, settings
         self.paths = ["hvp"] * len(ws)
+        # Token logits (method §6.3): the per-example output is (tokens, classes).
+        out = prog.out_refs[0] if len(prog.out_refs) == 1 else None
+        out_shape = tuple(prog.shapes.get(out[1], ())) if out is not None and out[0] == "ref" else ()
+        self.tokens = int(out_shape[0]) if len(out_shape) == 2 else None
         self._sharded: dict = {}
         self._lock = threading.Lock()
         self._jit = jax.jit(self._chunk)
@@ -232,7 +233,8 @@ class Kernel:
                 valid = jnp.arange(b) < e - s
                 mask = valid.astype(self.dtype)
                 if yp is not None and self.label_mask:
-                    yp = jnp.where(valid, yp, -1)  # label -1: a zero one-hot row, no loss
+                    # label -1: a zero one-hot row, no loss (token labels: every token of the row)
+                    yp = jnp.where(valid.reshape((-1,) + (1,) * (yp.ndim - 1)), yp, -1)
             sharded = run.mesh is not None
             if sharded:
                 xp = run.shard(xp)

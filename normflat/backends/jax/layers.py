@@ -2,24 +2,32 @@
 
 **Registry.** One :class:`~normflat.engine.registry.LayerRegistry` ``{module class:
 entry}`` with MRO lookup, as in every backend: an entry is a :class:`LayerRule`
-(which leaf of the module is its weight, in which layout, with how many groups),
+(which leaves of the module are its weights, in which layout — ``(out, in, *k)``,
+``(*k, in, out)`` or the :class:`Axes` of a multi-axis kernel, method §3 —, with
+how many groups, and the gate blocks of packed recurrent weights),
 :data:`~normflat.engine.registry.IGNORE` (normalization layers: their scales are
 held fixed, method §9) or :class:`~normflat.engine.registry.Unsupported` (a known
 type normflat refuses, with the reason). Keys are equinox, flax nnx or flax linen
 module classes. A floating leaf with at least 2 dimensions that no rule claims is
-reported through :class:`~normflat.engine.registry.Skipped` (``on_unsupported``);
-``layouts={leaf path: layout}`` declares or overrides single leaves.
+reported through :class:`~normflat.engine.registry.Skipped` (``on_unsupported``)
+unless it is excluded by definition or a learned position table
+(:func:`~normflat.engine.registry.excluded_reason`,
+:func:`~normflat.engine.registry.position_table`); ``layouts={leaf path: layout}``
+declares or overrides single leaves, and :func:`check_layouts` checks every layout
+that no rule gave against the traced program. Every leaf gets a
+:class:`~normflat.engine.problems.ParameterStatus` (:attr:`ModelView.parameters`).
 
 **Views.** Every model kind becomes a :class:`ModelView`: its floating-point
 leaves (cast to the compute dtype), the weight leaves found by the registry, and
-pure functions ``(leaves, x) -> logits`` for a batch and for one example. The
+pure functions ``(leaves, x) -> logits`` for a batch and for one example (keyword
+inputs ``model(**x)`` for mapping batches; the logits picked from the model's
+output by :func:`~normflat.engine.outputs.select_output`). The
 user's objects are only read: equinox and linen models are immutable, and an nnx
 module is split into a private copy switched to evaluation mode.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,10 +39,13 @@ import numpy as np
 
 from normflat.backends.jax.cache import LRU
 from normflat.backends.jax.compat import is_frozen_collection_error
-from normflat.engine.registry import IGNORE, LayerRegistry, Skipped, Unsupported
+from normflat.engine.outputs import select_output
+from normflat.engine.problems import ParameterStatus
+from normflat.engine.registry import IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table
 
-__all__ = ["LayerRule", "REGISTRY", "register_layer", "registered_layers", "ModelView", "WeightInfo",
-           "make_view", "LAYOUT_ALIASES", "path_str", "pick_dtype"]
+__all__ = ["LayerRule", "Axes", "REGISTRY", "register_layer", "registered_layers", "ModelView", "WeightInfo",
+           "make_view", "LAYOUT_ALIASES", "path_str", "pick_dtype", "to_canonical", "to_native",
+           "canonical_shape", "parse_layout"]
 
 #: Accepted names of weight layouts in ``layouts=``: canonical (torch/equinox) or flax/Keras.
 LAYOUT_ALIASES = {
@@ -45,24 +56,148 @@ LAYOUT_ALIASES = {
 
 
 @dataclass(frozen=True)
+class Axes:
+    """A multi-axis weight layout: which native axes are output and which are input features.
+
+    The canonical matrix (method §3) is the native array transposed to
+    ``out + inp`` and reshaped to ``(∏ output axes, ∏ input axes)``, each group of
+    axes flattened in row-major order (an attention query kernel ``(d, H, hd)`` with
+    ``out=(1, 2)``, ``inp=(0,)`` becomes ``(H·hd, d)``, rows head-major).
+
+    Attributes:
+        out: Native axes of the output features, in flattening order.
+        inp: Native axes of the contracted input features, in flattening order.
+        shape: The native shape.
+    """
+
+    out: tuple[int, ...]
+    inp: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if sorted(self.out + self.inp) != list(range(len(self.shape))) or not self.out or not self.inp:
+            raise ValueError(f"Axes(out={self.out}, inp={self.inp}) must name every axis of a weight of shape "
+                             f"{self.shape} once, with at least one output and one input axis.")
+
+    @property
+    def canonical(self) -> tuple[int, int]:
+        """The canonical ``(rows, columns)`` shape."""
+        return (int(np.prod([self.shape[i] for i in self.out], dtype=np.int64)),
+                int(np.prod([self.shape[i] for i in self.inp], dtype=np.int64)))
+
+
+def canonical_shape(native_shape: tuple, layout: Any) -> tuple:
+    """The canonical ``(out, in/groups, *k)`` shape of a weight of ``native_shape`` in ``layout``."""
+    native_shape = tuple(native_shape)
+    if isinstance(layout, Axes):
+        return layout.canonical
+    if layout == "flax":
+        return (native_shape[-1], native_shape[-2]) + native_shape[:-2]
+    return native_shape
+
+
+def to_canonical(a: Any, layout: Any, batch_dims: int = 0) -> Any:
+    """An array in the native ``layout`` (after ``batch_dims`` leading axes) in the canonical layout.
+
+    Works on numpy and JAX arrays (inside or outside ``jit``).
+    """
+    if layout == "canonical":
+        return a
+    lead = tuple(range(batch_dims))
+    if isinstance(layout, Axes):
+        perm = lead + tuple(batch_dims + i for i in layout.out + layout.inp)
+        return a.transpose(perm).reshape(tuple(a.shape[:batch_dims]) + layout.canonical)
+    nd = a.ndim - batch_dims
+    # flax (*k, in, out) -> canonical (out, in, *k)
+    perm = lead + (batch_dims + nd - 1, batch_dims + nd - 2) + tuple(batch_dims + i for i in range(nd - 2))
+    return a.transpose(perm)
+
+
+def to_native(a: Any, layout: Any, batch_dims: int = 0) -> Any:
+    """The inverse of :func:`to_canonical`."""
+    if layout == "canonical":
+        return a
+    lead = tuple(range(batch_dims))
+    if isinstance(layout, Axes):
+        order = layout.out + layout.inp
+        a = a.reshape(tuple(a.shape[:batch_dims]) + tuple(layout.shape[i] for i in order))
+        inv = tuple(int(j) for j in np.argsort(order))
+        return a.transpose(lead + tuple(batch_dims + j for j in inv))
+    nd = a.ndim - batch_dims
+    perm = lead + tuple(batch_dims + 2 + i for i in range(nd - 2)) + (batch_dims + 1, batch_dims)
+    return a.transpose(perm)
+
+
+def parse_layout(spec: Any, shape: tuple) -> Any:
+    """A ``layouts=`` value for a leaf of ``shape``: ``"canonical"``, ``"flax"`` or :class:`Axes`.
+
+    Accepted: the aliases of :data:`LAYOUT_ALIASES`; a string naming the role of every
+    axis, ``"in"`` or ``"out"`` (e.g. ``"in,out,out"`` for an attention query kernel
+    ``(d, heads, head_dim)``); or a mapping ``{"out": axes, "in": axes}``.
+
+    Raises:
+        ValueError: For anything else, with the accepted forms.
+    """
+    nd = len(shape)
+    if isinstance(spec, Mapping):
+        if set(spec) != {"out", "in"}:
+            raise ValueError(f"A layout mapping has the keys 'out' and 'in' (native axes), got {sorted(spec)}.")
+        def axes(v):
+            v = (v,) if isinstance(v, int) else tuple(v)
+            return tuple(int(i) % nd if -nd <= int(i) < nd else int(i) for i in v)
+        try:
+            return Axes(axes(spec["out"]), axes(spec["in"]), tuple(shape))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"Bad layout {dict(spec)!r} for a leaf of shape {tuple(shape)}: {err}") from err
+    if isinstance(spec, str):
+        roles = [t.strip() for t in spec.split(",")]
+        if all(r in ("in", "out") for r in roles) and len(roles) == nd and "in" in roles and "out" in roles:
+            if nd == 2:
+                return "flax" if roles == ["in", "out"] else "canonical"
+            return Axes(tuple(i for i, r in enumerate(roles) if r == "out"),
+                        tuple(i for i, r in enumerate(roles) if r == "in"), tuple(shape))
+        if spec in LAYOUT_ALIASES:
+            return LAYOUT_ALIASES[spec]
+    raise ValueError(
+        f"Layout {spec!r} does not describe a leaf of shape {tuple(shape)}; choose one of {sorted(LAYOUT_ALIASES)} "
+        "(dense layers and convolutions), the role of every axis ('in,out,out' for a kernel (d, heads, head_dim) "
+        "whose first axis is contracted), {'out': axes, 'in': axes}, or None to exclude the leaf.")
+
+
+@dataclass(frozen=True)
 class LayerRule:
     """How normflat reads the weight of one module class.
 
     Attributes:
         leaf: Name of the module's weight leaf (``"weight"`` in equinox, ``"kernel"``
-            in flax); the module's other leaves (biases) are held fixed.
-        layout: ``"canonical"`` (``(out, in/groups, *k)``, torch/equinox order) or
-            ``"flax"`` (``(*k, in/groups, out)``).
+            in flax), or a tuple of names (a recurrent cell's input and recurrent
+            weights, each its own layer named by its leaf path); the module's other
+            leaves (biases) are held fixed.
+        layout: ``"canonical"`` (``(out, in/groups, *k)``, torch/equinox order),
+            ``"flax"`` (``(*k, in/groups, out)``), or a function ``(module, shape) ->``
+            :class:`Axes` for multi-axis kernels (it returns a string, the reason,
+            to refuse a kernel it cannot describe).
         groups: Attribute of the module holding its number of groups (grouped
             convolutions), a function ``module -> int``, or ``None`` (1).
         kind: Short type label; ``None``: ``"dense"`` for 2-D weights, ``"conv{N}d"``
             otherwise.
+        gates: Names of the maps packed along the canonical rows in equal blocks
+            (recurrent gates, method §3 "Packed maps are split"), or ``None``.
     """
 
-    leaf: str = "kernel"
-    layout: str = "flax"
+    leaf: str | tuple[str, ...] = "kernel"
+    layout: str | Callable[[Any, tuple], Any] = "flax"
     groups: str | Callable[[Any], int] | None = None
     kind: str | None = None
+    gates: tuple[str, ...] | None = None
+
+    def leaves(self) -> tuple[str, ...]:
+        """The weight leaves' names."""
+        return (self.leaf,) if isinstance(self.leaf, str) else tuple(self.leaf)
+
+    def layout_of(self, module: Any, shape: tuple) -> Any:
+        """The layout of this rule's weight of ``shape`` (a string reason: refused)."""
+        return self.layout(module, tuple(shape)) if callable(self.layout) else self.layout
 
     def groups_of(self, module: Any) -> int:
         """The number of groups of ``module`` (1 when the rule has none)."""
@@ -81,8 +216,9 @@ def _check_entry(entry: Any) -> None:
         return
     if not isinstance(entry, LayerRule):
         raise TypeError(f"A JAX layer entry is a LayerRule, IGNORE or Unsupported(reason), got {entry!r}.")
-    if entry.layout not in ("canonical", "flax"):
-        raise ValueError(f"LayerRule.layout must be 'canonical' or 'flax', got {entry.layout!r}.")
+    if not callable(entry.layout) and entry.layout not in ("canonical", "flax"):
+        raise ValueError(f"LayerRule.layout must be 'canonical', 'flax' or a function (module, shape) -> Axes, "
+                         f"got {entry.layout!r}.")
 
 
 REGISTRY: LayerRegistry[LayerRule] = LayerRegistry(
@@ -109,7 +245,7 @@ def register_layer(module_type: type, entry: LayerRule | Unsupported | Any = Non
         register_layer(MyDense, LayerRule(leaf="w", layout="canonical"))  # w: (out, in)
         register_layer(MyConv, leaf="kernel", layout="flax", groups="feature_group_count")
         register_layer(MyNorm, IGNORE)                                   # scales held fixed
-        register_layer(MyAttention, unsupported="attention is not a weight matrix layer")
+        register_layer(MyOp, unsupported="its kernel is not a weight matrix")
 
     Args:
         module_type: An ``equinox.Module``, ``flax.nnx.Module`` or ``flax.linen.Module``
@@ -145,9 +281,52 @@ def registered_layers() -> dict[type, Any]:
 
 _TRANSPOSED = ("transposed convolutions are not supported yet (their kernel maps out to in); declare a "
                "leaf with layouts= if you know its canonical order")
-_EMBED = ("embeddings are lookup tables, not weight matrices fed by activations; their curvature is not "
-          "covered by the per-layer problem")
-_GENERAL = "its kernel has several input or output axes; declare its layout with layouts= if it is a matrix"
+#: Packed recurrent weights of flax nnx cells: {cell class name: (child Linear attributes, gate order)}.
+#: Filled for the classes of flax.nnx when it is imported (the gate order of each framework, method §3).
+PACKED_CHILDREN: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _tuple(v: Any) -> tuple:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,)
+
+
+def _general_axes(n_batch: int, n_out: int, what: str) -> Callable[[Any, tuple], Any]:
+    """The layout of a kernel ``(*batch, *in_features, *out_features)`` (LinearGeneral, DenseGeneral)."""
+    def layout(module, shape):
+        if n_batch(module):
+            return (f"its kernel has batch axes ({what}): one matrix per batch entry is not a single weight "
+                    "matrix; normflat refuses it")
+        k = n_out(module)
+        nd = len(shape)
+        return Axes(tuple(range(nd - k, nd)), tuple(range(nd - k)), tuple(shape))
+    return layout
+
+
+def _einsum_axes() -> Callable[[Any, tuple], Any]:
+    """The layout of an ``Einsum`` kernel from its equation ``"lhs,kernel->out"``."""
+    def layout(module, shape):
+        eq = getattr(module, "einsum_str", None)
+        if not isinstance(eq, str) or "->" not in eq or eq.count(",") != 1:
+            return "its einsum equation is not of the form 'inputs,kernel->outputs'; declare its layout with layouts="
+        eq = eq.replace(" ", "").replace("...", "")
+        ins, out = eq.split("->")
+        lhs, rhs = ins.split(",")
+        if len(rhs) != len(shape) or len(set(rhs)) != len(rhs):
+            return f"its kernel subscripts {rhs!r} do not match the kernel shape {tuple(shape)}"
+        roles = []
+        for c in rhs:
+            if c in lhs and c not in out:
+                roles.append("in")
+            elif c in out and c not in lhs:
+                roles.append("out")
+            else:
+                return (f"kernel axis {c!r} of {eq!r} is a batch axis (in both inputs and outputs) or summed "
+                        "alone: the kernel is not one weight matrix; normflat refuses it")
+        if "in" not in roles or "out" not in roles:
+            return f"the kernel of {eq!r} has no input or no output axis"
+        return Axes(tuple(i for i, r in enumerate(roles) if r == "out"),
+                    tuple(i for i, r in enumerate(roles) if r == "in"), tuple(shape))
+    return layout
 
 
 def _load_builtins() -> None:
@@ -159,27 +338,45 @@ def _load_builtins() -> None:
         REGISTRY.register(nn.Linear, LayerRule(leaf="weight", layout="canonical", kind="dense"))
         REGISTRY.register(nn.Conv, LayerRule(leaf="weight", layout="canonical", groups="groups"))
         REGISTRY.register(nn.ConvTranspose, Unsupported(_TRANSPOSED))
-        REGISTRY.register(nn.Embedding, Unsupported(_EMBED))
+        # The table is (vocabulary, features): the map from one-hot entries to features, transposed (method §3).
+        REGISTRY.register(nn.Embedding, LayerRule(leaf="weight", layout="flax", kind="embedding"))
+        # Packed gates along the rows of (gates·hidden, in) and (gates·hidden, hidden), equinox's own order.
+        REGISTRY.register(nn.LSTMCell, LayerRule(leaf=("weight_ih", "weight_hh"), layout="canonical",
+                                                 kind="recurrent", gates=("i", "f", "g", "o")))
+        REGISTRY.register(nn.GRUCell, LayerRule(leaf=("weight_ih", "weight_hh"), layout="canonical",
+                                                kind="recurrent", gates=("r", "z", "n")))
         _ignore_norms(nn)
     nnx = sys.modules.get("flax.nnx")
     if nnx is not None and "flax.nnx" not in _BUILTINS_LOADED:
         _BUILTINS_LOADED.add("flax.nnx")
-        _register_flax(nnx, nnx.Linear, nnx.Embed, ("LinearGeneral", "Einsum"))
+        _register_flax(nnx, nnx.Linear, nnx.Embed)
+        REGISTRY.register(nnx.LinearGeneral, LayerRule(
+            layout=_general_axes(lambda m: len(getattr(m, "batch_axis", None) or ()),
+                                 lambda m: len(_tuple(m.out_features)), "batch_axis"), kind="dense"))
+        REGISTRY.register(nnx.Einsum, LayerRule(layout=_einsum_axes(), kind="dense"))
+        # nnx cells that pack their gates into one Linear per input (method §3: split per gate).
+        PACKED_CHILDREN[nnx.OptimizedLSTMCell] = (("dense_i", "dense_h"), ("i", "f", "g", "o"))
+        PACKED_CHILDREN[nnx.GRUCell] = (("dense_i", "dense_h"), ("r", "z", "n"))
     linen = sys.modules.get("flax.linen")
     if linen is not None and "flax.linen" not in _BUILTINS_LOADED:
         _BUILTINS_LOADED.add("flax.linen")
-        _register_flax(linen, linen.Dense, linen.Embed, ("DenseGeneral", "Einsum"))
+        _register_flax(linen, linen.Dense, linen.Embed)
+        REGISTRY.register(linen.DenseGeneral, LayerRule(
+            layout=_general_axes(lambda m: len(_tuple(getattr(m, "batch_dims", ()) or ())),
+                                 lambda m: len(_tuple(m.features)), "batch_dims"), kind="dense"))
+        REGISTRY.register(linen.Einsum, LayerRule(layout=_einsum_axes(), kind="dense"))
+        # OptimizedLSTMCell's per-gate parameters (concatenated at call time): each gate its own matrix.
+        from flax.linen.recurrent import DenseParams
+        REGISTRY.register(DenseParams, LayerRule(kind="dense"))
 
 
-def _register_flax(api: Any, dense: type, embed: type, general: tuple[str, ...]) -> None:
+def _register_flax(api: Any, dense: type, embed: type) -> None:
     """The built-in entries of one flax API (nnx or linen): the same rules, other class names."""
     REGISTRY.register(dense, LayerRule(kind="dense"))
     REGISTRY.register(api.Conv, LayerRule(groups="feature_group_count"))
     REGISTRY.register(api.ConvTranspose, Unsupported(_TRANSPOSED))
-    REGISTRY.register(embed, Unsupported(_EMBED))
-    for name in general:
-        if hasattr(api, name):
-            REGISTRY.register(getattr(api, name), Unsupported(_GENERAL))
+    # The table (vocabulary, features) is stored like a flax kernel (in, out): canonical (features, vocabulary).
+    REGISTRY.register(embed, LayerRule(leaf="embedding", layout="flax", kind="embedding"))
     _ignore_norms(api)
 
 
@@ -198,47 +395,44 @@ class WeightInfo:
         name: Layer name (the pytree path of the layer, e.g. ``layers/0``).
         path: Full path of the leaf (``layers/0/weight``).
         leaf: Index in :attr:`ModelView.leaves`.
-        kind: ``"dense"``, ``"conv2d"``, ...
-        layout: ``"canonical"`` (out, in/groups, *k) or ``"flax"`` (*k, in/groups, out).
+        kind: ``"dense"``, ``"conv2d"``, ``"embedding"``, ...
+        layout: ``"canonical"`` (out, in/groups, *k), ``"flax"`` (*k, in/groups, out) or
+            :class:`Axes` (a multi-axis kernel).
         groups: Groups of a grouped convolution.
+        blocks: Packed maps along the canonical rows, ``[(suffix, start, stop), ...]``
+            (:attr:`~normflat.engine.problems.LayerSpec.blocks`), or ``None``.
+        inferred: Where the layout came from when it was not a registry rule: ``"layouts"``
+            (the user's ``layouts=``) or ``"convention"`` (an ``(apply_fn, params)`` leaf
+            named ``kernel``); checked against the traced program (see
+            :func:`check_layouts`).
     """
 
     name: str
     path: str
     leaf: int
     kind: str
-    layout: str
+    layout: Any
     groups: int = 1
+    blocks: list | None = None
+    inferred: str | None = None
 
     def to_canonical(self, a: Any, batch_dims: int = 0) -> Any:
         """Transpose an array in this weight's native layout (after ``batch_dims`` axes)."""
-        if self.layout == "canonical":
-            return a
-        return _transpose(a, batch_dims, to_canonical=True)
+        return to_canonical(a, self.layout, batch_dims)
 
     def to_native(self, a: Any, batch_dims: int = 0) -> Any:
         """The inverse of :meth:`to_canonical` (numpy or JAX arrays)."""
-        if self.layout == "canonical":
-            return a
-        return _transpose(a, batch_dims, to_canonical=False)
+        return to_native(a, self.layout, batch_dims)
 
 
-def _transpose(a: Any, batch_dims: int, to_canonical: bool) -> Any:
-    nd = a.ndim - batch_dims
-    lead = tuple(range(batch_dims))
-    # flax (*k, in, out) <-> canonical (out, in, *k): the two permutations are inverses.
-    if to_canonical:
-        perm = lead + (batch_dims + nd - 1, batch_dims + nd - 2) + tuple(batch_dims + i for i in range(nd - 2))
-    else:
-        perm = lead + tuple(batch_dims + 2 + i for i in range(nd - 2)) + (batch_dims + 1, batch_dims)
-    return a.transpose(perm) if isinstance(a, np.ndarray) else _transposer(perm)(a)
-
-
-@functools.lru_cache(maxsize=256)
-def _transposer(perm: tuple) -> Callable[[Any], Any]:
-    # A compiled transpose: one fast dispatch instead of JAX's eager path, which costs
-    # more than the transpose itself for the few arrays of a report.
-    return jax.jit(lambda a: jnp.transpose(a, perm))
+def _gate_blocks(gates: tuple[str, ...] | None, rows: int) -> list | None:
+    """Equal row blocks ``(gate, start, stop)`` of a packed weight with ``rows`` canonical rows."""
+    if not gates:
+        return None
+    if rows % len(gates):
+        raise ValueError(f"A packed weight with {rows} rows cannot hold {len(gates)} equal gate blocks {gates}.")
+    h = rows // len(gates)
+    return [(g, j * h, (j + 1) * h) for j, g in enumerate(gates)]
 
 
 @dataclass
@@ -261,6 +455,8 @@ class ModelView:
     struct_refs: list = field(default_factory=list)
     #: Messages of the leaves the registry could not analyze (``on_unsupported``).
     unsupported: list[str] = field(default_factory=list)
+    #: What became of every parameter leaf (the report's ``excluded`` and ``coverage``).
+    parameters: list = field(default_factory=list)
 
     def split(self) -> tuple[list, list]:
         """``(weights, others)``: weight leaves in :attr:`weights` order, then every other input leaf."""
@@ -313,9 +509,16 @@ def pick_dtype(leaves) -> Any:
     return jnp.dtype(jnp.promote_types(dt, jnp.float32))
 
 
+def _is_floating(a) -> bool:
+    try:
+        return jnp.issubdtype(a.dtype, jnp.floating)
+    except TypeError:  # extended dtypes (PRNG keys of nnx Rngs) are no numpy dtypes
+        return False
+
+
 def _cast(tree, dtype):
     def f(a):
-        if isinstance(a, (jax.Array, np.ndarray)) and jnp.issubdtype(a.dtype, jnp.floating):
+        if isinstance(a, (jax.Array, np.ndarray)) and _is_floating(a):
             return _as(a, dtype)
         return a
     return jax.tree_util.tree_map(f, tree)
@@ -368,8 +571,14 @@ def _conv_kind(ndim: int) -> str:
 
 
 def make_view(model: Any, x0: Any, *, dtype: Any, vmap: bool | None, state: Any, apply_kwargs: dict,
-              layouts: dict) -> ModelView:
+              layouts: dict, keywords: bool = False, output: Any = None) -> ModelView:
     """Build the :class:`ModelView` of any supported model (``x0``: the first input batch).
+
+    Args:
+        keywords: ``x0`` is a mapping of keyword inputs (a Hugging Face style batch):
+            the model is called as ``model(**x)`` (linen ``apply(variables, **x)``).
+        output: The ``output`` option: what to take from a model that returns a
+            mapping, tuple or object (:func:`normflat.engine.outputs.select_output`).
 
     The unsupported leaves are listed in :attr:`ModelView.unsupported`; the caller
     reports them according to ``on_unsupported``.
@@ -378,37 +587,67 @@ def make_view(model: Any, x0: Any, *, dtype: Any, vmap: bool | None, state: Any,
     eqx = sys.modules.get("equinox")
     nnx = sys.modules.get("flax.nnx")
     linen = sys.modules.get("flax.linen")
+    invoke = _invoker(keywords, output)
     if eqx is not None and isinstance(model, eqx.Module):
-        view, owners = _equinox(model, x0, dtype, vmap, state)
+        view, owners, parents = _equinox(model, x0, dtype, vmap, state, invoke)
     else:
         if vmap is not None or state is not None:
             raise TypeError("vmap= and state= are options of equinox models only.")
         if nnx is not None and isinstance(model, nnx.Module):
-            view, owners = _nnx(model, dtype)
+            view, owners, parents = _nnx(model, dtype, invoke)
         elif linen is not None and isinstance(model, tuple) and isinstance(model[0], linen.Module):
-            view, owners = _linen(model[0], model[1], x0, dtype, apply_kwargs)
+            view, owners, parents = _linen(model[0], model[1], x0, dtype, apply_kwargs, invoke)
         else:
-            view, owners = _pair(model[0], model[1], dtype, apply_kwargs)
+            view, owners, parents = _pair(model[0], model[1], dtype, apply_kwargs, invoke)
     if apply_kwargs and view.framework in ("equinox", "flax.nnx"):
         raise TypeError("apply_kwargs= is an option of (flax linen module, variables) and (apply_fn, params) "
                         "models; call options of equinox / nnx modules belong in the module.")
-    _select_weights(view, owners, layouts)
+    view.struct = None if view.struct is None else view.struct + (bool(keywords), _output_key(output))
+    _select_weights(view, owners, layouts, parents)
     return view
+
+
+def _is_array(a: Any) -> bool:
+    return isinstance(a, jax.Array) or (hasattr(a, "shape") and hasattr(a, "dtype") and hasattr(a, "ndim"))
+
+
+def _invoker(keywords: bool, output: Any) -> Callable:
+    """``invoke(f, x, *args, **kw)``: the model call on inputs ``x``, reduced to its logits."""
+    def invoke(f, x, *args, **kw):
+        out = f(*args, **x, **kw) if keywords else f(*args, x, **kw)
+        return select_output(out, output, _is_array)
+    return invoke
+
+
+def _output_key(output: Any) -> Any:
+    try:
+        hash(output)
+        return output
+    except TypeError:
+        return ("id", id(output))
 
 
 _PAIR_REASON = ("a parameter leaf of an (apply_fn, params) model not named 'kernel'; declare its layout with "
                 "layouts={path: 'out,in,*k' or '*k,in,out'}")
+_NORM_REASON = "a normalization layer's scale or shift (held fixed, method §9)"
+_RULE_REASON = "a parameter of a recognised layer that is not its weight (held fixed)"
 
 
-def _select_weights(view: ModelView, owners: dict, layouts: dict) -> None:
+def _select_weights(view: ModelView, owners: dict, layouts: dict, parents: dict | None = None) -> None:
     """Decide which leaves are weight tensors, from ``layouts=`` and the registry.
+
+    Fills :attr:`ModelView.weights`, :attr:`ModelView.parameters` (the status of every
+    leaf) and the skipped leaves.
 
     Args:
         view: The model view (its ``weights`` list is filled).
         owners: ``{leaf path: owning module}`` (``None``: unknown owner, the
             ``(apply_fn, params)`` convention of leaves named ``kernel`` applies).
         layouts: The user's ``layouts=``.
+        parents: ``{leaf path: (module owning the owner, owner's attribute name)}``, for
+            cells that pack their gates into child layers (:data:`PACKED_CHILDREN`).
     """
+    parents = parents or {}
     unknown = set(layouts) - set(view.paths)
     if unknown:
         raise ValueError(
@@ -417,47 +656,147 @@ def _select_weights(view: ModelView, owners: dict, layouts: dict) -> None:
             f"{[p for p, l in zip(view.paths, view.leaves) if np.ndim(l) >= 2]}."
         )
     skipped = Skipped(REGISTRY)
+    status: list = []
+
+    def mark(path, leaf, st, reason=None):
+        status.append(ParameterStatus(path, tuple(int(d) for d in np.shape(leaf)), st, reason))
+
+    def add(name, path, i, kind, layout, groups=1, gates=None, inferred=None):
+        rows = canonical_shape(np.shape(view.leaves[i]), layout)[0]
+        view.weights.append(WeightInfo(name, path, i, kind, layout, groups, _gate_blocks(gates, rows), inferred))
+        mark(path, view.leaves[i], "analyzed")
+
+    def skip(path, leaf, obj, reason=None):
+        label = f"{path} {tuple(np.shape(leaf))}"
+        skipped.add(label, obj, reason)
+        mark(path, leaf, "skipped", skipped.items[-1].reason)
+
     for i, (path, leaf) in enumerate(zip(view.paths, view.leaves)):
         name, _, last = path.rpartition("/")
         name = name or last
+        shape = tuple(np.shape(leaf))
         if path in layouts:
             lay = layouts[path]
             if lay is None or lay == "skip":
+                mark(path, leaf, "excluded" if _matrix(shape) == 0 else "skipped", "layouts= set it to None")
                 continue
-            if lay not in LAYOUT_ALIASES:
-                raise ValueError(f"layouts[{path!r}] = {lay!r}; choose one of {sorted(LAYOUT_ALIASES)} or None.")
             if np.ndim(leaf) < 2:
-                raise ValueError(f"layouts[{path!r}]: the leaf has shape {np.shape(leaf)}; a weight needs >= 2 dims.")
+                raise ValueError(f"layouts[{path!r}]: the leaf has shape {shape}; a weight needs >= 2 dims.")
+            layout = parse_layout(lay, shape)
             owner = owners.get(path)
             rule = REGISTRY.lookup(owner) if owner is not None else None
             groups = rule.groups_of(owner) if isinstance(rule, LayerRule) else 1
-            view.weights.append(WeightInfo(name, path, i, _conv_kind(np.ndim(leaf)), LAYOUT_ALIASES[lay], groups))
+            kind = "dense" if isinstance(layout, Axes) else _conv_kind(np.ndim(leaf))
+            add(name, path, i, kind, layout, groups, inferred="layouts")
             continue
         if path not in owners:
-            # (apply_fn, params): flax's convention, leaves named "kernel" are (*k, in, out) kernels.
+            # (apply_fn, params): flax's convention, leaves named "kernel" are (*k, in, out) kernels
+            # (a multi-axis kernel is told apart by how the traced program uses it: check_layouts).
             if last == "kernel" and 2 <= np.ndim(leaf) <= 5:
-                view.weights.append(WeightInfo(name, path, i, _conv_kind(np.ndim(leaf)), "flax"))
-            elif np.ndim(leaf) >= 2:
-                skipped.add(f"{path} {tuple(np.shape(leaf))}", leaf, _PAIR_REASON)
+                add(name, path, i, _conv_kind(np.ndim(leaf)), "flax", inferred="convention")
+            else:
+                _loose(view, path, leaf, i, mark, add, lambda: skip(path, leaf, leaf, _PAIR_REASON))
             continue
         owner = owners[path]
         entry = REGISTRY.lookup(owner) if owner is not None else None
         if entry is IGNORE:
+            mark(path, leaf, "excluded", _NORM_REASON)
             continue  # normalization layers: their parameters are held fixed (method §9)
         if isinstance(entry, LayerRule):
-            if last == entry.leaf and np.ndim(leaf) >= 2:
-                view.weights.append(WeightInfo(name, path, i, entry.kind_of(np.ndim(leaf)), entry.layout,
-                                               entry.groups_of(owner)))
+            if last in entry.leaves() and np.ndim(leaf) >= 2:
+                layout = entry.layout_of(owner, shape)
+                if isinstance(layout, str) and layout not in ("canonical", "flax"):
+                    skip(path, leaf, owner, layout)
+                    continue
+                gates = entry.gates
+                parent = parents.get(path)
+                if gates is None and parent is not None and type(parent[0]) in PACKED_CHILDREN:
+                    children, packed = PACKED_CHILDREN[type(parent[0])]
+                    gates = packed if parent[1] in children else None
+                lname = path if len(entry.leaves()) > 1 else name
+                add(lname, path, i, entry.kind_of(np.ndim(leaf)), layout, entry.groups_of(owner), gates)
+            else:
+                mark(path, leaf, "excluded", excluded_reason(path, shape) or _RULE_REASON)
             continue  # the rule's other leaves (biases) are held fixed
-        if np.ndim(leaf) < 2:
-            continue  # biases, scales of unknown modules: not weights (method §9)
-        label = f"{path} {tuple(np.shape(leaf))}"
         if isinstance(entry, Unsupported):
-            skipped.add(label, owner, entry.reason)
-        else:
-            skipped.add(label, owner if owner is not None else leaf)
+            if np.ndim(leaf) < 2 or excluded_reason(path, shape):
+                mark(path, leaf, "excluded", excluded_reason(path, shape) or _RULE_REASON)
+            else:
+                skip(path, leaf, owner, entry.reason)
+            continue
+        _loose(view, path, leaf, i, mark, add, lambda: skip(path, leaf, owner if owner is not None else leaf))
     view.unsupported = skipped.messages()
     view.skipped = skipped  # type: ignore[attr-defined]
+    view.parameters = status
+
+
+def _matrix(shape: tuple) -> int:
+    return int(np.prod(shape, dtype=np.int64)) if sum(1 for d in shape if d > 1) >= 2 else 0
+
+
+def _loose(view, path, leaf, i, mark, add, skip) -> None:
+    """A leaf outside every recognised layer: excluded by definition, a position table, or skipped (method §3)."""
+    shape = tuple(int(d) for d in np.shape(leaf))
+    reason = excluded_reason(path, shape)
+    if reason is not None:
+        mark(path, leaf, "excluded", reason)
+        return
+    if position_table(path, shape) is not None:
+        # (..., positions..., features): the embedding of the positions, canonical (features, positions).
+        nd = len(shape)
+        add(path, path, i, "embedding", Axes((nd - 1,), tuple(range(nd - 1)), shape))
+        return
+    skip()
+
+
+def check_layouts(view: ModelView, prog) -> None:
+    """Check the layouts not given by a registry rule against the traced program (never misread a kernel).
+
+    A leaf read as a convolution kernel (``"flax"`` / ``"canonical"`` with 3 or more
+    axes) must enter the program through a convolution. A 3+-axis ``kernel`` leaf of an
+    ``(apply_fn, params)`` model that a ``dot_general`` contracts instead is a
+    multi-axis kernel (``DenseGeneral``, attention): its input axes are the contracted
+    ones and it is read as such (method §3). A declared :class:`Axes` layout must name
+    the axes the ``dot_general`` contracts as its input axes.
+
+    Raises:
+        ValueError: For a declared layout that contradicts the program.
+    """
+    for k, w in enumerate(view.weights):
+        if w.inferred is None:
+            continue
+        shape = tuple(np.shape(view.leaves[w.leaf]))
+        uses = prog.uses[k] if k < len(prog.uses) else []
+        dots = [(op, pos) for op, pos, chain in uses if op.prim.name == "dot_general" and not chain]
+        convs = [op for op, _, _ in uses if op.prim.name == "conv_general_dilated"]
+        if isinstance(w.layout, Axes):
+            for op, pos in dots:
+                (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+                contracted = set(lc if pos == 0 else rc)
+                batch = lb if pos == 0 else rb
+                if batch or contracted != set(w.layout.inp):
+                    raise ValueError(
+                        f"layouts[{w.path!r}] declares input axes {list(w.layout.inp)} of the kernel {shape}, but "
+                        f"the model contracts its axes {sorted(contracted)}"
+                        f"{' with batch axes ' + str(list(batch)) if batch else ''}; declare the contracted "
+                        "axes as 'in' and the others as 'out' (batch axes cannot be a weight matrix).")
+            continue
+        if len(shape) < 3 or convs:
+            continue
+        if w.inferred == "convention" and len(dots) == 1 and len(uses) == 1:
+            op, pos = dots[0]
+            (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+            if not (lb if pos == 0 else rb):
+                inp = tuple(sorted(lc if pos == 0 else rc))
+                w.layout = Axes(tuple(i for i in range(len(shape)) if i not in inp), inp, shape)
+                w.kind = "dense"
+                continue
+        what = "layouts=" if w.inferred == "layouts" else "the (apply_fn, params) convention for leaves named 'kernel'"
+        raise ValueError(
+            f"{w.path} {shape}: {what} reads it as a convolution kernel, but the model does not convolve it (it "
+            f"enters {sorted({op.prim.name for op, _, _ in uses}) or 'no'} operation). A multi-axis kernel needs its "
+            "axes declared: layouts={path: 'in,out,out'} (the role of every axis, 'in' for the contracted ones) "
+            "or {'out': axes, 'in': axes}; or layouts={path: None} to exclude it.")
 
 
 def check_has_weights(view: ModelView) -> None:
@@ -476,7 +815,7 @@ def check_has_weights(view: ModelView) -> None:
 _VMAP_CACHE = LRU(32)
 
 
-def _equinox(model, x0, dtype, vmap, state):
+def _equinox(model, x0, dtype, vmap, state, invoke):
     import equinox as eqx
 
     model = eqx.nn.inference_mode(model)  # a new pytree: BatchNorm running stats, Dropout off
@@ -487,16 +826,20 @@ def _equinox(model, x0, dtype, vmap, state):
     leaves = [_as(a, dtype) for _, a in flat]
     st_leaves, st_def = jax.tree_util.tree_flatten(_cast(state, dtype)) if state is not None else ([], None)
     owners = {path: _walk(model, p[:-1]) for (p, _), path in zip(flat, paths)}
+    parents = {path: (_walk(model, p[:-2]), path_str(p[-2:-1])) for (p, _), path in zip(flat, paths) if len(p) >= 2}
 
     def call(leaves, extra, x):
         m = eqx.combine(jax.tree_util.tree_unflatten(treedef, leaves), static)
         st = jax.tree_util.tree_unflatten(st_def, extra) if st_def is not None else None
-        out = m(x, st) if st is not None else m(x)
-        if st is not None:
+        if st is None:
+            return invoke(m, x)
+
+        def stateful(*args, **kw):
+            out = m(*args, st, **kw) if args else m(**kw, state=st)
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise TypeError("With state=..., the equinox model must return (logits, state).")
-            out = out[0]
-        return out
+            return out[0]
+        return invoke(stateful, x)
 
     refs: list = []
     static_leaves, static_def = jax.tree_util.tree_flatten(static)
@@ -521,30 +864,35 @@ def _equinox(model, x0, dtype, vmap, state):
     view = ModelView("equinox", leaves, paths, [], st_leaves, apply_batch, apply_example, vmap, dtype=dtype)
     view.struct = None if struct is None else struct + (vmap,)
     view.struct_refs = refs + [static]
-    return view, owners
+    return view, owners, parents
 
 
 def _detect_vmap(call, leaves, x0) -> bool:
     """Per-example model (equinox's own layers) if it maps one example to a 1-D logit vector."""
     n = jax.tree_util.tree_leaves(x0)[0].shape[0]
     errors = []
+    one = None
     try:
         out = jax.eval_shape(call, leaves, jax.tree_util.tree_map(lambda a: a[0], x0))
-        if getattr(out, "ndim", None) == 1:
+        one = getattr(out, "ndim", None)
+        if one == 1:
             return True
         errors.append(f"called on one example it returned shape {getattr(out, 'shape', type(out))}")
     except Exception as err:  # noqa: BLE001 - any failure means "not per example"
         errors.append(f"called on one example it raised {type(err).__name__}: {str(err)[:200].rstrip('.')}")
     try:
         out = jax.eval_shape(call, leaves, x0)
-        if getattr(out, "ndim", None) == 2 and out.shape[0] == n:
+        if getattr(out, "ndim", None) in (2, 3) and out.shape[0] == n:
             return False
         errors.append(f"called on a batch it returned shape {getattr(out, 'shape', type(out))}")
     except Exception as err:  # noqa: BLE001
         errors.append(f"called on a batch it raised {type(err).__name__}: {str(err)[:200].rstrip('.')}")
+    if one == 2:
+        return True  # token logits (tokens, classes) of one example
     raise ValueError(
-        "Cannot tell whether the equinox model takes one example (logits of shape (classes,)) or a "
-        f"batch (logits of shape (batch, classes)): {'; '.join(errors)}. Pass vmap=True (per example) or "
+        "Cannot tell whether the equinox model takes one example (logits of shape (classes,) or token logits "
+        "(tokens, classes)) or a batch (logits of shape (batch, classes) or (batch, tokens, classes)): "
+        f"{'; '.join(errors)}. Pass vmap=True (per example) or "
         "vmap=False (batch); models with BatchNorm need state=... (they return (logits, state))."
     )
 
@@ -555,7 +903,7 @@ def _detect_vmap(call, leaves, x0) -> bool:
 _NNX_EVAL = LRU(32)
 
 
-def _nnx(model, dtype):
+def _nnx(model, dtype, invoke):
     from flax import nnx
 
     user_gdef, params, rest = nnx.split(model, nnx.Param, ...)  # reads only: the user's module is unchanged
@@ -574,9 +922,10 @@ def _nnx(model, dtype):
         clean = [p[:-1] if p and getattr(p[-1], "name", None) == "value" else p for p, _ in flat]
         paths = [path_str(p) for p in clean]
         owner_list = [_walk(clone, p[:-1]) for p in clean]
-        cached = (gdef, paths, owner_list)
+        parent_list = [(_walk(clone, p[:-2]), path_str(p[-2:-1])) if len(p) >= 2 else None for p in clean]
+        cached = (gdef, paths, owner_list, parent_list)
         _NNX_EVAL.put(key, cached)
-    gdef, paths, owner_list = cached
+    gdef, paths, owner_list, parent_list = cached
     # Every floating module attribute in the compute dtype: nnx layers with param_dtype
     # float16 but dtype=None compute in the promoted dtype of inputs and parameters, and a
     # float16 statistic or constant left in the graph would meet float32 values in lax.add.
@@ -584,8 +933,8 @@ def _nnx(model, dtype):
     rest_leaves, rest_def = jax.tree_util.tree_flatten(_cast(rest, dtype))
 
     def apply_batch(leaves, extra, x):
-        return nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, leaves),
-                         jax.tree_util.tree_unflatten(rest_def, extra))(x)
+        return invoke(nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, leaves),
+                                jax.tree_util.tree_unflatten(rest_def, extra)), x)
 
     def apply_example(leaves, extra, x):
         return apply_batch(leaves, extra, jax.tree_util.tree_map(lambda a: a[None], x))[0]
@@ -594,7 +943,7 @@ def _nnx(model, dtype):
     view.user_states = (params, rest)  # type: ignore[attr-defined]  (for state.ModelState)
     view.struct = _struct("nnx", gdef, treedef, rest_def, _avals(leaves), _avals(rest_leaves), refs=view.struct_refs)
     view.dtype = dtype
-    return view, dict(zip(paths, owner_list))
+    return view, dict(zip(paths, owner_list)), {p: q for p, q in zip(paths, parent_list) if q is not None}
 
 
 def _promote_compute_dtypes(nnx, clone, dtype) -> None:
@@ -623,7 +972,7 @@ def _promote_compute_dtypes(nnx, clone, dtype) -> None:
 _LINEN_OWNERS = LRU(32)
 
 
-def _linen(module, variables, x0, dtype, apply_kwargs):
+def _linen(module, variables, x0, dtype, apply_kwargs, invoke):
     import flax.linen as nn
 
     if not isinstance(variables, Mapping) or "params" not in variables:
@@ -639,8 +988,8 @@ def _linen(module, variables, x0, dtype, apply_kwargs):
 
     def apply_batch(leaves, extra, x):
         others = jax.tree_util.tree_unflatten(o_def, extra)
-        return module.apply({**others, "params": jax.tree_util.tree_unflatten(treedef, leaves)}, x,
-                            **apply_kwargs)
+        return invoke(module.apply, x, {**others, "params": jax.tree_util.tree_unflatten(treedef, leaves)},
+                      **apply_kwargs)
 
     def apply_example(leaves, extra, x):
         return apply_batch(leaves, extra, jax.tree_util.tree_map(lambda a: a[None], x))[0]
@@ -665,7 +1014,7 @@ def _linen(module, variables, x0, dtype, apply_kwargs):
         if struct is not None:
             _LINEN_OWNERS.put(struct, seen)
     owners = {path: seen.get(tuple(path_str([k]) for k in p[:-1])) for (p, _), path in zip(flat, paths)}
-    return view, owners
+    return view, owners, {}
 
 
 def _check_linen_call(fn):
@@ -684,7 +1033,7 @@ def _check_linen_call(fn):
 # ----------------------------------------------------------------------------- (apply_fn, params)
 
 
-def _pair(apply_fn, params, dtype, apply_kwargs):
+def _pair(apply_fn, params, dtype, apply_kwargs, invoke):
     if not callable(apply_fn) or not isinstance(params, Mapping):
         raise TypeError("A plain JAX model is passed as (apply_fn, params) with a mapping of parameters.")
     # Flax-style variables {'params': ..., 'batch_stats': ...}: only 'params' holds weights.
@@ -700,7 +1049,7 @@ def _pair(apply_fn, params, dtype, apply_kwargs):
     def apply_batch(leaves, extra, x):
         t = jax.tree_util.tree_unflatten(treedef, leaves)
         others = jax.tree_util.tree_unflatten(o_def, extra)
-        return apply_fn({**others, "params": t} if collections else t, x, **apply_kwargs)
+        return invoke(apply_fn, x, {**others, "params": t} if collections else t, **apply_kwargs)
 
     def apply_example(leaves, extra, x):
         return apply_batch(leaves, extra, jax.tree_util.tree_map(lambda a: a[None], x))[0]
@@ -708,4 +1057,4 @@ def _pair(apply_fn, params, dtype, apply_kwargs):
     view = ModelView("jax", leaves, paths, [], o_leaves, apply_batch, apply_example, dtype=dtype)
     view.struct = _struct("pair", apply_fn, treedef, o_def, _avals(leaves), _avals(o_leaves),
                           tuple(sorted(apply_kwargs.items())), refs=view.struct_refs)
-    return view, {}  # no module objects: the leaf-name convention applies
+    return view, {}, {}  # no module objects: the leaf-name convention applies

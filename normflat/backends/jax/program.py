@@ -86,6 +86,8 @@ class Program:
     dtypes: dict[int, Any] = field(default_factory=dict)
     taps: list[Tap] = field(default_factory=list)
     first_use: list[float] = field(default_factory=list)
+    #: Per weight: ``(op, operand position, layout chain)`` of every non-layout use.
+    uses: list[list] = field(default_factory=list)
     text: str = ""
 
     def reorder(self, order: Sequence[int]) -> None:
@@ -93,6 +95,7 @@ class Program:
         new_index = {old: new for new, old in enumerate(order)}
         self.weight_refs = [self.weight_refs[k] for k in order]
         self.first_use = [self.first_use[k] for k in order]
+        self.uses = [self.uses[k] for k in order]
         for t in self.taps:
             t.weight = new_index[t.weight]
 
@@ -138,8 +141,7 @@ class Program:
     def half_precision_ops(self) -> list[str]:
         """Names of the primitives that compute in float16 / bfloat16."""
         half = {jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)}
-        return sorted({op.prim.name for op in self.ops for r in op.outs
-                       if self.dtypes.get(r) is not None and jnp.dtype(self.dtypes[r]) in half})
+        return sorted({op.prim.name for op in self.ops for r in op.outs if _dtype_in(self.dtypes.get(r), half)})
 
     def layout_fn(self, tap: Tap) -> Callable[[Any], Any]:
         """The function weight -> the operand the tap primitive sees."""
@@ -163,6 +165,16 @@ class Program:
                 return op.prim.bind(*args, **op.params)
 
         return f
+
+
+def _dtype_in(dtype: Any, dtypes: set) -> bool:
+    """Whether ``dtype`` is one of ``dtypes`` (extended dtypes such as PRNG keys never are)."""
+    if dtype is None:
+        return False
+    try:
+        return jnp.dtype(dtype) in dtypes
+    except TypeError:
+        return False
 
 
 def _hashable(params: dict) -> tuple:
@@ -293,6 +305,7 @@ def _analyse(prog: Program, n_weights: int) -> None:
             if a[0] == "ref":
                 uses[a[1]] = uses.get(a[1], 0) + 1
     first_use = [np.inf] * n_weights
+    weight_uses: list[list] = [[] for _ in range(n_weights)]
     candidates: dict[int, list] = {}
     blocked: set[int] = set()
     for i, op in enumerate(prog.ops):
@@ -307,6 +320,7 @@ def _analyse(prog: Program, n_weights: int) -> None:
             derived[op.outs[0]] = (k, chain + [i])
             continue
         for pos, (k, chain) in w_ins:
+            weight_uses[k].append((op, pos, chain))
             if is_data:
                 first_use[k] = min(first_use[k], i)
             if (name in _TAP_PRIMS and len(w_ins) == 1 and is_data and len(op.ins) == 2
@@ -329,6 +343,7 @@ def _analyse(prog: Program, n_weights: int) -> None:
         prog.taps.append(Tap(k, i, pos, chain, _squares_factor(prog, prog.ops[i], pos)))
     prog.taps.sort(key=lambda t: t.op)
     prog.first_use = first_use
+    prog.uses = weight_uses
 
 
 def _squares_factor(prog: Program, op: _Op, weight_pos: int) -> bool:

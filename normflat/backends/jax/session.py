@@ -34,14 +34,14 @@ from normflat.backends.jax.data import ADAPTER, cast_inputs, to_jax
 from normflat.backends.jax.ggn import GGN
 from normflat.backends.jax.hvp import Exact, Hutchinson
 from normflat.backends.jax.kernel import GroupSums, combine_stats
-from normflat.backends.jax.layers import check_has_weights, make_view
+from normflat.backends.jax.layers import canonical_shape, check_has_weights, check_layouts, make_view, to_canonical
 from normflat.backends.jax.program import trace_program
 from normflat.backends.jax.state import ModelState
 from normflat.engine.data import Batch, labels_for
 from normflat.engine.estimators import SumState
 from normflat.engine.losses import check_logit_stats, check_loss_value, check_output_shape
 from normflat.engine.options import AnalysisOptions
-from normflat.engine.problems import LayerSpec
+from normflat.engine.problems import LayerSpec, ParameterStatus
 
 __all__ = ["JaxSession"]
 
@@ -75,8 +75,7 @@ def _finite_each(parts):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _transpose_all(layouts, arrays):
-    return [a if lay == "canonical" else jnp.transpose(a, (a.ndim - 1, a.ndim - 2) + tuple(range(a.ndim - 2)))
-            for lay, a in zip(layouts, arrays)]
+    return [to_canonical(a, lay) for lay, a in zip(layouts, arrays)]
 
 
 def _canonical_weights(view) -> list:
@@ -97,6 +96,8 @@ class JaxSession:
         self.host_outputs = host_outputs
         self.layers: list[LayerSpec] = []
         self.unsupported: list[str] = []
+        #: What became of every parameter leaf (the report's ``excluded`` and ``coverage``).
+        self.parameters: list[ParameterStatus] | None = None
         self._state = ModelState(model)
         self._finished = False
         self._mesh = distributed.mesh(settings)
@@ -119,16 +120,25 @@ class JaxSession:
         return [type(self.model).__name__, [(tuple(a.shape), str(a.dtype)) for a in leaves],
                 sorted((k, repr(v)) for k, v in self.settings.items() if k not in ("state", "devices"))]
 
-    def update(self, batch: Batch, state: SumState) -> None:
+    def update(self, batch: Batch, state: SumState) -> int | None:
         if self.view is None:
             self._prepare(batch)
         n, index, options = batch.n, batch.index, self.options
         check_output_shape((n,) + self.out_shape, options, index, n)
-        labels = labels_for(batch, self.num_classes, self.adapter, options)
+        tokens = self.out_shape[0] if len(self.out_shape) == 2 else None
+        # JAX models have no config telling a causal LM: shift_labels=None means no shift (method §6.3).
+        labels = labels_for(batch, self.num_classes, self.adapter, options, tokens=tokens,
+                            shift=bool(options.shift_labels) if tokens is not None else False)
         x = cast_inputs(batch.x, self.dtype)
         xl = jax.tree_util.tree_leaves(x)
+        terms = None
+        if tokens is not None and labels is not None and not callable(options.loss):
+            # The built-in losses sum over the counted tokens (ignore_index is negative); a custom
+            # loss returns its own mean, which the kernels scale by the number of sequences.
+            terms = int(np.count_nonzero(labels >= 0))
         if isinstance(self.kernel, GGN):
-            y = None  # the GGN does not depend on the labels
+            # The GGN does not depend on the labels; for token logits it needs which tokens count.
+            y = jnp.asarray(labels >= 0, dtype=self.dtype) if tokens is not None else None
         elif callable(options.loss):
             y = to_jax(batch.y)  # the custom loss receives y as given
         else:
@@ -155,6 +165,7 @@ class JaxSession:
         self._pending.append((index, stats, inputs_ok))
         if self.comm is not None:
             self._run_checks()  # every process must learn of a bad batch in this step
+        return terms
 
     def zeros(self, layer: int) -> Any:
         shape = self._canonical_shape(layer) if self.kernel is not None else ()
@@ -181,10 +192,7 @@ class JaxSession:
         return np.asarray(array) if self.host_outputs else jnp.asarray(array)
 
     def _canonical_shape(self, layer: int) -> tuple:
-        shape = tuple(self.kernel.shapes[layer])
-        if self.view.weights[layer].layout == "flax":
-            shape = (shape[-1], shape[-2]) + shape[:-2]
-        return shape
+        return tuple(canonical_shape(self.kernel.shapes[layer], self.view.weights[layer].layout))
 
     def weight(self, layer: int) -> Any:
         if self._weights is None:
@@ -220,8 +228,10 @@ class JaxSession:
         x_given = batch.x
         view = make_view(self.model, jax.tree_util.tree_map(to_jax, x_given), dtype=settings["dtype"],
                          vmap=settings["vmap"], state=settings["state"],
-                         apply_kwargs=dict(settings["apply_kwargs"] or {}), layouts=dict(settings["layouts"] or {}))
+                         apply_kwargs=dict(settings["apply_kwargs"] or {}), layouts=dict(settings["layouts"] or {}),
+                         keywords=batch.keywords, output=options.output)
         self._state = ModelState(self.model, getattr(view, "user_states", ()))
+        self.parameters = view.parameters
         self.unsupported = view.skipped.report(options.on_unsupported)
         check_has_weights(view)
         dtype = view.dtype
@@ -257,6 +267,7 @@ class JaxSession:
                 "float32 copy of the model."
             )
         view.weights = [view.weights[k] for k in order]
+        check_layouts(view, prog)
         ws, others = view.split()
         out = prog.out_refs[0] if len(prog.out_refs) == 1 else None
         per_example = tuple(prog.shapes.get(out[1], ())) if out is not None and out[0] == "ref" else ()
@@ -283,7 +294,8 @@ class JaxSession:
         self.run = kernel.begin(ws, others, self._mesh, seed=options.seed, stream=self._stream,
                                 weights=view.weights)
         self.view, self.kernel, self.dtype, self.num_classes = view, kernel, dtype, num_classes
-        self.layers = [LayerSpec(w.name, w.kind, w.path, groups=w.groups, path=p, extra={"leaf": w.path})
+        self.layers = [LayerSpec(w.name, w.kind, w.path, groups=w.groups, path=p, extra={"leaf": w.path},
+                                 blocks=w.blocks)
                        for w, p in zip(view.weights, kernel.paths)]
 
     # ------------------------------------------------------------------ deferred checks

@@ -1,0 +1,598 @@
+"""JAX backend, layers beyond dense and convolution: multi-axis kernels, attention, embeddings, cells.
+
+Every diagonal is checked against a brute-force float64 reference computed from
+the model's own forward pass as a function of its parameter leaves: ``ggn``
+against ``(1/N) Σ J_{n,t}ᵀ H_{n,t} J_{n,t}`` with full per-sample Jacobians
+(``jax.jacrev``) and the per-token loss Hessian in the logits (``jax.hessian``),
+over the counted tokens; ``exact`` against the diagonal of ``jax.hessian`` of the
+mean loss. The references live in the native layouts of the frameworks and are
+brought to the canonical layout of method §3 by the explicit transposes written
+here (``canon``), independently of the backend's layout code. The invariance
+tests are method §8 items 5-7.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.builders import require_frameworks
+
+require_frameworks("jax", "flax", "equinox")
+
+import equinox as eqx  # noqa: E402
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import normflat  # noqa: E402
+from normflat.engine.options import NSCE_EPS  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+F64 = jnp.float64
+RTOL = 1e-10
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def _key_name(k) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _named(tree) -> tuple[list[str], list, object]:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    # nnx states end their paths with the Variable's "value" attribute
+    names = ["/".join(_key_name(k) for k in (p[:-1] if _key_name(p[-1]) == "value" and hasattr(p[-1], "name")
+                                            else p)) for p, _ in flat]
+    return names, [a for _, a in flat], treedef
+
+
+def pure(model, variables=None):
+    """``(names, leaves, apply(leaves, x) -> logits)`` of an nnx / equinox / linen model."""
+    if isinstance(model, nnx.Module):
+        gdef, params, rest = nnx.split(model, nnx.Param, ...)
+        names, leaves, treedef = _named(params)
+        return names, leaves, lambda ls, x: nnx.merge(gdef, jax.tree_util.tree_unflatten(treedef, ls), rest)(x)
+    if isinstance(model, eqx.Module):
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        names, leaves, treedef = _named(params)
+        return names, leaves, lambda ls, x: jax.vmap(eqx.combine(jax.tree_util.tree_unflatten(treedef, ls), static))(x)
+    names, leaves, treedef = _named(variables["params"])
+    return names, leaves, lambda ls, x: model.apply({"params": jax.tree_util.tree_unflatten(treedef, ls)}, x)
+
+
+def normalized(z, loss):
+    """The logits the cross-entropy sees: ``ẑ`` per token for nsce (method §7), ``z`` for ce."""
+    if loss != "nsce":
+        return z
+    zc = z - z.mean(axis=-1, keepdims=True)
+    return zc / jnp.sqrt((zc**2).mean(axis=-1, keepdims=True) + NSCE_EPS)
+
+
+def token_loss(u, y, loss):
+    """One token's (or one sample's) loss in its logits ``u``."""
+    u = normalized(u, loss)
+    return jax.nn.logsumexp(u) - u[y]
+
+
+def ref_ggn(model, x, y, loss, variables=None) -> dict[str, np.ndarray]:
+    """``{leaf name: native GGN diagonal}`` with per-sample Jacobians and per-token loss Hessians.
+
+    For nsce the Jacobian is that of the normalized logits and the Hessian that of the
+    cross-entropy in them (the Gauss-Newton split of method §6).
+    """
+    names, leaves, apply = pure(model, variables)
+    y = jnp.asarray(y)
+
+    def jac(ls, xi):
+        # nsce: the Gauss-Newton split after the normalization (method §6), J of the normalized logits
+        f = lambda l_: normalized(apply(l_, jax.tree_util.tree_map(lambda a: a[None], xi))[0], loss)  # noqa: E731
+        return f(ls), jax.jacrev(f)(ls)
+
+    @jax.jit
+    def run(ls, x, y):
+        z, J = jax.vmap(jac, in_axes=(None, 0))(ls, x)
+        c = z.shape[-1]
+        zt, yt = z.reshape(-1, c), y.reshape(-1)
+        counted = (yt >= 0).astype(z.dtype)
+        H = jax.vmap(jax.hessian(lambda u, t: token_loss(u, t, "ce")))(zt, jnp.maximum(yt, 0))
+        H = H * counted[:, None, None]
+        out = []
+        for j in J:
+            jt = j.reshape(zt.shape[0], c, -1)
+            out.append(jnp.einsum("ncp,ncd,ndp->p", jt, H, jt).reshape(j.shape[z.ndim:]) / counted.sum())
+        return out
+
+    return dict(zip(names, (np.asarray(v) for v in run(leaves, x, y))))
+
+
+def ref_exact(model, x, y, loss, select, variables=None) -> dict[str, np.ndarray]:
+    """``{leaf name: native diagonal of jax.hessian of the mean loss}`` for the leaves in ``select``."""
+    names, leaves, apply = pure(model, variables)
+    idx = [names.index(s) for s in select]
+    sizes = [leaves[i].size for i in idx]
+    flat0 = jnp.concatenate([leaves[i].ravel() for i in idx])
+    y = jnp.asarray(y)
+
+    def mean_loss(flat):
+        ls, o = list(leaves), 0
+        for i, s in zip(idx, sizes):
+            ls[i] = flat[o:o + s].reshape(leaves[i].shape)
+            o += s
+        z = apply(ls, x)
+        c = z.shape[-1]
+        zt, yt = z.reshape(-1, c), y.reshape(-1)
+        counted = (yt >= 0).astype(z.dtype)
+        per = jax.vmap(lambda u, t: token_loss(u, t, loss))(zt, jnp.maximum(yt, 0))
+        return jnp.sum(per * counted) / counted.sum()
+
+    d = np.asarray(jnp.diag(jax.jit(jax.hessian(mean_loss))(flat0)))
+    out, o = {}, 0
+    for i, s in zip(idx, sizes):
+        out[names[i]] = d[o:o + s].reshape(leaves[i].shape)
+        o += s
+    return out
+
+
+def canon(a, kind):
+    """Native -> canonical layout (method §3), written out per kind."""
+    a = np.asarray(a)
+    if kind == "flax":  # (in, out) kernels, (vocabulary, features) tables
+        return a.T
+    if kind == "eqx":  # (out, in)
+        return a
+    if kind == "qkv":  # (d, H, hd) -> (H·hd, d)
+        return a.transpose(1, 2, 0).reshape(a.shape[1] * a.shape[2], a.shape[0])
+    if kind == "attn_out":  # (H, hd, d) -> (d, H·hd)
+        return a.transpose(2, 0, 1).reshape(a.shape[2], a.shape[0] * a.shape[1])
+    raise ValueError(kind)
+
+
+def assert_close(got, want, rtol=RTOL):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+def check(diag: dict, ref: dict, expected: dict):
+    """``expected``: {report name: (leaf name, canonical kind, optional row slice)}."""
+    assert set(diag) == set(expected), (sorted(diag), sorted(expected))
+    for name, (leaf, kind, *rows) in expected.items():
+        want = canon(ref[leaf], kind)
+        if rows:
+            want = want[rows[0]]
+        assert_close(diag[name], want)
+
+
+def _hd(model, data, **kw):
+    kw.setdefault("progress", False)
+    return {k: np.asarray(v) for k, v in normflat.hessian_diagonal(model, data, **kw).items()}
+
+
+RNG = np.random.default_rng(0)
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class NnxGeneral(nnx.Module):
+    """LinearGeneral with two input and two output axes, an Einsum with two input axes."""
+
+    def __init__(self, rngs):
+        self.gen = nnx.LinearGeneral((2, 3), (2, 2), axis=(-2, -1), param_dtype=F64, rngs=rngs)
+        self.ein = nnx.Einsum("nab,abc->nc", (2, 3, 4), param_dtype=F64, rngs=rngs)
+        self.head = nnx.Linear(4, 3, param_dtype=F64, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.gen(x).reshape(x.shape[0], 4) + self.ein(x)
+        return self.head(jnp.tanh(h))
+
+
+class LinenGeneral(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.DenseGeneral((2, 2), axis=(-2, -1), param_dtype=F64, name="gen")(x).reshape(x.shape[0], 4)
+        h = h + nn.Einsum((2, 3, 4), "nab,abc->nc", param_dtype=F64, name="ein")(x)
+        return nn.Dense(3, param_dtype=F64, name="head")(jnp.tanh(h))
+
+
+def attention64(query, key, value, *args, **kwargs):
+    """Dot-product attention in the inputs' dtype.
+
+    nnx's default attention without dropout calls ``jax.nn.dot_product_attention``,
+    whose softmax runs in float32 whatever the inputs; a float64 reference needs a
+    float64 softmax (the projections, which normflat analyzes, are the same).
+    """
+    w = jax.nn.softmax(jnp.einsum("...qhd,...khd->...hqk", query / jnp.sqrt(query.shape[-1]), key), axis=-1)
+    return jnp.einsum("...hqk,...khd->...qhd", w, value)
+
+
+class NnxAttention(nnx.Module):
+    """MHA over a sequence, mean-pooled classifier."""
+
+    def __init__(self, rngs):
+        self.attn = nnx.MultiHeadAttention(2, 4, qkv_features=4, decode=False, param_dtype=F64, rngs=rngs,
+                                           attention_fn=attention64)
+        self.head = nnx.Linear(4, 3, param_dtype=F64, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(self.attn(x)).mean(axis=1))
+
+
+class LinenAttention(nn.Module):
+    """Self-attention over a sequence and a per-token head: token logits (n, T, 3)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=4, param_dtype=F64, name="attn")(x)
+        return nn.Dense(3, param_dtype=F64, name="head")(jnp.tanh(h))
+
+
+class EqxAttention(eqx.Module):
+    """Per-example: token ids (T,) -> embedding -> MHA -> mean -> Linear (classifier)."""
+
+    emb: eqx.nn.Embedding
+    attn: eqx.nn.MultiheadAttention
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.emb = eqx.nn.Embedding(7, 4, key=k1, dtype=F64)
+        self.attn = eqx.nn.MultiheadAttention(2, 4, use_query_bias=True, use_key_bias=True,
+                                             use_value_bias=True, use_output_bias=True, key=k2, dtype=F64)
+        self.head = eqx.nn.Linear(4, 3, key=k3, dtype=F64)
+
+    def __call__(self, ids):
+        e = jax.vmap(self.emb)(ids)
+        return self.head(jnp.tanh(self.attn(e, e, e)).mean(axis=0))
+
+
+class NnxLM(nnx.Module):
+    """Token LM: Embed, one attention block, the tied ``attend`` head (logits (n, T, V))."""
+
+    def __init__(self, rngs, vocab=9, d=4):
+        self.emb = nnx.Embed(vocab, d, param_dtype=F64, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(2, d, qkv_features=d, decode=False, param_dtype=F64, rngs=rngs,
+                                           attention_fn=attention64)
+
+    def __call__(self, ids):
+        h = self.emb(ids)
+        return self.emb.attend(jnp.tanh(h + self.attn(h)))
+
+
+ATTN_X = jnp.asarray(RNG.normal(size=(3, 3, 4)))
+ATTN_Y = jnp.asarray([0, 2, 1])
+
+
+# ----------------------------------------------------------------------------- brute force
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_multi_axis_kernels_ggn(api):
+    x = jnp.asarray(RNG.normal(size=(4, 2, 3)))
+    y = jnp.asarray([0, 1, 2, 1])
+    if api == "nnx":
+        model = NnxGeneral(nnx.Rngs(1))
+        d = _hd(model, (x, y), estimator="ggn")
+        ref = ref_ggn(model, x, y, "nsce")
+    else:
+        module = LinenGeneral()
+        variables = module.init(jax.random.key(1), x)
+        d = _hd((module, variables), (x, y), estimator="ggn")
+        ref = ref_ggn(module, x, y, "nsce", variables)
+    gk, ek = "gen/kernel", "ein/kernel"
+    # (2, 3, 2, 2): output axes (2, 3), input axes (0, 1); einsum (2, 3, 4): output 2, inputs (0, 1)
+    assert_close(d["gen"], np.asarray(ref[gk]).transpose(2, 3, 0, 1).reshape(4, 6))
+    assert_close(d["ein"], np.asarray(ref[ek]).transpose(2, 0, 1).reshape(4, 6))
+    assert_close(d["head"], canon(ref["head/kernel"], "flax"))
+
+
+@pytest.mark.slow
+def test_nnx_attention_ggn_and_exact():
+    model = NnxAttention(nnx.Rngs(2))
+    expected = {f"attn/{p}": (f"attn/{p}/kernel", "qkv") for p in ("query", "key", "value")}
+    expected["attn/out"] = ("attn/out/kernel", "attn_out")
+    expected["head"] = ("head/kernel", "flax")
+    check(_hd(model, (ATTN_X, ATTN_Y), estimator="ggn"), ref_ggn(model, ATTN_X, ATTN_Y, "nsce"), expected)
+    exact = _hd(model, (ATTN_X, ATTN_Y), estimator="exact", loss="ce")
+    ref = ref_exact(model, ATTN_X, ATTN_Y, "ce", [leaf for leaf, _ in expected.values()])
+    check(exact, ref, expected)
+
+
+@pytest.mark.slow
+def test_linen_attention_token_logits_ce_with_ignore_index():
+    module = LinenAttention()
+    variables = module.init(jax.random.key(3), ATTN_X)
+    y = jnp.asarray([[0, 1, -100], [2, -100, 1], [1, 1, 0]])
+    d = _hd((module, variables), (ATTN_X, y), estimator="ggn", loss="ce")
+    ref = ref_ggn(module, ATTN_X, y, "ce", variables)
+    expected = {f"attn/{p}": (f"attn/{p}/kernel", "qkv") for p in ("query", "key", "value")}
+    expected["attn/out"] = ("attn/out/kernel", "attn_out")
+    expected["head"] = ("head/kernel", "flax")
+    check(d, ref, expected)
+    r = normflat.analyze((module, variables), (ATTN_X, y), estimator="ggn", loss="ce", progress=False)
+    assert r.metadata["loss_terms"] == 7  # the counted tokens (method §6.3)
+    # exact: the Hessian of the mean over the counted tokens, batches split unevenly (padded pieces)
+    exact = _hd((module, variables), [(ATTN_X[:2], y[:2]), (ATTN_X[2:], y[2:])], estimator="exact", loss="ce",
+                chunk_size=None)
+    check(exact, ref_exact(module, ATTN_X, y, "ce", [leaf for leaf, *_ in expected.values()], variables), expected)
+
+
+def test_equinox_attention_and_embedding_ggn():
+    model = EqxAttention(jax.random.key(4))
+    ids = jnp.asarray(RNG.integers(0, 7, size=(4, 3)))
+    y = jnp.asarray([0, 1, 2, 0])
+    d = _hd(model, (ids, y), estimator="ggn")
+    expected = {"emb": ("emb/weight", "flax"), "head": ("head/weight", "eqx")}
+    for p in ("query_proj", "key_proj", "value_proj", "output_proj"):
+        expected[f"attn/{p}"] = (f"attn/{p}/weight", "eqx")
+    check(d, ref_ggn(model, ids, y, "nsce"), expected)
+
+
+def test_nnx_token_lm_tied_embedding_nsce_ignore_index():
+    model = NnxLM(nnx.Rngs(5))
+    ids = jnp.asarray(RNG.integers(0, 9, size=(3, 4)))
+    y = np.asarray(ids).copy()
+    y[0, 1] = y[2, 3] = -100
+    r = normflat.analyze(model, (ids, jnp.asarray(y)), estimator="ggn", progress=False)
+    d = {l.name: None for l in r.layers}
+    assert list(d)[0] == "emb" and r.metadata["loss_terms"] == 10
+    diag = _hd(model, (ids, jnp.asarray(y)), estimator="ggn")
+    expected = {"emb": ("emb/embedding", "flax")}  # used by the lookup and the tied head: one diagonal
+    for p in ("query", "key", "value"):
+        expected[f"attn/{p}"] = (f"attn/{p}/kernel", "qkv")
+    expected["attn/out"] = ("attn/out/kernel", "attn_out")
+    check(diag, ref_ggn(model, ids, y, "nsce"), expected)
+
+
+# ----------------------------------------------------------------------------- recurrent cells
+
+
+def zero_carry(cell, x):
+    """A float64 zero carry (nnx's initialize_carry draws it from the cell's Rngs, in float32)."""
+    z = jnp.zeros((x.shape[0], 3) if not isinstance(cell, nnx.SimpleCell) else (x.shape[0], cell.hidden_features),
+                  x.dtype)
+    return (z, z) if isinstance(cell, (nnx.LSTMCell, nnx.OptimizedLSTMCell)) else z
+
+
+class NnxCells(nnx.Module):
+    def __init__(self, rngs, first, second):
+        self.rnn1 = nnx.RNN(first(3, 3, dtype=F64, param_dtype=F64, rngs=rngs))
+        self.rnn2 = nnx.RNN(second(3, 3, dtype=F64, param_dtype=F64, rngs=rngs))
+        self.head = nnx.Linear(3, 3, param_dtype=F64, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.rnn1(x, initial_carry=zero_carry(self.rnn1.cell, x))
+        return self.head(self.rnn2(h, initial_carry=zero_carry(self.rnn2.cell, h))[:, -1])
+
+
+class LinenCells(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i, cell in enumerate((nn.LSTMCell, nn.OptimizedLSTMCell, nn.GRUCell)):
+            x = nn.RNN(cell(3, param_dtype=F64), name=f"rnn{i}")(x)
+        return nn.Dense(3, param_dtype=F64, name="head")(x[:, -1])
+
+
+class EqxCells(eqx.Module):
+    lstm: eqx.nn.LSTMCell
+    gru: eqx.nn.GRUCell
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.lstm = eqx.nn.LSTMCell(3, 3, key=k1, dtype=F64)
+        self.gru = eqx.nn.GRUCell(3, 3, key=k2, dtype=F64)
+        self.head = eqx.nn.Linear(3, 3, key=k3, dtype=F64)
+
+    def __call__(self, xs):  # one example (T, 3), scanned by the user's own code
+        def step(carry, x):
+            (h, c), g = carry
+            h, c = self.lstm(x, (h, c))
+            g = self.gru(h, g)
+            return ((h, c), g), None
+
+        z = jnp.zeros(3, xs.dtype)
+        ((_, _), g), _ = jax.lax.scan(step, ((z, z), z), xs)
+        return self.head(g)
+
+
+CELL_X = jnp.asarray(RNG.normal(size=(3, 3, 3)))
+CELL_Y = jnp.asarray([0, 1, 2])  # 3 classes: with 2, nsce's normalized logits are ±1 (no curvature)
+LSTM, GRU = ("i", "f", "g", "o"), ("r", "z", "n")
+
+
+def _gate_rows(gates, hidden=3):
+    return {g: slice(j * hidden, (j + 1) * hidden) for j, g in enumerate(gates)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cells", ["optimized_gru", "lstm_simple"])
+def test_nnx_cells_ggn_through_time(cells):
+    first, second = ((nnx.OptimizedLSTMCell, nnx.GRUCell) if cells == "optimized_gru"
+                     else (nnx.LSTMCell, nnx.SimpleCell))
+    model = NnxCells(nnx.Rngs(6), first, second)
+    d = _hd(model, (CELL_X, CELL_Y), estimator="ggn")
+    expected = {"head": ("head/kernel", "flax")}
+    if cells == "optimized_gru":
+        # packed gates (in, 4·hidden) / (in, 3·hidden): one matrix per gate (method §3)
+        for rnn, gates in (("rnn1", LSTM), ("rnn2", GRU)):
+            for dense in ("dense_i", "dense_h"):
+                for g, rows in _gate_rows(gates).items():
+                    expected[f"{rnn}/cell/{dense}.{g}"] = (f"{rnn}/cell/{dense}/kernel", "flax", rows)
+    else:
+        for g in ("ii", "if_", "ig", "io", "hi", "hf", "hg", "ho"):
+            expected[f"rnn1/cell/{g}"] = (f"rnn1/cell/{g}/kernel", "flax")
+        for dense in ("dense_i", "dense_h"):
+            expected[f"rnn2/cell/{dense}"] = (f"rnn2/cell/{dense}/kernel", "flax")
+    check(d, ref_ggn(model, CELL_X, CELL_Y, "nsce"), expected)
+
+
+@pytest.mark.slow
+def test_linen_cells_ggn_through_time():
+    module = LinenCells()
+    variables = module.init(jax.random.key(7), CELL_X)
+    d = _hd((module, variables), (CELL_X, CELL_Y), estimator="ggn")
+    expected = {"head": ("head/kernel", "flax")}
+    # linen cells store one Dense (OptimizedLSTMCell: one DenseParams) per gate, bound in the model's scope
+    for cell, names in (("LSTMCell_0", ("ii", "if", "ig", "io", "hi", "hf", "hg", "ho")),
+                        ("OptimizedLSTMCell_0", ("ii", "if", "ig", "io", "hi", "hf", "hg", "ho")),
+                        ("GRUCell_0", ("ir", "iz", "in", "hr", "hz", "hn"))):
+        for g in names:
+            expected[f"{cell}/{g}"] = (f"{cell}/{g}/kernel", "flax")
+    check(d, ref_ggn(module, CELL_X, CELL_Y, "nsce", variables), expected)
+
+
+@pytest.mark.slow
+def test_equinox_cells_under_scan_ggn():
+    model = EqxCells(jax.random.key(8))
+    d = _hd(model, (CELL_X, CELL_Y), estimator="ggn")
+    expected = {"head": ("head/weight", "eqx")}
+    for cell, gates in (("lstm", LSTM), ("gru", GRU)):
+        for leaf in ("weight_ih", "weight_hh"):
+            for g, rows in _gate_rows(gates).items():
+                expected[f"{cell}/{leaf}.{g}"] = (f"{cell}/{leaf}", "eqx", rows)
+    check(d, ref_ggn(model, CELL_X, CELL_Y, "nsce"), expected)
+
+
+# ----------------------------------------------------------------------------- layouts=
+
+
+class LinenProj(nn.Module):
+    @nn.compact
+    def __call__(self, x):  # x (n, T, 4): a (4, 2, 2) projection, pooled
+        h = nn.DenseGeneral((2, 2), param_dtype=F64, name="proj")(x).reshape(x.shape[0], x.shape[1], 4)
+        return nn.Dense(3, param_dtype=F64, name="head")(jnp.tanh(h).mean(axis=1))
+
+
+def test_layouts_describe_or_refuse_multi_axis_kernels():
+    module = LinenProj()
+    variables = module.init(jax.random.key(9), ATTN_X)
+    want = _hd((module, variables), (ATTN_X, ATTN_Y), estimator="ggn")
+    ref = ref_ggn(module, ATTN_X, ATTN_Y, "nsce", variables)
+    assert_close(want["proj"], canon(ref["proj/kernel"], "qkv"))
+    pair = (module.apply, variables)
+    # (apply_fn, params): the 3-axis "kernel" is contracted on axis 0 by the traced program, so it is
+    # read as the multi-axis kernel it is, not as a convolution kernel (k, in, out)
+    got = _hd(pair, (ATTN_X, ATTN_Y), estimator="ggn")
+    assert_close(got["proj"], want["proj"])
+    # declared by the role of every axis, or by a mapping: the same matrix
+    for lay in ("in,out,out", {"out": (1, 2), "in": 0}):
+        got = _hd(pair, (ATTN_X, ATTN_Y), estimator="ggn", layouts={"proj/kernel": lay})
+        assert_close(got["proj"], want["proj"])
+    # a layout that misreads the kernel is refused with the fix
+    with pytest.raises(ValueError, match="reads it as a convolution kernel.*'in,out,out'"):
+        normflat.analyze(pair, (ATTN_X, ATTN_Y), progress=False, layouts={"proj/kernel": "*k,in,out"})
+    with pytest.raises(ValueError, match=r"declares input axes \[2\].*contracts its axes \[0\]"):
+        normflat.analyze(pair, (ATTN_X, ATTN_Y), progress=False, layouts={"proj/kernel": "out,out,in"})
+    with pytest.raises(ValueError, match="does not describe a leaf of shape"):
+        normflat.analyze(pair, (ATTN_X, ATTN_Y), progress=False, layouts={"proj/kernel": "in,in,in"})
+
+
+def test_kernels_with_batch_axes_are_refused_clearly():
+    class Batched(nnx.Module):
+        def __init__(self, rngs):
+            self.gen = nnx.LinearGeneral(3, 2, batch_axis={0: 2}, param_dtype=F64, rngs=rngs)
+            self.ein = nnx.Einsum("nhd,hde->nhe", (2, 3, 2), param_dtype=F64, rngs=rngs)
+            self.head = nnx.Linear(8, 3, param_dtype=F64, rngs=rngs)
+
+        def __call__(self, x):  # x (n, 2, 3)
+            h = jnp.concatenate([self.gen(x), self.ein(x)], axis=-1)
+            return self.head(h.reshape(x.shape[0], -1))
+
+    x = jnp.asarray(RNG.normal(size=(2, 2, 3)))
+    with pytest.raises(ValueError) as err:
+        normflat.analyze(Batched(nnx.Rngs(0)), (x, jnp.asarray([0, 1])), progress=False, on_unsupported="error")
+    assert "gen/kernel (2, 3, 2) (LinearGeneral: its kernel has batch axes" in str(err.value)
+    assert "ein/kernel (2, 3, 2) (Einsum: kernel axis 'h' of 'nhd,hde->nhe' is a batch axis" in str(err.value)
+
+
+# ----------------------------------------------------------------------------- invariance (method §8)
+
+
+def _ns(model, data, **kw):
+    r = normflat.analyze(model, data, estimator="ggn", progress=False, **kw)
+    return r, {l.name: l.normalized_sharpness for l in r.layers}
+
+
+def _assert_invariant(model_a, model_b, data, apply_a, apply_b, **kw):
+    np.testing.assert_allclose(np.asarray(apply_b(data[0])), np.asarray(apply_a(data[0])), rtol=1e-12, atol=1e-12)
+    ra, la = _ns(model_a, data, **kw)
+    rb, lb = _ns(model_b, data, **kw)
+    assert la.keys() == lb.keys()
+    for k in la:
+        np.testing.assert_allclose(lb[k], la[k], rtol=1e-8)
+    np.testing.assert_allclose(rb.normalized_sharpness, ra.normalized_sharpness, rtol=1e-8)
+    assert abs(rb.hessian_trace - ra.hessian_trace) > 1e-3 * abs(ra.hessian_trace)
+
+
+def _scale_heads(k, c, axis):
+    shape = [1] * k.ndim
+    shape[axis] = c.shape[0]
+    return k * c.reshape(shape)
+
+
+def test_invariance_nnx_attention_heads():
+    model = NnxAttention(nnx.Rngs(2))
+    c_qk, c_vo = jnp.asarray([3.0, 0.4]), jnp.asarray([0.25, 5.0])
+    other = nnx.clone(model)
+    a = other.attn
+    # query rows of head h times c_h, key rows times 1/c_h (kernel (d, H, hd), bias (H, hd))
+    a.query.kernel[...] = _scale_heads(a.query.kernel[...], c_qk, 1)
+    a.query.bias[...] = _scale_heads(a.query.bias[...], c_qk, 0)
+    a.key.kernel[...] = _scale_heads(a.key.kernel[...], 1 / c_qk, 1)
+    a.key.bias[...] = _scale_heads(a.key.bias[...], 1 / c_qk, 0)
+    # value rows of head h times c_h, the output projection's columns of head h (kernel (H, hd, d)) times 1/c_h
+    a.value.kernel[...] = _scale_heads(a.value.kernel[...], c_vo, 1)
+    a.value.bias[...] = _scale_heads(a.value.bias[...], c_vo, 0)
+    a.out.kernel[...] = _scale_heads(a.out.kernel[...], 1 / c_vo, 0)
+    _assert_invariant(model, other, (ATTN_X, ATTN_Y), model, other)
+
+
+def test_invariance_equinox_attention_heads_and_embedding_features():
+    model = EqxAttention(jax.random.key(4))
+    ids = jnp.asarray(RNG.integers(0, 7, size=(4, 3)))
+    data = (ids, jnp.asarray([0, 1, 2, 0]))
+    heads = lambda c: jnp.repeat(c, 2)[:, None]  # noqa: E731 - rows (H·hd, d), head-major
+    c_qk, c_vo = jnp.asarray([2.0, 0.3]), jnp.asarray([0.5, 4.0])
+    feat = jnp.asarray([2.0, 0.5, 3.0, 0.2])  # embedding feature j times c_j, input column j of q/k/v times 1/c_j
+    at = model.attn
+    new = eqx.tree_at(
+        lambda m: (m.emb.weight, m.attn.query_proj.weight, m.attn.query_proj.bias, m.attn.key_proj.weight,
+                   m.attn.key_proj.bias, m.attn.value_proj.weight, m.attn.value_proj.bias,
+                   m.attn.output_proj.weight),
+        model,
+        (model.emb.weight * feat, at.query_proj.weight * heads(c_qk) / feat, at.query_proj.bias * heads(c_qk)[:, 0],
+         at.key_proj.weight / heads(c_qk) / feat, at.key_proj.bias / heads(c_qk)[:, 0],
+         at.value_proj.weight * heads(c_vo) / feat, at.value_proj.bias * heads(c_vo)[:, 0],
+         at.output_proj.weight / heads(c_vo).T))
+    _assert_invariant(model, new, data, jax.vmap(model), jax.vmap(new))
+
+
+def test_invariance_nnx_simple_cell_relu_hidden_units():
+    class Relu(nnx.Module):
+        def __init__(self, rngs):
+            self.rnn = nnx.RNN(nnx.SimpleCell(3, 4, activation_fn=nnx.relu, dtype=F64, param_dtype=F64, rngs=rngs))
+            self.head = nnx.Linear(4, 3, param_dtype=F64, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.rnn(x, initial_carry=zero_carry(self.rnn.cell, x))[:, -1])
+
+    model = Relu(nnx.Rngs(11))
+    other = nnx.clone(model)
+    c = jnp.asarray([2.0, 0.5, 3.0, 0.25])
+    cell = other.rnn.cell
+    # hidden unit k: rows of W_i, W_h and biases times c_k, columns of W_h and of the head times 1/c_k
+    cell.dense_i.kernel[...] = cell.dense_i.kernel[...] * c  # (in, H): columns are output units
+    cell.dense_h.kernel[...] = cell.dense_h.kernel[...] * c / c[:, None]  # D W_h D^-1 in (in, out)
+    for dense in (cell.dense_i, cell.dense_h):
+        if dense.bias is not None:
+            dense.bias[...] = dense.bias[...] * c
+    other.head.kernel[...] = other.head.kernel[...] / c[:, None]
+    _assert_invariant(model, other, (CELL_X, jnp.asarray([0, 1, 2])), model, other)
