@@ -343,8 +343,17 @@ def check_output_shape(shape: tuple[int, ...], options: AnalysisOptions, index: 
             f"The model has a single output unit (logits of shape {shape}); the built-in losses are the "
             "softmax cross-entropy over at least 2 classes, for which one logit carries no curvature "
             "(the measures would be 0). For a binary classifier return two logits, e.g. [0, z] "
-            "(torch.cat([torch.zeros_like(z), z], 1)), which is the same model as a sigmoid; or pass "
+            "(torch.cat([torch.zeros_like(z), z], 1)), which is the same model as a sigmoid, with "
+            "loss='ce'; or pass "
             "a custom loss callable with estimator='exact' or 'hutchinson'."
+        )
+    if c == 2 and options.loss == "nsce":
+        # Two centred logits are (d/2, -d/2): normalized they are always (+τ, -τ) or (-τ, +τ), so
+        # the normalized loss is piecewise constant in the weights and every measure would be 0.
+        raise ValueError(
+            f"The model has 2 classes (logits of shape {shape}); with two classes the normalized logits "
+            "of loss='nsce' are always ±temperature, so that loss does not change with the weights and "
+            "every measure would be 0. Pass loss='ce' for a binary classifier."
         )
     return c
 

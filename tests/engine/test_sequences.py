@@ -221,3 +221,14 @@ def test_coverage_counts_matrix_entries_not_excluded():
     assert meta["excluded"] == {"a.bias": "bias", "pos": "table"}
     assert meta["coverage"] == pytest.approx(0.5)
     assert coverage([ParameterStatus("a.bias", (3,), "excluded")]) is None
+
+
+def test_nsce_refuses_two_classes():
+    """Two normalized logits are always ±τ: the loss would be constant in the weights."""
+    z = RNG.normal(size=(5, 2)) * 3
+    u = losses.normalize_logits(np, z)[0]
+    np.testing.assert_allclose(np.abs(u), 1.0, rtol=1e-10)
+    with pytest.raises(ValueError, match="Pass loss='ce' for a binary classifier"):
+        losses.check_output_shape((5, 2), _opts(), 0, 5)
+    assert losses.check_output_shape((5, 2), _opts(loss="ce"), 0, 5) == 2
+    assert losses.check_output_shape((5, 3), _opts(), 0, 5) == 3
