@@ -11,7 +11,10 @@ through the normalization for ``nsce``. One VJP per signal gives the signals at
 every tap and the per-example gradients of the other weights at once. Taps then
 form the per-example squares from their inputs: a dense layer as one contraction
 of squared inputs with squared signals, a convolution from per-example gradients
-of that layer only (input patches and one batched matmul).
+of that layer only (input patches and one batched matmul), an embedding lookup
+as a scatter of squared output signals (:meth:`GGN._lookup_squares`: per example
+the signals of equal ids are summed, then squared and added into their table
+rows; never a ``(n, V, d)`` array).
 """
 
 from __future__ import annotations
@@ -79,6 +82,10 @@ class GGN(Kernel):
                 out_size = math.prod(prog.shapes[prog.ops[t.op].outs[0]])
                 act_size = math.prod(prog.shapes.get(prog.ops[t.op].ins[1 - t.weight_pos][1], (1,)))
                 per_example += self.G * self.cols * out_size + act_size
+            elif t is not None and t.lookup is not None:
+                # the signals at the looked-up rows, their per-id sums and squares: no table-sized term
+                out_size = math.prod(prog.shapes[prog.ops[t.op].outs[0]])
+                per_example += 2 * self.G * self.cols * out_size + self.G * out_size
             else:
                 per_example += self.G * self.cols * int(np.prod(w.shape))
         # Per example: the signals and squared gradients counted above, plus the forward
@@ -119,7 +126,9 @@ class GGN(Kernel):
             out[k] = self._group_sum(d_wg[j] ** 2)
         for k, t in taps.items():
             a, d = rec[t.op], d_eps[t.op]
-            if t.squares_factor:
+            if t.lookup is not None:
+                out[k] = self._lookup_squares(t, a, d)
+            elif t.squares_factor:
                 a, d = _balance(a, d)
                 out[k] = (a * a, self._group_sum(d * d))
             elif self._conv_patches_ok(t, a):
@@ -130,6 +139,47 @@ class GGN(Kernel):
                 grads = jax.vmap(lambda dd: vjp_w(dd)[0])(d)
                 out[k] = self._group_sum(grads**2)
         return out, z
+
+    def _lookup_squares(self, t, index_args, d):
+        """One example's squared table gradients of a lookup tap, per looked-up row (method §3, Embeddings).
+
+        The example's gradient of table row ``v`` for signal ``j`` is the sum of the
+        output signals ``d_j`` over the slices that read row ``v``. The rows are
+        sorted to number the distinct ids, the signals of each id summed (a segment
+        sum, so memory stays ``O(positions)`` however large the vocabulary), squared
+        and summed over the signals of each estimate group.
+
+        Returns:
+            ``(rows, squares)``: ``(P,)`` int32 table rows (the vocabulary size where a
+            slot holds no row) and their ``(G, P, features)`` squares.
+        """
+        lk = t.lookup
+        vocab = self.prog.shapes[self.prog.ops[t.op].ins[0][1]][lk.row_axis]
+        rows = self.prog.lookup_rows(t, index_args).reshape(-1)
+        rows = jnp.where(rows < 0, vocab, rows)  # dropped lookups (out of range, fill mode): no row
+        npos = rows.shape[0]
+        sig = jnp.moveaxis(d, 1 + lk.out_feature_axis, -1).reshape(d.shape[0], npos, -1)  # (cols, P, d)
+        order = jnp.argsort(rows)
+        sorted_rows = rows[order]
+        first = jnp.concatenate([jnp.ones((min(npos, 1),), bool), sorted_rows[1:] != sorted_rows[:-1]])
+        segment = jnp.cumsum(first) - 1  # the distinct id of each sorted position
+        # each position's distinct id in the original order: the signals are summed where they lie
+        position_segment = jnp.zeros((npos,), segment.dtype).at[order].set(segment)
+        sums = jax.ops.segment_sum(jnp.swapaxes(sig, 0, 1), position_segment,
+                                   num_segments=npos)  # (P, cols, d): one row per distinct id
+        squares = (sums * sums).reshape(npos, self.G, self.cols, -1).sum(axis=2)
+        seg_rows = jnp.full((npos,), vocab, jnp.int32).at[jnp.where(first, segment, npos)].set(
+            sorted_rows, mode="drop")
+        return seg_rows, jnp.swapaxes(squares, 0, 1)
+
+    def _scatter_lookup(self, t, rows, squares, mask, wp_shape):
+        """Sum the examples' per-row squares into the table, in the layout the lookup reads."""
+        lk = t.lookup
+        vocab, feat = wp_shape[lk.row_axis], wp_shape[lk.feature_axis]
+        squares = squares * mask.reshape((-1,) + (1,) * (squares.ndim - 1))  # (n, G, P, d)
+        vals = jnp.swapaxes(squares, 0, 1).reshape(self.G, -1, feat)
+        table = jnp.zeros((self.G, vocab, feat), squares.dtype).at[:, rows.reshape(-1)].add(vals, mode="drop")
+        return table if lk.row_axis == 0 else jnp.swapaxes(table, 1, 2)
 
     def _conv_patches_ok(self, t, a) -> bool:
         op = self.prog.ops[t.op]
@@ -181,7 +231,10 @@ class GGN(Kernel):
                 continue
             layout = self.prog.layout_fn(t)
             wp = layout(w)
-            if t.squares_factor:
+            if t.lookup is not None:
+                rows, squares = outs[k]
+                dwp = self._scatter_lookup(t, rows, squares, mask, wp.shape)
+            elif t.squares_factor:
                 a2, d2 = outs[k]
                 a2 = a2 * mask.reshape((-1,) + (1,) * (a2.ndim - 1))
                 f = self.prog.tap_fn(t)

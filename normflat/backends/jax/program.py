@@ -6,9 +6,12 @@ per-example forward pass is traced once with :func:`jax.make_jaxpr`, nested
 ``jit``/call primitives are inlined into one flat program, and the program is
 analysed: a weight whose only use is one ``dot_general`` or
 ``conv_general_dilated`` (after layout-only operations such as transposes and
-casts) with an activation as the other operand is a *tap*. Re-evaluating the
-program with a zero perturbation added to each tap's output then yields both
-the tap inputs and, by a VJP with respect to the perturbations, the signals.
+casts) with an activation as the other operand is a *tap*; so is a table whose
+only use is one row lookup (a ``gather`` or ``dynamic_slice`` taking whole rows of
+a 2-D table at integer ids: ``jnp.take``, ``table[ids]``, flax ``Embed``, equinox
+``Embedding``; a :class:`Lookup`). Re-evaluating the program with a zero
+perturbation added to each tap's output then yields both the tap inputs (for a
+lookup, its ids) and, by a VJP with respect to the perturbations, the signals.
 Weights used in any other way are handled by the generic path (per-example
 VJPs), so the analysis can only choose a faster path, never a wrong one.
 """
@@ -40,6 +43,8 @@ _CALLS = {
 # diagonal maps back through their (linear, entry-permuting) VJP.
 _LAYOUT = {"transpose", "reshape", "convert_element_type", "copy", "copy_p", "squeeze", "expand_dims"}
 _TAP_PRIMS = {"dot_general", "conv_general_dilated"}
+# Row lookups of a table: the per-example gradient is a scatter of the output signals into the rows.
+_LOOKUP_PRIMS = {"gather", "dynamic_slice"}
 
 
 @dataclass
@@ -49,6 +54,21 @@ class _Op:
     ctx: Any
     ins: list  # ("ref", id) or ("lit", value)
     outs: list  # ref ids
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """How a ``gather`` / ``dynamic_slice`` tap takes whole rows of a 2-D table.
+
+    Axes refer to the table as the primitive sees it (after the tap's layout
+    chain): every lookup takes a slice of size 1 along ``row_axis`` and the full
+    ``feature_axis``; the output holds the features along ``out_feature_axis``
+    and one looked-up row at every index of its other axes.
+    """
+
+    row_axis: int
+    feature_axis: int
+    out_feature_axis: int
 
 
 @dataclass
@@ -63,6 +83,8 @@ class Tap:
         squares_factor: True when the per-example weight gradient is a single
             outer product (dense layer without extra positions), so that the sum
             of squares over signals is the same primitive applied to squares.
+        lookup: For a row lookup of a table (an embedding), how it takes its rows;
+            ``None`` for ``dot_general`` / ``conv_general_dilated`` taps.
     """
 
     weight: int
@@ -70,6 +92,7 @@ class Tap:
     weight_pos: int
     chain: list[int]
     squares_factor: bool
+    lookup: Lookup | None = None
 
 
 @dataclass
@@ -134,7 +157,9 @@ class Program:
                 if eps is not None and i in eps:
                     ans = ans + eps[i]
                 if record is not None and i in tap_at:
-                    record[i] = args[1 - tap_at[i].weight_pos]
+                    t = tap_at[i]
+                    # a lookup's ids are all its other operands (dynamic_slice: one start per axis)
+                    record[i] = args[1 - t.weight_pos] if t.lookup is None else args[1:]
                 env[op.outs[0]] = ans
         return [read(a) for a in self.out_refs]
 
@@ -154,6 +179,34 @@ class Program:
             return w
 
         return f
+
+    def lookup_rows(self, tap: Tap, index_args: Sequence[Any]) -> Any:
+        """The table row that every output slice of a lookup tap reads, ``-1`` where none.
+
+        The tap's own primitive is applied, with the recorded ids, to a table of row
+        numbers (the table's shape with a feature axis of size 1), so the rows follow
+        exactly the primitive's index semantics: clamped (``CLIP``, ``dynamic_slice``)
+        or dropped (``FILL_OR_DROP``; ``PROMISE_IN_BOUNDS`` as its VJP drops them).
+
+        Returns:
+            int32 array shaped like the tap output without its feature axis.
+        """
+        op, lk = self.ops[tap.op], tap.lookup
+        shape = list(self.shapes[op.ins[0][1]])
+        shape[lk.feature_axis] = 1
+        params = dict(op.params)
+        sizes = list(params["slice_sizes"])
+        sizes[lk.feature_axis] = 1
+        params["slice_sizes"] = tuple(sizes)
+        if op.prim.name == "gather":
+            mode = params["mode"]
+            if mode != jax.lax.GatherScatterMode.CLIP:
+                params["mode"] = jax.lax.GatherScatterMode.FILL_OR_DROP
+            params["fill_value"] = -1
+        table = jax.lax.broadcasted_iota(jnp.int32, tuple(shape), lk.row_axis)
+        with op.ctx:
+            rows = op.prim.bind(table, *index_args, **params)
+        return jnp.squeeze(rows, axis=lk.out_feature_axis)
 
     def tap_fn(self, tap: Tap) -> Callable[[Any, Any], Any]:
         """``(activation, weight operand) -> tap output`` for one tap."""
@@ -312,6 +365,8 @@ def _analyse(prog: Program, n_weights: int) -> None:
         refs = [a[1] for a in op.ins if a[0] == "ref"]
         name = op.prim.name
         w_ins = [(pos, derived[a[1]]) for pos, a in enumerate(op.ins) if a[0] == "ref" and a[1] in derived]
+        # A row lookup is a layer whatever its ids (data or constants, e.g. positions arange(T)).
+        lookup = _lookup_spec(prog, op) if name in _LOOKUP_PRIMS and w_ins else None
         is_data = any(r in data_dep for r in refs)
         if is_data:
             data_dep.update(op.outs)
@@ -325,22 +380,24 @@ def _analyse(prog: Program, n_weights: int) -> None:
                 first_use[k] = min(first_use[k], i)
             if (name in _TAP_PRIMS and len(w_ins) == 1 and is_data and len(op.ins) == 2
                     and op.ins[1 - pos][1] not in derived):
-                candidates.setdefault(k, []).append((i, pos, chain))
+                candidates.setdefault(k, []).append((i, pos, chain, None))
+            elif lookup is not None and len(w_ins) == 1 and pos == 0:
+                candidates.setdefault(k, []).append((i, pos, chain, lookup))
             else:
                 blocked.add(k)
-        if not is_data and w_ins:
+        if not is_data and w_ins and lookup is None:
             # A weight combined with constants only, e.g. a regularizer: not a plain layer.
             for _, (k, _) in w_ins:
                 blocked.add(k)
     for k, cands in candidates.items():
         if k in blocked or len(cands) != 1:
             continue
-        i, pos, chain = cands[0]
+        i, pos, chain, lookup = cands[0]
         # Every ref on the chain (the weight and each layout result) must be used once.
         chain_refs = [prog.weight_refs[k]] + [prog.ops[j].outs[0] for j in chain]
         if any(uses.get(r, 0) != 1 for r in chain_refs):
             continue
-        prog.taps.append(Tap(k, i, pos, chain, _squares_factor(prog, prog.ops[i], pos)))
+        prog.taps.append(Tap(k, i, pos, chain, lookup is None and _squares_factor(prog, prog.ops[i], pos), lookup))
     prog.taps.sort(key=lambda t: t.op)
     prog.first_use = first_use
     prog.uses = weight_uses
@@ -360,3 +417,32 @@ def _squares_factor(prog: Program, op: _Op, weight_pos: int) -> bool:
         return False
     free = [d for j, d in enumerate(shape) if j not in tuple(contract)]
     return int(np.prod(free, dtype=np.int64)) == 1
+
+
+def _lookup_spec(prog: Program, op: _Op) -> Lookup | None:
+    """How ``op`` (a ``gather`` / ``dynamic_slice``) takes whole rows of a 2-D table, or None.
+
+    Only slices of one row and every feature qualify: then each output slice is one
+    table row in order, and the per-example gradient of the table is the sum of the
+    output signals of the slices reading each row. Anything else (element gathers,
+    partial rows, batching dimensions, the ``ONE_HOT`` mode) stays generic.
+    """
+    if not op.ins or op.ins[0][0] != "ref" or any(a[0] == "ref" and a[1] == op.ins[0][1] for a in op.ins[1:]):
+        return None
+    shape = prog.shapes.get(op.ins[0][1])
+    sizes = tuple(op.params.get("slice_sizes") or ())
+    if shape is None or len(shape) != 2 or len(sizes) != 2:
+        return None
+    rows = [r for r in (0, 1) if sizes[r] == 1 and sizes[1 - r] == shape[1 - r]]
+    if not rows:
+        return None
+    row, feat = rows[0], 1 - rows[0]
+    if op.prim.name == "dynamic_slice":
+        return Lookup(row, feat, feat)  # the output is the (1, d) or (d, 1) slice itself
+    dn = op.params["dimension_numbers"]
+    if (tuple(dn.operand_batching_dims) or tuple(dn.start_indices_batching_dims) or feat in dn.collapsed_slice_dims
+            or op.params["mode"] not in (jax.lax.GatherScatterMode.CLIP, jax.lax.GatherScatterMode.FILL_OR_DROP,
+                                         jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)):
+        return None
+    kept = [a for a in (0, 1) if a not in dn.collapsed_slice_dims]  # operand axes behind offset_dims, in order
+    return Lookup(row, feat, int(dn.offset_dims[kept.index(feat)]))
