@@ -1,9 +1,9 @@
 """Track normalized sharpness with a Hugging Face ``Trainer`` callback (tiny BERT from a config, CPU).
 
 The model is built from a ``BertConfig`` (nothing is downloaded) and trained on
-synthetic token sequences whose class is set by their first token. Embeddings
-are not supported by normflat yet: ``on_unsupported="skip"`` analyzes the dense
-and attention projection layers.
+synthetic token sequences whose class is set by their first token. Every weight
+matrix is analyzed: embeddings, attention projections and dense layers (biases,
+LayerNorm parameters and the like are listed in the report's ``excluded``).
 
 Run: ``python examples/track_huggingface.py [figure.png]`` (default ``tracking_huggingface.png``).
 """
@@ -42,13 +42,13 @@ def main(figure: str = "tracking_huggingface.png") -> None:
                                           per_device_train_batch_size=32, learning_rate=2e-3, logging_steps=10,
                                           save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(512, 0))
-    cb = SharpnessCallback(Tokens(128, 1), every_n_steps=8, batch_size=64, on_unsupported="skip",
+    cb = SharpnessCallback(Tokens(128, 1), every_n_steps=8, batch_size=64,
                            log=("normalized_sharpness", "hessian_trace"))
     cb.attach(trainer)  # log through trainer.log: log_history, TensorBoard, W&B ...
     trainer.train()
     logged = [e for e in trainer.state.log_history if "normalized_sharpness" in e]
     print(f"{len(logged)} analyses in trainer.state.log_history; last: {logged[-1]}")
-    cb.history.plot(figure, title="Hugging Face Trainer: tiny BERT (embeddings skipped)")
+    cb.history.plot(figure, title="Hugging Face Trainer: tiny BERT")
     print(f"figure written to {figure}")
 
 

@@ -140,6 +140,13 @@ class LayerRegistry(Generic[E]):
                 return entry
         return None
 
+    def lookup_class(self, obj: Any) -> type | None:
+        """The registered class in ``type(obj).__mro__`` whose entry :meth:`lookup` returns."""
+        for cls in type(obj).__mro__:
+            if self._entries.get(cls) is not None:
+                return cls
+        return None
+
     def entries(self) -> dict[type, Any]:
         """A copy of the registry."""
         return dict(self._entries)

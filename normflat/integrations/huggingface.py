@@ -3,17 +3,22 @@
 Importing this module imports ``transformers`` and torch.
 
 A transformers model takes keyword inputs (``input_ids``, ``attention_mask``,
-...) and returns a ``ModelOutput``; normflat's torch backend needs a module that
-maps positional inputs to a logits tensor. The callback therefore analyzes the
-model through :class:`HFLogits`, a thin view that shares the model's submodules
-(so the layer names are the model's own, ``bert.encoder.layer.0...`` and
-``classifier``), calls the model with the batch's keys and returns ``.logits``.
+...) and returns a ``ModelOutput``. ``normflat.analyze`` takes such models and
+their dict batches directly (``docs/guide/huggingface.md``); the callback
+analyzes the model through :class:`HFLogits`, a thin view that shares the
+model's submodules (so the layer names are the model's own,
+``bert.encoder.layer.0...`` and ``classifier``), calls the model with the
+batch's keys and returns ``.logits``, so that every label key of the
+``Trainer``'s batches (``label_ids`` too) stays out of the model inputs.
 Batches are the ``Trainer``'s: mappings with ``labels`` (or ``label``) and the
 model inputs; ``(x, y)`` pairs work too.
 
-Layers normflat does not support yet (embeddings; in some models attention
-blocks) are reported once by a warning; pass ``on_unsupported="skip"`` to
-analyze the dense layers quietly.
+Every weight matrix of the common architectures is analyzed (embeddings,
+attention projections, GPT-2's ``Conv1D``; see ``docs/guide/huggingface.md``);
+a layer normflat cannot analyze is reported once by a warning
+(``on_unsupported="skip"`` analyzes the others quietly). Causal language models
+have their labels shifted as their own loss does (method §6.3): the torch
+backend looks through the view to the model's class.
 
 Example:
     >>> from normflat.integrations.huggingface import SharpnessCallback

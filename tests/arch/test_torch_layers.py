@@ -406,3 +406,30 @@ def test_functional_recurrence_equals_the_fused_kernel(cell, kw, batch_first, mo
         for a, b in zip(flat, flat_got):
             assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-12, atol=1e-14)
     assert len(calls) == 3  # the plain recurrence ran, not the fused kernel
+
+
+def test_subclass_with_its_own_forward_takes_the_exact_generic_path():
+    """A Linear subclass that changes the computation must not get nn.Linear's fast rule."""
+    import torch
+    from torch import nn
+
+    import normflat
+
+    class Doubled(nn.Linear):
+        def forward(self, x):
+            return nn.functional.linear(2 * x, self.weight, self.bias)
+
+    class Plain(nn.Linear):
+        pass
+
+    torch.manual_seed(0)  # the test's own model init; normflat draws nothing from it
+    model = nn.Sequential(Doubled(4, 5), nn.Tanh(), Plain(5, 3)).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    rep = normflat.analyze(model, (x, y), progress=False)
+    paths = {layer.name: layer.details["path"] for layer in rep.layers}
+    assert paths == {"0": "generic", "2": "fast"}
+    assert "overrides the forward of Linear" in rep.layers[0].details["generic_reason"]
+    ref = normflat.analyze(model, (x, y), progress=False, fast=False)
+    for a, b in zip(rep.layers, ref.layers):
+        assert a.hessian_trace == pytest.approx(b.hessian_trace, rel=1e-12)

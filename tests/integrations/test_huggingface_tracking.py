@@ -83,7 +83,7 @@ def test_hf_callback_leaves_the_run_bit_identical_and_logs(tmp_path):
     assert cb.history.epochs == [0, 1, 1]
     names = cb.history.layer_names
     assert "classifier" in names and "bert.pooler.dense" in names
-    assert not any("embeddings" in n for n in names)  # embeddings are skipped, not analyzed
+    assert "bert.embeddings.word_embeddings" in names  # embeddings are weight matrices (method §3)
     entries = [e for e in tracked[1].state.log_history if "eval_normalized_sharpness" in e]
     assert [e["step"] for e in entries] == [4, 8, 12]
     assert entries[-1]["eval_normalized_sharpness"] == cb.history[-1].normalized_sharpness

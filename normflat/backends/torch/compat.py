@@ -196,5 +196,10 @@ def _cell(mode, x, h, c, w_ih, w_hh, b_ih, b_hh, w_hr):
     return act(gi + gh), None
 def _sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False):
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # SDPA's boolean mask means "attend where True"; the math kernel adds a float mask, so
+        # convert it to 0 / -inf as SDPA itself does (adding 0/1 would change the function).
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~attn_mask, float("-inf"))
     return torch.ops.aten._scaled_dot_product_attention_math(
         query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]

@@ -1,33 +1,309 @@
 """What the torch backend needs to know about model libraries built on torch (Hugging Face, timm).
 
-Everything here is imported lazily: a library is only consulted when the user
+Everything here is looked up lazily: a library is only consulted when the user
 has already imported it (``sys.modules``), so ``import normflat`` never imports
-it. The session calls three hooks:
+it and no hook imports a library the user has not loaded. The session calls:
 
 * :func:`register_known_layers` before the model walk: extractors for the layer
-  types of loaded libraries (Hugging Face ``Conv1D``...);
+  types of loaded libraries (Hugging Face ``Conv1D``, timm's padded and
+  weight-standardized convolutions);
+* :func:`packed_blocks` during the walk: the row blocks of projections that pack
+  several linear maps (GPT-2's ``c_attn``, timm's ``qkv``; method §3, "Packed
+  maps are split");
 * :func:`is_causal_lm` to decide ``shift_labels=None`` (method §6.3);
-* :func:`analysis_mode` around every forward of the analysis.
+* :func:`analysis_mode` around every forward of the analysis: Hugging Face
+  attention that does not go through ``F.scaled_dot_product_attention`` (flash,
+  flex) runs as ``"sdpa"``, which the session can differentiate as every
+  estimator needs; restored on exit.
+
+Which library layer maps to which canonical matrix is listed in
+``docs/guide/huggingface.md`` and ``docs/guide/timm.md``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
+import threading
 from typing import Any, Iterator
 
-__all__ = ["register_known_layers", "is_causal_lm", "analysis_mode"]
+import torch
+from torch import nn
+
+__all__ = ["register_known_layers", "packed_blocks", "is_causal_lm", "analysis_mode"]
+
+_REGISTER_LOCK = threading.Lock()
+
+
+# ============================================================================ Hugging Face Conv1D
+
+
+def _conv1d_canonical(module: nn.Module, t: torch.Tensor) -> torch.Tensor:
+    # Conv1D stores (in, out) and computes x @ W: canonical (out, in) is the transpose (method §3).
+    return t.transpose(0, 1)
+
+
+def _register_transformers() -> None:
+    from normflat.backends.torch.ggn import transposed_linear_squares
+    from normflat.backends.torch.layers import register_layer, registered_layers
+
+    conv1d = _loaded_class("transformers.pytorch_utils", "Conv1D")
+    if conv1d is not None and conv1d not in registered_layers():  # a user's own entry wins
+        # y = x W + b on the last axis (any leading axes): nn.Linear's rule on the transposed layout.
+        register_layer(conv1d, kind="dense", to_canonical=_conv1d_canonical, ggn_squares=transposed_linear_squares)
+
+
+# ============================================================================ timm
+
+#: timm convolutions whose forward pads the input itself ("SAME" padding) or standardizes
+#: the weight first: the parameter is still a convolution kernel (canonical as stored), but
+#: the built-in fast rule, which reads the module's padding and assumes the parameter is
+#: the applied kernel, does not apply, so they take the generic path.
+_TIMM_GENERIC_CONVS = {
+    "timm.layers.conv2d_same": (("Conv2dSame", "the forward pads the input itself ('SAME' padding)"),),
+    "timm.layers.std_conv": (
+        ("StdConv2d", "the forward standardizes the weight before the convolution"),
+        ("StdConv2dSame", "the forward standardizes the weight before the convolution"),
+        ("ScaledStdConv2d", "the forward standardizes and scales the weight before the convolution"),
+        ("ScaledStdConv2dSame", "the forward standardizes and scales the weight before the convolution"),
+    ),
+}
+_CONDCONV_REASON = ("CondConv2d mixes several expert kernels per sample (routing weights), so its "
+                    "parameter is not one weight matrix applied to inputs")
+
+
+def _groups_of(module: nn.Module) -> int:
+    return int(module.groups)
+
+
+def _register_timm() -> None:
+    from normflat.backends.torch.layers import register_layer, registered_layers
+
+    known = registered_layers()
+    for module_name, entries in _TIMM_GENERIC_CONVS.items():
+        mod = sys.modules.get(module_name)
+        if mod is None:
+            continue
+        for cls_name, reason in entries:
+            cls = getattr(mod, cls_name, None)
+            if isinstance(cls, type) and issubclass(cls, nn.Module) and cls not in known:
+                register_layer(cls, kind="conv2d", groups=_groups_of, generic_reason=reason)
+    cond = getattr(sys.modules.get("timm.layers.cond_conv2d"), "CondConv2d", None)
+    if isinstance(cond, type) and issubclass(cond, nn.Module) and cond not in known:
+        register_layer(cond, unsupported=_CONDCONV_REASON)
 
 
 def register_known_layers() -> None:
-    """Register the extractors of the layer types of already-imported libraries (idempotent)."""
+    """Register the extractors of the layer types of already-imported libraries.
+
+    Hugging Face ``transformers.pytorch_utils.Conv1D`` (GPT-2, GPT, ImageGPT...):
+    a dense layer stored ``(in, out)``, canonical transposed (method §3), with
+    ``nn.Linear``'s fast GGN rule on the transposed layout
+    (:func:`~normflat.backends.torch.ggn.transposed_linear_squares`; inputs may
+    have sequence axes). timm: ``Conv2dSame`` and the weight-standardized
+    convolutions are convolutions on the generic path; ``CondConv2d`` is refused
+    with its reason. Idempotent, never imports a library, and never replaces an
+    entry the user registered (``normflat.backends.torch.register_layer``).
+    """
+    with _REGISTER_LOCK:
+        if "transformers" in sys.modules:
+            _register_transformers()
+        if "timm" in sys.modules:
+            _register_timm()
+
+
+# ============================================================================ packed projections
+
+
+def _loaded_class(module_name: str, cls_name: str) -> type | None:
+    cls = getattr(sys.modules.get(module_name), cls_name, None)
+    return cls if isinstance(cls, type) else None
+
+
+def _hf_packed(module: nn.Module) -> tuple[nn.Module, list[tuple[str, int, int]]] | None:
+    """GPT-2-style attention: ``c_attn`` (a ``Conv1D``) packs query, key and value (self
+    attention) or key and value (cross attention, the query is ``q_attn``), each
+    ``split_size`` wide, split in that order by the forward."""
+    if not type(module).__module__.startswith("transformers.") or not type(module).__name__.endswith("Attention"):
+        return None
+    conv1d = _loaded_class("transformers.pytorch_utils", "Conv1D")
+    c_attn = module._modules.get("c_attn")
+    width = getattr(module, "split_size", None)
+    if conv1d is None or not isinstance(c_attn, conv1d) or not isinstance(width, int) or width < 1:
+        return None
+    names = ("key", "value") if isinstance(module._modules.get("q_attn"), conv1d) else ("query", "key", "value")
+    if c_attn.weight.shape[1] != len(names) * width:
+        return None
+    return c_attn, [(s, i * width, (i + 1) * width) for i, s in enumerate(names)]
+
+
+#: timm attention classes whose ``qkv`` output is reshaped ``(B, N, 3, heads, head_dim)``:
+#: rows ``[query | key | value]``, each ``heads · head_dim`` wide.
+_TIMM_QKV_CLASSES = (("timm.layers.attention", "Attention"), ("timm.layers.attention", "AttentionRope"))
+
+
+def _timm_packed(module: nn.Module) -> tuple[nn.Module, list[tuple[str, int, int]]] | None:
+    if not type(module).__module__.startswith("timm."):
+        return None
+    classes = tuple(c for c in (_loaded_class(*entry) for entry in _TIMM_QKV_CLASSES) if c is not None)
+    if not classes or not isinstance(module, classes):
+        return None
+    qkv = module._modules.get("qkv")
+    width = getattr(module, "attn_dim", None)
+    if not isinstance(qkv, nn.Linear) or not isinstance(width, int) or qkv.out_features != 3 * width:
+        return None
+    return qkv, [(s, i * width, (i + 1) * width) for i, s in enumerate(("query", "key", "value"))]
+
+
+def packed_blocks(model: nn.Module) -> dict[int, list[tuple[str, int, int]]]:
+    """The projections of ``model`` that pack several linear maps along their rows.
+
+    A packed projection is one module whose output the enclosing attention module
+    splits into query, key and value (method §3, "Packed maps are split"): GPT-2's
+    ``c_attn`` (``Conv1D``, also OpenAI GPT, ImageGPT, Decision Transformer; a
+    cross-attention ``c_attn`` packs key and value, its ``q_attn`` is one matrix)
+    and timm's ``Attention.qkv``. Only the parent module knows this, so the walk
+    asks here, once per model.
+
+    Args:
+        model: The (unwrapped) model.
+
+    Returns:
+        ``{id(projection module): [(suffix, start, stop), ...]}``, canonical row
+        blocks; empty when no library is loaded or nothing is packed.
+    """
+    found: dict[int, list[tuple[str, int, int]]] = {}
+    hf = "transformers" in sys.modules
+    timm = "timm" in sys.modules
+    if not (hf or timm):
+        return found
+    for module in model.modules():
+        hit = (_hf_packed(module) if hf else None) or (_timm_packed(module) if timm else None)
+        if hit is not None:
+            found[id(hit[0])] = hit[1]
+    return found
+
+
+# ============================================================================ causal language models
+
+
+def _hf_model(model: Any) -> Any:
+    """The transformers model behind ``model`` (itself, or the model inside normflat's ``HFLogits`` view)."""
+    view = getattr(sys.modules.get("normflat.integrations.huggingface"), "HFLogits", None)
+    if isinstance(view, type) and isinstance(model, view):
+        return model._inner
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def _causal_lm_class(cls: type) -> bool:
+    from transformers.models.auto import modeling_auto  # transformers is loaded: only its registry
+
+    names: set[str] = set()
+    for value in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update((value,) if isinstance(value, str) else value)
+    return any(c.__module__.startswith("transformers.") and c.__name__ in names for c in cls.__mro__)
 
 
 def is_causal_lm(model: Any) -> bool:
-    """Whether ``model`` is a causal language model whose labels are shifted by its own loss."""
-    return False
+    """Whether ``model`` is a Hugging Face causal language model (its own loss shifts the labels).
+
+    The test is transformers' own registry of causal language models
+    (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, the classes ``AutoModelForCausalLM``
+    builds: ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ...), matched on the model's
+    class or a transformers base class of it (so subclasses count). Their
+    forward computes ``ForCausalLMLoss``, which predicts the label at ``t+1`` from
+    the logits at ``t`` (method §6.3). The loss type (``model.loss_type``) is not
+    used: it is ``None`` for ``GPT2LMHeadModel`` and ``"ForConditionalGeneration"``
+    also for encoder-decoders such as T5, whose labels are not shifted.
+
+    Args:
+        model: The (unwrapped) model, or normflat's ``HFLogits`` view of one.
+
+    Returns:
+        ``False`` when transformers is not loaded or for anything else.
+    """
+    if "transformers" not in sys.modules:
+        return False
+    model = _hf_model(model)
+    base = _loaded_class("transformers.modeling_utils", "PreTrainedModel")
+    if base is None or not isinstance(model, base):
+        return False
+    return _causal_lm_class(type(model))
+
+
+# ============================================================================ analysis mode
+
+
+def _hf_configs(model: nn.Module) -> list[tuple[Any, str]]:
+    """Every distinct transformers config the modules of ``model`` read (with their sub-configs),
+    and the attention implementation the analysis runs it with: ``"sdpa"`` if the model that
+    owns it supports it (its calls then run on the math kernel, in the model's dtype),
+    otherwise ``"eager"``."""
+    config_cls = _loaded_class("transformers.configuration_utils", "PreTrainedConfig") or \
+        _loaded_class("transformers.configuration_utils", "PretrainedConfig")
+    if config_cls is None:
+        return []
+    modules = [_hf_model(model), *model.modules()]
+    # Outer models first: a sub-config inherits its owner's choice unless a model of its own says otherwise.
+    owners: dict[int, str] = {}
+    for m in modules:
+        config = getattr(m, "config", None)
+        if isinstance(config, config_cls) and hasattr(type(m), "_supports_sdpa") and id(config) not in owners:
+            owners[id(config)] = "sdpa" if type(m)._supports_sdpa else "eager"
+    seen: dict[int, tuple[Any, str]] = {}
+    todo = [(getattr(m, "config", None), "eager") for m in reversed(modules)]
+    while todo:
+        config, inherited = todo.pop()
+        if not isinstance(config, config_cls) or id(config) in seen:
+            continue
+        target = owners.get(id(config), inherited)
+        seen[id(config)] = (config, target)
+        for key in getattr(config, "sub_configs", None) or ():
+            todo.append((getattr(config, key, None), target))
+    return list(seen.values())
+
+
+#: Hugging Face attention implementations that run through ``F.scaled_dot_product_attention``
+#: (or are its explicit form). The session runs SDPA on its math kernel wherever an estimator
+#: needs more than one backward (:class:`~normflat.backends.torch.compat.FunctionalKernels`).
+_SDPA_IMPLEMENTATIONS = ("eager", "sdpa")
 
 
 @contextlib.contextmanager
 def analysis_mode(model: Any, options: Any) -> Iterator[None]:
-    """A context every forward of the analysis runs in (thread-local effects only)."""
-    yield
+    """The context every forward and autodiff computation of the analysis runs in.
+
+    Attention must be differentiable the way every estimator needs: twice and in
+    forward mode (``exact``, ``hutchinson``), under ``vmap`` (the generic GGN
+    path). Hugging Face models with ``attn_implementation="sdpa"`` (their default)
+    and timm attention (``fused_attn``) call ``F.scaled_dot_product_attention``,
+    which the session already puts on torch's math kernel where needed (a
+    thread-local torch function mode). Hugging Face attention that does not go
+    through it (``flash_attention_2``, ``flex_attention``, hub kernels, paged
+    attention) is set to ``"sdpa"`` (``"eager"`` for a model without SDPA
+    support) on each config the model reads, for the analysis only: the same
+    function, restored on exit, also after an error. That change is visible to
+    another thread running the same model meanwhile (which then computes the same
+    function another way); the session refuses two analyses of one model at a time.
+    Nothing is changed for models without such configs.
+
+    Args:
+        model: The (unwrapped) model.
+        options: The analysis options (every estimator runs the same attention).
+    """
+    changed: list[tuple[Any, Any]] = []
+    try:
+        if isinstance(model, nn.Module) and "transformers" in sys.modules:
+            for config, target in _hf_configs(model):
+                current = config.__dict__.get("_attn_implementation_internal")
+                if isinstance(current, str) and current not in _SDPA_IMPLEMENTATIONS:
+                    changed.append((config, current))
+                    # The internal attribute: the public setter would recurse into the sub-configs,
+                    # which are handled (and restored) one by one here.
+                    config._attn_implementation_internal = target
+        yield
+    finally:
+        for config, value in reversed(changed):
+            config._attn_implementation_internal = value

@@ -385,7 +385,14 @@ class _Walk:
                 first.disable_fast("weight shared between modules")
             return
         fast = self.ggn and self.use_fast and rule and ext.ggn_squares is not None
-        if fast or not self.ggn:
+        owner = REGISTRY.lookup_class(module)
+        overridden = owner is not None and type(module).forward is not owner.forward
+        if fast and overridden:
+            # A subclass with its own forward (padding, weight standardization, adapters) may not
+            # compute what the registered class's fast rule assumes: the generic path is exact.
+            fast = False
+            reason = f"{type(module).__name__} overrides the forward of {owner.__name__}"
+        elif fast or not self.ggn:
             reason = None
         elif not self.use_fast:
             reason = "fast=False"
@@ -442,6 +449,8 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
     from normflat.backends.torch import hf
 
     hf.register_known_layers()
+    # Packed projections only their parent knows about (GPT-2's c_attn, timm's qkv).
+    packed = hf.packed_blocks(model)
     walk = _Walk(model, options.estimator in ("ggn", "ggn-mc"), use_fast)
     skip_prefixes: list[str] = []
     for name, module in model.named_modules():
@@ -479,7 +488,7 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
         else:
             w = ext.weight(module)
             if w is not None:
-                walk.add(label, module, w, ext, blocks=_blocks_of(ext, module))
+                walk.add(label, module, w, ext, blocks=packed.get(id(module)) or _blocks_of(ext, module))
         # The module's other parameters (biases; sub-modules are not walked): excluded
         # by definition, or weights its extractor does not read.
         for pname, p in module.named_parameters():

@@ -446,6 +446,10 @@ class TorchSession:
                 if cap.calls.get(id(layer), 0) != 1 or cap.modified(id(layer)):
                     # Dynamic models: re-checked on every chunk; earlier chunks' sums stay valid.
                     layer.disable_fast("layer not called exactly once, or its input modified in place")
+                elif rows > 1 and cap.outputs[id(layer)].shape[0] != rows:
+                    # An output broadcast over the batch (position ids of shape (1, T)): the signals
+                    # of all samples would be summed before squaring; the generic path is exact.
+                    layer.disable_fast("output broadcast over the batch")
             fast = [layer for layer in fast if layer.fast]
             z = logits.detach()
             if fast:

@@ -1,0 +1,515 @@
+"""Hugging Face ``transformers`` models end to end in the torch backend (method §3, §6.3).
+
+Tiny BERT, ViT and GPT-2 models built from configs (random init, nothing is
+downloaded), float64, analyzed by a plain ``normflat.analyze(model, loader)`` on
+Hugging Face style batches (dict / ``BatchEncoding`` batches from the library's
+data collators). Checked: the layer names and canonical matrices (GPT-2's packed
+``c_attn`` split into query / key / value, ``Conv1D`` transposed, the tied
+``wte`` / ``lm_head`` reported once), the coverage and ``excluded`` metadata, the
+GGN diagonal against a brute-force reference (per-sample Jacobians of the
+logits with respect to the analyzed weights by ``torch.func.jacrev`` and the
+per-token loss Hessian by ``torch.autograd.functional.hessian``), ``exact``
+against the autodiff Hessian diagonal, the per-head attention rescalings of
+method §8 item 5 on GPT-2's packed projection, and that the model is unchanged.
+
+The references run on a deep copy of the model with torch's math kernel of
+``scaled_dot_product_attention`` chosen by ``torch.nn.attention.sdpa_kernel``
+(transformers' ``"eager"`` attention is not used: some models' eager softmax runs
+in float32), so they share no code with normflat.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers.pytorch_utils import Conv1D
+
+import normflat
+from normflat.backends.torch import hf
+from normflat.backends.torch.ggn import transposed_linear_squares
+
+NSCE_EPS = 1e-12
+VOCAB = 24
+HIDDEN = 8
+HEADS = 2
+
+
+# ============================================================================ tiny models and data
+
+
+def tiny_bert(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1,
+                                     num_attention_heads=HEADS, intermediate_size=16, max_position_embeddings=8,
+                                     type_vocab_size=2, num_labels=3, pad_token_id=0)
+    return transformers.BertForSequenceClassification(config).double()
+
+
+def tiny_vit(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=HIDDEN,
+                                    num_hidden_layers=1, num_attention_heads=HEADS, intermediate_size=16,
+                                    num_labels=3)
+    return transformers.ViTForImageClassification(config).double()
+
+
+def tiny_gpt2(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=8, n_embd=HIDDEN, n_layer=1, n_head=HEADS,
+                                     n_inner=16, bos_token_id=1, eos_token_id=1, pad_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).double()
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied by the config's default
+    return model
+
+
+def tiny_llama(seed: int = 0) -> torch.nn.Module:
+    """Llama-style: grouped-query attention (one key/value head), RMSNorm, gated MLP, untied head."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=HEADS, num_key_value_heads=1, max_position_embeddings=8,
+                                      bos_token_id=1, eos_token_id=1, pad_token_id=0)
+    return transformers.LlamaForCausalLM(config).double()
+
+
+def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``w0 .. w21`` built in memory (id 0 is the padding)."""
+    vocab = {"<pad>": 0, "<unk>": 1, **{f"w{i}": i + 2 for i in range(VOCAB - 2)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>")
+
+
+TEXTS = ["w1 w2 w3 w4 w5", "w6 w7 w8", "w9 w3 w1 w2", "w5 w5 w6 w7 w8", "w10 w11", "w12 w4 w20 w2"]
+
+
+def bert_loader() -> torch.utils.data.DataLoader:
+    """Padded sentences with token types and a class label, batched by ``DataCollatorWithPadding``."""
+    tok = tiny_tokenizer()
+    examples = []
+    for i, text in enumerate(TEXTS):
+        enc = tok(text)
+        n = len(enc["input_ids"])
+        enc["token_type_ids"] = [0] * (n // 2) + [1] * (n - n // 2)
+        enc["label"] = i % 3
+        examples.append(enc)
+    collator = transformers.DataCollatorWithPadding(tok, return_tensors="pt")
+    return torch.utils.data.DataLoader(examples, batch_size=3, collate_fn=collator)
+
+
+def vit_loader() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(1)
+    examples = [{"pixel_values": torch.randn(3, 8, 8, generator=g, dtype=torch.float64), "label": i % 3}
+                for i in range(5)]
+    return torch.utils.data.DataLoader(examples, batch_size=3, collate_fn=transformers.default_data_collator)
+
+
+def lm_loader() -> torch.utils.data.DataLoader:
+    """Causal LM batches: ``labels = input_ids`` with -100 at the padding (``DataCollatorForLanguageModeling``)."""
+    tok = tiny_tokenizer()
+    collator = transformers.DataCollatorForLanguageModeling(tok, mlm=False)
+    return torch.utils.data.DataLoader([tok(t) for t in TEXTS], batch_size=3, collate_fn=collator)
+
+
+# ============================================================================ brute-force reference
+
+
+def _normalized(z: torch.Tensor) -> torch.Tensor:
+    """The normalized logits of method §7 (τ = 1), the textbook formula."""
+    centred = z - z.mean(-1, keepdim=True)
+    return centred / torch.sqrt(centred.square().mean(-1, keepdim=True) + NSCE_EPS)
+
+
+def _reference_copy(model: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(model).eval()
+
+
+def _math_attention():
+    """torch's own switch to the math attention kernel (differentiable twice and under vmap)."""
+    return torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)
+
+
+def _token_targets(labels: torch.Tensor, shift: bool) -> torch.Tensor:
+    if not shift:
+        return labels
+    return torch.cat([labels[..., 1:], torch.full_like(labels[..., :1], -100)], dim=-1)
+
+
+def reference_ggn(model: torch.nn.Module, loader, params: list[str], loss: str = "nsce",
+                  shift: bool = False, logits_of=None) -> dict[str, np.ndarray]:
+    """The GGN diagonal of the mean loss, per parameter, in the parameter's own layout.
+
+    ``diag G = (1/N) Σ_samples Σ_counted terms diag(Jᵀ H J)`` with ``J`` the Jacobian of
+    one term's outputs (the logits for ``ce``, the normalized logits for ``nsce``:
+    method §7 splits after the normalization) with respect to ``params``, and ``H``
+    the Hessian of the cross-entropy in those outputs; ``N`` counts the terms (the
+    counted tokens for token logits, the samples otherwise).
+
+    Args:
+        logits_of: ``(model, params, batch, i) -> logits of sample i``; default: a
+            Hugging Face model called with the batch's keyword inputs, ``.logits``.
+    """
+    ref = _reference_copy(model)
+    values = {n: p.detach() for n, p in ref.named_parameters()}
+    logits_of = logits_of or _hf_logits
+    total = {n: torch.zeros_like(values[n]) for n in params}
+    terms = 0
+    with _math_attention():
+        for batch in loader:
+            labels = batch["labels"]
+            for i in range(labels.shape[0]):
+
+                def outputs(w: dict, i: int = i) -> torch.Tensor:
+                    z = logits_of(ref, {**values, **w}, batch, i)
+                    return _normalized(z) if loss == "nsce" else z
+
+                w0 = {n: values[n] for n in params}
+                jac = torch.func.jacrev(outputs)(w0)  # {param: (*out, *shape)}
+                u = outputs(w0).detach()
+                if u.dim() == 1:  # (C,) logits of a classifier: one term
+                    rows, targets = u[None], labels[i].reshape(1)
+                    jac = {n: j[None] for n, j in jac.items()}
+                else:  # (T, C) token logits: one term per counted token
+                    rows, targets = u, _token_targets(labels[i], shift)
+                for t in range(rows.shape[0]):
+                    if int(targets[t]) == -100:
+                        continue
+                    terms += 1
+                    h = torch.autograd.functional.hessian(
+                        lambda v, t=t: F.cross_entropy(v[None], targets[t:t + 1]), rows[t])
+                    for n in params:
+                        j = jac[n][t].reshape(rows.shape[1], -1)
+                        total[n] += torch.einsum("cp,cd,dp->p", j, h, j).reshape(total[n].shape)
+    return {n: (v / terms).numpy() for n, v in total.items()}
+
+
+def _hf_logits(ref: torch.nn.Module, values: dict, batch: dict, i: int) -> torch.Tensor:
+    one = {k: v[i:i + 1] for k, v in batch.items() if k != "labels"}
+    return torch.func.functional_call(ref, values, (), one).logits[0]
+
+
+def reference_hessian(model: torch.nn.Module, loader, params: list[str]) -> dict[str, np.ndarray]:
+    """The diagonal of the full autodiff Hessian of the mean ``nsce`` loss, per parameter."""
+    ref = _reference_copy(model)
+    values = {n: p.detach() for n, p in ref.named_parameters()}
+    batches = list(loader)
+    count = sum(int(b["labels"].shape[0]) for b in batches)
+
+    def mean_loss(w: dict) -> torch.Tensor:
+        total = 0.0
+        for b in batches:
+            inputs = {k: v for k, v in b.items() if k != "labels"}
+            z = torch.func.functional_call(ref, {**values, **w}, (), inputs).logits
+            total = total + F.cross_entropy(_normalized(z), b["labels"], reduction="sum")
+        return total / count
+
+    out = {}
+    for n in params:
+        size = values[n].numel()
+
+        def of_flat(flat: torch.Tensor, n: str = n) -> torch.Tensor:
+            return mean_loss({n: flat.reshape(values[n].shape)})
+
+        with _math_attention():
+            h = torch.autograd.functional.hessian(of_flat, values[n].reshape(-1), vectorize=True)
+        out[n] = torch.diagonal(h).reshape(values[n].shape).numpy()
+        assert h.shape == (size, size)
+    return out
+
+
+# ============================================================================ canonical layout of the reference
+
+
+def canonical_reference(model: torch.nn.Module, per_param: dict[str, np.ndarray],
+                        names: list[str]) -> dict[str, np.ndarray]:
+    """The reference diagonals laid out as normflat reports them (method §3), by layer name.
+
+    ``Conv1D`` and embeddings are transposed (``(out, in)``, ``(features, vocabulary)``),
+    a loose position table ``(1, N, d)`` becomes ``(d, N)``, a packed projection's
+    ``.query``/``.key``/``.value`` are its row blocks.
+    """
+    modules = dict(model.named_modules())
+    out = {}
+    for name in names:
+        base, _, part = name.rpartition(".")
+        block = None
+        if part in ("query", "key", "value") and isinstance(modules.get(base), (Conv1D, torch.nn.Linear)) \
+                and name not in modules:
+            block, name_of_module = ("query", "key", "value").index(part), base
+        else:
+            name_of_module = name
+        module = modules.get(name_of_module)
+        if module is None:  # a loose parameter: a position table
+            table = per_param[name_of_module]
+            out[name] = table.reshape(-1, table.shape[-1]).T
+            continue
+        diag = per_param[f"{name_of_module}.weight"]
+        if isinstance(module, (Conv1D, torch.nn.Embedding)):
+            diag = diag.T
+        if block is not None:
+            width = diag.shape[0] // 3
+            diag = diag[block * width:(block + 1) * width]
+        out[name] = diag
+    return out
+
+
+def param_of(model: torch.nn.Module, layer: str) -> str:
+    """The parameter behind a reported layer name (its module's weight, or a loose parameter)."""
+    modules = dict(model.named_modules())
+    base, _, part = layer.rpartition(".")
+    if layer not in modules and part in ("query", "key", "value"):
+        layer = base
+    return f"{layer}.weight" if layer in modules else layer
+
+
+def assert_close(got: dict, want: dict, rtol: float = 1e-10) -> None:
+    assert list(got) == list(want)
+    for name in want:
+        g = np.asarray(got[name].detach().cpu() if isinstance(got[name], torch.Tensor) else got[name])
+        w = want[name]
+        assert g.shape == w.shape, name
+        scale = max(float(np.abs(w).max()), 1e-300)
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * scale, err_msg=name)
+
+
+# ============================================================================ model snapshot
+
+
+def snapshot(model: torch.nn.Module) -> dict:
+    """Everything an analysis must leave as it found it."""
+    configs = {}
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) not in configs:
+            configs[id(config)] = (name, config.to_dict(), config.__dict__.get("_attn_implementation_internal"))
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "training": [m.training for m in model.modules()],
+        "requires_grad": [p.requires_grad for p in model.parameters()],
+        "grads": [p.grad for p in model.parameters()],
+        "configs": list(configs.values()),
+    }
+
+
+def assert_unchanged(model: torch.nn.Module, before: dict) -> None:
+    after = snapshot(model)
+    assert after["state"].keys() == before["state"].keys()
+    for k in before["state"]:
+        assert torch.equal(after["state"][k], before["state"][k]), k
+    assert after["training"] == before["training"]
+    assert after["requires_grad"] == before["requires_grad"]
+    assert all(g is None for g in after["grads"])
+    assert after["configs"] == before["configs"]
+
+
+def analyze_quietly(model, loader, **options):
+    """``normflat.analyze`` asserting that no layer is reported unsupported (no warning)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = normflat.analyze(model, loader, progress=False, **options)
+    skipped = [str(w.message) for w in caught if "normflat" in str(w.message)]
+    assert skipped == [], skipped
+    assert report.metadata["unsupported"] == []
+    return report
+
+
+# ============================================================================ tests
+
+
+BERT_LAYERS = [
+    "bert.embeddings.word_embeddings", "bert.embeddings.position_embeddings", "bert.embeddings.token_type_embeddings",
+    "bert.encoder.layer.0.attention.self.query", "bert.encoder.layer.0.attention.self.key",
+    "bert.encoder.layer.0.attention.self.value", "bert.encoder.layer.0.attention.output.dense",
+    "bert.encoder.layer.0.intermediate.dense", "bert.encoder.layer.0.output.dense", "bert.pooler.dense",
+    "classifier",
+]
+VIT_LAYERS = [
+    "vit.embeddings.position_embeddings", "vit.embeddings.patch_embeddings.projection",
+    "vit.layers.0.attention.q_proj", "vit.layers.0.attention.k_proj", "vit.layers.0.attention.v_proj",
+    "vit.layers.0.attention.o_proj", "vit.layers.0.mlp.fc1", "vit.layers.0.mlp.fc2", "classifier",
+]
+LLAMA_LAYERS = [
+    "model.embed_tokens", "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+    "model.layers.0.self_attn.v_proj", "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.gate_proj",
+    "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj", "lm_head",
+]
+GPT2_LAYERS = [
+    "transformer.wte", "transformer.wpe", "transformer.h.0.attn.c_attn.query", "transformer.h.0.attn.c_attn.key",
+    "transformer.h.0.attn.c_attn.value", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
+    "transformer.h.0.mlp.c_proj",
+]
+
+
+@pytest.mark.parametrize("build, loader, layers, excluded", [
+    (tiny_bert, bert_loader, BERT_LAYERS, ["bert.embeddings.LayerNorm.weight", "bert.pooler.dense.bias",
+                                           "classifier.bias"]),
+    (tiny_vit, vit_loader, VIT_LAYERS, ["vit.embeddings.cls_token", "vit.layernorm.weight",
+                                        "vit.embeddings.patch_embeddings.projection.bias"]),
+    (tiny_gpt2, lm_loader, GPT2_LAYERS, ["transformer.h.0.attn.c_attn.bias", "transformer.ln_f.weight",
+                                           "transformer.h.0.mlp.c_fc.bias"]),
+], ids=["bert", "vit", "gpt2"])
+def test_plain_analyze_matches_the_brute_force_ggn(build, loader, layers, excluded):
+    model = build()
+    before = snapshot(model)
+    report = analyze_quietly(model, loader())
+    assert_unchanged(model, before)
+
+    assert [layer.name for layer in report.layers] == layers
+    meta = report.metadata
+    assert meta["coverage"] >= 0.99
+    for name in excluded:
+        assert name in meta["excluded"], name
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    # Nothing matrix-shaped is excluded: biases, norm scales and the class token are vectors.
+    assert all(sum(d > 1 for d in shapes[n]) < 2 for n in meta["excluded"]), meta["excluded"]
+    assert np.isfinite(report.normalized_sharpness) and report.normalized_sharpness > 0
+
+    got = normflat.hessian_diagonal(model, loader(), estimator="ggn", progress=False)
+    params = list(dict.fromkeys(param_of(model, name) for name in layers))
+    shift = build is tiny_gpt2
+    assert hf.is_causal_lm(model) == shift
+    want = canonical_reference(model, reference_ggn(model, loader(), params, shift=shift), layers)
+    assert_close(got, want)
+
+
+def test_gpt2_token_logits_shift_ignore_index_and_tied_weights():
+    model = tiny_gpt2()
+    assert hf.is_causal_lm(model) and not hf.is_causal_lm(model.transformer)
+    report = analyze_quietly(model, lm_loader(), loss="ce")
+    # Counted tokens: each text of k words gives k - 1 shifted labels; the padding (-100) and
+    # the last position are not counted (method §6.3).
+    assert report.metadata["loss_terms"] == sum(len(t.split()) - 1 for t in TEXTS)
+    wte = report.layers[0]
+    assert wte.name == "transformer.wte" and wte.details["shared_with"] == ["lm_head"]
+    assert wte.shape == (HIDDEN, VOCAB)  # the first user's layout: an embedding, (features, vocabulary)
+    assert [(layer.name, layer.shape) for layer in report.layers[2:5]] == [
+        (f"transformer.h.0.attn.c_attn.{part}", (HIDDEN, HIDDEN)) for part in ("query", "key", "value")]
+    # Conv1D takes nn.Linear's fast rule on the transposed layout, the packed blocks too.
+    assert {layer.details["path"] for layer in report.layers[2:]} == {"fast"}
+
+    params = list(dict.fromkeys(param_of(model, name) for name in GPT2_LAYERS))
+    got = normflat.hessian_diagonal(model, lm_loader(), loss="ce", estimator="ggn", progress=False)
+    want = canonical_reference(model, reference_ggn(model, lm_loader(), params, loss="ce", shift=True),
+                               GPT2_LAYERS)
+    assert_close(got, want)
+    # Without the shift every non-padding position is counted against its own token (one
+    # Monte-Carlo signal per token suffices to count them).
+    unshifted = normflat.analyze(model, lm_loader(), loss="ce", shift_labels=False, estimator="ggn-mc", samples=1,
+                                 progress=False)
+    assert unshifted.metadata["loss_terms"] == sum(len(t.split()) for t in TEXTS)
+
+
+def test_llama_style_model_is_covered_and_shifted():
+    """Grouped-query attention, RMSNorm, gated MLP: every matrix analyzed, the norms excluded.
+    (No brute-force comparison at 1e-10: Llama's RMSNorm computes in float32 also in a float64 model.)"""
+    model = tiny_llama()
+    before = snapshot(model)
+    report = analyze_quietly(model, lm_loader(), estimator="ggn-mc", samples=1)
+    assert_unchanged(model, before)
+    assert [layer.name for layer in report.layers] == LLAMA_LAYERS
+    assert report.layer("model.layers.0.self_attn.k_proj").shape == (HIDDEN // HEADS, HIDDEN)  # one key head
+    meta = report.metadata
+    assert meta["coverage"] >= 0.99 and meta["loss_terms"] == sum(len(t.split()) - 1 for t in TEXTS)
+    assert {"model.layers.0.input_layernorm.weight", "model.norm.weight"} <= set(meta["excluded"])
+
+
+def test_bert_exact_matches_the_autodiff_hessian_and_hutchinson_runs():
+    model = tiny_bert()
+    before = snapshot(model)
+    got = normflat.hessian_diagonal(model, bert_loader(), estimator="exact", progress=False)
+    params = [param_of(model, name) for name in BERT_LAYERS]
+    want = canonical_reference(model, reference_hessian(model, bert_loader(), params), BERT_LAYERS)
+    assert_close(got, want)
+    report = analyze_quietly(model, bert_loader(), estimator="hutchinson", samples=4)
+    assert [layer.name for layer in report.layers] == BERT_LAYERS
+    assert np.isfinite(report.normalized_sharpness) and report.standard_error["normalized_sharpness"] > 0
+    assert_unchanged(model, before)
+
+
+def _rescale_gpt2_heads(model: torch.nn.Module, factors: list[float]) -> None:
+    """Per head ``h``: query columns × c_h, key columns / c_h (scores unchanged); value columns × c_h
+    and the output projection's input rows / c_h (attention output unchanged). ``Conv1D`` stores
+    ``(in, out)``, so an output unit is a column (method §8 item 5)."""
+    attn = model.transformer.h[0].attn
+    d, hd = HIDDEN, HIDDEN // HEADS
+    with torch.no_grad():
+        w, b, proj = attn.c_attn.weight, attn.c_attn.bias, attn.c_proj.weight
+        for h, c in enumerate(factors):
+            q, k, v = (slice(off + h * hd, off + (h + 1) * hd) for off in (0, d, 2 * d))
+            w[:, q] *= c
+            b[q] *= c
+            w[:, k] /= c
+            b[k] /= c
+            w[:, v] *= c
+            b[v] *= c
+            proj[h * hd:(h + 1) * hd, :] /= c
+
+
+def test_gpt2_per_head_rescaling_leaves_normalized_sharpness_unchanged():
+    model = tiny_gpt2()
+    moved = tiny_gpt2()
+    _rescale_gpt2_heads(moved, [3.0, 0.25])
+    batch = next(iter(lm_loader()))
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        torch.testing.assert_close(moved.eval()(**inputs).logits, model.eval()(**inputs).logits,
+                                   rtol=1e-12, atol=1e-12)
+    a = normflat.analyze(model, [batch], estimator="exact", progress=False)
+    b = normflat.analyze(moved, [batch], estimator="exact", progress=False)
+    assert [layer.name for layer in a.layers] == GPT2_LAYERS
+    np.testing.assert_allclose(b.normalized_sharpness, a.normalized_sharpness, rtol=1e-8)
+    for la, lb in zip(a.layers, b.layers):
+        np.testing.assert_allclose(lb.normalized_sharpness, la.normalized_sharpness, rtol=1e-8, err_msg=la.name)
+    traces = {layer.name: layer.hessian_trace for layer in a.layers}
+    moved_traces = {layer.name: layer.hessian_trace for layer in b.layers}
+    for part in ("query", "key", "value"):
+        name = f"transformer.h.0.attn.c_attn.{part}"
+        assert abs(moved_traces[name] - traces[name]) > 1e-3 * abs(traces[name]), name
+    assert abs(b.hessian_trace - a.hessian_trace) > 1e-3 * abs(a.hessian_trace)
+
+
+def test_hooks_are_lazy_idempotent_and_restore_the_config():
+    model = tiny_gpt2()
+    hf.register_known_layers()
+    hf.register_known_layers()
+    entries = normflat.backends.torch.registered_layers()
+    assert entries[Conv1D].kind == "dense" and entries[Conv1D].ggn_squares is transposed_linear_squares
+    blocks = hf.packed_blocks(model)
+    assert blocks == {id(model.transformer.h[0].attn.c_attn): [("query", 0, 8), ("key", 8, 16), ("value", 16, 24)]}
+    assert not hf.is_causal_lm(tiny_bert())
+    from normflat.integrations.huggingface import HFLogits
+
+    assert hf.is_causal_lm(HFLogits(model))  # the callback's view of the model
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=16, num_hidden_layers=1, num_attention_heads=HEADS,
+        num_key_value_heads=1, bos_token_id=1, eos_token_id=1, pad_token_id=0))
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=HIDDEN, d_kv=4, d_ff=16, num_layers=1, num_heads=HEADS))
+    # Llama is a causal LM; T5's loss type maps to the causal loss, but its labels are not shifted.
+    assert hf.is_causal_lm(llama) and t5.loss_type == "ForConditionalGeneration" and not hf.is_causal_lm(t5)
+    # A user's own entry for a library type is never replaced.
+    registry = normflat.backends.torch.layers.REGISTRY
+    mine = normflat.backends.torch.LayerExtractor(kind="mine", to_canonical=lambda m, t: t.T)
+    try:
+        normflat.backends.torch.register_layer(Conv1D, mine)
+        hf.register_known_layers()
+        assert normflat.backends.torch.registered_layers()[Conv1D] is mine
+    finally:
+        registry.register(Conv1D, entries[Conv1D])
+    # A fused implementation that does not go through F.scaled_dot_product_attention runs as
+    # "sdpa" (on the math kernel) during the analysis, and is restored afterwards, also after an error.
+    model.config._attn_implementation_internal = "flex_attention"
+    with pytest.raises(RuntimeError, match="inside"):
+        with hf.analysis_mode(model, None):
+            assert model.config._attn_implementation == "sdpa"
+            assert model.transformer.h[0].attn.config._attn_implementation == "sdpa"
+            raise RuntimeError("inside")
+    assert model.config._attn_implementation == "flex_attention"
