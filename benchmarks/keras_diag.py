@@ -23,6 +23,9 @@ Run::
 ``--threads N`` limits both frameworks to N CPU threads (TensorFlow intra- and
 inter-op pools, ``torch.set_num_threads``): on a shared machine one thread
 gives the most stable multiples.
+
+Grouped and depthwise convolutions on a real model (Keras ConvNeXt-Tiny next to
+PyTorch's ``convnext_tiny``) are timed by ``benchmarks/convnext.py``.
 """
 
 from __future__ import annotations

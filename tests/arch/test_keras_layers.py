@@ -173,9 +173,9 @@ def test_einsum_with_a_batch_like_kernel_axis_is_refused():
     model = keras.Model(inp, L.Dense(2, dtype=F64, name="head")(L.Flatten()(h)))
     x, y = np.ones((2, 3, 4)), np.array([0, 1])
     with pytest.raises(ValueError, match=r"per_position.*kernel axes \['b'\] appear in the input and the output"):
-        normflat.analyze(model, (x, y), on_unsupported="error", progress=False)
+        normflat.analyze(model, (x, y), loss="ce", on_unsupported="error", progress=False)
     with pytest.warns(UserWarning, match="per_position"):
-        rep = normflat.analyze(model, (x, y), progress=False)
+        rep = normflat.analyze(model, (x, y), loss="ce", progress=False)
     assert [l.name for l in rep.layers] == ["head"]
     assert rep.metadata["coverage"] < 0.5
 

@@ -301,7 +301,7 @@ def test_ggn_equals_brute_force_jthj_on_smooth_nets(loss):
     report = normflat.analyze(model, batches(x, y, 4), loss=loss, estimator="ggn", progress=False)
     paths = {l.name: l.details["path"] for l in report.layers}
     assert paths["c2d"] == paths["c1d"] == paths["seq_dense"] == paths["c1d_grouped"] == "fast"
-    assert paths["depthwise"] == "generic"
+    assert paths["depthwise"] == "fast"
     _assert_same(_diag(model, batches(x, y, 4), loss=loss), ref)
     # The generic per-sample Jacobian path gives the same numbers.
     _assert_same(_diag(model, (x, y), loss=loss, chunk_size=4, fast=False), ref)

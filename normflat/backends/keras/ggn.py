@@ -6,10 +6,12 @@ at the raw logits: the ``C − 1`` columns of a factor of the loss Hessian
 (``ggn``), or ``(e_ỹ − p)/√m_k`` with ``ỹ`` drawn from the engine's
 framework-free uniforms (``ggn-mc``). One compiled step runs the forward pass
 once, back-propagates a block of signals to the tapped pre-activations of every
-``Dense``/``Conv`` layer (the *fast* path) and forms the per-sample squares
-there; other layers (shared, subclassed, depthwise, registered) take the
-*generic* path of per-sample Jacobian products. The step returns the
-``(K, *canonical)`` sums of one chunk of samples; the engine divides.
+``Dense``/``EinsumDense``/``Embedding``/``Conv``/``DepthwiseConv`` layer (the *fast*
+path) and forms the per-sample squares there (grouped and depthwise kernels in one
+batched matmul with the groups as a batch axis); other layers (shared, subclassed,
+separable, registered) take the *generic* path of per-sample Jacobian products.
+The step returns the ``(K, *canonical)`` sums of one chunk of samples; the
+engine divides.
 """
 
 from __future__ import annotations
@@ -241,14 +243,33 @@ def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int) ->
     if entry.fast == "einsum":
         return _einsum_squares(layer.equation, x, gs, seg, groups)
     if entry.fast == "dense":
-        if len(x.shape) == 2:
-            # Per-sample gradient x ⊗ g is rank one: its square is x² ⊗ g², summed over n by a matmul.
-            g2 = tf.math.unsorted_segment_sum(tf.square(tf.stack(gs)), seg, groups)  # (K, n, out)
-            return tf.matmul(g2, tf.square(x)[None], transpose_a=True)  # (K, out, in)
+        if len(x.shape) == 2 or all(int(d or 0) == 1 for d in x.shape[1:-1]):
+            # One position (also (n, 1, 1, in) after a global pooling): the per-sample gradient
+            # x ⊗ g is rank one, its square x² ⊗ g², summed over n by a matmul.
+            x2 = tf.square(tf.reshape(x, [-1, int(x.shape[-1])]))
+            g2 = tf.square(tf.reshape(tf.stack(gs), [b, -1, int(gs[0].shape[-1])]))
+            g2 = tf.math.unsorted_segment_sum(g2, seg, groups)  # (K, n, out)
+            return tf.matmul(g2, x2[None], transpose_a=True)  # (K, out, in)
         n = tf.shape(x)[0]
         xf = tf.reshape(x, [n, -1, int(x.shape[-1])])
         gf = tf.reshape(tf.stack(gs, axis=-2), [n, -1, b, int(gs[0].shape[-1])])
         return _per_sample_squares(xf, gf, seg, groups)
+    return _conv_squares(layer, x, gs, seg, groups, int(entry.weight.groups))
+
+
+def _conv_squares(layer: Any, x: Any, gs: list[Any], seg: Any, groups: int, conv_groups: int) -> Any:
+    """``(K, out, in/groups, *k)`` per-sample squares of a (grouped, depthwise) convolution kernel.
+
+    The per-sample gradient of output channel ``o`` (group ``k``) and signal ``b``
+    is ``Σ_positions g[b, o] ⊗ patch[group k's input channels]``: with the groups
+    as a batch axis of ONE batched matmul (``(n, groups, P, B·out/groups)ᵀ ×
+    (n, groups, P, koff·in/groups)``), never a loop over groups. A depthwise kernel
+    is the case ``in/groups = 1``, ``out/groups = depth_multiplier``. With a single
+    output position (``P = 1``) the per-sample gradient is rank one and its square
+    ``g² ⊗ patch²`` is summed over the samples by the matmul itself, so the
+    ``(n, B·out, koff·in/groups)`` per-sample gradients are never formed.
+    """
+    b = len(gs)
     r = layer.rank
     if layer.data_format == "channels_first":
         x = tf.transpose(x, [0] + list(range(2, r + 2)) + [1])
@@ -257,15 +278,26 @@ def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int) ->
     n = tf.shape(patches)[0]
     npos, koff, cin = int(patches.shape[1]), int(patches.shape[2]), int(patches.shape[3])
     cout = int(gs[0].shape[-1])
-    groups_conv = int(getattr(layer, "groups", 1))
-    gf = tf.reshape(tf.stack(gs, axis=-2), [n, npos, b, cout])
-    cin_g, cout_g = cin // groups_conv, cout // groups_conv
-    parts = []
-    for gi in range(groups_conv):
-        a = patches if groups_conv == 1 else patches[..., gi * cin_g:(gi + 1) * cin_g]
-        g = gf if groups_conv == 1 else gf[..., gi * cout_g:(gi + 1) * cout_g]
-        parts.append(_per_sample_squares(tf.reshape(a, [n, npos, koff * cin_g]), g, seg, groups))
-    sq = parts[0] if groups_conv == 1 else tf.concat(parts, axis=1)  # (K, out, koff·cin_g)
+    cin_g, cout_g = cin // conv_groups, cout // conv_groups
+    width = koff * cin_g
+    # Group k's input channels k·cin_g ... and output channels k·cout_g ... (method §3, grouped layout).
+    a = tf.reshape(patches, [n, npos, koff, conv_groups, cin_g])
+    g = tf.reshape(tf.stack(gs, axis=-2), [n, npos, b, conv_groups, cout_g])
+    if npos == 1:
+        a2 = tf.reshape(tf.transpose(tf.square(a), [3, 0, 1, 2, 4]), [conv_groups, n, width])
+        g2 = tf.reshape(tf.transpose(tf.square(g), [3, 0, 1, 2, 4]), [conv_groups, n, b * cout_g])
+        sq = tf.matmul(g2, a2, transpose_a=True)  # (groups, B·cout_g, width)
+    else:
+        if conv_groups == 1:
+            a = tf.reshape(a, [n, 1, npos, width])
+            g = tf.reshape(g, [n, 1, npos, b * cout_g])
+        else:
+            a = tf.reshape(tf.transpose(a, [0, 3, 1, 2, 4]), [n, conv_groups, npos, width])
+            g = tf.reshape(tf.transpose(g, [0, 3, 1, 2, 4]), [n, conv_groups, npos, b * cout_g])
+        # transpose_a: the signals are not copied once more.
+        sq = tf.reduce_sum(tf.square(tf.matmul(g, a, transpose_a=True)), axis=0)  # (groups, B·cout_g, width)
+    sq = tf.transpose(tf.reshape(sq, [conv_groups, b, cout_g, width]), [1, 0, 2, 3])  # (B, groups, cout_g, width)
+    sq = tf.math.unsorted_segment_sum(sq, seg, groups)  # (K, groups, cout_g, width)
     k = tuple(layer.kernel_size)
     sq = tf.reshape(sq, [groups, cout, *k, cin_g])
     return tf.transpose(sq, [0, 1, r + 2] + list(range(2, r + 2)))  # (K, out, in/groups, *k)
@@ -376,13 +408,21 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
             continue
         size = int(np.prod(e.variable.shape))
         linear += e.in_size * (block + 1) + e.pre_size * (block + 1)
-        if e.fast == "dense" and e.input_rank == 2:
-            work = max(work, block * e.pre_size)  # stacked squared signals
+        if e.fast == "dense" and (e.input_rank == 2 or e.pre_size == int(e.variable.shape[-1])):
+            work = max(work, block * e.pre_size)  # one position (rank one): stacked squared signals
+        elif e.fast in ("conv", "depthwise"):
+            shape = [int(d) for d in e.variable.shape]  # (*k, in/groups, out) or (*k, in, multiplier)
+            koff = int(np.prod(shape[:-2]))
+            cin = shape[-2] * (int(e.weight.groups) if e.fast == "conv" else 1)
+            cout = shape[-1] if e.fast == "conv" else shape[-2] * shape[-1]
+            positions = e.pre_size // max(1, cout)
+            patches = positions * koff * cin
+            # Patches and signals, each also regrouped (one copy); per-sample gradients and their
+            # squares unless a single position makes them rank one (summed inside the matmul).
+            per_sample = 0 if positions == 1 else 2 * block * size
+            work = max(work, per_sample + 2 * block * e.pre_size + 2 * patches)
         else:
-            layer = e.layer
-            positions = e.pre_size // max(1, int(layer.filters if e.fast == "conv" else e.variable.shape[-1]))
-            patches = positions * size // max(1, int(e.variable.shape[-1])) if e.fast == "conv" else e.in_size
-            work = max(work, 2 * block * size + block * e.pre_size + patches)
+            work = max(work, 2 * block * size + block * e.pre_size + e.in_size)
     generic = [e for e in entries if not e.fast]
     quadratic = 0
     if generic:

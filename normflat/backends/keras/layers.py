@@ -83,8 +83,8 @@ def register_layer(layer_class: type, extractor: Callable[[Any], list[KerasWeigh
     """Register how to read the weight matrices of a Keras layer class.
 
     Registered layers are analyzed with the generic (per-sample Jacobian) GGN
-    path; the built-in ``Dense``, ``EinsumDense``, ``Embedding`` and
-    ``Conv1D/2D/3D`` have faster ones.
+    path; the built-in ``Dense``, ``EinsumDense``, ``Embedding``,
+    ``Conv1D/2D/3D`` and ``DepthwiseConv1D/2D`` have faster ones.
 
     Args:
         layer_class: A ``keras.layers.Layer`` subclass; subclasses of it match too
@@ -336,8 +336,8 @@ class Entry:
         name: Report name (layer path plus the weight's suffix).
         layer: The Keras layer.
         weight: Its :class:`KerasWeight`.
-        fast: ``"dense"``/``"conv"``/``"einsum"``/``"embedding"`` for the fast GGN path,
-            ``None`` for the generic one.
+        fast: ``"dense"``/``"conv"``/``"depthwise"``/``"einsum"``/``"embedding"`` for the fast
+            GGN path, ``None`` for the generic one.
         reason: Why the generic path is used.
         input_rank: Rank of the tapped input (seen by the probe).
         in_size: Per-sample elements of the tapped input (memory estimate).
@@ -378,7 +378,24 @@ def fast_kind(layer: Any) -> str | None:
         and cls.convolution_op is base.convolution_op
     ):
         return "conv"
+    depthwise = _base_depthwise_class()
+    if (
+        depthwise is not None
+        and isinstance(layer, depthwise)
+        and cls.call is depthwise.call
+        and int(layer.rank) in (1, 2)
+    ):
+        return "depthwise"
     return None
+
+
+def _base_depthwise_class() -> type | None:
+    """Keras' internal ``BaseDepthwiseConv`` (``DepthwiseConv1D/2D``): its ``call`` is tapped as is."""
+    try:
+        from keras.src.layers.convolutional.base_depthwise_conv import BaseDepthwiseConv
+    except ImportError:  # pragma: no cover - other Keras layouts: the generic path
+        return None
+    return BaseDepthwiseConv
 
 
 def _own_weights(layer: Any) -> list[Any]:

@@ -1,0 +1,296 @@
+"""Keras grouped and depthwise convolutions on the fast GGN path (normflat issue 12, item 4).
+
+The per-sample squares of a grouped ``Conv1D``/``Conv2D`` and of a
+``DepthwiseConv1D/2D`` kernel are one batched matmul with the groups as a batch
+axis (a rank-one product at a single output position), and a grouped convolution
+with many small groups runs as one depthwise convolution while analyzing
+(``normflat.backends.keras.calls``). Both are checked in float64 against a
+brute-force reference built from full per-sample Jacobians, against the generic
+per-sample-Jacobian path, and (second derivatives through the depthwise form)
+against the full Hessian; the depthwise form gets its function-preserving
+rescalings (method §8).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from tests.builders import require_frameworks  # noqa: E402
+
+require_frameworks("tensorflow", "keras")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import normflat  # noqa: E402
+from normflat.backends.keras import calls  # noqa: E402
+
+L = keras.layers
+F64 = "float64"
+
+
+@pytest.fixture(params=["depthwise-form", "per-group-form"])
+def grouped_form(request, monkeypatch):
+    """Run every grouped convolution with ``in/groups > 1`` in one of the two forms of the call.
+
+    (Groups of one input channel always take the depthwise form.)
+    """
+    monkeypatch.setattr(calls, "DEPTHWISE_GROUPS_PER_CHANNEL", 0 if request.param == "depthwise-form" else 10**6)
+    return request.param
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def conv2d_net(seed=0):
+    """Grouped Conv2D with groups 2, 4 and ``in`` (multiplier 2), DepthwiseConv2D, a 1×1-output grouped conv."""
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((7, 7, 4), dtype=F64)
+    h = L.Conv2D(8, 3, strides=2, padding="same", groups=2, activation="tanh", dtype=F64, name="g2")(inp)  # 4×4
+    h = L.Conv2D(8, 2, dilation_rate=2, groups=4, activation="tanh", dtype=F64, name="g4")(h)  # 2×2
+    h = L.Conv2D(16, 3, padding="same", groups=8, activation="tanh", dtype=F64, name="gcin")(h)  # 2×2
+    h = L.DepthwiseConv2D(2, depth_multiplier=2, padding="same", activation="tanh", dtype=F64, name="dw")(h)
+    h = L.Conv2D(8, 2, groups=4, activation="tanh", dtype=F64, name="g4_1x1")(h)  # one output position
+    h = L.Flatten(dtype=F64)(h)
+    return keras.Model(inp, L.Dense(3, dtype=F64, name="head")(h), name="conv2d_net")
+
+
+def conv1d_net(seed=1):
+    """Grouped Conv1D (causal depthwise form, strided), DepthwiseConv1D with stride and dilation."""
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((11, 4), dtype=F64)
+    h = L.Conv1D(8, 3, padding="causal", dilation_rate=2, groups=4, activation="tanh", dtype=F64,
+                 name="c_cin")(inp)  # groups = in, multiplier 2
+    h = L.Conv1D(8, 2, strides=2, padding="same", groups=2, activation="tanh", dtype=F64, name="c2")(h)  # 6
+    h = L.DepthwiseConv1D(2, strides=2, depth_multiplier=2, activation="tanh", dtype=F64, name="dw1")(h)  # 3
+    h = L.DepthwiseConv1D(2, dilation_rate=2, padding="same", dtype=F64, name="dw2")(h)
+    h = L.Flatten(dtype=F64)(h)
+    return keras.Model(inp, L.Dense(3, dtype=F64, name="head")(h), name="conv1d_net")
+
+
+def _data(model, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, *model.inputs[0].shape[1:])), rng.integers(0, 3, size=n)
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _is_depthwise(layer):
+    return isinstance(layer, (L.DepthwiseConv1D, L.DepthwiseConv2D))
+
+
+def _analyzed(model):
+    return [l for l in model.layers if hasattr(l, "kernel")]
+
+
+def ungrouped(model):
+    """The same function with every grouped convolution as a dense block-diagonal one.
+
+    TensorFlow cannot differentiate grouped convolutions on CPU, so the reference
+    Jacobians are taken there; the GGN diagonal of a grouped kernel entry is that
+    of the same entry of the block-diagonal kernel.
+    """
+    def clone(layer):
+        config = layer.get_config()
+        if config.get("groups", 1) > 1:
+            config["groups"] = 1
+        return type(layer).from_config(config)
+
+    ref = keras.models.clone_model(model, clone_function=clone)
+    for src, dst in zip(model.layers, ref.layers):
+        weights = src.get_weights()
+        groups = getattr(src, "groups", 1)
+        if groups > 1:
+            k = weights[0]
+            cin_g, cout = k.shape[-2:]
+            cout_g = cout // groups
+            full = np.zeros(k.shape[:-2] + (cin_g * groups, cout))
+            for g in range(groups):
+                cols = slice(g * cout_g, (g + 1) * cout_g)
+                full[..., g * cin_g:(g + 1) * cin_g, cols] = k[..., cols]
+            weights[0] = full
+        dst.set_weights(weights)
+    return ref
+
+
+def _canonical(layer, value, groups):
+    """A kernel-shaped array of ``layer`` (of the ungrouped reference) in the canonical layout."""
+    if isinstance(layer, L.Dense):
+        return value.T
+    r = value.ndim - 2
+    if _is_depthwise(layer):  # (*k, in, m) -> (in·m, 1, *k)
+        t = value.transpose((r, r + 1) + tuple(range(r)))
+        return t.reshape(t.shape[0] * t.shape[1], 1, *t.shape[2:])
+    t = value.transpose((r + 1, r) + tuple(range(r)))  # (out, in, *k)
+    if groups == 1:
+        return t
+    cin_g, cout_g = t.shape[1] // groups, t.shape[0] // groups
+    return np.concatenate([t[g * cout_g:(g + 1) * cout_g, g * cin_g:(g + 1) * cin_g] for g in range(groups)])
+
+
+def brute_force_ggn(model, x):
+    """``diag(Σ_n J_nᵀ (diag p_n − p_n p_nᵀ) J_n) / N`` with full per-sample Jacobians of the logits."""
+    ref = ungrouped(model)
+    np.testing.assert_allclose(ref(x).numpy(), model(x).numpy(), rtol=1e-12, atol=1e-14)
+    layers = _analyzed(ref)
+    variables = [l.kernel.value for l in layers]
+    with tf.GradientTape() as tape:
+        z = ref(x, training=False)
+    jacobians = tape.jacobian(z, variables)
+    p = tf.nn.softmax(z).numpy()
+    hess = np.einsum("na,ab->nab", p, np.eye(p.shape[1])) - np.einsum("na,nb->nab", p, p)
+    out = {}
+    for src, layer, v, j in zip(_analyzed(model), layers, variables, jacobians):
+        j = j.numpy().reshape(p.shape[0], p.shape[1], -1)
+        d = np.einsum("nai,nab,nbi->i", j, hess, j).reshape(v.shape) / p.shape[0]
+        out[src.name] = _canonical(layer, d, getattr(src, "groups", 1))
+    return out
+
+
+def full_hessian_diag(model, x, y):
+    """Diagonal of the Hessian of the mean cross-entropy over all kernels (nested Jacobians)."""
+    ref = ungrouped(model)
+    layers = _analyzed(ref)
+    variables = [l.kernel.value for l in layers]
+    with tf.GradientTape(persistent=True) as outer:
+        with tf.GradientTape() as inner:
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(tf.constant(y), ref(x)))
+        flat = tf.concat([tf.reshape(g, [-1]) for g in inner.gradient(loss, variables)], 0)
+    jac = outer.jacobian(flat, variables)
+    hess = tf.concat([tf.reshape(j, [int(flat.shape[0]), -1]) for j in jac], 1).numpy()
+    diag, out, start = np.diag(hess), {}, 0
+    for src, layer, v in zip(_analyzed(model), layers, variables):
+        size = int(np.prod(v.shape))
+        out[src.name] = _canonical(layer, diag[start:start + size].reshape(v.shape), getattr(src, "groups", 1))
+        start += size
+    return out
+
+
+def _diag(model, data, **kw):
+    return {k: v.numpy() for k, v in normflat.hessian_diagonal(model, data, loss="ce", progress=False, **kw).items()}
+
+
+def _assert_close(got, ref, rtol=1e-10):
+    assert list(got) == list(ref)
+    for name in ref:
+        assert got[name].shape == ref[name].shape, name
+        np.testing.assert_allclose(got[name], ref[name], rtol=rtol, atol=1e-14 * np.abs(ref[name]).max(),
+                                   err_msg=name)
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("make", [conv2d_net, conv1d_net])
+def test_fast_grouped_and_depthwise_squares_equal_brute_force(make, grouped_form):
+    model = make()
+    x, y = _data(model, 5)
+    ref = brute_force_ggn(model, x)
+    _assert_close(_diag(model, [(x[:3], y[:3]), (x[3:], y[3:])]), ref)
+    if grouped_form == "depthwise-form":
+        report = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+        assert {l.name: l.details["path"] for l in report.layers} == {l.name: "fast" for l in _analyzed(model)}
+        # The generic per-sample-Jacobian path (through the same replaced calls) agrees.
+        _assert_close(_diag(model, (x, y), fast=False), ref)
+
+
+def test_fast_and_generic_paths_agree_for_ggn_mc():
+    model = conv2d_net(seed=3)
+    x, y = _data(model, 4, seed=1)
+    kw = dict(estimator="ggn-mc", samples=3, seed=7)
+    _assert_close(_diag(model, (x, y), **kw), _diag(model, (x, y), fast=False, **kw))
+
+
+def test_exact_through_the_depthwise_form_equals_the_full_hessian(monkeypatch):
+    # Second derivatives of the grouped convolutions run as depthwise convolutions.
+    monkeypatch.setattr(calls, "DEPTHWISE_GROUPS_PER_CHANNEL", 0)
+    keras.utils.set_random_seed(4)
+    inp = keras.Input((6, 4), dtype=F64)
+    h = L.Conv1D(4, 2, groups=2, activation="tanh", dtype=F64, name="g2")(inp)
+    h = L.Conv1D(8, 2, strides=2, padding="same", groups=4, activation="tanh", dtype=F64, name="gcin")(h)
+    out = L.Dense(3, dtype=F64, name="head")(L.Flatten(dtype=F64)(h))
+    model = keras.Model(inp, out)
+    assert calls.uses_depthwise_form(model.get_layer("g2")) and calls.uses_depthwise_form(model.get_layer("gcin"))
+    x, y = _data(model, 4, seed=2)
+    _assert_close(_diag(model, (x, y), estimator="exact"), full_hessian_diag(model, x, y), rtol=1e-9)
+
+
+def test_per_group_form_is_kept_for_few_large_groups():
+    keras.utils.set_random_seed(0)
+    few = L.Conv2D(8, 3, groups=2)
+    few.build((None, 5, 5, 8))
+    many = L.Conv2D(32, 3, groups=16)
+    many.build((None, 5, 5, 32))
+    conv3d = L.Conv3D(4, 2, groups=4)
+    conv3d.build((None, 3, 3, 3, 4))
+    assert not calls.uses_depthwise_form(few)  # 2 groups of 4 channels: two convolutions
+    assert calls.uses_depthwise_form(many)  # 16 groups of 2 channels: one depthwise convolution
+    assert not calls.uses_depthwise_form(conv3d)  # no 3-D depthwise convolution in TensorFlow
+
+
+def _rescaled(model, factors, first, second):
+    """A copy of ``model`` with output channel o of ``first`` times factors[o] and the matching
+    input channel of ``second`` divided by it (relu between them, positively homogeneous:
+    the function is unchanged)."""
+    copy = keras.models.clone_model(model)
+    copy.set_weights(model.get_weights())
+    a, b = copy.get_layer(first), copy.get_layer(second)
+    ka = a.kernel.numpy() * factors  # (*k, in/groups, out): output channels on the last axis
+    kb = b.kernel.numpy()  # (*k, in/groups, out)
+    groups, (cin_g, cout) = b.groups, kb.shape[-2:]
+    cout_g = cout // groups
+    for c, f in enumerate(factors):  # input channel c: column c mod cin_g of group c div cin_g's filters
+        g = c // cin_g
+        kb[..., c % cin_g, g * cout_g:(g + 1) * cout_g] /= f
+    a.kernel.assign(ka)
+    a.bias.assign(a.bias.numpy() * factors)  # relu(f·(Wx + b)) = f·relu(Wx + b) for f > 0
+    b.kernel.assign(kb)
+    return copy
+
+
+@pytest.mark.parametrize("groups", [4, 8], ids=["in/groups=2", "groups=in"])
+def test_depthwise_form_rescaling_invariance(groups, monkeypatch):
+    # Output channels of a grouped convolution (run as one depthwise convolution) rescaled
+    # against the input channels of the grouped convolution after it (method §8).
+    monkeypatch.setattr(calls, "DEPTHWISE_GROUPS_PER_CHANNEL", 0)
+    keras.utils.set_random_seed(5)
+    inp = keras.Input((5, 5, 8), dtype=F64)
+    h = L.Conv2D(8, 3, padding="same", groups=groups, activation="relu", dtype=F64, name="first")(inp)
+    h = L.Conv2D(8, 2, strides=2, groups=groups, activation="tanh", dtype=F64, name="second")(h)
+    out = L.Dense(3, dtype=F64, name="head")(L.Flatten(dtype=F64)(h))
+    model = keras.Model(inp, out)
+    factors = np.exp(np.random.default_rng(6).uniform(-1.5, 1.5, size=8))
+    other = _rescaled(model, factors, "first", "second")
+    x, y = _data(model, 6, seed=3)
+    np.testing.assert_allclose(other(x).numpy(), model(x).numpy(), rtol=1e-12, atol=1e-13)
+    before = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    after = normflat.analyze(other, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert [l.details["path"] for l in before.layers] == ["fast"] * 3
+    assert after.normalized_sharpness == pytest.approx(before.normalized_sharpness, rel=1e-8)
+    for lb, la in zip(before.layers, after.layers):
+        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8, abs=1e-12)
+    assert abs(after.hessian_trace - before.hessian_trace) > 1e-3 * abs(before.hessian_trace)
+    for name in ("first", "second"):  # both rescaled layers' own curvature moves
+        tb = before.layers[[l.name for l in before.layers].index(name)].hessian_trace
+        ta = after.layers[[l.name for l in after.layers].index(name)].hessian_trace
+        assert abs(ta - tb) > 1e-3 * abs(tb)
+
+
+def test_analysis_leaves_the_grouped_layers_untouched():
+    # The replaced calls and the taps live on the layer instances only while analyzing.
+    model = conv2d_net(seed=7)
+    x, y = _data(model, 3, seed=4)
+    before = model(x).numpy()
+    def state():
+        return {l.name: (l.call, getattr(l, "activation", None), "call" in vars(l)) for l in model.layers}
+
+    saved = state()
+    normflat.analyze(model, (x, y), loss="ce", progress=False)
+    assert state() == saved
+    np.testing.assert_array_equal(model(x).numpy(), before)
