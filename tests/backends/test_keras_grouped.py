@@ -29,6 +29,7 @@ import tensorflow as tf  # noqa: E402
 
 import normflat  # noqa: E402
 from normflat.backends.keras import calls  # noqa: E402
+from tests.backends.test_keras import ungrouped_reference  # noqa: E402
 
 L = keras.layers
 F64 = "float64"
@@ -89,36 +90,6 @@ def _analyzed(model):
     return [l for l in model.layers if hasattr(l, "kernel")]
 
 
-def ungrouped(model):
-    """The same function with every grouped convolution as a dense block-diagonal one.
-
-    TensorFlow cannot differentiate grouped convolutions on CPU, so the reference
-    Jacobians are taken there; the GGN diagonal of a grouped kernel entry is that
-    of the same entry of the block-diagonal kernel.
-    """
-    def clone(layer):
-        config = layer.get_config()
-        if config.get("groups", 1) > 1:
-            config["groups"] = 1
-        return type(layer).from_config(config)
-
-    ref = keras.models.clone_model(model, clone_function=clone)
-    for src, dst in zip(model.layers, ref.layers):
-        weights = src.get_weights()
-        groups = getattr(src, "groups", 1)
-        if groups > 1:
-            k = weights[0]
-            cin_g, cout = k.shape[-2:]
-            cout_g = cout // groups
-            full = np.zeros(k.shape[:-2] + (cin_g * groups, cout))
-            for g in range(groups):
-                cols = slice(g * cout_g, (g + 1) * cout_g)
-                full[..., g * cin_g:(g + 1) * cin_g, cols] = k[..., cols]
-            weights[0] = full
-        dst.set_weights(weights)
-    return ref
-
-
 def _canonical(layer, value, groups):
     """A kernel-shaped array of ``layer`` (of the ungrouped reference) in the canonical layout."""
     if isinstance(layer, L.Dense):
@@ -136,7 +107,7 @@ def _canonical(layer, value, groups):
 
 def brute_force_ggn(model, x):
     """``diag(Σ_n J_nᵀ (diag p_n − p_n p_nᵀ) J_n) / N`` with full per-sample Jacobians of the logits."""
-    ref = ungrouped(model)
+    ref = ungrouped_reference(model)
     np.testing.assert_allclose(ref(x).numpy(), model(x).numpy(), rtol=1e-12, atol=1e-14)
     layers = _analyzed(ref)
     variables = [l.kernel.value for l in layers]
@@ -155,7 +126,7 @@ def brute_force_ggn(model, x):
 
 def full_hessian_diag(model, x, y):
     """Diagonal of the Hessian of the mean cross-entropy over all kernels (nested Jacobians)."""
-    ref = ungrouped(model)
+    ref = ungrouped_reference(model)
     layers = _analyzed(ref)
     variables = [l.kernel.value for l in layers]
     with tf.GradientTape(persistent=True) as outer:
