@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 #: Chunk-size settings compared by the scaling benchmarks.
 MEMORY_OPTIONS = (
@@ -14,8 +16,8 @@ MEMORY_OPTIONS = (
 )
 
 
-def time_interleaved(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median wall time of each run after one warm-up call (compilation, tracing).
+def time_rounds(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Wall times of each run over ``repeats`` rounds, after one warm-up call (compilation, tracing).
 
     The runs alternate within each round so that slow drifts of the machine hit
     every method alike.
@@ -28,7 +30,40 @@ def time_interleaved(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[s
             t0 = time.perf_counter()
             run()
             times[m].append(time.perf_counter() - t0)
-    return {m: statistics.median(t) for m, t in times.items()}
+    return times
+
+
+def time_interleaved(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median wall time of each run over interleaved rounds (:func:`time_rounds`)."""
+    return {m: statistics.median(t) for m, t in time_rounds(runs, repeats).items()}
+
+
+def proc_status_kib(field: str) -> int:
+    """A ``/proc/self/status`` field in KiB (``VmRSS``, ``VmHWM``); ``OSError`` off Linux."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{field} not in /proc/self/status")
+
+
+@contextlib.contextmanager
+def mmap_freed_blocks() -> Iterator[None]:
+    """Processes started inside the block have glibc serve blocks >= 64 KiB by mmap.
+
+    Freed tensors then leave the resident set at once, so a warm-up run does not
+    hide the measured run's allocations. Only this process's environment is
+    changed, and only while the children start.
+    """
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
 
 
 def memory_vs_chunk(measure: Callable[[dict], dict], title: str) -> list[dict]:

@@ -31,13 +31,14 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
-import time
 from typing import Any, Callable
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
+
+from benchmarks._common import mmap_freed_blocks, proc_status_kib, time_rounds  # noqa: E402
 
 __all__ = ["RUNS", "make_runner", "main"]
 
@@ -131,26 +132,6 @@ def make_runner(run: str, torch_model: str = "torchvision") -> Callable[[], Any]
     return _keras_runner(method) if framework == "keras" else _torch_runner(method, torch_model)
 
 
-def _time_rounds(runners: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
-    for run in runners.values():
-        run()  # warm-up: tracing, compilation, first allocations
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(rounds):
-        for name, run in runners.items():
-            t0 = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - t0)
-    return times
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise OSError(f"{field} not in /proc/self/status")
-
-
 def _peak_worker(run: str, torch_model: str, threads: int | None, queue: Any) -> None:
     _set_threads(threads)
     runner = make_runner(run, torch_model)
@@ -158,25 +139,17 @@ def _peak_worker(run: str, torch_model: str, threads: int | None, queue: Any) ->
     # Linux: reset the peak-RSS mark (VmHWM) so that the peak of this one call is measured.
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    before = _status_kib("VmRSS")
+    before = proc_status_kib("VmRSS")
     runner()
-    queue.put((_status_kib("VmHWM") - before) / 1024)
+    queue.put((proc_status_kib("VmHWM") - before) / 1024)
 
 
 def _peak_mib(run: str, torch_model: str, threads: int | None) -> float:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_peak_worker, args=(run, torch_model, threads, queue))
-    # glibc: blocks >= 64 KiB by mmap, so freed tensors leave the resident set at once.
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    try:
+    with mmap_freed_blocks():
         proc.start()
-    finally:
-        if saved is None:
-            del os.environ["MALLOC_MMAP_THRESHOLD_"]
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     value = queue.get(timeout=1800)
     proc.join()
     return float(value)
@@ -191,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     _set_threads(args.threads)
     runners = {run: make_runner(run, args.torch_model) for run in RUNS}
-    times = _time_rounds(runners, args.rounds)
+    times = time_rounds(runners, args.rounds)
     peaks = {} if args.no_memory else {run: _peak_mib(run, args.torch_model, args.threads) for run in RUNS}
 
     import keras

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 import normflat
-from benchmarks.torch_diag import PROBLEMS, _proc_status_kib
+from benchmarks._common import mmap_freed_blocks, proc_status_kib
+from benchmarks.torch_diag import PROBLEMS
 
 __all__ = ["scale_out", "chunk_sweep", "main"]
 
@@ -64,7 +65,7 @@ def _reset_peak() -> int:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        return _proc_status_kib("VmRSS")
+        return proc_status_kib("VmRSS")
     except OSError:
         import resource
 
@@ -73,7 +74,7 @@ def _reset_peak() -> int:
 
 def _peak_growth_mib(before: int) -> float:
     try:
-        return (_proc_status_kib("VmHWM") - before) / 1024
+        return (proc_status_kib("VmHWM") - before) / 1024
     except OSError:
         import resource
 
@@ -117,19 +118,11 @@ def _launch(world: int, problem: str, batches: int, threads: int, options: dict)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # glibc: blocks >= 64 KiB by mmap, so freed tensors leave the resident set at once.
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    try:
+    with mmap_freed_blocks():
         procs = [ctx.Process(target=_rank, args=(r, world, port, problem, batches, threads, options, queue))
                  for r in range(world)]
         for p in procs:
             p.start()
-    finally:
-        if saved is None:
-            del os.environ["MALLOC_MMAP_THRESHOLD_"]
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     results: list[tuple] = []
     deadline = time.monotonic() + 1800
     while len(results) < world:

@@ -30,7 +30,6 @@ import argparse
 import copy
 import gc
 import multiprocessing as mp
-import os
 import resource
 import statistics
 import time
@@ -41,6 +40,7 @@ import torch
 from torch import nn
 
 import normflat
+from benchmarks._common import mmap_freed_blocks, proc_status_kib
 
 __all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "METHODS", "make_problem", "torch_figures", "main"]
 
@@ -150,38 +150,21 @@ def _peak_worker(problem: str, method: str, device: str, queue) -> None:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        before = _proc_status_kib("VmRSS")
+        before = proc_status_kib("VmRSS")
         run()
-        queue.put((_proc_status_kib("VmHWM") - before) / 1024)
+        queue.put((proc_status_kib("VmHWM") - before) / 1024)
     except OSError:  # not Linux: the process-wide high-water mark (includes start-up)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         run()
         queue.put((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
 
 
-def _proc_status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise OSError(f"{field} not in /proc/self/status")
-
-
 def _peak_mib(problem: str, method: str, device: str) -> float:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_peak_worker, args=(problem, method, device, queue))
-    # glibc: serve blocks >= 64 KiB by mmap, so freed tensors leave the resident set at once
-    # and the warm-up run does not hide the measured run's allocations.
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    try:
+    with mmap_freed_blocks():
         proc.start()
-    finally:
-        if saved is None:
-            del os.environ["MALLOC_MMAP_THRESHOLD_"]
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     value = queue.get(timeout=600)
     proc.join()
     return float(value)
