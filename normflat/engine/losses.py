@@ -218,13 +218,14 @@ def output_signals(xp: Any, logits: Any, options: AnalysisOptions, uniforms: Any
     return sig
 
 
-def token_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, uniforms: Any = None) -> Any:
-    """GGN signals ``(K, M·T, n, T, C)`` of token logits ``(n, T, C)`` (method §6.3).
+def token_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, uniforms: Any = None,
+                  tokens: tuple[int, int] | None = None) -> Any:
+    """GGN signals ``(K, M·W, n, T, C)`` of token logits ``(n, T, C)`` (method §6.3).
 
     The loss Hessian of one sequence is block-diagonal over its tokens, so its
     factor is the per-token factor of :func:`output_signals` placed at one token:
-    signal ``m·T + t`` is the ``m``-th signal of token ``t`` at position ``t`` and
-    zero elsewhere. Tokens not counted (``counted`` is 0) carry zero signals.
+    signal ``m·W + j`` is the ``m``-th signal of token ``lo + j`` at position ``lo + j``
+    and zero elsewhere. Tokens not counted (``counted`` is 0) carry zero signals.
 
     Args:
         xp: Array namespace.
@@ -233,17 +234,26 @@ def token_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, 
         counted: ``(n, T)`` 1 for counted tokens, 0 for ignored ones (logits' dtype).
         uniforms: ``ggn-mc`` only: ``(n, T·S)`` uniforms, token ``t`` taking columns
             ``t·S .. (t+1)·S − 1``.
+        tokens: ``(lo, hi)``: only the signals of tokens ``lo .. hi − 1`` (``W = hi − lo``),
+            so that a backend can bound memory by taking a few tokens at a time;
+            ``None``: every token (``W = T``). Each token's signals depend on its own
+            logits and uniforms only, so the blocks together are the whole factor.
     """
     n, t, c = (int(d) for d in logits.shape)
-    rows = xp.reshape(logits, (n * t, c))
+    lo, hi = tokens if tokens is not None else (0, t)
+    w = hi - lo
+    rows = xp.reshape(logits[:, lo:hi], (n * w, c))
     if uniforms is not None:
-        uniforms = xp.reshape(uniforms, (n * t, -1))
-    sig = output_signals(xp, rows, options, uniforms)  # (K, M, n·T, C)
+        draws = int(uniforms.shape[1]) // t
+        uniforms = xp.reshape(uniforms[:, lo * draws:hi * draws], (n * w, draws))
+    sig = output_signals(xp, rows, options, uniforms)  # (K, M, n·W, C)
     k, m = int(sig.shape[0]), int(sig.shape[1])
-    sig = xp.reshape(sig, (k, m, n, t, c)) * counted[None, None, :, :, None]
-    place = xp.astype(_arange_like(xp, t, logits)[:, None] == _arange_like(xp, t, logits)[None, :], logits.dtype)
-    placed = sig[:, :, None, :, :, :] * place[None, None, :, None, :, None]  # (K, M, T, n, T, C)
-    return xp.reshape(placed, (k, m * t, n, t, c))
+    sig = xp.reshape(sig, (k, m, n, w, c)) * counted[None, None, :, lo:hi, None]
+    sig = _permute(xp, sig, (0, 1, 3, 2, 4))  # (K, M, W, n, C)
+    place = xp.astype(_arange_like(xp, w, logits)[:, None] + lo == _arange_like(xp, t, logits)[None, :],
+                      logits.dtype)  # (W, T): token lo + j sits at position lo + j
+    placed = sig[:, :, :, :, None, :] * place[None, None, :, None, :, None]  # (K, M, W, n, T, C)
+    return xp.reshape(placed, (k, m * w, n, t, c))
 
 
 def logit_stats(xp: Any, logits: Any) -> Any:

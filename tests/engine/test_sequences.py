@@ -97,6 +97,23 @@ def test_token_signals_factor_the_block_diagonal_hessian(loss):
         np.testing.assert_allclose(s.T @ s, ref, atol=1e-13)
 
 
+@pytest.mark.parametrize("estimator", ["ggn", "ggn-mc"])
+def test_token_signal_blocks_make_up_the_whole_factor(estimator):
+    """Blocks of tokens (how a backend bounds memory) concatenate to the signals of every token."""
+    n, t, c, draws = 2, 5, 4, 3
+    z = RNG.normal(size=(n, t, c))
+    counted = np.array([[1.0, 1.0, 0.0, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0, 1.0]])
+    opts = _opts(loss="nsce", estimator=estimator, samples=draws if estimator == "ggn-mc" else None)
+    u = RNG.uniform(size=(n, t * draws)) if estimator == "ggn-mc" else None
+    whole = losses.token_signals(np, z, opts, counted, u)
+    k, mt = whole.shape[:2]
+    m = mt // t
+    blocks = [losses.token_signals(np, z, opts, counted, u, tokens=r) for r in [(0, 2), (2, 3), (3, 5)]]
+    # Whole: signal m·T + t; block (lo, hi): signal m·W + j for token lo + j.
+    parts = [b.reshape(k, m, -1, n, t, c) for b in blocks]
+    np.testing.assert_array_equal(np.concatenate(parts, axis=2).reshape(k, m * t, n, t, c), whole)
+
+
 def test_token_mc_signals_are_the_row_signals_placed_per_token():
     n, t, c, draws = 2, 3, 5, 4
     z = RNG.normal(size=(n, t, c))

@@ -382,19 +382,14 @@ class TorchSession:
             return
         assert counted is not None
         n, t, c = z.shape
-        base = losses.output_signals(_XP, z.reshape(n * t, c), self.options,
-                                     None if uniforms is None else uniforms.reshape(n * t, -1))
-        k, m = base.shape[:2]
-        base = base.reshape(k, m, n, t, c) * counted[None, None, :, :, None]
+        k = self.options.groups
+        m = self._signals_per_sample(c, 1) // k  # signals per token and group
         per_token = k * m * n * t * c
         step = max(1, min(t, TOKEN_SIGNAL_ENTRIES // max(per_token, 1),
                           DEFAULT_SIGNAL_ROWS // max(m * n, 1)))
         for start in range(0, t, step):
-            stop = min(t, start + step)
-            placed = z.new_zeros(k, m, stop - start, n, t, c)
-            for j, pos in enumerate(range(start, stop)):
-                placed[:, :, j, :, pos, :] = base[:, :, :, pos, :]
-            yield placed.reshape(k, m * (stop - start), n, t, c)
+            yield losses.token_signals(_XP, z, self.options, counted, uniforms,
+                                       tokens=(start, min(t, start + step)))
 
     def _ggn_update(self, batch: Batch, xs: ModelInputs, state: SumState) -> int | None:
         n = batch.n
