@@ -18,9 +18,10 @@ def analyze(
     data: Any = None,
     *,
     loss: Any = "nsce",
-    estimator: str = "ggn",
+    estimator: str = "auto",
     samples: int | None = None,
     seed: int = 0,
+    top_classes: int | None = None,
     max_batches: int | None = None,
     progress: bool = True,
     on_unsupported: str = "warn",
@@ -42,12 +43,17 @@ def analyze(
             ``(x, y)`` batches, or one ``(x, y)`` pair.
         loss: ``"nsce"`` (normalized softmax cross-entropy, method §7), ``"ce"``, or a
             callable ``(logits, y) -> mean loss``.
-        estimator: Hessian-diagonal estimator: ``"ggn"``, ``"ggn-mc"``,
-            ``"hutchinson"`` or ``"exact"`` (method §6; their meaning in every framework:
-            docs/semantics.md).
-        samples: Probes (hutchinson, default 100) or label draws per input
-            (ggn-mc, default 1).
+        estimator: Hessian-diagonal estimator (method §6; their meaning in every
+            framework: docs/semantics.md): ``"auto"`` (the default: the exact
+            ``"ggn"`` up to 23 classes, ``"ggn-topk"`` above, with the defaults of
+            ``samples`` and ``top_classes``), ``"ggn"``, ``"ggn-topk"``, ``"ggn-mc"``,
+            ``"hutchinson"`` or ``"exact"``.
+        samples: Probes (hutchinson, default 100), label draws per input (ggn-mc,
+            default 1) or draws of the classes outside the top ones (ggn-topk and
+            auto, default 20).
         seed: Seed of the stochastic estimators.
+        top_classes: Classes of each input (or token) whose curvature ``ggn-topk``
+            (and ``auto``) takes exactly, the most probable ones (default 2).
         max_batches: Use at most this many batches.
         progress: Show a progress bar over batches.
         on_unsupported: What to do with layers that have parameters but are not
@@ -82,7 +88,8 @@ def analyze(
         return analyze_problems(model, metadata={"framework": None}, tol=tol, max_iter=max_iter)
     validate_solver_options(tol, max_iter)
     options = validate_options(
-        loss=loss, estimator=estimator, samples=samples, seed=seed, max_batches=max_batches,
+        loss=loss, estimator=estimator, samples=samples, seed=seed, top_classes=top_classes,
+        max_batches=max_batches,
         progress=progress, on_unsupported=on_unsupported, temperature=temperature,
         ignore_index=ignore_index, output=output, shift_labels=shift_labels,
     )
@@ -100,6 +107,7 @@ def analyze(
         "loss": options.loss_name,
         "estimator": options.estimator,
         "samples": options.samples,
+        "top_classes": options.top_classes,
         "seed": options.seed if options.samples is not None else None,
         "temperature": options.temperature if options.loss == "nsce" else None,
     }
@@ -112,9 +120,10 @@ def hessian_diagonal(
     data: Any,
     *,
     loss: Any = "nsce",
-    estimator: str = "ggn",
+    estimator: str = "auto",
     samples: int | None = None,
     seed: int = 0,
+    top_classes: int | None = None,
     max_batches: int | None = None,
     progress: bool = True,
     on_unsupported: str = "warn",
@@ -133,7 +142,8 @@ def hessian_diagonal(
         ``(out, in, *kernel)`` layout, model order.
     """
     options = validate_options(
-        loss=loss, estimator=estimator, samples=samples, seed=seed, max_batches=max_batches,
+        loss=loss, estimator=estimator, samples=samples, seed=seed, top_classes=top_classes,
+        max_batches=max_batches,
         progress=progress, on_unsupported=on_unsupported, temperature=temperature,
         ignore_index=ignore_index, output=output, shift_labels=shift_labels,
     )

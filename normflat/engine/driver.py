@@ -45,6 +45,10 @@ class Session(Protocol):
         adapter: The backend's :class:`~normflat.engine.data.DataAdapter`.
         layers: The analyzed weights, in model order (known after construction).
         unsupported: Messages of the layers skipped (``on_unsupported``).
+        options: The options in use; a session given ``estimator="auto"`` replaces them
+            with :func:`~normflat.engine.options.resolve_estimator`'s on its first batch,
+            when the number of classes is known, and sizes its sums with
+            ``options.state_groups``.
     """
 
     framework: str
@@ -52,12 +56,13 @@ class Session(Protocol):
     adapter: DataAdapter
     layers: list[LayerSpec]
     unsupported: list[str]
+    options: AnalysisOptions
 
     def signature(self) -> list[Any]:
         """What this rank will compute (layer names, shapes, dtypes), for the setup agreement."""
 
     def update(self, batch: Batch, state: estimators.SumState) -> int | None:
-        """Add one batch's per-layer ``(K, *native shape)`` sums to ``state``.
+        """Add one batch's per-layer ``(K', *native shape)`` sums to ``state``.
 
         The session runs the forward, checks the output with
         :func:`normflat.engine.losses.check_output_shape` / ``check_logit_stats``,
@@ -70,7 +75,7 @@ class Session(Protocol):
         """
 
     def zeros(self, layer: int) -> Any:
-        """``(K, *native shape)`` zeros of layer ``layer`` (a layer the loss never reached)."""
+        """``(K', *native shape)`` zeros of layer ``layer`` (a layer the loss never reached)."""
 
     def all_finite(self, array: Any) -> bool:
         """Whether a native array is finite."""
@@ -148,7 +153,7 @@ def _raising(error: BaseException):
 
 
 def run(make_session: Callable[[], Session], data: Any, options: AnalysisOptions,
-        comm: Comm | None = None) -> Result:
+        comm: Comm | None = None, with_groups: bool = True) -> Result:
     """Open a session, run the analysis loop over ``data``, always close the session.
 
     Args:
@@ -158,6 +163,8 @@ def run(make_session: Callable[[], Session], data: Any, options: AnalysisOptions
         data: The user's data.
         options: The validated options.
         comm: The collectives of a distributed run, or ``None``.
+        with_groups: Whether to keep the group estimates (for standard errors);
+            ``hessian_diagonal`` needs only their mean.
 
     Raises:
         ValueError, TypeError: From the data contract, the session's checks, or a
@@ -192,9 +199,13 @@ def run(make_session: Callable[[], Session], data: Any, options: AnalysisOptions
                 f"No token of the data is counted by the loss: every token label equals ignore_index="
                 f"{options.ignore_index}. Pass labels for at least one token (or the right ignore_index)."
             )
+        # "auto" is resolved by the session once it has seen the classes (the same on every rank).
+        options = getattr(session, "options", options)
+        if options.estimator == "auto":
+            raise RuntimeError(f"the {session.framework} session did not resolve estimator='auto'")
         # The mean loss averages its terms: samples, or the counted tokens of token logits.
         results = estimators.finalize(state, options, terms, session.zeros, session.all_finite,
-                                      [layer.name for layer in session.layers])
+                                      [layer.name for layer in session.layers], with_groups=with_groups)
         diags = [session.canonical(i, d) for i, (d, _) in enumerate(results)]
         samples = []
         for i, (_, groups) in enumerate(results):
@@ -248,5 +259,5 @@ def layer_problems(make_session: Callable[[], Session], data: Any, options: Anal
 def hessian_diagonal(make_session: Callable[[], Session], data: Any, options: AnalysisOptions,
                      comm: Comm | None = None) -> dict[str, Any]:
     """``{layer name: canonical diagonal}`` in model order."""
-    result = run(make_session, data, options, comm)
+    result = run(make_session, data, options, comm, with_groups=False)
     return split_diagonals(result.layers, result.diags)

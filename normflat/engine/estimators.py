@@ -15,6 +15,13 @@ layer, ``K`` sums in the layer's native shape:
     ``diag = mean_k groups_k``: an unbiased estimate of the Hessian (or GGN)
     diagonal of the mean loss; ``groups`` is ``None`` when ``K = 1``.
 
+``ggn-topk`` keeps ``1 + K`` sums (:attr:`AnalysisOptions.shared_group`): sum 0 is the
+exact top-class part, shared, and ``groups_k = (sums_0 + sums_k) / examples``, so the
+spread of the groups is that of the sampled part alone (method §6.2).
+
+With ``estimator="auto"`` the number of sums is known only once a backend has seen
+the classes: :func:`init` leaves it open and the first contribution fixes it.
+
 The arithmetic uses only ``+``, ``/`` and indexing, so the sums stay in the
 framework's array type and on its device.
 """
@@ -36,7 +43,7 @@ __all__ = ["SumState", "init", "update", "finalize", "divisors"]
 class SumState:
     """Per-layer sums of ``K`` group estimates; ``None`` until a layer gets a contribution."""
 
-    groups: int
+    groups: int | None
     sums: list[Any] = field(default_factory=list)
 
     def add(self, layer: int, value: Any) -> None:
@@ -45,12 +52,14 @@ class SumState:
 
 
 def init(n_layers: int, options: AnalysisOptions) -> SumState:
-    """Empty sums for ``n_layers`` layers."""
-    return SumState(options.groups, [None] * n_layers)
+    """Empty sums for ``n_layers`` layers (``K'`` sums each, open for ``"auto"``)."""
+    return SumState(None if options.estimator == "auto" else options.state_groups, [None] * n_layers)
 
 
 def update(state: SumState, layer: int, value: Any) -> SumState:
-    """Add ``value`` (``(K, *shape)``) to the sums of ``layer``; returns ``state``."""
+    """Add ``value`` (``(K', *shape)``) to the sums of ``layer``; returns ``state``."""
+    if state.groups is None:
+        state.groups = int(value.shape[0])
     if int(value.shape[0]) != state.groups:
         raise ValueError(f"estimator contribution has {value.shape[0]} groups, expected {state.groups}")
     current = state.sums[layer]
@@ -67,18 +76,20 @@ def divisors(options: AnalysisOptions, examples: int) -> np.ndarray:
 
 
 def finalize(state: SumState, options: AnalysisOptions, examples: int, zeros: Callable[[int], Any],
-             all_finite: Callable[[Any], bool], names: list[str]) -> list[tuple[Any, Any]]:
+             all_finite: Callable[[Any], bool], names: list[str], with_groups: bool = True) -> list[tuple[Any, Any]]:
     """Group estimates and their mean per layer.
 
     Args:
         state: The accumulated sums.
-        options: The analysis options.
+        options: The analysis options, with ``"auto"`` resolved (the backend's).
         examples: Total number of terms of the mean loss over all ranks (samples, or
             the counted tokens of token logits, method §6.3).
         zeros: ``layer -> (K, *shape)`` zeros for a layer that never got a
             contribution (it does not influence the loss: its curvature is 0).
         all_finite: Backend's finiteness test.
         names: Layer names for the error message.
+        with_groups: Whether the group estimates are wanted (``False``: only their
+            mean, formed with fewer operations; ``groups`` is then ``None``).
 
     Returns:
         ``[(diag, groups or None)]`` per layer: ``diag`` a native array in the native
@@ -88,20 +99,42 @@ def finalize(state: SumState, options: AnalysisOptions, examples: int, zeros: Ca
         ValueError: If a diagonal is not finite.
     """
     div = divisors(options, examples)
+    k_groups = options.groups
+    offset = 1 if options.shared_group else 0
     out = []
     for i, sums in enumerate(state.sums):
         if sums is None:
             sums = zeros(i)
-        group_list = [sums[k] / float(div[k]) for k in range(state.groups)]
+        if int(sums.shape[0]) != k_groups + offset:
+            raise ValueError(f"Layer {names[i]!r}: {sums.shape[0]} estimator sums, expected {k_groups + offset}")
+        shared = sums[0] if offset else None
+        if not with_groups and k_groups > 1 and bool(np.all(div == div[0])):
+            total = sums[offset]
+            for k in range(1, k_groups):
+                total = total + sums[k + offset]
+            diag = total / float(div[0] * k_groups)
+            if shared is not None:
+                diag = diag + shared / float(div[0])
+            _check_finite(diag, all_finite, names[i])
+            out.append((diag, None))
+            continue
+        group_list = []
+        for k in range(k_groups):
+            total = sums[k + offset] if shared is None else shared + sums[k + offset]
+            group_list.append(total / float(div[k]))
         diag = group_list[0]
         for g in group_list[1:]:
             diag = diag + g
-        if state.groups > 1:
-            diag = diag / float(state.groups)
-        if not all_finite(diag):
-            raise ValueError(
-                f"Layer {names[i]!r}: the Hessian diagonal is not finite (an overflow: huge weights or "
-                "inputs, or a loss that is NaN/inf). Check the model and the data, or compute in float64."
-            )
-        out.append((diag, None if state.groups == 1 else group_list))
+        if k_groups > 1:
+            diag = diag / float(k_groups)
+        _check_finite(diag, all_finite, names[i])
+        out.append((diag, None if k_groups == 1 or not with_groups else group_list))
     return out
+
+
+def _check_finite(diag: Any, all_finite: Callable[[Any], bool], name: str) -> None:
+    if not all_finite(diag):
+        raise ValueError(
+            f"Layer {name!r}: the Hessian diagonal is not finite (an overflow: huge weights or "
+            "inputs, or a loss that is NaN/inf). Check the model and the data, or compute in float64."
+        )

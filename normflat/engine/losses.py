@@ -15,6 +15,8 @@ backend passes a tiny adapter); the functions use only ``mean``, ``sum``,
   column along the null vector ``√p`` (:func:`ggn_factor`: ``C − 1`` signals);
 * ``ggn-mc`` replaces ``S`` by ``e_ỹ − p`` with ``ỹ ~ p`` drawn from the
   framework-free uniforms of :mod:`normflat.engine.random`;
+* ``ggn-topk`` splits ``H = Σ_c p_c (e_c − p)(e_c − p)ᵀ`` into the ``k`` most
+  probable classes, taken exactly, and the rest, sampled (:func:`topk_signals`);
 * for ``nsce`` the signals are pulled back through the normalization, whose
   Jacobian ``(τ/σ)(P − ẑ ẑᵀ / C)`` is symmetric (:func:`pull_back`);
 * token logits ``(n, T, C)`` (method §6.3): every counted token is one term of
@@ -26,6 +28,7 @@ backend passes a tiny adapter); the functions use only ``mean``, ``sum``,
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,8 +42,14 @@ __all__ = [
     "one_hot",
     "ggn_factor",
     "mc_signals",
+    "topk_signals",
+    "signal_slots",
     "pull_back",
     "output_signals",
+    "Factor",
+    "output_factor",
+    "logit_hessian_diagonal",
+    "diagonal_signals",
     "token_signals",
     "logit_stats",
     "check_logit_stats",
@@ -152,6 +161,51 @@ def _cumsum(xp: Any, x: Any) -> Any:
     return fn(x, axis=-1)
 
 
+def _draw(xp: Any, weights: Any, uniforms: Any) -> Any:
+    """``(n, S)`` float class indices drawn with probabilities ``weights / Σ weights``.
+
+    Draw ``d`` of a sample is the first class whose cumulative weight exceeds
+    ``uniforms[:, d] · Σ weights`` (how many cumulative weights lie at or below it,
+    clipped to ``C − 1``: rounding can leave the last sum just below the target).
+    Classes of weight 0 are never drawn.
+    """
+    c = int(weights.shape[1])  # the sample axis may be unknown while tracing (tf.function, relaxed shapes)
+    cum = _cumsum(xp, weights)  # (n, C)
+    target = uniforms * cum[:, c - 1:]
+    below = xp.astype(cum[:, None, : c - 1] <= target[:, :, None], weights.dtype)  # (n, S, C-1)
+    return xp.sum(below, axis=-1)
+
+
+def _deal(xp: Any, x: Any, groups: int, members: int, fill: float) -> Any:
+    """``(n, S)`` per-draw values dealt round-robin into ``(K, members, n)``, padded with ``fill``.
+
+    Draw ``d = m·K + k`` sits at ``(k, m)``; one reshape does it, vectorized (a loop over
+    draws would build thousands of ops in compiled code).
+    """
+    pad = members * groups - int(x.shape[1])
+    if pad > 0:
+        x = xp.concat([x] + [xp.ones_like(x[:, :1]) * fill] * pad, axis=1)
+    return _permute(xp, xp.reshape(x, (-1, members, groups)), (2, 1, 0))
+
+
+def _group_weights(xp: Any, counts: list[int], draws: int, like: Any, f: Any) -> Any:
+    """``(S,)``: ``1 / f(m_k)`` for each draw ``d``, ``k = d mod K`` (``m_k`` = ``counts[k]``)."""
+    group = _arange_like(xp, draws, like) % len(counts)
+    return sum((1.0 / f(counts[k])) * xp.astype(group == k, like.dtype) for k in range(len(counts)))
+
+
+def _class_signals(xp: Any, p: Any, index: Any, scale: Any) -> Any:
+    """``scale ⊙ (e_index − p)``: ``(G, M, n, C)`` signals from ``(G, M, n)`` classes and scales.
+
+    One expression over the final layout (no per-group stacking): a class index of
+    ``-1`` with scale 0 is a zero (padding) signal.
+    """
+    c = int(p.shape[1])
+    classes = xp.astype(_arange_like(xp, c, p), p.dtype)
+    onehot = xp.astype(index[:, :, :, None] == classes, p.dtype)
+    return scale[:, :, :, None] * (onehot - p)
+
+
 def mc_signals(xp: Any, p: Any, uniforms: Any, groups: int) -> Any:
     """Monte-Carlo signals ``(K, M, n, C)``: ``(e_ỹ − p)/√m_k`` with ``ỹ ~ p``.
 
@@ -164,23 +218,99 @@ def mc_signals(xp: Any, p: Any, uniforms: Any, groups: int) -> Any:
         groups: ``K``; draw ``d`` belongs to group ``d mod K``, whose ``m_k`` members
             are scaled by ``1/√m_k`` so that each group's squares average its draws.
     """
-    c = int(p.shape[1])  # the sample axis may be unknown while tracing (tf.function, relaxed shapes)
+    return _class_signals(xp, p, *_mc_classes(xp, p, uniforms, groups))
+
+
+def _mc_classes(xp: Any, p: Any, uniforms: Any, groups: int) -> tuple[Any, Any]:
+    """``ggn-mc``'s ``(K, M, n)`` drawn classes and scales ``1/√m_k`` (:func:`mc_signals`)."""
     draws = int(uniforms.shape[1])
-    cum = _cumsum(xp, p)  # (n, C)
-    # The class of a draw: how many cumulative probabilities lie below the uniform
-    # (clipped: rounding can leave the last cumulative sum just below 1).
-    below = xp.astype(cum[:, None, : c - 1] <= uniforms[:, :, None], p.dtype)  # (n, S, C-1)
-    index = xp.sum(below, axis=-1)  # (n, S) float class index
-    classes = xp.astype(_arange_like(xp, c, p), p.dtype)
-    e = xp.astype(index[:, :, None] == classes[None, None, :], p.dtype) - p[:, None, :]  # (n, S, C)
     members = -(-draws // groups)
-    if members * groups > draws:  # pad to whole rounds; the padding rows are zero signals
-        e = xp.concat([e, xp.zeros_like(e[:, : members * groups - draws, :])], axis=1)
-    # Draw d = m·K + k sits at (m, k): one reshape deals the draws round-robin into groups,
-    # vectorized (a loop over draws would build thousands of ops in compiled code).
-    e = _permute(xp, xp.reshape(e, (-1, members, groups, c)), (2, 1, 0, 3))  # (K, M, n, C)
     counts = [len(range(k, draws, groups)) for k in range(groups)]
-    return xp.stack([e[k] * (1.0 / math.sqrt(counts[k])) for k in range(groups)])
+    index = _deal(xp, _draw(xp, p, uniforms), groups, members, -1.0)  # (K, M, n)
+    scale = _deal(xp, xp.ones_like(uniforms) * _group_weights(xp, counts, draws, p, math.sqrt),
+                  groups, members, 0.0)  # (K, M, n)
+    return index, scale
+
+
+def topk_signals(xp: Any, p: Any, uniforms: Any, top: int, groups: int, members: int) -> Any:
+    """``ggn-topk`` signals ``(1 + K, M, n, C)``: the top classes exactly, the rest sampled.
+
+    With ``T`` the ``k`` most probable classes of a sample (ties to the lower index) and
+    ``r = Σ_{c∉T} p_c``, ``H = diag(p) − p pᵀ = Σ_c p_c (e_c − p)(e_c − p)ᵀ`` is
+
+    * group 0 (shared by every group estimate): ``√p_c (e_c − p)`` for ``c ∈ T``, exact;
+    * group ``k >= 1``: its ``m_k`` draws ``c̃ ~ p_c / r`` over ``c ∉ T``, each
+      ``√(r / m_k) (e_c̃ − p)``, whose squares have expectation
+      ``Σ_{c∉T} p_c (e_c − p)(e_c − p)ᵀ``: unbiased, with variance that vanishes as the
+      top classes hold the mass (a confident model) and does not grow with ``C``.
+
+    Args:
+        xp: Array namespace.
+        p: ``(n, C)`` softmax probabilities.
+        uniforms: ``(n, S)`` uniforms of :func:`normflat.engine.random.sample_uniforms`
+            in ``p``'s namespace and dtype (draw ``d`` belongs to group ``d mod K``).
+        top: ``k`` (clipped to ``C``).
+        groups: ``K``.
+        members: ``M``: signals per group; shorter groups are zero-padded.
+    """
+    return _class_signals(xp, p, *_topk_classes(xp, p, uniforms, top, groups, members))
+
+
+def _topk_classes(xp: Any, p: Any, uniforms: Any, top: int, groups: int, members: int) -> tuple[Any, Any]:
+    """``ggn-topk``'s ``(1 + K, M, n)`` classes and scales (:func:`topk_signals`)."""
+    c = int(p.shape[1])
+    k = min(top, c)
+    draws = int(uniforms.shape[1])
+    classes = xp.astype(_arange_like(xp, c, p), p.dtype)[None, :]
+    remaining = p
+    chosen = xp.zeros_like(p)
+    top_index, top_scale = [], []
+    for _ in range(k):
+        # The first most probable class not chosen yet (chosen ones are set to -1 < any p).
+        best = xp.max(remaining, axis=-1, keepdims=True)
+        index = xp.min(xp.where(remaining == best, classes, xp.ones_like(p) * c), axis=-1, keepdims=True)
+        e = xp.astype(classes == index, p.dtype)
+        top_index.append(index[:, 0])
+        top_scale.append(xp.sqrt(xp.sum(p * e, axis=-1)))
+        chosen = chosen + e
+        remaining = xp.where(e > 0, -xp.ones_like(p), remaining)
+    rest = p * (1 - chosen)
+    r = xp.sum(rest, axis=-1, keepdims=True)  # (n, 1)
+    none = top_index[0] * 0 - 1  # (n,) class -1: a padding slot
+    zero = top_scale[0] * 0
+    top_index += [none] * (members - k)
+    top_scale += [zero] * (members - k)
+    counts = [len(range(g, draws, groups)) for g in range(groups)]
+    inv = _group_weights(xp, counts, draws, p, lambda m: m)  # (S,): 1/m_k of each draw's group
+    index = xp.concat([xp.stack(top_index)[None], _deal(xp, _draw(xp, rest, uniforms), groups, members, -1.0)],
+                      axis=0)  # (1 + K, M, n)
+    scale = xp.concat([xp.stack(top_scale)[None], _deal(xp, xp.sqrt(r * inv), groups, members, 0.0)], axis=0)
+    return index, scale
+
+
+def signal_slots(options: AnalysisOptions, num_classes: int) -> list[tuple[int, int]]:
+    """The ``(group, member)`` slots of the ``(K', M)`` signal layout that hold real signals.
+
+    The others are zero padding; a backend may skip them (each would cost one
+    back-propagation and add nothing). ``ggn``: all ``C − 1``; ``ggn-mc``: draw ``d`` is
+    member ``d // K`` of group ``d mod K``; ``ggn-topk``: group 0's ``min(k, C)`` exact
+    signals, then the draws of groups ``1..K`` as for ``ggn-mc``.
+    """
+    m = options.signals_per_group(num_classes)
+    if options.estimator == "ggn":
+        return [(0, j) for j in range(m)]
+    assert options.samples is not None
+    k, samples = options.groups, options.samples
+    slots = []
+    if options.estimator == "ggn-topk":
+        assert options.top_classes is not None
+        slots = [(0, j) for j in range(min(options.top_classes, num_classes))]
+    offset = 1 if options.shared_group else 0
+    for g in range(k):
+        for j in range(m):
+            if g + j * k < samples:
+                slots.append((g + offset, j))
+    return slots
 
 
 def pull_back(xp: Any, signals: Any, zhat: Any, sigma: Any, temperature: float) -> Any:
@@ -195,12 +325,57 @@ def pull_back(xp: Any, signals: Any, zhat: Any, sigma: Any, temperature: float) 
     return (temperature / sigma) * (centred - zhat * proj)
 
 
+def logit_hessian_diagonal(xp: Any, logits: Any, options: AnalysisOptions) -> Any:
+    """``(n, C)`` diagonal of the loss Hessian in the raw logits, in ``O(C)`` per sample.
+
+    ``ce``: ``p − p²``. ``nsce``: the diagonal of ``J H J`` with ``H = diag(p) − p pᵀ``
+    at the normalized logits and the symmetric normalization Jacobian
+    ``J = a (I − (1 + ẑ ẑᵀ)/C)``, ``a = τ/σ`` (:func:`pull_back`):
+    ``(JHJ)_ii = Σ_c J_ic² p_c − (Σ_c J_ic p_c)²`` with
+    ``Σ_c J_ic² p_c = a² [p_i − 2 p_i (1 + ẑ_i²)/C + (1 + 2 ẑ_i μ₁ + ẑ_i² μ₂)/C²]``,
+    ``Σ_c J_ic p_c = a [p_i − (1 + ẑ_i μ₁)/C]``, ``μ_r = Σ_c p_c ẑ_c^r``.
+    """
+    if options.loss == "nsce":
+        u, zhat, sigma = normalize_logits(xp, logits, options.temperature)
+    else:
+        u = logits
+    p = _softmax(xp, u)
+    if options.loss != "nsce":
+        return p - p * p
+    c = float(logits.shape[-1])
+    a = options.temperature / sigma
+    mu1 = xp.sum(p * zhat, axis=-1, keepdims=True)
+    mu2 = xp.sum(p * zhat * zhat, axis=-1, keepdims=True)
+    second = p - 2 * p * (1 + zhat * zhat) / c + (1 + 2 * zhat * mu1 + zhat * zhat * mu2) / (c * c)
+    first = p - (1 + zhat * mu1) / c
+    d = a * a * (second - first * first)
+    return xp.where(d > 0, d, xp.zeros_like(d))  # rounding; the exact value is >= 0 (H is PSD)
+
+
+def diagonal_signals(xp: Any, logits: Any, options: AnalysisOptions) -> Any:
+    """``(K', 1, n, C)``: one signal per sample whose square is the logit-Hessian diagonal.
+
+    For a layer whose output *is* the logits (a dense classification head), the sums
+    of squared per-sample gradients depend on the signals only through
+    ``Σ_m s_m ⊙ s_m`` per output unit, which is the diagonal of the loss Hessian in
+    the logits for the exact factor; ``√diag`` in the shared group 0 (zeros in the
+    sampled groups) therefore gives that layer its exact GGN diagonal at the cost of
+    one signal, whatever the estimator's draws (``ggn-topk``, method §6.2).
+    """
+    root = xp.sqrt(logit_hessian_diagonal(xp, logits, options))[None, None]
+    if options.state_groups == 1:
+        return root
+    return xp.concat([root] + [xp.zeros_like(root)] * (options.state_groups - 1), axis=0)
+
+
 def output_signals(xp: Any, logits: Any, options: AnalysisOptions, uniforms: Any = None) -> Any:
-    """GGN signals ``(K, M, n, C)`` at the raw logits of one chunk.
+    """GGN signals ``(K', M, n, C)`` at the raw logits of one chunk.
 
     ``Σ_{m} s_{k,m,i} s_{k,m,i}ᵀ`` is, for each sample ``i`` and group ``k``, the
-    loss Hessian in the logits (``ggn``: exactly, ``K = 1``, ``M = C − 1``) or an
-    unbiased estimate of it (``ggn-mc``: ``uniforms`` of shape ``(n, samples)``).
+    loss Hessian in the logits (``ggn``: exactly, ``K' = 1``, ``M = C − 1``) or an
+    unbiased estimate of it (``ggn-mc``: ``uniforms`` of shape ``(n, samples)``);
+    ``ggn-topk``: ``K' = 1 + K``, group 0 the exact part shared by the ``K`` others
+    (:func:`topk_signals`). ``M`` is :meth:`AnalysisOptions.signals_per_group`.
     """
     if options.loss == "nsce":
         u, zhat, sigma = normalize_logits(xp, logits, options.temperature)
@@ -211,15 +386,125 @@ def output_signals(xp: Any, logits: Any, options: AnalysisOptions, uniforms: Any
         sig = ggn_factor(xp, p)[None]
     else:
         if uniforms is None:
-            raise ValueError("ggn-mc needs the uniforms of normflat.engine.random.sample_uniforms.")
-        sig = mc_signals(xp, p, uniforms, options.groups)
+            raise ValueError(f"{options.estimator} needs the uniforms of normflat.engine.random.sample_uniforms.")
+        if options.estimator == "ggn-topk":
+            assert options.top_classes is not None
+            sig = topk_signals(xp, p, uniforms, options.top_classes, options.groups,
+                               options.signals_per_group(int(p.shape[-1])))
+        else:
+            sig = mc_signals(xp, p, uniforms, options.groups)
     if options.loss == "nsce":
         sig = pull_back(xp, sig, zhat, sigma, options.temperature)
     return sig
 
 
+@dataclass
+class Factor:
+    """GGN signals in structured form: ``s = scale · e_index + Σ_j coefs_j · vectors_j``.
+
+    Every estimator's signals at the logits are a scaled class indicator plus
+    combinations of a few per-sample vectors (``p``; the Householder column ``S v``
+    of :func:`ggn_factor`; for ``nsce`` also ``1`` and ``ẑ``). Through a dense head
+    ``z = W a`` the signals at its input are then
+    ``Wᵀ s = scale · W[index] + Σ_j coefs_j · (Wᵀ vectors_j)``: one row gather per
+    signal and one matmul per vector, ``O(C d)`` per sample instead of the ``O(C² d)``
+    of pushing ``C − 1`` dense signals through ``W`` (method §6.2).
+
+    Attributes:
+        index: ``(K', M, n)`` class of each signal (float; ``-1`` with scale 0: padding).
+        scale: ``(K', M, n)``.
+        vectors: Per-sample ``(n, C)`` vectors shared by every signal of a sample.
+        coefs: ``(K', M, n)`` coefficient of each vector.
+    """
+
+    index: Any
+    scale: Any
+    vectors: list
+    coefs: list
+
+    def dense(self, xp: Any) -> Any:
+        """The ``(K', M, n, C)`` signals (for tests and the generic path)."""
+        c = int(self.vectors[0].shape[-1])
+        classes = xp.astype(_arange_like(xp, c, self.scale), self.scale.dtype)
+        out = self.scale[..., None] * xp.astype(self.index[..., None] == classes, self.scale.dtype)
+        for v, w in zip(self.vectors, self.coefs):
+            out = out + w[..., None] * v[None, None]
+        return out
+
+    def through(self, xp: Any, weight: Any) -> Any:
+        """``(K', M, n, d)``: the signals pulled back through a dense head of ``(C, d)`` weight.
+
+        ``weight[c]`` is the row of class ``c`` (torch's ``Linear.weight``; a Keras
+        ``Dense`` kernel is its transpose).
+        """
+        g, m, n = (int(d) for d in self.index.shape)
+        d = int(weight.shape[-1])
+        safe = xp.where(self.index >= 0, self.index, xp.zeros_like(self.index))
+        rows = xp.take(weight, xp.reshape(xp.astype(safe, xp.int64), (-1,)), axis=0)
+        out = self.scale[..., None] * xp.reshape(rows, (g, m, n, d))
+        for v, w in zip(self.vectors, self.coefs):
+            out = out + w[..., None] * (v @ weight)[None, None]
+        return out
+
+
+def _gather_rows(xp: Any, table: Any, index: Any) -> Any:
+    """``table[i, index[g, m, i]]`` for ``(n, C)`` ``table`` and ``(G, M, n)`` float ``index``
+    (``-1`` reads column 0; its scale is 0)."""
+    n, c = (int(d) for d in table.shape)
+    safe = xp.astype(xp.where(index >= 0, index, xp.zeros_like(index)), xp.int64)
+    rows = xp.reshape(xp.astype(_arange_like(xp, n, table), xp.int64), (1, 1, n))
+    return xp.reshape(xp.take(xp.reshape(table, (-1,)), xp.reshape(rows * c + safe, (-1,)), axis=0),
+                      tuple(int(d) for d in index.shape))
+
+
+def output_factor(xp: Any, logits: Any, options: AnalysisOptions, uniforms: Any = None) -> Factor:
+    """:func:`output_signals` of ``(n, C)`` logits as a :class:`Factor` (``Factor.dense`` equals it).
+
+    ``ggn``: column ``j < C − 1`` of ``S R`` is ``√p_j (e_j − p) − (2/|v|²) v_j (S v)``
+    (:func:`ggn_factor`); ``ggn-mc`` / ``ggn-topk``: ``scale (e_c − p)``; ``nsce`` pulls
+    every signal back with ``Jᵀ s = (τ/σ)(s − s̄ − ẑ (ẑ·s)/C)``, which adds the vectors
+    ``1`` and ``ẑ``.
+    """
+    c = int(logits.shape[-1])
+    if options.loss == "nsce":
+        u, zhat, sigma = normalize_logits(xp, logits, options.temperature)
+    else:
+        u = logits
+    p = _softmax(xp, u)
+    if options.estimator == "ggn":
+        root = xp.sqrt(p)
+        last = xp.astype(_arange_like(xp, c, p) == c - 1, p.dtype)
+        v = root + last[None, :]
+        sv = root * v - p * xp.sum(root * v, axis=-1, keepdims=True)
+        alpha = 2 / xp.sum(v * v, axis=-1)  # (n,)
+        first = _permute(xp, root[:, : c - 1], (1, 0))[None]  # (1, C-1, n)
+        index = xp.astype(_arange_like(xp, c - 1, p), p.dtype)[None, :, None] + xp.zeros_like(first)
+        scale = first
+        vectors = [p, sv]
+        coefs = [-first, -alpha[None, None, :] * _permute(xp, v[:, : c - 1], (1, 0))[None]]
+    else:
+        if uniforms is None:
+            raise ValueError(f"{options.estimator} needs the uniforms of normflat.engine.random.sample_uniforms.")
+        if options.estimator == "ggn-topk":
+            assert options.top_classes is not None
+            index, scale = _topk_classes(xp, p, uniforms, options.top_classes, options.groups,
+                                         options.signals_per_group(c))
+        else:
+            index, scale = _mc_classes(xp, p, uniforms, options.groups)
+        vectors, coefs = [p], [-scale]
+    if options.loss == "nsce":
+        a = (options.temperature / sigma)[:, 0]  # (n,)
+        total = scale + sum(w * xp.sum(v, axis=-1)[None, None] for v, w in zip(vectors, coefs))
+        dot = scale * _gather_rows(xp, zhat, index) + sum(
+            w * xp.sum(v * zhat, axis=-1)[None, None] for v, w in zip(vectors, coefs))
+        scale = a * scale
+        coefs = [a * w for w in coefs] + [-a * total / c, -a * dot / c]
+        vectors = vectors + [xp.ones_like(zhat), zhat]
+    return Factor(index, scale, vectors, coefs)
+
+
 def token_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, uniforms: Any = None,
-                  tokens: tuple[int, int] | None = None) -> Any:
+                  tokens: tuple[int, int] | None = None, diagonal: bool = False) -> Any:
     """GGN signals ``(K, M·W, n, T, C)`` of token logits ``(n, T, C)`` (method §6.3).
 
     The loss Hessian of one sequence is block-diagonal over its tokens, so its
@@ -238,6 +523,8 @@ def token_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, 
             so that a backend can bound memory by taking a few tokens at a time;
             ``None``: every token (``W = T``). Each token's signals depend on its own
             logits and uniforms only, so the blocks together are the whole factor.
+        diagonal: Place :func:`diagonal_signals` (``M = 1``) instead, for a layer whose
+            output is the logits.
     """
     n, t, c = (int(d) for d in logits.shape)
     lo, hi = tokens if tokens is not None else (0, t)
@@ -246,7 +533,7 @@ def token_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, 
     if uniforms is not None:
         draws = int(uniforms.shape[1]) // t
         uniforms = xp.reshape(uniforms[:, lo * draws:hi * draws], (n * w, draws))
-    sig = output_signals(xp, rows, options, uniforms)  # (K, M, n·W, C)
+    sig = diagonal_signals(xp, rows, options) if diagonal else output_signals(xp, rows, options, uniforms)
     k, m = int(sig.shape[0]), int(sig.shape[1])
     sig = xp.reshape(sig, (k, m, n, w, c)) * counted[None, None, :, lo:hi, None]
     sig = _permute(xp, sig, (0, 1, 3, 2, 4))  # (K, M, W, n, C)

@@ -7,25 +7,31 @@ means the same thing and a bad value gets the same error whatever the model.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Iterator, TypeVar
 
 __all__ = [
     "ESTIMATORS",
+    "GGN_ESTIMATORS",
     "LOSSES",
     "ON_UNSUPPORTED",
     "NSCE_EPS",
     "DEFAULT_SAMPLES",
+    "DEFAULT_TOP_CLASSES",
     "MAX_GROUPS",
     "AnalysisOptions",
     "validate_options",
+    "resolve_estimator",
     "validate_solver_options",
     "progress_bar",
     "limited",
 ]
 
-#: Hessian-diagonal estimators (method §6).
-ESTIMATORS = ("ggn", "ggn-mc", "hutchinson", "exact")
+#: Hessian-diagonal estimators (method §6); ``"auto"`` is resolved per model by
+#: :func:`resolve_estimator` once the number of classes is known.
+ESTIMATORS = ("auto", "ggn", "ggn-topk", "ggn-mc", "hutchinson", "exact")
+#: The estimators that back-propagate signals from the logits (GGN family).
+GGN_ESTIMATORS = ("auto", "ggn", "ggn-topk", "ggn-mc")
 #: Built-in losses (method §7): normalized softmax cross-entropy and plain cross-entropy.
 LOSSES = ("nsce", "ce")
 #: What to do with a layer that has parameters but no registered extractor.
@@ -33,9 +39,14 @@ ON_UNSUPPORTED = ("error", "warn", "skip")
 #: ε of the normalized softmax cross-entropy (method §7).
 NSCE_EPS = 1e-12
 #: Default number of probes / Monte-Carlo draws of the stochastic estimators.
-DEFAULT_SAMPLES = {"ggn-mc": 1, "hutchinson": 100}
+DEFAULT_SAMPLES = {"ggn-mc": 1, "hutchinson": 100, "ggn-topk": 10}
+#: Default classes of each sample whose curvature ``ggn-topk`` takes exactly (method §6.2).
+DEFAULT_TOP_CLASSES = 2
 #: At most this many independent group estimates are kept for standard errors.
 MAX_GROUPS = 10
+#: ``ggn-topk`` keeps fewer: each group costs one more sum of squares per layer, which at
+#: many classes costs as much as the draws themselves (method §6.2).
+TOPK_MAX_GROUPS = 5
 
 T = TypeVar("T")
 
@@ -46,9 +57,14 @@ class AnalysisOptions:
 
     Attributes:
         loss: ``"nsce"``, ``"ce"`` or a callable ``(logits, y) -> mean loss``.
-        estimator: One of :data:`ESTIMATORS`.
-        samples: Probes (hutchinson) or label draws per input (ggn-mc); ``None``
-            for the deterministic estimators.
+        estimator: One of :data:`ESTIMATORS`; ``"auto"`` until a backend knows the
+            number of classes and calls :func:`resolve_estimator`.
+        samples: Probes (hutchinson), label draws per input (ggn-mc), or draws of
+            the classes outside the top ones (ggn-topk); ``None`` for the
+            deterministic estimators.
+        top_classes: ``ggn-topk`` (and ``auto``): classes of each sample (or token)
+            whose curvature is taken exactly, the most probable ones; ``None`` for
+            the other estimators.
         seed: Seed of the stochastic estimators.
         max_batches: Use at most this many batches of the data (``None``: all).
         progress: Show a tqdm progress bar over batches.
@@ -69,6 +85,7 @@ class AnalysisOptions:
     estimator: str = "ggn"
     samples: int | None = None
     seed: int = 0
+    top_classes: int | None = None
     max_batches: int | None = None
     progress: bool = True
     on_unsupported: str = "warn"
@@ -87,7 +104,7 @@ class AnalysisOptions:
     @property
     def stochastic(self) -> bool:
         """Whether the estimator draws random probes or labels."""
-        return self.estimator in ("ggn-mc", "hutchinson")
+        return self.estimator in ("ggn-mc", "ggn-topk", "hutchinson")
 
     @property
     def groups(self) -> int:
@@ -98,7 +115,46 @@ class AnalysisOptions:
         """
         if not self.stochastic or self.samples is None or self.samples < 2:
             return 1
-        return min(self.samples, MAX_GROUPS)
+        return min(self.samples, TOPK_MAX_GROUPS if self.estimator == "ggn-topk" else MAX_GROUPS)
+
+    @property
+    def shared_group(self) -> bool:
+        """Whether the sums hold one more group, shared by all ``K`` (``ggn-topk``'s exact part).
+
+        The estimate of group ``k`` is then ``shared + sampled_k`` (method §6.2): the
+        exact top-class curvature is computed once, not once per group.
+        """
+        return self.estimator == "ggn-topk"
+
+    @property
+    def state_groups(self) -> int:
+        """Leading size of every per-layer sum: ``K``, or ``1 + K`` with a shared group."""
+        return self.groups + (1 if self.shared_group else 0)
+
+    @property
+    def draws(self) -> int:
+        """Uniforms per sample (per token of token logits) the estimator consumes."""
+        if self.estimator in ("ggn-mc", "ggn-topk"):
+            assert self.samples is not None
+            return self.samples
+        return 0
+
+    def signals_per_group(self, num_classes: int) -> int:
+        """``M``: back-propagated signals per sum group (per token), padding included.
+
+        ``ggn``: ``C − 1``; ``ggn-mc``: ``⌈S/K⌉``; ``ggn-topk``: ``max(min(k, C), ⌈S/K⌉)``
+        (group 0 holds the ``min(k, C)`` exact signals, groups ``1..K`` the draws; shorter
+        groups are padded with zero signals, see :func:`normflat.engine.losses.signal_slots`).
+        """
+        if self.estimator == "ggn":
+            return max(num_classes - 1, 1)
+        if self.estimator == "ggn-mc":
+            assert self.samples is not None
+            return -(-self.samples // self.groups)
+        if self.estimator == "ggn-topk":
+            assert self.samples is not None and self.top_classes is not None
+            return max(min(self.top_classes, num_classes), -(-self.samples // self.groups))
+        raise ValueError(f"estimator {self.estimator!r} back-propagates no output signals")
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -113,9 +169,10 @@ def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
 def validate_options(
     *,
     loss: Any = "nsce",
-    estimator: str = "ggn",
+    estimator: str = "auto",
     samples: int | None = None,
     seed: int = 0,
+    top_classes: int | None = None,
     max_batches: int | None = None,
     progress: bool = True,
     on_unsupported: str = "warn",
@@ -142,7 +199,7 @@ def validate_options(
         raise ValueError(
             f"Unknown estimator {estimator!r}; choose one of {', '.join(map(repr, ESTIMATORS))}."
         )
-    if callable(loss) and estimator in ("ggn", "ggn-mc"):
+    if callable(loss) and estimator in GGN_ESTIMATORS:
         raise ValueError(
             f"estimator={estimator!r} needs the Hessian of the loss with respect to the logits, "
             "which normflat knows only for the built-in losses 'nsce' and 'ce'. With a custom "
@@ -154,12 +211,21 @@ def validate_options(
             f"{', '.join(map(repr, ON_UNSUPPORTED))}."
         )
     _positive_int("samples", samples, allow_none=True)
-    if samples is not None and estimator not in DEFAULT_SAMPLES:
+    if samples is not None and estimator not in DEFAULT_SAMPLES and estimator != "auto":
         raise ValueError(
             f"samples={samples} has no meaning for the deterministic estimator {estimator!r}; "
-            "samples sets the probes of 'hutchinson' or the label draws of 'ggn-mc'. Drop samples, "
-            "or choose one of those estimators."
+            "samples sets the probes of 'hutchinson', the label draws of 'ggn-mc' or the draws of "
+            "'ggn-topk' (and 'auto'). Drop samples, or choose one of those estimators."
         )
+    _positive_int("top_classes", top_classes, allow_none=True)
+    if top_classes is not None and estimator not in ("ggn-topk", "auto"):
+        raise ValueError(
+            f"top_classes={top_classes} has no meaning for estimator={estimator!r}; it sets the classes "
+            "whose curvature 'ggn-topk' (and 'auto') takes exactly. Drop it, or pass estimator='ggn-topk'."
+        )
+    if estimator in ("ggn-topk", "auto"):
+        samples = DEFAULT_SAMPLES["ggn-topk"] if samples is None else samples
+        top_classes = DEFAULT_TOP_CLASSES if top_classes is None else top_classes
     if estimator in DEFAULT_SAMPLES and samples is None:
         samples = DEFAULT_SAMPLES[estimator]
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -193,6 +259,7 @@ def validate_options(
         estimator=estimator,
         samples=samples,
         seed=seed,
+        top_classes=top_classes,
         max_batches=max_batches,
         progress=bool(progress),
         on_unsupported=on_unsupported,
@@ -201,6 +268,24 @@ def validate_options(
         output=output,
         shift_labels=shift_labels,
     )
+
+
+def resolve_estimator(options: AnalysisOptions, num_classes: int) -> AnalysisOptions:
+    """The concrete estimator of ``estimator="auto"`` for a model with ``num_classes`` classes.
+
+    ``auto`` is the exact ``ggn`` when its ``C − 1`` signals are at most twice the
+    ``K'·M`` signals of ``ggn-topk`` (which also forms ``K'`` sums of squares per layer
+    instead of one; with the defaults, ``C <= 25``), and ``ggn-topk`` otherwise, whose
+    cost does not grow with ``C`` and whose standard errors are reported (method §6.2).
+    Other estimators are returned unchanged.
+    """
+    if options.estimator != "auto":
+        return options
+    assert options.samples is not None and options.top_classes is not None
+    topk = replace(options, estimator="ggn-topk")
+    if num_classes - 1 <= 2 * topk.state_groups * topk.signals_per_group(num_classes):
+        return replace(options, estimator="ggn", samples=None, top_classes=None)
+    return topk
 
 
 def validate_solver_options(tol: Any, max_iter: Any) -> None:

@@ -22,9 +22,10 @@ __all__ = ["LayerSpec", "ParameterStatus", "build_problems", "build_metadata", "
 #: ``loss_terms`` is what the mean loss averages over (samples, or counted tokens);
 #: ``excluded`` maps each parameter that is not a weight matrix by definition to the
 #: reason (method §3); ``coverage`` is the analyzed fraction of the weight-matrix
-#: entries (:func:`coverage`).
+#: entries (:func:`coverage`). ``estimator`` is the one used: ``"auto"`` is recorded as
+#: the estimator it resolved to.
 METADATA_KEYS = (
-    "framework", "framework_version", "loss", "estimator", "samples", "seed", "temperature",
+    "framework", "framework_version", "loss", "estimator", "samples", "top_classes", "seed", "temperature",
     "examples", "batches", "dtype", "device", "world_size", "unsupported", "chunk_size",
     "memory_budget", "backend", "loss_terms", "excluded", "coverage",
 )
@@ -181,6 +182,7 @@ def build_metadata(framework: str, framework_version: str, options: AnalysisOpti
         "loss": options.loss_name,
         "estimator": options.estimator,
         "samples": options.samples,
+        "top_classes": options.top_classes,
         "seed": options.seed if options.stochastic else None,
         "temperature": options.temperature if options.loss == "nsce" else None,
         "examples": int(examples),

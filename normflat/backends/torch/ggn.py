@@ -327,6 +327,7 @@ class Capture:
         self.inputs: dict[int, torch.Tensor] = {}
         self.versions: dict[int, int] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.live_inputs: dict[int, torch.Tensor] = {}  # not detached: a head's input starts a backward
         self.extras: dict[int, tuple[tuple, dict]] = {}
         self.calls: dict[int, int] = {}
         self.active = True  # off while the generic path runs the model
@@ -343,6 +344,7 @@ class Capture:
                 return None
             a = args[0].detach()
             self.inputs[key] = a
+            self.live_inputs[key] = args[0]
             self.versions[key] = compat.tensor_version(a)
             self.outputs[key] = output
             self.extras[key] = (tuple(args[1:]), dict(kwargs))
@@ -358,6 +360,7 @@ class Capture:
 
     def reset(self) -> None:
         self.inputs.clear(), self.versions.clear(), self.outputs.clear(), self.calls.clear()
+        self.live_inputs.clear()
         self.extras.clear()
 
     def remove(self) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 from normflat.backends.torch import compat
 from normflat.backends.torch.ggn import (
     conv_squares, conv_transpose_squares, embedding_bag_squares, embedding_squares, linear_squares)
-from normflat.engine.options import AnalysisOptions
+from normflat.engine.options import GGN_ESTIMATORS, AnalysisOptions
 from normflat.engine.problems import LayerSpec, ParameterStatus
 from normflat.engine.registry import IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table
 
@@ -451,7 +451,7 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
     hf.register_known_layers()
     # Packed projections only their parent knows about (GPT-2's c_attn, timm's qkv).
     packed = hf.packed_blocks(model)
-    walk = _Walk(model, options.estimator in ("ggn", "ggn-mc"), use_fast)
+    walk = _Walk(model, options.estimator in GGN_ESTIMATORS, use_fast)
     skip_prefixes: list[str] = []
     for name, module in model.named_modules():
         if any(name == p or name.startswith(p + ".") for p in skip_prefixes):

@@ -29,7 +29,7 @@ from normflat.engine import losses
 from normflat.engine import random as nrandom
 from normflat.engine.data import Batch, labels_for
 from normflat.engine.estimators import SumState
-from normflat.engine.options import AnalysisOptions
+from normflat.engine.options import GGN_ESTIMATORS, AnalysisOptions, resolve_estimator
 from normflat.engine.outputs import select_output
 
 __all__ = ["Settings", "parse_settings", "TorchSession", "BACKEND_OPTIONS", "DEFAULT_MAX_EXACT_PARAMS",
@@ -132,7 +132,7 @@ class TorchSession:
                     f"{self.settings.max_exact_params}. Use estimator='ggn' or 'hutchinson', or pass force=True "
                     "(or a larger max_exact_params) to run it anyway."
                 )
-        self.ggn = est in ("ggn", "ggn-mc")
+        self.ggn = est in GGN_ESTIMATORS
         self.chunk: int | None = self.settings.chunk_size
         self.checked = False
         self.batched = False
@@ -202,7 +202,7 @@ class TorchSession:
     def zeros(self, layer: int) -> torch.Tensor:
         """``(K, *shape)`` zeros of a layer the loss never reached."""
         p = self._layers[layer].param
-        return torch.zeros((self.options.groups, *p.shape), dtype=p.dtype, device=p.device)
+        return torch.zeros((self.options.state_groups, *p.shape), dtype=p.dtype, device=p.device)
 
     def all_finite(self, array: Any) -> bool:
         """Whether a tensor is finite."""
@@ -318,17 +318,11 @@ class TorchSession:
                                       self.options.groups, self.settings.probe_chunk, state)
         return terms
 
-    # ------------------------------------------------------------------ ggn, ggn-mc
+    # ------------------------------------------------------------------ ggn, ggn-topk, ggn-mc
 
     def _signals_per_sample(self, c: int, tokens: int) -> int:
-        """Back-propagated signals per sample: per token, ``C − 1`` (ggn) or the drawn ones."""
-        if self.options.estimator == "ggn":
-            per_token = max(c - 1, 1)
-        else:
-            k = self.options.groups
-            assert self.options.samples is not None
-            per_token = k * -(-self.options.samples // k)
-        return per_token * tokens
+        """Back-propagated signals per sample: per token, ``K' · M`` (padding included)."""
+        return self.options.state_groups * self.options.signals_per_group(c) * tokens
 
     def _choose_chunk(self, logits: torch.Tensor, rows: int, c: int) -> int:
         """Samples per GGN step: bound the signal rows back-propagated at once."""
@@ -367,8 +361,11 @@ class TorchSession:
         self.checked = True
 
     def _signal_blocks(self, logits: torch.Tensor, counted: torch.Tensor | None,
-                       uniforms: torch.Tensor | None) -> Iterator[torch.Tensor]:
+                       uniforms: torch.Tensor | None, diagonal: bool = False) -> Iterator[torch.Tensor]:
         """The GGN signals of a chunk, in blocks ``(K, M', rows, *logits.shape[1:])``.
+
+        ``diagonal``: the one-signal :func:`~normflat.engine.losses.diagonal_signals` of a
+        dense head whose output is the logits, instead of the estimator's signals.
 
         ``(n, C)`` logits: one block from :func:`~normflat.engine.losses.output_signals`.
         Token logits ``(n, T, C)``: the signals of :func:`~normflat.engine.losses.token_signals`
@@ -378,18 +375,21 @@ class TorchSession:
         """
         z = logits
         if z.dim() == 2:
-            yield losses.output_signals(_XP, z, self.options, uniforms)  # (K, M, rows, C)
+            if diagonal:
+                yield losses.diagonal_signals(_XP, z, self.options)  # (K', 1, rows, C)
+            else:
+                yield losses.output_signals(_XP, z, self.options, uniforms)  # (K', M, rows, C)
             return
         assert counted is not None
         n, t, c = z.shape
-        k = self.options.groups
-        m = self._signals_per_sample(c, 1) // k  # signals per token and group
+        k = self.options.state_groups
+        m = 1 if diagonal else self.options.signals_per_group(c)  # signals per token and group
         per_token = k * m * n * t * c
         step = max(1, min(t, TOKEN_SIGNAL_ENTRIES // max(per_token, 1),
                           DEFAULT_SIGNAL_ROWS // max(m * n, 1)))
         for start in range(0, t, step):
             yield losses.token_signals(_XP, z, self.options, counted, uniforms,
-                                       tokens=(start, min(t, start + step)))
+                                       tokens=(start, min(t, start + step)), diagonal=diagonal)
 
     def _ggn_update(self, batch: Batch, xs: ModelInputs, state: SumState) -> int | None:
         n = batch.n
@@ -405,6 +405,8 @@ class TorchSession:
             cap.reset()
             logits = self._pick(xc.call(self.model))
             c = self._check_logits(logits, batch, rows)
+            if self.options.estimator == "auto":
+                self.options = resolve_estimator(self.options, c)
             if ids is None:
                 # The data contract: labels in range. The GGN uses the labels of token logits only,
                 # for the counted tokens.
@@ -428,9 +430,8 @@ class TorchSession:
                     )
                 counted = (ids[sl] >= 0).to(logits.dtype)
             uniforms = None
-            if self.options.estimator == "ggn-mc":
-                assert self.options.samples is not None
-                draws = self.options.samples * (tokens or 1)
+            if self.options.draws:
+                draws = self.options.draws * (tokens or 1)
                 u = nrandom.sample_uniforms(self.options.seed, self.rank, batch.offset + start, rows, draws)
                 uniforms = torch.from_numpy(u).to(device=logits.device, dtype=logits.dtype)
             fast = [layer for layer in self._layers if layer.fast]
@@ -447,6 +448,25 @@ class TorchSession:
                     layer.disable_fast("output broadcast over the batch")
             fast = [layer for layer in fast if layer.fast]
             z = logits.detach()
+            heads = self._heads(logits, fast)
+            if heads:
+                # A dense head's squares need only the diagonal of the logit Hessian: exact at the
+                # cost of one signal (method §6.2), with nothing to back-propagate.
+                for sig in self._signal_blocks(z, counted, None, diagonal=True):
+                    self._head_squares(sig, heads, state)
+                fast = [layer for layer in fast if layer not in heads]
+                if fast and len(heads) == 1 and z.dim() == 2:
+                    # The other layers' signals start at the head's input, pulled back through the
+                    # head in structured form: O(C·d) per sample, not O(C²·d) (losses.Factor).
+                    head = heads[0]
+                    start = cap.live_inputs[id(head)]
+                    if start.requires_grad:
+                        weight = head.module.weight.detach()
+                        if head.ext.ggn_squares is ggn_kernels.transposed_linear_squares:
+                            weight = weight.t()
+                        factor = losses.output_factor(_XP, z, self.options, uniforms)
+                        self._fast_squares(start, factor.through(_XP, weight), fast, state)
+                        fast = []
             if fast:
                 for sig in self._signal_blocks(z, counted, uniforms):
                     self._fast_squares(logits, sig, fast, state)
@@ -466,6 +486,30 @@ class TorchSession:
                 finally:
                     cap.active = True
         return terms
+
+    def _heads(self, logits: torch.Tensor, fast: list[TorchLayer]) -> list[TorchLayer]:
+        """``ggn``/``ggn-topk``: the fast dense layers whose output tensor is the logits themselves."""
+        if self.options.estimator not in ("ggn", "ggn-topk"):
+            return []
+        assert self.capture is not None
+        dense = (ggn_kernels.linear_squares, ggn_kernels.transposed_linear_squares)
+        return [layer for layer in fast
+                if layer.ext.ggn_squares in dense and _is_logits(self.capture.outputs.get(id(layer)), logits)]
+
+    def _head_squares(self, sig: torch.Tensor, heads: list[TorchLayer], state: SumState) -> None:
+        """Squares of the head layers from signals at the logits (their output gradients)."""
+        assert self.capture is not None
+        k, m = sig.shape[:2]
+        # Only the shared group 0 is non-zero: square it alone, the sampled groups get zeros.
+        parts = list(sig[0].unbind(0))
+        for layer in heads:
+            rule = layer.ext.ggn_squares
+            assert rule is not None
+            value = rule(layer.module, self.capture.inputs[id(layer)], ggn_kernels.Deltas(list(parts), 1, m))
+            value = value.detach()
+            if k > 1:
+                value = torch.cat([value, value.new_zeros((k - 1, *value.shape[1:]))])
+            state.add(self._index[id(layer)], value)
 
     def _fast_squares(self, logits: torch.Tensor, sig: torch.Tensor, fast: list[TorchLayer],
                       state: SumState) -> None:
@@ -493,6 +537,17 @@ class TorchSession:
                 layer.disable_fast(str(why))
                 continue
             state.add(self._index[id(layer)], value.detach())
+
+
+def _is_logits(output: torch.Tensor | None, logits: torch.Tensor) -> bool:
+    """Whether a captured layer output is the logits (the capture hook hands on a clone)."""
+    if output is None:
+        return False
+    if output is logits:
+        return True
+    fn = logits.grad_fn
+    return (fn is not None and output.grad_fn is not None and compat.graph_node_name(fn) == "CloneBackward0"
+            and fn.next_functions[0][0] is output.grad_fn)
 
 
 def _is_tensor(a: Any) -> bool:
