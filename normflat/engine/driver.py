@@ -30,7 +30,7 @@ from normflat.engine import distributed
 from normflat.engine import estimators
 from normflat.engine.data import Batch, DataAdapter
 from normflat.engine.distributed import Comm
-from normflat.engine.options import AnalysisOptions, progress_bar
+from normflat.engine.options import AnalysisOptions, adopt_estimator, progress_bar
 from normflat.engine.problems import LayerSpec, build_metadata, build_problems, split_diagonals
 
 __all__ = ["Session", "Result", "run", "layer_problems", "hessian_diagonal"]
@@ -113,8 +113,10 @@ def _loop(session: Session, data: Any, options: AnalysisOptions, state: estimato
         if comm is None:
             raise
         batches, total = _raising(err), None
-    bar = progress_bar(batches, enabled=options.progress and rank == 0, desc=f"normflat {options.estimator}",
-                       total=total)
+    shown = progress_bar(batches, enabled=options.progress and rank == 0, desc=f"normflat {options.estimator}",
+                         total=total)
+    bar = iter(shown)
+    named = options.estimator
     examples = count = terms = 0
     exhausted = False
     while True:
@@ -125,6 +127,10 @@ def _loop(session: Session, data: Any, options: AnalysisOptions, state: estimato
                 batch = next(bar)
                 active = True
                 added = session.update(batch, state)
+                used = getattr(session, "options", options).estimator
+                if used != named and hasattr(shown, "set_description"):
+                    named = used  # "auto" resolved on the first batch
+                    shown.set_description(f"normflat {named}")
                 examples += batch.n
                 terms += batch.n if added is None else int(added)
                 count += 1
@@ -187,6 +193,8 @@ def run(make_session: Callable[[], Session], data: Any, options: AnalysisOptions
         examples, count, terms = _loop(session, data, options, state, comm)
         extra: dict[str, Any] = {}
         if comm is not None:
+            if options.estimator == "auto":
+                _agree_on_estimator(comm, session)
             filled = [s if s is not None else session.zeros(i) for i, s in enumerate(state.sums)]
             state.sums = comm.sum_arrays(filled)
             per_rank = comm.gather(examples)
@@ -226,6 +234,18 @@ def run(make_session: Callable[[], Session], data: Any, options: AnalysisOptions
     finally:
         if session is not None:
             session.close()
+
+
+def _agree_on_estimator(comm: Comm, session: Session) -> None:
+    """A rank that saw no batch has not resolved ``"auto"``: it takes the others' estimator
+    (every rank analyzes the same model, so the resolved ones agree), so that its zero sums
+    have the same shape."""
+    used = comm.gather(getattr(session, "options", None) and session.options.estimator)
+    chosen = sorted({name for name in used if name not in ("auto", None)})
+    if len(chosen) > 1:
+        raise RuntimeError(f"the ranks resolved estimator='auto' differently: {used}")
+    if chosen and session.options.estimator == "auto":
+        session.options = adopt_estimator(session.options, chosen[0])
 
 
 def _stack(arrays: list[Any]) -> Any:

@@ -22,6 +22,7 @@ __all__ = [
     "AnalysisOptions",
     "validate_options",
     "resolve_estimator",
+    "adopt_estimator",
     "validate_solver_options",
     "progress_bar",
     "limited",
@@ -282,10 +283,20 @@ def resolve_estimator(options: AnalysisOptions, num_classes: int) -> AnalysisOpt
     if options.estimator != "auto":
         return options
     assert options.samples is not None and options.top_classes is not None
-    topk = replace(options, estimator="ggn-topk")
+    topk = adopt_estimator(options, "ggn-topk")
     if num_classes - 1 <= 2 * topk.state_groups * topk.signals_per_group(num_classes):
-        return replace(options, estimator="ggn", samples=None, top_classes=None)
+        return adopt_estimator(options, "ggn")
     return topk
+
+
+def adopt_estimator(options: AnalysisOptions, estimator: str) -> AnalysisOptions:
+    """``"auto"`` options resolved to ``estimator`` (``"ggn"`` or ``"ggn-topk"``) without the
+    number of classes: what a rank that saw no data takes from the others."""
+    if estimator == "ggn":
+        return replace(options, estimator="ggn", samples=None, top_classes=None)
+    if estimator == "ggn-topk":
+        return replace(options, estimator="ggn-topk")
+    raise ValueError(f"estimator='auto' resolves to 'ggn' or 'ggn-topk', not {estimator!r}")
 
 
 def validate_solver_options(tol: Any, max_iter: Any) -> None:
@@ -305,13 +316,17 @@ def validate_solver_options(tol: Any, max_iter: Any) -> None:
 
 def progress_bar(
     iterable: Iterable[T], *, enabled: bool, desc: str, total: int | None = None
-) -> Iterator[T]:
-    """Wrap ``iterable`` in a tqdm bar when ``enabled`` (tqdm is a core dependency)."""
+) -> Iterable[T]:
+    """Wrap ``iterable`` in a tqdm bar when ``enabled`` (tqdm is a core dependency).
+
+    The bar (when enabled) has ``set_description``, for the estimator that ``"auto"``
+    resolves to on the first batch.
+    """
     if not enabled:
-        return iter(iterable)
+        return iterable
     from tqdm.auto import tqdm
 
-    return iter(tqdm(iterable, desc=desc, total=total, unit="batch", leave=False))
+    return tqdm(iterable, desc=desc, total=total, unit="batch", leave=False)
 
 
 def limited(iterable: Iterable[T], max_batches: int | None) -> Iterator[T]:

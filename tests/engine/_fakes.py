@@ -18,6 +18,7 @@ from normflat.engine import INFINITE, LayerSpec
 from normflat.engine import data as data_contract
 from normflat.engine import losses
 from normflat.engine import random as nf_random
+from normflat.engine.options import resolve_estimator
 
 
 class Infinite:
@@ -159,8 +160,8 @@ class LinearSession:
             raise KeyboardInterrupt
         x = np.asarray(batch.x, dtype=np.float64)
         z = x @ self.w.T
-        o = self.options
-        c = losses.check_output_shape(z.shape, o, batch.index, batch.n)
+        c = losses.check_output_shape(z.shape, self.options, batch.index, batch.n)
+        self.options = o = resolve_estimator(self.options, c)
         losses.check_logit_stats(losses.logit_stats(np, z), o, batch.index, c, float(np.finfo(z.dtype).eps))
         data_contract.labels_for(batch, c, self.adapter, o)  # the GGN needs no labels, the checks do
         if o.estimator == "hutchinson":
@@ -173,15 +174,15 @@ class LinearSession:
                 contrib[nf_random.group_of(j, o.groups)] += v * hv
         else:
             uniforms = None
-            if o.estimator == "ggn-mc":
-                uniforms = nf_random.sample_uniforms(o.seed, self.rank, batch.offset, batch.n, o.samples)
+            if o.draws:
+                uniforms = nf_random.sample_uniforms(o.seed, self.rank, batch.offset, batch.n, o.draws)
             sig = losses.output_signals(np, z, o, uniforms)  # (K, M, n, C)
             contrib = np.einsum("kmnc,nd->kcd", sig**2, x**2)
         state.add(0, contrib)
 
     def zeros(self, layer):
         shape = self.w.shape if layer == 0 else self.unused_weight.shape
-        return np.zeros((self.options.groups,) + shape)
+        return np.zeros((self.options.state_groups,) + shape)
 
     def all_finite(self, array):
         return bool(np.all(np.isfinite(array)))

@@ -212,4 +212,4 @@ def test_progress_false_prints_nothing(capsys):
 def test_progress_true_shows_a_bar(capsys):
     _run(_batches([4, 4, 3]), progress=True)
     out, err = capsys.readouterr()
-    assert "normflat ggn" in out + err
+    assert "normflat ggn" in out + err  # "auto" resolved to ggn on the first batch

@@ -22,6 +22,7 @@ RNG = np.random.default_rng(42)
 
 
 def _opts(**kw):
+    kw.setdefault("estimator", "ggn")  # these tests call the signal functions of a resolved estimator
     return validate_options(progress=False, **kw)
 
 
