@@ -4,8 +4,10 @@
 applied to the user's own model family: it analyzes every checkpoint on its
 training data, measures its train and test accuracy and generalization gap
 (train accuracy minus test accuracy), and with three or more checkpoints gives
-Kendall's tau-b of each measure against the gap (the study's own
-:func:`normflat.study.stats.kendall_tau`). The checkpoints are read by
+Kendall's tau-b of each measure against the gap with its 95 % bootstrap interval
+(the study's own :func:`normflat.study.stats.kendall_tau_ci`). The granulated
+Kendall coefficient Psi of ``normflat study`` is not computed: it needs the
+hyperparameter grid of a study, and checkpoints carry no hyperparameters. The checkpoints are read by
 :func:`normflat.checkpoints.load_model`, the data by
 :func:`normflat.checkpoints.load_data`.
 
@@ -62,19 +64,23 @@ class CompareResult:
         rows: One dict per checkpoint: ``checkpoint``, ``train_accuracy``,
             ``test_accuracy``, ``gap``, the four measures, ``examples`` (analyzed)
             and ``seconds``.
-        correlations: ``{measure: {"tau": Kendall's tau-b against the gap, or None}}``
-            (``None`` with fewer than 3 checkpoints or a constant column).
+        correlations: ``{measure: {"tau": Kendall's tau-b against the gap, or None,
+            "tau_ci": [lo, hi]}}``, the interval the 95 % percentile bootstrap over
+            the checkpoints (2000 resamples, seed 0; see
+            :func:`normflat.study.stats.kendall_tau_ci`); ``None`` with fewer than
+            3 checkpoints or a constant column.
         reports: The full :class:`~normflat.Report` of each checkpoint, by name.
         settings: The analysis options and the data specifications.
     """
 
     rows: list[dict[str, Any]]
-    correlations: dict[str, dict[str, float | None]]
+    correlations: dict[str, dict[str, Any]]
     reports: dict[str, Any] = field(default_factory=dict, repr=False)
     settings: dict[str, Any] = field(default_factory=dict)
 
     def table(self) -> str:
-        """A text table: one line per checkpoint, then Kendall's tau of each measure."""
+        """A text table: one line per checkpoint, then Kendall's tau of each measure
+        with its 95 % bootstrap interval."""
         name_w = max([10] + [len(r["checkpoint"]) for r in self.rows])
         short = {"normalized_sharpness": "NS", "matrix_normalized_sharpness": "matrix NS",
                  "hessian_trace": "trace", "elementwise_bound": "elem. bound"}
@@ -89,10 +95,15 @@ class CompareResult:
         if len(self.rows) < 3:
             lines.append("Kendall's tau against the gap needs at least 3 checkpoints.")
         else:
-            lines.append("Kendall's tau (tau-b) of each measure against the generalization gap:")
+            lines.append(f"Kendall's tau (tau-b) of each measure against the generalization gap over the "
+                         f"{len(self.rows)} checkpoints [95% bootstrap interval]:")
             for m in MEASURES:
                 tau = self.correlations[m]["tau"]
-                lines.append(f"  {MEASURE_LABELS[m]:<28} {'n/a' if tau is None else f'{tau:+.3f}'}")
+                lo, hi = self.correlations[m].get("tau_ci") or (None, None)
+                text = "n/a" if tau is None else f"{tau:+.3f}"
+                if tau is not None and lo is not None and hi is not None:
+                    text += f" [{lo:+.2f}, {hi:+.2f}]"
+                lines.append(f"  {MEASURE_LABELS[m]:<28} {text}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -100,7 +111,9 @@ class CompareResult:
         return {
             "schema": SCHEMA,
             "rows": [{k: _finite_or_none(v) for k, v in r.items()} for r in self.rows],
-            "correlations": {m: {k: _finite_or_none(v) for k, v in c.items()} for m, c in self.correlations.items()},
+            "correlations": {m: {k: [_finite_or_none(x) for x in v] if isinstance(v, (list, tuple))
+                                 else _finite_or_none(v) for k, v in c.items()}
+                             for m, c in self.correlations.items()},
             "settings": self.settings,
         }
 
@@ -281,7 +294,7 @@ def compare_checkpoints(paths: str | os.PathLike | Iterable[str | os.PathLike], 
         CheckpointError: For a missing checkpoint or data, or one that cannot be loaded.
     """
     import normflat
-    from normflat.study.stats import kendall_tau
+    from normflat.study.stats import kendall_tau_ci
 
     files = expand_checkpoints(paths)
     train_data, test_data = _data(train, "train"), _data(test, "test")
@@ -309,13 +322,15 @@ def compare_checkpoints(paths: str | os.PathLike | Iterable[str | os.PathLike], 
         if echo is not None:
             echo(f"{name}: train acc {train_acc:.4f}, test acc {test_acc:.4f}, gap {row['gap']:+.4f}, "
                  f"NS {row['normalized_sharpness']:.4g}")
-    correlations: dict[str, dict[str, float | None]] = {}
+    correlations: dict[str, dict[str, Any]] = {}
     for m in MEASURES:
-        tau = None
+        tau, ci = None, [None, None]
         if len(rows) >= 3:
-            value = kendall_tau([r[m] for r in rows], [r["gap"] for r in rows])
+            value, lo, hi = kendall_tau_ci([r[m] for r in rows], [r["gap"] for r in rows],
+                                           level=0.95, resamples=2000, seed=0)
             tau = None if math.isnan(value) else value
-        correlations[m] = {"tau": tau}
+            ci = [None if math.isnan(v) else v for v in (lo, hi)]
+        correlations[m] = {"tau": tau, "tau_ci": ci}
     settings = {"estimator": estimator, "loss": options.get("loss", "nsce"),
                 **{k: v for k, v in options.items() if k not in ("progress", "estimator") and _jsonable(v)},
                 "factory": factory if isinstance(factory, str) or factory is None else getattr(factory, "__name__", "?"),

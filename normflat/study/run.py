@@ -6,8 +6,10 @@ labels, the four measures of method §4 are computed on the training data (the
 labels it was trained on), and, in the *reparametrization arm*, recomputed after
 a random function-preserving rescaling of the same model. Each measure is then
 correlated with the generalization gap (training accuracy minus test accuracy)
-by Kendall's tau and Pearson's r, before and after rescaling: a measure of the
-function keeps its tau, a measure of the parametrization loses it.
+by Kendall's tau (with a bootstrap confidence interval), the granulated Kendall
+coefficient Psi over the hyperparameter grid, and Pearson's r, before and after
+rescaling: a measure of the function keeps its tau, a measure of the
+parametrization loses it.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ import numpy as np
 from normflat.core.constants import MEASURE_LABELS, MEASURES
 from normflat.study.frameworks import FRAMEWORKS
 from normflat.study.outputs import check_output_folder, replace_outputs
-from normflat.study.stats import kendall_tau, pearson_r
+from normflat.study.stats import granulated_kendall, kendall_tau_ci, pearson_r
 
 __all__ = [
     "FRAMEWORKS",
+    "HYPERPARAMETERS",
     "MEASURE_LABELS",
     "StudyConfig",
     "StudyResult",
@@ -40,10 +43,19 @@ __all__ = [
     "correlations",
     "format_table",
     "markdown_table",
+    "psi_axes",
     "torch_loader",
 ]
 
 DEFAULT_RATIOS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+
+#: The hyperparameters every model row carries, the axes of the granulated Kendall
+#: coefficient Psi (those that take two or more values in a study). The seed is a
+#: replicate, not an axis: it is held fixed within each group of Psi.
+HYPERPARAMETERS = ("ratio", "lr", "batch_size", "weight_decay")
+REPLICATES = ("seed",)
+#: Confidence level, resamples and seed of the bootstrap interval of Kendall's tau.
+TAU_CI_LEVEL, TAU_CI_RESAMPLES, TAU_CI_SEED = 0.95, 2000, 0
 
 #: What a study wrote into its folder before folders had a manifest: replaced as a
 #: whole by the next run (see :mod:`normflat.study.outputs`).
@@ -168,10 +180,14 @@ class StudyResult:
         config: The settings (as a dict).
         rows: One dict per trained model (settings, accuracies, gap, measures,
             measures after rescaling, timings).
-        correlations: ``{arm: {measure: {"tau": ..., "pearson": ...}}}`` with arms
-            ``"trained"`` and ``"rescaled"``.
+        correlations: ``{arm: {measure: {"tau", "tau_ci", "pearson", "psi",
+            "psi_per_axis"}}}`` with arms ``"trained"`` and ``"rescaled"``; see
+            :func:`correlations`.
         environment: Versions, machine and total wall time.
         files: Paths of the files written, by role.
+        statistics: How the correlations were computed: the bootstrap settings of
+            ``tau_ci`` and the axes and replicates of ``psi`` (empty in results
+            written before these existed).
     """
 
     config: dict[str, Any]
@@ -179,6 +195,7 @@ class StudyResult:
     correlations: dict[str, dict[str, dict[str, float | None]]]
     environment: dict[str, Any] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
+    statistics: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (non-finite numbers become ``null``)."""
@@ -197,6 +214,7 @@ class StudyResult:
         return cls(
             config=data["config"], rows=data["rows"], correlations=data["correlations"],
             environment=data.get("environment", {}), files=data.get("files", {}),
+            statistics=data.get("statistics", {}),
         )
 
 
@@ -221,25 +239,95 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def correlations(rows: Sequence[dict[str, Any]], *, reparam: bool) -> dict[str, dict[str, dict[str, float | None]]]:
-    """Kendall's tau and Pearson's r of every measure against the gap, per arm."""
+def _hyperparameters(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row's hyperparameters and replicate keys (those every row carries)."""
+    keys = [k for k in (*HYPERPARAMETERS, *REPLICATES) if rows and all(k in row for row in rows)]
+    return [{k: row[k] for k in keys} for row in rows]
+
+
+def psi_axes(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The hyperparameters that take two or more values over ``rows``: the axes of Psi."""
+    return [k for k in HYPERPARAMETERS if rows and all(k in row for row in rows)
+            and len({row[k] for row in rows}) >= 2]
+
+
+def statistics_settings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What :attr:`StudyResult.statistics` records about :func:`correlations`."""
+    return {
+        "tau": "Kendall's tau-b over all models",
+        "tau_ci": {"method": "percentile bootstrap over models", "level": TAU_CI_LEVEL,
+                   "resamples": TAU_CI_RESAMPLES, "seed": TAU_CI_SEED},
+        "psi": {"method": "granulated Kendall coefficient (Jiang et al. 2020, section 4.2)",
+                "axes": psi_axes(rows), "replicates": [k for k in REPLICATES if rows and all(k in r for r in rows)]},
+    }
+
+
+def _none(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+def correlations(rows: Sequence[dict[str, Any]], *, reparam: bool) -> dict[str, dict[str, dict[str, Any]]]:
+    """Kendall's tau with its bootstrap interval, Psi and Pearson's r of every measure
+    against the gap, per arm.
+
+    Returns:
+        ``{arm: {measure: {...}}}`` with arms ``"trained"`` and (with ``reparam``)
+        ``"rescaled"`` (the ``rescaled_*`` columns), and per measure:
+
+        - ``tau``: Kendall's tau-b over all models;
+        - ``tau_ci``: ``[lo, hi]``, its 95 % percentile-bootstrap interval
+          (:func:`~normflat.study.stats.kendall_tau_ci`, 2000 resamples of the
+          models, seed 0: the same resamples for every measure and arm);
+        - ``pearson``: Pearson's r;
+        - ``psi``: the granulated Kendall coefficient
+          (:func:`~normflat.study.stats.granulated_kendall`) over the
+          hyperparameters of :data:`HYPERPARAMETERS` that take two or more values,
+          the seed held fixed as a replicate;
+        - ``psi_per_axis``: ``{axis: tau_i}`` for those axes.
+
+        Undefined values (e.g. a constant column, or no axis for Psi) are ``None``.
+    """
     gap = [row["gap"] for row in rows]
+    hps = _hyperparameters(rows)
     arms = {"trained": ""}
     if reparam:
         arms["rescaled"] = "rescaled_"
-    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    out: dict[str, dict[str, dict[str, Any]]] = {}
     for arm, prefix in arms.items():
         out[arm] = {}
         for m in MEASURES:
             values = [row[prefix + m] for row in rows]
-            tau, r = kendall_tau(values, gap), pearson_r(values, gap)
-            out[arm][m] = {"tau": tau if math.isfinite(tau) else None,
-                           "pearson": r if math.isfinite(r) else None}
+            tau, lo, hi = kendall_tau_ci(values, gap, level=TAU_CI_LEVEL, resamples=TAU_CI_RESAMPLES,
+                                         seed=TAU_CI_SEED)
+            psi = granulated_kendall(values, gap, hps, replicates=REPLICATES)
+            out[arm][m] = {"tau": _none(tau), "tau_ci": [_none(lo), _none(hi)],
+                           "pearson": _none(pearson_r(values, gap)),
+                           "psi": psi["psi"], "psi_per_axis": psi["per_axis"]}
     return out
 
 
 def _fmt(value: float | None, width: int = 8) -> str:
     return ("n/a" if value is None else f"{value:+.3f}").rjust(width)
+
+
+def _tau_cell(entry: dict[str, Any], width: int) -> str:
+    """``+0.875 [+0.61, +0.95]``: tau and its bootstrap interval (2 decimals: about
+    the Monte Carlo error of 2000 resamples)."""
+    tau, ci = entry.get("tau"), entry.get("tau_ci") or [None, None]
+    text = "n/a" if tau is None else f"{tau:+.3f}"
+    if tau is not None and ci[0] is not None and ci[1] is not None:
+        text += f" [{ci[0]:+.2f}, {ci[1]:+.2f}]"
+    return text.rjust(width)
+
+
+def _axes_note(result: StudyResult) -> str:
+    axes = result.statistics.get("psi", {}).get("axes")
+    if axes is None:
+        axes = psi_axes(result.rows)
+    if not axes:
+        return "psi: n/a, no hyperparameter takes two values (seeds are replicates, not an axis)"
+    return (f"psi: granulated Kendall tau (Jiang et al. 2020) over the axes {', '.join(axes)} (seed held "
+            "fixed: a replicate, not an axis); per axis in results.json")
 
 
 def format_table(result: StudyResult) -> str:
@@ -250,18 +338,26 @@ def format_table(result: StudyResult) -> str:
         f"Correlation with the generalization gap ({len(result.rows)} models: {cfg['dataset']}, "
         f"{cfg['arch']}, {cfg['framework']}, estimator={cfg['estimator']}, loss={cfg['loss']})",
     ]
-    head = f"{'measure':<30}{'tau':>8}{'r':>8}"
+    head = f"{'measure':<30}{'tau [95% CI]':>23}{'r':>8}{'psi':>8}"
     if rescaled:
-        head += f"{'tau rescaled':>14}{'r rescaled':>12}"
+        head += f"{'tau rescaled [95% CI]':>25}{'r rescaled':>12}{'psi rescaled':>14}"
     lines += [head, "-" * len(head)]
     for m in MEASURES:
-        line = f"{MEASURE_LABELS[m]:<30}{_fmt(corr['trained'][m]['tau'])}{_fmt(corr['trained'][m]['pearson'])}"
+        t = corr["trained"][m]
+        line = f"{MEASURE_LABELS[m]:<30}{_tau_cell(t, 23)}{_fmt(t['pearson'])}{_fmt(t.get('psi'))}"
         if rescaled:
-            line += f"{_fmt(corr['rescaled'][m]['tau'], 14)}{_fmt(corr['rescaled'][m]['pearson'], 12)}"
+            r = corr["rescaled"][m]
+            line += f"{_tau_cell(r, 25)}{_fmt(r['pearson'], 12)}{_fmt(r.get('psi'), 14)}"
         lines.append(line)
     gaps = [r["gap"] for r in result.rows]
     fitted = sum(bool(r["fitted"]) for r in result.rows)
     lines.append("")
+    ci = result.statistics.get("tau_ci", {})
+    lines.append(
+        f"tau: Kendall's tau-b over all {len(result.rows)} models, {ci.get('level', TAU_CI_LEVEL):.0%} "
+        f"percentile-bootstrap interval ({ci.get('resamples', TAU_CI_RESAMPLES)} resamples of the models)"
+    )
+    lines.append(_axes_note(result))
     lines.append(
         f"gap from {min(gaps):.3f} to {max(gaps):.3f}; {fitted}/{len(result.rows)} models reached "
         f"training accuracy {cfg['target_accuracy']:g}"
@@ -277,20 +373,30 @@ def format_table(result: StudyResult) -> str:
 
 
 def markdown_table(result: StudyResult) -> str:
-    """The correlation table as Markdown (for reports and docs)."""
+    """The correlation table as Markdown (for reports and docs): Kendall's tau with
+    its 95 % bootstrap interval, Pearson's r and Psi, per arm."""
     corr = result.correlations
     rescaled = "rescaled" in corr
-    head = "| measure | Kendall τ | Pearson r |" + (" τ after rescaling | r after rescaling |" if rescaled else "")
-    sep = "|---|---:|---:|" + ("---:|---:|" if rescaled else "")
+    head = "| measure | Kendall τ [95 % CI] | Pearson r | Ψ |" + (
+        " τ after rescaling [95 % CI] | r after rescaling | Ψ after rescaling |" if rescaled else "")
+    sep = "|---|---:|---:|---:|" + ("---:|---:|---:|" if rescaled else "")
 
     def f(v):
         return "n/a" if v is None else f"{v:.3f}"
 
+    def t(entry):
+        ci = entry.get("tau_ci") or [None, None]
+        text = f(entry["tau"])
+        if entry["tau"] is not None and None not in ci:
+            text += f" [{ci[0]:.2f}, {ci[1]:.2f}]"
+        return text
+
     lines = [head, sep]
     for m in MEASURES:
-        cells = [MEASURE_LABELS[m], f(corr["trained"][m]["tau"]), f(corr["trained"][m]["pearson"])]
-        if rescaled:
-            cells += [f(corr["rescaled"][m]["tau"]), f(corr["rescaled"][m]["pearson"])]
+        cells = [MEASURE_LABELS[m]]
+        for arm in ("trained", "rescaled") if rescaled else ("trained",):
+            e = corr[arm][m]
+            cells += [t(e), f(e["pearson"]), f(e.get("psi"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -417,7 +523,7 @@ def _run_study(config: StudyConfig, fw: Any, out: Path, stage: Path, say: Any, t
 
     result = StudyResult(
         config=asdict(config), rows=rows, correlations=correlations(rows, reparam=config.reparam),
-        environment={**_versions(fw), "wall_seconds": None},
+        environment={**_versions(fw), "wall_seconds": None}, statistics=statistics_settings(rows),
     )
     names = _write_outputs(result, stage, layer_reports, rows[showcase])
     result.environment["wall_seconds"] = time.perf_counter() - t_start

@@ -46,7 +46,9 @@ def test_study_writes_files_and_table(study):
     assert (out / "gap_vs_measures.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(list((out / "reports").glob("run*_rescaled.json"))) == 6
     assert "Correlation with the generalization gap (6 models" in printed
-    assert "tau rescaled" in printed and "gap_vs_measures.png" in printed
+    assert "tau rescaled [95% CI]" in printed and "psi rescaled" in printed and "gap_vs_measures.png" in printed
+    assert "percentile-bootstrap interval (2000 resamples" in printed
+    assert "over the axes ratio (seed held fixed" in printed
     for label in ("normalized sharpness", "Hessian trace", "matrix-normalized sharpness", "elementwise bound"):
         assert label in printed
 
@@ -68,6 +70,27 @@ def test_study_numbers(study):
             assert result.correlations[arm][m]["tau"] == pytest.approx(stats.kendalltau(values, gap).statistic, abs=1e-12)
             assert result.correlations[arm][m]["pearson"] == pytest.approx(stats.pearsonr(values, gap).statistic, abs=1e-12)
             assert f"{result.correlations[arm][m]['tau']:+.3f}" in printed
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["statistics"]["psi"]["axes"] == ["ratio"] and saved["statistics"]["psi"]["replicates"] == ["seed"]
+    assert saved["statistics"]["tau_ci"]["resamples"] == 2000
+    for arm, prefix in (("trained", ""), ("rescaled", "rescaled_")):
+        for m in MEASURES:
+            entry = saved["correlations"][arm][m]
+            assert {"tau", "tau_ci", "pearson", "psi", "psi_per_axis"} <= set(entry), (arm, m)
+            lo, hi = entry["tau_ci"]
+            assert -1.0 <= lo <= hi <= 1.0
+            assert f"{entry['tau']:+.3f} [{lo:+.2f}, {hi:+.2f}]" in printed
+            # Psi over the one axis (ratio), seeds held fixed: the mean over seeds of
+            # scipy's tau over that seed's three models.
+            per_seed = []
+            for seed in (0, 1):
+                sel = [r for r in rows if int(r["seed"]) == seed]
+                t = stats.kendalltau([float(r[prefix + m]) for r in sel], [float(r["gap"]) for r in sel]).statistic
+                if math.isfinite(t):
+                    per_seed.append(t)
+            expected = float(np.mean(per_seed)) if per_seed else None
+            assert entry["psi_per_axis"] == {"ratio": pytest.approx(expected) if per_seed else None}
+            assert entry["psi"] == (pytest.approx(expected) if per_seed else None)
     for r in result.rows:
         # Same function: the invariant measures do not move, the trace does.
         assert r["rescale_function_error"] < 1e-9
@@ -246,3 +269,21 @@ def test_study_without_reparametrization_arm(tmp_path, capsys):
     assert not any(key.startswith("rescaled_") for key in result.rows[0])
     assert "tau rescaled" not in capsys.readouterr().out
     assert (out / "gap_vs_measures.png").is_file() and not list((out / "reports").glob("*_rescaled.json"))
+
+
+def test_compare_table_and_json_carry_the_tau_interval():
+    from normflat.compare import CompareResult
+    from normflat.study.stats import kendall_tau_ci
+
+    rows = [{"checkpoint": f"c{i}", "train_accuracy": 1.0, "test_accuracy": 1.0 - g, "gap": g,
+             **{m: 1.0 + v for m in MEASURES}} for i, (g, v) in enumerate([(0.1, 1), (0.3, 3), (0.2, 4), (0.5, 5)])]
+    tau, lo, hi = kendall_tau_ci([r["normalized_sharpness"] for r in rows], [r["gap"] for r in rows])
+    corr = {m: {"tau": tau, "tau_ci": [lo, hi]} for m in MEASURES}
+    corr["hessian_trace"] = {"tau": None, "tau_ci": [None, float("nan")]}
+    result = CompareResult(rows=rows, correlations=corr)
+    table = result.table()
+    assert "[95% bootstrap interval]" in table
+    assert f"{tau:+.3f} [{lo:+.2f}, {hi:+.2f}]" in table
+    saved = json.loads(json.dumps(result.to_dict(), allow_nan=False))
+    assert saved["correlations"]["normalized_sharpness"]["tau_ci"] == [lo, hi]
+    assert saved["correlations"]["hessian_trace"]["tau_ci"] == [None, None]
