@@ -8,7 +8,7 @@ are in :mod:`normflat.study.figures` (matplotlib, imported on demand).
 
 from normflat.study.datasets import DATASETS, Dataset, DatasetNotFoundError, load_dataset
 from normflat.study.run import StudyConfig, StudyResult, format_table, load_result, run_study
-from normflat.study.stats import kendall_tau, pearson_r
+from normflat.study.stats import granulated_kendall, kendall_tau, kendall_tau_ci, pearson_r
 
 __all__ = [
     "DATASETS",
@@ -17,7 +17,9 @@ __all__ = [
     "StudyConfig",
     "StudyResult",
     "format_table",
+    "granulated_kendall",
     "kendall_tau",
+    "kendall_tau_ci",
     "load_dataset",
     "load_result",
     "pearson_r",
