@@ -839,3 +839,65 @@ def test_torchscript_module_is_refused_clearly():
     for estimator in ("ggn", "exact"):
         with pytest.raises(TypeError, match=r"TorchScript module.*torch\.save\(model\)"):
             normflat.analyze(scripted, (x, y), estimator=estimator, progress=False)
+
+
+# ---------------------------------------------------------------- many classes, small conv outputs (method §6.1–6.2)
+
+
+@pytest.mark.parametrize("positions", [1, 2, 3])
+@pytest.mark.parametrize("loss", ["ce", "nsce"])
+def test_conv_squares_by_pairs_of_positions_match_brute_force(positions, loss):
+    """Convolutions with 1×1 and 2×2 outputs sum their squares by pairs of positions, 3×3 per sample."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 6, 3, groups=2), nn.Flatten(),
+                          nn.Linear(6 * positions**2, 5)).to(DT)
+    x = torch.randn(6, 3, positions + 2, positions + 2, dtype=DT)
+    y = torch.randint(0, 5, (6,))
+    got = normflat.hessian_diagonal(model, (x, y), loss=loss, estimator="ggn", progress=False)
+    want = brute_ggn_diag(model, x, y, loss)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], canonical(model, name, value), rtol=1e-10, atol=1e-13)
+
+
+def _head_model(classes):
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.ReLU(), nn.Linear(5, classes)).to(DT)
+
+
+@pytest.mark.parametrize("loss", ["ce", "nsce"])
+def test_ggn_through_a_structured_head_matches_brute_force(loss):
+    """At 40 classes the head is squared from the logit-Hessian diagonal and the other layers' signals
+    start at its input (no C² term); the numbers are those of the brute-force GGN."""
+    model = _head_model(40)
+    x = torch.randn(9, 6, dtype=DT)
+    y = torch.randint(0, 40, (9,))
+    got = normflat.hessian_diagonal(model, (x, y), loss=loss, estimator="ggn", progress=False)
+    for name, value in brute_ggn_diag(model, x, y, loss).items():
+        torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("loss", ["ce", "nsce"])
+def test_ggn_topk_with_every_class_on_top_is_exact(loss):
+    model = _head_model(7)
+    x = torch.randn(9, 6, dtype=DT)
+    y = torch.randint(0, 7, (9,))
+    got = normflat.hessian_diagonal(model, (x, y), loss=loss, estimator="ggn-topk", top_classes=7, progress=False)
+    for name, value in brute_ggn_diag(model, x, y, loss).items():
+        torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-14)
+
+
+def test_ggn_topk_head_is_exact_and_hidden_layers_within_their_errors():
+    model = _head_model(30)
+    x = torch.randn(64, 6, dtype=DT)
+    y = torch.randint(0, 30, (64,))
+    exact = normflat.analyze(model, (x, y), estimator="ggn", progress=False)
+    auto = normflat.analyze(model, (x, y), progress=False)  # the default: 30 classes take ggn-topk
+    assert (auto.metadata["estimator"], auto.metadata["samples"], auto.metadata["top_classes"]) == ("ggn-topk", 10, 2)
+    assert normflat.analyze(_head_model(10), (x, y % 10), progress=False).metadata["estimator"] == "ggn"
+    head_exact, head = exact.layers[-1], auto.layers[-1]
+    assert head.normalized_sharpness == pytest.approx(head_exact.normalized_sharpness, rel=1e-10)
+    assert head.standard_error["normalized_sharpness"] == pytest.approx(0.0, abs=1e-12)
+    for a, b in zip(exact.layers[:-1], auto.layers[:-1]):
+        se = b.standard_error["normalized_sharpness"]
+        assert 0 < se < 0.5 * a.normalized_sharpness
+        assert abs(b.normalized_sharpness - a.normalized_sharpness) < 5 * se + 1e-12

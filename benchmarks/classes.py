@@ -1,0 +1,167 @@
+"""Benchmark: the cost of the GGN diagonal as the number of classes grows, and the accuracy of ``auto``.
+
+For each problem (float32, random data, one batch, BatchNorm in eval mode) the
+script times, interleaved, one gradient of the mean cross-entropy, normflat's
+default ``estimator="auto"`` (``ggn-topk`` above 25 classes, method §6.2), the
+exact ``ggn``, ``ggn-mc`` with one draw and, where BackPACK runs, BackPACK's
+``DiagGGNExact``; it prints each as a multiple of the gradient (minimum over the
+rounds: the machine is shared). Then it measures the accuracy of ``auto``
+against the exact ``ggn``: every layer's normalized sharpness, its relative
+error, the reported standard error and their ratio.
+
+Problems:
+
+* ``mlp-10`` / ``mlp-1000``: 784-512-256-C ReLU MLP, batch 128;
+* ``3c3d-100``: the DeepOBS 3C3D CNN with 100 classes, batch 32;
+* ``resnet18-10`` / ``resnet18-1000``: torchvision ``resnet18`` (random init) on
+  32×32 images, batch 16.
+
+Run::
+
+    python -m benchmarks.classes [--rounds 5] [--problems mlp-1000 resnet18-1000] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+import normflat
+from benchmarks._common import time_rounds
+from benchmarks.torch_diag import cnn_3c3d
+
+
+def _mlp(classes: int) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(),
+                         nn.Linear(256, classes))
+
+
+def _3c3d(classes: int) -> nn.Module:
+    model = cnn_3c3d()
+    model[-1] = nn.Linear(256, classes)
+    return model
+
+
+def _resnet18(classes: int) -> nn.Module:
+    import torchvision
+
+    return torchvision.models.resnet18(num_classes=classes)
+
+
+#: name -> (factory, classes, input shape with batch axis, BackPACK runs on it)
+PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool]] = {
+    "mlp-10": (_mlp, 10, (128, 1, 28, 28), True),
+    "mlp-1000": (_mlp, 1000, (128, 1, 28, 28), True),
+    "3c3d-100": (_3c3d, 100, (32, 3, 32, 32), True),
+    "resnet18-10": (_resnet18, 10, (16, 3, 32, 32), False),
+    "resnet18-1000": (_resnet18, 1000, (16, 3, 32, 32), False),
+}
+
+
+def make_problem(name: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    factory, classes, shape, _ = PROBLEMS[name]
+    torch.manual_seed(seed)
+    model = factory(classes).eval()
+    x = torch.randn(*shape)
+    y = torch.randint(0, classes, (shape[0],))
+    return model, x, y
+
+
+def _runs(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    loss_fn = nn.CrossEntropyLoss()
+
+    def gradient():
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+
+    def normflat_run(**options):
+        return lambda: normflat.hessian_diagonal(model, (x, y), loss="ce", progress=False, **options)
+
+    runs = {"gradient": gradient, "auto": normflat_run(), "ggn": normflat_run(estimator="ggn"),
+            "ggn-mc": normflat_run(estimator="ggn-mc")}
+    if PROBLEMS[name][3]:
+        try:
+            from backpack import backpack, extend
+            from backpack.extensions import DiagGGNExact
+        except ImportError:
+            return runs
+        bp_model = extend(copy.deepcopy(model))
+        bp_loss = extend(nn.CrossEntropyLoss())
+
+        def backpack_exact():
+            bp_model.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                with backpack(DiagGGNExact()):
+                    bp_loss(bp_model(x), y).backward()
+
+        runs["backpack"] = backpack_exact
+    return runs
+
+
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[dict[str, Any]]:
+    """Per layer: exact and ``auto`` normalized sharpness, relative error, standard error."""
+    exact = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    auto = normflat.analyze(model, (x, y), loss="ce", progress=False)
+    rows = []
+    for a, b in zip(exact.layers, auto.layers):
+        se = (b.standard_error or {}).get("normalized_sharpness", 0.0)
+        err = b.normalized_sharpness - a.normalized_sharpness
+        rows.append({"layer": a.name, "exact": a.normalized_sharpness, "auto": b.normalized_sharpness,
+                     "rel_error": err / a.normalized_sharpness if a.normalized_sharpness else 0.0,
+                     "rel_se": se / a.normalized_sharpness if a.normalized_sharpness else 0.0,
+                     "z": err / se if se > 0 else (0.0 if err == 0 else math.inf)})
+    total_se = (auto.standard_error or {}).get("normalized_sharpness", 0.0)
+    rows.append({"layer": "total", "exact": exact.normalized_sharpness, "auto": auto.normalized_sharpness,
+                 "rel_error": auto.normalized_sharpness / exact.normalized_sharpness - 1,
+                 "rel_se": total_se / exact.normalized_sharpness,
+                 "z": (auto.normalized_sharpness - exact.normalized_sharpness) / total_se if total_se else 0.0,
+                 "estimator": auto.metadata["estimator"]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--problems", nargs="*", default=list(PROBLEMS), choices=list(PROBLEMS))
+    parser.add_argument("--no-accuracy", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} thread(s), minimum of {args.rounds} interleaved rounds")
+    print("| problem | auto | ggn (exact) | ggn-mc (1 draw) | BackPACK exact | gradient (s) |")
+    print("|---|---|---|---|---|---|")
+    for name in args.problems:
+        model, x, y = make_problem(name)
+        times = {m: min(t) for m, t in time_rounds(_runs(name, model, x, y), args.rounds).items()}
+        g = times["gradient"]
+
+        def cell(method: str) -> str:
+            return f"{times[method] / g:.1f}×" if method in times else "—"
+
+        print(f"| {name} | {cell('auto')} | {cell('ggn')} | {cell('ggn-mc')} | {cell('backpack')} | {g:.4f} |",
+              flush=True)
+    if args.no_accuracy:
+        return
+    print("\nAccuracy of auto against the exact ggn (normalized sharpness per layer)")
+    print("| problem | estimator | max abs. relative error (hidden layers) | max abs. relative error / reported "
+          "standard error | head error | total error (SE) |")
+    print("|---|---|---|---|---|---|")
+    for name in args.problems:
+        model, x, y = make_problem(name)
+        rows = accuracy(model, x, y)
+        hidden, head, total = rows[:-2], rows[-2], rows[-1]
+        worst = max(abs(r["rel_error"]) for r in hidden)
+        worst_z = max(abs(r["z"]) for r in hidden)
+        print(f"| {name} | {total['estimator']} | {worst:.2%} | {worst_z:.1f} | {abs(head['rel_error']):.1e} | "
+              f"{total['rel_error']:+.2%} ({total['rel_se']:.2%}) |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
