@@ -153,7 +153,7 @@ def test_infinite_dataset_needs_max_batches():
 def test_samples_with_ggn_is_refused():
     model = mlp()
     with pytest.raises(ValueError, match="no meaning for the deterministic estimator"):
-        normflat.analyze(model, data(), samples=5, progress=False)
+        normflat.analyze(model, data(), estimator="ggn", samples=5, progress=False)
 
 
 # ----------------------------------------------------------------------------- model outputs and losses

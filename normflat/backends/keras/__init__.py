@@ -13,7 +13,7 @@ construction; this package supplies what is Keras-specific:
 ``session``
     the engine's ``Session``: the layers, one batch's kernels, canonical layout;
 ``ggn`` / ``hvp``
-    the ``ggn``/``ggn-mc`` and ``exact``/``hutchinson`` kernels;
+    the ``ggn``/``ggn-topk``/``ggn-mc`` and ``exact``/``hutchinson`` kernels;
 ``distributed``
     ``tf.distribute`` replicas and the multi-worker ``Comm``;
 ``calls``, ``ops``
@@ -38,8 +38,8 @@ Backend options (keyword arguments of ``normflat.analyze``):
     Bounds the estimated memory of the per-sample work of one GGN step; the
     chunk size is the largest that fits (see :mod:`normflat.core.memory`).
     Exclusive with ``chunk_size``; with a strategy it applies per replica. Used
-    by ``ggn`` and ``ggn-mc``; ``exact`` and ``hutchinson`` process their probes
-    in fixed blocks.
+    by the GGN estimators (``ggn``, ``ggn-topk``, ``ggn-mc``); ``exact`` and
+    ``hutchinson`` process their probes in fixed blocks.
 ``distributed`` (bool or None, default None = automatic)
     A model built under a ``tf.distribute.MirroredStrategy`` or
     ``MultiWorkerMirroredStrategy`` scope (or analyzed inside one) is analyzed

@@ -1,17 +1,20 @@
-"""The ``ggn`` and ``ggn-mc`` kernels: per-layer sums of squared per-sample gradients (method §6).
+"""The ``ggn``, ``ggn-topk`` and ``ggn-mc`` kernels: per-layer sums of squared per-sample gradients (method §6).
 
 The GGN diagonal of the mean loss is ``(1/N) Σ_n Σ_d (J_nᵀ s_nd)²`` where the
 output signals ``s_nd`` come from :func:`normflat.engine.losses.output_signals`
 at the raw logits: the ``C − 1`` columns of a factor of the loss Hessian
-(``ggn``), or ``(e_ỹ − p)/√m_k`` with ``ỹ`` drawn from the engine's
-framework-free uniforms (``ggn-mc``). One compiled step runs the forward pass
+(``ggn``), the exact top classes plus draws of the others (``ggn-topk``), or
+``(e_ỹ − p)/√m_k`` with ``ỹ`` drawn from the engine's framework-free uniforms
+(``ggn-mc``). One compiled step runs the forward pass
 once, back-propagates a block of signals to the tapped pre-activations of every
 ``Dense``/``EinsumDense``/``Embedding``/``Conv``/``DepthwiseConv`` layer (the *fast*
 path) and forms the per-sample squares there (grouped and depthwise kernels in one
 batched matmul with the groups as a batch axis); other layers (shared, subclassed,
 separable, registered) take the *generic* path of per-sample Jacobian products.
-The step returns the ``(K, *canonical)`` sums of one chunk of samples; the
-engine divides.
+With ``ggn-topk`` a ``Dense`` head whose pre-activation is the logits takes its
+exact squares from the logit-Hessian diagonal instead (method §6.2).
+The step returns the ``(K', *canonical)`` sums of one chunk of samples
+(``K' = options.state_groups``); the engine divides.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from normflat.backends.keras.layers import Entry, einsum_fast_axes
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for
-from normflat.engine.losses import logit_stats, output_signals, token_signals
+from normflat.engine.losses import diagonal_signals, logit_stats, output_signals, signal_slots, token_signals
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
 
@@ -107,28 +110,47 @@ class Taps:
         state.set(layer, "activation", activation)
 
 
-def signal_layout(options: AnalysisOptions, num_classes: int, tokens: int = 1) -> tuple[list[int], list[int]]:
-    """Which of the flattened ``(K·M·T)`` engine signals are real, and their group ids.
+def signal_layout(options: AnalysisOptions, num_classes: int, tokens: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Which of the flattened ``(K'·M·T)`` engine signals are real, and their group ids.
 
-    ``ggn``: ``K = 1``, ``M = C − 1``, all real. ``ggn-mc``: draw ``d`` is member
-    ``d // K`` of group ``d mod K``; groups with fewer members are padded with zero
-    signals by the engine, which are dropped here (they would cost a back-propagation
-    each and add nothing). Token logits have ``T`` signals per member, one per token
-    (:func:`normflat.engine.losses.token_signals`: signal ``m·T + t``).
+    The real ``(group, member)`` slots are :func:`~normflat.engine.losses.signal_slots`'s:
+    ``ggn`` all ``C − 1``; ``ggn-mc`` draw ``d`` as member ``d // K`` of group ``d mod K``;
+    ``ggn-topk`` the exact top-class signals of the shared group 0, then the draws of
+    groups ``1..K``. The engine pads shorter groups with zero signals, which are dropped
+    here (they would cost a back-propagation each and add nothing). Token logits have
+    ``T`` signals per member, one per token (:func:`normflat.engine.losses.token_signals`:
+    signal ``m·T + t``), so slot ``(g, m)`` of token ``t`` is flat index ``(g·M + m)·T + t``.
     """
-    if options.estimator == "ggn":
-        count = (num_classes - 1) * tokens
-        return list(range(count)), [0] * count
-    k, samples = options.groups, options.samples
-    members = -(-samples // k)
-    index, seg = [], []
-    for g in range(k):
-        for m in range(members):
-            if g + m * k < samples:
-                for t in range(tokens):
-                    index.append((g * members + m) * tokens + t)
-                    seg.append(g)
-    return index, seg
+    m = options.signals_per_group(num_classes)
+    slots = np.asarray(signal_slots(options, num_classes), dtype=np.int64).reshape(-1, 2)
+    # Vectorized: an LM head has (C − 1)·T signals, far too many for a Python loop.
+    index = ((slots[:, 0] * m + slots[:, 1]) * tokens)[:, None] + np.arange(tokens)[None, :]
+    seg = np.repeat(slots[:, 0], tokens)
+    return index.reshape(-1), seg
+
+
+def _head_squares(x: Any, zc: Any, counted: Any, options: AnalysisOptions, tokens: int | None,
+                  groups: int) -> Any:
+    """``(K', out, in)`` exact squares of a ``Dense`` head whose pre-activation is the logits.
+
+    For such a layer only ``Σ_m s_m²`` per output unit enters the per-sample squares,
+    which is the logit-Hessian diagonal: the one-signal
+    :func:`~normflat.engine.losses.diagonal_signals` give its exact GGN diagonal
+    (``ggn-topk``, method §6.2), in the shared group 0 (the sampled groups get zeros).
+    Each (token, signal) pair of token logits is its own per-sample gradient (method §6.3),
+    so token rows are simply more rows: ``Σ_rows d ⊗ x²`` is one matmul, and the signals
+    are never placed at their tokens.
+    """
+    c = int(zc.shape[-1])
+    root = diagonal_signals(TF, tf.reshape(zc, [-1, c]), options)[0, 0]  # (rows, C): group 0
+    if tokens is not None:
+        root = root * tf.reshape(tf.cast(counted, root.dtype), [-1, 1])  # ignored tokens: no curvature
+    d = tf.square(tf.cast(root, x.dtype))  # in the layer's dtype, as its back-propagated signals
+    x2 = tf.square(tf.reshape(x, [-1, int(x.shape[-1])]))
+    sq = tf.matmul(d, x2, transpose_a=True)[None]  # (1, out, in)
+    if groups == 1:
+        return sq
+    return tf.concat([sq, tf.zeros([groups - 1, *sq.shape[1:]], sq.dtype)], axis=0)
 
 
 def _same_padding(size: int, k: int, s: int, d: int) -> tuple[int, int]:
@@ -308,12 +330,14 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                 sequential: bool = False) -> Callable[..., Any]:
     """The compiled GGN step of one chunk of samples and one block of signals.
 
-    ``step(x, uniforms, counted, start)`` returns the ``(K, *canonical)`` sums per
-    layer and the :func:`~normflat.engine.losses.logit_stats` of the chunk.
-    ``uniforms`` are the chunk's ``(n, samples·T)`` draws (``ggn-mc``; ``(n, 0)`` for
-    ``ggn``); ``counted`` is the ``(n, T)`` 0/1 mask of the counted tokens of token
+    ``step(x, uniforms, counted, start)`` returns the ``(K', *canonical)`` sums per
+    layer (``groups = K'``, :attr:`~normflat.engine.options.AnalysisOptions.state_groups`)
+    and the :func:`~normflat.engine.losses.logit_stats` of the chunk.
+    ``uniforms`` are the chunk's ``(n, draws·T)`` uniforms (``ggn-mc``, ``ggn-topk``;
+    ``(n, 0)`` for ``ggn``); ``counted`` is the ``(n, T)`` 0/1 mask of the counted tokens of token
     logits ``(n, T, C)`` (``tokens = T``, method §6.3; ``(n, 0)`` for ``(n, C)``
-    logits); ``start`` selects the block of signals. ``holder["taps"]`` is the
+    logits); ``start`` selects the block of signals (a ``ggn-topk`` head's exact squares
+    come with the block at ``start = 0``). ``holder["taps"]`` is the
     :class:`Taps` active when the function (re)traces; the model is held weakly.
     ``sequential``: the generic path's per-sample gradients run one after the other
     (``tf.map_fn``) rather than vectorized: vectorizing the backward pass of a
@@ -324,7 +348,10 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
     model_ref = weakref.ref(model)
     index, seg_list = signal_layout(options, num_classes, tokens or 1)
 
-    @tf.function(reduce_retracing=True)
+    # Token logits keep a static chunk size per trace: the engine's token_signals reshapes
+    # with the number of samples, which a relaxed (None) batch dimension would not give.
+    # Balanced chunks (KerasSession._pieces) leave few distinct sizes to trace.
+    @tf.function(reduce_retracing=tokens is None)
     def step(x, uniforms, counted, start):
         taps = holder["taps"]
         taps.records.clear()
@@ -339,10 +366,10 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
         stats = logit_stats(TF, tf.reshape(zc, [-1, c]))
         u = tf.cast(uniforms, zc.dtype)
         if tokens is None:
-            sig = output_signals(TF, zc, options, u)  # (K, M, n, C)
+            sig = output_signals(TF, zc, options, u)  # (K', M, n, C)
         else:
             zc = tf.ensure_shape(zc, [None, tokens, c])
-            sig = token_signals(TF, zc, options, tf.cast(counted, zc.dtype), u)  # (K, M·T, n, T, C)
+            sig = token_signals(TF, zc, options, tf.cast(counted, zc.dtype), u)  # (K', M·T, n, T, C)
         rest = [c] if tokens is None else [tokens, c]
         s = tf.gather(tf.reshape(sig, [-1, tf.shape(zc)[0], *rest]), index)
         s = tf.cast(s, z.dtype)
@@ -352,11 +379,24 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
         seg = tf.pad(seg, [[0, block]])[start:start + block]
         s = tf.ensure_shape(s, [block, None, *rest])
         out = {}
-        if fast:
-            pre = [taps.records[e.name][0][1] for e in fast]
+        # ggn-topk: a Dense head whose pre-activation is the logits themselves gets its exact
+        # squares from the logit-Hessian diagonal, once per chunk (the first block), and
+        # nothing is back-propagated to it (method §6.2).
+        heads = {e.name for e in fast if options.estimator == "ggn-topk" and e.fast == "dense"
+                 and taps.records[e.name][0][1] is z}
+        for name in heads:
+            x_in = taps.records[name][0][0]
+            shape = [groups, c, int(x_in.shape[-1])]
+            out[name] = tf.cond(
+                tf.equal(start, 0),
+                lambda x_in=x_in: _head_squares(x_in, zc, counted, options, tokens, groups),
+                lambda x_in=x_in, shape=shape: tf.zeros(shape, x_in.dtype))
+        rest_fast = [e for e in fast if e.name not in heads]
+        if rest_fast:
+            pre = [taps.records[e.name][0][1] for e in rest_fast]
             # One back-propagation per signal, unrolled: much faster on CPU than pfor here.
             back = [tape.gradient(z, pre, output_gradients=s[i]) for i in range(block)]
-            for j, e in enumerate(fast):
+            for j, e in enumerate(rest_fast):
                 gs = [back[i][j] for i in range(block)]
                 out[e.name] = _fast_squares(e, taps.records[e.name][0][0], gs, seg, groups)
         if generic:

@@ -4,10 +4,11 @@ The engine's driver owns the data loop, the estimator sums, the distributed
 protocol and the problem building; the session holds the analyzed layers and,
 for one checked batch at a time, runs the estimator kernels (:mod:`.ggn`,
 :mod:`.hvp`) over chunks of the batch, dealt to the local ``tf.distribute``
-replicas when there are several, and adds the ``(K, *layout)`` sums to the
-engine's state. The layout of the sums is canonical for the GGN kernels
-(they produce it directly) and the variable's own for the HVP kernels
-(:meth:`KerasSession.canonical` converts at the end).
+replicas when there are several, and adds the ``(K', *layout)`` sums to the
+engine's state (``K' = options.state_groups``; ``estimator="auto"`` is resolved on
+the first batch, once the number of classes is known). The layout of the sums is
+canonical for the GGN kernels (they produce it directly) and the variable's own
+for the HVP kernels (:meth:`KerasSession.canonical` converts at the end).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.engine.data import Batch, labels_for
 from normflat.engine.estimators import SumState
-from normflat.engine.losses import check_logit_stats, check_loss_value, check_output_shape, logit_stats
-from normflat.engine.options import AnalysisOptions
+from normflat.engine.losses import (check_logit_stats, check_loss_value, check_output_shape, logit_stats,
+                                    signal_slots)
+from normflat.engine.options import AnalysisOptions, resolve_estimator
 from normflat.engine.problems import LayerSpec
 from normflat.engine.random import sample_uniforms
 
@@ -124,7 +126,7 @@ class KerasSession:
         options: The validated common options.
         config: The Keras backend options.
         strategy: The ``tf.distribute`` strategy to use (``None``: one device).
-        rank: This worker's rank (the ``ggn-mc`` stream).
+        rank: This worker's rank (the stream of the ``ggn-mc``/``ggn-topk`` draws).
         as_tensors: Return ``tf.Tensor`` diagonals in the kernel dtype
             (``hessian_diagonal``) instead of float64 numpy arrays (problems).
     """
@@ -242,8 +244,8 @@ class KerasSession:
                 ]
             shape = self._canonical_shapes[layer]
         if self.host:
-            return np.zeros((self.options.groups, *shape))
-        return tf.zeros((self.options.groups, *shape), tf.float64)
+            return np.zeros((self.options.state_groups, *shape))
+        return tf.zeros((self.options.state_groups, *shape), tf.float64)
 
     def all_finite(self, array: Any) -> bool:
         if isinstance(array, np.ndarray):
@@ -304,6 +306,10 @@ class KerasSession:
         if not self._probed or signature != self._probed_for:
             self._probe(x, batch)  # again when the shapes change: T of token logits may differ
             self._probed_for = signature
+        if self.options.estimator == "auto":
+            # The classes are known now: the driver reads the resolved options back for the
+            # finalize and the metadata, and every compiled step is keyed on them.
+            self.options = resolve_estimator(self.options, self.num_classes)
         labels = labels_for(batch, self.num_classes, ADAPTER, self.options, tokens=self.tokens, shift=self.shift)
         if self.hvp:
             self._update_hvp(x, labels, batch, state)
@@ -402,22 +408,23 @@ class KerasSession:
 
     def _ggn_step(self) -> tuple[Any, int, int]:
         options = self.options
-        signals = (options.samples if options.estimator == "ggn-mc" else self.num_classes - 1) * (self.tokens or 1)
+        # The real signals of the engine's (K', M·T) layout, padding dropped (ggn.signal_layout).
+        signals = len(signal_slots(options, self.num_classes)) * (self.tokens or 1)
         block = min(signals, SIGNAL_BLOCK)
-        key_tokens = (self.tokens, block)
+        key_tokens = (self.tokens, block, options.estimator)
         if self._step is not None and self._step_tokens != key_tokens:
             self._step = None  # another sequence length: another signal layout
         if self._step is None:
             self._step_tokens = key_tokens
-            key = ("ggn", options.estimator, options.loss, options.temperature, options.samples, self.num_classes,
-                   self.tokens, self._probe_key_output(),
+            key = ("ggn", options.estimator, options.loss, options.temperature, options.samples, options.top_classes,
+                   self.num_classes, self.tokens, self._probe_key_output(),
                    tuple((e.name, e.fast, id(e.variable.value), e.weight.kind) for e in self.entries),
                    None if self.strip is None else (id(self.strip[0]), self.strip[1]),
                    tuple(id(layer) for layer in self.grouped), block)
 
             def factory():
                 holder: dict = {}
-                return ggn_step_fn(self.model, self.entries, options, options.groups, block, self.num_classes,
+                return ggn_step_fn(self.model, self.entries, options, options.state_groups, block, self.num_classes,
                                    holder, tokens=self.tokens, sequential=has_recurrence(self.model)), holder
 
             self._step, self._holder = _cached(_COMPILED, self.model, key, factory)
@@ -443,9 +450,9 @@ class KerasSession:
         args = []
         for a, b in pieces:
             xc = x if (a, b) == (0, batch.n) else _slice(x, a, b)
-            if options.estimator == "ggn-mc":
+            if options.draws:
                 # Token t of a sequence takes draws t·S .. (t+1)·S − 1 (losses.token_signals).
-                u = sample_uniforms(options.seed, self.rank, batch.offset + a, b - a, options.samples * tokens)
+                u = sample_uniforms(options.seed, self.rank, batch.offset + a, b - a, options.draws * tokens)
             else:
                 u = np.zeros((b - a, 0))
             args.append((xc, tf.constant(u, out_dtype), tf.constant(counted[a:b], out_dtype)))
