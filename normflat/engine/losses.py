@@ -526,21 +526,22 @@ def token_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, 
         diagonal: Place :func:`diagonal_signals` (``M = 1``) instead, for a layer whose
             output is the logits.
     """
-    n, t, c = (int(d) for d in logits.shape)
+    # The sample axis may be unknown while tracing (tf.function with relaxed shapes): -1 below.
+    t, c = int(logits.shape[1]), int(logits.shape[2])
     lo, hi = tokens if tokens is not None else (0, t)
     w = hi - lo
-    rows = xp.reshape(logits[:, lo:hi], (n * w, c))
+    rows = xp.reshape(logits[:, lo:hi], (-1, c))  # (n·W, C)
     if uniforms is not None:
         draws = int(uniforms.shape[1]) // t
-        uniforms = xp.reshape(uniforms[:, lo * draws:hi * draws], (n * w, draws))
+        uniforms = xp.reshape(uniforms[:, lo * draws:hi * draws], (-1, draws))
     sig = diagonal_signals(xp, rows, options) if diagonal else output_signals(xp, rows, options, uniforms)
     k, m = int(sig.shape[0]), int(sig.shape[1])
-    sig = xp.reshape(sig, (k, m, n, w, c)) * counted[None, None, :, lo:hi, None]
+    sig = xp.reshape(sig, (k, m, -1, w, c)) * counted[None, None, :, lo:hi, None]
     sig = _permute(xp, sig, (0, 1, 3, 2, 4))  # (K, M, W, n, C)
     place = xp.astype(_arange_like(xp, w, logits)[:, None] + lo == _arange_like(xp, t, logits)[None, :],
                       logits.dtype)  # (W, T): token lo + j sits at position lo + j
     placed = sig[:, :, :, :, None, :] * place[None, None, :, None, :, None]  # (K, M, W, n, T, C)
-    return xp.reshape(placed, (k, m * w, n, t, c))
+    return xp.reshape(placed, (k, m * w, -1, t, c))
 
 
 def logit_stats(xp: Any, logits: Any) -> Any:

@@ -348,10 +348,7 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
     model_ref = weakref.ref(model)
     index, seg_list = signal_layout(options, num_classes, tokens or 1)
 
-    # Token logits keep a static chunk size per trace: the engine's token_signals reshapes
-    # with the number of samples, which a relaxed (None) batch dimension would not give.
-    # Balanced chunks (KerasSession._pieces) leave few distinct sizes to trace.
-    @tf.function(reduce_retracing=tokens is None)
+    @tf.function(reduce_retracing=True)
     def step(x, uniforms, counted, start):
         taps = holder["taps"]
         taps.records.clear()
