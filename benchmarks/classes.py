@@ -7,7 +7,11 @@ exact ``ggn``, ``ggn-mc`` with one draw and, where BackPACK runs, BackPACK's
 ``DiagGGNExact``; it prints each as a multiple of the gradient (minimum over the
 rounds: the machine is shared). Then it measures the accuracy of ``auto``
 against the exact ``ggn``: every layer's normalized sharpness, its relative
-error, the reported standard error and their ratio.
+error, the reported standard error and their ratio. With ``--memory`` it also
+prints the peak resident memory that ``auto`` and ``ggn`` (default options) add
+to the model and its batch, next to that of a training step (forward, backward,
+SGD with momentum: activations, gradients and the momentum buffers), each in a
+fresh process.
 
 Problems:
 
@@ -18,14 +22,16 @@ Problems:
 
 Run::
 
-    python -m benchmarks.classes [--rounds 5] [--problems mlp-1000 resnet18-1000] [--threads 1]
+    python -m benchmarks.classes [--rounds 5] [--problems mlp-1000 resnet18-1000] [--threads 1] [--memory]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import math
+import multiprocessing as mp
 import warnings
 from typing import Any, Callable
 
@@ -33,7 +39,7 @@ import torch
 from torch import nn
 
 import normflat
-from benchmarks._common import time_rounds
+from benchmarks._common import mmap_freed_blocks, proc_status_kib, time_rounds
 from benchmarks.torch_diag import cnn_3c3d
 
 
@@ -126,18 +132,74 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[dict[st
     return rows
 
 
+def _training_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+    return step
+
+
+def _peak_worker(name: str, method: str, threads: int, queue) -> None:
+    torch.set_num_threads(threads)
+    # One-time imports and initialization (normflat's backend, the optimizer, tqdm) on a tiny model
+    # first, so that they are not counted.
+    tiny = make_problem("mlp-10")
+    (_training_step if method == "training step" else lambda *a: _runs("mlp-10", *a)[method])(*tiny)()
+    del tiny
+    model, x, y = make_problem(name)
+    run = _training_step(model, x, y) if method == "training step" else _runs(name, model, x, y)[method]
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak-RSS mark (VmHWM) to the current resident set
+    before = proc_status_kib("VmRSS")
+    run()  # everything the method allocates counts: gradients and optimizer state, normflat's sums
+    run()
+    queue.put((proc_status_kib("VmHWM") - before) / 1024)
+
+
+def peak_mib(name: str, method: str, threads: int = 1) -> float:
+    """Peak resident memory (MiB) that two runs of ``method`` add to the model and its batch, in a
+    fresh process (Linux): a training step's gradients, optimizer state and activations; normflat's
+    sums, signals and per-sample squares."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_peak_worker, args=(name, method, threads, queue))
+    with mmap_freed_blocks():
+        proc.start()
+    value = queue.get(timeout=1800)
+    proc.join()
+    return float(value)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--problems", nargs="*", default=list(PROBLEMS), choices=list(PROBLEMS))
     parser.add_argument("--no-accuracy", action="store_true")
+    parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument("--memory", action="store_true", help="peak memory against a training step")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), minimum of {args.rounds} interleaved rounds")
+    if args.memory:
+        print("| problem | training step (MiB) | auto (MiB) | auto / step | ggn (MiB) | ggn / step |")
+        print("|---|---|---|---|---|---|")
+        for name in args.problems:
+            step = peak_mib(name, "training step", args.threads)
+            auto = peak_mib(name, "auto", args.threads)
+            exact = peak_mib(name, "ggn", args.threads)
+            print(f"| {name} | {step:.0f} | {auto:.0f} | {auto / step:.1f}× | {exact:.0f} | {exact / step:.1f}× |",
+                  flush=True)
+    if args.no_timing:
+        args.problems = [] if args.no_accuracy else args.problems
     print("| problem | auto | ggn (exact) | ggn-mc (1 draw) | BackPACK exact | gradient (s) |")
     print("|---|---|---|---|---|---|")
-    for name in args.problems:
+    for name in ([] if args.no_timing else args.problems):
         model, x, y = make_problem(name)
         times = {m: min(t) for m, t in time_rounds(_runs(name, model, x, y), args.rounds).items()}
         g = times["gradient"]

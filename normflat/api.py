@@ -45,12 +45,12 @@ def analyze(
             callable ``(logits, y) -> mean loss``.
         estimator: Hessian-diagonal estimator (method §6; their meaning in every
             framework: docs/semantics.md): ``"auto"`` (the default: the exact
-            ``"ggn"`` up to 23 classes, ``"ggn-topk"`` above, with the defaults of
+            ``"ggn"`` up to 25 classes, ``"ggn-topk"`` above, with the defaults of
             ``samples`` and ``top_classes``), ``"ggn"``, ``"ggn-topk"``, ``"ggn-mc"``,
             ``"hutchinson"`` or ``"exact"``.
         samples: Probes (hutchinson, default 100), label draws per input (ggn-mc,
             default 1) or draws of the classes outside the top ones (ggn-topk and
-            auto, default 20).
+            auto, default 10).
         seed: Seed of the stochastic estimators.
         top_classes: Classes of each input (or token) whose curvature ``ggn-topk``
             (and ``auto``) takes exactly, the most probable ones (default 2).

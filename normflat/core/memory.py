@@ -115,3 +115,26 @@ def chunk_size_for(
     if maximum is not None:
         chunk = min(chunk, int(maximum))
     return max(1, chunk)
+
+
+#: The least working memory the automatic chunking allows itself (small models are not cut
+#: into single samples to stay under twice a training step of a few MiB).
+DEFAULT_BUDGET_FLOOR = 32 * 2**20
+
+
+def training_step_bytes(parameters: int, activations: int, itemsize: int) -> int:
+    """Estimated memory of one training step: gradients and one optimizer buffer per
+    parameter, and the activations kept for the backward pass (about twice the layer
+    outputs, counting what the nonlinearities save)."""
+    return int(itemsize) * (2 * int(parameters) + 2 * int(activations))
+
+
+def default_budget(step_bytes: int, state_bytes: int) -> int:
+    """The working memory of an analysis without ``memory_budget``: about twice a training step.
+
+    The per-layer sums the estimator must hold (``state_bytes``: one array per group and
+    weight) are part of the peak, so the chunks get what is left of twice the step, at
+    least :data:`DEFAULT_BUDGET_FLOOR`.
+    """
+    return max(2 * int(step_bytes) - int(state_bytes), DEFAULT_BUDGET_FLOOR)
+

@@ -45,6 +45,10 @@ class SumState:
 
     groups: int | None
     sums: list[Any] = field(default_factory=list)
+    #: Layers whose sums the state allocated itself (from the second contribution on), which it
+    #: may then add to in place: a caller's first contribution is never written into, and the
+    #: sums are not copied on every batch.
+    owned: set = field(default_factory=set)
 
     def add(self, layer: int, value: Any) -> None:
         """Add one contribution ``(K, *shape)`` to layer ``layer``'s sums (in place)."""
@@ -63,7 +67,14 @@ def update(state: SumState, layer: int, value: Any) -> SumState:
     if int(value.shape[0]) != state.groups:
         raise ValueError(f"estimator contribution has {value.shape[0]} groups, expected {state.groups}")
     current = state.sums[layer]
-    state.sums[layer] = value if current is None else current + value
+    if current is None:
+        state.sums[layer] = value
+    elif layer in state.owned:
+        current += value  # in place for numpy and torch; a new array for JAX and TensorFlow
+        state.sums[layer] = current
+    else:
+        state.sums[layer] = current + value
+        state.owned.add(layer)
     return state
 
 

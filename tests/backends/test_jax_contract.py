@@ -106,7 +106,7 @@ def test_metadata_and_details_keys(builder):
 
 def test_samples_with_ggn_and_mismatched_lengths_are_refused():
     with pytest.raises(ValueError, match="samples=3 has no meaning"):
-        normflat.analyze(_pair(), (X, Y), samples=3, progress=False)
+        normflat.analyze(_pair(), (X, Y), estimator="ggn", samples=3, progress=False)
     with pytest.raises(ValueError, match="8 inputs but 7 labels"):
         normflat.analyze(_pair(), (X, Y[:7]), progress=False)
 

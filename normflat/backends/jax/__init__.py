@@ -15,7 +15,7 @@ the module layout every backend shares:
 ``session``
     the engine's ``Session``: layers in model order, one batch's sums, checks;
 ``hvp``, ``ggn``
-    the compiled estimator kernels (``exact``/``hutchinson``; ``ggn``/``ggn-mc``);
+    the compiled estimator kernels (``exact``/``hutchinson``; ``ggn``/``ggn-topk``/``ggn-mc``);
 ``distributed``
     local device meshes and the engine's ``Comm`` over ``jax.distributed``;
 ``compat``
@@ -47,7 +47,7 @@ Backend options (keyword arguments of :func:`normflat.analyze`):
     Compute dtype. Default: the weights' dtype (at least float32). ``"float64"``
     computes in double precision, enabling ``jax_enable_x64`` locally if needed.
 ``chunk_size``
-    Examples per device per vectorised chunk of ``ggn``/``ggn-mc`` (default:
+    Examples per device per vectorised chunk of the GGN estimators (default:
     chosen from an internal bound on the per-example intermediates).
     ``exact_chunk``: basis vectors per chunk of ``exact`` (default 64);
     ``probe_chunk``: Hutchinson probes per chunk (default 16).

@@ -1,20 +1,31 @@
-"""GGN kernels of the JAX backend: ``ggn`` and ``ggn-mc`` (method §6).
+"""GGN kernels of the JAX backend: ``ggn``, ``ggn-topk`` and ``ggn-mc`` (method §6).
 
 For each example the traced forward program (:mod:`~normflat.backends.jax.program`)
 is re-run with zero perturbations on the tap outputs. The output signals are the
 engine's (:func:`normflat.engine.losses.output_signals`): the ``C − 1`` columns
-of a factor of the loss Hessian in the logits (``ggn``), or ``(e_ỹ − p)/√m_k``
-with labels drawn from the engine's uniforms (``ggn-mc``,
-:func:`normflat.engine.random.sample_uniforms` keyed on the sample's position in
-the data stream, so the draws do not depend on the batch split), pulled back
-through the normalization for ``nsce``. One VJP per signal gives the signals at
-every tap and the per-example gradients of the other weights at once. Taps then
+of a factor of the loss Hessian in the logits (``ggn``), the exact signals of the
+top classes plus draws of the rest (``ggn-topk``, method §6.2), or
+``(e_ỹ − p)/√m_k`` with labels drawn from the engine's uniforms (``ggn-mc``); the
+uniforms come from :func:`normflat.engine.random.sample_uniforms` keyed on the
+sample's position in the data stream, so the draws do not depend on the batch
+split. The signals are pulled back through the normalization for ``nsce``; they
+are laid out ``(K', M)`` per example (``K' = options.state_groups`` sums, ``M =
+options.signals_per_group(C)`` signals each, zero padding included). One VJP per
+signal gives the signals at every tap and the per-example gradients of the other
+weights at once. Taps then
 form the per-example squares from their inputs: a dense layer as one contraction
 of squared inputs with squared signals, a convolution from per-example gradients
 of that layer only (input patches and one batched matmul), an embedding lookup
 as a scatter of squared output signals (:meth:`GGN._lookup_squares`: per example
 the signals of equal ids are summed, then squared and added into their table
 rows; never a ``(n, V, d)`` array).
+
+With ``ggn-topk`` a dense *head* tap (a layer whose output is the logits,
+:attr:`~normflat.backends.jax.program.Tap.head`) takes its squares from the
+engine's :func:`~normflat.engine.losses.diagonal_signals` instead: one signal per
+sample (per token), whose square is the logit-Hessian diagonal, which gives that
+layer its exact GGN diagonal in the shared group 0 and zeros in the sampled ones,
+as the torch and Keras backends do (method §6.2).
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from normflat.backends.jax.kernel import Kernel, Run
-from normflat.engine.losses import output_signals, token_signals
+from normflat.engine.losses import diagonal_signals, output_signals, token_signals
 from normflat.engine.random import sample_uniforms
 
 __all__ = ["GGN"]
@@ -51,21 +62,25 @@ def _balance(a, d):
 
 
 class GGN(Kernel):
-    """Exact (or Monte-Carlo) GGN diagonal from per-example signals."""
+    """Exact, top-k or Monte-Carlo GGN diagonal from per-example signals.
+
+    ``options`` must be resolved (not ``"auto"``): the layout of the signals, the
+    number of sums ``G = options.state_groups`` and the head taps depend on it.
+    """
 
     batch_args = (2, 3, 4)
     label_mask = False
 
     def __init__(self, options, prog, ws, dtype, num_classes, settings):
-        self.mc = options.estimator == "ggn-mc"
-        if self.mc:
-            self.S = options.samples
-            self.G = options.groups
-            self.M = math.ceil(self.S / self.G)
-        else:
-            # diag(p) - p p^T has rank C-1: C-1 signals per example suffice (engine.losses.ggn_factor).
-            self.G, self.M = 1, num_classes - 1
+        # Uniforms per example (per token) the estimator consumes: 0 for the exact ggn.
+        self.draws = options.draws
+        # K' sums of M signals each (ggn: diag(p) - p p^T has rank C-1, engine.losses.ggn_factor).
+        self.G = options.state_groups
+        self.M = options.signals_per_group(num_classes)
         self.taps = {t.weight: t for t in prog.taps}
+        # ggn-topk: dense heads get the exact diagonal from one signal (program.Tap.head).
+        self.heads = {k for k, t in self.taps.items() if t.head is not None} \
+            if options.estimator == "ggn-topk" else set()
         self.gen = [k for k in range(len(ws)) if k not in self.taps]
         super().__init__(options, prog, ws, dtype, num_classes, settings)
         # Token logits (method §6.3): every (token, signal) pair is its own back-propagated signal, and
@@ -78,7 +93,12 @@ class GGN(Kernel):
         per_example = 0
         for k, w in enumerate(ws):
             t = self.taps.get(k)
-            if t is not None and t.squares_factor:
+            if k in self.heads:
+                # squared activations and one squared signal (per token) at the output
+                out_size = math.prod(prog.shapes[prog.ops[t.op].outs[0]])
+                act_size = math.prod(prog.shapes.get(prog.ops[t.op].ins[1 - t.weight_pos][1], (1,)))
+                per_example += out_size + act_size
+            elif t is not None and t.squares_factor:
                 out_size = math.prod(prog.shapes[prog.ops[t.op].outs[0]])
                 act_size = math.prod(prog.shapes.get(prog.ops[t.op].ins[1 - t.weight_pos][1], (1,)))
                 per_example += self.G * self.cols * out_size + act_size
@@ -115,18 +135,25 @@ class GGN(Kernel):
             return z, rec
 
         z, vjp_fn, rec = jax.vjp(fwd, eps0, [ws[k] for k in gen], has_aux=True)
+        uniforms = u[None] if self.draws else None
         if counted is None:
-            sig = output_signals(jnp, z[None], self.options, u[None] if self.mc else None)  # (K, M, 1, C)
-        else:  # (K, M·T, 1, T, C): the signals of each counted token, placed at that token
-            sig = token_signals(jnp, z[None], self.options, counted[None], u[None] if self.mc else None)
+            sig = output_signals(jnp, z[None], self.options, uniforms)  # (K', M, 1, C)
+        else:  # (K', M·T, 1, T, C): the signals of each counted token, placed at that token
+            sig = token_signals(jnp, z[None], self.options, counted[None], uniforms)
         cols = sig.reshape((self.G * self.cols,) + z.shape)
         d_eps, d_wg = jax.vmap(vjp_fn)(cols)
         out = {}
         for j, k in enumerate(gen):
             out[k] = self._group_sum(d_wg[j] ** 2)
+        root = self._head_signal(z, counted) if self.heads else None
         for k, t in taps.items():
             a, d = rec[t.op], d_eps[t.op]
-            if t.lookup is not None:
+            if k in self.heads:
+                # The sampled signals reached this tap in the same VJP at no extra cost; they are
+                # replaced by the one signal whose square is the logit-Hessian diagonal.
+                a, d = _balance(a, prog.head_pullback(t)(root))
+                out[k] = (a * a, d * d)  # (1, *out): the shared group only
+            elif t.lookup is not None:
                 out[k] = self._lookup_squares(t, a, d)
             elif t.squares_factor:
                 a, d = _balance(a, d)
@@ -139,6 +166,20 @@ class GGN(Kernel):
                 grads = jax.vmap(lambda dd: vjp_w(dd)[0])(d)
                 out[k] = self._group_sum(grads**2)
         return out, z
+
+    def _head_signal(self, z, counted=None):
+        """``(1, *z.shape)``: each token's (or the sample's) √diag of the logit Hessian, 0 where not counted.
+
+        Unlike :func:`~normflat.engine.losses.token_signals` the tokens share one
+        column: a head's output at token ``t`` depends on its input at ``t`` only,
+        so its gradient squares summed over per-token signals are the tap's own
+        contraction of the squared inputs with these squared signals.
+        """
+        c = int(z.shape[-1])
+        root = diagonal_signals(jnp, z.reshape(-1, c), self.options)[0, 0]  # group 0: (rows, C)
+        if counted is not None:
+            root = root * counted[:, None]
+        return root.reshape((1,) + z.shape)
 
     def _lookup_squares(self, t, index_args, d):
         """One example's squared table gradients of a lookup tap, per looked-up row (method §3, Embeddings).
@@ -234,13 +275,16 @@ class GGN(Kernel):
             if t.lookup is not None:
                 rows, squares = outs[k]
                 dwp = self._scatter_lookup(t, rows, squares, mask, wp.shape)
-            elif t.squares_factor:
+            elif t.squares_factor or k in self.heads:
                 a2, d2 = outs[k]
                 a2 = a2 * mask.reshape((-1,) + (1,) * (a2.ndim - 1))
                 f = self.prog.tap_fn(t)
                 # sum_n,c (delta_nc^2)(a_n^2)^T: the tap's own weight VJP applied to squares.
                 _, vjp_sq = jax.vjp(lambda w_: jax.vmap(lambda a: f(a, w_))(a2), wp)
                 dwp = jax.vmap(lambda d: vjp_sq(d)[0], in_axes=1)(d2)
+                if k in self.heads and self.G > 1:
+                    # a head's curvature is exact: all of it in the shared group 0, none sampled
+                    dwp = jnp.concatenate([dwp, jnp.zeros((self.G - 1,) + dwp.shape[1:], dwp.dtype)])
             else:
                 dwp = masked_sum(outs[k])
             _, vjp_layout = jax.vjp(layout, w)
@@ -249,16 +293,17 @@ class GGN(Kernel):
         return res, self.stats(z)
 
     def _uniforms(self, run: Run, offset: int, start: int, length: int, block: int):
-        """The piece's ``(block, S)`` uniforms (rows past ``length`` are padding, zeros)."""
-        if not self.mc:
+        """The piece's ``(block, draws·T)`` uniforms (rows past ``length`` are padding, zeros)."""
+        if not self.draws:
             u = run.extras.get(("u0", block))
             if u is None:
                 u = run.extras[("u0", block)] = jnp.zeros((block, 1), self.dtype)
             return u
         # Token logits: S draws per token, token t taking columns t·S .. (t+1)·S - 1 (engine.losses).
-        u = sample_uniforms(run.extras["seed"], run.extras["stream"], offset + start, length, self.S * self.T)
+        n_u = self.draws * self.T
+        u = sample_uniforms(run.extras["seed"], run.extras["stream"], offset + start, length, n_u)
         if length < block:
-            u = np.concatenate([u, np.zeros((block - length, self.S * self.T))])
+            u = np.concatenate([u, np.zeros((block - length, n_u))])
         return jnp.asarray(u, dtype=self.dtype)
 
     def run_piece(self, run: Run, piece, offset: int):

@@ -14,6 +14,12 @@ perturbation added to each tap's output then yields both the tap inputs (for a
 lookup, its ids) and, by a VJP with respect to the perturbations, the signals.
 Weights used in any other way are handled by the generic path (per-example
 VJPs), so the analysis can only choose a faster path, never a wrong one.
+
+A dense tap whose output *is* the program's output, up to a bias added and
+layout-only operations, is also marked as a *head* (:attr:`Tap.head`): for it
+the sum over signals of squared per-example gradients depends on the signals
+only through their squares at the logits, so ``ggn-topk`` gives it the exact
+diagonal from one signal per sample (method §6.2).
 """
 
 from __future__ import annotations
@@ -85,6 +91,10 @@ class Tap:
             of squares over signals is the same primitive applied to squares.
         lookup: For a row lookup of a table (an embedding), how it takes its rows;
             ``None`` for ``dot_general`` / ``conv_general_dilated`` taps.
+        head: For a dense layer whose output is the logits (a classification or
+            language-model head), the indices of the ops from the tap output to the
+            program output (bias additions, casts, transposes; see
+            :meth:`Program.head_pullback`); ``None`` for every other tap.
     """
 
     weight: int
@@ -93,6 +103,7 @@ class Tap:
     chain: list[int]
     squares_factor: bool
     lookup: Lookup | None = None
+    head: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -207,6 +218,34 @@ class Program:
         with op.ctx:
             rows = op.prim.bind(table, *index_args, **params)
         return jnp.squeeze(rows, axis=lk.out_feature_axis)
+
+    def head_pullback(self, tap: Tap) -> Callable[[Any], Any]:
+        """``d -> d'``: signals at the logits ``(cols, *logits)`` to the head tap's output ``(cols, *out)``.
+
+        The ops between a head tap and the output (:attr:`Tap.head`) have a Jacobian
+        that only permutes entries (bias additions and casts: the identity), so the
+        pull-back is the inverse permutation; computed without the ops' other operands.
+        """
+        assert tap.head is not None
+        steps, ref = [], self.ops[tap.op].outs[0]
+        for i in tap.head:  # each op's input on the way is the previous op's output
+            op = self.ops[i]
+            steps.append((op.prim.name, op.params, self.shapes.get(ref), self.dtypes.get(ref)))
+            ref = op.outs[0]
+        steps.reverse()
+
+        def pull(d):
+            for name, params, shape, dtype in steps:
+                if name == "transpose":
+                    inv = np.argsort(params["permutation"])
+                    d = jnp.transpose(d, (0,) + tuple(1 + int(q) for q in inv))
+                elif name in ("reshape", "squeeze", "expand_dims"):
+                    d = d.reshape((d.shape[0],) + tuple(shape))
+                elif name == "convert_element_type" and dtype is not None:
+                    d = d.astype(dtype)
+            return d
+
+        return pull
 
     def tap_fn(self, tap: Tap) -> Callable[[Any, Any], Any]:
         """``(activation, weight operand) -> tap output`` for one tap."""
@@ -353,10 +392,12 @@ def _analyse(prog: Program, n_weights: int) -> None:
     for a in prog.out_refs:
         if a[0] == "ref":
             uses[a[1]] = uses.get(a[1], 0) + 1
-    for op in prog.ops:
+    consumers: dict[int, int] = {}  # ref -> the (last) op reading it; unique where uses == 1
+    for j, op in enumerate(prog.ops):
         for a in op.ins:
             if a[0] == "ref":
                 uses[a[1]] = uses.get(a[1], 0) + 1
+                consumers[a[1]] = j
     first_use = [np.inf] * n_weights
     weight_uses: list[list] = [[] for _ in range(n_weights)]
     candidates: dict[int, list] = {}
@@ -397,7 +438,9 @@ def _analyse(prog: Program, n_weights: int) -> None:
         chain_refs = [prog.weight_refs[k]] + [prog.ops[j].outs[0] for j in chain]
         if any(uses.get(r, 0) != 1 for r in chain_refs):
             continue
-        prog.taps.append(Tap(k, i, pos, chain, lookup is None and _squares_factor(prog, prog.ops[i], pos), lookup))
+        head = _dense_head(prog, i, pos, uses, consumers, data_dep) if lookup is None else None
+        prog.taps.append(Tap(k, i, pos, chain, lookup is None and _squares_factor(prog, prog.ops[i], pos), lookup,
+                             head))
     prog.taps.sort(key=lambda t: t.op)
     prog.first_use = first_use
     prog.uses = weight_uses
@@ -417,6 +460,95 @@ def _squares_factor(prog: Program, op: _Op, weight_pos: int) -> bool:
         return False
     free = [d for j, d in enumerate(shape) if j not in tuple(contract)]
     return int(np.prod(free, dtype=np.int64)) == 1
+
+
+#: Ops between a head's ``dot_general`` and the logits whose Jacobian is the identity
+#: (a bias or another term independent of the data added, a cast) or a permutation.
+_HEAD_IDENTITY = {"add", "sub", "convert_element_type", "copy", "copy_p"}
+_HEAD_RESHAPE = {"reshape", "squeeze", "expand_dims"}
+
+
+def _dense_head(prog: Program, index: int, weight_pos: int, uses: dict, consumers: dict,
+                data_dep: set) -> tuple[int, ...] | None:
+    """The ops from a dense tap to the program output if the tap is a head, else None.
+
+    A head's output reaches the logits through bias additions, casts and layout
+    ops only, so the signals at its output are the logits' signals, permuted. Its
+    per-example squared gradients summed over signals then need only the squared
+    signals, i.e. the logit-Hessian diagonal, when the outputs that share a weight
+    entry have no curvature between them: for ``(C,)`` logits every weight entry
+    must reach one output (no positions besides the contracted features), for
+    ``(T, C)`` token logits the positions must be the tokens and the weight's
+    output axis the classes (the loss Hessian is block-diagonal over tokens,
+    method §6.3). As in the other backends, only a layer whose output is the model
+    output counts: a sum with another data-dependent term does not.
+    """
+    op = prog.ops[index]
+    if op.prim.name != "dot_general" or len(prog.out_refs) != 1 or prog.out_refs[0][0] != "ref":
+        return None
+    out_ref = prog.out_refs[0][1]
+    out_shape = prog.shapes.get(out_ref)
+    if out_shape is None or len(out_shape) not in (1, 2):
+        return None
+    tokens = len(out_shape) == 2
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    act_pos = 1 - weight_pos
+    a_shape = prog.shapes.get(op.ins[act_pos][1])
+    lhs_shape = prog.shapes.get(op.ins[0][1]) if op.ins[0][0] == "ref" else None
+    if a_shape is None or lhs_shape is None:
+        return None
+    contract, batch = (lc, lb) if act_pos == 0 else (rc, rb)
+    a_free = [j for j in range(len(a_shape)) if j not in tuple(contract) and j not in tuple(batch)]
+    # dot_general's output axes: batch, then the lhs free axes, then the rhs free axes.
+    start = len(lb) + (0 if act_pos == 0 else len(lhs_shape) - len(lc) - len(lb))
+    r = op.outs[0]
+    # What each axis of the value on the way holds: "a" activation positions, "w" the weight's
+    # output (or batch) axes, "1" an axis of size 1 (the per-example program's own batch of one).
+    kinds: list[str] | None = ["a" if start <= j < start + len(a_free) else "w"
+                               for j in range(len(prog.shapes.get(r, ())))]
+    kinds = [k if d != 1 else "1" for k, d in zip(kinds, prog.shapes.get(r, ()))]
+    if not tokens and math.prod(a_shape[j] for j in a_free) != 1:
+        return None
+    chain: list[int] = []
+    while True:
+        if uses.get(r, 0) != 1:
+            return None  # another use: the signal at the tap output is not the logits' alone
+        if r == out_ref:
+            break
+        j = consumers.get(r)
+        if j is None:
+            return None
+        nxt = prog.ops[j]
+        name = nxt.prim.name
+        if nxt.prim.multiple_results or len(nxt.outs) != 1:
+            return None
+        if name in ("add", "sub"):
+            at = [p for p, a in enumerate(nxt.ins) if a == ("ref", r)]
+            if len(nxt.ins) != 2 or len(at) != 1 or (name == "sub" and at[0] != 0):
+                return None
+            other = nxt.ins[1 - at[0]]
+            if (other[0] == "ref" and other[1] in data_dep) or prog.shapes.get(nxt.outs[0]) != prog.shapes.get(r):
+                return None
+        elif name == "transpose":
+            if kinds is not None:
+                kinds = [kinds[p] for p in nxt.params["permutation"]]
+        elif name in _HEAD_RESHAPE:
+            if tokens:
+                # Only axes of size 1 may come or go: the positions must stay the tokens.
+                old, new = prog.shapes.get(r, ()), prog.shapes.get(nxt.outs[0], ())
+                if kinds is None or [d for d in old if d != 1] != [d for d in new if d != 1]:
+                    return None
+                it = iter(k for k in kinds if k != "1")
+                kinds = ["1" if d == 1 else next(it) for d in new]
+            else:
+                kinds = None  # any entry permutation keeps one output per weight entry
+        elif name not in _HEAD_IDENTITY:
+            return None
+        chain.append(j)
+        r = nxt.outs[0]
+    if tokens and (kinds is None or kinds[0] not in ("a", "1") or kinds[1] != "w"):
+        return None
+    return tuple(chain)
 
 
 def _lookup_spec(prog: Program, op: _Op) -> Lookup | None:

@@ -8,8 +8,11 @@ session supplies what is JAX-specific:
   in model order, the order in which the traced forward program
   (:mod:`~normflat.backends.jax.program`) first uses each weight. Tracing needs
   the shapes of one input, so the session prepares itself on the first batch;
-* one batch's per-layer ``K`` group sums (canonical layout) from the cached, compiled
-  kernels (:mod:`~normflat.backends.jax.hvp`, :mod:`~normflat.backends.jax.ggn`);
+* one batch's per-layer ``K'`` group sums (``options.state_groups``, canonical layout)
+  from the cached, compiled kernels (:mod:`~normflat.backends.jax.hvp`,
+  :mod:`~normflat.backends.jax.ggn`). ``estimator="auto"`` is resolved on the first
+  batch, once the number of classes is known, before any kernel is built
+  (:func:`normflat.engine.options.resolve_estimator`, method §6.2);
 * the value checks with the engine's messages: the logits' statistics
   (:func:`normflat.engine.losses.logit_stats`) and the finiteness of device inputs
   are computed inside the compiled steps and checked on the host together, with
@@ -40,12 +43,12 @@ from normflat.backends.jax.state import ModelState
 from normflat.engine.data import Batch, labels_for
 from normflat.engine.estimators import SumState
 from normflat.engine.losses import check_logit_stats, check_loss_value, check_output_shape
-from normflat.engine.options import AnalysisOptions
+from normflat.engine.options import AnalysisOptions, resolve_estimator
 from normflat.engine.problems import LayerSpec, ParameterStatus
 
 __all__ = ["JaxSession"]
 
-_KERNELS = {"exact": Exact, "hutchinson": Hutchinson, "ggn": GGN, "ggn-mc": GGN}
+_KERNELS = {"exact": Exact, "hutchinson": Hutchinson, "ggn": GGN, "ggn-topk": GGN, "ggn-mc": GGN}
 # Compiled kernels of recent models, keyed by the traced per-example program, so that
 # repeated analyses (e.g. during training) do not recompile. Small: each holds XLA executables.
 _CACHE = LRU(8)
@@ -170,7 +173,7 @@ class JaxSession:
     def zeros(self, layer: int) -> Any:
         shape = self._canonical_shape(layer) if self.kernel is not None else ()
         zero = jnp.zeros(tuple(shape), self.dtype if self.kernel is not None else jnp.float32)
-        return GroupSums([zero] * self.options.groups)
+        return GroupSums([zero] * self.options.state_groups)
 
     def all_finite(self, array: Any) -> bool:
         # The engine's first call after the data: evaluate the deferred checks first, so that
@@ -273,6 +276,9 @@ class JaxSession:
         per_example = tuple(prog.shapes.get(out[1], ())) if out is not None and out[0] == "ref" else ()
         self.out_shape = per_example if len(prog.out_refs) == 1 else (0, 0)
         num_classes = check_output_shape((batch.n,) + self.out_shape, options, batch.index, batch.n)
+        # "auto" becomes ggn or ggn-topk now that C is known; the driver reads self.options for the
+        # finalize and the report, and the kernel (and its cache key) takes the resolved options.
+        options = self.options = resolve_estimator(options, num_classes)
         if options.estimator == "exact":
             total = sum(int(np.prod(w.shape)) for w in ws)
             if total > settings["max_exact_params"] and not settings["force"]:
@@ -282,7 +288,7 @@ class JaxSession:
                     "'hutchinson', or pass force=True if you really want it."
                 )
         key = (prog.text, tuple(str(w.dtype) for w in ws), options.estimator, options.samples,
-               options.loss if callable(options.loss) else str(options.loss), options.temperature,
+               options.top_classes, options.loss if callable(options.loss) else str(options.loss), options.temperature,
                settings["chunk_size"], settings["memory_budget"], settings["exact_chunk"], settings["probe_chunk"])
         kernel = None
         cached = _CACHE.get(key)

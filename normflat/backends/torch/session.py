@@ -328,9 +328,7 @@ class TorchSession:
         """Samples per GGN step: bound the signal rows back-propagated at once."""
         tokens = int(logits.shape[1]) if logits.dim() == 3 else 1
         per_sample = self._signals_per_sample(c, tokens)
-        if self.settings.memory_budget is None:
-            return max(1, DEFAULT_SIGNAL_ROWS // per_sample)
-        from normflat.core.memory import chunk_size_for
+        from normflat.core.memory import chunk_size_for, default_budget, training_step_bytes
 
         # Per sample: the signals at every fast layer output (and a stacked copy), and the
         # generic path's per-signal weight gradients.
@@ -340,7 +338,15 @@ class TorchSession:
                    if id(layer) in self.capture.outputs)
         weights = sum(layer.param.numel() for layer in self._layers if not layer.fast)
         need = per_sample * item * (2 * (outs + c * tokens) + weights)
-        return chunk_size_for(self.settings.memory_budget, need, "the back-propagated GGN signals")
+        if self.settings.memory_budget is not None:
+            return chunk_size_for(self.settings.memory_budget, need, "the back-propagated GGN signals")
+        # No budget given: about twice a training step of this model on this batch (method §9),
+        # and never more signal rows at once than DEFAULT_SIGNAL_ROWS.
+        params = sum(p.numel() for p in self.model.parameters())
+        step = training_step_bytes(params, (outs + c * tokens) * int(logits.shape[0]), item)
+        state = self.options.state_groups * sum(layer.param.numel() for layer in self._layers) * item
+        by_memory = default_budget(step, state) // max(need, 1)
+        return max(1, min(by_memory, DEFAULT_SIGNAL_ROWS // per_sample))
 
     def _first_check(self, logits: torch.Tensor, fast: list[TorchLayer]) -> None:
         """On the first forward: the fast rules need each weight used once, by its own module,
