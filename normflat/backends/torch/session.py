@@ -39,6 +39,10 @@ __all__ = ["Settings", "parse_settings", "TorchSession", "BACKEND_OPTIONS", "DEF
 DEFAULT_MAX_EXACT_PARAMS = 20_000
 #: Default bound on ``signals × samples`` rows back-propagated at once by the GGN paths.
 DEFAULT_SIGNAL_ROWS = 8192
+#: ``ggn`` squares a dense head from the logit-Hessian diagonal and starts the other layers'
+#: signals at its input (structured, method §6.1) above this many classes; below, pushing the
+#: ``C − 1`` dense signals through the head costs less than forming the structured ones.
+STRUCTURED_HEAD_CLASSES = 32
 #: Bound on the entries of one block of placed token signals ``(K, M·tokens, n, T, C)``.
 TOKEN_SIGNAL_ENTRIES = 1 << 24
 #: The torch backend's own options (``distributed`` is taken by the package entry points).
@@ -494,7 +498,13 @@ class TorchSession:
         return terms
 
     def _heads(self, logits: torch.Tensor, fast: list[TorchLayer]) -> list[TorchLayer]:
-        """``ggn``/``ggn-topk``: the fast dense layers whose output tensor is the logits themselves."""
+        """``ggn``/``ggn-topk``: the fast dense layers whose output tensor is the logits themselves.
+
+        ``ggn`` takes the structured head only above :data:`STRUCTURED_HEAD_CLASSES` classes,
+        where it pays; ``ggn-topk`` always (its head must be exact, as in every framework).
+        """
+        if self.options.estimator == "ggn" and logits.shape[-1] <= STRUCTURED_HEAD_CLASSES:
+            return []
         if self.options.estimator not in ("ggn", "ggn-topk"):
             return []
         assert self.capture is not None
