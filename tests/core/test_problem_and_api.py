@@ -96,7 +96,7 @@ def test_model_without_data():
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        ({"estimator": "fisher"}, ValueError, "Unknown estimator 'fisher'; choose one of 'ggn'"),
+        ({"estimator": "fisher"}, ValueError, "Unknown estimator 'fisher'; choose one of 'auto', 'ggn'"),
         ({"loss": "mse"}, ValueError, "Unknown loss 'mse'"),
         ({"loss": 3}, TypeError, "loss must be"),
         ({"loss": lambda z, y: z.sum(), "estimator": "ggn"}, ValueError, "With a custom loss callable use"),
