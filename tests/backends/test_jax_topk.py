@@ -6,7 +6,12 @@
   with standard error 0, in every JAX model type (the traced program identifies it);
 * the same weights and data give the torch backend's numbers to 1e-10 (float64):
   normflat's draws do not depend on the framework;
-* ``"auto"`` resolves to ``ggn`` for few classes and to ``ggn-topk`` for many.
+* ``"auto"`` resolves to ``ggn`` for few classes and to ``ggn-topk`` for many;
+* above 32 classes ``ggn`` takes the structured head too (the other layers' signals start
+  at the head's input, method §6.1) with the numbers of the dense signals, and of the
+  exact Hessian on a ReLU net;
+* without ``chunk_size``/``memory_budget`` the chunk keeps the working memory within about
+  twice a training step, and the chunking changes no number.
 """
 
 from __future__ import annotations
@@ -136,6 +141,94 @@ def test_layer_after_the_head_keeps_it_sampled():
     report = normflat.analyze((apply, params), (x, y), loss="ce", estimator="ggn-topk", top_classes=1,
                               samples=2, progress=False)
     assert all(l.standard_error["hessian_trace"] > 0 for l in report.layers)
+
+
+# ----------------------------------------------------------------------------- the structured head
+
+
+@pytest.fixture
+def dense_signals(monkeypatch):
+    """Switch the structured head off (kernels built while it is set use dense signals at the
+    logits) with fresh kernel caches; returns the calls of ``output_factor`` made while tracing."""
+    from normflat.backends.jax import ggn as jax_ggn
+    from normflat.backends.jax import session as jax_session
+    from normflat.backends.jax.cache import LRU
+
+    calls = []
+    factor = jax_ggn.output_factor
+    monkeypatch.setattr(jax_ggn, "output_factor", lambda *a, **k: (calls.append(1), factor(*a, **k))[1])
+    monkeypatch.setattr(jax_session, "_CACHE", LRU(8))
+
+    def use(dense: bool):
+        monkeypatch.setattr(jax_ggn, "STRUCTURED_HEAD_CLASSES", 10**9 if dense else 32)
+        monkeypatch.setattr(jax_session, "_CACHE", LRU(8))
+        calls.clear()
+        return calls
+
+    return use
+
+
+@pytest.mark.parametrize("loss", ["nsce", "ce"])
+def test_structured_head_ggn_equals_dense_signals(builder, loss, dense_signals):
+    """At 40 classes ``ggn`` squares the head from the logit-Hessian diagonal and pulls the
+    structured signals back through it: the numbers of C − 1 dense signals, every layer."""
+    spec = netspec.mlp((5, 6, 7, 40), activation="tanh", seed=47)
+    x, y = netspec.data(spec, n=7, seed=7)
+    model, data = builder.build(spec), builder.make_data(x, y, 4)
+    calls = dense_signals(False)
+    got = _diag(model, data, loss=loss, estimator="ggn")
+    assert calls  # the structured path was taken
+    calls = dense_signals(True)
+    ref = _diag(model, data, loss=loss, estimator="ggn")
+    assert not calls
+    _close(got, ref)
+
+
+def test_structured_head_ggn_is_the_relu_hessian(dense_signals):
+    """On a ReLU net with ``ce`` the GGN diagonal is the Hessian diagonal: brute force."""
+    spec = netspec.mlp((4, 5, 40), seed=48)
+    x, y = netspec.data(spec, n=6, seed=8)
+    b = load_builder("equinox")
+    model, data = b.build(spec), b.make_data(x, y, 6)
+    calls = dense_signals(False)
+    got = _diag(model, data, loss="ce", estimator="ggn")
+    assert calls
+    _close(got, _diag(model, data, loss="ce", estimator="exact"))
+
+
+def test_few_classes_keep_dense_signals(dense_signals):
+    """``ggn`` at 32 classes or fewer pushes the dense signals (cheaper there); ``ggn-mc`` always."""
+    spec = netspec.mlp((4, 5, 32), seed=49)
+    x, y = netspec.data(spec, n=5, seed=9)
+    b = load_builder("flax_nnx")
+    model, data = b.build(spec), b.make_data(x, y, 5)
+    calls = dense_signals(False)
+    _diag(model, data, loss="ce", estimator="ggn")
+    _diag(model, data, loss="ce", estimator="ggn-mc", samples=2)
+    assert not calls
+
+
+# ----------------------------------------------------------------------------- default chunking
+
+
+def test_default_chunk_is_bounded_and_changes_no_number():
+    """No chunk_size / memory_budget: about twice a training step (at least 32 MiB) decides the
+    chunk, here below the batch, with the numbers of one chunk for the whole batch."""
+    b = load_builder("flax_nnx")
+    spec = netspec.cnn(channels=(3, 8, 8), image=16, classes=100, seed=50)
+    n = 48
+    x, y = netspec.data(spec, n=n, seed=10)
+    model, data = b.build(spec), b.make_data(x, y, n)
+    report = normflat.analyze(model, data, progress=False)
+    whole = normflat.analyze(model, data, progress=False, chunk_size=n)
+    assert report.metadata["estimator"] == "ggn-topk"  # auto at 100 classes
+    assert report.metadata["chunk_size"] < n and whole.metadata["chunk_size"] == n
+    for got, ref in zip(report.layers, whole.layers):
+        assert got.hessian_trace == pytest.approx(ref.hessian_trace, rel=1e-10)
+        assert got.normalized_sharpness == pytest.approx(ref.normalized_sharpness, rel=1e-10)
+        for name, se in ref.standard_error.items():
+            assert got.standard_error[name] == pytest.approx(se, rel=1e-9, abs=1e-13), name
+    _close(_diag(model, data), _diag(model, data, chunk_size=n))
 
 
 # ----------------------------------------------------------------------------- auto

@@ -47,8 +47,17 @@ Backend options (keyword arguments of :func:`normflat.analyze`):
     Compute dtype. Default: the weights' dtype (at least float32). ``"float64"``
     computes in double precision, enabling ``jax_enable_x64`` locally if needed.
 ``chunk_size``
-    Examples per device per vectorised chunk of the GGN estimators (default:
-    chosen from an internal bound on the per-example intermediates).
+    Examples per device per vectorised chunk of the GGN estimators. Default:
+    chosen on the first batch so that the chunk's working memory (the
+    back-propagated signals at every intermediate of the per-example program and
+    the per-example squares) stays within about twice a training step of the
+    model on that batch: :func:`normflat.core.memory.default_budget` of
+    :func:`~normflat.core.memory.training_step_bytes` (every parameter leaf, and
+    the outputs of every weight-using op and the logits, per device), less the
+    ``K'`` group sums of every analyzed weight, at least
+    :data:`~normflat.core.memory.DEFAULT_BUDGET_FLOOR` (32 MiB), and never more
+    examples than an internal bound of 2²⁶ per-example intermediate elements; the
+    same rule as the torch backend. ``metadata["chunk_size"]`` is the chunk used.
     ``exact_chunk``: basis vectors per chunk of ``exact`` (default 64);
     ``probe_chunk``: Hutchinson probes per chunk (default 16).
 ``memory_budget``

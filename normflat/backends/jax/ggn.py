@@ -20,12 +20,19 @@ as a scatter of squared output signals (:meth:`GGN._lookup_squares`: per example
 the signals of equal ids are summed, then squared and added into their table
 rows; never a ``(n, V, d)`` array).
 
-With ``ggn-topk`` a dense *head* tap (a layer whose output is the logits,
+With ``ggn-topk``, and with ``ggn`` above :data:`STRUCTURED_HEAD_CLASSES` classes,
+a dense *head* tap (a layer whose output is the logits,
 :attr:`~normflat.backends.jax.program.Tap.head`) takes its squares from the
 engine's :func:`~normflat.engine.losses.diagonal_signals` instead: one signal per
 sample (per token), whose square is the logit-Hessian diagonal, which gives that
 layer its exact GGN diagonal in the shared group 0 and zeros in the sampled ones,
-as the torch and Keras backends do (method §6.2).
+as the torch and Keras backends do (method §6.1–6.2). For ``(n, C)`` logits the
+other layers' signals then start at the head's *input*: the engine's
+:class:`~normflat.engine.losses.Factor` pulls the estimator's signals back through
+the head in structured form (one row of the head's weight per signal and one
+product per shared vector, ``O(C·d)`` per example instead of the ``O(C²·d)`` of
+pushing ``C − 1`` dense signals through it), and the VJP runs from the head's input
+(:class:`_StructuredHead`). Token logits keep the signals at the logits.
 """
 
 from __future__ import annotations
@@ -36,14 +43,75 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from normflat.backends.jax.compat import x64_enabled
 from normflat.backends.jax.kernel import Kernel, Run
-from normflat.engine.losses import diagonal_signals, output_signals, token_signals
+from normflat.core.memory import default_budget, training_step_bytes
+from normflat.engine.losses import diagonal_signals, output_factor, output_signals, token_signals
 from normflat.engine.random import sample_uniforms
 
-__all__ = ["GGN"]
+__all__ = ["GGN", "STRUCTURED_HEAD_CLASSES"]
 
-#: Elements of per-example intermediate results one vectorised GGN chunk may hold.
+#: Elements of per-example intermediate results one vectorised GGN chunk may hold (an upper
+#: bound on the chunk whatever the memory budget, :meth:`GGN.block_for`).
 _GGN_BUDGET = 2**26
+#: ``ggn`` squares a dense head from the logit-Hessian diagonal and starts the other layers'
+#: signals at its input (structured, method §6.1) above this many classes; below, pushing the
+#: ``C − 1`` dense signals through the head costs less than forming the structured ones (the
+#: torch backend's threshold). ``ggn-topk`` always does (its head must be exact).
+STRUCTURED_HEAD_CLASSES = 32
+
+
+class _Namespace:
+    """``jax.numpy`` for the engine's :class:`~normflat.engine.losses.Factor`, whose row indices
+    are ``int64``: with x64 off JAX holds ``int32`` only (and warns on every request)."""
+
+    def __getattr__(self, name):
+        if name == "int64" and not x64_enabled():
+            return jnp.int32
+        return getattr(jnp, name)
+
+
+_XP = _Namespace()
+
+
+class _StructuredHead:
+    """A dense head ``z = P(W a) + b`` seen as a ``(C, D)`` matrix, for :meth:`Factor.through`.
+
+    ``W a`` is the head's ``dot_general`` without batch axes; the activation ``a`` has
+    no free positions of size > 1 (:func:`~normflat.backends.jax.program._dense_head`),
+    so every entry of its output is one row of the weight operand, flattened as
+    ``(free axes of the weight, contracted axes)``; ``P`` (the ops from the tap to the
+    logits: bias additions, casts, layout ops) only permutes entries, and ``perm[c]`` is
+    the output entry that becomes logit ``c``.
+    """
+
+    def __init__(self, prog, tap):
+        op = prog.ops[tap.op]
+        (lc, rc), _ = op.params["dimension_numbers"]
+        self.wc = tuple(int(j) for j in (lc, rc)[tap.weight_pos])
+        self.ac = tuple(int(j) for j in (lc, rc)[1 - tap.weight_pos])
+        self.a_shape = tuple(prog.shapes[op.ins[1 - tap.weight_pos][1]])
+        self.a_order = self.ac + tuple(j for j in range(len(self.a_shape)) if j not in self.ac)
+        self.a_inverse = tuple(int(j) for j in np.argsort(self.a_order))
+        out = prog.out_refs[0][1]
+        c = math.prod(prog.shapes[out])
+        # Push the logit numbers back to the tap output: entry o of the output becomes logit pi[o].
+        labels = prog.head_pullback(tap)(np.arange(c, dtype=np.float32).reshape((1,) + tuple(prog.shapes[out])))
+        pi = np.rint(np.asarray(labels, dtype=np.float64)).astype(np.int64).reshape(-1)
+        self.perm = np.argsort(pi)
+
+    def matrix(self, wp):
+        """``(C, D)``: row ``c`` is the head's weight row of logit ``c`` (``∂z_c / ∂a``, flattened)."""
+        free = [j for j in range(wp.ndim) if j not in self.wc]
+        d = math.prod(wp.shape[j] for j in self.wc)
+        rows = jnp.transpose(wp, free + list(self.wc)).reshape(-1, d)
+        return rows[self.perm]
+
+    def to_activation(self, sig):
+        """``(cols, D)`` signals at the flattened activation -> ``(cols, *a_shape)``."""
+        shape = tuple(self.a_shape[j] for j in self.a_order)
+        sig = sig.reshape((sig.shape[0],) + shape)
+        return jnp.transpose(sig, (0,) + tuple(1 + j for j in self.a_inverse))
 
 
 def _balance(a, d):
@@ -59,6 +127,30 @@ def _balance(a, d):
     e = jnp.round(0.5 * (jnp.log2(jnp.where(ok, md, 1)) - jnp.log2(jnp.where(ok, ma, 1))))
     t = jnp.exp2(e).astype(a.dtype)
     return a * t, d / t
+
+
+def _only_through_input(prog, tap) -> bool:
+    """Whether the logits depend on the weights only through the head's activation operand.
+
+    True for a head ``dot_general`` without batch axes whose way to the logits
+    (:attr:`~normflat.backends.jax.program.Tap.head`) adds no term computed from a
+    weight: then the signals at the head's input carry every other weight's GGN.
+    """
+    op = prog.ops[tap.op]
+    (_, _), (lb, rb) = op.params["dimension_numbers"]
+    if len(lb) or len(rb) or op.ins[1 - tap.weight_pos][0] != "ref" or tap.head is None:
+        return False
+    dependent = set(prog.weight_refs)
+    for o in prog.ops:
+        if any(a[0] == "ref" and a[1] in dependent for a in o.ins):
+            dependent.update(o.outs)
+    ref = op.outs[0]
+    for i in tap.head:
+        o = prog.ops[i]
+        if any(a[0] == "ref" and a[1] in dependent and a[1] != ref for a in o.ins):
+            return False
+        ref = o.outs[0]
+    return True
 
 
 class GGN(Kernel):
@@ -78,11 +170,22 @@ class GGN(Kernel):
         self.G = options.state_groups
         self.M = options.signals_per_group(num_classes)
         self.taps = {t.weight: t for t in prog.taps}
-        # ggn-topk: dense heads get the exact diagonal from one signal (program.Tap.head).
-        self.heads = {k for k, t in self.taps.items() if t.head is not None} \
-            if options.estimator == "ggn-topk" else set()
         self.gen = [k for k in range(len(ws)) if k not in self.taps]
         super().__init__(options, prog, ws, dtype, num_classes, settings)
+        # Dense heads get the exact diagonal from one signal (program.Tap.head): ggn-topk always,
+        # ggn above STRUCTURED_HEAD_CLASSES classes with (n, C) logits (method §6.1).
+        heads = {k for k, t in self.taps.items() if t.head is not None}
+        if options.estimator == "ggn":
+            wanted = self.tokens is None and num_classes > STRUCTURED_HEAD_CLASSES
+        else:
+            wanted = options.estimator == "ggn-topk"
+        self.heads = heads if wanted else set()
+        # (n, C) logits: the other layers' signals start at the head's input (structured).
+        self.structured = None
+        if self.heads and self.tokens is None and len(self.heads) == 1:
+            k = next(iter(self.heads))
+            if _only_through_input(prog, self.taps[k]):
+                self.structured = (k, _StructuredHead(prog, self.taps[k]))
         # Token logits (method §6.3): every (token, signal) pair is its own back-propagated signal, and
         # the counted-token mask of the piece is one more batch input (not a Python branch).
         self.T = self.tokens or 1
@@ -110,9 +213,38 @@ class GGN(Kernel):
                 per_example += self.G * self.cols * int(np.prod(w.shape))
         # Per example: the signals and squared gradients counted above, plus the forward
         # intermediates kept for the VJP and one back-propagated signal per column.
-        need = (per_example + (1 + self.G * self.cols) * self._activation_elements()) * jnp.dtype(self.dtype).itemsize
-        budget_block = self._budget_block(need, "the per-sample GGN signals")
+        self.need = (per_example + (1 + self.G * self.cols) * self._activation_elements()) \
+            * jnp.dtype(self.dtype).itemsize
+        budget_block = self._budget_block(self.need, "the per-sample GGN signals")
         self.max_block = int(settings["chunk_size"] or budget_block or max(1, _GGN_BUDGET // max(per_example, 1)))
+        # The layer outputs of one example (every op that uses a weight, and the logits): the
+        # activations of a training step (the default budget, block_for).
+        used = {id(op): op for uses in prog.uses for op, _, _ in uses}
+        out = prog.out_refs[0] if len(prog.out_refs) == 1 else None
+        self.layer_outputs = sum(math.prod(prog.shapes.get(r, ())) for op in used.values() for r in op.outs) + (
+            math.prod(prog.shapes.get(out[1], ())) if out is not None and out[0] == "ref" else 0)
+        self.weight_entries = sum(self.sizes)
+
+    def block_for(self, run: Run, n: int) -> int:
+        """Examples per device and compiled call for a first batch of ``n`` examples per device.
+
+        ``chunk_size`` or ``memory_budget`` given: :attr:`max_block`. Neither: the working
+        memory stays within about twice a training step of the model on the batch
+        (:func:`normflat.core.memory.default_budget` of
+        :func:`~normflat.core.memory.training_step_bytes` of all parameters and the layer
+        outputs of the batch, less the ``K'`` group sums of every analyzed weight; at least
+        :data:`~normflat.core.memory.DEFAULT_BUDGET_FLOOR`), the torch backend's rule, and
+        never more than the :data:`_GGN_BUDGET` bound on the intermediates.
+        """
+        if self.settings.get("chunk_size") or self.settings.get("memory_budget") is not None:
+            return self.max_block
+        item = jnp.dtype(self.dtype).itemsize
+        params = sum(int(np.prod(a.shape, dtype=np.int64)) for a in list(run.ws) + list(run.others)
+                     if hasattr(a, "shape") and hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.inexact))
+        step = training_step_bytes(params, self.layer_outputs * int(n), item)
+        state = self.G * self.weight_entries * item
+        by_memory = default_budget(step, state) // max(int(self.need), 1)
+        return max(1, min(int(by_memory), self.max_block))
 
     def begin(self, ws, others, mesh, *, seed, stream, weights=None) -> Run:
         run = super().begin(ws, others, mesh, seed=seed, stream=stream, weights=weights)
@@ -134,13 +266,29 @@ class GGN(Kernel):
             (z,) = prog.run(w_all, others, xl, eps, rec, fast_pool=True)
             return z, rec
 
-        z, vjp_fn, rec = jax.vjp(fwd, eps0, [ws[k] for k in gen], has_aux=True)
         uniforms = u[None] if self.draws else None
-        if counted is None:
-            sig = output_signals(jnp, z[None], self.options, uniforms)  # (K', M, 1, C)
-        else:  # (K', M·T, 1, T, C): the signals of each counted token, placed at that token
-            sig = token_signals(jnp, z[None], self.options, counted[None], uniforms)
-        cols = sig.reshape((self.G * self.cols,) + z.shape)
+        if self.structured is not None:
+            # The signals start at the head's input, pulled back through the head in structured
+            # form (losses.Factor): O(C·d) per example, not O(C²·d). Every other weight reaches
+            # the logits through that input only (_only_through_input).
+            hk, head = self.structured
+            hop = taps[hk].op
+
+            def fwd_input(eps, wg):
+                z, rec = fwd(eps, wg)
+                return rec[hop], (z, rec)
+
+            _, vjp_fn, (z, rec) = jax.vjp(fwd_input, eps0, [ws[k] for k in gen], has_aux=True)
+            factor = output_factor(_XP, z.reshape(1, -1), self.options, uniforms)
+            through = factor.through(_XP, head.matrix(prog.layout_fn(taps[hk])(ws[hk])))  # (K', M, 1, D)
+            cols = head.to_activation(through.reshape(self.G * self.cols, -1))
+        else:
+            z, vjp_fn, rec = jax.vjp(fwd, eps0, [ws[k] for k in gen], has_aux=True)
+            if counted is None:
+                sig = output_signals(jnp, z[None], self.options, uniforms)  # (K', M, 1, C)
+            else:  # (K', M·T, 1, T, C): the signals of each counted token, placed at that token
+                sig = token_signals(jnp, z[None], self.options, counted[None], uniforms)
+            cols = sig.reshape((self.G * self.cols,) + z.shape)
         d_eps, d_wg = jax.vmap(vjp_fn)(cols)
         out = {}
         for j, k in enumerate(gen):

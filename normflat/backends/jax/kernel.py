@@ -108,6 +108,8 @@ class Run:
             self.ndev, self.mesh, self.data_sharding, self.replicated = 1, None, None, None
         self.ws, self.others = ws, others
         self.block: int | None = None
+        #: Examples per device and compiled call chosen on the first batch (None: whole batches).
+        self.chunk: int | None = None
         self.extras: dict = {}  # kernel-specific per-analysis arrays (probes, masks)
 
     def replicate(self, leaves):
@@ -215,8 +217,10 @@ class Kernel:
             yield xl, y, None, 0, n, sharded
             return
         if run.block is None:
-            # max_block counts examples per device: a mesh of d devices takes d times as many.
-            b = n if self.max_block is None else min(n, self.max_block * run.ndev)
+            # Chosen on the first batch; counts examples per device: a mesh of d devices takes d
+            # times as many.
+            run.chunk = self.block_for(run, -(-n // run.ndev))
+            b = n if run.chunk is None else min(n, run.chunk * run.ndev)
             # On a mesh every piece splits evenly over the devices (padding masked out).
             run.block = -(-b // run.ndev) * run.ndev
         b = run.block
@@ -241,6 +245,11 @@ class Kernel:
                 yp = run.shard([yp])[0] if yp is not None else None
                 mask = run.shard([mask])[0]
             yield xp, yp, mask, s, e - s, sharded
+
+    def block_for(self, run: Run, n: int) -> int | None:
+        """Examples per device and compiled call, chosen for a first batch of ``n`` examples per
+        device (None: whole batches). Default: :attr:`max_block`."""
+        return self.max_block
 
     def _ones(self, run: Run, b: int):
         ones = run.extras.get(("ones", b))

@@ -212,7 +212,8 @@ class JaxSession:
                    "processes": self.comm.size if self.comm is not None else 1}
         if self.view.vmap is not None:
             backend["vmap"] = self.view.vmap
-        return {"dtype": str(jnp.dtype(self.dtype)), "device": device, "chunk_size": self.kernel.max_block,
+        chunk = self.run.chunk if self.run is not None and self.run.chunk is not None else self.kernel.max_block
+        return {"dtype": str(jnp.dtype(self.dtype)), "device": device, "chunk_size": chunk,
                 "memory_budget": self.settings["memory_budget"], "backend": backend}
 
     def close(self) -> None:
