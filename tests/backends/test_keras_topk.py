@@ -224,3 +224,105 @@ def test_auto_resolves_by_classes(classes, expected):
         ref = normflat.analyze(model, (x, y), estimator="ggn-topk", progress=False)
     for a, b in zip(report.layers, ref.layers):
         assert a.hessian_trace == pytest.approx(b.hessian_trace, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- the structured head (no C² term)
+
+MANY = 40  # above STRUCTURED_HEAD_CLASSES: ggn takes the exact head and starts the signals at its input
+
+
+class _OwnCallDense(L.Dense):
+    """A Dense with its own call: the generic path (per-sample Jacobians from the logits)."""
+
+    def call(self, inputs):
+        return super().call(inputs)
+
+
+def mixed_model(classes=MANY, seed=6):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((5,), dtype=F64),
+        _OwnCallDense(6, activation="tanh", dtype=F64, name="own"),  # generic
+        L.Dense(8, activation="tanh", dtype=F64, name="hidden"),  # fast, signals from the head's input
+        L.Dense(classes, dtype=F64, name="head"),  # exact from the logit-Hessian diagonal
+    ])
+
+
+def _count_structured(monkeypatch):
+    from normflat.backends.keras import ggn
+
+    calls = []
+    original = ggn._head_input_signals
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ggn, "_head_input_signals", counted)
+    return calls
+
+
+@pytest.mark.parametrize("loss", ["nsce", "ce"])
+def test_ggn_structured_head_equals_generic(loss, monkeypatch):
+    calls = _count_structured(monkeypatch)
+    model = mixed_model()
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(12, 5)), rng.integers(0, MANY, size=12)
+    data = batches(x, y, 5)  # 5, 5, 2: the step retraces with a relaxed sample axis
+    got = diag(model, data, loss=loss, estimator="ggn")
+    assert calls, "the structured path was not taken"
+    ref = diag(model, data, loss=loss, estimator="ggn", fast=False)
+    assert list(got) == ["own", "hidden", "head"]
+    assert_close(got, ref)
+
+
+@pytest.mark.parametrize("loss", ["nsce", "ce"])
+def test_ggn_many_classes_without_a_head_equals_generic(loss, monkeypatch):
+    """An output Dense with an activation is no head: the block's dense signals, formed from the
+    structured factor (O(C) per signal), go back from the logits."""
+    calls = _count_structured(monkeypatch)
+    keras.utils.set_random_seed(9)
+    model = keras.Sequential([keras.Input((5,), dtype=F64), L.Dense(6, activation="tanh", dtype=F64, name="hidden"),
+                              L.Dense(MANY, activation="tanh", dtype=F64, name="out")])
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(7, 5)), rng.integers(0, MANY, size=7)
+    data = batches(x, y, 4)
+    got = diag(model, data, loss=loss, estimator="ggn")
+    assert not calls
+    assert_close(got, diag(model, data, loss=loss, estimator="ggn", fast=False))
+
+
+def test_ggn_few_classes_keeps_dense_signals(monkeypatch):
+    calls = _count_structured(monkeypatch)
+    model = mixed_model(classes=C)
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(6, 5)), rng.integers(0, C, size=6)
+    got = diag(model, (x, y), estimator="ggn")
+    assert not calls
+    assert_close(got, diag(model, (x, y), estimator="ggn", fast=False))
+
+
+# ----------------------------------------------------------------------------- bounded memory by default
+
+
+def test_default_chunk_is_bounded_by_a_training_step():
+    """Default options (auto: ggn-topk at 100 classes): the chunk keeps the step within about twice
+    a training step (at least 32 MiB), smaller than this batch; the numbers do not depend on it."""
+    keras.utils.set_random_seed(8)
+    model = keras.Sequential([
+        keras.Input((16, 16, 3), dtype=F64),
+        L.Conv2D(8, 3, padding="same", activation="relu", dtype=F64, name="conv"),
+        L.Flatten(dtype=F64),
+        L.Dense(100, dtype=F64, name="head"),
+    ])
+    rng = np.random.default_rng(4)
+    n = 48
+    x, y = rng.normal(size=(n, 16, 16, 3)), rng.integers(0, 100, size=n)
+    report = normflat.analyze(model, (x, y), progress=False)
+    assert report.metadata["estimator"] == "ggn-topk"
+    assert 1 <= report.metadata["chunk_size"] < n
+    whole = normflat.analyze(model, (x, y), chunk_size=n, progress=False)
+    assert whole.metadata["chunk_size"] == n
+    for a, b in zip(report.layers, whole.layers):
+        assert a.hessian_trace == pytest.approx(b.hessian_trace, rel=1e-10)
+    assert_close(diag(model, (x, y)), diag(model, (x, y), chunk_size=n))

@@ -31,7 +31,16 @@ Backend options (keyword arguments of ``normflat.analyze``):
     Analyze only these layers (names as reported).
 ``chunk_size`` (int, default automatic)
     Samples per compiled step; lower it if memory runs out. Results do not
-    depend on it.
+    depend on it. Default for the GGN estimators, without ``memory_budget``: the
+    largest chunk whose estimated step (the memory estimate of ``memory_budget``)
+    stays within about twice a training step of the model on the batch (per
+    replica under a strategy): :func:`normflat.core.memory.default_budget` of
+    :func:`~normflat.core.memory.training_step_bytes` (every model variable; the
+    tapped layers' pre-activations and the logits), less the per-layer sums the
+    estimator holds (``state_groups`` per analyzed weight entry), at least
+    :data:`~normflat.core.memory.DEFAULT_BUDGET_FLOOR` (32 MiB) and at most 256 MiB,
+    and at most 1024 samples; the same rule as the torch backend. ``exact`` and
+    ``hutchinson``: 512.
 ``batch_size`` (int)
     Deprecated alias of ``chunk_size`` (a single ``(x, y)`` pair is one batch).
 ``memory_budget`` (int bytes or str such as ``"512MB"``/``"2GiB"``, default None)

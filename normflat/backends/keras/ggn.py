@@ -11,14 +11,21 @@ once, back-propagates a block of signals to the tapped pre-activations of every
 path) and forms the per-sample squares there (grouped and depthwise kernels in one
 batched matmul with the groups as a batch axis); other layers (shared, subclassed,
 separable, registered) take the *generic* path of per-sample Jacobian products.
-With ``ggn-topk`` a ``Dense`` head whose pre-activation is the logits takes its
-exact squares from the logit-Hessian diagonal instead (method §6.2).
+With ``ggn-topk``, and ``ggn`` above :data:`STRUCTURED_HEAD_CLASSES` classes
+(:func:`exact_head`), a ``Dense`` head whose pre-activation is the logits takes its
+exact squares from the logit-Hessian diagonal; for ``(n, C)`` logits the other fast
+layers' signals start at the head's input, pulled back through it in structured
+form (:class:`~normflat.engine.losses.Factor`): ``O(C·d)`` per sample instead of the
+``O(C²·d)`` of pushing ``C − 1`` dense signals through the head (method §6.1–6.2),
+and where dense signals are still needed (generic layers, no recognized head) only
+the block's are formed, ``O(C)`` each. Token logits keep the head rule only.
 The step returns the ``(K', *canonical)`` sums of one chunk of samples
 (``K' = options.state_groups``); the engine divides.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import weakref
@@ -31,17 +38,32 @@ from normflat.backends.keras.layers import Entry, einsum_fast_axes
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for
-from normflat.engine.losses import diagonal_signals, logit_stats, output_signals, signal_slots, token_signals
+from normflat.engine.losses import (diagonal_signals, logit_stats, normalize_logits, output_factor, output_signals,
+                                    signal_slots, token_signals)
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
 
 __all__ = ["Taps", "ggn_step_fn", "model_logits", "signal_layout", "ggn_bytes", "ggn_chunk_size", "SIGNAL_BLOCK",
-           "compute_dtype"]
+           "compute_dtype", "exact_head", "STRUCTURED_HEAD_CLASSES", "CHUNK_BYTES", "MAX_CHUNK"]
 
 #: Signals back-propagated per compiled step (unrolled in the graph; more are done in blocks).
 SIGNAL_BLOCK = 16
-#: Budget of one GGN chunk's largest intermediate (bytes); sets the default chunk size.
+#: Upper bound on the estimated bytes of one GGN step without ``memory_budget`` (the default
+#: budget is about twice a training step, :func:`normflat.core.memory.default_budget`, at most this).
 CHUNK_BYTES = 2**28
+#: Upper bound on the samples of one GGN step.
+MAX_CHUNK = 1024
+#: ``ggn`` squares a ``Dense`` head from the logit-Hessian diagonal and starts the other layers'
+#: signals at its input (structured, method §6.1) above this many classes, as the torch backend;
+#: below, pushing the ``C − 1`` dense signals through the head costs less than forming the
+#: structured ones. ``ggn-topk`` always does (its head must be exact, as in every framework).
+STRUCTURED_HEAD_CLASSES = 32
+
+
+def exact_head(options: AnalysisOptions, num_classes: int) -> bool:
+    """Whether a ``Dense`` head whose pre-activation is the logits gets its squares from the
+    logit-Hessian diagonal (and, for ``(n, C)`` logits, the others their signals at its input)."""
+    return options.estimator == "ggn-topk" or (options.estimator == "ggn" and num_classes > STRUCTURED_HEAD_CLASSES)
 
 
 def compute_dtype(dtype: Any) -> Any:
@@ -136,7 +158,8 @@ def _head_squares(x: Any, zc: Any, counted: Any, options: AnalysisOptions, token
     For such a layer only ``Σ_m s_m²`` per output unit enters the per-sample squares,
     which is the logit-Hessian diagonal: the one-signal
     :func:`~normflat.engine.losses.diagonal_signals` give its exact GGN diagonal
-    (``ggn-topk``, method §6.2), in the shared group 0 (the sampled groups get zeros).
+    (``ggn-topk``, and ``ggn`` with many classes: :func:`exact_head`; method §6.2), in the
+    shared group 0 (the sampled groups get zeros).
     Each (token, signal) pair of token logits is its own per-sample gradient (method §6.3),
     so token rows are simply more rows: ``Σ_rows d ⊗ x²`` is one matmul, and the signals
     are never placed at their tokens.
@@ -151,6 +174,81 @@ def _head_squares(x: Any, zc: Any, counted: Any, options: AnalysisOptions, token
     if groups == 1:
         return sq
     return tf.concat([sq, tf.zeros([groups - 1, *sq.shape[1:]], sq.dtype)], axis=0)
+
+
+def _block_of(values: Any, index: Any, start: Any, block: int) -> Any:
+    """The ``(block, n)`` entries of a ``(K', M, n)`` per-signal array for signals ``start ..``.
+
+    The same selection as the dense signals' (:func:`signal_layout`'s real slots, then a
+    zero-padded block): a padded slot has scale and coefficients 0, a zero signal.
+    """
+    flat = tf.gather(tf.reshape(values, [-1, tf.shape(values)[-1]]), index)
+    return tf.pad(flat, [[0, block], [0, 0]])[start:start + block]
+
+
+def _factor_block(zc: Any, u: Any, options: AnalysisOptions, index: Any, start: Any,
+                  block: int) -> tuple[Any, Any, list, list]:
+    """A block of the estimator's signals at ``(n, C)`` logits in structured form.
+
+    Signal ``b`` of sample ``i`` is ``scale[b, i] · e_cls[b, i] + Σ_j coefs_j[b, i] · vectors_j[i]``
+    (:class:`~normflat.engine.losses.Factor`), for the block of the real signals starting at
+    ``start`` (the selection of :func:`_block_of`): ``(B, n)`` classes (float; padding ``-1``
+    or ``0`` with scale and coefficients 0), scales and coefficients, ``(n, C)`` vectors.
+    Only the block's signals are formed, in ``O(C)`` per signal and sample (:meth:`Factor.through
+    <normflat.engine.losses.Factor.through>` would form all of them and needs a static sample
+    axis, unknown here under relaxed shapes). For ``nsce`` the factor is taken at the normalized
+    logits and pulled back here, block by block, exactly as
+    :func:`~normflat.engine.losses.output_factor` does (``Jᵀ s = a (s − s̄ − ẑ (ẑ·s)/C)``, method §7).
+    """
+    c = int(zc.shape[-1])
+    nsce = options.loss == "nsce"
+    if nsce:
+        logits, zhat, sigma = normalize_logits(TF, zc, options.temperature)
+    else:
+        logits = zc
+    factor = output_factor(TF, logits, dataclasses.replace(options, loss="ce"), u)
+    cls = _block_of(factor.index, index, start, block)
+    scale = _block_of(factor.scale, index, start, block)
+    coefs = [_block_of(w, index, start, block) for w in factor.coefs]
+    vectors = list(factor.vectors)
+    if nsce:
+        a = (options.temperature / sigma)[:, 0]  # (n,)
+        total = scale + sum(w * tf.reduce_sum(v, axis=-1) for v, w in zip(vectors, coefs))
+        safe = tf.cast(tf.maximum(cls, 0), tf.int32)
+        at_class = tf.transpose(tf.gather(zhat, tf.transpose(safe), batch_dims=1))  # ẑ[i, cls[b, i]]
+        dot = scale * at_class + sum(w * tf.reduce_sum(v * zhat, axis=-1) for v, w in zip(vectors, coefs))
+        scale = a * scale
+        coefs = [a * w for w in coefs] + [-a * total / c, -a * dot / c]
+        vectors = vectors + [tf.ones_like(zhat), zhat]
+    return cls, scale, vectors, coefs
+
+
+def _head_input_signals(zc: Any, u: Any, kernel: Any, options: AnalysisOptions, index: Any, start: Any,
+                        block: int) -> Any:
+    """``(block, n, d)``: a block of the estimator's signals pulled back through a ``Dense`` head.
+
+    ``kernel`` is the head's ``(d, C)`` kernel, so the signal ``s`` at the logits becomes
+    ``kernel @ s`` at the head's input: with :func:`_factor_block`'s form, one gathered kernel
+    column per signal and one ``(n, C) × (C, d)`` product per vector, ``O(C·d)`` per sample
+    instead of ``O(C²·d)`` (method §6.1); the dense signals are never formed.
+    """
+    cls, scale, vectors, coefs = _factor_block(zc, u, options, index, start, block)
+    weight = tf.transpose(kernel)  # (C, d): row c is class c's column of the kernel
+    out = scale[..., None] * tf.gather(weight, tf.cast(tf.maximum(cls, 0), tf.int32))  # (B, n, d)
+    for v, w in zip(vectors, coefs):
+        out = out + w[..., None] * tf.matmul(v, kernel, transpose_b=True)[None]
+    return out
+
+
+def _dense_block(zc: Any, u: Any, options: AnalysisOptions, index: Any, start: Any, block: int) -> Any:
+    """``(block, n, C)``: the same block of signals, dense, from :func:`_factor_block`: ``O(C)`` per
+    signal, where forming every signal (``ggn``'s ``(n, C, C)`` factor) at each block would cost
+    ``O(C²)`` per sample and block."""
+    cls, scale, vectors, coefs = _factor_block(zc, u, options, index, start, block)
+    out = scale[..., None] * tf.one_hot(tf.cast(cls, tf.int32), int(zc.shape[-1]), dtype=zc.dtype)  # -1: zeros
+    for v, w in zip(vectors, coefs):
+        out = out + w[..., None] * v[None]
+    return out
 
 
 def _same_padding(size: int, k: int, s: int, d: int) -> tuple[int, int]:
@@ -336,7 +434,7 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
     ``uniforms`` are the chunk's ``(n, draws·T)`` uniforms (``ggn-mc``, ``ggn-topk``;
     ``(n, 0)`` for ``ggn``); ``counted`` is the ``(n, T)`` 0/1 mask of the counted tokens of token
     logits ``(n, T, C)`` (``tokens = T``, method §6.3; ``(n, 0)`` for ``(n, C)``
-    logits); ``start`` selects the block of signals (a ``ggn-topk`` head's exact squares
+    logits); ``start`` selects the block of signals (an exact head's squares (:func:`exact_head`)
     come with the block at ``start = 0``). ``holder["taps"]`` is the
     :class:`Taps` active when the function (re)traces; the model is held weakly.
     ``sequential``: the generic path's per-sample gradients run one after the other
@@ -347,6 +445,7 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
     generic = [e for e in entries if not e.fast]
     model_ref = weakref.ref(model)
     index, seg_list = signal_layout(options, num_classes, tokens or 1)
+    head_rule = exact_head(options, num_classes)
 
     @tf.function(reduce_retracing=True)
     def step(x, uniforms, counted, start):
@@ -362,37 +461,58 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
         c = int(z.shape[-1])
         stats = logit_stats(TF, tf.reshape(zc, [-1, c]))
         u = tf.cast(uniforms, zc.dtype)
-        if tokens is None:
-            sig = output_signals(TF, zc, options, u)  # (K', M, n, C)
-        else:
+        if tokens is not None:
             zc = tf.ensure_shape(zc, [None, tokens, c])
-            sig = token_signals(TF, zc, options, tf.cast(counted, zc.dtype), u)  # (K', M·T, n, T, C)
         rest = [c] if tokens is None else [tokens, c]
-        s = tf.gather(tf.reshape(sig, [-1, tf.shape(zc)[0], *rest]), index)
-        s = tf.cast(s, z.dtype)
         seg = tf.constant(seg_list, tf.int32)
         # A fixed-size block of signals; past the end, zero (padding) signals add nothing.
-        s = tf.pad(s, [[0, block]] + [[0, 0]] * (1 + len(rest)))[start:start + block]
         seg = tf.pad(seg, [[0, block]])[start:start + block]
-        s = tf.ensure_shape(s, [block, None, *rest])
         out = {}
-        # ggn-topk: a Dense head whose pre-activation is the logits themselves gets its exact
-        # squares from the logit-Hessian diagonal, once per chunk (the first block), and
-        # nothing is back-propagated to it (method §6.2).
-        heads = {e.name for e in fast if options.estimator == "ggn-topk" and e.fast == "dense"
-                 and taps.records[e.name][0][1] is z}
-        for name in heads:
-            x_in = taps.records[name][0][0]
+        # A Dense head whose pre-activation is the logits themselves (ggn-topk; ggn above
+        # STRUCTURED_HEAD_CLASSES classes) gets its exact squares from the logit-Hessian diagonal,
+        # once per chunk (the first block), and nothing is back-propagated to it (method §6.1-6.2).
+        heads = [e for e in fast if head_rule and e.fast == "dense" and taps.records[e.name][0][1] is z]
+        for e in heads:
+            x_in = taps.records[e.name][0][0]
             shape = [groups, c, int(x_in.shape[-1])]
-            out[name] = tf.cond(
+            out[e.name] = tf.cond(
                 tf.equal(start, 0),
                 lambda x_in=x_in: _head_squares(x_in, zc, counted, options, tokens, groups),
                 lambda x_in=x_in, shape=shape: tf.zeros(shape, x_in.dtype))
-        rest_fast = [e for e in fast if e.name not in heads]
+        rest_fast = [e for e in fast if e not in heads]
+        # The other fast layers' signals start at the head's input, pulled back through the head
+        # in structured form: O(C·d) per sample instead of O(C²·d) (method §6.1). (n, C) logits
+        # only; the generic layers keep the signals at the logits, as in the torch backend.
+        head_input = None
+        if rest_fast and tokens is None and len(heads) == 1:
+            x_in = taps.records[heads[0].name][0][0]
+            if len(x_in.shape) == 2 and x_in.dtype.is_floating:
+                head_input = x_in
+        s = None
+        if (generic or (rest_fast and head_input is None)) and head_rule and tokens is None:
+            # Only the block's signals, O(C) each (many classes: forming all C − 1 at every block
+            # would cost O(C²) per sample and block).
+            s = tf.cast(_dense_block(zc, u, options, index, start, block), z.dtype)
+            s = tf.ensure_shape(s, [block, None, *rest])
+        elif generic or (rest_fast and head_input is None):
+            if tokens is None:
+                sig = output_signals(TF, zc, options, u)  # (K', M, n, C)
+            else:
+                sig = token_signals(TF, zc, options, tf.cast(counted, zc.dtype), u)  # (K', M·T, n, T, C)
+            s = tf.gather(tf.reshape(sig, [-1, tf.shape(zc)[0], *rest]), index)
+            s = tf.cast(s, z.dtype)
+            s = tf.pad(s, [[0, block]] + [[0, 0]] * (1 + len(rest)))[start:start + block]
+            s = tf.ensure_shape(s, [block, None, *rest])
         if rest_fast:
             pre = [taps.records[e.name][0][1] for e in rest_fast]
             # One back-propagation per signal, unrolled: much faster on CPU than pfor here.
-            back = [tape.gradient(z, pre, output_gradients=s[i]) for i in range(block)]
+            if head_input is not None:
+                kernel = tf.cast(tf.stop_gradient(tf.convert_to_tensor(heads[0].variable.value)), zc.dtype)
+                sx = tf.cast(_head_input_signals(zc, u, kernel, options, index, start, block), head_input.dtype)
+                sx = tf.ensure_shape(sx, [block, None, int(head_input.shape[-1])])
+                back = [tape.gradient(head_input, pre, output_gradients=sx[i]) for i in range(block)]
+            else:
+                back = [tape.gradient(z, pre, output_gradients=s[i]) for i in range(block)]
             for j, e in enumerate(rest_fast):
                 gs = [back[i][j] for i in range(block)]
                 out[e.name] = _fast_squares(e, taps.records[e.name][0][0], gs, seg, groups)
@@ -469,13 +589,22 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
     return (linear + work) * item, quadratic * item
 
 
-def ggn_chunk_size(linear: int, quadratic: int, memory_budget: int | None, block: int) -> int:
-    """Samples per GGN step: the largest chunk whose step fits the memory budget (default: 256 MiB, no error)."""
+def ggn_chunk_size(linear: int, quadratic: int, memory_budget: int | None, block: int,
+                   default_budget: int | None = None) -> int:
+    """Samples per GGN step: the largest chunk whose estimated step fits the budget, at most :data:`MAX_CHUNK`.
+
+    ``memory_budget``: the user's budget (an error if one sample does not fit). Without it,
+    ``default_budget`` (about twice a training step, :func:`normflat.core.memory.default_budget`),
+    at most :data:`CHUNK_BYTES` (also the budget when ``default_budget`` is ``None``), and at
+    least one sample, without an error.
+    """
     if memory_budget is None:
-        return int(max(1, min(1024, CHUNK_BYTES // (linear + quadratic))))
-    what = f"the GGN step ({block} back-propagated signals per sample, estimated)"
-    chunk = chunk_size_for(memory_budget, linear + quadratic, what=what, maximum=1024)
-    while chunk > 1 and chunk * linear + chunk * chunk * quadratic > memory_budget:
+        budget = CHUNK_BYTES if default_budget is None else min(CHUNK_BYTES, int(default_budget))
+        chunk = int(max(1, min(MAX_CHUNK, budget // max(1, linear + quadratic))))
+    else:
+        budget = memory_budget
+        what = f"the GGN step ({block} back-propagated signals per sample, estimated)"
+        chunk = chunk_size_for(memory_budget, linear + quadratic, what=what, maximum=MAX_CHUNK)
+    while chunk > 1 and chunk * linear + chunk * chunk * quadratic > budget:
         chunk = max(1, min(chunk - 1, int(chunk * 0.9)))
     return chunk
-

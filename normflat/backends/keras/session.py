@@ -33,6 +33,7 @@ from normflat.backends.keras.hvp import (EXACT_BLOCK, PROBE_BLOCK, has_recurrenc
 from normflat.backends.keras.layers import Entry, fast_kind, final_softmax, walk
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
+from normflat.core.memory import default_budget, training_step_bytes
 from normflat.engine.data import Batch, labels_for
 from normflat.engine.estimators import SumState
 from normflat.engine.losses import (check_logit_stats, check_loss_value, check_output_shape, logit_stats,
@@ -406,7 +407,25 @@ class KerasSession:
 
     # ------------------------------------------------------------------ GGN
 
-    def _ggn_step(self) -> tuple[Any, int, int]:
+    def _default_budget(self, rows: int) -> int:
+        """The GGN working memory without ``memory_budget``: about twice a training step (method §9).
+
+        A training step of the model on this batch (per replica under a strategy), from
+        :func:`~normflat.core.memory.training_step_bytes`: every model variable, and as
+        activations the pre-activations of the tapped layers and the logits; less the
+        per-layer sums the estimator holds (``K'`` per analyzed weight entry), at least
+        :data:`~normflat.core.memory.DEFAULT_BUDGET_FLOOR` (the rule of the torch backend).
+        """
+        item = self.dtype.size
+        if self.replicas is not None:
+            rows = -(-rows // max(1, self.replicas.local))
+        params = sum(int(np.prod(v.shape, dtype=np.int64)) for v in self.model.weights)
+        per_sample = sum(e.pre_size for e in self.entries if e.fast) + self.num_classes * (self.tokens or 1)
+        step = training_step_bytes(params, per_sample * rows, item)
+        state = self.options.state_groups * self.total_params * item
+        return default_budget(step, state)
+
+    def _ggn_step(self, rows: int) -> tuple[Any, int, int]:
         options = self.options
         # The real signals of the engine's (K', M·T) layout, padding dropped (ggn.signal_layout).
         signals = len(signal_slots(options, self.num_classes)) * (self.tokens or 1)
@@ -433,12 +452,13 @@ class KerasSession:
             else:
                 linear, quadratic = ggn_bytes(self.entries, self.dtype, self.input_size,
                                               self.num_classes * (self.tokens or 1), block)
-                self.chunk = ggn_chunk_size(linear, quadratic, self.config.memory_budget, block)
+                budget = None if self.config.memory_budget is not None else self._default_budget(rows)
+                self.chunk = ggn_chunk_size(linear, quadratic, self.config.memory_budget, block, budget)
         self._holder["taps"] = self.taps
         return self._step, signals, block
 
     def _update_ggn(self, x: Any, labels: np.ndarray | None, batch: Batch, state: SumState) -> None:
-        step, signals, block = self._ggn_step()
+        step, signals, block = self._ggn_step(batch.n)
         options = self.options
         out_dtype = compute_dtype(self.dtype)
         pieces = self._pieces(batch.n, self.chunk)
