@@ -133,8 +133,10 @@ def default_budget(step_bytes: int, state_bytes: int) -> int:
     """The working memory of an analysis without ``memory_budget``: about twice a training step.
 
     The per-layer sums the estimator must hold (``state_bytes``: one array per group and
-    weight) are part of the peak, so the chunks get what is left of twice the step, at
-    least :data:`DEFAULT_BUDGET_FLOOR`.
+    weight) are part of the peak, so the chunks get what is left of twice the step, but
+    at least one training step (the sums of ``ggn-topk``'s groups can exceed the step;
+    cutting the batch into tiny chunks then would cost time and save little) and at least
+    :data:`DEFAULT_BUDGET_FLOOR`.
     """
-    return max(2 * int(step_bytes) - int(state_bytes), DEFAULT_BUDGET_FLOOR)
+    return max(2 * int(step_bytes) - int(state_bytes), int(step_bytes), DEFAULT_BUDGET_FLOOR)
 

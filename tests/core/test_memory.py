@@ -89,3 +89,14 @@ def test_memory_module_is_framework_free():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_default_budget_is_twice_a_training_step_less_the_sums():
+    from normflat.core.memory import DEFAULT_BUDGET_FLOOR, default_budget, training_step_bytes
+
+    step = training_step_bytes(parameters=10_000_000, activations=5_000_000, itemsize=4)
+    assert step == 4 * (2 * 10_000_000 + 2 * 5_000_000)
+    assert default_budget(step, state_bytes=40_000_000) == 2 * step - 40_000_000
+    # Sums larger than the step (ggn-topk's groups): at least one step, never tiny chunks.
+    assert default_budget(step, state_bytes=10 * step) == step
+    assert default_budget(1000, 0) == DEFAULT_BUDGET_FLOOR
