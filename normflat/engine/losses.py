@@ -133,6 +133,15 @@ def _softmax(xp: Any, u: Any) -> Any:
     return e / xp.sum(e, axis=-1, keepdims=True)
 
 
+def _probabilities(xp: Any, logits: Any, options: AnalysisOptions) -> tuple[Any, Any, Any]:
+    """``(p, ẑ, σ)``: the softmax of the (normalized, for ``nsce``) logits; ``ẑ``, ``σ`` of
+    :func:`normalize_logits` for ``nsce``, ``None`` for ``ce``."""
+    if options.loss == "nsce":
+        u, zhat, sigma = normalize_logits(xp, logits, options.temperature)
+        return _softmax(xp, u), zhat, sigma
+    return _softmax(xp, logits), None, None
+
+
 def ggn_factor(xp: Any, p: Any) -> Any:
     """``C − 1`` signals ``(C−1, n, C)`` whose outer products sum to ``diag(p) − p pᵀ``.
 
@@ -148,12 +157,18 @@ def ggn_factor(xp: Any, p: Any) -> Any:
     S = eye[None] * u[:, None, :] - p[:, :, None] * u[:, None, :]  # (n, C, C)
     if c == 1:
         return _permute(xp, S, (2, 0, 1))
-    last = xp.astype(_arange_like(xp, c, p) == c - 1, p.dtype)
-    v = u + last[None, :]
-    sv = u * v - p * xp.sum(u * v, axis=-1, keepdims=True)
-    scale = 2 / xp.sum(v * v, axis=-1)
+    _, v, sv, scale = _householder(xp, p)
     SR = S - scale[:, None, None] * sv[:, :, None] * v[:, None, :]
     return _permute(xp, SR[:, :, : c - 1], (2, 0, 1))
+
+
+def _householder(xp: Any, p: Any) -> tuple[Any, Any, Any, Any]:
+    """``(√p, v, S v, 2/|v|²)`` of :func:`ggn_factor`'s reflection, ``v = √p + e_C``."""
+    c = int(p.shape[-1])
+    root = xp.sqrt(p)
+    v = root + xp.astype(_arange_like(xp, c, p) == c - 1, p.dtype)[None, :]
+    sv = root * v - p * xp.sum(root * v, axis=-1, keepdims=True)
+    return root, v, sv, 2 / xp.sum(v * v, axis=-1)
 
 
 def _cumsum(xp: Any, x: Any) -> Any:
@@ -335,11 +350,7 @@ def logit_hessian_diagonal(xp: Any, logits: Any, options: AnalysisOptions) -> An
     ``Σ_c J_ic² p_c = a² [p_i − 2 p_i (1 + ẑ_i²)/C + (1 + 2 ẑ_i μ₁ + ẑ_i² μ₂)/C²]``,
     ``Σ_c J_ic p_c = a [p_i − (1 + ẑ_i μ₁)/C]``, ``μ_r = Σ_c p_c ẑ_c^r``.
     """
-    if options.loss == "nsce":
-        u, zhat, sigma = normalize_logits(xp, logits, options.temperature)
-    else:
-        u = logits
-    p = _softmax(xp, u)
+    p, zhat, sigma = _probabilities(xp, logits, options)
     if options.loss != "nsce":
         return p - p * p
     c = float(logits.shape[-1])
@@ -368,6 +379,17 @@ def diagonal_signals(xp: Any, logits: Any, options: AnalysisOptions) -> Any:
     return xp.concat([root] + [xp.zeros_like(root)] * (options.state_groups - 1), axis=0)
 
 
+def _sampled_classes(xp: Any, p: Any, options: AnalysisOptions, uniforms: Any) -> tuple[Any, Any]:
+    """``(K', M, n)`` classes and scales of the ``ggn-topk`` or ``ggn-mc`` signals."""
+    if uniforms is None:
+        raise ValueError(f"{options.estimator} needs the uniforms of normflat.engine.random.sample_uniforms.")
+    if options.estimator == "ggn-topk":
+        assert options.top_classes is not None
+        return _topk_classes(xp, p, uniforms, options.top_classes, options.groups,
+                             options.signals_per_group(int(p.shape[-1])))
+    return _mc_classes(xp, p, uniforms, options.groups)
+
+
 def output_signals(xp: Any, logits: Any, options: AnalysisOptions, uniforms: Any = None) -> Any:
     """GGN signals ``(K', M, n, C)`` at the raw logits of one chunk.
 
@@ -377,22 +399,11 @@ def output_signals(xp: Any, logits: Any, options: AnalysisOptions, uniforms: Any
     ``ggn-topk``: ``K' = 1 + K``, group 0 the exact part shared by the ``K`` others
     (:func:`topk_signals`). ``M`` is :meth:`AnalysisOptions.signals_per_group`.
     """
-    if options.loss == "nsce":
-        u, zhat, sigma = normalize_logits(xp, logits, options.temperature)
-    else:
-        u = logits
-    p = _softmax(xp, u)
+    p, zhat, sigma = _probabilities(xp, logits, options)
     if options.estimator == "ggn":
         sig = ggn_factor(xp, p)[None]
     else:
-        if uniforms is None:
-            raise ValueError(f"{options.estimator} needs the uniforms of normflat.engine.random.sample_uniforms.")
-        if options.estimator == "ggn-topk":
-            assert options.top_classes is not None
-            sig = topk_signals(xp, p, uniforms, options.top_classes, options.groups,
-                               options.signals_per_group(int(p.shape[-1])))
-        else:
-            sig = mc_signals(xp, p, uniforms, options.groups)
+        sig = _class_signals(xp, p, *_sampled_classes(xp, p, options, uniforms))
     if options.loss == "nsce":
         sig = pull_back(xp, sig, zhat, sigma, options.temperature)
     return sig
@@ -466,31 +477,16 @@ def output_factor(xp: Any, logits: Any, options: AnalysisOptions, uniforms: Any 
     ``1`` and ``ẑ``.
     """
     c = int(logits.shape[-1])
-    if options.loss == "nsce":
-        u, zhat, sigma = normalize_logits(xp, logits, options.temperature)
-    else:
-        u = logits
-    p = _softmax(xp, u)
+    p, zhat, sigma = _probabilities(xp, logits, options)
     if options.estimator == "ggn":
-        root = xp.sqrt(p)
-        last = xp.astype(_arange_like(xp, c, p) == c - 1, p.dtype)
-        v = root + last[None, :]
-        sv = root * v - p * xp.sum(root * v, axis=-1, keepdims=True)
-        alpha = 2 / xp.sum(v * v, axis=-1)  # (n,)
+        root, v, sv, alpha = _householder(xp, p)  # alpha: (n,)
         first = _permute(xp, root[:, : c - 1], (1, 0))[None]  # (1, C-1, n)
         index = xp.astype(_arange_like(xp, c - 1, p), p.dtype)[None, :, None] + xp.zeros_like(first)
         scale = first
         vectors = [p, sv]
         coefs = [-first, -alpha[None, None, :] * _permute(xp, v[:, : c - 1], (1, 0))[None]]
     else:
-        if uniforms is None:
-            raise ValueError(f"{options.estimator} needs the uniforms of normflat.engine.random.sample_uniforms.")
-        if options.estimator == "ggn-topk":
-            assert options.top_classes is not None
-            index, scale = _topk_classes(xp, p, uniforms, options.top_classes, options.groups,
-                                         options.signals_per_group(c))
-        else:
-            index, scale = _mc_classes(xp, p, uniforms, options.groups)
+        index, scale = _sampled_classes(xp, p, options, uniforms)
         vectors, coefs = [p], [-scale]
     if options.loss == "nsce":
         a = (options.temperature / sigma)[:, 0]  # (n,)
