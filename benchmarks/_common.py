@@ -47,6 +47,34 @@ def proc_status_kib(field: str) -> int:
     raise OSError(f"{field} not in /proc/self/status")
 
 
+def reset_peak_kib() -> int:
+    """Reset the peak-RSS mark (``VmHWM``) to the current resident set; return it in KiB.
+
+    Linux only (``/proc/self/clear_refs``); ``OSError`` elsewhere.
+    """
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return proc_status_kib("VmRSS")
+
+
+def value_from_fresh_process(target: Callable[..., None], args: tuple, timeout: float = 1800) -> float:
+    """Run ``target(*args, queue)`` in a fresh (spawned) process and return what it puts on the queue.
+
+    The process starts inside :func:`mmap_freed_blocks`, so that its peak-memory figures
+    are not hidden by memory freed after a warm-up run.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, queue))
+    with mmap_freed_blocks():
+        proc.start()
+    value = queue.get(timeout=timeout)
+    proc.join()
+    return float(value)
+
+
 @contextlib.contextmanager
 def mmap_freed_blocks() -> Iterator[None]:
     """Processes started inside the block have glibc serve blocks >= 64 KiB by mmap.

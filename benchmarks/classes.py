@@ -33,18 +33,16 @@ Run::
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import math
-import multiprocessing as mp
-import warnings
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 import normflat
-from benchmarks._common import mmap_freed_blocks, proc_status_kib, time_rounds
+from benchmarks._common import proc_status_kib, reset_peak_kib, time_rounds, value_from_fresh_process
+from benchmarks.torch_diag import _runner as torch_diag_runner
 from benchmarks.torch_diag import cnn_3c3d
 
 
@@ -120,22 +118,10 @@ def _runs(name: str, model: nn.Module, data: Any, loss_of: Callable[[nn.Module],
     runs["ggn-mc"] = normflat_run(estimator="ggn-mc")
     if PROBLEMS[name][3]:
         try:
-            from backpack import backpack, extend
-            from backpack.extensions import DiagGGNExact
+            import backpack  # noqa: F401
         except ImportError:
             return runs
-        x, y = data
-        bp_model = extend(copy.deepcopy(model))
-        bp_loss = extend(nn.CrossEntropyLoss())
-
-        def backpack_exact():
-            bp_model.zero_grad(set_to_none=True)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Full backward hook is firing")
-                with backpack(DiagGGNExact()):
-                    bp_loss(bp_model(x), y).backward()
-
-        runs["backpack"] = backpack_exact
+        runs["backpack"] = torch_diag_runner("backpack", model, *data)
     return runs
 
 
@@ -181,9 +167,7 @@ def _peak_worker(name: str, method: str, threads: int, queue) -> None:
     problem = make_problem(name)
     run = _training_step(*problem) if method == "training step" else _runs(name, *problem)[method]
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak-RSS mark (VmHWM) to the current resident set
-    before = proc_status_kib("VmRSS")
+    before = reset_peak_kib()
     run()  # everything the method allocates counts: gradients and optimizer state, normflat's sums
     run()
     queue.put((proc_status_kib("VmHWM") - before) / 1024)
@@ -193,14 +177,7 @@ def peak_mib(name: str, method: str, threads: int = 1) -> float:
     """Peak resident memory (MiB) that two runs of ``method`` add to the model and its batch, in a
     fresh process (Linux): a training step's gradients, optimizer state and activations; normflat's
     sums, signals and per-sample squares."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_peak_worker, args=(name, method, threads, queue))
-    with mmap_freed_blocks():
-        proc.start()
-    value = queue.get(timeout=1800)
-    proc.join()
-    return float(value)
+    return value_from_fresh_process(_peak_worker, (name, method, threads))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,7 +28,6 @@ comparable figures. The ratios are what the script is for.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 from typing import Any, Callable
@@ -38,7 +37,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
 
-from benchmarks._common import mmap_freed_blocks, proc_status_kib, time_rounds  # noqa: E402
+from benchmarks._common import proc_status_kib, reset_peak_kib, time_rounds, value_from_fresh_process  # noqa: E402
 
 __all__ = ["RUNS", "make_runner", "main"]
 
@@ -137,22 +136,13 @@ def _peak_worker(run: str, torch_model: str, threads: int | None, queue: Any) ->
     runner = make_runner(run, torch_model)
     runner()  # warm-up: one-time tracing and initialization are not part of the peak
     # Linux: reset the peak-RSS mark (VmHWM) so that the peak of this one call is measured.
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = proc_status_kib("VmRSS")
+    before = reset_peak_kib()
     runner()
     queue.put((proc_status_kib("VmHWM") - before) / 1024)
 
 
 def _peak_mib(run: str, torch_model: str, threads: int | None) -> float:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_peak_worker, args=(run, torch_model, threads, queue))
-    with mmap_freed_blocks():
-        proc.start()
-    value = queue.get(timeout=1800)
-    proc.join()
-    return float(value)
+    return value_from_fresh_process(_peak_worker, (run, torch_model, threads))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

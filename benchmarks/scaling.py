@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import normflat
-from benchmarks._common import mmap_freed_blocks, proc_status_kib
+from benchmarks._common import mmap_freed_blocks, proc_status_kib, reset_peak_kib
 from benchmarks.torch_diag import PROBLEMS
 
 __all__ = ["scale_out", "chunk_sweep", "main"]
@@ -63,9 +63,7 @@ def _model(problem: str) -> torch.nn.Module:
 def _reset_peak() -> int:
     """Reset the peak-RSS mark; returns the current RSS in KiB (or the high-water mark)."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return proc_status_kib("VmRSS")
+        return reset_peak_kib()
     except OSError:
         import resource
 

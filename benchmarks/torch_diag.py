@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import multiprocessing as mp
 import resource
 import statistics
 import time
@@ -40,7 +39,7 @@ import torch
 from torch import nn
 
 import normflat
-from benchmarks._common import mmap_freed_blocks, proc_status_kib
+from benchmarks._common import proc_status_kib, reset_peak_kib, value_from_fresh_process
 
 __all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "METHODS", "make_problem", "torch_figures", "main"]
 
@@ -148,9 +147,7 @@ def _peak_worker(problem: str, method: str, device: str, queue) -> None:
         return
     # Linux: reset the peak-RSS mark (VmHWM) so the peak of this one run is measured.
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        before = proc_status_kib("VmRSS")
+        before = reset_peak_kib()
         run()
         queue.put((proc_status_kib("VmHWM") - before) / 1024)
     except OSError:  # not Linux: the process-wide high-water mark (includes start-up)
@@ -160,14 +157,7 @@ def _peak_worker(problem: str, method: str, device: str, queue) -> None:
 
 
 def _peak_mib(problem: str, method: str, device: str) -> float:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_peak_worker, args=(problem, method, device, queue))
-    with mmap_freed_blocks():
-        proc.start()
-    value = queue.get(timeout=600)
-    proc.join()
-    return float(value)
+    return value_from_fresh_process(_peak_worker, (problem, method, device), timeout=600)
 
 
 def _max_rel_diff(a: dict, b: dict) -> float:
