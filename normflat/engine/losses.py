@@ -448,11 +448,11 @@ class Factor:
         ``weight[c]`` is the row of class ``c`` (torch's ``Linear.weight``; a Keras
         ``Dense`` kernel is its transpose).
         """
-        g, m, n = (int(d) for d in self.index.shape)
+        g, m = int(self.index.shape[0]), int(self.index.shape[1])  # the sample axis may be unknown (-1)
         d = int(weight.shape[-1])
         safe = xp.where(self.index >= 0, self.index, xp.zeros_like(self.index))
         rows = xp.take(weight, xp.reshape(xp.astype(safe, xp.int64), (-1,)), axis=0)
-        out = self.scale[..., None] * xp.reshape(rows, (g, m, n, d))
+        out = self.scale[..., None] * xp.reshape(rows, (g, m, -1, d))
         for v, w in zip(self.vectors, self.coefs):
             out = out + w[..., None] * (v @ weight)[None, None]
         return out
@@ -461,11 +461,12 @@ class Factor:
 def _gather_rows(xp: Any, table: Any, index: Any) -> Any:
     """``table[i, index[g, m, i]]`` for ``(n, C)`` ``table`` and ``(G, M, n)`` float ``index``
     (``-1`` reads column 0; its scale is 0)."""
-    n, c = (int(d) for d in table.shape)
+    c = int(table.shape[1])
     safe = xp.astype(xp.where(index >= 0, index, xp.zeros_like(index)), xp.int64)
-    rows = xp.reshape(xp.astype(_arange_like(xp, n, table), xp.int64), (1, 1, n))
-    return xp.reshape(xp.take(xp.reshape(table, (-1,)), xp.reshape(rows * c + safe, (-1,)), axis=0),
-                      tuple(int(d) for d in index.shape))
+    # Row numbers 0..n-1 without a static n (relaxed tf.function shapes): a running count.
+    rows = xp.astype(_cumsum(xp, xp.ones_like(table[:, 0])) - 1, xp.int64)[None, None, :]
+    flat = xp.take(xp.reshape(table, (-1,)), xp.reshape(rows * c + safe, (-1,)), axis=0)
+    return xp.reshape(flat, (int(index.shape[0]), int(index.shape[1]), -1))
 
 
 def output_factor(xp: Any, logits: Any, options: AnalysisOptions, uniforms: Any = None) -> Factor:

@@ -25,7 +25,6 @@ The step returns the ``(K', *canonical)`` sums of one chunk of samples
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import weakref
@@ -38,7 +37,7 @@ from normflat.backends.keras.layers import Entry, einsum_fast_axes
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for
-from normflat.engine.losses import (diagonal_signals, logit_stats, normalize_logits, output_factor, output_signals,
+from normflat.engine.losses import (diagonal_signals, logit_stats, output_factor, output_signals,
                                     signal_slots, token_signals)
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
@@ -195,31 +194,14 @@ def _factor_block(zc: Any, u: Any, options: AnalysisOptions, index: Any, start: 
     ``start`` (the selection of :func:`_block_of`): ``(B, n)`` classes (float; padding ``-1``
     or ``0`` with scale and coefficients 0), scales and coefficients, ``(n, C)`` vectors.
     Only the block's signals are formed, in ``O(C)`` per signal and sample (:meth:`Factor.through
-    <normflat.engine.losses.Factor.through>` would form all of them and needs a static sample
-    axis, unknown here under relaxed shapes). For ``nsce`` the factor is taken at the normalized
-    logits and pulled back here, block by block, exactly as
-    :func:`~normflat.engine.losses.output_factor` does (``Jᵀ s = a (s − s̄ − ẑ (ẑ·s)/C)``, method §7).
+    <normflat.engine.losses.Factor.through>` would form all of them); ``nsce``'s pull-back is the
+    engine's, in the factor's coefficients.
     """
-    c = int(zc.shape[-1])
-    nsce = options.loss == "nsce"
-    if nsce:
-        logits, zhat, sigma = normalize_logits(TF, zc, options.temperature)
-    else:
-        logits = zc
-    factor = output_factor(TF, logits, dataclasses.replace(options, loss="ce"), u)
+    factor = output_factor(TF, zc, options, u)
     cls = _block_of(factor.index, index, start, block)
     scale = _block_of(factor.scale, index, start, block)
     coefs = [_block_of(w, index, start, block) for w in factor.coefs]
     vectors = list(factor.vectors)
-    if nsce:
-        a = (options.temperature / sigma)[:, 0]  # (n,)
-        total = scale + sum(w * tf.reduce_sum(v, axis=-1) for v, w in zip(vectors, coefs))
-        safe = tf.cast(tf.maximum(cls, 0), tf.int32)
-        at_class = tf.transpose(tf.gather(zhat, tf.transpose(safe), batch_dims=1))  # ẑ[i, cls[b, i]]
-        dot = scale * at_class + sum(w * tf.reduce_sum(v * zhat, axis=-1) for v, w in zip(vectors, coefs))
-        scale = a * scale
-        coefs = [a * w for w in coefs] + [-a * total / c, -a * dot / c]
-        vectors = vectors + [tf.ones_like(zhat), zhat]
     return cls, scale, vectors, coefs
 
 

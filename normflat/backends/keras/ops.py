@@ -20,6 +20,11 @@ class _TensorFlowNamespace:
 
     float64 = tf.float64
     float32 = tf.float32
+    int64 = tf.int64
+
+    @staticmethod
+    def take(x: Any, indices: Any, axis: int = 0) -> Any:
+        return tf.gather(x, indices, axis=axis)
 
     @staticmethod
     def mean(x: Any, axis: Any = None, keepdims: bool = False) -> Any:
