@@ -5,7 +5,7 @@ PyTorch, Keras/TensorFlow and JAX models. Importing normflat imports no
 deep-learning framework; backends load when a model of theirs is analyzed.
 """
 
-from normflat.api import analyze, hessian_diagonal
+from normflat.api import analyze, hessian_diagonal, measures
 from normflat.backends import register_backend
 from normflat.core import (
     MEASURES,
@@ -17,6 +17,8 @@ from normflat.core import (
 )
 from normflat.core.report import compare_reports, load_report
 from normflat.engine.options import ESTIMATORS, LOSSES
+from normflat.engine.perturbation import UnsupportedMeasureError
+from normflat.engine.rivals import RIVAL_MEASURES, MeasureSettings, MeasuresReport
 
 __version__ = "0.1.0"
 
@@ -24,6 +26,10 @@ __all__ = [
     "ESTIMATORS",
     "LOSSES",
     "MEASURES",
+    "MeasureSettings",
+    "MeasuresReport",
+    "RIVAL_MEASURES",
+    "UnsupportedMeasureError",
     "LayerProblem",
     "LayerResult",
     "Report",
@@ -31,6 +37,7 @@ __all__ = [
     "compare_reports",
     "hessian_diagonal",
     "load_report",
+    "measures",
     "normalized_sharpness",
     "register_backend",
     "solve_scaling",

@@ -10,7 +10,7 @@ from normflat.engine.options import validate_options, validate_solver_options
 from normflat.core.problem import LayerProblem
 from normflat.core.report import Report
 
-__all__ = ["analyze", "hessian_diagonal"]
+__all__ = ["analyze", "hessian_diagonal", "measures"]
 
 
 def analyze(
@@ -149,3 +149,99 @@ def hessian_diagonal(
     )
     _, backend = backend_for(model)
     return backend.hessian_diagonal(model, data, options, **backend_options)
+
+
+def measures(
+    model: Any,
+    data: Any,
+    names: Any = None,
+    *,
+    report: Any = None,
+    settings: Any = None,
+    loss: Any = "nsce",
+    estimator: str = "auto",
+    samples: int | None = None,
+    seed: int = 0,
+    max_batches: int | None = None,
+    progress: bool = True,
+    on_unsupported: str = "warn",
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    output: Any = None,
+    shift_labels: bool | None = None,
+    backend_options: dict[str, Any] | None = None,
+    **setting_overrides: Any,
+) -> Any:
+    """The rival generalization measures of a trained model and the PAC-Bayes bound (method §10).
+
+    Computes, on the same model and training data as :func:`analyze`: the worst-case
+    and average adaptive sharpness, the magnitude-aware PAC-Bayes sharpness, the
+    Fisher–Rao norm, the path norm, the log products of spectral and Frobenius
+    norms, and the PAC-Bayes bound (0-1 loss and bounded surrogate) of normalized
+    sharpness's optimal variances.
+
+    Args:
+        model: A model of any supported framework (as for :func:`analyze`).
+        data: The training data, re-iterable (a list of batches, a DataLoader, a
+            ``tf.data.Dataset`` or an ``(x, y)`` pair): the measures pass over it many times.
+        names: The measures to compute (names of
+            :data:`normflat.engine.rivals.RIVAL_MEASURES`); ``None``: all.
+        report: For the bound: ``analyze(model, data)`` of the same model; computed
+            here (with ``estimator``, ``samples``) when ``None`` and the bound is asked for.
+        settings: A :class:`~normflat.engine.rivals.MeasureSettings`; its fields can
+            also be given one by one as keyword arguments (``rho=0.05``).
+        loss: ``"nsce"`` (normalized logits, method §7: the logit normalization of
+            Andriushchenko et al.) or ``"ce"``. Custom callables are refused: the
+            measures need every prediction's loss.
+        estimator, samples: Hessian-diagonal estimator of the analysis behind the bound.
+        seed: Seed of normflat's own generators (the global RNG is not used).
+        max_batches, progress, on_unsupported, temperature, ignore_index, output,
+            shift_labels: As for :func:`analyze`.
+        backend_options: Options of the model's backend, as for :func:`analyze`.
+        **setting_overrides: Fields of :class:`~normflat.engine.rivals.MeasureSettings`.
+
+    Returns:
+        A :class:`~normflat.engine.rivals.MeasuresReport`; its values also read as
+        attributes (``result.path_norm``).
+
+    Raises:
+        ValueError: For unknown measures or settings, a custom loss, or bad data.
+        TypeError: For a one-shot iterator as data, or an unknown keyword.
+        UnsupportedMeasureError: For a measure the model does not admit (e.g. the path
+            norm of a transformer), naming the layer.
+    """
+    from normflat.engine import rivals
+    from normflat.engine.perturbation import check_rival_options, require_reiterable
+
+    chosen = rivals.validate_measure_names(names)
+    resolved = rivals.MeasureSettings.from_overrides(settings, setting_overrides)
+    options = validate_options(
+        loss=loss, estimator=estimator, samples=samples, seed=seed, max_batches=max_batches,
+        progress=progress, on_unsupported=on_unsupported, temperature=temperature,
+        ignore_index=ignore_index, output=output, shift_labels=shift_labels,
+    )
+    check_rival_options(options)
+    if data is None:
+        raise ValueError("measures(model, data) needs the training data the measures are computed on.")
+    require_reiterable(data)
+    name, backend = backend_for(model)
+    if not hasattr(backend, "perturbation_model"):
+        raise TypeError(f"The {name} backend does not provide normflat.measures (no perturbation_model).")
+    layers = None
+    if any(n in rivals.BOUND_MEASURES for n in chosen):
+        if report is None:
+            report = analyze(model, data, loss=loss, estimator=estimator, samples=samples, seed=seed,
+                             max_batches=max_batches, progress=progress, on_unsupported=on_unsupported,
+                             temperature=temperature, ignore_index=ignore_index, output=output,
+                             shift_labels=shift_labels, **(backend_options or {}))
+        layers = report.layers
+    perturbed = backend.perturbation_model(model, data, options, **(backend_options or {}))
+    try:
+        return rivals.compute_measures(
+            perturbed, chosen, resolved, seed=seed, layers=layers, progress=progress,
+            metadata={"framework": name, "loss": options.loss_name,
+                      "temperature": options.temperature if options.loss == "nsce" else None,
+                      "bound_estimator": None if layers is None else report.metadata.get("estimator")},
+        )
+    finally:
+        perturbed.close()

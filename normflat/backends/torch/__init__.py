@@ -4,7 +4,8 @@ Entry points (called through :func:`normflat.analyze` / :func:`normflat.hessian_
 :func:`layer_problems` and :func:`hessian_diagonal`, which hand a
 :class:`~normflat.backends.torch.session.TorchSession` to
 :mod:`normflat.engine.driver` (the data contract, the loop, the distributed
-protocol, the problems: the same in every framework, see ``docs/semantics.md``).
+protocol, the problems: the same in every framework, see ``docs/semantics.md``);
+:func:`perturbation_model` for the rival measures of ``normflat.measures`` (method §10).
 Public extension point: :func:`register_layer` (with :class:`LayerExtractor`).
 
 Modules:
@@ -24,7 +25,10 @@ Modules:
 ``distributed``
     the ``torch.distributed`` collectives of the engine's ``Comm``;
 ``compat``
-    every touch of a private torch API.
+    every touch of a private torch API;
+``perturbation``
+    the :class:`~normflat.engine.perturbation.PerturbationModel` of the rival measures
+    (method §10): losses, gradients and the path norm at perturbed weights.
 
 How the estimators are computed (method §6), all on the model's device and dtype:
 ``exact`` and ``hutchinson`` use Hessian-vector products of the batch loss sum
@@ -45,6 +49,7 @@ from typing import Any
 
 from normflat.backends.torch.distributed import create as _create_comm
 from normflat.backends.torch.layers import LayerExtractor, ModuleWeight, register_layer, registered_layers
+from normflat.backends.torch.perturbation import perturbation_model
 from normflat.backends.torch.session import DEFAULT_MAX_EXACT_PARAMS, TorchSession
 from normflat.engine import driver
 from normflat.engine.options import AnalysisOptions
@@ -56,6 +61,7 @@ __all__ = [
     "registered_layers",
     "layer_problems",
     "hessian_diagonal",
+    "perturbation_model",
     "DEFAULT_MAX_EXACT_PARAMS",
 ]
 
