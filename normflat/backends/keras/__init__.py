@@ -16,6 +16,9 @@ construction; this package supplies what is Keras-specific:
     the ``ggn``/``ggn-topk``/``ggn-mc`` and ``exact``/``hutchinson`` kernels;
 ``distributed``
     ``tf.distribute`` replicas and the multi-worker ``Comm``;
+``perturbation``
+    the engine's ``PerturbationModel`` for the rival measures (method §10): the
+    loss at moved weights, run statelessly;
 ``calls``, ``ops``
     replacement layer calls (grouped convolutions, normalization) and the array
     namespace the engine's losses run on;
@@ -81,6 +84,7 @@ except ImportError as _err:  # Keras on JAX/torch without TensorFlow installed
 
 from normflat.backends.keras.distributed import Replicas, StrategyComm, detect_strategy, worker_count
 from normflat.backends.keras.layers import KerasWeight, register_layer, registered_layers
+from normflat.backends.keras.perturbation import perturbation_model
 from normflat.backends.keras.session import BackendConfig, KerasSession
 from normflat.core.memory import parse_memory_budget
 from normflat.engine import driver
@@ -93,6 +97,7 @@ __all__ = [
     "registered_layers",
     "layer_problems",
     "hessian_diagonal",
+    "perturbation_model",
     "BACKEND_OPTIONS",
 ]
 

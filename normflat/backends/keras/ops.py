@@ -23,6 +23,10 @@ class _TensorFlowNamespace:
     int64 = tf.int64
 
     @staticmethod
+    def argmax(x: Any, axis: int = -1) -> Any:
+        return tf.argmax(x, axis=axis)
+
+    @staticmethod
     def take(x: Any, indices: Any, axis: int = 0) -> Any:
         return tf.gather(x, indices, axis=axis)
 
