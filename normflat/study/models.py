@@ -1,15 +1,30 @@
-"""The study's PyTorch models: a ReLU MLP and a LeNet-style CNN with or without BatchNorm.
+"""The study's PyTorch models, and the ``--model`` factories of the user's.
 
-All are plain ``nn.Sequential`` stacks of ``Flatten``, ``Linear``, ``Conv2d``,
+The built-in architectures are a ReLU MLP and a LeNet-style CNN with or without
+BatchNorm: plain ``nn.Sequential`` stacks of ``Flatten``, ``Linear``, ``Conv2d``,
 ``BatchNorm2d``, ``ReLU`` and ``MaxPool2d``, so that
 :mod:`normflat.study.reparametrize` can rescale them without changing their function.
+
+A model family of your own is a factory ``module:function`` (or
+``path/to/file.py:function``) called as ``function(input_shape=...,
+num_classes=..., width=..., seed=...)`` for every model of the study
+(:func:`resolve_model_factory`, :func:`call_model_factory`); each framework
+adapter checks what it returns (:mod:`normflat.study.frameworks`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
 
-__all__ = ["ARCHITECTURES", "build_model"]
+from normflat.study.datasets import StudyInputError
+
+__all__ = ["ARCHITECTURES", "build_model", "import_object", "resolve_model_factory", "call_model_factory",
+           "callable_label"]
 
 #: Architecture names accepted by :func:`build_model`.
 ARCHITECTURES = ("mlp", "cnn", "cnn-bn")
@@ -74,3 +89,126 @@ def build_model(arch: str, input_shape: tuple[int, ...], num_classes: int, *, wi
             nn.Linear(hidden, num_classes),
         )
         return model.train()  # the shape probe left the shared feature modules in eval mode
+
+
+# ============================================================================ user factories
+
+
+def _one_line(err: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def callable_label(func: Any) -> str:
+    """``module:qualname`` of a callable (how results.json records a factory passed as an object)."""
+    return f"{getattr(func, '__module__', '?')}:{getattr(func, '__qualname__', type(func).__name__)}"
+
+
+def import_object(spec: str, option: str, what: str) -> Callable[..., Any]:
+    """The callable named by ``"module:function"`` or ``"path/to/file.py:function"``.
+
+    The module is imported from ``sys.path`` or the current directory (as with
+    ``python -m``); a ``.py`` path is executed as a module of its own.
+
+    Args:
+        spec: The specification.
+        option: The command-line option it came from, for the messages (``--model``).
+        what: What the callable is, for the messages (``model factory``).
+
+    Raises:
+        StudyInputError: If the specification is malformed, the module cannot be
+            imported, or it has no such callable; the message says how to fix it.
+    """
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(part.strip() for part in spec.split(":")):
+        raise StudyInputError(f"{option} {spec!r} must be 'module:function' (e.g. mymodels:make_net, with mymodels.py "
+                              f"in the current directory) or 'path/to/file.py:function', naming the {what}.")
+    module_name, func_name = spec.split(":")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise StudyInputError(f"{option} {spec}: the file {module_name} does not exist; give an existing "
+                                  "path/to/file.py:function or an importable module:function.")
+        loader_spec = importlib.util.spec_from_file_location(f"_normflat_user_{path.stem}", path)
+        if loader_spec is None or loader_spec.loader is None:
+            raise StudyInputError(f"{option} {spec}: cannot import {module_name} as a Python module.")
+        module = importlib.util.module_from_spec(loader_spec)
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as err:
+            raise StudyInputError(f"{option} {spec}: importing {module_name} failed ({type(err).__name__}: "
+                                  f"{_one_line(err)}); fix the file so that it imports.") from err
+    else:
+        cwd = os.getcwd()
+        added = cwd not in sys.path
+        if added:  # like `python -m`: modules in the current directory are importable
+            sys.path.insert(0, cwd)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
+                raise StudyInputError(f"{option} {spec}: cannot import the module {module_name!r}; put "
+                                      f"{module_name}.py in the current directory or on PYTHONPATH, or give "
+                                      f"path/to/file.py:{func_name}.") from err
+            raise StudyInputError(f"{option} {spec}: importing {module_name!r} failed because it needs the missing "
+                                  f"package {err.name!r}; install it.") from err
+        except Exception as err:
+            raise StudyInputError(f"{option} {spec}: importing {module_name!r} failed ({type(err).__name__}: "
+                                  f"{_one_line(err)}); fix the module so that it imports.") from err
+        finally:
+            if added and cwd in sys.path:
+                sys.path.remove(cwd)
+    func = getattr(module, func_name, None)
+    if func is None:
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise StudyInputError(f"{option} {spec}: {module_name} has no {func_name!r}; its public callables are "
+                              f"{public[:10]}. Name the {what} after the colon.")
+    if not callable(func):
+        raise StudyInputError(f"{option} {spec}: {func_name} is a {type(func).__name__}, not a function; the {what} "
+                              "must be callable.")
+    return func
+
+
+def resolve_model_factory(spec: str | Callable[..., Any]) -> Callable[..., Any]:
+    """The ``--model`` factory: ``module:function``, ``file.py:function`` or a callable.
+
+    Raises:
+        StudyInputError: If it cannot be imported (see :func:`import_object`).
+    """
+    return spec if callable(spec) else import_object(spec, "--model", "model factory")
+
+
+def call_model_factory(factory: Callable[..., Any], *, input_shape: tuple[int, ...], num_classes: int,
+                       width: int | None, seed: int) -> Any:
+    """Call ``factory(input_shape=..., num_classes=..., width=..., seed=...)``.
+
+    torch's global random state is forked around the call (and seeded with
+    ``seed``), so a factory that relies on torch's default initialization builds
+    the same model for the same seed and the caller's random state does not move.
+
+    Raises:
+        StudyInputError: If the factory does not take these keyword arguments or fails.
+    """
+    import inspect
+
+    label = callable_label(factory)
+    kwargs = {"input_shape": tuple(input_shape), "num_classes": int(num_classes), "width": width, "seed": int(seed)}
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as err:
+        raise StudyInputError(f"The model factory {label} cannot be called as "
+                              f"{label.rpartition(':')[2]}(input_shape=..., num_classes=..., width=..., seed=...) "
+                              f"({_one_line(err)}); give it these four keyword arguments (width may be None: the "
+                              "architecture's default).") from err
+    except ValueError:
+        pass  # no signature to check (some builtins): the call itself will tell
+    torch = sys.modules.get("torch")  # fork its random state only if it is in use: no import for Keras / JAX
+    try:
+        if torch is None:
+            return factory(**kwargs)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return factory(**kwargs)
+    except Exception as err:
+        raise StudyInputError(f"The model factory {label} failed for input_shape={kwargs['input_shape']}, "
+                              f"num_classes={num_classes}, width={width}, seed={seed} ({type(err).__name__}: "
+                              f"{_one_line(err)}).") from err

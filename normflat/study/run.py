@@ -21,14 +21,16 @@ import math
 import os
 import platform
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from normflat.core.constants import MEASURE_LABELS, MEASURES
-from normflat.study.frameworks import FRAMEWORKS
+from normflat.study.datasets import StudyInputError
+from normflat.study.frameworks import FRAMEWORKS, FUNCTION_RTOL
 from normflat.study.outputs import check_output_folder, replace_outputs
 from normflat.study.stats import granulated_kendall, kendall_tau_ci, pearson_r
 
@@ -51,8 +53,9 @@ DEFAULT_RATIOS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 
 #: The hyperparameters every model row carries, the axes of the granulated Kendall
 #: coefficient Psi (those that take two or more values in a study). The seed is a
-#: replicate, not an axis: it is held fixed within each group of Psi.
-HYPERPARAMETERS = ("ratio", "lr", "batch_size", "weight_decay")
+#: replicate, not an axis: it is held fixed within each group of Psi. (Rows of
+#: results written before the width axis have no "width": Psi then leaves it out.)
+HYPERPARAMETERS = ("ratio", "lr", "batch_size", "weight_decay", "width")
 REPLICATES = ("seed",)
 #: Confidence level, resamples and seed of the bootstrap interval of Kendall's tau.
 TAU_CI_LEVEL, TAU_CI_RESAMPLES, TAU_CI_SEED = 0.95, 2000, 0
@@ -67,9 +70,23 @@ class StudyConfig:
     """Settings of a study (the CLI's ``normflat study`` options).
 
     Attributes:
-        dataset: ``"digits"``, ``"fashion-mnist"`` or ``"mnist"``.
-        data_dir: Where the dataset's files are (not for digits).
-        arch: ``"mlp"``, ``"cnn"`` or ``"cnn-bn"``.
+        dataset: ``"digits"``, ``"fashion-mnist"`` or ``"mnist"``; or data of your
+            own: ``"path/to/data.npz"`` (arrays ``x_train``, ``y_train``, ``x_test``,
+            ``y_test``, optional ``num_classes``), ``"module:function"`` /
+            ``"file.py:function"`` or a callable returning a
+            :class:`~normflat.study.datasets.Dataset`, a dict or a 4-tuple of those
+            arrays (:func:`~normflat.study.datasets.load_user_dataset`). User inputs
+            reach the model as they are (no layout conversion).
+        data_dir: Where the dataset's files are (not for digits), or the argument
+            of a dataset function.
+        arch: ``"mlp"``, ``"cnn"`` or ``"cnn-bn"`` (``None`` with ``model``).
+        model: A model family of your own instead of ``arch``: ``"module:factory"``,
+            ``"path/to/file.py:factory"`` or a callable, called as
+            ``factory(input_shape=..., num_classes=..., width=..., seed=...)`` for
+            every model and returning a fresh model of ``framework`` (a torch
+            ``nn.Module``; a ``keras.Model``; for jax an equinox module mapping one
+            example to logits, or a ``(module, state)`` pair of
+            ``eqx.nn.make_with_state``).
         framework: Training framework: ``"torch"``, ``"keras"`` or ``"jax"`` (equinox + optax).
         ratios: Fractions of training labels replaced by random ones.
         seeds: Seeds (initialization, label noise, minibatch order, rescaling).
@@ -80,7 +97,9 @@ class StudyConfig:
         weight_decays: Weight decays.
         optimizer: ``"adam"`` (AdamW) or ``"sgd"`` (momentum 0.9).
         target_accuracy: Stop training once this training accuracy is reached.
-        width: Hidden width (``None``: the architecture's default).
+        widths: Widths, one more axis of the grid (``None``: the architecture's
+            default): the hidden width of the built-in architectures, passed as
+            ``width`` to a ``model`` factory.
         train_size: Training examples to use (``None``: all).
         test_size: Test examples to use (``None``: all).
         analysis_size: Training examples whose mean loss Hessian is analyzed
@@ -96,12 +115,23 @@ class StudyConfig:
         progress: Show progress bars.
         threads: torch CPU threads (default 1: the models are tiny and more threads
             mostly contend; ``None`` keeps torch's default).
+        device: ``"auto"`` (CUDA where the framework finds it), ``"cpu"`` or
+            ``"cuda"`` (an error where there is none). torch moves models and data
+            there; Keras and JAX run under their own device placement.
+        precision: Training precision: ``"float32"`` or ``"mixed"`` (torch
+            autocast: float16 with a GradScaler on CUDA, bfloat16 on the CPU; Keras'
+            built-in architectures: the per-layer policy ``"mixed_bfloat16"``).
+            Accuracies and the analysis never use it.
+        analysis_dtype: dtype of the analyzed copy of each model and of its data:
+            ``"float64"`` (rounding ~1e-16, so any change after rescaling is the
+            measure's) or ``"float32"`` (half the memory and time, for large models).
         quick: Quick mode (tiny settings, for tests and smoke runs).
     """
 
-    dataset: str = "digits"
+    dataset: str | Callable[..., Any] = "digits"
     data_dir: str | None = None
-    arch: str = "mlp"
+    arch: str | None = "mlp"
+    model: str | Callable[..., Any] | None = None
     framework: str = "torch"
     ratios: tuple[float, ...] = DEFAULT_RATIOS
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -111,7 +141,7 @@ class StudyConfig:
     weight_decays: tuple[float, ...] = (0.0,)
     optimizer: str = "adam"
     target_accuracy: float = 1.0
-    width: int | None = None
+    widths: tuple[int | None, ...] = (None,)
     train_size: int | None = None
     test_size: int | None = None
     analysis_size: int | None = None
@@ -124,7 +154,14 @@ class StudyConfig:
     out: str = "normflat-study"
     progress: bool = True
     threads: int | None = 1
+    device: str = "auto"
+    precision: str = "float32"
+    analysis_dtype: str = "float64"
     quick: bool = False
+
+    def __post_init__(self) -> None:
+        if self.model is not None and self.arch == "mlp":
+            self.arch = None  # the default architecture gives way to the model factory
 
     def validate(self) -> None:
         """Check the settings, naming the fix.
@@ -133,7 +170,8 @@ class StudyConfig:
             ValueError: For an invalid setting.
         """
         from normflat.engine.options import validate_options
-        from normflat.study.datasets import DATASETS
+        from normflat.study.datasets import DATASETS, is_user_dataset
+        from normflat.study.frameworks import ANALYSIS_DTYPES, DEVICES, PRECISIONS
         from normflat.study.models import ARCHITECTURES
 
         if self.framework not in FRAMEWORKS:
@@ -142,10 +180,33 @@ class StudyConfig:
                 f"{self.framework!r} is not supported yet. Use --framework "
                 f"{' or '.join(FRAMEWORKS)}, or analyze your own models with normflat.analyze()."
             )
-        if self.dataset not in DATASETS:
-            raise ValueError(f"Unknown dataset {self.dataset!r}; choose one of {', '.join(DATASETS)}.")
-        if self.arch not in ARCHITECTURES:
-            raise ValueError(f"Unknown architecture {self.arch!r}; choose one of {', '.join(ARCHITECTURES)}.")
+        if is_user_dataset(self.dataset):
+            if isinstance(self.dataset, str) and self.dataset.endswith(".npz") and not Path(self.dataset).is_file():
+                raise ValueError(f"The dataset file {self.dataset} does not exist; give an existing .npz file with "
+                                 "x_train, y_train, x_test and y_test.")
+        elif self.dataset not in DATASETS:
+            raise ValueError(f"Unknown dataset {self.dataset!r}; choose one of {', '.join(DATASETS)}, or give "
+                             "data of your own as FILE.npz or MODULE:FUNCTION.")
+        if self.model is not None:
+            if self.arch is not None:
+                raise ValueError(f"Give either an architecture (--arch {self.arch}) or a model factory (--model), "
+                                 "not both.")
+        elif self.arch not in ARCHITECTURES:
+            raise ValueError(f"Unknown architecture {self.arch!r}; choose one of {', '.join(ARCHITECTURES)}, or give "
+                             "a model factory with --model module:function.")
+        if not self.widths or any(w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1)
+                                  for w in self.widths):
+            raise ValueError(f"Widths must be positive integers or None (the architecture's default), got "
+                             f"{list(self.widths)}.")
+        if len(set(self.widths)) != len(self.widths):
+            raise ValueError(f"Widths must not repeat, got {list(self.widths)}.")
+        if self.device not in DEVICES:
+            raise ValueError(f"Unknown device {self.device!r}; choose one of {', '.join(DEVICES)}.")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}.")
+        if self.analysis_dtype not in ANALYSIS_DTYPES:
+            raise ValueError(f"Unknown analysis dtype {self.analysis_dtype!r}; choose one of "
+                             f"{', '.join(ANALYSIS_DTYPES)}.")
         if not self.ratios or any(not 0.0 <= r <= 1.0 for r in self.ratios):
             raise ValueError(f"Ratios must be a non-empty list of numbers in [0, 1], got {list(self.ratios)}.")
         if not self.seeds:
@@ -168,8 +229,18 @@ class StudyConfig:
     @property
     def models(self) -> int:
         """Number of models the study trains."""
-        return (len(self.ratios) * len(self.seeds) * len(self.lrs) * len(self.batch_sizes)
+        return (len(self.ratios) * len(self.seeds) * len(self.widths) * len(self.lrs) * len(self.batch_sizes)
                 * len(self.weight_decays))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as JSON-ready values (a callable dataset or model as ``module:qualname``)."""
+        from normflat.study.models import callable_label
+
+        out = asdict(self)
+        for key in ("dataset", "model"):
+            if callable(out[key]):
+                out[key] = callable_label(out[key])
+        return out
 
 
 @dataclass
@@ -330,13 +401,19 @@ def _axes_note(result: StudyResult) -> str:
             "fixed: a replicate, not an axis); per axis in results.json")
 
 
+def _model_label(cfg: dict[str, Any]) -> str:
+    """What was trained: the architecture, or the model factory (results before
+    ``model`` existed have only ``arch``)."""
+    return cfg.get("model") or cfg.get("arch") or "?"
+
+
 def format_table(result: StudyResult) -> str:
     """The correlation table printed at the end of a study."""
     cfg, corr = result.config, result.correlations
     rescaled = "rescaled" in corr
     lines = [
         f"Correlation with the generalization gap ({len(result.rows)} models: {cfg['dataset']}, "
-        f"{cfg['arch']}, {cfg['framework']}, estimator={cfg['estimator']}, loss={cfg['loss']})",
+        f"{_model_label(cfg)}, {cfg['framework']}, estimator={cfg['estimator']}, loss={cfg['loss']})",
     ]
     head = f"{'measure':<30}{'tau [95% CI]':>23}{'r':>8}{'psi':>8}"
     if rescaled:
@@ -443,63 +520,165 @@ def run_study(config: StudyConfig, *, echo: Any = print) -> StudyResult:
 
     Returns:
         The :class:`StudyResult` (also written to ``results.json``).
+
+    Raises:
+        ValueError: For an invalid setting (:meth:`StudyConfig.validate`).
+        StudyInputError: For data, a model factory, a device or a precision that
+            cannot be used, found before any training and before ``config.out`` is
+            touched (except a factory returning the same model twice, found at the
+            second model); the message names the fix.
     """
     from normflat.study.frameworks import adapter
 
     say = echo or (lambda *a, **k: None)
     config.validate()
-    fw = adapter(config.framework)
+    fw = adapter(config.framework, device=config.device, precision=config.precision)
     fw.set_threads(config.threads)
     t_start = time.perf_counter()
     out = Path(config.out)
-    with replace_outputs(out, legacy=STUDY_FILES) as stage:
-        return _run_study(config, fw, out, stage, say, t_start)
+    with fw.placement():
+        # The data, the model factory and the rescaling arm are checked before the output
+        # folder is touched: a wrong input leaves no trace in --out.
+        inputs = _prepare(config, fw)
+        with replace_outputs(out, legacy=STUDY_FILES) as stage:
+            return _run_study(config, fw, inputs, out, stage, say, t_start)
 
 
-def _run_study(config: StudyConfig, fw: Any, out: Path, stage: Path, say: Any, t_start: float) -> StudyResult:
+@dataclass
+class _StudyInputs:
+    """What every model of a study shares: the data converted for the framework and the model builder."""
+
+    data: Any
+    x_train: Any
+    x_test: Any
+    y_test: Any
+    x_check: Any
+    build: Callable[[int | None, int], Any]
+
+
+def _prepare(config: StudyConfig, fw: Any) -> _StudyInputs:
+    """Load the data, make the model builder and try the rescaling arm on fresh models."""
+    from normflat.study.datasets import load_dataset
+
+    data = load_dataset(config.dataset, config.data_dir, train_size=config.train_size,
+                        test_size=config.test_size, seed=0)
+    # Only the built-in architectures take the built-in image layout (NHWC for Keras); a
+    # model factory gets its inputs as they are.
+    images = config.model is None
+    x_train, x_test = fw.inputs(data.x_train, images=images), fw.inputs(data.x_test, images=images)
+    x_check = fw.check_inputs(x_test[: min(len(data.y_test), 512)], config.analysis_dtype)
+    build = _model_builder(config, fw, data, x_train[:2])
+    if config.reparam:
+        _check_rescalable(build, config, fw, x_check)
+    return _StudyInputs(data, x_train, x_test, fw.labels(data.y_test), x_check, build)
+
+
+def _model_builder(config: StudyConfig, fw: Any, data: Any, probe: Any) -> Callable[[int | None, int], Any]:
+    """``build(width, seed)``: a fresh model of the architecture or of the ``--model``
+    factory (checked on ``probe``, a few training inputs).
+
+    Raises:
+        StudyInputError: If the factory cannot be imported, or for a built-in architecture
+            on inputs that are not images ``(n, channels, height, width)``.
+    """
+    from normflat.study.models import resolve_model_factory
+
+    if config.model is None:
+        if len(data.input_shape) != 3:
+            shape = ", ".join(map(str, data.input_shape))
+            raise StudyInputError(f"--arch {config.arch} takes images of shape (n, channels, height, width); the "
+                                  f"dataset {data.name} has inputs of shape (n, {shape}). Give a model of your own "
+                                  "with --model module:function.")
+        return lambda width, seed: fw.build(config.arch, data.input_shape, data.num_classes, width=width, seed=seed)
+    factory = resolve_model_factory(config.model)
+    last: list[Any] = []  # a weak reference to the previous model: never keeps it alive
+
+    def build(width: int | None, seed: int) -> Any:
+        model = fw.build_user(factory, data.input_shape, data.num_classes, width=width, seed=seed, probe=probe)
+        if last and last[0]() is model:
+            raise StudyInputError(f"The model factory {config.to_dict()['model']} returned the same object twice; it "
+                                  "must build a new, freshly initialized model on every call.")
+        try:
+            last[:] = [weakref.ref(model)]
+        except TypeError:
+            last.clear()  # not weak-referenceable (JAX pytrees): immutable, so reusing one is harmless anyway
+        return model
+
+    return build
+
+
+def _check_rescalable(build: Callable[[int | None, int], Any], config: StudyConfig, fw: Any, x_check: Any) -> None:
+    """Try the rescaling arm on a freshly built model of each width, before any training.
+
+    Raises:
+        StudyInputError: If the rescaler cannot rescale the model or the rescaled model
+            computes another function; the message says to pass ``--no-reparam``.
+    """
+    from normflat.study.reparametrize import FunctionChangedError
+
+    for width in config.widths:
+        model = fw.analysis_copy(build(width, config.seeds[0]), config.analysis_dtype)
+        try:
+            rescaled, _ = fw.rescale(model, orders=config.reparam_orders, seed=0)
+            fw.function_error(model, rescaled, x_check, rtol=FUNCTION_RTOL[config.analysis_dtype])
+        except (TypeError, ValueError, FunctionChangedError) as err:
+            what = config.arch if config.model is None else config.to_dict()["model"]
+            size = "default width" if width is None else f"width {width}"
+            raise StudyInputError(
+                f"The reparametrization arm cannot run on the models of {what} ({size}), tried on a freshly built one "
+                f"before any training: {' '.join(str(err).split())[:300]} Pass --no-reparam "
+                "(StudyConfig(reparam=False)) to run the study without the rescaled arm."
+            ) from err
+
+
+def _run_study(config: StudyConfig, fw: Any, inputs: _StudyInputs, out: Path, stage: Path, say: Any,
+               t_start: float) -> StudyResult:
     from tqdm.auto import tqdm
 
-    from normflat.study.datasets import load_dataset
     from normflat.study.training import corrupt_labels
 
     (stage / "reports").mkdir()
-    data = load_dataset(config.dataset, config.data_dir, train_size=config.train_size,
-                        test_size=config.test_size, seed=0)
-    say(f"normflat study: {config.models} models ({config.dataset}: {len(data.y_train)} train / "
-        f"{len(data.y_test)} test examples, {config.arch}, {config.framework}); output in {out}/")
-    x_train, x_test, y_test = fw.inputs(data.x_train), fw.inputs(data.x_test), fw.labels(data.y_test)
+    data, x_train, x_test, y_test, x_check, build = (inputs.data, inputs.x_train, inputs.x_test, inputs.y_test,
+                                                     inputs.x_check, inputs.build)
+    cfg = config.to_dict()
+    say(f"normflat study: {config.models} models ({data.name}: {len(data.y_train)} train / "
+        f"{len(data.y_test)} test examples, {_model_label(cfg)}, {config.framework} on {fw.device_description()}); "
+        f"output in {out}/")
     n_an = len(data.y_train) if config.analysis_size is None else min(config.analysis_size, len(data.y_train))
-    x_check = fw.check_inputs(x_test[: min(len(data.y_test), 512)])
+    dtype, rtol = config.analysis_dtype, FUNCTION_RTOL[config.analysis_dtype]
 
-    grid = list(itertools.product(config.seeds, config.ratios, config.lrs, config.batch_sizes, config.weight_decays))
+    grid = list(itertools.product(config.seeds, config.widths, config.ratios, config.lrs, config.batch_sizes,
+                                  config.weight_decays))
     rows: list[dict[str, Any]] = []
     # The per-layer figure shows the cleanest model: lowest ratio, first seed, first grid point.
-    showcase = next(i for i, g in enumerate(grid) if g[1] == min(config.ratios))
+    showcase = next(i for i, g in enumerate(grid) if g[2] == min(config.ratios))
     layer_reports: dict[str, Any] = {}
     bar = tqdm(grid, desc="models", unit="model", disable=not config.progress)
-    for run_id, (seed, ratio, lr, bs, wd) in enumerate(bar):
+    for run_id, (seed, width, ratio, lr, bs, wd) in enumerate(bar):
         bar.set_postfix(ratio=ratio, seed=seed, refresh=True)
         # Label noise and rescaling depend on (seed, ratio) only, so the hyperparameter
-        # grid compares models trained on identical labels.
+        # grid (widths included) compares models trained on identical labels.
         label_seed = 1_000_003 * seed + int(round(ratio * 1000))
         y_noisy = fw.labels(corrupt_labels(data.y_train, ratio, data.num_classes, label_seed))
-        model = fw.build(config.arch, data.input_shape, data.num_classes, width=config.width, seed=seed)
+        model = build(width, seed)
         trained = fw.train(
             model, x_train, y_noisy, epochs=config.epochs, lr=lr, batch_size=bs, weight_decay=wd,
             optimizer=config.optimizer, target_accuracy=config.target_accuracy, seed=seed,
             progress=config.progress, desc=f"train r={ratio:g} s={seed}",
         )
-        train_acc = fw.accuracy(model, x_train, y_noisy)
-        test_acc = fw.accuracy(model, x_test, y_test)
-        # Analyze in float64: the Hessian diagonal and the function check are then exact
-        # to ~1e-15, so any change after rescaling is the measure's, not rounding.
-        model64 = fw.float64(model)
-        an_data, an_kwargs = fw.analysis_data(x_train[:n_an], y_noisy[:n_an], config.analysis_batch_size)
+        evaluated = fw.evaluation_model(model)  # float32 even where training was mixed-precision
+        train_acc = fw.accuracy(evaluated, x_train, y_noisy)
+        test_acc = fw.accuracy(evaluated, x_test, y_test)
+        # Analyze in float64 by default: the Hessian diagonal and the function check are then
+        # exact to ~1e-15, so any change after rescaling is the measure's, not rounding.
+        model_an = fw.analysis_copy(model, dtype)
+        an_data, an_kwargs = fw.analysis_data(x_train[:n_an], y_noisy[:n_an], config.analysis_batch_size, dtype)
         t0 = time.perf_counter()
-        report = _analyze(model64, an_data, config, an_kwargs)
+        report = _analyze(model_an, an_data, config, an_kwargs)
         t_an = time.perf_counter() - t0
         row: dict[str, Any] = {
             "run": run_id, "ratio": ratio, "seed": seed, "lr": lr, "batch_size": bs, "weight_decay": wd,
+            "width": width,
             "epochs": trained.epochs, "fitted": trained.fitted, "train_loss": trained.train_loss,
             "train_accuracy": train_acc, "test_accuracy": test_acc, "gap": train_acc - test_acc,
             **{m: getattr(report, m) for m in MEASURES},
@@ -509,8 +688,8 @@ def _run_study(config: StudyConfig, fw: Any, out: Path, stage: Path, say: Any, t
         if run_id == showcase:
             layer_reports["trained"] = report
         if config.reparam:
-            rescaled, spread = fw.rescale(model64, orders=config.reparam_orders, seed=label_seed + 7)
-            err = fw.function_error(model64, rescaled, x_check)
+            rescaled, spread = fw.rescale(model_an, orders=config.reparam_orders, seed=label_seed + 7)
+            err = fw.function_error(model_an, rescaled, x_check, rtol=rtol)
             report_r = _analyze(rescaled, an_data, config, an_kwargs)
             row.update({f"rescaled_{m}": getattr(report_r, m) for m in MEASURES})
             row["rescale_function_error"] = err
@@ -519,11 +698,13 @@ def _run_study(config: StudyConfig, fw: Any, out: Path, stage: Path, say: Any, t
             if run_id == showcase:
                 layer_reports["rescaled"] = report_r
         rows.append(row)
+        del model, evaluated, model_an  # free a large model (and its GPU memory) before the next one
     bar.close()
 
     result = StudyResult(
-        config=asdict(config), rows=rows, correlations=correlations(rows, reparam=config.reparam),
-        environment={**_versions(fw), "wall_seconds": None}, statistics=statistics_settings(rows),
+        config=cfg, rows=rows, correlations=correlations(rows, reparam=config.reparam),
+        environment={**_versions(fw), "device": fw.device_description(), "wall_seconds": None},
+        statistics=statistics_settings(rows),
     )
     names = _write_outputs(result, stage, layer_reports, rows[showcase])
     result.environment["wall_seconds"] = time.perf_counter() - t_start
