@@ -528,6 +528,8 @@ _STRUCTURAL = _keras_classes(
     "GlobalMaxPooling1D", "GlobalMaxPooling2D", "GlobalMaxPooling3D", "GlobalAveragePooling1D",
     "GlobalAveragePooling2D", "GlobalAveragePooling3D", "AdaptiveMaxPooling1D", "AdaptiveMaxPooling2D",
     "AdaptiveMaxPooling3D", "AdaptiveAveragePooling1D", "AdaptiveAveragePooling2D", "AdaptiveAveragePooling3D",
+    # Zero padding adds inputs that are 0 and stay 0 in the squared network: no new path.
+    "ZeroPadding1D", "ZeroPadding2D", "ZeroPadding3D",
 )
 
 
