@@ -139,6 +139,37 @@ def _analyze_options(args: argparse.Namespace) -> dict[str, Any]:
             "on_unsupported": args.on_unsupported}
 
 
+_RIVALS = ("adaptive_sharpness", "average_adaptive_sharpness", "magnitude_aware_sharpness", "fisher_rao_norm",
+           "path_norm", "log_spectral_norm_product", "log_frobenius_norm_product", "pac_bayes_bound",
+           "pac_bayes_bound_surrogate")
+
+
+def _rival_names(text: str) -> tuple[str, ...]:
+    if text == "all":
+        return _RIVALS
+    if text == "none":
+        return ()
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    unknown = [n for n in names if n not in _RIVALS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown rival measure(s) {', '.join(unknown) or text!r}; choose all, none "
+                                         f"or names among {', '.join(_RIVALS)}")
+    return names
+
+
+def _rival_setting(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    value = value.strip()
+    for cast in (int, float):
+        try:
+            return key.strip(), cast(value)
+        except ValueError:
+            pass
+    return key.strip(), value
+
+
 def _add_model_options(p: argparse.ArgumentParser, *, study: bool) -> None:
     from normflat.study.datasets import DATASETS
     from normflat.study.models import ARCHITECTURES
@@ -230,6 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-reparam", action="store_true", help="skip the reparametrization arm")
     g.add_argument("--reparam-orders", type=float, default=2.0,
                    help="rescaling factors are drawn log-uniformly from [10^-r, 10^r] (default r=2)")
+    g.add_argument("--rivals", type=_rival_names, default=None, metavar="NAME[,NAME...]|all|none",
+                   help="rival measures (method §10) computed for every model and its rescaling: all (default), "
+                        "none, or comma-separated names among " + ", ".join(_RIVALS))
+    g.add_argument("--rival-setting", action="append", type=_rival_setting, default=[], metavar="KEY=VALUE",
+                   help="a setting of the rival measures (normflat.MeasureSettings field, e.g. bound_draws=200); "
+                        "repeatable")
     g.add_argument("--out", default="normflat-study",
                    help="output folder (default ./normflat-study); a new run replaces the previous run's "
                         "files there as a whole")
@@ -344,10 +381,11 @@ def _cmd_study(args: argparse.Namespace, out: Callable[[str], Any]) -> int:
         reparam=not args.no_reparam, reparam_orders=args.reparam_orders,
         out=args.out, progress=not args.no_progress, threads=args.threads, quick=quick,
         device=args.device, precision=args.precision, analysis_dtype=args.analysis_dtype,
+        rivals=_RIVALS if args.rivals is None else args.rivals, rival_settings=dict(args.rival_setting),
     )
     try:
         config.validate()
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         raise CLIError(str(err)) from err
     try:
         result = run_study(config, echo=out)

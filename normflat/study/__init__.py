@@ -6,7 +6,8 @@ function-preserving rescalings. See ``docs/study.md``. The figures of the result
 are in :mod:`normflat.study.figures` (matplotlib, imported on demand).
 """
 
-from normflat.study.datasets import DATASETS, Dataset, DatasetNotFoundError, load_dataset
+from normflat.study.datasets import (DATASETS, Dataset, DatasetNotFoundError, StudyInputError, load_dataset,
+                                     load_user_dataset)
 from normflat.study.run import StudyConfig, StudyResult, format_table, load_result, run_study
 from normflat.study.stats import granulated_kendall, kendall_tau, kendall_tau_ci, pearson_r
 
@@ -14,6 +15,7 @@ __all__ = [
     "DATASETS",
     "Dataset",
     "DatasetNotFoundError",
+    "StudyInputError",
     "StudyConfig",
     "StudyResult",
     "format_table",
@@ -21,6 +23,7 @@ __all__ = [
     "kendall_tau",
     "kendall_tau_ci",
     "load_dataset",
+    "load_user_dataset",
     "load_result",
     "pearson_r",
     "run_study",

@@ -62,7 +62,7 @@ def plot_study(result: Any, *, measures: Sequence[str] = MEASURES, figure: Any =
                 ax.set_ylabel("generalization gap\n(train acc. − test acc.)")
             ax.grid(alpha=0.3)
     cfg = result.config
-    fig.suptitle(f"Random-label study: {cfg['dataset']}, {cfg['arch']}, {len(rows)} models "
+    fig.suptitle(f"Random-label study: {cfg['dataset']}, {cfg.get('model') or cfg.get('arch')}, {len(rows)} models "
                  f"(estimator {cfg['estimator']}, loss {cfg['loss']})")
     fig.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes, label="random-label ratio", shrink=0.8)
     return fig

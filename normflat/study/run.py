@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from normflat.core.constants import MEASURE_LABELS, MEASURES
+from normflat.engine.rivals import RIVAL_LABELS, RIVAL_MEASURES, MeasureSettings, validate_measure_names
 from normflat.study.datasets import StudyInputError
 from normflat.study.frameworks import FRAMEWORKS, FUNCTION_RTOL
 from normflat.study.outputs import check_output_folder, replace_outputs
@@ -57,6 +58,9 @@ DEFAULT_RATIOS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 #: results written before the width axis have no "width": Psi then leaves it out.)
 HYPERPARAMETERS = ("ratio", "lr", "batch_size", "weight_decay", "width")
 REPLICATES = ("seed",)
+#: Cheaper rival-measure settings of quick mode (seconds per model, still every code path).
+QUICK_RIVAL_SETTINGS = {"steps": 8, "average_draws": 5, "magnitude_draws": 3, "bisections": 12, "bound_draws": 20}
+
 #: Confidence level, resamples and seed of the bootstrap interval of Kendall's tau.
 TAU_CI_LEVEL, TAU_CI_RESAMPLES, TAU_CI_SEED = 0.95, 2000, 0
 
@@ -125,6 +129,11 @@ class StudyConfig:
         analysis_dtype: dtype of the analyzed copy of each model and of its data:
             ``"float64"`` (rounding ~1e-16, so any change after rescaling is the
             measure's) or ``"float32"`` (half the memory and time, for large models).
+        rivals: The rival measures of method §10 computed for every model (and
+            its rescaling), names of :data:`~normflat.engine.rivals.RIVAL_MEASURES`;
+            empty: none.
+        rival_settings: Fields of :class:`~normflat.engine.rivals.MeasureSettings`
+            to change (quick mode: :data:`QUICK_RIVAL_SETTINGS`).
         quick: Quick mode (tiny settings, for tests and smoke runs).
     """
 
@@ -157,6 +166,8 @@ class StudyConfig:
     device: str = "auto"
     precision: str = "float32"
     analysis_dtype: str = "float64"
+    rivals: tuple[str, ...] = RIVAL_MEASURES
+    rival_settings: dict[str, Any] = field(default_factory=dict)
     quick: bool = False
 
     def __post_init__(self) -> None:
@@ -224,7 +235,16 @@ class StudyConfig:
         if self.reparam_orders <= 0:
             raise ValueError(f"reparam_orders must be > 0 decades, got {self.reparam_orders}.")
         validate_options(loss=self.loss, estimator=self.estimator, samples=self.samples)
+        validate_measure_names(self.rivals)
+        if self.rivals and self.loss not in ("nsce", "ce"):
+            raise ValueError(f"The rival measures need the loss 'nsce' or 'ce', got {self.loss!r}.")
+        self.measure_settings()
         check_output_folder(self.out)
+
+    def measure_settings(self) -> MeasureSettings:
+        """The validated settings of the rival measures (quick mode: cheaper defaults)."""
+        base = {**(QUICK_RIVAL_SETTINGS if self.quick else {}), **self.rival_settings}
+        return MeasureSettings.from_overrides(None, base)
 
     @property
     def models(self) -> int:
@@ -366,7 +386,7 @@ def correlations(rows: Sequence[dict[str, Any]], *, reparam: bool) -> dict[str, 
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for arm, prefix in arms.items():
         out[arm] = {}
-        for m in MEASURES:
+        for m in measure_names(rows):
             values = [row[prefix + m] for row in rows]
             tau, lo, hi = kendall_tau_ci(values, gap, level=TAU_CI_LEVEL, resamples=TAU_CI_RESAMPLES,
                                          seed=TAU_CI_SEED)
@@ -401,6 +421,28 @@ def _axes_note(result: StudyResult) -> str:
             "fixed: a replicate, not an axis); per axis in results.json")
 
 
+#: Every measure's label in the tables: normalized sharpness and its siblings, then the rivals.
+LABELS = {**MEASURE_LABELS, **RIVAL_LABELS}
+
+
+def measure_names(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The measures of method §4 and the rival measures of method §10 that every row carries."""
+    return [m for m in (*MEASURES, *RIVAL_MEASURES) if rows and all(m in row for row in rows)]
+
+
+def _bound_notes(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Where the PAC-Bayes bounds are vacuous (>= 1), per arm."""
+    notes = []
+    for name, label in (("pac_bayes_bound", "0-1 loss"), ("pac_bayes_bound_surrogate", "surrogate")):
+        values = [row.get(name) for row in rows]
+        if not rows or any(v is None for v in values):
+            continue
+        vacuous = sum(v >= 1.0 for v in values)
+        notes.append(f"PAC-Bayes bound ({label}): {min(values):.3f} to {max(values):.3f}, vacuous (>= 1) for "
+                     f"{vacuous}/{len(values)} models")
+    return notes
+
+
 def _model_label(cfg: dict[str, Any]) -> str:
     """What was trained: the architecture, or the model factory (results before
     ``model`` existed have only ``arch``)."""
@@ -415,13 +457,13 @@ def format_table(result: StudyResult) -> str:
         f"Correlation with the generalization gap ({len(result.rows)} models: {cfg['dataset']}, "
         f"{_model_label(cfg)}, {cfg['framework']}, estimator={cfg['estimator']}, loss={cfg['loss']})",
     ]
-    head = f"{'measure':<30}{'tau [95% CI]':>23}{'r':>8}{'psi':>8}"
+    head = f"{'measure':<36}{'tau [95% CI]':>23}{'r':>8}{'psi':>8}"
     if rescaled:
         head += f"{'tau rescaled [95% CI]':>25}{'r rescaled':>12}{'psi rescaled':>14}"
     lines += [head, "-" * len(head)]
-    for m in MEASURES:
+    for m in [m for m in LABELS if m in corr["trained"]]:
         t = corr["trained"][m]
-        line = f"{MEASURE_LABELS[m]:<30}{_tau_cell(t, 23)}{_fmt(t['pearson'])}{_fmt(t.get('psi'))}"
+        line = f"{LABELS[m]:<36}{_tau_cell(t, 23)}{_fmt(t['pearson'])}{_fmt(t.get('psi'))}"
         if rescaled:
             r = corr["rescaled"][m]
             line += f"{_tau_cell(r, 25)}{_fmt(r['pearson'], 12)}{_fmt(r.get('psi'), 14)}"
@@ -439,6 +481,7 @@ def format_table(result: StudyResult) -> str:
         f"gap from {min(gaps):.3f} to {max(gaps):.3f}; {fitted}/{len(result.rows)} models reached "
         f"training accuracy {cfg['target_accuracy']:g}"
     )
+    lines += _bound_notes(result.rows)
     if rescaled:
         errs = [r["rescale_function_error"] for r in result.rows]
         spread = [r["rescale_spread_decades"] for r in result.rows]
@@ -469,8 +512,8 @@ def markdown_table(result: StudyResult) -> str:
         return text
 
     lines = [head, sep]
-    for m in MEASURES:
-        cells = [MEASURE_LABELS[m]]
+    for m in [m for m in LABELS if m in corr["trained"]]:
+        cells = [LABELS[m]]
         for arm in ("trained", "rescaled") if rescaled else ("trained",):
             e = corr[arm][m]
             cells += [t(e), f(e["pearson"]), f(e.get("psi"))]
@@ -491,6 +534,21 @@ def _analyze(model: Any, data: Any, config: StudyConfig, backend_options: dict[s
     return normflat.analyze(
         model, data, estimator=config.estimator, loss=config.loss, samples=config.samples,
         progress=config.progress, **backend_options,
+    )
+
+
+def _rivals(model: Any, data: Any, config: StudyConfig, backend_options: dict[str, Any], report: Any,
+            seed: int) -> Any:
+    """The rival measures of one model (method §10), with the analysis's variances for the bound.
+
+    The seed depends on the labels only, so a model and its rescaling see the same
+    noise draws (common random numbers, method §10).
+    """
+    import normflat
+
+    return normflat.measures(
+        model, data, config.rivals, report=report, settings=config.measure_settings(), loss=config.loss,
+        seed=seed, progress=config.progress, backend_options=backend_options,
     )
 
 
@@ -568,8 +626,8 @@ def _prepare(config: StudyConfig, fw: Any) -> _StudyInputs:
     x_train, x_test = fw.inputs(data.x_train, images=images), fw.inputs(data.x_test, images=images)
     x_check = fw.check_inputs(x_test[: min(len(data.y_test), 512)], config.analysis_dtype)
     build = _model_builder(config, fw, data, x_train[:2])
-    if config.reparam:
-        _check_rescalable(build, config, fw, x_check)
+    if config.reparam or "path_norm" in config.rivals:
+        _preflight(build, config, fw, x_check, x_train[:2], fw.labels(data.y_train[:2]))
     return _StudyInputs(data, x_train, x_test, fw.labels(data.y_test), x_check, build)
 
 
@@ -607,28 +665,53 @@ def _model_builder(config: StudyConfig, fw: Any, data: Any, probe: Any) -> Calla
     return build
 
 
-def _check_rescalable(build: Callable[[int | None, int], Any], config: StudyConfig, fw: Any, x_check: Any) -> None:
-    """Try the rescaling arm on a freshly built model of each width, before any training.
+def _preflight(build: Callable[[int | None, int], Any], config: StudyConfig, fw: Any, x_check: Any,
+               x_probe: Any, y_probe: Any) -> None:
+    """Try the rescaling arm and the path norm on a freshly built model of each width,
+    before any training, so a model family they do not admit fails in seconds.
 
     Raises:
         StudyInputError: If the rescaler cannot rescale the model or the rescaled model
-            computes another function; the message says to pass ``--no-reparam``.
+            computes another function (the message says to pass ``--no-reparam``), or
+            if the path norm is not defined for the model (to leave it out of ``--rivals``).
     """
     from normflat.study.reparametrize import FunctionChangedError
 
     for width in config.widths:
         model = fw.analysis_copy(build(width, config.seeds[0]), config.analysis_dtype)
-        try:
-            rescaled, _ = fw.rescale(model, orders=config.reparam_orders, seed=0)
-            fw.function_error(model, rescaled, x_check, rtol=FUNCTION_RTOL[config.analysis_dtype])
-        except (TypeError, ValueError, FunctionChangedError) as err:
-            what = config.arch if config.model is None else config.to_dict()["model"]
-            size = "default width" if width is None else f"width {width}"
-            raise StudyInputError(
-                f"The reparametrization arm cannot run on the models of {what} ({size}), tried on a freshly built one "
-                f"before any training: {' '.join(str(err).split())[:300]} Pass --no-reparam "
-                "(StudyConfig(reparam=False)) to run the study without the rescaled arm."
-            ) from err
+        if config.reparam:
+            _check_rescaling(model, width, config, fw, x_check)
+        if "path_norm" in config.rivals:
+            _check_path_norm(model, config, fw, x_probe, y_probe)
+
+
+def _check_rescaling(model: Any, width: int | None, config: StudyConfig, fw: Any, x_check: Any) -> None:
+    from normflat.study.reparametrize import FunctionChangedError
+
+    try:
+        rescaled, _ = fw.rescale(model, orders=config.reparam_orders, seed=0)
+        fw.function_error(model, rescaled, x_check, rtol=FUNCTION_RTOL[config.analysis_dtype])
+    except (TypeError, ValueError, FunctionChangedError) as err:
+        what = config.arch if config.model is None else config.to_dict()["model"]
+        size = "default width" if width is None else f"width {width}"
+        raise StudyInputError(
+            f"The reparametrization arm cannot run on the models of {what} ({size}), tried on a freshly built one "
+            f"before any training: {' '.join(str(err).split())[:300]} Pass --no-reparam "
+            "(StudyConfig(reparam=False)) to run the study without the rescaled arm."
+        ) from err
+
+
+def _check_path_norm(model: Any, config: StudyConfig, fw: Any, x: Any, y: Any) -> None:
+    import normflat
+    from normflat.engine.perturbation import UnsupportedMeasureError
+
+    data, kwargs = fw.analysis_data(x, y, len(y), config.analysis_dtype)
+    try:
+        normflat.measures(model, data, ["path_norm"], progress=False, backend_options=kwargs)
+    except UnsupportedMeasureError as err:
+        others = ",".join(r for r in config.rivals if r != "path_norm") or "none"
+        raise StudyInputError(f"{err} In the study: pass --rivals {others} (StudyConfig(rivals=...)) to leave "
+                              "the path norm out.") from err
 
 
 def _run_study(config: StudyConfig, fw: Any, inputs: _StudyInputs, out: Path, stage: Path, say: Any,
@@ -676,14 +759,23 @@ def _run_study(config: StudyConfig, fw: Any, inputs: _StudyInputs, out: Path, st
         t0 = time.perf_counter()
         report = _analyze(model_an, an_data, config, an_kwargs)
         t_an = time.perf_counter() - t0
+        rivals = None
+        if config.rivals:
+            t0 = time.perf_counter()
+            rivals = _rivals(model_an, an_data, config, an_kwargs, report, label_seed)
+            rivals.to_json(stage / "reports" / f"run{run_id:03d}_measures.json")
+            t_rivals = time.perf_counter() - t0
         row: dict[str, Any] = {
             "run": run_id, "ratio": ratio, "seed": seed, "lr": lr, "batch_size": bs, "weight_decay": wd,
             "width": width,
             "epochs": trained.epochs, "fitted": trained.fitted, "train_loss": trained.train_loss,
             "train_accuracy": train_acc, "test_accuracy": test_acc, "gap": train_acc - test_acc,
             **{m: getattr(report, m) for m in MEASURES},
+            **(rivals.values if rivals is not None else {}),
             "train_seconds": trained.seconds, "analyze_seconds": t_an,
         }
+        if rivals is not None:
+            row["rivals_seconds"] = t_rivals
         report.to_json(stage / "reports" / f"run{run_id:03d}.json")
         if run_id == showcase:
             layer_reports["trained"] = report
@@ -692,6 +784,10 @@ def _run_study(config: StudyConfig, fw: Any, inputs: _StudyInputs, out: Path, st
             err = fw.function_error(model_an, rescaled, x_check, rtol=rtol)
             report_r = _analyze(rescaled, an_data, config, an_kwargs)
             row.update({f"rescaled_{m}": getattr(report_r, m) for m in MEASURES})
+            if config.rivals:
+                rivals_r = _rivals(rescaled, an_data, config, an_kwargs, report_r, label_seed)
+                rivals_r.to_json(stage / "reports" / f"run{run_id:03d}_rescaled_measures.json")
+                row.update({f"rescaled_{m}": v for m, v in rivals_r.values.items()})
             row["rescale_function_error"] = err
             row["rescale_spread_decades"] = spread
             report_r.to_json(stage / "reports" / f"run{run_id:03d}_rescaled.json")

@@ -422,12 +422,27 @@ class ScaledLinear(nn.Linear):
 
 
 class ResidualForward(nn.Module):
-    def __init__(self):
+    def __init__(self, shift=None):
         super().__init__()
         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.shift = shift
 
     def forward(self, x):
-        return self.b(x + self.a(x))
+        h = x + self.a(x)
+        return self.b(h if self.shift is None else h + self.shift)
+
+
+def test_squared_output_sums_the_paths_of_a_residual_block():
+    with torch.device("meta"):
+        model = ResidualForward()
+    model = _filled(model, 4)
+    pm = tb.perturbation_model(model, vector_data(), options())
+    a, b = model.a, model.b
+    with torch.no_grad():
+        # The skip path carries the input (ones) unchanged; the branch its squared layer.
+        h = torch.ones(4, dtype=DT) + (a.weight ** 2) @ torch.ones(4, dtype=DT) + a.bias ** 2
+        expected = float(((b.weight ** 2) @ h + b.bias ** 2).sum())
+    assert pm.squared_output() == pytest.approx(expected, rel=1e-13)
 
 
 @pytest.mark.parametrize("build, named", [
@@ -438,7 +453,7 @@ class ResidualForward(nn.Module):
     (lambda: nn.Sequential(ScaledLinear(4, 5), nn.ReLU(), nn.Linear(5, 3)),
      "Layer '0' (ScaledLinear) (it overrides the forward of Linear)"),
     (TanhForward, "calls torch.tanh"),
-    (ResidualForward, "The forward of ResidualForward calls"),
+    (lambda: ResidualForward(shift=1.0), "The forward of ResidualForward calls"),
 ])
 def test_squared_output_refuses_what_is_not_a_relu_network(build, named):
     with torch.device("meta"):

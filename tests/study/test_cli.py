@@ -22,7 +22,8 @@ import normflat  # noqa: E402
 from normflat.cli import main  # noqa: E402
 from normflat.core.constants import MEASURES  # noqa: E402
 from normflat.study.models import build_model  # noqa: E402
-from normflat.study.run import load_result  # noqa: E402
+from normflat.engine.rivals import RIVAL_MEASURES  # noqa: E402
+from normflat.study.run import format_table, load_result  # noqa: E402
 
 TINY = ["--quick", "--train-size", "120", "--test-size", "80", "--epochs", "4", "--no-progress"]
 
@@ -102,6 +103,23 @@ def test_study_numbers(study):
     assert report["totals"]["normalized_sharpness"] == pytest.approx(result.rows[0]["normalized_sharpness"], rel=1e-12)
 
 
+def test_rival_measures_under_the_reparametrization_arm(study):
+    """Every model row carries the rival measures and their rescaled twins; the invariant
+    ones do not move under the arm's rescaling (method §10.5), the norm products do."""
+    out, printed = study
+    result = load_result(out / "results.json")
+    for row in result.rows:
+        for name in RIVAL_MEASURES:
+            assert name in row and f"rescaled_{name}" in row, name
+        for name in ("adaptive_sharpness", "average_adaptive_sharpness", "fisher_rao_norm", "path_norm"):
+            assert row[f"rescaled_{name}"] == pytest.approx(row[name], rel=1e-7), name
+        for name in ("log_spectral_norm_product", "log_frobenius_norm_product"):
+            assert abs(row[f"rescaled_{name}"] - row[name]) > 1e-2, name
+    assert set(result.correlations["trained"]) == set(MEASURES) | set(RIVAL_MEASURES)
+    assert "PAC-Bayes bound (0-1 loss)" in format_table(result) and "vacuous (>= 1) for" in printed
+    assert len(list((out / "reports").glob("run*_rescaled_measures.json"))) == 6
+
+
 def test_study_json_round_trip(study):
     out, _ = study
     result = load_result(out / "results.json")
@@ -112,7 +130,7 @@ def test_study_json_round_trip(study):
     from normflat.study.run import markdown_table
 
     table = markdown_table(result).splitlines()
-    assert len(table) == 2 + len(MEASURES)
+    assert len(table) == 2 + len(MEASURES) + len(RIVAL_MEASURES)
     ns = result.correlations["rescaled"]["normalized_sharpness"]["tau"]
     assert table[2].startswith("| normalized sharpness |") and f"{ns:.3f}" in table[2]
 

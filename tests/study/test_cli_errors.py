@@ -20,7 +20,7 @@ from normflat.cli import main  # noqa: E402
 from normflat.study.models import build_model  # noqa: E402
 from normflat.study.outputs import MANIFEST  # noqa: E402
 
-TINY = ["--quick", "--train-size", "120", "--test-size", "80", "--epochs", "2", "--no-progress"]
+TINY = ["--quick", "--train-size", "120", "--test-size", "80", "--epochs", "2", "--no-progress", "--rivals", "none"]
 TRUST = ["--trust-pickle"]  # m.pt is a whole pickled module: loading it runs code from the file
 
 

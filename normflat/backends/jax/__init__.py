@@ -18,6 +18,8 @@ the module layout every backend shares:
     the compiled estimator kernels (``exact``/``hutchinson``; ``ggn``/``ggn-topk``/``ggn-mc``);
 ``distributed``
     local device meshes and the engine's ``Comm`` over ``jax.distributed``;
+``perturbation``
+    the engine's ``PerturbationModel`` for the rival measures (method §10): the loss at moved weights;
 ``compat``
     every touch of a private JAX / flax API;
 ``program``, ``kernel``, ``cache``
@@ -93,6 +95,7 @@ import jax.numpy as jnp
 from normflat.backends.jax import distributed
 from normflat.backends.jax.compat import enable_x64, x64_enabled
 from normflat.backends.jax.layers import LayerRule, register_layer, registered_layers
+from normflat.backends.jax.perturbation import perturbation_model
 from normflat.backends.jax.session import JaxSession
 from normflat.core.memory import parse_memory_budget
 from normflat.engine import driver
@@ -100,7 +103,7 @@ from normflat.engine.options import AnalysisOptions
 from normflat.engine.registry import IGNORE, Unsupported
 
 __all__ = ["layer_problems", "hessian_diagonal", "register_layer", "registered_layers", "LayerRule", "IGNORE",
-           "Unsupported", "DEFAULT_MAX_EXACT_PARAMS", "JaxSession"]
+           "Unsupported", "DEFAULT_MAX_EXACT_PARAMS", "JaxSession", "perturbation_model"]
 
 #: estimator="exact" needs one Hessian-vector product per weight entry; above this
 #: many entries it refuses unless force=True (same default as the torch backend).

@@ -530,6 +530,8 @@ _STRUCTURAL = _keras_classes(
     "AdaptiveMaxPooling3D", "AdaptiveAveragePooling1D", "AdaptiveAveragePooling2D", "AdaptiveAveragePooling3D",
     # Zero padding adds inputs that are 0 and stay 0 in the squared network: no new path.
     "ZeroPadding1D", "ZeroPadding2D", "ZeroPadding3D",
+    # A residual sum of activations adds the paths of its branches (method §10.4).
+    "Add",
 )
 
 

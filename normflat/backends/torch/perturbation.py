@@ -487,12 +487,17 @@ _PATH_OPS = frozenset(
 )
 
 
+#: Sums of two activations (residual connections): in scope when both operands are tensors.
+_SUMS = frozenset(_candidates(torch, "add") + _candidates(torch.Tensor, "add add_ __add__ __radd__ __iadd__"))
+
+
 class _PathNormGuard(torch.overrides.TorchFunctionMode):
     """Runs the squared network and refuses every operation outside the path norm's scope.
 
     A torch function mode sees every torch operation the model's forward calls (in
     this thread only, for the ``with`` block): modules hide nothing, so a ``tanh``
-    or a residual sum written in a forward is refused as surely as an ``nn.Tanh``.
+    written in a forward is refused as surely as an ``nn.Tanh``; a residual sum of two
+    activations adds the paths of its branches and is in scope.
     Dense and convolution maps must use the squared parameters; an inference-mode
     BatchNorm (recognised by its running-mean buffer) computes its folded, squared
     affine map ``a² x + b²`` instead.
@@ -522,6 +527,14 @@ class _PathNormGuard(torch.overrides.TorchFunctionMode):
             value = _argument(args, kwargs, 3, "value")
             if mode == "constant" and value not in (None, 0, 0.0):
                 raise self._refuse(func, f"padding with the constant {value}")
+        elif func in _SUMS:
+            # A residual sum of two activations adds the paths of both branches (method §10.4);
+            # a constant or a weighted sum would add paths that are not the network's.
+            other = _argument(args, kwargs, 1, "other")
+            alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
+            if not (isinstance(_argument(args, kwargs, 0, "input"), torch.Tensor) and isinstance(other, torch.Tensor)
+                    and alpha == 1):
+                raise self._refuse(func, "with a constant or a weighted operand (only sums of two activations)")
         elif func not in _PATH_OPS and getattr(func, "__name__", None) != "__get__":
             # ``__get__``: reading a tensor attribute (shape, dtype) computes nothing.
             raise self._refuse(func)
