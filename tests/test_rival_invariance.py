@@ -9,36 +9,24 @@ import pytest
 import normflat
 from normflat.engine.rivals import INVARIANT, RIVAL_MEASURES
 from tests import netspec
+from tests._rivals import measures_of
 from tests.builders import BUILDERS, load_builder
 
-#: Cheap settings: every code path, few passes. A fine hyperprior grid makes the bound's
-#: rounding negligible, so its invariance can be checked too.
-CHEAP = dict(steps=6, average_draws=3, magnitude_draws=2, bisections=10, bound_draws=4, lambda_grid=16,
-             epsilon=0.0)
+#: A fine hyperprior grid makes the bound's rounding negligible, so its invariance can be checked.
 FINE_GRID = dict(grid_step=1e-7, grid_range=30.0)
 
 SPECS = {
     "mlp": lambda: netspec.mlp((5, 7, 6, 3), seed=21),
-    "cnn-maxpool": lambda: netspec.cnn(seed=22),
     "cnn-batchnorm": lambda: netspec.cnn(batchnorm=True, seed=23),
     "cnn-grouped": lambda: netspec.cnn(seed=24, groups=2, channels=(2, 4, 6)),
 }
 
 
-def _measures(builder, spec, names=None, n=14, batch_size=5, **settings):
-    x, y = netspec.data(spec, n=n, seed=5)
-    model = builder.build(spec)
-    data = builder.make_data(x, y, batch_size)
-    report = normflat.analyze(model, data, loss="nsce", estimator="ggn", progress=False, **builder.ANALYZE_KWARGS)
-    return normflat.measures(model, data, names, report=report, progress=False, seed=3,
-                             backend_options=builder.ANALYZE_KWARGS, **{**CHEAP, **settings})
-
-
 def _check_invariance(builder, spec, transformed, *, unit_wise: bool):
     x, _ = netspec.data(spec, n=14, seed=5)
     np.testing.assert_allclose(netspec.forward(transformed, x), netspec.forward(spec, x), rtol=1e-10, atol=1e-11)
-    before = _measures(builder, spec, **FINE_GRID)
-    after = _measures(builder, transformed, **FINE_GRID)
+    before = measures_of(builder, spec, **FINE_GRID)
+    after = measures_of(builder, transformed, **FINE_GRID)
     for name in RIVAL_MEASURES:
         if INVARIANT[name] is False:
             moved = abs(after.values[name] - before.values[name]) > 1e-3 * max(abs(before.values[name]), 1.0)
@@ -82,17 +70,17 @@ def test_magnitude_aware_noise_floor_breaks_invariance(builder):
     factors = 10.0 ** np.random.default_rng(0).uniform(-1.5, 1.5, size=7)
     transformed = netspec.rescale_units(spec, 0, factors)
     names = ["magnitude_aware_sharpness"]
-    before = _measures(builder, spec, names, epsilon=0.05)
-    after = _measures(builder, transformed, names, epsilon=0.05)
+    before = measures_of(builder, spec, names, epsilon=0.05)
+    after = measures_of(builder, transformed, names, epsilon=0.05)
     assert abs(after.magnitude_aware_sharpness / before.magnitude_aware_sharpness - 1) > 1e-3
 
 
 def test_path_norm_is_refused_the_same_way_everywhere(builder):
     spec = netspec.mlp((5, 6, 3), activation="tanh", seed=25)
     with pytest.raises(normflat.UnsupportedMeasureError, match="path_norm is defined for feed-forward ReLU"):
-        _measures(builder, spec, ["path_norm"])
+        measures_of(builder, spec, ["path_norm"])
     # The other measures are defined for any model.
-    assert _measures(builder, spec, ["fisher_rao_norm"]).fisher_rao_norm > 0
+    assert measures_of(builder, spec, ["fisher_rao_norm"]).fisher_rao_norm > 0
 
 
 def test_bad_input_gets_the_same_error_everywhere(builder):

@@ -8,14 +8,10 @@ import pytest
 import normflat
 from normflat.engine.rivals import RIVAL_MEASURES
 from tests import netspec
+from tests._rivals import measures_of
 from tests.builders import BUILDERS, load_builder
 
 OTHERS = tuple(b for b in BUILDERS if b != "torch")
-#: Cheap settings: every code path, few passes. A fine hyperprior grid makes the bound's
-#: rounding negligible, so its invariance can be checked too.
-CHEAP = dict(steps=6, average_draws=3, magnitude_draws=2, bisections=10, bound_draws=4, lambda_grid=16,
-             epsilon=0.0)
-
 SPECS = {
     "mlp": lambda: netspec.mlp((5, 7, 6, 3), seed=21),
     "cnn-maxpool": lambda: netspec.cnn(seed=22),
@@ -26,21 +22,12 @@ SPECS = {
 }
 
 
-def _measures(builder, spec, names=None, n=14, batch_size=5, **settings):
-    x, y = netspec.data(spec, n=n, seed=5)
-    model = builder.build(spec)
-    data = builder.make_data(x, y, batch_size)
-    report = normflat.analyze(model, data, loss="nsce", estimator="ggn", progress=False, **builder.ANALYZE_KWARGS)
-    return normflat.measures(model, data, names, report=report, progress=False, seed=3,
-                             backend_options=builder.ANALYZE_KWARGS, **{**CHEAP, **settings})
-
-
 _TORCH: dict = {}
 
 
 def _torch(spec_name):
     if spec_name not in _TORCH:
-        _TORCH[spec_name] = _measures(load_builder("torch"), SPECS[spec_name]())
+        _TORCH[spec_name] = measures_of(load_builder("torch"), SPECS[spec_name]())
     return _TORCH[spec_name]
 
 
@@ -48,7 +35,7 @@ def _torch(spec_name):
 @pytest.mark.parametrize("spec_name", list(SPECS))
 def test_same_measures_as_torch(other, spec_name):
     ref = _torch(spec_name)
-    got = _measures(load_builder(other), SPECS[spec_name]())
+    got = measures_of(load_builder(other), SPECS[spec_name]())
     assert list(got.values) == list(RIVAL_MEASURES)
     for name in RIVAL_MEASURES:
         assert got.values[name] == pytest.approx(ref.values[name], rel=1e-6, abs=1e-12), name

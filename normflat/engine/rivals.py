@@ -28,6 +28,7 @@ __all__ = [
     "MeasuresReport",
     "compute_measures",
     "validate_measure_names",
+    "json_ready",
     "kl_upper_inverse",
     "hyperprior_grid",
     "posterior_log_variances",
@@ -227,7 +228,7 @@ class MeasuresReport:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (non-finite numbers become ``None``)."""
-        return _json_ready(asdict(self))
+        return json_ready(asdict(self))
 
     def to_json(self, path: Any = None) -> str:
         """Strict JSON; also written to ``path`` if given."""
@@ -250,13 +251,15 @@ class MeasuresReport:
         return "\n".join(lines)
 
 
-def _json_ready(value: Any) -> Any:
+def json_ready(value: Any) -> Any:
+    """``value`` with numpy scalars and arrays as Python values and non-finite floats as
+    ``None`` (strict JSON), recursively through dicts, lists and tuples."""
     if isinstance(value, dict):
-        return {str(k): _json_ready(v) for k, v in value.items()}
+        return {str(k): json_ready(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_ready(v) for v in value]
+        return [json_ready(v) for v in value]
     if isinstance(value, np.ndarray):
-        return _json_ready(value.tolist())
+        return json_ready(value.tolist())
     if isinstance(value, (float, np.floating)):
         v = float(value)
         return v if math.isfinite(v) else None

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from normflat.core.constants import MEASURE_LABELS, MEASURES
-from normflat.engine.rivals import RIVAL_LABELS, RIVAL_MEASURES, MeasureSettings, validate_measure_names
+from normflat.engine.rivals import RIVAL_LABELS, RIVAL_MEASURES, MeasureSettings, json_ready, validate_measure_names
 from normflat.study.datasets import StudyInputError
 from normflat.study.frameworks import FRAMEWORKS, FUNCTION_RTOL
 from normflat.study.outputs import check_output_folder, replace_outputs
@@ -290,7 +290,7 @@ class StudyResult:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (non-finite numbers become ``null``)."""
-        return _finite(asdict(self))
+        return json_ready(asdict(self))
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
         """Serialize to standard JSON; also write it to ``path`` if given."""
@@ -313,21 +313,6 @@ def load_result(path: str | os.PathLike) -> StudyResult:
     """Read a ``results.json`` written by :func:`run_study`."""
     with open(path, encoding="utf-8") as fh:
         return StudyResult.from_dict(json.load(fh))
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    if isinstance(value, (np.floating, float)):
-        v = float(value)
-        return v if math.isfinite(v) else None
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.bool_):
-        return bool(value)
-    return value
 
 
 def _hyperparameters(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
