@@ -32,8 +32,6 @@ The command line (``normflat analyze`` and ``normflat compare``, in
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import sys
 import zipfile
@@ -41,6 +39,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
+
+from normflat._callables import SpecMessages, import_callable, one_line
 
 __all__ = [
     "CheckpointError", "load_model", "load_data", "resolve_factory", "save_flax_nnx", "predict", "accuracy",
@@ -57,12 +57,34 @@ class CheckpointError(ValueError):
     """A checkpoint, factory or data specification that cannot be used; the message says how to fix it."""
 
 
+#: The most characters of an exception's message that the messages quote.
+_DETAIL_LIMIT = 240
+
+
 def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split()) or type(err).__name__
-    return text if len(text) <= 240 else text[:237] + "..."
+    """``err``'s message on one line, shortened to :data:`_DETAIL_LIMIT` characters."""
+    return one_line(err, _DETAIL_LIMIT)
 
 
 # ============================================================================ factories
+
+
+# The wording of resolve_factory's failures (see normflat._callables.SpecMessages for the fields).
+_FACTORY_MESSAGES = SpecMessages(
+    missing_file=("The factory file {module} does not exist; give 'file.py:function' with an existing file, or "
+                  "'module:function' of an importable module."),
+    unloadable_file=("Cannot import the factory file {module} as a Python module; give 'file.py:function' with a "
+                     "Python source file, or 'module:function' of an importable module."),
+    file_failed="Importing the factory file {module} failed ({error}); fix the file so that it imports.",
+    missing_module=("Cannot import the factory module {module!r} ({error}); put {module}.py in the current directory "
+                    "or on PYTHONPATH, or give a file: path/to/file.py:function."),
+    missing_dependency=("Importing the factory module {module!r} failed: it needs a package that is missing "
+                        "({error}); install it."),
+    module_failed="Importing the factory module {module!r} failed ({error}); fix the module so that it imports.",
+    missing_attribute=("The module {module!r} has no function {function!r}; its callables are {callables}. Give "
+                       "--model {module}:NAME with one of them."),
+    not_callable="{spec} is a {kind}, not a function; the factory must be callable.",
+)
 
 
 def resolve_factory(spec: str | Callable[[], Any]) -> Callable[[], Any]:
@@ -81,49 +103,7 @@ def resolve_factory(spec: str | Callable[[], Any]) -> Callable[[], Any]:
             f"The model factory {spec!r} must be 'module:function' (e.g. mymodels:make_net), a function "
             "that takes no arguments and returns the untrained architecture."
         )
-    module_name, func_name = spec.split(":")
-    if module_name.endswith(".py"):
-        path = Path(module_name)
-        if not path.is_file():
-            raise CheckpointError(f"The factory file {module_name} does not exist; give 'file.py:function' "
-                                  "with an existing file, or 'module:function' of an importable module.")
-        spec_obj = importlib.util.spec_from_file_location(path.stem, path)
-        assert spec_obj is not None and spec_obj.loader is not None
-        module = importlib.util.module_from_spec(spec_obj)
-        try:
-            spec_obj.loader.exec_module(module)
-        except Exception as err:
-            raise CheckpointError(f"Importing the factory file {module_name} failed ({_one_line(err)}); "
-                                  "fix the file so that it imports.") from err
-    else:
-        cwd = os.getcwd()
-        added = cwd not in sys.path
-        if added:
-            sys.path.insert(0, cwd)
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
-                raise CheckpointError(
-                    f"Cannot import the factory module {module_name!r} ({_one_line(err)}); put {module_name}.py "
-                    "in the current directory or on PYTHONPATH, or give a file: path/to/file.py:function."
-                ) from err
-            raise CheckpointError(f"Importing the factory module {module_name!r} failed: it needs a package that "
-                                  f"is missing ({_one_line(err)}); install it.") from err
-        except Exception as err:
-            raise CheckpointError(f"Importing the factory module {module_name!r} failed ({_one_line(err)}); "
-                                  "fix the module so that it imports.") from err
-        finally:
-            if added and cwd in sys.path:
-                sys.path.remove(cwd)
-    func = getattr(module, func_name, None)
-    if func is None:
-        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise CheckpointError(f"The module {module_name!r} has no function {func_name!r}; its callables are "
-                              f"{public[:10]}. Give --model {module_name}:NAME with one of them.")
-    if not callable(func):
-        raise CheckpointError(f"{spec} is a {type(func).__name__}, not a function; the factory must be callable.")
-    return func
+    return import_callable(spec, error=CheckpointError, messages=_FACTORY_MESSAGES, detail_limit=_DETAIL_LIMIT)
 
 
 def _build(factory: str | Callable[[], Any], path: str) -> Any:

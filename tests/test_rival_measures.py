@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-import normflat
 from normflat.engine.rivals import RIVAL_MEASURES
 from tests import netspec
 from tests._rivals import measures_of

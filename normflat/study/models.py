@@ -14,13 +14,10 @@ adapter checks what it returns (:mod:`normflat.study.frameworks`).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
 import sys
-from pathlib import Path
 from typing import Any, Callable
 
+from normflat._callables import SpecMessages, import_callable, one_line
 from normflat.study.datasets import StudyInputError
 
 __all__ = ["ARCHITECTURES", "build_model", "import_object", "resolve_model_factory", "call_model_factory",
@@ -94,9 +91,13 @@ def build_model(arch: str, input_shape: tuple[int, ...], num_classes: int, *, wi
 # ============================================================================ user factories
 
 
-def _one_line(err: BaseException, limit: int = 200) -> str:
-    text = " ".join(str(err).split()) or type(err).__name__
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+#: The most characters of an exception's message that the study's messages quote.
+_DETAIL_LIMIT = 200
+
+
+def _one_line(err: BaseException, limit: int = _DETAIL_LIMIT) -> str:
+    """``err``'s message on one line, shortened to ``limit`` characters."""
+    return one_line(err, limit)
 
 
 def callable_label(func: Any) -> str:
@@ -104,11 +105,31 @@ def callable_label(func: Any) -> str:
     return f"{getattr(func, '__module__', '?')}:{getattr(func, '__qualname__', type(func).__name__)}"
 
 
+# The wording of import_object's failures ({option}: --model or --dataset; {what}: what it names).
+_IMPORT_MESSAGES = SpecMessages(
+    missing_file=("{option} {spec}: the file {module} does not exist; give an existing path/to/file.py:function or "
+                  "an importable module:function."),
+    unloadable_file="{option} {spec}: cannot import {module} as a Python module.",
+    file_failed=("{option} {spec}: importing {module} failed ({error_type}: {error}); fix the file so that it "
+                 "imports."),
+    missing_module=("{option} {spec}: cannot import the module {module!r}; put {module}.py in the current directory "
+                    "or on PYTHONPATH, or give path/to/file.py:{function}."),
+    missing_dependency=("{option} {spec}: importing {module!r} failed because it needs the missing package "
+                        "{missing!r}; install it."),
+    module_failed=("{option} {spec}: importing {module!r} failed ({error_type}: {error}); fix the module so that "
+                   "it imports."),
+    missing_attribute=("{option} {spec}: {module} has no {function!r}; its public callables are {callables}. Name "
+                       "the {what} after the colon."),
+    not_callable="{option} {spec}: {function} is a {kind}, not a function; the {what} must be callable.",
+)
+
+
 def import_object(spec: str, option: str, what: str) -> Callable[..., Any]:
     """The callable named by ``"module:function"`` or ``"path/to/file.py:function"``.
 
     The module is imported from ``sys.path`` or the current directory (as with
-    ``python -m``); a ``.py`` path is executed as a module of its own.
+    ``python -m``); a ``.py`` path is executed as a module of its own
+    (:func:`normflat._callables.import_callable`).
 
     Args:
         spec: The specification.
@@ -122,50 +143,10 @@ def import_object(spec: str, option: str, what: str) -> Callable[..., Any]:
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(part.strip() for part in spec.split(":")):
         raise StudyInputError(f"{option} {spec!r} must be 'module:function' (e.g. mymodels:make_net, with mymodels.py "
                               f"in the current directory) or 'path/to/file.py:function', naming the {what}.")
-    module_name, func_name = spec.split(":")
-    if module_name.endswith(".py"):
-        path = Path(module_name)
-        if not path.is_file():
-            raise StudyInputError(f"{option} {spec}: the file {module_name} does not exist; give an existing "
-                                  "path/to/file.py:function or an importable module:function.")
-        loader_spec = importlib.util.spec_from_file_location(f"_normflat_user_{path.stem}", path)
-        if loader_spec is None or loader_spec.loader is None:
-            raise StudyInputError(f"{option} {spec}: cannot import {module_name} as a Python module.")
-        module = importlib.util.module_from_spec(loader_spec)
-        try:
-            loader_spec.loader.exec_module(module)
-        except Exception as err:
-            raise StudyInputError(f"{option} {spec}: importing {module_name} failed ({type(err).__name__}: "
-                                  f"{_one_line(err)}); fix the file so that it imports.") from err
-    else:
-        cwd = os.getcwd()
-        added = cwd not in sys.path
-        if added:  # like `python -m`: modules in the current directory are importable
-            sys.path.insert(0, cwd)
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
-                raise StudyInputError(f"{option} {spec}: cannot import the module {module_name!r}; put "
-                                      f"{module_name}.py in the current directory or on PYTHONPATH, or give "
-                                      f"path/to/file.py:{func_name}.") from err
-            raise StudyInputError(f"{option} {spec}: importing {module_name!r} failed because it needs the missing "
-                                  f"package {err.name!r}; install it.") from err
-        except Exception as err:
-            raise StudyInputError(f"{option} {spec}: importing {module_name!r} failed ({type(err).__name__}: "
-                                  f"{_one_line(err)}); fix the module so that it imports.") from err
-        finally:
-            if added and cwd in sys.path:
-                sys.path.remove(cwd)
-    func = getattr(module, func_name, None)
-    if func is None:
-        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise StudyInputError(f"{option} {spec}: {module_name} has no {func_name!r}; its public callables are "
-                              f"{public[:10]}. Name the {what} after the colon.")
-    if not callable(func):
-        raise StudyInputError(f"{option} {spec}: {func_name} is a {type(func).__name__}, not a function; the {what} "
-                              "must be callable.")
-    return func
+    # A file's module is named _normflat_user_<stem>, a name no importable module has (callable_label shows it).
+    return import_callable(spec, error=StudyInputError, messages=_IMPORT_MESSAGES,
+                           context={"option": option, "what": what}, file_module_prefix="_normflat_user_",
+                           detail_limit=_DETAIL_LIMIT)
 
 
 def resolve_model_factory(spec: str | Callable[..., Any]) -> Callable[..., Any]:

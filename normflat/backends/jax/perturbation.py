@@ -39,10 +39,9 @@ import numpy as np
 
 from normflat.backends.jax.cache import LRU
 from normflat.backends.jax.compat import Literal, enable_x64, x64_enabled
-from normflat.backends.jax.data import ADAPTER, cast_inputs, to_jax
-from normflat.backends.jax.layers import (REGISTRY, LayerRule, check_has_weights, check_layouts, make_view,
-                                          path_str, to_canonical, to_native)
-from normflat.backends.jax.program import trace_program
+from normflat.backends.jax.data import ADAPTER, cast_inputs
+from normflat.backends.jax.layers import REGISTRY, LayerRule, check_has_weights, path_str, to_canonical, to_native
+from normflat.backends.jax.session import trace_layers, view_for
 from normflat.backends.jax.state import ModelState
 from normflat.engine.data import batches, input_leaves, labels_for
 from normflat.engine.losses import check_output_shape
@@ -115,28 +114,14 @@ class JaxPerturbationModel:
         """Find the layers as the session does on its first batch (same view, order and layouts)."""
         options, settings = self._options, self._settings
         first = next(iter(batches(self._data, ADAPTER, options)[0]))
-        view = make_view(self._model, jax.tree_util.tree_map(to_jax, first.x), dtype=settings["dtype"],
-                         vmap=settings["vmap"], state=settings["state"],
-                         apply_kwargs=dict(settings["apply_kwargs"] or {}), layouts=dict(settings["layouts"] or {}),
-                         keywords=first.keywords, output=options.output)
+        view = view_for(self._model, first, settings, options)
         self._state = ModelState(self._model, getattr(view, "user_states", ()))
         view.skipped.report(options.on_unsupported)  # warns or raises exactly as analyze does
         check_has_weights(view)
         dtype = view.dtype
-        x0 = jax.tree_util.tree_map(lambda a: a[0], cast_inputs(first.x, dtype))
-        ws, others = view.split()
-        fn = view.example_fn()
-        treedef = jax.tree_util.tree_structure(x0)
-        prog = trace_program(lambda w_, o_, xl: [fn(w_, o_, jax.tree_util.tree_unflatten(treedef, xl))],
-                             ws, others, jax.tree_util.tree_leaves(x0))
-        # Model order: where each weight first meets the data in the forward pass (as analyze).
-        order = sorted(range(len(ws)), key=lambda k: (prog.first_use[k], k))
-        prog.reorder(order)
-        view.weights = [view.weights[k] for k in order]
-        check_layouts(view, prog)  # may read a multi-axis kernel's layout from the program
-        out = prog.out_refs[0] if len(prog.out_refs) == 1 else None
-        per_example = tuple(prog.shapes.get(out[1], ())) if out is not None and out[0] == "ref" else ()
-        self._out_shape = per_example if len(prog.out_refs) == 1 else (0, 0)
+        # The session's model order, layouts and trace cache. Half precision stays allowed: the
+        # measures evaluate losses, and the refusal is worded for the analysis' Hessians.
+        _, self._out_shape = trace_layers(view, first, allow_half_precision=True)
         self._num_classes = check_output_shape((first.n,) + self._out_shape, options, first.index, first.n)
         self._view, self.dtype = view, dtype
         self._weight_ids = [w.leaf for w in view.weights]

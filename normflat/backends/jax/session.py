@@ -86,6 +86,84 @@ def _canonical_weights(view) -> list:
     return _transpose_all(tuple(w.layout for w in view.weights), [view.leaves[w.leaf] for w in view.weights])
 
 
+def view_for(model: Any, batch: Batch, settings: dict, options: AnalysisOptions) -> Any:
+    """The model view (:func:`~normflat.backends.jax.layers.make_view`) for the inputs of ``batch``.
+
+    Args:
+        model: The user's model.
+        batch: A batch of the data (its inputs decide the view's input structure).
+        settings: The backend's settings (``dtype``, ``vmap``, ``state``, ``apply_kwargs``, ``layouts``).
+        options: The analysis options (``output``).
+    """
+    return make_view(model, jax.tree_util.tree_map(to_jax, batch.x), dtype=settings["dtype"],
+                     vmap=settings["vmap"], state=settings["state"],
+                     apply_kwargs=dict(settings["apply_kwargs"] or {}), layouts=dict(settings["layouts"] or {}),
+                     keywords=batch.keywords, output=options.output)
+
+
+def trace_layers(view: Any, batch: Batch, *, allow_half_precision: bool = False) -> tuple[Any, tuple[int, ...]]:
+    """Trace the per-example forward program and put ``view``'s weights in model order.
+
+    Model order is the order in which the forward program first uses each weight
+    (where it first meets the data). The program is traced on the first example of
+    ``batch``, cast to the view's dtype, and cached by the model's structure and
+    the example's shapes (like ``jax.jit``'s cache), so a model of the same
+    architecture is not traced again. ``view.weights`` is reordered in place and
+    their layouts are checked against the program (which may supply the layout
+    of a multi-axis kernel).
+
+    Args:
+        view: The model view, weights in discovery order; reordered in place.
+        batch: The first batch of the data.
+        allow_half_precision: Accept a forward pass that computes in float16 or
+            bfloat16 (the analysis refuses one: its Hessians would be meaningless).
+
+    Returns:
+        ``(program, out_shape)``: the traced program, its weights in model order,
+        and the per-example output shape (``(0, 0)`` for a program of several
+        outputs).
+
+    Raises:
+        ValueError: For half-precision computation (unless allowed), or weight
+            layouts that do not fit the program.
+    """
+    x0 = jax.tree_util.tree_map(lambda a: a[0], cast_inputs(batch.x, view.dtype))
+    tkey = None
+    if view.struct is not None:
+        tkey = (view.struct, tuple(w.path for w in view.weights),
+                tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree_util.tree_leaves(x0)),
+                str(jax.tree_util.tree_structure(x0)))
+    entry = _TRACES.get(tkey) if tkey is not None else None
+    if entry is None:
+        ws, others = view.split()
+        fn = view.example_fn()
+        treedef = jax.tree_util.tree_structure(x0)
+        prog = trace_program(lambda w_, o_, xl: [fn(w_, o_, jax.tree_util.tree_unflatten(treedef, xl))],
+                             ws, others, jax.tree_util.tree_leaves(x0))
+        order = sorted(range(len(ws)), key=lambda k: (prog.first_use[k], k))
+        prog.reorder(order)
+        if tkey is not None:
+            # The traced program depends only on the structure; the view's struct_refs keep the
+            # objects whose ids the key holds alive while the entry is cached.
+            _TRACES.put(tkey, (prog, order, view.struct_refs))
+    else:
+        prog, order, _ = entry
+    half = prog.half_precision_ops()
+    if half and not allow_half_precision:
+        raise ValueError(
+            f"The {view.framework} model computes in half precision inside its forward pass "
+            f"({', '.join(half)} in float16/bfloat16), e.g. a layer built with dtype=jnp.float16. "
+            "Hessians in half precision are meaningless and normflat computes in at least float32: build "
+            "the layers with dtype=None or jnp.float32 (param_dtype may stay float16), or analyze a "
+            "float32 copy of the model."
+        )
+    view.weights = [view.weights[k] for k in order]
+    check_layouts(view, prog)
+    out = prog.out_refs[0] if len(prog.out_refs) == 1 else None
+    per_example = tuple(prog.shapes.get(out[1], ())) if out is not None and out[0] == "ref" else ()
+    return prog, (per_example if len(prog.out_refs) == 1 else (0, 0))
+
+
 class JaxSession:
     """One JAX model and one set of options under analysis."""
 
@@ -229,53 +307,14 @@ class JaxSession:
 
     def _prepare(self, batch: Batch) -> None:
         settings, options = self.settings, self.options
-        x_given = batch.x
-        view = make_view(self.model, jax.tree_util.tree_map(to_jax, x_given), dtype=settings["dtype"],
-                         vmap=settings["vmap"], state=settings["state"],
-                         apply_kwargs=dict(settings["apply_kwargs"] or {}), layouts=dict(settings["layouts"] or {}),
-                         keywords=batch.keywords, output=options.output)
+        view = view_for(self.model, batch, settings, options)
         self._state = ModelState(self.model, getattr(view, "user_states", ()))
         self.parameters = view.parameters
         self.unsupported = view.skipped.report(options.on_unsupported)
         check_has_weights(view)
         dtype = view.dtype
-        x = cast_inputs(x_given, dtype)
-        x0 = jax.tree_util.tree_map(lambda a: a[0], x)
-        tkey = None
-        if view.struct is not None:
-            tkey = (view.struct, tuple(w.path for w in view.weights),
-                    tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree_util.tree_leaves(x0)),
-                    str(jax.tree_util.tree_structure(x0)))
-        entry = _TRACES.get(tkey) if tkey is not None else None
-        if entry is None:
-            ws, others = view.split()
-            fn = view.example_fn()
-            treedef = jax.tree_util.tree_structure(x0)
-            prog = trace_program(lambda w_, o_, xl: [fn(w_, o_, jax.tree_util.tree_unflatten(treedef, xl))],
-                                 ws, others, jax.tree_util.tree_leaves(x0))
-            # Model order: where each weight first meets the data in the forward pass.
-            order = sorted(range(len(ws)), key=lambda k: (prog.first_use[k], k))
-            prog.reorder(order)
-            if tkey is not None:
-                # The traced program depends only on the structure (like jax.jit's cache).
-                _TRACES.put(tkey, (prog, order, view.struct_refs))
-        else:
-            prog, order, _ = entry
-        half = prog.half_precision_ops()
-        if half:
-            raise ValueError(
-                f"The {view.framework} model computes in half precision inside its forward pass "
-                f"({', '.join(half)} in float16/bfloat16), e.g. a layer built with dtype=jnp.float16. "
-                "Hessians in half precision are meaningless and normflat computes in at least float32: build "
-                "the layers with dtype=None or jnp.float32 (param_dtype may stay float16), or analyze a "
-                "float32 copy of the model."
-            )
-        view.weights = [view.weights[k] for k in order]
-        check_layouts(view, prog)
+        prog, self.out_shape = trace_layers(view, batch)
         ws, others = view.split()
-        out = prog.out_refs[0] if len(prog.out_refs) == 1 else None
-        per_example = tuple(prog.shapes.get(out[1], ())) if out is not None and out[0] == "ref" else ()
-        self.out_shape = per_example if len(prog.out_refs) == 1 else (0, 0)
         num_classes = check_output_shape((batch.n,) + self.out_shape, options, batch.index, batch.n)
         # "auto" becomes ggn or ggn-topk now that C is known; the driver reads self.options for the
         # finalize and the report, and the kernel (and its cache key) takes the resolved options.

@@ -39,7 +39,7 @@ from normflat.backends.keras.ggn import compute_dtype, model_logits
 from normflat.backends.keras.hvp import native_positions
 from normflat.backends.keras.layers import Entry, fast_kind, final_softmax, walk
 from normflat.backends.keras.ops import TF
-from normflat.backends.keras.session import HVP_CHUNK, _check_model
+from normflat.backends.keras.session import HVP_CHUNK, _check_model, grouped_convolutions, install_logit_calls
 from normflat.backends.keras.state import ModelState
 from normflat.engine.data import Batch, batches, labels_for
 from normflat.engine.losses import check_output_shape
@@ -144,9 +144,7 @@ class KerasPerturbationModel:
         try:
             self.entries, _, _ = walk(model, options.on_unsupported, layers)
             self.strip = final_softmax(model)
-            self.grouped = [layer for layer in compat.flatten_layers(model)
-                            if isinstance(layer, (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D))
-                            and getattr(layer, "groups", 1) > 1 and fast_kind(layer)]
+            self.grouped = grouped_convolutions(model)
         finally:
             state.restore()
         self.units = _units(self.entries)
@@ -280,14 +278,7 @@ class KerasPerturbationModel:
         """
         state = ModelState(self.model)
         try:
-            if self.strip is not None:
-                layer, attr = self.strip
-                if attr == "activation":
-                    state.set(layer, "activation", keras.activations.linear)
-                else:
-                    state.set(layer, "call", lambda inputs, *a, **k: inputs)
-            for layer in self.grouped:
-                state.set(layer, "call", grouped_conv_call(layer))
+            install_logit_calls(state, self.strip, self.grouped)
             for layer in fold:
                 state.set(layer, "call", _squared_batch_norm_call(layer))
             yield

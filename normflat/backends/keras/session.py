@@ -184,9 +184,7 @@ class KerasSession:
         ]
         self.replicas = Replicas(strategy) if strategy is not None else None
         self.strip = None if callable(options.loss) else final_softmax(model)
-        self.grouped = [l for l in compat.flatten_layers(model)
-                        if isinstance(l, (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D))
-                        and getattr(l, "groups", 1) > 1 and fast_kind(l)]
+        self.grouped = grouped_convolutions(model)
         self.num_classes = 0
         self.tokens: int | None = None  # T of token logits (n, T, C), None for (n, C) logits
         # Keras models compute no loss themselves, so nothing marks one that wants shifted
@@ -207,14 +205,7 @@ class KerasSession:
     def _install(self) -> None:
         """Set the instance attributes this analysis needs (restored by :meth:`close`)."""
         state = self.state
-        if self.strip is not None:
-            layer, attr = self.strip
-            if attr == "activation":
-                state.set(layer, "activation", keras.activations.linear)
-            else:
-                state.set(layer, "call", lambda inputs, *a, **k: inputs)
-        for layer in self.grouped:
-            state.set(layer, "call", grouped_conv_call(layer))
+        install_logit_calls(state, self.strip, self.grouped)
         if self.hvp:
             # Second derivatives through Layer/GroupNormalization need the plain variance.
             for layer in compat.flatten_layers(self.model):
