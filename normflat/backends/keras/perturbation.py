@@ -33,11 +33,10 @@ import numpy as np
 import tensorflow as tf
 
 from normflat.backends.keras import compat
-from normflat.backends.keras.calls import grouped_conv_call
 from normflat.backends.keras.data import ADAPTER, to_tensor
 from normflat.backends.keras.ggn import compute_dtype, model_logits
 from normflat.backends.keras.hvp import native_positions
-from normflat.backends.keras.layers import Entry, fast_kind, final_softmax, walk
+from normflat.backends.keras.layers import Entry, final_softmax, walk
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.session import HVP_CHUNK, _check_model, grouped_convolutions, install_logit_calls
 from normflat.backends.keras.state import ModelState

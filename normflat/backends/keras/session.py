@@ -119,6 +119,40 @@ def _check_model(model: Any) -> None:
         )
 
 
+def grouped_convolutions(model: Any) -> list[Any]:
+    """The recognised grouped convolutions of ``model`` (``groups > 1``), whose call is replaced.
+
+    TensorFlow has no CPU kernel for the derivatives of grouped convolutions, so
+    these run as :func:`~normflat.backends.keras.calls.grouped_conv_call` instead.
+    """
+    return [layer for layer in compat.flatten_layers(model)
+            if isinstance(layer, (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D))
+            and getattr(layer, "groups", 1) > 1 and fast_kind(layer)]
+
+
+def install_logit_calls(state: ModelState, strip: tuple[Any, str] | None, grouped: list[Any]) -> None:
+    """Make the model compute the logits the analysis differentiates, as instance attributes on ``state``.
+
+    The final softmax (:func:`~normflat.backends.keras.layers.final_softmax`) becomes
+    the identity, since the built-in losses take logits, and the grouped
+    convolutions (:func:`grouped_convolutions`) get their CPU-differentiable call.
+    ``state.restore()`` puts the user's attributes back.
+
+    Args:
+        state: The model state that records and restores the attributes.
+        strip: The ``(layer, attribute)`` of the final softmax, or None to keep it.
+        grouped: The grouped convolutions.
+    """
+    if strip is not None:
+        layer, attr = strip
+        if attr == "activation":
+            state.set(layer, "activation", keras.activations.linear)
+        else:
+            state.set(layer, "call", lambda inputs, *a, **k: inputs)
+    for layer in grouped:
+        state.set(layer, "call", grouped_conv_call(layer))
+
+
 class KerasSession:
     """One Keras model under analysis (the engine's ``Session`` protocol).
 
