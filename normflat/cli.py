@@ -227,6 +227,10 @@ def _add_model_options(p: argparse.ArgumentParser, *, study: bool) -> None:
     t.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="adam (AdamW, default) or sgd")
     t.add_argument("--target-accuracy", type=float, default=1.0,
                    help="stop training at this training accuracy (default 1.0)")
+    if study:
+        t.add_argument("--fixed-epochs", action="store_true",
+                       help="train every model for exactly --epochs epochs, never stopping at the target accuracy "
+                            "(the paper's section 6.2 setting)")
     t.add_argument("--threads", type=_positive_int, default=1,
                    help="torch CPU threads (default 1: the models are small, more threads mostly contend)")
 
@@ -374,6 +378,7 @@ def _cmd_study(args: argparse.Namespace, out: Callable[[str], Any]) -> int:
         epochs=args.epochs or (15 if quick else 400),
         lrs=args.lr or (1e-3,), batch_sizes=args.batch_size or (64,), weight_decays=args.weight_decay or (0.0,),
         optimizer=args.optimizer, target_accuracy=args.target_accuracy, widths=args.width or (None,),
+        fixed_epochs=args.fixed_epochs,
         train_size=args.train_size or (300 if quick else None),
         test_size=args.test_size or (200 if quick else None),
         analysis_size=args.analysis_size,

@@ -100,7 +100,11 @@ class StudyConfig:
         batch_sizes: Training minibatch sizes.
         weight_decays: Weight decays.
         optimizer: ``"adam"`` (AdamW) or ``"sgd"`` (momentum 0.9).
-        target_accuracy: Stop training once this training accuracy is reached.
+        target_accuracy: Stop training once this training accuracy is reached
+            (with ``fixed_epochs``: only whether a model counts as fitted).
+        fixed_epochs: Train every model for exactly ``epochs`` epochs, never stopping
+            early: the setting of the paper's §6.2, where weight decay and the
+            learning rate act on the weight norms long after the data are fitted.
         widths: Widths, one more axis of the grid (``None``: the architecture's
             default): the hidden width of the built-in architectures, passed as
             ``width`` to a ``model`` factory.
@@ -150,6 +154,7 @@ class StudyConfig:
     weight_decays: tuple[float, ...] = (0.0,)
     optimizer: str = "adam"
     target_accuracy: float = 1.0
+    fixed_epochs: bool = False
     widths: tuple[int | None, ...] = (None,)
     train_size: int | None = None
     test_size: int | None = None
@@ -465,6 +470,7 @@ def format_table(result: StudyResult) -> str:
     lines.append(
         f"gap from {min(gaps):.3f} to {max(gaps):.3f}; {fitted}/{len(result.rows)} models reached "
         f"training accuracy {cfg['target_accuracy']:g}"
+        + (f" (every model trained {cfg['epochs']} epochs)" if cfg.get("fixed_epochs") else "")
     )
     lines += _bound_notes(result.rows)
     if rescaled:
@@ -731,8 +737,8 @@ def _run_study(config: StudyConfig, fw: Any, inputs: _StudyInputs, out: Path, st
         model = build(width, seed)
         trained = fw.train(
             model, x_train, y_noisy, epochs=config.epochs, lr=lr, batch_size=bs, weight_decay=wd,
-            optimizer=config.optimizer, target_accuracy=config.target_accuracy, seed=seed,
-            progress=config.progress, desc=f"train r={ratio:g} s={seed}",
+            optimizer=config.optimizer, target_accuracy=math.inf if config.fixed_epochs else config.target_accuracy,
+            seed=seed, progress=config.progress, desc=f"train r={ratio:g} s={seed}",
         )
         evaluated = fw.evaluation_model(model)  # float32 even where training was mixed-precision
         train_acc = fw.accuracy(evaluated, x_train, y_noisy)
@@ -753,7 +759,7 @@ def _run_study(config: StudyConfig, fw: Any, inputs: _StudyInputs, out: Path, st
         row: dict[str, Any] = {
             "run": run_id, "ratio": ratio, "seed": seed, "lr": lr, "batch_size": bs, "weight_decay": wd,
             "width": width,
-            "epochs": trained.epochs, "fitted": trained.fitted, "train_loss": trained.train_loss,
+            "epochs": trained.epochs, "fitted": train_acc >= config.target_accuracy if config.fixed_epochs else trained.fitted, "train_loss": trained.train_loss,
             "train_accuracy": train_acc, "test_accuracy": test_acc, "gap": train_acc - test_acc,
             **{m: getattr(report, m) for m in MEASURES},
             **(rivals.values if rivals is not None else {}),
