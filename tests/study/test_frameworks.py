@@ -47,3 +47,32 @@ def test_unknown_framework():
 
     with pytest.raises(ValueError, match="torch, keras, jax"):
         adapter("mxnet")
+
+
+@pytest.mark.parametrize("framework", ["torch", "keras", "jax"])
+def test_rival_measures_under_the_study_arm(framework):
+    """The study's own rescaling (unit-wise ReLU and per-channel before BatchNorm) leaves the
+    invariant rival measures where they were and moves the norm products (method §10.5)."""
+    require_frameworks(*FRAMEWORK_MODULES[framework])
+    import normflat
+    from normflat.engine.rivals import INVARIANT, RIVAL_MEASURES
+    from normflat.study.frameworks import adapter
+    from tests._rivals import CHEAP
+
+    fw = adapter(framework)
+    model, x = fitted_briefly(fw, "cnn-bn", (1, 8, 8))
+    m64 = fw.float64(model)
+    rescaled, _ = fw.rescale(m64, orders=2.0, seed=3)
+    y = fw.labels(np.random.default_rng(1).integers(0, 10, len(x)))
+    data, kwargs = fw.analysis_data(fw.check_inputs(x), y, 16)
+    values = []
+    for m in (m64, rescaled):
+        report = normflat.analyze(m, data, estimator="ggn", progress=False, **kwargs)
+        values.append(normflat.measures(m, data, report=report, progress=False, backend_options=kwargs,
+                                        grid_step=1e-7, **CHEAP).values)
+    before, after = values
+    for name in RIVAL_MEASURES:
+        if INVARIANT[name] is False:
+            assert abs(after[name] - before[name]) > 1e-2, name
+        else:
+            assert after[name] == pytest.approx(before[name], rel=1e-5 if name.startswith("pac") else 1e-7), name
