@@ -48,7 +48,10 @@ def test_unit_wise_relu_rescaling(builder):
     _check_invariance(builder, spec, netspec.rescale_units(spec, 0, factors), unit_wise=True)
 
 
-def test_layer_wise_rescaling(builder):
+# The flax module systems' dense layers are covered by the unit-wise case (suite time).
+@pytest.mark.parametrize("name", ("torch", "keras", "equinox"))
+def test_layer_wise_rescaling(name):
+    builder = load_builder(name)
     spec = SPECS["mlp"]()
     _check_invariance(builder, spec, netspec.rescale_layers(spec, 1, 2, 7.0), unit_wise=False)
 
