@@ -62,7 +62,9 @@ def plot_study(result: Any, *, measures: Sequence[str] = MEASURES, figure: Any =
                 ax.set_ylabel("generalization gap\n(train acc. − test acc.)")
             ax.grid(alpha=0.3)
     cfg = result.config
-    fig.suptitle(f"Random-label study: {cfg['dataset']}, {cfg.get('model') or cfg.get('arch')}, {len(rows)} models "
+    # A grid on clean labels (the paper's section 6.2) is not a random-label study.
+    kind = "Random-label study" if len({row["ratio"] for row in rows}) > 1 else "Study"
+    fig.suptitle(f"{kind}: {cfg['dataset']}, {cfg.get('model') or cfg.get('arch')}, {len(rows)} models "
                  f"(estimator {cfg['estimator']}, loss {cfg['loss']})")
     fig.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes, label="random-label ratio", shrink=0.8)
     return fig
