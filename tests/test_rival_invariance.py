@@ -48,27 +48,39 @@ def test_unit_wise_relu_rescaling(builder):
     _check_invariance(builder, spec, netspec.rescale_units(spec, 0, factors), unit_wise=True)
 
 
-# The flax module systems' dense layers are covered by the unit-wise case (suite time).
-@pytest.mark.parametrize("name", ("torch", "keras", "equinox"))
+#: Every layer kind in torch, Keras and equinox. The flax module systems share the JAX
+#: backend's code with equinox and differ in their layer layouts, which the unit-wise case
+#: (every builder), BatchNorm (nnx) and the cross-framework test cover: fewer repeats, to keep
+#: the suite within its time.
+CORE = ("torch", "keras", "equinox")
+
+
+@pytest.mark.parametrize("name", CORE)
 def test_layer_wise_rescaling(name):
     builder = load_builder(name)
     spec = SPECS["mlp"]()
     _check_invariance(builder, spec, netspec.rescale_layers(spec, 1, 2, 7.0), unit_wise=False)
 
 
-def test_per_channel_rescaling_before_batchnorm(builder):
+@pytest.mark.parametrize("name", (*CORE, "flax_nnx"))
+def test_per_channel_rescaling_before_batchnorm(name):
+    builder = load_builder(name)
     spec = SPECS["cnn-batchnorm"]()
     factors = 10.0 ** np.random.default_rng(1).uniform(-1.5, 1.5, size=4)
     _check_invariance(builder, spec, netspec.rescale_before_norm(spec, 0, factors), unit_wise=True)
 
 
-def test_channel_rescaling_into_a_grouped_convolution(builder):
+@pytest.mark.parametrize("name", CORE)
+def test_channel_rescaling_into_a_grouped_convolution(name):
+    builder = load_builder(name)
     spec = SPECS["cnn-grouped"]()
     factors = 10.0 ** np.random.default_rng(2).uniform(-1.5, 1.5, size=4)
     _check_invariance(builder, spec, netspec.rescale_units(spec, 0, factors), unit_wise=True)
 
 
-def test_magnitude_aware_noise_floor_breaks_invariance(builder):
+@pytest.mark.parametrize("name", CORE)
+def test_magnitude_aware_noise_floor_breaks_invariance(name):
+    builder = load_builder(name)
     spec = SPECS["mlp"]()
     factors = 10.0 ** np.random.default_rng(0).uniform(-1.5, 1.5, size=7)
     transformed = netspec.rescale_units(spec, 0, factors)
