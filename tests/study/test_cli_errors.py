@@ -19,28 +19,10 @@ import normflat.study.run as study_run  # noqa: E402
 from normflat.cli import main  # noqa: E402
 from normflat.study.models import build_model  # noqa: E402
 from normflat.study.outputs import MANIFEST  # noqa: E402
+from tests.study._cli import assert_one_line_error, run_cli  # noqa: E402
 
 TINY = ["--quick", "--train-size", "120", "--test-size", "80", "--epochs", "2", "--no-progress", "--rivals", "none"]
 TRUST = ["--trust-pickle"]  # m.pt is a whole pickled module: loading it runs code from the file
-
-
-def run_cli(argv, capsys):
-    """Exit status and stderr of ``normflat ARGV`` run in-process."""
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code
-    return code, capsys.readouterr().err
-
-
-def assert_one_line_error(code, err, *fragments):
-    assert code == 2, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("normflat: error: ") and "Traceback" not in err
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 @pytest.fixture
@@ -104,7 +86,7 @@ def files(tmp_path):
 def test_analyze_bad_inputs(files, capsys, monkeypatch, model, data, extra, fragments):
     monkeypatch.chdir(files)
     before = sorted(os.listdir(files))
-    code, err = run_cli(["analyze", model, "--data", data, "--no-progress", *extra], capsys)
+    code, _, err = run_cli(["analyze", model, "--data", data, "--no-progress", *extra], capsys)
     assert_one_line_error(code, err, *fragments)
     assert sorted(os.listdir(files)) == before  # nothing written on an error
 
@@ -115,7 +97,7 @@ def test_out_pointing_at_a_file(files, capsys):
                  ["invariance", "--quick", "--no-progress", "--out", str(files / "plainfile")],
                  ["compare", str(files / "m.pt"), "--trust-pickle", "--train", str(files / "good.npz"),
                   "--test", str(files / "good.npz"), "--out", str(files / "plainfile")]):
-        code, err = run_cli(argv, capsys)
+        code, _, err = run_cli(argv, capsys)
         assert_one_line_error(code, err, "plainfile", "is a file")
     assert (files / "plainfile").read_text() == "x"
 
@@ -132,16 +114,16 @@ def test_out_pointing_at_a_file(files, capsys):
 def test_compare_bad_inputs(files, capsys, monkeypatch, argv, fragments):
     monkeypatch.chdir(files)
     before = sorted(os.listdir(files))
-    code, err = run_cli(["compare", *argv, "--no-progress", "--out", "cmp"], capsys)
+    code, _, err = run_cli(["compare", *argv, "--no-progress", "--out", "cmp"], capsys)
     assert_one_line_error(code, err, *fragments)
     assert sorted(os.listdir(files)) == before  # no output folder on an error
 
 
 def test_invariance_bad_model_input(files, capsys):
-    code, err = run_cli(["invariance", "--model", str(files / "m.pt"), "--data", str(files / "shape.npz"),
+    code, _, err = run_cli(["invariance", "--model", str(files / "m.pt"), "--data", str(files / "shape.npz"),
                          "--trust-pickle", "--no-progress", "--out", str(files / "inv")], capsys)
     assert_one_line_error(code, err, "cannot take x")
-    code, err = run_cli(["invariance", "--model", str(files / "m.pt"), "--data", str(files / "good.npz"),
+    code, _, err = run_cli(["invariance", "--model", str(files / "m.pt"), "--data", str(files / "good.npz"),
                          "--no-progress", "--out", str(files / "inv")], capsys)
     assert_one_line_error(code, err, "--trust-pickle")
     assert not (files / "inv").exists()
@@ -154,7 +136,7 @@ def test_argparse_errors_are_one_line(capsys):
                            (["compare", "m.pt", "--train", "t.npz"], "--test"),
                            (["analyze", "m.pt", "--data", "d.npz", "--framework", "mxnet"], "invalid choice"),
                            (["nosuchcommand"], "invalid choice")):
-        code, err = run_cli(argv, capsys)
+        code, _, err = run_cli(argv, capsys)
         assert_one_line_error(code, err, fragment, "--help")
 
 

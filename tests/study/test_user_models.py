@@ -20,11 +20,11 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import normflat  # noqa: E402
-from normflat.cli import main  # noqa: E402
 from normflat.core.constants import MEASURES  # noqa: E402
 from normflat.study.datasets import Dataset, StudyInputError, load_dataset  # noqa: E402
 from normflat.study.run import HYPERPARAMETERS, StudyConfig, format_table, load_result, run_study  # noqa: E402
 from normflat.study.training import corrupt_labels, train_model  # noqa: E402
+from tests.study._cli import assert_one_line_error, run_cli  # noqa: E402
 
 FAST = ["--ratios", "0,1", "--seeds", "1", "--epochs", "3", "--no-progress"]
 
@@ -106,24 +106,6 @@ def work(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "usermodels", raising=False)  # this test's copy, not another's
     return tmp_path
-
-
-def run_cli(argv, capsys):
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def one_line_error(code, err, *fragments):
-    assert code == 2, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("normflat: error: ") and "Traceback" not in err, err
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def test_user_factory_and_npz_end_to_end_with_a_width_axis(work, capsys):
@@ -216,7 +198,7 @@ def test_a_model_the_rescaler_cannot_handle_fails_before_training(work, capsys, 
         patch.setattr(frameworks.TorchAdapter, "train", never)
         code, _, err = run_cli(["study", "--model", "usermodels:residual", "--dataset", "feat.npz", *FAST, "--out",
                                 "o"], capsys)
-    one_line_error(code, err, "reparametrization arm cannot run", "usermodels:residual", "--no-reparam")
+    assert_one_line_error(code, err, "reparametrization arm cannot run", "usermodels:residual", "--no-reparam")
     assert not (work / "o").exists()  # checked before the output folder is touched
     code, _, err = run_cli(["study", "--model", "usermodels:residual", "--dataset", "feat.npz", *FAST, "--no-reparam",
                             "--out", "o"], capsys)
@@ -252,14 +234,14 @@ def test_a_model_the_rescaler_cannot_handle_fails_before_training(work, capsys, 
 ])
 def test_bad_user_inputs_are_one_line_errors(work, capsys, argv, fragments):
     code, _, err = run_cli(["study", *argv, *FAST, "--out", "o"], capsys)
-    one_line_error(code, err, *fragments)
+    assert_one_line_error(code, err, *fragments)
     assert not (work / "o" / "results.json").exists()  # nothing written
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_cuda_is_a_clear_error(work, capsys):
     code, _, err = run_cli(["study", "--quick", "--device", "cuda", *FAST, "--out", "o"], capsys)
-    one_line_error(code, err, "--device cuda", "finds no CUDA device", "--device cpu")
+    assert_one_line_error(code, err, "--device cuda", "finds no CUDA device", "--device cpu")
 
 
 def test_cpu_device_mixed_precision_and_float32_analysis(work, capsys):

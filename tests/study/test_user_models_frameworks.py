@@ -5,14 +5,15 @@ from __future__ import annotations
 import math
 import sys
 import textwrap
+from functools import partial
 
 import numpy as np
 import pytest
 
 from tests.builders import require_frameworks
 
-from normflat.cli import main
 from normflat.study.run import load_result
+from tests.study._cli import assert_one_line_error, run_cli
 
 FAST = ["--dataset", "feat.npz", "--ratios", "0,1", "--seeds", "1", "--epochs", "2", "--no-progress"]
 
@@ -76,21 +77,8 @@ def work(tmp_path, monkeypatch):
     return tmp_path
 
 
-def run_cli(argv, capsys):
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code
-    return code, capsys.readouterr().err
-
-
-def one_line_error(code, err, *fragments):
-    assert code == 2, err
-    lines = [line for line in err.splitlines() if line.strip() and line.startswith("normflat: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
+#: TensorFlow and JAX write log lines of their own to stderr: count normflat's lines only.
+one_line_error = partial(assert_one_line_error, framework_logs=True)
 
 
 def check_rows(result, rtol):
@@ -102,25 +90,25 @@ def check_rows(result, rtol):
 
 def test_keras_user_models(work, capsys):
     require_frameworks("keras", "normflat.backends.keras")
-    code, err = run_cli(["study", "--framework", "keras", "--model", "kerasmodels:sequential", "--width", "3", *FAST,
+    code, _, err = run_cli(["study", "--framework", "keras", "--model", "kerasmodels:sequential", "--width", "3", *FAST,
                          "--out", "k"], capsys)
     assert code == 0, err
     result = load_result(work / "k" / "results.json")
     assert result.config["model"] == "kerasmodels:sequential" and [r["width"] for r in result.rows] == [3, 3]
     check_rows(result, 1e-9)  # Dense(activation="relu") layers are rescaled unit-wise
-    code, err = run_cli(["study", "--framework", "keras", "--model", "kerasmodels:functional", *FAST, "--out", "f"],
+    code, _, err = run_cli(["study", "--framework", "keras", "--model", "kerasmodels:functional", *FAST, "--out", "f"],
                         capsys)
     one_line_error(code, err, "keras.Sequential", "--no-reparam")
-    code, err = run_cli(["study", "--framework", "keras", "--model", "kerasmodels:functional", "--no-reparam", *FAST,
+    code, _, err = run_cli(["study", "--framework", "keras", "--model", "kerasmodels:functional", "--no-reparam", *FAST,
                          "--out", "f"], capsys)
     assert code == 0, err  # the functional model is copied to float64 and analyzed
-    code, err = run_cli(["study", "--framework", "keras", "--model", "kerasmodels:sequential", "--precision", "mixed",
+    code, _, err = run_cli(["study", "--framework", "keras", "--model", "kerasmodels:sequential", "--precision", "mixed",
                          *FAST, "--out", "m"], capsys)
     one_line_error(code, err, "mixed_bfloat16", "--precision float32")
     import keras
 
     if not keras.distribution.list_devices("gpu"):
-        code, err = run_cli(["study", "--framework", "keras", "--device", "cuda", "--quick", "--no-progress", "--out",
+        code, _, err = run_cli(["study", "--framework", "keras", "--device", "cuda", "--quick", "--no-progress", "--out",
                              "g"], capsys)
         one_line_error(code, err, "--device cuda", "Keras finds no CUDA device", "--device cpu")
 
@@ -150,24 +138,24 @@ def test_keras_mixed_precision_is_a_per_layer_policy(tmp_path):
 
 def test_jax_user_models(work, capsys):
     require_frameworks("jax", "equinox", "optax", "normflat.backends.jax")
-    code, err = run_cli(["study", "--framework", "jax", "--model", "jaxmodels:sequential", *FAST, "--out", "s"], capsys)
+    code, _, err = run_cli(["study", "--framework", "jax", "--model", "jaxmodels:sequential", *FAST, "--out", "s"], capsys)
     assert code == 0, err
     check_rows(load_result(work / "s" / "results.json"), 1e-9)
     # A (module, state) pair whose BatchNorm averages over its own axis name.
-    code, err = run_cli(["study", "--framework", "jax", "--model", "jaxmodels:with_batchnorm", *FAST, "--out", "b"],
+    code, _, err = run_cli(["study", "--framework", "jax", "--model", "jaxmodels:with_batchnorm", *FAST, "--out", "b"],
                         capsys)
     assert code == 0, err
     check_rows(load_result(work / "b" / "results.json"), 1e-9)
-    code, err = run_cli(["study", "--framework", "jax", "--model", "jaxmodels:custom", *FAST, "--out", "c"], capsys)
+    code, _, err = run_cli(["study", "--framework", "jax", "--model", "jaxmodels:custom", *FAST, "--out", "c"], capsys)
     one_line_error(code, err, "eqx.nn.Sequential", "--no-reparam")
-    code, err = run_cli(["study", "--framework", "jax", "--model", "jaxmodels:batched", *FAST, "--out", "x"], capsys)
+    code, _, err = run_cli(["study", "--framework", "jax", "--model", "jaxmodels:batched", *FAST, "--out", "x"], capsys)
     one_line_error(code, err, "ONE example")
-    code, err = run_cli(["study", "--framework", "jax", "--precision", "mixed", "--quick", "--no-progress", "--out",
+    code, _, err = run_cli(["study", "--framework", "jax", "--precision", "mixed", "--quick", "--no-progress", "--out",
                          "m"], capsys)
     one_line_error(code, err, "--precision mixed", "torch")
     import jax
 
     if not any(d.platform == "gpu" for d in jax.devices()):
-        code, err = run_cli(["study", "--framework", "jax", "--device", "cuda", "--quick", "--no-progress", "--out",
+        code, _, err = run_cli(["study", "--framework", "jax", "--device", "cuda", "--quick", "--no-progress", "--out",
                              "g"], capsys)
         one_line_error(code, err, "--device cuda", "JAX finds no CUDA device", "--device cpu")
