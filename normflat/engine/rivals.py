@@ -32,6 +32,13 @@ __all__ = [
     "kl_upper_inverse",
     "hyperprior_grid",
     "posterior_log_variances",
+    "INVARIANT",
+    "UnsupportedMeasureError",
+    "norm_products",
+    "pac_bayes_bounds",
+    "worst_adaptive_sharpness",
+    "average_adaptive_sharpness",
+    "magnitude_aware_sharpness",
 ]
 
 #: Measure names, in report order (method §10).
@@ -310,6 +317,12 @@ class _Evaluator:
     def mean_loss(self, deltas: list[np.ndarray]) -> float:
         return float(np.mean(self.evaluate(deltas)[0]))
 
+    def gradient(self, deltas: list[np.ndarray]) -> tuple[float, list[np.ndarray]]:
+        result = self.model.gradient(deltas)
+        self.passes += 1
+        self.tick()
+        return result
+
 
 def worst_adaptive_sharpness(ev: _Evaluator, weights: list[np.ndarray], s: MeasureSettings) -> tuple[float, dict]:
     """``max_{||delta/|w|||_p <= rho} L(w + delta) - L(w)`` by projected gradient ascent.
@@ -327,9 +340,7 @@ def worst_adaptive_sharpness(ev: _Evaluator, weights: list[np.ndarray], s: Measu
     best = ev.base_loss
     losses = []
     for _ in range(s.steps):
-        loss, grads = ev.model.gradient([a * e for a, e in zip(scale, eps)])
-        ev.passes += 1
-        ev.tick()
+        loss, grads = ev.gradient([a * e for a, e in zip(scale, eps)])
         losses.append(loss)
         best = max(best, loss)
         ascent = [a * g for a, g in zip(scale, grads)]
@@ -536,6 +547,8 @@ def pac_bayes_bounds(ev: _Evaluator, weights: list[np.ndarray], layers: Sequence
         if best and all(deterministic >= value for value, _ in best.values()):
             break
         tried += 1
+        # Recomputed rather than kept from the first pass: holding every candidate's variances
+        # would cost |Lambda| copies of the weights, and this is elementwise work.
         _, log_vs = kl_and_log_variances(lam)
         stds = [np.exp(0.5 * lv).reshape(lv.shape + (1,) * (w.ndim - 2)) for lv, w in zip(log_vs, weights)]
         errors, surrogate = [], []
@@ -618,7 +631,9 @@ def compute_measures(model: PerturbationModel, names: Sequence[str], settings: M
                 values[name] = math.sqrt(max(squared, 0.0))
                 details[name] = {"squared": squared}
             elif name in ("log_spectral_norm_product", "log_frobenius_norm_product"):
-                values[name] = norm_products(weights)[name]
+                if name not in values:  # one pass over the weights gives both products
+                    products = norm_products(weights)
+                    values.update({n: products[n] for n in products if n in names})
         bound_names = [n for n in names if n in BOUND_MEASURES]
         if bound_names:
             if layers is None or [layer.name for layer in layers] != list(model.names):
@@ -650,7 +665,3 @@ def _expected_passes(names: Sequence[str], s: MeasureSettings) -> int:
     if any(n in names for n in BOUND_MEASURES):
         total += 3 * s.bound_draws
     return total
-
-
-__all__ += ["INVARIANT", "UnsupportedMeasureError", "norm_products", "pac_bayes_bounds",
-            "worst_adaptive_sharpness", "average_adaptive_sharpness", "magnitude_aware_sharpness"]
