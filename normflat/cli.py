@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from normflat.engine.rivals import RIVAL_MEASURES
+
 __all__ = ["main", "build_parser"]
 
 
@@ -139,9 +141,8 @@ def _analyze_options(args: argparse.Namespace) -> dict[str, Any]:
             "on_unsupported": args.on_unsupported}
 
 
-_RIVALS = ("adaptive_sharpness", "average_adaptive_sharpness", "magnitude_aware_sharpness", "fisher_rao_norm",
-           "path_norm", "log_spectral_norm_product", "log_frobenius_norm_product", "pac_bayes_bound",
-           "pac_bayes_bound_surrogate")
+#: The rival measures (method §10), the names ``--rivals`` takes.
+_RIVALS = RIVAL_MEASURES
 
 
 def _rival_names(text: str) -> tuple[str, ...]:
