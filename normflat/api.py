@@ -215,11 +215,11 @@ def measures(
 
     chosen = rivals.validate_measure_names(names)
     resolved = rivals.MeasureSettings.from_overrides(settings, setting_overrides)
-    options = validate_options(
-        loss=loss, estimator=estimator, samples=samples, seed=seed, max_batches=max_batches,
-        progress=progress, on_unsupported=on_unsupported, temperature=temperature,
-        ignore_index=ignore_index, output=output, shift_labels=shift_labels,
-    )
+    # The options of the analysis behind the bound, which are also those of the measures.
+    common = dict(loss=loss, estimator=estimator, samples=samples, seed=seed, max_batches=max_batches,
+                  progress=progress, on_unsupported=on_unsupported, temperature=temperature,
+                  ignore_index=ignore_index, output=output, shift_labels=shift_labels)
+    options = validate_options(**common)
     check_rival_options(options)
     if data is None:
         raise ValueError("measures(model, data) needs the training data the measures are computed on.")
@@ -230,10 +230,7 @@ def measures(
     layers = None
     if any(n in rivals.BOUND_MEASURES for n in chosen):
         if report is None:
-            report = analyze(model, data, loss=loss, estimator=estimator, samples=samples, seed=seed,
-                             max_batches=max_batches, progress=progress, on_unsupported=on_unsupported,
-                             temperature=temperature, ignore_index=ignore_index, output=output,
-                             shift_labels=shift_labels, **(backend_options or {}))
+            report = analyze(model, data, **common, **(backend_options or {}))
         layers = report.layers
     perturbed = backend.perturbation_model(model, data, options, **(backend_options or {}))
     try:

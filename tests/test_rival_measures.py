@@ -46,3 +46,18 @@ def test_same_measures_as_torch(other, spec_name):
         assert got.values[name] == pytest.approx(ref.values[name], rel=1e-6, abs=1e-12), name
     assert got.metadata["predictions"] == ref.metadata["predictions"] == 14
     assert got.details["pac_bayes_bound"]["lambda"] == ref.details["pac_bayes_bound"]["lambda"]
+
+
+def test_the_bound_runs_its_own_analysis_when_no_report_is_given():
+    import normflat
+    from tests._rivals import CHEAP
+
+    builder = load_builder("torch")
+    spec = SPECS["mlp"]()
+    x, y = netspec.data(spec, n=14, seed=5)
+    model, data = builder.build(spec), builder.make_data(x, y, 5)
+    names = ["pac_bayes_bound", "pac_bayes_bound_surrogate"]
+    report = normflat.analyze(model, data, estimator="ggn", progress=False)
+    given = normflat.measures(model, data, names, report=report, estimator="ggn", progress=False, **CHEAP)
+    own = normflat.measures(model, data, names, estimator="ggn", progress=False, **CHEAP)
+    assert own.values == given.values and own.metadata["bound_estimator"] == "ggn"
