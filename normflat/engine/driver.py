@@ -217,7 +217,7 @@ def run(make_session: Callable[[], Session], data: Any, options: AnalysisOptions
         diags = [session.canonical(i, d) for i, (d, _) in enumerate(results)]
         samples = []
         for i, (_, groups) in enumerate(results):
-            samples.append(None if groups is None else _stack([session.canonical(i, g) for g in groups]))
+            samples.append(None if groups is None else _canonical_groups(session, i, groups))
         weights = [session.weight(i) for i in range(len(session.layers))]
         meta = session.metadata()
         backend = dict(meta.pop("backend", {}) or {})
@@ -246,6 +246,16 @@ def _agree_on_estimator(comm: Comm, session: Session) -> None:
         raise RuntimeError(f"the ranks resolved estimator='auto' differently: {used}")
     if chosen and session.options.estimator == "auto":
         session.options = adopt_estimator(session.options, chosen[0])
+
+
+def _canonical_groups(session: Session, layer: int, groups: Any) -> Any:
+    """``(K, *canonical)`` group estimates: ``groups`` itself when the layer's canonical layout
+    is its native one (no copy of ``K`` arrays), else the canonical groups stacked."""
+    views = [groups[k] for k in range(int(groups.shape[0]))]
+    canonical = [session.canonical(layer, v) for v in views]
+    if all(c is v for c, v in zip(canonical, views)):
+        return groups
+    return _stack(canonical)
 
 
 def _stack(arrays: list[Any]) -> Any:

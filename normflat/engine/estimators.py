@@ -45,14 +45,78 @@ class SumState:
 
     groups: int | None
     sums: list[Any] = field(default_factory=list)
-    #: Layers whose sums the state allocated itself (from the second contribution on), which it
-    #: may then add to in place: a caller's first contribution is never written into, and the
+    #: Layers whose sums the state may write into: allocated by the state itself (from the
+    #: second contribution on), or handed over by a backend as ``owned`` (a fresh array
+    #: nobody else holds). A caller's other contributions are never written into, and the
     #: sums are not copied on every batch.
     owned: set = field(default_factory=set)
+    #: Layers whose every contribution so far is exact (``ggn-topk``'s dense head): only the
+    #: shared sum 0 is kept, ``(1, *shape)``, instead of ``1 + K`` sums of which ``K`` are zero.
+    exact: set = field(default_factory=set)
 
-    def add(self, layer: int, value: Any) -> None:
-        """Add one contribution ``(K, *shape)`` to layer ``layer``'s sums (in place)."""
-        update(self, layer, value)
+    def add(self, layer: int, value: Any, owned: bool = False) -> None:
+        """Add one contribution ``(K, *shape)`` to layer ``layer``'s sums (in place).
+
+        ``owned``: ``value`` is a fresh array the state may keep and write into.
+        """
+        update(self, layer, value, owned)
+
+    def accumulator(self, layer: int) -> Any:
+        """The layer's running sums when a kernel may add into them in place (the state owns
+        them, numpy or torch, not an exact layer's single sum), else ``None``."""
+        sums = self.sums[layer]
+        if sums is None or layer not in self.owned or layer in self.exact or not _mutable(sums):
+            return None
+        return sums
+
+    def add_exact(self, layer: int, value: Any, owned: bool = False) -> None:
+        """Add an exact contribution ``(1, *shape)`` to the shared sum 0 of a ``ggn-topk``
+        layer (its sampled sums get nothing)."""
+        current = self.sums[layer]
+        if current is None:
+            self.sums[layer] = value
+            self.exact.add(layer)
+            if owned:
+                self.owned.add(layer)
+            return
+        if layer in self.exact:
+            update(self, layer, value, owned, check=False)
+            return
+        if layer in self.owned:
+            current[0] += value[0]  # in place for numpy and torch
+            if not _mutable(current):
+                self.sums[layer] = _with_first(current, current[0] + value[0])
+            return
+        self.sums[layer] = _with_first(current, current[0] + value[0])
+        self.owned.add(layer)
+
+
+def _mutable(array: Any) -> bool:
+    """Whether ``array[i] += x`` writes into ``array`` (numpy and torch; not JAX or TensorFlow)."""
+    return type(array).__module__.split(".")[0] in ("numpy", "torch")
+
+
+def _with_first(array: Any, first: Any) -> Any:
+    """``array`` with its first entry along axis 0 replaced (a new array, any library)."""
+    return _concat([first[None], array[1:]])
+
+
+def _concat(arrays: list[Any]) -> Any:
+    first = arrays[0]
+    mod = type(first).__module__.split(".")[0]
+    if mod == "torch":
+        import torch
+
+        return torch.cat(arrays)
+    if mod in ("jax", "jaxlib"):
+        import jax.numpy as jnp
+
+        return jnp.concatenate(arrays)
+    if mod == "tensorflow":
+        import tensorflow as tf
+
+        return tf.concat(arrays, 0)
+    return np.concatenate(arrays)
 
 
 def init(n_layers: int, options: AnalysisOptions) -> SumState:
@@ -60,15 +124,28 @@ def init(n_layers: int, options: AnalysisOptions) -> SumState:
     return SumState(None if options.estimator == "auto" else options.state_groups, [None] * n_layers)
 
 
-def update(state: SumState, layer: int, value: Any) -> SumState:
-    """Add ``value`` (``(K', *shape)``) to the sums of ``layer``; returns ``state``."""
-    if state.groups is None:
-        state.groups = int(value.shape[0])
-    if int(value.shape[0]) != state.groups:
-        raise ValueError(f"estimator contribution has {value.shape[0]} groups, expected {state.groups}")
+def update(state: SumState, layer: int, value: Any, owned: bool = False, check: bool = True) -> SumState:
+    """Add ``value`` (``(K', *shape)``) to the sums of ``layer``; returns ``state``.
+
+    ``owned``: ``value`` is a fresh array the state may keep and write into.
+    """
     current = state.sums[layer]
+    if check:
+        if state.groups is None:
+            state.groups = int(value.shape[0])
+        if int(value.shape[0]) != state.groups:
+            raise ValueError(f"estimator contribution has {value.shape[0]} groups, expected {state.groups}")
+        if layer in state.exact:
+            # A layer exact so far gets a full contribution (its fast rule gave way to the
+            # generic path): its shared sum becomes sum 0 of 1 + K.
+            current = _concat([current, _zeros_like(value[1:])])
+            state.sums[layer] = current
+            state.exact.discard(layer)
+            state.owned.add(layer)
     if current is None:
         state.sums[layer] = value
+        if owned:
+            state.owned.add(layer)
     elif layer in state.owned:
         current += value  # in place for numpy and torch; a new array for JAX and TensorFlow
         state.sums[layer] = current
@@ -76,6 +153,23 @@ def update(state: SumState, layer: int, value: Any) -> SumState:
         state.sums[layer] = current + value
         state.owned.add(layer)
     return state
+
+
+def _zeros_like(array: Any) -> Any:
+    mod = type(array).__module__.split(".")[0]
+    if mod == "torch":
+        import torch
+
+        return torch.zeros_like(array)
+    if mod in ("jax", "jaxlib"):
+        import jax.numpy as jnp
+
+        return jnp.zeros_like(array)
+    if mod == "tensorflow":
+        import tensorflow as tf
+
+        return tf.zeros_like(array)
+    return np.zeros_like(array)
 
 
 def divisors(options: AnalysisOptions, examples: int) -> np.ndarray:
@@ -88,10 +182,14 @@ def divisors(options: AnalysisOptions, examples: int) -> np.ndarray:
 
 def finalize(state: SumState, options: AnalysisOptions, examples: int, zeros: Callable[[int], Any],
              all_finite: Callable[[Any], bool], names: list[str], with_groups: bool = True) -> list[tuple[Any, Any]]:
-    """Group estimates and their mean per layer.
+    """Group estimates and their mean per layer; consumes ``state``.
+
+    The sums the state owns are turned into the group estimates in place (numpy and
+    torch) and each layer's sums are released from the state as it is done, so the
+    peak is the sums plus one mean per layer, not a second copy of every group.
 
     Args:
-        state: The accumulated sums.
+        state: The accumulated sums (released by this call: do not finalize it twice).
         options: The analysis options, with ``"auto"`` resolved (the backend's).
         examples: Total number of terms of the mean loss over all ranks (samples, or
             the counted tokens of token logits, method §6.3).
@@ -104,7 +202,9 @@ def finalize(state: SumState, options: AnalysisOptions, examples: int, zeros: Ca
 
     Returns:
         ``[(diag, groups or None)]`` per layer: ``diag`` a native array in the native
-        shape, ``groups`` a list of ``K`` such arrays (or ``None`` when ``K = 1``).
+        shape, ``groups`` a ``(K, *shape)`` native array of the group estimates (``None``
+        when ``K = 1``). An exact layer's groups (:meth:`SumState.add_exact`) are its mean
+        repeated (a broadcast view where the library has one).
 
     Raises:
         ValueError: If a diagonal is not finite.
@@ -112,35 +212,78 @@ def finalize(state: SumState, options: AnalysisOptions, examples: int, zeros: Ca
     div = divisors(options, examples)
     k_groups = options.groups
     offset = 1 if options.shared_group else 0
+    even = bool(np.all(div == div[0]))
     out = []
-    for i, sums in enumerate(state.sums):
+    for i in range(len(state.sums)):
+        sums, state.sums[i] = state.sums[i], None
         if sums is None:
             sums = zeros(i)
+        if offset and i in state.exact:
+            diag = sums[0] / float(div[0])  # exact: every group estimate is the mean
+            _check_finite(diag, all_finite, names[i])
+            out.append((diag, _repeat(diag, k_groups) if with_groups and k_groups > 1 else None))
+            continue
         if int(sums.shape[0]) != k_groups + offset:
             raise ValueError(f"Layer {names[i]!r}: {sums.shape[0]} estimator sums, expected {k_groups + offset}")
-        shared = sums[0] if offset else None
-        if not with_groups and k_groups > 1 and bool(np.all(div == div[0])):
-            total = sums[offset]
-            for k in range(1, k_groups):
-                total = total + sums[k + offset]
-            diag = total / float(div[0] * k_groups)
-            if shared is not None:
-                diag = diag + shared / float(div[0])
+        if k_groups == 1:
+            diag = (sums[0] + sums[1] if offset else sums[0]) / float(div[0])
             _check_finite(diag, all_finite, names[i])
             out.append((diag, None))
             continue
-        group_list = []
-        for k in range(k_groups):
-            total = sums[k + offset] if shared is None else shared + sums[k + offset]
-            group_list.append(total / float(div[k]))
-        diag = group_list[0]
-        for g in group_list[1:]:
-            diag = diag + g
-        if k_groups > 1:
-            diag = diag / float(k_groups)
+        if not with_groups and even:
+            diag = sums[offset] + sums[offset + 1]
+            for k in range(2, k_groups):
+                diag += sums[k + offset]  # in place for numpy and torch (diag is new)
+            if offset:
+                diag /= float(k_groups)
+                diag += sums[0]
+                diag /= float(div[0])
+            else:
+                diag /= float(div[0] * k_groups)
+            _check_finite(diag, all_finite, names[i])
+            out.append((diag, None))
+            continue
+        groups = _group_estimates(sums, offset, div, in_place=i in state.owned and _mutable(sums))
+        del sums
+        diag = groups[0] + groups[1]
+        for k in range(2, k_groups):
+            diag += groups[k]
+        diag /= float(k_groups)
         _check_finite(diag, all_finite, names[i])
-        out.append((diag, None if k_groups == 1 or not with_groups else group_list))
+        out.append((diag, groups if with_groups else None))
+    state.owned.clear()
+    state.exact.clear()
     return out
+
+
+def _group_estimates(sums: Any, offset: int, div: np.ndarray, in_place: bool) -> Any:
+    """``(K, *shape)`` group estimates ``(sums_0 + sums_k) / div_k`` (or ``sums_k / div_k``
+    without a shared sum), in the sums' own memory when ``in_place``."""
+    k_groups = int(sums.shape[0]) - offset
+    if in_place:
+        groups = sums[offset:]
+        if offset:
+            groups += sums[0][None]
+        if bool(np.all(div == div[0])):
+            groups /= float(div[0])
+        else:
+            for k in range(k_groups):
+                groups[k] /= float(div[k])
+        return groups
+    groups = sums[offset:] + sums[0][None] if offset else sums[offset:]
+    if bool(np.all(div == div[0])):
+        return groups / float(div[0])
+    return _concat([groups[k][None] / float(div[k]) for k in range(k_groups)])
+
+
+def _repeat(array: Any, count: int) -> Any:
+    """``(count, *shape)``: ``array`` repeated along a new axis 0 (a view in numpy and torch)."""
+    mod = type(array).__module__.split(".")[0]
+    if mod == "torch":
+        return array[None].expand(count, *array.shape)
+    if mod == "numpy":
+        return np.broadcast_to(array[None], (count, *array.shape))
+    return _concat([array[None]] * count)
 
 
 def _check_finite(diag: Any, all_finite: Callable[[Any], bool], name: str) -> None:

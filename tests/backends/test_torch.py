@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import normflat  # noqa: E402
 from normflat.backends import torch as tb  # noqa: E402
+from normflat.backends.torch import ggn as ggn_kernels  # noqa: E402
 from normflat.engine.options import NSCE_EPS  # noqa: E402
 
 DT = torch.float64
@@ -844,19 +845,57 @@ def test_torchscript_module_is_refused_clearly():
 # ---------------------------------------------------------------- many classes, small conv outputs (method §6.1–6.2)
 
 
-@pytest.mark.parametrize("positions", [1, 2, 3])
-@pytest.mark.parametrize("loss", ["ce", "nsce"])
-def test_conv_squares_by_pairs_of_positions_match_brute_force(positions, loss):
-    """Convolutions with 1×1 and 2×2 outputs sum their squares by pairs of positions, 3×3 per sample."""
+def _pair_model(positions):
     torch.manual_seed(3)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 6, 3, groups=2), nn.Flatten(),
                           nn.Linear(6 * positions**2, 5)).to(DT)
     x = torch.randn(6, 3, positions + 2, positions + 2, dtype=DT)
-    y = torch.randint(0, 5, (6,))
+    return model, x, torch.randint(0, 5, (6,))
+
+
+@pytest.mark.parametrize("positions", [1, 2, 3, 5])
+@pytest.mark.parametrize("by_pairs", [True, False])
+@pytest.mark.parametrize("loss", ["ce", "nsce"])
+def test_conv_squares_by_pairs_of_positions_match_brute_force(positions, by_pairs, loss, monkeypatch):
+    """Both ways of summing a convolution's squares (over the pairs of output positions with the
+    signals of a group summed first, or per-sample gradients), whichever the cost rule picks."""
+    monkeypatch.setattr(ggn_kernels, "squares_by_pairs", lambda *shape: by_pairs)
+    model, x, y = _pair_model(positions)
     got = normflat.hessian_diagonal(model, (x, y), loss=loss, estimator="ggn", progress=False)
     want = brute_ggn_diag(model, x, y, loss)
     for name, value in want.items():
         torch.testing.assert_close(got[name], canonical(model, name, value), rtol=1e-10, atol=1e-13)
+
+
+def test_conv_squares_by_pairs_keep_every_group_apart(monkeypatch):
+    """ggn-topk's shared and sampled groups summed by pairs equal the per-sample gradients' groups
+    (the signals are summed within a group, never across), chunked or not."""
+    from normflat.engine.options import validate_options
+
+    model, x, y = _pair_model(2)
+    runs = {}
+    for by_pairs in (True, False):
+        for chunk in (None, 4):
+            monkeypatch.setattr(ggn_kernels, "squares_by_pairs", lambda *shape, on=by_pairs: on)
+            options = validate_options(loss="ce", estimator="ggn-topk", top_classes=2, samples=6, progress=False)
+            backend = {} if chunk is None else {"chunk_size": chunk}
+            problems, _ = tb.layer_problems(model, (x, y), options, **backend)
+            runs[by_pairs, chunk] = [p.hessian_diag_samples for p in problems]
+    reference = runs[False, None]
+    for key, groups in runs.items():
+        for got, want in zip(groups, reference):
+            torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want), rtol=1e-10, atol=1e-14)
+    assert not torch.equal(torch.as_tensor(reference[1][0]), torch.as_tensor(reference[1][1]))  # groups differ
+
+
+def test_squares_by_pairs_cost_rule():
+    """The measured cost rule: small maps of big layers by pairs, large maps per sample."""
+    assert ggn_kernels.squares_by_pairs(1, 2, 512 * 4608)
+    assert ggn_kernels.squares_by_pairs(4, 2, 256 * 2304)
+    assert ggn_kernels.squares_by_pairs(9, 1, 256 * 2304)
+    assert ggn_kernels.squares_by_pairs(16, 9, 128 * 1152) and not ggn_kernels.squares_by_pairs(16, 2, 128 * 1152)
+    assert not ggn_kernels.squares_by_pairs(36, 9, 128 * 864) and not ggn_kernels.squares_by_pairs(25, 9, 32 * 288)
+    assert not ggn_kernels.squares_by_pairs(784, 9, 64 * 75)
 
 
 def _head_model(classes):

@@ -178,14 +178,22 @@ def test_options_of_topk_and_auto():
 
 def test_finalize_adds_the_shared_group():
     options = _opts(estimator="ggn-topk", samples=4)  # K = 4 groups plus the shared one
-    state = estimators.init(1, options)
     shared = np.full((2, 3), 1.0)
     draws = np.stack([np.full((2, 3), float(k)) for k in range(4)])
-    state.add(0, np.concatenate([shared[None], draws]))
-    ((diag, groups),) = estimators.finalize(state, options, 2, None, lambda a: bool(np.isfinite(a).all()), ["fc"])
-    np.testing.assert_allclose(np.stack(groups), (1.0 + draws) / 2)
-    np.testing.assert_allclose(diag, (1.0 + 1.5) / 2)
-    ((mean_only, none),) = estimators.finalize(state, options, 2, None, lambda a: True, ["fc"], with_groups=False)
+
+    def filled(owned):
+        state = estimators.init(1, options)
+        state.add(0, np.concatenate([shared[None], draws]), owned=owned)
+        state.add(0, np.zeros((5, 2, 3)))  # a second contribution: the state's own sums
+        return state
+
+    for owned in (False, True):  # out of place, and in the state's own memory
+        ((diag, groups),) = estimators.finalize(filled(owned), options, 2, None,
+                                                lambda a: bool(np.isfinite(a).all()), ["fc"])
+        np.testing.assert_allclose(np.stack(groups), (1.0 + draws) / 2)
+        np.testing.assert_allclose(diag, (1.0 + 1.5) / 2)
+    ((mean_only, none),) = estimators.finalize(filled(False), options, 2, None, lambda a: True, ["fc"],
+                                               with_groups=False)
     assert none is None
     np.testing.assert_allclose(mean_only, diag)
 
@@ -196,3 +204,26 @@ def test_auto_sums_take_their_size_from_the_first_contribution():
     state.add(0, np.zeros((6, 2)))
     with pytest.raises(ValueError, match="has 1 groups, expected 6"):
         state.add(1, np.zeros((1, 2)))
+
+
+def test_exact_layer_keeps_only_its_shared_sum():
+    """A dense head under ggn-topk is exact: one sum instead of 1 + K, its groups all the mean; a
+    later full contribution (its fast rule gave way to the generic path) turns it into 1 + K sums."""
+    options = _opts(estimator="ggn-topk", samples=4)
+    state = estimators.init(2, options)
+    head = np.arange(6.0).reshape(1, 2, 3)
+    state.add_exact(0, head)
+    state.add_exact(0, head)
+    assert state.sums[0].shape == (1, 2, 3)
+    np.testing.assert_array_equal(head, np.arange(6.0).reshape(1, 2, 3))  # the caller's array is not written
+    state.add_exact(1, head)
+    full = np.ones((5, 2, 3))
+    state.add(1, full)
+    assert state.sums[1].shape == (5, 2, 3)
+    (diag0, groups0), (diag1, groups1) = estimators.finalize(state, options, 2, None, lambda a: True, ["head", "x"])
+    np.testing.assert_allclose(diag0, 2 * head[0] / 2)
+    assert groups0.shape == (4, 2, 3)
+    np.testing.assert_allclose(groups0, np.broadcast_to(diag0, (4, 2, 3)))
+    np.testing.assert_allclose(groups1, (head[0] + 2.0)[None].repeat(4, 0) / 2)
+    np.testing.assert_allclose(diag1, (head[0] + 2.0) / 2)
+    assert state.sums == [None, None]  # released

@@ -68,11 +68,29 @@ class NoFastPath(Exception):
     """A fast rule cannot handle this module configuration; use the generic path."""
 
 
-#: The cost of squaring and summing one entry of a formed per-sample gradient, in multiply-adds
-#: of a matmul (memory-bound against compute-bound; measured on CPU, 2026-12-01: 1×1 outputs
-#: 130× and 2×2 outputs 5–7× faster by pairs, 4×4 outputs 5× slower). A convolution with
-#: ``L`` output positions sums squares by pairs of positions when ``L² <= L + this``.
-PAIR_SQUARES_COST = 48
+#: The cost of squaring and summing one entry of one formed per-sample gradient, in units of
+#: one pair of positions of one entry (measured on CPU, 2026-12-01, see :func:`squares_by_pairs`):
+#: by the entries of a per-sample gradient, larger than the cache (memory-bound) or not.
+SQUARES_COST = ((1 << 18, 60), (1 << 16, 40), (0, 12))
+#: Above this many output positions the pairs' inputs outgrow the cache (6×6 maps: 3× slower).
+MAX_PAIR_POSITIONS = 16
+
+
+def squares_by_pairs(positions: int, signals: int, entries: int) -> bool:
+    """Whether a convolution with ``positions`` output positions sums its squares by pairs.
+
+    Per sample and weight entry (``entries`` per sample), forming and squaring the per-sample
+    gradients of a group of ``signals`` signals costs about ``signals · s`` (the square and sum
+    dominate the matmul over the positions; ``s`` from :data:`SQUARES_COST`), the pairs
+    ``positions · (positions + 1) / 2`` for the whole group (one matmul over the symmetric pairs
+    of positions, the signals' products summed before it). Measured on resnet18-sized layers:
+    1×1 to 3×3 maps of 256–512 channels 0.01–0.65× the per-sample time, 4×4 maps of 128
+    channels 0.84× with 9 signals and 2× with 2, 6×6 maps 3× with 9.
+    """
+    if positions > MAX_PAIR_POSITIONS:
+        return False
+    cost = next(c for size, c in SQUARES_COST if entries > size)
+    return positions * (positions + 1) // 2 <= signals * cost
 
 
 def _chunks(n: int, per_item: int) -> Iterable[slice]:
@@ -116,8 +134,16 @@ def wants_deltas(rule: Any) -> bool:
     return bool(getattr(rule, "_normflat_deltas", False))
 
 
-def _dense_squares(a: torch.Tensor, deltas: Deltas, out_f: int, in_f: int) -> torch.Tensor:
-    """``(K, out, in)`` sums of squared per-sample gradients of ``y = W a`` (``W`` ``(out, in)``)."""
+def _accumulator(out: torch.Tensor | None, *shape: int, like: torch.Tensor) -> torch.Tensor:
+    """The sums to add into: ``out`` viewed as ``shape`` (the state's own sums, so that a
+    second chunk or batch allocates nothing), or fresh zeros."""
+    return like.new_zeros(shape) if out is None else out.view(shape)
+
+
+def _dense_squares(a: torch.Tensor, deltas: Deltas, out_f: int, in_f: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(K, out, in)`` sums of squared per-sample gradients of ``y = W a`` (``W`` ``(out, in)``),
+    added into ``out`` when given."""
     K, M = deltas.k, deltas.m
     n = a.shape[0]
     if a.dim() == 2:
@@ -129,10 +155,12 @@ def _dense_squares(a: torch.Tensor, deltas: Deltas, out_f: int, in_f: int) -> to
                 acc.addcmul_(d, d)
             d2.append(acc)
         d2t = torch.stack(d2) if K > 1 else d2[0][None]  # (K, n, out)
-        return torch.matmul(d2t.transpose(1, 2), a.square())
+        if out is None:
+            return torch.matmul(d2t.transpose(1, 2), a.square())
+        return out.baddbmm_(d2t.transpose(1, 2), a.square()[None].expand(K, n, in_f))
     # Inputs with extra axes (sequences): per-sample gradients are sums over positions.
     a = a.reshape(n, -1, in_f)
-    res = a.new_zeros(K, out_f, in_f)
+    res = _accumulator(out, K, out_f, in_f, like=a)
     for j, d in enumerate(deltas.parts):
         d = d.reshape(n, -1, out_f)
         for sl in _chunks(n, out_f * in_f):
@@ -142,18 +170,21 @@ def _dense_squares(a: torch.Tensor, deltas: Deltas, out_f: int, in_f: int) -> to
 
 
 @_builtin
-def linear_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas) -> torch.Tensor:
-    """Fast GGN rule of ``nn.Linear``: ``(K, out, in)`` sums of squared per-sample gradients."""
+def linear_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas, out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """Fast GGN rule of ``nn.Linear``: ``(K, out, in)`` sums of squared per-sample gradients
+    (added into ``out``, the running sums, when given: the built-in rules all take it)."""
     out_f, in_f = module.weight.shape
-    return _dense_squares(a, deltas, out_f, in_f)
+    return _dense_squares(a, deltas, out_f, in_f, out)
 
 
 @_builtin
-def transposed_linear_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas) -> torch.Tensor:
+def transposed_linear_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas,
+                              out: torch.Tensor | None = None) -> torch.Tensor:
     """Fast GGN rule of a dense layer storing its weight as ``(in, out)`` (``y = a W + b``, e.g.
     Hugging Face ``Conv1D``): ``(K, in, out)`` sums, in the parameter's own layout."""
     in_f, out_f = module.weight.shape
-    return _dense_squares(a, deltas, out_f, in_f).transpose(1, 2)
+    return _dense_squares(a, deltas, out_f, in_f, None if out is None else out.transpose(1, 2)).transpose(1, 2)
 
 
 def _conv_pads(module: nn.Module) -> list[int]:
@@ -194,8 +225,26 @@ def _unfold(module: nn.Module, a: torch.Tensor) -> torch.Tensor:
     return view.reshape(n, c * math.prod(k), math.prod(out))
 
 
+def _pair_products(x: torch.Tensor, pairs: torch.Tensor, doubled: bool = False) -> torch.Tensor:
+    """``(c, g, P, d)`` products ``x_l ⊙ x_l'`` over the ``P`` pairs ``l <= l'`` of the last axis
+    of ``x`` ``(c, g, d, L)`` (``pairs``: their flat indices ``l·L + l'``).
+
+    ``doubled``: the off-diagonal products doubled, each standing for ``(l, l')`` and
+    ``(l', l)``. The products are formed position-major and the pairs picked as whole rows:
+    a gather along the strided position axis was 5× slower than the matmul it feeds (measured).
+    """
+    c, g, d, L = x.shape
+    rows = x.transpose(-1, -2).contiguous()  # (c, g, L, d)
+    full = (rows[:, :, :, None] * rows[:, :, None]).reshape(c, g, L * L, d)
+    out = full.index_select(2, pairs)
+    if doubled:
+        out[:, :, pairs % (L + 1) != 0] *= 2  # l != l'
+    return out
+
+
 @_builtin
-def conv_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas) -> torch.Tensor:
+def conv_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """Fast GGN rule of ``nn.ConvNd``: per-sample gradients ``δ Uᵀ`` of the unfolded input ``U``,
     group by group, squared and summed."""
     K, M = deltas.k, deltas.m
@@ -206,21 +255,26 @@ def conv_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas) -> torch.Te
     unf = _unfold(module, a)  # (n, g·cin_g·∏k, L)
     L = unf.shape[-1]
     unf = unf.reshape(n, g, kk, L)
-    res = a.new_zeros(K, g, cout_g, kk)
-    if L * L <= L + PAIR_SQUARES_COST:
-        # Few output positions (the 1×1 and 2×2 maps of a deep CNN on small images): a per-sample
-        # gradient Σ_l δ_l u_lᵀ is larger than its factors, and its square is
-        # Σ_{l,l'} (δ_l ⊙ δ_l') (u_l ⊙ u_l')ᵀ, summed over the samples by one matmul per group
-        # with no per-sample gradient formed (L² multiply-adds per entry instead of L plus a
-        # memory-bound square of a cout·kk matrix per sample).
+    res = _accumulator(out, K, g, cout_g, kk, like=a)
+    if squares_by_pairs(L, M, g * cout_g * kk):
+        # A per-sample gradient Σ_l δ_l u_lᵀ has the square Σ_{l,l'} (δ_l ⊙ δ_l') (u_l ⊙ u_l')ᵀ:
+        # over the pairs l <= l' (off-diagonal ones twice), and the products of the signals of
+        # a group summed before one matmul per group, since the input's products do not depend
+        # on the signal. No per-sample gradient is formed: the fast way for few output positions
+        # (the small maps of a deep CNN on small images) or many signals per group.
+        first, second = torch.triu_indices(L, L, device=a.device)
+        pairs = first * L + second
+        P = int(pairs.shape[0])
         for sl in _chunks(n, L * L * g * (cout_g + kk)):
             c = sl.stop - sl.start
-            u2 = (unf[sl, :, :, :, None] * unf[sl, :, :, None, :]).reshape(c, g, kk, L * L)
-            u2 = u2.permute(1, 0, 3, 2).reshape(g, c * L * L, kk)
-            for j in range(len(deltas.parts)):
-                d = deltas.parts[j].reshape(n, g, cout_g, L)[sl]
-                d2 = (d[:, :, :, :, None] * d[:, :, :, None, :]).reshape(c, g, cout_g, L * L)
-                res[j // M] += torch.bmm(d2.permute(1, 2, 0, 3).reshape(g, cout_g, c * L * L), u2)
+            u2 = _pair_products(unf[sl], pairs).transpose(0, 1).reshape(g, c * P, kk)
+            for group in range(K):
+                d2 = None
+                for j in range(group * M, (group + 1) * M):
+                    prod = _pair_products(deltas.parts[j].reshape(n, g, cout_g, L)[sl], pairs, doubled=True)
+                    d2 = prod if d2 is None else d2.add_(prod)
+                d2 = d2.transpose(0, 1).reshape(g, c * P, cout_g)
+                res[group].baddbmm_(d2.transpose(1, 2), u2)
         deltas.parts.clear()
         return res.reshape(K, cout, cin_g, *k)
     # One signal at a time: no stacked copy of the signals, and each chunk of per-sample
@@ -235,7 +289,8 @@ def conv_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas) -> torch.Te
 
 
 @_builtin
-def conv_transpose_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas) -> torch.Tensor:
+def conv_transpose_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """ConvTranspose is the adjoint of the convolution with the same weight, so its
     per-sample weight gradient is the conv weight gradient with the roles of the
     input and the output signal swapped: patches of the signal times the input."""
@@ -255,11 +310,12 @@ def conv_transpose_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas) -
     for sl in _chunks(n, g * K * M * cin_g * kk):
         ps = torch.matmul(x[sl], unf[sl].transpose(-1, -2))  # (c, g, KM, cin_g, kk)
         res += ps.square_().reshape(-1, g, K, M, cin_g, kk).sum((0, 3))
-    return res.permute(1, 0, 2, 3).reshape(K, cin, cout_g, *k)
+    res = res.permute(1, 0, 2, 3).reshape(K, cin, cout_g, *k)
+    return res if out is None else out.add_(res)
 
 
 def _scatter_squares(table: torch.Tensor, keys: torch.Tensor, entry_weights: torch.Tensor | None,
-                     entry_rows: torch.Tensor, deltas: Deltas) -> torch.Tensor:
+                     entry_rows: torch.Tensor, deltas: Deltas, out: torch.Tensor | None = None) -> torch.Tensor:
     """Sums of squared per-sample gradients of a looked-up table ``(V, d)``.
 
     Entry ``e`` of the lookups adds ``weight_e · table[row of key_e]`` to output row
@@ -272,7 +328,7 @@ def _scatter_squares(table: torch.Tensor, keys: torch.Tensor, entry_weights: tor
     vocab, d = table.shape
     uniq, inverse = torch.unique(keys, return_inverse=True)
     rows = uniq % vocab
-    res = table.new_zeros(K, vocab, d)
+    res = _accumulator(out, K, vocab, d, like=table)
     for j in range(len(deltas.parts)):
         part, deltas.parts[j] = deltas.parts[j], None
         signal = part.reshape(-1, d)[entry_rows]
@@ -284,7 +340,8 @@ def _scatter_squares(table: torch.Tensor, keys: torch.Tensor, entry_weights: tor
 
 
 @_builtin
-def embedding_squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas) -> torch.Tensor:
+def embedding_squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas, out: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     """Fast GGN rule of ``nn.Embedding``: ``(K, V, d)`` sums of squared per-sample gradients.
 
     Rows at ``padding_idx`` get no gradient (as in torch's backward).
@@ -298,13 +355,13 @@ def embedding_squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas) -> t
     if module.padding_idx is not None:
         keep = flat != module.padding_idx
         flat, sample, entry_rows = flat[keep], sample[keep], entry_rows[keep]
-    return _scatter_squares(module.weight, sample * vocab + flat, None, entry_rows, deltas)
+    return _scatter_squares(module.weight, sample * vocab + flat, None, entry_rows, deltas, out)
 
 
 @_with_call
 @_builtin
 def embedding_bag_squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas, args: tuple = (),
-                          kwargs: dict | None = None) -> torch.Tensor:
+                          kwargs: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Fast GGN rule of ``nn.EmbeddingBag`` (modes ``sum`` and ``mean``, with offsets,
     ``per_sample_weights`` and ``padding_idx``); each bag is one sample (output row)."""
     kwargs = kwargs or {}
@@ -333,7 +390,7 @@ def embedding_bag_squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas, 
     if module.mode == "mean":
         counts = torch.zeros(bags, dtype=w.dtype, device=w.device).index_add_(0, bag, torch.ones_like(w))
         w = w / counts[bag]
-    return _scatter_squares(module.weight, bag * vocab + flat, w, bag, deltas)
+    return _scatter_squares(module.weight, bag * vocab + flat, w, bag, deltas, out)
 
 
 # ============================================================================ capture and graph

@@ -406,6 +406,8 @@ class TorchSession:
         assert self.capture is not None
         cap = self.capture
         step = self.chunk or n
+        if step < n:  # equal chunks (64 + 64, not 126 + 2): the same peak, fewer passes wasted on a remainder
+            step = -(-n // -(-n // step))
         ids: torch.Tensor | None = None
         terms: int | None = None
         for start in range(0, n, step):
@@ -492,7 +494,7 @@ class TorchSession:
                         with compat.FunctionalKernels(attention=True):
                             res = ggn_kernels.generic_ggn(self.model, xc, sig, generic, self._pick)
                         for layer in generic:
-                            state.add(self._index[id(layer)], res[layer.param_name].detach())
+                            state.add(self._index[id(layer)], res[layer.param_name].detach(), owned=True)
                 finally:
                     cap.active = True
         return terms
@@ -522,10 +524,10 @@ class TorchSession:
             rule = layer.ext.ggn_squares
             assert rule is not None
             value = rule(layer.module, self.capture.inputs[id(layer)], ggn_kernels.Deltas(list(parts), 1, m))
-            value = value.detach()
-            if k > 1:
-                value = torch.cat([value, value.new_zeros((k - 1, *value.shape[1:]))])
-            state.add(self._index[id(layer)], value)
+            if k > 1:  # ggn-topk: exact, only the shared sum is kept (no K zero sums)
+                state.add_exact(self._index[id(layer)], value.detach(), owned=True)
+            else:
+                state.add(self._index[id(layer)], value.detach(), owned=True)
 
     def _fast_squares(self, logits: torch.Tensor, sig: torch.Tensor, fast: list[TorchLayer],
                       state: SumState) -> None:
@@ -543,16 +545,23 @@ class TorchSession:
             del parts
             rule = layer.ext.ggn_squares
             assert rule is not None
+            index = self._index[id(layer)]
+            builtin = ggn_kernels.wants_deltas(rule)
+            # The built-in rules add into the running sums (no new sums per chunk or batch) and
+            # return fresh ones the first time, which the state keeps and adds into later.
+            running = state.accumulator(index) if builtin else None
+            extra = {} if running is None else {"out": running}
             try:
-                arg = deltas if ggn_kernels.wants_deltas(rule) else deltas.stacked()
+                arg = deltas if builtin else deltas.stacked()
                 if ggn_kernels.wants_call(rule):
-                    value = rule(layer.module, cap.inputs[id(layer)], arg, *cap.extras[id(layer)])
+                    value = rule(layer.module, cap.inputs[id(layer)], arg, *cap.extras[id(layer)], **extra)
                 else:
-                    value = rule(layer.module, cap.inputs[id(layer)], arg)
+                    value = rule(layer.module, cap.inputs[id(layer)], arg, **extra)
             except ggn_kernels.NoFastPath as why:  # handled by the generic path, this chunk included
                 layer.disable_fast(str(why))
                 continue
-            state.add(self._index[id(layer)], value.detach())
+            if running is None:
+                state.add(index, value.detach(), owned=builtin)
 
 
 def _is_logits(output: torch.Tensor | None, logits: torch.Tensor) -> bool:
