@@ -121,7 +121,10 @@ def _concat(arrays: list[Any]) -> Any:
 
 def init(n_layers: int, options: AnalysisOptions) -> SumState:
     """Empty sums for ``n_layers`` layers (``K'`` sums each, open for ``"auto"``)."""
-    return SumState(None if options.estimator == "auto" else options.state_groups, [None] * n_layers)
+    # Pooled sums (options.pooled) may come from a backend that pools or one that does not:
+    # the first contribution fixes their number, and finalize takes the mean of either.
+    open_count = options.estimator == "auto" or options.pooled
+    return SumState(None if open_count else options.state_groups, [None] * n_layers)
 
 
 def update(state: SumState, layer: int, value: Any, owned: bool = False, check: bool = True) -> SumState:
@@ -222,6 +225,11 @@ def finalize(state: SumState, options: AnalysisOptions, examples: int, zeros: Ca
             diag = sums[0] / float(div[0])  # exact: every group estimate is the mean
             _check_finite(diag, all_finite, names[i])
             out.append((diag, _repeat(diag, k_groups) if with_groups and k_groups > 1 else None))
+            continue
+        if options.pooled and int(sums.shape[0]) == 1 + offset:  # the backend pooled the groups' sums
+            diag = (sums[0] + sums[1] if offset else sums[0]) / float(div[0])
+            _check_finite(diag, all_finite, names[i])
+            out.append((diag, None))
             continue
         if int(sums.shape[0]) != k_groups + offset:
             raise ValueError(f"Layer {names[i]!r}: {sums.shape[0]} estimator sums, expected {k_groups + offset}")

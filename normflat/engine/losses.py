@@ -51,6 +51,7 @@ __all__ = [
     "logit_hessian_diagonal",
     "diagonal_signals",
     "token_signals",
+    "pool_signals",
     "logit_stats",
     "check_logit_stats",
     "CONSTANT_LOGITS_RMS",
@@ -171,6 +172,10 @@ def _householder(xp: Any, p: Any) -> tuple[Any, Any, Any, Any]:
     return root, v, sv, 2 / xp.sum(v * v, axis=-1)
 
 
+#: Draws compared with the cumulative class weights at once in :func:`_draw`.
+DRAWS_PER_COMPARISON = 2
+
+
 def _cumsum(xp: Any, x: Any) -> Any:
     fn = getattr(xp, "cumulative_sum", None) or xp.cumsum
     return fn(x, axis=-1)
@@ -185,10 +190,17 @@ def _draw(xp: Any, weights: Any, uniforms: Any) -> Any:
     Classes of weight 0 are never drawn.
     """
     c = int(weights.shape[1])  # the sample axis may be unknown while tracing (tf.function, relaxed shapes)
+    draws = int(uniforms.shape[1])
     cum = _cumsum(xp, weights)  # (n, C)
     target = uniforms * cum[:, c - 1:]
-    below = xp.astype(cum[:, None, : c - 1] <= target[:, :, None], weights.dtype)  # (n, S, C-1)
-    return xp.sum(below, axis=-1)
+    counts = []
+    # A few draws at a time: the comparisons (n, draws, C − 1) of many classes would be the
+    # largest array of a whole analysis (4 MiB per 10 draws of 64 samples at 1000 classes).
+    for lo in range(0, draws, DRAWS_PER_COMPARISON):
+        hi = min(draws, lo + DRAWS_PER_COMPARISON)
+        below = xp.astype(cum[:, None, : c - 1] <= target[:, lo:hi, None], weights.dtype)  # (n, w, C-1)
+        counts.append(xp.sum(below, axis=-1))
+    return counts[0] if len(counts) == 1 else xp.concat(counts, axis=1)
 
 
 def _deal(xp: Any, x: Any, groups: int, members: int, fill: float) -> Any:
@@ -407,6 +419,29 @@ def output_signals(xp: Any, logits: Any, options: AnalysisOptions, uniforms: Any
     if options.loss == "nsce":
         sig = pull_back(xp, sig, zhat, sigma, options.temperature)
     return sig
+
+
+def pool_signals(xp: Any, signals: Any, options: AnalysisOptions) -> tuple[Any, list[int]]:
+    """The signals of :attr:`AnalysisOptions.pooled` sums: ``(1 + shared, K·M, ...)``.
+
+    The ``K`` sampled groups ``(K, M, ...)`` become one group of ``K·M`` signals, each
+    scaled by ``1/√K``, whose squares sum to the mean of the ``K`` group sums (the same
+    draws, so the same mean). ``ggn-topk``'s shared group 0 stays first, zero-padded to
+    ``K·M`` signals.
+
+    Returns:
+        ``(signals, padding)``: the pooled signals and the flat indices ``g·K·M + j`` of the
+        padding signals (zero; a backend need not back-propagate them).
+    """
+    k = options.groups
+    offset = 1 if options.shared_group else 0
+    m = int(signals.shape[1])
+    rest = tuple(int(d) for d in signals.shape[2:])
+    sampled = xp.reshape(signals[offset:], (1, k * m, *rest)) / math.sqrt(k)
+    if not offset:
+        return sampled, []
+    pad = xp.concat([signals[:1] * 0] * (k - 1), axis=1)  # zeros on the signals' device
+    return xp.concat([xp.concat([signals[:1], pad], axis=1), sampled], axis=0), list(range(m, k * m))
 
 
 @dataclass

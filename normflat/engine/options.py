@@ -94,6 +94,23 @@ class AnalysisOptions:
     ignore_index: int = -100
     output: Any = None
     shift_labels: bool | None = None
+    #: Whether the ``K`` group estimates are wanted (for standard errors). ``hessian_diagonal``
+    #: needs only their mean: a backend may then pool the groups' sums (:attr:`pooled`).
+    group_estimates: bool = True
+
+    @property
+    def pooled(self) -> bool:
+        """Whether a backend may keep one sum for all ``K`` sampled groups (only the mean is
+        wanted; ``ggn-mc`` and ``ggn-topk``): the same draws, each signal scaled by ``1/√K``,
+        so the sum is the mean of the group sums. ``ggn-topk`` keeps its shared sum beside it."""
+        return not self.group_estimates and self.estimator in ("ggn-mc", "ggn-topk") and self.groups > 1
+
+    @property
+    def sum_groups(self) -> int:
+        """Sums per layer of a backend that pools (:attr:`pooled`); else :attr:`state_groups`."""
+        if self.pooled:
+            return 2 if self.shared_group else 1
+        return self.state_groups
 
     @property
     def loss_name(self) -> str:

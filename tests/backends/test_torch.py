@@ -940,3 +940,52 @@ def test_ggn_topk_head_is_exact_and_hidden_layers_within_their_errors():
         se = b.standard_error["normalized_sharpness"]
         assert 0 < se < 0.5 * a.normalized_sharpness
         assert abs(b.normalized_sharpness - a.normalized_sharpness) < 5 * se + 1e-12
+
+
+class _TokenModel(nn.Module):
+    """Token logits (n, T, C) from an embedding, a convolution over the tokens and a dense head."""
+
+    def __init__(self, vocab=30, width=6):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.mix = nn.Conv1d(width, width, 3, padding=1)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        h = torch.tanh(self.mix(self.emb(tokens).transpose(1, 2))).transpose(1, 2)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("case", ["cnn_relu", "tokens", "generic", "chunked"])
+@pytest.mark.parametrize("estimator", ["ggn-topk", "ggn-mc"])
+def test_hessian_diagonal_pools_the_group_sums_to_their_mean(case, estimator):
+    """hessian_diagonal keeps one sum for the sampled groups (1 + 1 for ggn-topk instead of 1 + K):
+    the same draws, so the mean of analyze's group estimates, on the fast path (padding signals not
+    back-propagated), token logits, the generic path and chunks."""
+    from normflat.engine.options import validate_options
+
+    backend: dict = {}
+    if case == "tokens":
+        torch.manual_seed(1)
+        model = _TokenModel().to(DT)
+        x = torch.randint(0, 30, (5, 7))
+        y = torch.randint(0, 30, (5, 7))
+        y[0, :3] = -100
+    else:
+        model, x, _ = make("cnn_relu", n=9)
+        y = torch.randint(0, 3, (9,))
+        backend = {"generic": {"fast": False}, "chunked": {"chunk_size": 4}}.get(case, {})
+    options = dict(loss="ce", estimator=estimator, samples=7, progress=False)
+    if estimator == "ggn-topk":
+        options["top_classes"] = 3 if case == "tokens" else 1
+    pooled = normflat.hessian_diagonal(model, (x, y), **options, **backend)
+    validated = validate_options(**options)
+    problems, _ = tb.layer_problems(model, (x, y), validated, **backend)
+    distinct = 0
+    for (name, value), problem in zip(pooled.items(), problems):
+        groups = torch.as_tensor(problem.hessian_diag_samples)
+        assert groups.shape[0] == validated.groups > 1
+        distinct += not torch.allclose(groups[0], groups[1])  # ggn-topk's dense head is exact: equal groups
+        torch.testing.assert_close(value, groups.mean(0), rtol=1e-10, atol=1e-15)
+        torch.testing.assert_close(value, torch.as_tensor(problem.hessian_diag), rtol=1e-10, atol=1e-15)
+    assert distinct >= 2

@@ -45,6 +45,8 @@ holds what the backend knows about model libraries.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from typing import Any
 
 from normflat.backends.torch.distributed import create as _create_comm
@@ -95,6 +97,12 @@ def layer_problems(model: Any, data: Any, options: AnalysisOptions, **backend_op
 
 
 def hessian_diagonal(model: Any, data: Any, options: AnalysisOptions, **backend_options: Any):
-    """``{layer name: diagonal}`` in canonical ``(out, in/groups, *kernel)`` layout, model order."""
+    """``{layer name: diagonal}`` in canonical ``(out, in/groups, *kernel)`` layout, model order.
+
+    Only the mean of the group estimates is wanted: ``ggn-mc`` and ``ggn-topk`` keep one sum
+    for their sampled groups (``AnalysisOptions.pooled``), the same draws and the same mean
+    with a fraction of the memory.
+    """
+    options = replace(options, group_estimates=False)
     make_session, comm = _session_factory(model, options, backend_options)
     return driver.hessian_diagonal(make_session, data, options, comm)

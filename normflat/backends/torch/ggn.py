@@ -101,15 +101,17 @@ def _chunks(n: int, per_item: int) -> Iterable[slice]:
 
 class Deltas:
     """Back-propagated signals at one layer output: ``K`` groups of ``M`` per-signal tensors
-    ``(n, *out)``, kept as a list so the built-in rules can avoid stacking copies."""
+    ``(n, *out)``, kept as a list so the built-in rules can avoid stacking copies. A ``None``
+    part is a zero padding signal that was not back-propagated: the built-in rules skip it."""
 
-    def __init__(self, parts: list[torch.Tensor], k: int, m: int) -> None:
+    def __init__(self, parts: list[torch.Tensor | None], k: int, m: int) -> None:
         self.parts, self.k, self.m = parts, k, m
 
     def stacked(self) -> torch.Tensor:
-        """``(K, M, n, *out)``; the per-signal tensors are released."""
-        shape = self.parts[0].shape
-        out = torch.stack(self.parts).reshape(self.k, self.m, *shape)
+        """``(K, M, n, *out)`` (zeros for the padding); the per-signal tensors are released."""
+        like = next(p for p in self.parts if p is not None)
+        parts = [torch.zeros_like(like) if p is None else p for p in self.parts]
+        out = torch.stack(parts).reshape(self.k, self.m, *like.shape)
         self.parts.clear()
         return out
 
@@ -150,8 +152,9 @@ def _dense_squares(a: torch.Tensor, deltas: Deltas, out_f: int, in_f: int,
         # Per-sample gradient δ aᵀ is rank one: its square is δ² (a²)ᵀ, summed over n by a matmul.
         d2 = []
         for k in range(K):
-            acc = deltas.parts[k * M].square()
-            for d in deltas.parts[k * M + 1:(k + 1) * M]:
+            group = [d for d in deltas.parts[k * M:(k + 1) * M] if d is not None]
+            acc = group[0].square()
+            for d in group[1:]:
                 acc.addcmul_(d, d)
             d2.append(acc)
         d2t = torch.stack(d2) if K > 1 else d2[0][None]  # (K, n, out)
@@ -162,6 +165,8 @@ def _dense_squares(a: torch.Tensor, deltas: Deltas, out_f: int, in_f: int,
     a = a.reshape(n, -1, in_f)
     res = _accumulator(out, K, out_f, in_f, like=a)
     for j, d in enumerate(deltas.parts):
+        if d is None:
+            continue
         d = d.reshape(n, -1, out_f)
         for sl in _chunks(n, out_f * in_f):
             g = torch.matmul(d[sl].transpose(1, 2), a[sl])  # (c, out, in) per-sample gradients
@@ -271,8 +276,12 @@ def conv_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas, out: torch.
             for group in range(K):
                 d2 = None
                 for j in range(group * M, (group + 1) * M):
+                    if deltas.parts[j] is None:
+                        continue
                     prod = _pair_products(deltas.parts[j].reshape(n, g, cout_g, L)[sl], pairs, doubled=True)
                     d2 = prod if d2 is None else d2.add_(prod)
+                if d2 is None:
+                    continue
                 d2 = d2.transpose(0, 1).reshape(g, c * P, cout_g)
                 res[group].baddbmm_(d2.transpose(1, 2), u2)
         deltas.parts.clear()
@@ -280,6 +289,8 @@ def conv_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas, out: torch.
     # One signal at a time: no stacked copy of the signals, and each chunk of per-sample
     # gradients stays in cache while it is squared and summed.
     for j in range(len(deltas.parts)):
+        if deltas.parts[j] is None:
+            continue
         d, deltas.parts[j] = deltas.parts[j].reshape(n, g, cout_g, L), None
         for sl in _chunks(n, g * cout_g * kk):
             ps = torch.matmul(d[sl], unf[sl].transpose(-1, -2))  # per-sample gradients (c, g, cout_g, kk)
@@ -331,6 +342,8 @@ def _scatter_squares(table: torch.Tensor, keys: torch.Tensor, entry_weights: tor
     res = _accumulator(out, K, vocab, d, like=table)
     for j in range(len(deltas.parts)):
         part, deltas.parts[j] = deltas.parts[j], None
+        if part is None:
+            continue
         signal = part.reshape(-1, d)[entry_rows]
         if entry_weights is not None:
             signal = signal * entry_weights[:, None]
@@ -370,7 +383,7 @@ def embedding_bag_squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas, 
     offsets = args[0] if len(args) > 0 else kwargs.get("offsets")
     weights = args[1] if len(args) > 1 else kwargs.get("per_sample_weights")
     vocab = module.weight.shape[0]
-    bags = deltas.parts[0].shape[0]
+    bags = next(p for p in deltas.parts if p is not None).shape[0]
     if ids.dim() == 2:
         flat = ids.reshape(-1).long()
         bag = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(ids.shape[1])

@@ -206,7 +206,7 @@ class TorchSession:
     def zeros(self, layer: int) -> torch.Tensor:
         """``(K, *shape)`` zeros of a layer the loss never reached."""
         p = self._layers[layer].param
-        return torch.zeros((self.options.state_groups, *p.shape), dtype=p.dtype, device=p.device)
+        return torch.zeros((self.options.sum_groups, *p.shape), dtype=p.dtype, device=p.device)
 
     def all_finite(self, array: Any) -> bool:
         """Whether a tensor is finite."""
@@ -348,7 +348,7 @@ class TorchSession:
         # and never more signal rows at once than DEFAULT_SIGNAL_ROWS.
         params = sum(p.numel() for p in self.model.parameters())
         step = training_step_bytes(params, (outs + c * tokens) * int(logits.shape[0]), item)
-        state = self.options.state_groups * sum(layer.param.numel() for layer in self._layers) * item
+        state = self.options.sum_groups * sum(layer.param.numel() for layer in self._layers) * item
         by_memory = default_budget(step, state) // max(need, 1)
         return max(1, min(by_memory, DEFAULT_SIGNAL_ROWS // per_sample))
 
@@ -490,6 +490,8 @@ class TorchSession:
                 cap.active = False
                 try:
                     for sig in self._signal_blocks(z, counted, uniforms):
+                        if self.options.pooled:
+                            sig = losses.pool_signals(_XP, sig, self.options)[0]
                         # The math attention kernel has vmap batching rules; the fused one does not.
                         with compat.FunctionalKernels(attention=True):
                             res = ggn_kernels.generic_ggn(self.model, xc, sig, generic, self._pick)
@@ -533,10 +535,23 @@ class TorchSession:
                       state: SumState) -> None:
         assert self.capture is not None
         cap = self.capture
+        padding: list[int] = []
+        if self.options.pooled:  # only the mean is wanted: one sum for the sampled groups
+            sig, padding = losses.pool_signals(_XP, sig, self.options)
         k, m, nc = sig.shape[:3]
         outs = [cap.outputs[id(layer)] for layer in fast]
-        grads = list(ggn_kernels.backprop_signals(logits, outs, sig.reshape(k * m, nc, *sig.shape[3:]),
-                                                  self.batched))
+        flat = sig.reshape(k * m, nc, *sig.shape[3:])
+        real = [j for j in range(k * m) if j not in set(padding)]
+        if padding:
+            flat = flat[real]  # the zero padding is not back-propagated; the rules skip it (None)
+        grads = list(ggn_kernels.backprop_signals(logits, outs, flat, self.batched))
+        if padding:
+            for i, parts in enumerate(grads):
+                if parts is not None:
+                    full: list[torch.Tensor | None] = [None] * (k * m)
+                    for j, part in zip(real, parts):
+                        full[j] = part
+                    grads[i] = full
         for i, layer in enumerate(fast):
             parts, grads[i] = grads[i], None  # the rule may free the parts once used
             if parts is None:  # the layer does not influence the logits
