@@ -135,7 +135,9 @@ def hessian_diagonal(
 ) -> dict[str, Any]:
     """Hessian (or GGN) diagonal of the mean training loss for every recognised layer.
 
-    Takes the same model, data and options as :func:`analyze`.
+    Takes the same model, data and options as :func:`analyze`. Only the mean of a
+    stochastic estimator's group estimates is returned, so the PyTorch backend keeps one
+    sum for the sampled groups instead of ``K`` (method §6.2, memory of the groups).
 
     Returns:
         ``{layer name: array}`` in the framework's array type, canonical

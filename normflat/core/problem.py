@@ -45,6 +45,10 @@ class LayerProblem:
             ``[g·in/groups, (g+1)·in/groups)``. Each input channel has its own
             column variance, so the layer's problem splits into ``groups``
             independent blocks (depthwise convolutions: ``groups = in``).
+        check_samples: Whether to check that ``hessian_diag_samples`` are finite and
+            average to ``hessian_diag`` (two passes over ``K`` copies of the layer). A
+            producer that forms ``hessian_diag`` as their mean and has checked it finite,
+            as normflat's engine does, passes ``False``; the shape is always checked.
 
     Raises:
         TypeError: If an array is not a floating-point array.
@@ -59,6 +63,7 @@ class LayerProblem:
     hessian_diag_samples: Any = None
     details: Mapping[str, Any] = field(default_factory=dict)
     groups: int = 1
+    check_samples: bool = field(default=True, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -88,14 +93,16 @@ class LayerProblem:
                 f"{self.groups} groups."
             )
         if self.hessian_diag_samples is not None:
-            _check_array(self.name, "hessian_diag_samples", self.hessian_diag_samples)
+            if self.check_samples:
+                _check_array(self.name, "hessian_diag_samples", self.hessian_diag_samples)
             s_shape = tuple(self.hessian_diag_samples.shape)
             if len(s_shape) != len(w_shape) + 1 or s_shape[1:] != w_shape or s_shape[0] < 2:
                 raise ValueError(
                     f"Layer {self.name!r}: hessian_diag_samples has shape {s_shape}; expected "
                     f"(K, {', '.join(map(str, w_shape))}) with K >= 2 independent estimates."
                 )
-            _check_samples_mean(self.name, self.hessian_diag, self.hessian_diag_samples)
+            if self.check_samples:
+                _check_samples_mean(self.name, self.hessian_diag, self.hessian_diag_samples)
         object.__setattr__(self, "details", dict(self.details))
 
     @property
