@@ -2,13 +2,15 @@
 
 For each problem (float32, random data, one batch, BatchNorm in eval mode) the
 script times, interleaved, one gradient of the mean cross-entropy, normflat's
-default ``estimator="auto"`` (``ggn-topk`` above 25 classes, method §6.2), the
-exact ``ggn``, ``ggn-mc`` with one draw and, where BackPACK runs, BackPACK's
+``hessian_diagonal`` with the default ``estimator="auto"`` (``ggn-topk`` above 25
+classes, method §6.2; only the mean, so its group sums are pooled), the whole
+``normflat.analyze`` report with the defaults (standard errors, the solver and the
+measures), the exact ``ggn``, ``ggn-mc`` with one draw and, where BackPACK runs, BackPACK's
 ``DiagGGNExact``; it prints each as a multiple of the gradient (minimum over the
 rounds: the machine is shared). Then it measures the accuracy of ``auto``
 against the exact ``ggn``: every layer's normalized sharpness, its relative
 error, the reported standard error and their ratio. With ``--memory`` it also
-prints the peak resident memory that ``auto`` and ``ggn`` (default options) add
+prints the peak resident memory that ``auto``, ``analyze`` and ``ggn`` (default options) add
 to the model and its batch, next to that of a training step (forward, backward,
 SGD with momentum: activations, gradients and the momentum buffers), each in a
 fresh process.
@@ -112,7 +114,12 @@ def _runs(name: str, model: nn.Module, data: Any, loss_of: Callable[[nn.Module],
     def normflat_run(**options):
         return lambda: normflat.hessian_diagonal(model, data, loss="ce", progress=False, **options)
 
-    runs = {"gradient": gradient, "auto": normflat_run()}
+    def analyze_run():
+        return normflat.analyze(model, data, loss="ce", progress=False)
+
+    # "auto": hessian_diagonal with the defaults (only the mean: pooled group sums); "analyze":
+    # the whole report with standard errors (1 + K sums for ggn-topk, the solver, the measures).
+    runs = {"gradient": gradient, "auto": normflat_run(), "analyze": analyze_run}
     if PROBLEMS[name][4]:  # too slow for the ViT (999 signals through 12 blocks) and the LM
         runs["ggn"] = normflat_run(estimator="ggn")
     runs["ggn-mc"] = normflat_run(estimator="ggn-mc")
@@ -192,21 +199,24 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), minimum of {args.rounds} interleaved rounds")
     if args.memory:
-        print("| problem | training step (MiB) | auto (MiB) | auto / step | ggn (MiB) | ggn / step |")
-        print("|---|---|---|---|---|---|")
+        print("| problem | training step (MiB) | auto (MiB) | auto / step | analyze (MiB) | analyze / step | "
+              "ggn (MiB) | ggn / step |")
+        print("|---|---|---|---|---|---|---|---|")
         for name in args.problems:
             step = peak_mib(name, "training step", args.threads)
             auto = peak_mib(name, "auto", args.threads)
+            report = peak_mib(name, "analyze", args.threads)
             if PROBLEMS[name][4]:
                 exact = peak_mib(name, "ggn", args.threads)
                 exact_cells = f"{exact:.0f} | {exact / step:.1f}×"
             else:
                 exact_cells = "— | —"
-            print(f"| {name} | {step:.0f} | {auto:.0f} | {auto / step:.1f}× | {exact_cells} |", flush=True)
+            print(f"| {name} | {step:.0f} | {auto:.0f} | {auto / step:.1f}× | {report:.0f} | {report / step:.1f}× | "
+                  f"{exact_cells} |", flush=True)
     if args.no_timing:
         args.problems = [] if args.no_accuracy else args.problems
-    print("| problem | auto | ggn (exact) | ggn-mc (1 draw) | BackPACK exact | gradient (s) |")
-    print("|---|---|---|---|---|---|")
+    print("| problem | auto | analyze | ggn (exact) | ggn-mc (1 draw) | BackPACK exact | gradient (s) |")
+    print("|---|---|---|---|---|---|---|")
     for name in ([] if args.no_timing else args.problems):
         times = {m: min(t) for m, t in time_rounds(_runs(name, *make_problem(name)), args.rounds).items()}
         g = times["gradient"]
@@ -214,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
         def cell(method: str) -> str:
             return f"{times[method] / g:.1f}×" if method in times else "—"
 
-        print(f"| {name} | {cell('auto')} | {cell('ggn')} | {cell('ggn-mc')} | {cell('backpack')} | {g:.4f} |",
+        print(f"| {name} | {cell('auto')} | {cell('analyze')} | {cell('ggn')} | {cell('ggn-mc')} | {cell('backpack')} "
+              f"| {g:.4f} |",
               flush=True)
     if args.no_accuracy:
         return

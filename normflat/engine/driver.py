@@ -249,8 +249,11 @@ def _agree_on_estimator(comm: Comm, session: Session) -> None:
 
 
 def _canonical_groups(session: Session, layer: int, groups: Any) -> Any:
-    """``(K, *canonical)`` group estimates: ``groups`` itself when the layer's canonical layout
-    is its native one (no copy of ``K`` arrays), else the canonical groups stacked."""
+    """``(K, *canonical)`` group estimates: ``groups`` itself when it is one array and the
+    layer's canonical layout is its native one (no copy of ``K`` arrays), else the canonical
+    groups stacked."""
+    if isinstance(groups, (list, tuple)):
+        return _stack([session.canonical(layer, g) for g in groups])
     views = [groups[k] for k in range(int(groups.shape[0]))]
     canonical = [session.canonical(layer, v) for v in views]
     if all(c is v for c, v in zip(canonical, views)):

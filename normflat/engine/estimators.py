@@ -205,9 +205,11 @@ def finalize(state: SumState, options: AnalysisOptions, examples: int, zeros: Ca
 
     Returns:
         ``[(diag, groups or None)]`` per layer: ``diag`` a native array in the native
-        shape, ``groups`` a ``(K, *shape)`` native array of the group estimates (``None``
-        when ``K = 1``). An exact layer's groups (:meth:`SumState.add_exact`) are its mean
-        repeated (a broadcast view where the library has one).
+        shape, ``groups`` the ``K`` group estimates (``None`` when ``K = 1``): a
+        ``(K, *shape)`` array in the sums' memory where the state owns mutable sums
+        (numpy, torch), else a list of ``K`` arrays. An exact layer's groups
+        (:meth:`SumState.add_exact`) are its mean repeated (a broadcast view where the
+        library has one).
 
     Raises:
         ValueError: If a diagonal is not finite.
@@ -265,8 +267,9 @@ def finalize(state: SumState, options: AnalysisOptions, examples: int, zeros: Ca
 
 
 def _group_estimates(sums: Any, offset: int, div: np.ndarray, in_place: bool) -> Any:
-    """``(K, *shape)`` group estimates ``(sums_0 + sums_k) / div_k`` (or ``sums_k / div_k``
-    without a shared sum), in the sums' own memory when ``in_place``."""
+    """Group estimates ``(sums_0 + sums_k) / div_k`` (or ``sums_k / div_k`` without a shared
+    sum): a ``(K, *shape)`` view of the sums' own memory when ``in_place``, else a list of
+    ``K`` new arrays."""
     k_groups = int(sums.shape[0]) - offset
     if in_place:
         groups = sums[offset:]
@@ -278,10 +281,12 @@ def _group_estimates(sums: Any, offset: int, div: np.ndarray, in_place: bool) ->
             for k in range(k_groups):
                 groups[k] /= float(div[k])
         return groups
-    groups = sums[offset:] + sums[0][None] if offset else sums[offset:]
-    if bool(np.all(div == div[0])):
-        return groups / float(div[0])
-    return _concat([groups[k][None] / float(div[k]) for k in range(k_groups)])
+    # Indexing by group only: a backend's sums may be a sequence of K arrays (JAX's GroupSums).
+    parts = []
+    for k in range(k_groups):
+        total = sums[k + offset] if not offset else sums[0] + sums[k + offset]
+        parts.append(total / float(div[k]))
+    return parts
 
 
 def _repeat(array: Any, count: int) -> Any:
@@ -291,7 +296,7 @@ def _repeat(array: Any, count: int) -> Any:
         return array[None].expand(count, *array.shape)
     if mod == "numpy":
         return np.broadcast_to(array[None], (count, *array.shape))
-    return _concat([array[None]] * count)
+    return [array] * count
 
 
 def _check_finite(diag: Any, all_finite: Callable[[Any], bool], name: str) -> None:
