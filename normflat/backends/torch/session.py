@@ -334,14 +334,18 @@ class TorchSession:
         per_sample = self._signals_per_sample(c, tokens)
         from normflat.core.memory import chunk_size_for, default_budget, training_step_bytes
 
-        # Per sample: the signals at every fast layer output (and a stacked copy), and the
-        # generic path's per-signal weight gradients.
+        # Per sample: the signals at every fast layer output, a second copy of them for a batched
+        # backward's intermediates or a rule that takes them stacked (a looped backward into the
+        # built-in rules holds one signal's intermediates at a time), and the generic path's
+        # per-signal weight gradients.
         assert self.capture is not None
         item = logits.element_size()
         outs = sum(self.capture.outputs[id(layer)].numel() // rows for layer in self._layers
                    if id(layer) in self.capture.outputs)
         weights = sum(layer.param.numel() for layer in self._layers if not layer.fast)
-        need = per_sample * item * (2 * (outs + c * tokens) + weights)
+        stacked = any(layer.fast and not ggn_kernels.wants_deltas(layer.ext.ggn_squares) for layer in self._layers)
+        copies = 2 if self.batched or stacked else 1
+        need = per_sample * item * (copies * (outs + c * tokens) + weights)
         if self.settings.memory_budget is not None:
             return chunk_size_for(self.settings.memory_budget, need, "the back-propagated GGN signals")
         # No budget given: about twice a training step of this model on this batch (method §9),
@@ -425,7 +429,11 @@ class TorchSession:
                 ids, terms = self._labels(batch, c, logits)
             if self.chunk is None:
                 # The class count is known after the first forward, which is redone in chunks if
-                # the whole batch is too big.
+                # the whole batch is too big. The graph is inspected first: a batched backward
+                # holds every signal's intermediates at once, a looped one a signal's at a time.
+                fast = [layer for layer in self._layers if layer.fast]
+                if not self.checked and fast:
+                    self._first_check(logits, fast)
                 self.chunk = self._choose_chunk(logits, rows, c)
                 if self.chunk < rows:
                     cap.reset()
