@@ -30,6 +30,7 @@ Problems:
 Run::
 
     python -m benchmarks.classes [--rounds 5] [--problems mlp-1000 resnet18-1000] [--threads 1] [--memory]
+    python -m benchmarks.classes --problems resnet18-1000 --no-timing --samples 15 --top-classes 3 --seed 1
 """
 
 from __future__ import annotations
@@ -132,10 +133,13 @@ def _runs(name: str, model: nn.Module, data: Any, loss_of: Callable[[nn.Module],
     return runs
 
 
-def accuracy(model: nn.Module, data: Any) -> list[dict[str, Any]]:
-    """Per layer: exact and ``auto`` normalized sharpness, relative error, standard error."""
+def accuracy(model: nn.Module, data: Any, **options: Any) -> list[dict[str, Any]]:
+    """Per layer: exact and ``auto`` normalized sharpness, relative error, standard error.
+
+    ``options``: ``samples``, ``top_classes``, ``seed`` of ``auto`` (its defaults when absent).
+    """
     exact = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False)
-    auto = normflat.analyze(model, data, loss="ce", progress=False)
+    auto = normflat.analyze(model, data, loss="ce", progress=False, **options)
     rows = []
     for a, b in zip(exact.layers, auto.layers):
         se = (b.standard_error or {}).get("normalized_sharpness", 0.0)
@@ -195,6 +199,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-accuracy", action="store_true")
     parser.add_argument("--no-timing", action="store_true")
     parser.add_argument("--memory", action="store_true", help="peak memory against a training step")
+    parser.add_argument("--samples", type=int, default=None, help="auto's draws in the accuracy table")
+    parser.add_argument("--top-classes", type=int, default=None, help="auto's exact classes in the accuracy table")
+    parser.add_argument("--seed", type=int, default=0, help="auto's seed in the accuracy table")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), minimum of {args.rounds} interleaved rounds")
@@ -237,7 +244,8 @@ def main(argv: list[str] | None = None) -> None:
         if not PROBLEMS[name][4]:
             continue  # no exact reference
         model, data, _ = make_problem(name)
-        rows = accuracy(model, data)
+        chosen = {"samples": args.samples, "top_classes": args.top_classes, "seed": args.seed}
+        rows = accuracy(model, data, **{key: value for key, value in chosen.items() if value is not None})
         hidden, head, total = rows[:-2], rows[-2], rows[-1]
         worst = max(abs(r["rel_error"]) for r in hidden)
         worst_z = max(abs(r["z"]) for r in hidden)
