@@ -335,7 +335,9 @@ def _linearized_group_values(
         A_units = np.where(active, np.exp(np.where(active, log_A - log_unit, 0.0)), 0.0)
     else:  # exact: a power-of-two rescaling of the plain values
         A_units = np.asarray(to_numpy(entries.A.values)) * 2.0 ** (entries.A.exp2 - e)
-    deviation = A_groups - A_units[None]
+    deviation = A_groups  # in place: no second (K, out, in) float64 array
+    deviation -= A_units[None]
+    del A_groups
 
     def linear_term(log_weight: np.ndarray) -> np.ndarray:
         """``Σ_ij deviation_kij · e^{log_weight_ij}`` per group k (weight 0 off ``active``)."""
