@@ -27,7 +27,7 @@ from typing import Any, Callable, Protocol
 from normflat.core.problem import LayerProblem
 from normflat.engine import data as data_contract
 from normflat.engine import distributed
-from normflat.engine import estimators
+from normflat.engine import estimators, native
 from normflat.engine.data import Batch, DataAdapter
 from normflat.engine.distributed import Comm
 from normflat.engine.options import AnalysisOptions, adopt_estimator, progress_bar
@@ -253,33 +253,12 @@ def _canonical_groups(session: Session, layer: int, groups: Any) -> Any:
     layer's canonical layout is its native one (no copy of ``K`` arrays), else the canonical
     groups stacked."""
     if isinstance(groups, (list, tuple)):
-        return _stack([session.canonical(layer, g) for g in groups])
+        return native.stack([session.canonical(layer, g) for g in groups])
     views = [groups[k] for k in range(int(groups.shape[0]))]
     canonical = [session.canonical(layer, v) for v in views]
     if all(c is v for c, v in zip(canonical, views)):
         return groups
-    return _stack(canonical)
-
-
-def _stack(arrays: list[Any]) -> Any:
-    """Stack same-shape native arrays along a new axis 0 (any array library)."""
-    first = arrays[0]
-    mod = type(first).__module__.split(".")[0]
-    if mod == "torch":
-        import torch
-
-        return torch.stack(arrays)
-    if mod in ("jax", "jaxlib"):
-        import jax.numpy as jnp
-
-        return jnp.stack(arrays)
-    if mod == "tensorflow":
-        import tensorflow as tf
-
-        return tf.stack(arrays)
-    import numpy as np
-
-    return np.stack([np.asarray(a) for a in arrays])
+    return native.stack(canonical)
 
 
 def layer_problems(make_session: Callable[[], Session], data: Any, options: AnalysisOptions,

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from normflat.engine import native
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.random import group_counts
 
@@ -65,7 +66,7 @@ class SumState:
         """The layer's running sums when a kernel may add into them in place (the state owns
         them, numpy or torch, not an exact layer's single sum), else ``None``."""
         sums = self.sums[layer]
-        if sums is None or layer not in self.owned or layer in self.exact or not _mutable(sums):
+        if sums is None or layer not in self.owned or layer in self.exact or not native.mutable(sums):
             return None
         return sums
 
@@ -84,39 +85,16 @@ class SumState:
             return
         if layer in self.owned:
             current[0] += value[0]  # in place for numpy and torch
-            if not _mutable(current):
+            if not native.mutable(current):
                 self.sums[layer] = _with_first(current, current[0] + value[0])
             return
         self.sums[layer] = _with_first(current, current[0] + value[0])
         self.owned.add(layer)
 
 
-def _mutable(array: Any) -> bool:
-    """Whether ``array[i] += x`` writes into ``array`` (numpy and torch; not JAX or TensorFlow)."""
-    return type(array).__module__.split(".")[0] in ("numpy", "torch")
-
-
 def _with_first(array: Any, first: Any) -> Any:
     """``array`` with its first entry along axis 0 replaced (a new array, any library)."""
-    return _concat([first[None], array[1:]])
-
-
-def _concat(arrays: list[Any]) -> Any:
-    first = arrays[0]
-    mod = type(first).__module__.split(".")[0]
-    if mod == "torch":
-        import torch
-
-        return torch.cat(arrays)
-    if mod in ("jax", "jaxlib"):
-        import jax.numpy as jnp
-
-        return jnp.concatenate(arrays)
-    if mod == "tensorflow":
-        import tensorflow as tf
-
-        return tf.concat(arrays, 0)
-    return np.concatenate(arrays)
+    return native.concat([first[None], array[1:]])
 
 
 def init(n_layers: int, options: AnalysisOptions) -> SumState:
@@ -141,7 +119,7 @@ def update(state: SumState, layer: int, value: Any, owned: bool = False, check: 
         if layer in state.exact:
             # A layer exact so far gets a full contribution (its fast rule gave way to the
             # generic path): its shared sum becomes sum 0 of 1 + K.
-            current = _concat([current, _zeros_like(value[1:])])
+            current = native.concat([current, native.zeros_like(value[1:])])
             state.sums[layer] = current
             state.exact.discard(layer)
             state.owned.add(layer)
@@ -156,23 +134,6 @@ def update(state: SumState, layer: int, value: Any, owned: bool = False, check: 
         state.sums[layer] = current + value
         state.owned.add(layer)
     return state
-
-
-def _zeros_like(array: Any) -> Any:
-    mod = type(array).__module__.split(".")[0]
-    if mod == "torch":
-        import torch
-
-        return torch.zeros_like(array)
-    if mod in ("jax", "jaxlib"):
-        import jax.numpy as jnp
-
-        return jnp.zeros_like(array)
-    if mod == "tensorflow":
-        import tensorflow as tf
-
-        return tf.zeros_like(array)
-    return np.zeros_like(array)
 
 
 def divisors(options: AnalysisOptions, examples: int) -> np.ndarray:
@@ -253,7 +214,7 @@ def finalize(state: SumState, options: AnalysisOptions, examples: int, zeros: Ca
             _check_finite(diag, all_finite, names[i])
             out.append((diag, None))
             continue
-        groups = _group_estimates(sums, offset, div, in_place=i in state.owned and _mutable(sums))
+        groups = _group_estimates(sums, offset, div, in_place=i in state.owned and native.mutable(sums))
         del sums
         diag = groups[0] + groups[1]
         for k in range(2, k_groups):
@@ -291,7 +252,7 @@ def _group_estimates(sums: Any, offset: int, div: np.ndarray, in_place: bool) ->
 
 def _repeat(array: Any, count: int) -> Any:
     """``(count, *shape)``: ``array`` repeated along a new axis 0 (a view in numpy and torch)."""
-    mod = type(array).__module__.split(".")[0]
+    mod = native.library(array)
     if mod == "torch":
         return array[None].expand(count, *array.shape)
     if mod == "numpy":
