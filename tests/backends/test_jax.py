@@ -253,7 +253,8 @@ def test_ggn_mc_converges_to_ggn_and_is_seeded():
     spec = SMOOTH["mlp-tanh"]()
     x, y = netspec.data(spec, n=8, seed=7)
     ggn, _ = diag_of(builder, spec, x, y, loss="nsce", estimator="ggn")
-    mc, _ = diag_of(builder, spec, x, y, loss="nsce", estimator="ggn-mc", samples=4000, batch_size=8)
+    # 8 examples × 1000 draws: a relative standard deviation of about 2 % per entry, far inside the 10 %.
+    mc, _ = diag_of(builder, spec, x, y, loss="nsce", estimator="ggn-mc", samples=1000, batch_size=8)
     for g, m in zip(ggn, mc):
         assert np.abs(m - g).max() < 0.1 * np.abs(g).max()
     one, _ = diag_of(builder, spec, x, y, loss="nsce", estimator="ggn-mc", samples=3, seed=1)

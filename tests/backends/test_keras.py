@@ -337,18 +337,20 @@ def test_ggn_mc_is_unbiased_and_reports_standard_errors():
     model = tanh_mlp()
     x, y = data_for(model, n=6)
     ggn = _diag(model, (x, y), loss="nsce")
-    mc = normflat.analyze(model, (x, y), loss="nsce", estimator="ggn-mc", samples=4000, progress=False)
-    mc_diag = _diag(model, (x, y), loss="nsce", estimator="ggn-mc", samples=4000)
+    # 6 examples × 1500 draws: a relative standard deviation of about 2 % per entry, inside the 12 %.
+    mc = normflat.analyze(model, (x, y), loss="nsce", estimator="ggn-mc", samples=1500, progress=False)
+    mc_diag = _diag(model, (x, y), loss="nsce", estimator="ggn-mc", samples=1500)
     for name in ggn:
         np.testing.assert_allclose(mc_diag[name], ggn[name], rtol=0.12, atol=2e-3 * np.abs(ggn[name]).max())
     assert mc.standard_error is not None and mc.standard_error["hessian_trace"] > 0
     exact_trace = sum(v.sum() for v in ggn.values())
     assert abs(mc.hessian_trace - exact_trace) < 5 * mc.standard_error["hessian_trace"]
-    # Same seed, same numbers; another seed, other numbers.
-    again = _diag(model, (x, y), loss="nsce", estimator="ggn-mc", samples=4000)
-    other = _diag(model, (x, y), loss="nsce", estimator="ggn-mc", samples=4000, seed=1)
-    np.testing.assert_array_equal(again["d1"], mc_diag["d1"])
-    assert not np.array_equal(other["d1"], mc_diag["d1"])
+    # Same seed, same numbers; another seed, other numbers (a few draws suffice to tell).
+    few = _diag(model, (x, y), loss="nsce", estimator="ggn-mc", samples=20)
+    again = _diag(model, (x, y), loss="nsce", estimator="ggn-mc", samples=20)
+    other = _diag(model, (x, y), loss="nsce", estimator="ggn-mc", samples=20, seed=1)
+    np.testing.assert_array_equal(again["d1"], few["d1"])
+    assert not np.array_equal(other["d1"], few["d1"])
     one = normflat.analyze(model, (x, y), estimator="ggn-mc", progress=False)  # samples=1: no error bars
     assert one.standard_error is None
 
