@@ -99,6 +99,21 @@ def test_samples_whose_mean_is_not_the_diagonal_are_refused(case):
         normflat.LayerProblem("L", np.ones((3, 3)), diag, hessian_diag_samples=samples)
 
 
+def test_a_producer_that_forms_the_mean_may_skip_the_samples_check():
+    """check_samples=False (what the engine passes after finalize formed the mean) skips only the
+    O(K·size) value checks; the shape is still checked, and the default still refuses."""
+    rng = np.random.default_rng(4)
+    samples = rng.random((4, 3, 2)) + 0.5
+    problem = normflat.LayerProblem("L", np.ones((3, 2)), samples.sum(axis=0), hessian_diag_samples=samples,
+                                    check_samples=False)
+    assert problem.hessian_diag_samples is samples
+    with pytest.raises(ValueError, match="must be the mean"):
+        normflat.LayerProblem("L", np.ones((3, 2)), samples.sum(axis=0), hessian_diag_samples=samples)
+    with pytest.raises(ValueError, match=r"expected \(K, 3, 2\)"):
+        normflat.LayerProblem("L", np.ones((3, 2)), samples.mean(axis=0), hessian_diag_samples=samples[:, :2],
+                              check_samples=False)
+
+
 def test_samples_check_holds_at_the_float64_limits():
     rng = np.random.default_rng(3)
     samples = (rng.random((3, 2, 2)) + 0.5) * 1e308  # a plain mean would overflow
