@@ -549,7 +549,8 @@ class TorchSession:
         k, m, nc = sig.shape[:3]
         outs = [cap.outputs[id(layer)] for layer in fast]
         flat = sig.reshape(k * m, nc, *sig.shape[3:])
-        real = [j for j in range(k * m) if j not in set(padding)]
+        skipped = set(padding)
+        real = [j for j in range(k * m) if j not in skipped]
         if padding:
             flat = flat[real]  # the zero padding is not back-propagated; the rules skip it (None)
         grads = list(ggn_kernels.backprop_signals(logits, outs, flat, self.batched))
