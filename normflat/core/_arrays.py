@@ -13,7 +13,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-__all__ = ["namespace_of", "as_float64", "to_numpy", "to_float"]
+__all__ = ["namespace_of", "as_float64", "holds_float64", "to_numpy", "to_float"]
 
 
 def namespace_of(*arrays: Any) -> Any:
@@ -36,13 +36,14 @@ def as_float64(x: Any, xp: Any) -> tuple[Any, Any]:
     """
     if x.dtype == xp.float64:
         return x, xp
-    if _holds_float64(xp):
+    if holds_float64(xp):
         return xp.astype(x, xp.float64), xp
     xp_np = array_api_compat.array_namespace(np.empty(0))
     return np.asarray(to_numpy(x), dtype=np.float64), xp_np
 
 
-def _holds_float64(xp: Any) -> bool:
+def holds_float64(xp: Any) -> bool:
+    """Whether the namespace ``xp`` can hold float64 arrays (not jax without ``jax_enable_x64``)."""
     # jax without x64 "truncates" float64 requests to float32 with a warning.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

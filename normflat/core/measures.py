@@ -7,7 +7,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from normflat.core._arrays import _holds_float64, as_float64, namespace_of, to_float, to_numpy
+from normflat.core._arrays import holds_float64, as_float64, namespace_of, to_float, to_numpy
 from normflat.core.problem import LayerProblem
 from normflat.core.report import LayerResult, Report, standard_error_of
 from normflat.core.solver import (
@@ -393,7 +393,7 @@ def _kernel_sums(group: Any, out: int, inp: int, scale: float = 1.0) -> np.ndarr
     per_pair = xs.reshape(group, (out, inp, -1))
     if scale != 1.0:
         per_pair = per_pair * scale
-    if group.dtype == xs.float64 or not _holds_float64(xs):
+    if group.dtype == xs.float64 or not holds_float64(xs):
         per_pair, xs = as_float64(per_pair, xs)
         sums = xs.sum(per_pair, axis=2)
     else:

@@ -83,10 +83,8 @@ class SumState:
         if layer in self.exact:
             update(self, layer, value, owned, check=False)
             return
-        if layer in self.owned:
-            current[0] += value[0]  # in place for numpy and torch
-            if not native.mutable(current):
-                self.sums[layer] = _with_first(current, current[0] + value[0])
+        if layer in self.owned and native.mutable(current):
+            current[0] += value[0]
             return
         self.sums[layer] = _with_first(current, current[0] + value[0])
         self.owned.add(layer)
@@ -189,18 +187,14 @@ def finalize(state: SumState, options: AnalysisOptions, examples: int, zeros: Ca
             _check_finite(diag, all_finite, names[i])
             out.append((diag, _repeat(diag, k_groups) if with_groups and k_groups > 1 else None))
             continue
-        if options.pooled and int(sums.shape[0]) == 1 + offset:  # the backend pooled the groups' sums
+        if int(sums.shape[0]) == 1 + offset and (k_groups == 1 or options.pooled):
+            # One group, or the backend pooled the groups' sums (options.pooled): one mean.
             diag = (sums[0] + sums[1] if offset else sums[0]) / float(div[0])
             _check_finite(diag, all_finite, names[i])
             out.append((diag, None))
             continue
         if int(sums.shape[0]) != k_groups + offset:
             raise ValueError(f"Layer {names[i]!r}: {sums.shape[0]} estimator sums, expected {k_groups + offset}")
-        if k_groups == 1:
-            diag = (sums[0] + sums[1] if offset else sums[0]) / float(div[0])
-            _check_finite(diag, all_finite, names[i])
-            out.append((diag, None))
-            continue
         if not with_groups and even:
             diag = sums[offset] + sums[offset + 1]
             for k in range(2, k_groups):
@@ -214,7 +208,7 @@ def finalize(state: SumState, options: AnalysisOptions, examples: int, zeros: Ca
             _check_finite(diag, all_finite, names[i])
             out.append((diag, None))
             continue
-        groups = _group_estimates(sums, offset, div, in_place=i in state.owned and native.mutable(sums))
+        groups = _group_estimates(sums, offset, div, even, in_place=i in state.owned and native.mutable(sums))
         del sums
         diag = groups[0] + groups[1]
         for k in range(2, k_groups):
@@ -227,7 +221,7 @@ def finalize(state: SumState, options: AnalysisOptions, examples: int, zeros: Ca
     return out
 
 
-def _group_estimates(sums: Any, offset: int, div: np.ndarray, in_place: bool) -> Any:
+def _group_estimates(sums: Any, offset: int, div: np.ndarray, even: bool, in_place: bool) -> Any:
     """Group estimates ``(sums_0 + sums_k) / div_k`` (or ``sums_k / div_k`` without a shared
     sum): a ``(K, *shape)`` view of the sums' own memory when ``in_place``, else a list of
     ``K`` new arrays."""
@@ -236,7 +230,7 @@ def _group_estimates(sums: Any, offset: int, div: np.ndarray, in_place: bool) ->
         groups = sums[offset:]
         if offset:
             groups += sums[0][None]
-        if bool(np.all(div == div[0])):
+        if even:  # every group has the same divisor
             groups /= float(div[0])
         else:
             for k in range(k_groups):

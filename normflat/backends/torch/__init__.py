@@ -46,7 +46,6 @@ holds what the backend knows about model libraries.
 from __future__ import annotations
 
 from dataclasses import replace
-
 from typing import Any
 
 from normflat.backends.torch.distributed import create as _create_comm

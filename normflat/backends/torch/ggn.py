@@ -230,20 +230,20 @@ def _unfold(module: nn.Module, a: torch.Tensor) -> torch.Tensor:
     return view.reshape(n, c * math.prod(k), math.prod(out))
 
 
-def _pair_products(x: torch.Tensor, pairs: torch.Tensor, doubled: bool = False) -> torch.Tensor:
+def _pair_products(x: torch.Tensor, pairs: torch.Tensor, doubled: torch.Tensor | None = None) -> torch.Tensor:
     """``(c, g, P, d)`` products ``x_l ⊙ x_l'`` over the ``P`` pairs ``l <= l'`` of the last axis
     of ``x`` ``(c, g, d, L)`` (``pairs``: their flat indices ``l·L + l'``).
 
-    ``doubled``: the off-diagonal products doubled, each standing for ``(l, l')`` and
-    ``(l', l)``. The products are formed position-major and the pairs picked as whole rows:
+    ``doubled``: ``(P,)`` mask of the pairs whose product is doubled (the off-diagonal ones,
+    each standing for ``(l, l')`` and ``(l', l)``). The products are formed position-major and the pairs picked as whole rows:
     a gather along the strided position axis was 5× slower than the matmul it feeds (measured).
     """
     c, g, d, L = x.shape
     rows = x.transpose(-1, -2).contiguous()  # (c, g, L, d)
     full = (rows[:, :, :, None] * rows[:, :, None]).reshape(c, g, L * L, d)
     out = full.index_select(2, pairs)
-    if doubled:
-        out[:, :, pairs % (L + 1) != 0] *= 2  # l != l'
+    if doubled is not None:
+        out[:, :, doubled] *= 2
     return out
 
 
@@ -268,7 +268,7 @@ def conv_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas, out: torch.
         # on the signal. No per-sample gradient is formed: the fast way for few output positions
         # (the small maps of a deep CNN on small images) or many signals per group.
         first, second = torch.triu_indices(L, L, device=a.device)
-        pairs = first * L + second
+        pairs, off_diagonal = first * L + second, first != second
         P = int(pairs.shape[0])
         for sl in _chunks(n, L * L * g * (cout_g + kk)):
             c = sl.stop - sl.start
@@ -278,7 +278,7 @@ def conv_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas, out: torch.
                 for j in range(group * M, (group + 1) * M):
                     if deltas.parts[j] is None:
                         continue
-                    prod = _pair_products(deltas.parts[j].reshape(n, g, cout_g, L)[sl], pairs, doubled=True)
+                    prod = _pair_products(deltas.parts[j].reshape(n, g, cout_g, L)[sl], pairs, off_diagonal)
                     d2 = prod if d2 is None else d2.add_(prod)
                 if d2 is None:
                     continue

@@ -427,13 +427,15 @@ class TorchSession:
                 # The data contract: labels in range. The GGN uses the labels of token logits only,
                 # for the counted tokens.
                 ids, terms = self._labels(batch, c, logits)
+            fast = [layer for layer in self._layers if layer.fast]
+            if not self.checked and fast:
+                # On the first forward, before the chunk is chosen: a batched backward holds every
+                # signal's intermediates at once, a looped one a signal's at a time.
+                self._first_check(logits, fast)
+                fast = [layer for layer in fast if layer.fast]
             if self.chunk is None:
                 # The class count is known after the first forward, which is redone in chunks if
-                # the whole batch is too big. The graph is inspected first: a batched backward
-                # holds every signal's intermediates at once, a looped one a signal's at a time.
-                fast = [layer for layer in self._layers if layer.fast]
-                if not self.checked and fast:
-                    self._first_check(logits, fast)
+                # the whole batch is too big.
                 self.chunk = self._choose_chunk(logits, rows, c)
                 if self.chunk < rows:
                     cap.reset()
@@ -454,10 +456,6 @@ class TorchSession:
                 draws = self.options.draws * (tokens or 1)
                 u = nrandom.sample_uniforms(self.options.seed, self.rank, batch.offset + start, rows, draws)
                 uniforms = torch.from_numpy(u).to(device=logits.device, dtype=logits.dtype)
-            fast = [layer for layer in self._layers if layer.fast]
-            if not self.checked and fast:
-                self._first_check(logits, fast)
-                fast = [layer for layer in fast if layer.fast]
             for layer in fast:
                 if cap.calls.get(id(layer), 0) != 1 or cap.modified(id(layer)):
                     # Dynamic models: re-checked on every chunk; earlier chunks' sums stay valid.
