@@ -25,7 +25,10 @@ Problems:
   (its exact ``ggn``, 999 signals through 12 blocks, is not run);
 * ``gpt2-5000``: a 2-layer GPT-2 (width 64) with a 5000-token vocabulary, 4 sequences of 32
   tokens with ``labels = input_ids`` (its exact ``ggn`` needs 32 · 4999 signals per sequence
-  and is not run).
+  and is not run). Its ``auto`` and ``ggn-mc`` back-propagate one signal per sequence (method
+  §6.3); the "per token" column is ``auto`` with ``sequence_signals=False``, one signal per
+  token, and the accuracy table compares the two (no exact reference: the difference over
+  the combined standard error).
 
 Run::
 
@@ -121,6 +124,8 @@ def _runs(name: str, model: nn.Module, data: Any, loss_of: Callable[[nn.Module],
     # "auto": hessian_diagonal with the defaults (only the mean: pooled group sums); "analyze":
     # the whole report with standard errors (1 + K sums for ggn-topk, the solver, the measures).
     runs = {"gradient": gradient, "auto": normflat_run(), "analyze": analyze_run}
+    if name in LANGUAGE_MODELS:
+        runs["per token"] = normflat_run(sequence_signals=False)
     if PROBLEMS[name][4]:  # too slow for the ViT (999 signals through 12 blocks) and the LM
         runs["ggn"] = normflat_run(estimator="ggn")
     runs["ggn-mc"] = normflat_run(estimator="ggn-mc")
@@ -154,6 +159,25 @@ def accuracy(model: nn.Module, data: Any, **options: Any) -> list[dict[str, Any]
                  "rel_se": total_se / exact.normalized_sharpness,
                  "z": (auto.normalized_sharpness - exact.normalized_sharpness) / total_se if total_se else 0.0,
                  "estimator": auto.metadata["estimator"]})
+    return rows
+
+
+def lm_accuracy(model: nn.Module, data: Any, **options: Any) -> list[dict[str, Any]]:
+    """Per layer of a language model: per-sequence ``auto`` against per-token ``auto``.
+
+    Both are unbiased estimates of the same GGN (method §6.3) with reported standard errors;
+    ``z`` is their difference over the combined standard error.
+    """
+    per_token = normflat.analyze(model, data, loss="ce", progress=False, sequence_signals=False, **options)
+    per_seq = normflat.analyze(model, data, loss="ce", progress=False, **options)
+    rows = []
+    for a, b in zip(per_token.layers, per_seq.layers):
+        sa = (a.standard_error or {}).get("normalized_sharpness", 0.0)
+        sb = (b.standard_error or {}).get("normalized_sharpness", 0.0)
+        both = math.hypot(sa, sb)
+        rows.append({"layer": a.name, "rel_diff": b.normalized_sharpness / a.normalized_sharpness - 1,
+                     "rel_se": sb / b.normalized_sharpness, "rel_se_token": sa / a.normalized_sharpness,
+                     "z": (b.normalized_sharpness - a.normalized_sharpness) / both if both else 0.0})
     return rows
 
 
@@ -222,8 +246,9 @@ def main(argv: list[str] | None = None) -> None:
                   f"{exact_cells} |", flush=True)
     if args.no_timing:
         args.problems = [] if args.no_accuracy else args.problems
-    print("| problem | auto | analyze | ggn (exact) | ggn-mc (1 draw) | BackPACK exact | gradient (s) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| problem | auto | analyze | ggn (exact) | ggn-mc (1 draw) | BackPACK exact | auto per token | "
+          "gradient (s) |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in ([] if args.no_timing else args.problems):
         times = {m: min(t) for m, t in time_rounds(_runs(name, *make_problem(name)), args.rounds).items()}
         g = times["gradient"]
@@ -232,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
             return f"{times[method] / g:.1f}×" if method in times else "—"
 
         print(f"| {name} | {cell('auto')} | {cell('analyze')} | {cell('ggn')} | {cell('ggn-mc')} | {cell('backpack')} "
-              f"| {g:.4f} |",
+              f"| {cell('per token')} | {g:.4f} |",
               flush=True)
     if args.no_accuracy:
         return
@@ -251,6 +276,20 @@ def main(argv: list[str] | None = None) -> None:
         worst_z = max(abs(r["z"]) for r in hidden)
         print(f"| {name} | {total['estimator']} | {worst:.2%} | {worst_z:.1f} | {abs(head['rel_error']):.1e} | "
               f"{total['rel_error']:+.2%} ({total['rel_se']:.2%}) |", flush=True)
+    lms = [name for name in args.problems if name in LANGUAGE_MODELS]
+    if lms:
+        print("\nLanguage models: auto per sequence against auto per token (normalized sharpness per layer)")
+        print("| problem | layers | max abs. relative difference | max |difference| / combined SE | "
+              "median relative SE per sequence | median relative SE per token |")
+        print("|---|---|---|---|---|---|")
+    for name in lms:
+        model, data, _ = make_problem(name)
+        chosen = {"samples": args.samples, "top_classes": args.top_classes, "seed": args.seed}
+        rows = lm_accuracy(model, data, **{key: value for key, value in chosen.items() if value is not None})
+        med = sorted(r["rel_se"] for r in rows)[len(rows) // 2]
+        med_token = sorted(r["rel_se_token"] for r in rows)[len(rows) // 2]
+        print(f"| {name} | {len(rows)} | {max(abs(r['rel_diff']) for r in rows):.2%} | "
+              f"{max(abs(r['z']) for r in rows):.1f} | {med:.2%} | {med_token:.2%} |", flush=True)
 
 
 if __name__ == "__main__":

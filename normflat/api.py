@@ -29,6 +29,7 @@ def analyze(
     ignore_index: int = -100,
     output: Any = None,
     shift_labels: bool | None = None,
+    sequence_signals: bool | None = None,
     tol: float = DEFAULT_TOL,
     max_iter: int = DEFAULT_MAX_ITER,
     **backend_options: Any,
@@ -66,6 +67,12 @@ def analyze(
             entry of a tuple), a key/attribute name, an index, or a callable.
         shift_labels: Whether token logits at ``t`` predict the label at ``t + 1``
             (``None``: yes for Hugging Face causal language models, no otherwise).
+        sequence_signals: Token logits: whether each back-propagated signal spans a whole
+            sequence, the tokens' signals summed with independent random signs (one
+            back-propagation per signal and sequence instead of one per signal and token;
+            unbiased, its spread in the standard errors), or one token. ``None``: per
+            sequence for ``"ggn-topk"``, ``"ggn-mc"`` and ``"auto"``'s ``"ggn-topk"``, per
+            token for the exact ``"ggn"`` (method §6.3).
         tol: Relative balance tolerance of the per-layer solver.
         max_iter: Maximum solver sweeps per layer.
         **backend_options: Options of the model's backend (see its guide).
@@ -92,6 +99,7 @@ def analyze(
         max_batches=max_batches,
         progress=progress, on_unsupported=on_unsupported, temperature=temperature,
         ignore_index=ignore_index, output=output, shift_labels=shift_labels,
+        sequence_signals=sequence_signals,
     )
     name, backend = backend_for(model)
     if data is None:
@@ -131,6 +139,7 @@ def hessian_diagonal(
     ignore_index: int = -100,
     output: Any = None,
     shift_labels: bool | None = None,
+    sequence_signals: bool | None = None,
     **backend_options: Any,
 ) -> dict[str, Any]:
     """Hessian (or GGN) diagonal of the mean training loss for every recognised layer.
@@ -148,6 +157,7 @@ def hessian_diagonal(
         max_batches=max_batches,
         progress=progress, on_unsupported=on_unsupported, temperature=temperature,
         ignore_index=ignore_index, output=output, shift_labels=shift_labels,
+        sequence_signals=sequence_signals,
     )
     _, backend = backend_for(model)
     return backend.hessian_diagonal(model, data, options, **backend_options)
@@ -171,6 +181,7 @@ def measures(
     ignore_index: int = -100,
     output: Any = None,
     shift_labels: bool | None = None,
+    sequence_signals: bool | None = None,
     backend_options: dict[str, Any] | None = None,
     **setting_overrides: Any,
 ) -> Any:
@@ -198,7 +209,7 @@ def measures(
         estimator, samples: Hessian-diagonal estimator of the analysis behind the bound.
         seed: Seed of normflat's own generators (the global RNG is not used).
         max_batches, progress, on_unsupported, temperature, ignore_index, output,
-            shift_labels: As for :func:`analyze`.
+            shift_labels, sequence_signals: As for :func:`analyze`.
         backend_options: Options of the model's backend, as for :func:`analyze`.
         **setting_overrides: Fields of :class:`~normflat.engine.rivals.MeasureSettings`.
 
@@ -220,7 +231,8 @@ def measures(
     # The options of the analysis behind the bound, which are also those of the measures.
     common = dict(loss=loss, estimator=estimator, samples=samples, seed=seed, max_batches=max_batches,
                   progress=progress, on_unsupported=on_unsupported, temperature=temperature,
-                  ignore_index=ignore_index, output=output, shift_labels=shift_labels)
+                  ignore_index=ignore_index, output=output, shift_labels=shift_labels,
+                  sequence_signals=sequence_signals)
     options = validate_options(**common)
     check_rival_options(options)
     if data is None:

@@ -87,7 +87,8 @@ class Session(Protocol):
         """The canonical weight of layer ``layer`` (a detached copy or view)."""
 
     def metadata(self) -> dict[str, Any]:
-        """``dtype``, ``device``, ``chunk_size``, ``memory_budget`` and ``backend`` extras."""
+        """``dtype``, ``device``, ``chunk_size``, ``memory_budget`` and ``backend`` extras, and
+        ``token_logits`` (whether the model returned ``(n, T, C)`` token logits)."""
 
     def close(self) -> None:
         """Restore everything of the user's model and process that the session touched."""
@@ -196,6 +197,11 @@ def run(make_session: Callable[[], Session], data: Any, options: AnalysisOptions
             if options.estimator == "auto":
                 _agree_on_estimator(comm, session)
             filled = [s if s is not None else session.zeros(i) for i, s in enumerate(state.sums)]
+            for i in sorted(state.exact):
+                # An exact layer keeps only its shared sum (1, ...) (SumState.add_exact), a rank that
+                # saw no batch or took another path has all of them: the same shape on every rank.
+                filled[i] = native.concat([filled[i], session.zeros(i)[1:]])
+            state.exact.clear()
             state.sums = comm.sum_arrays(filled)
             per_rank = comm.gather(examples)
             examples, count, terms = comm.sum_ints([examples, count, terms])
@@ -229,6 +235,7 @@ def run(make_session: Callable[[], Session], data: Any, options: AnalysisOptions
             world_size=extra.get("world_size", 1), chunk_size=meta.pop("chunk_size", None),
             memory_budget=meta.pop("memory_budget", None), backend={**backend, **meta},
             loss_terms=terms, parameters=getattr(session, "parameters", None),
+            token_logits=bool(meta.pop("token_logits", False)),
         )
         return Result(list(session.layers), weights, diags, samples, metadata)
     finally:

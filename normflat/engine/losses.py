@@ -20,9 +20,11 @@ backend passes a tiny adapter); the functions use only ``mean``, ``sum``,
 * for ``nsce`` the signals are pulled back through the normalization, whose
   Jacobian ``(τ/σ)(P − ẑ ẑᵀ / C)`` is symmetric (:func:`pull_back`);
 * token logits ``(n, T, C)`` (method §6.3): every counted token is one term of
-  the mean loss; labels equal to ``ignore_index`` are masked out, and the GGN
-  signals of token ``t`` are placed at token ``t`` only (:func:`token_signals`),
-  so that every (token, signal) pair is its own squared per-sample gradient.
+  the mean loss; labels equal to ``ignore_index`` are masked out. The exact ``ggn``
+  places the signals of token ``t`` at token ``t`` only, so that every (token,
+  signal) pair is its own squared per-sample gradient; the stochastic estimators sum
+  each signal over the sequence's tokens with independent random signs (one
+  back-propagation per signal and sequence, :func:`token_signals`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ __all__ = [
     "diagonal_signals",
     "token_signals",
     "pool_signals",
+    "zero_signals",
     "logit_stats",
     "check_logit_stats",
     "CONSTANT_LOGITS_RMS",
@@ -315,14 +318,26 @@ def _topk_classes(xp: Any, p: Any, uniforms: Any, top: int, groups: int, members
     return index, scale
 
 
-def signal_slots(options: AnalysisOptions, num_classes: int) -> list[tuple[int, int]]:
+def signal_slots(options: AnalysisOptions, num_classes: int, sequence: bool = False) -> list[tuple[int, int]]:
     """The ``(group, member)`` slots of the ``(K', M)`` signal layout that hold real signals.
 
     The others are zero padding; a backend may skip them (each would cost one
     back-propagation and add nothing). ``ggn``: all ``C − 1``; ``ggn-mc``: draw ``d`` is
     member ``d // K`` of group ``d mod K``; ``ggn-topk``: group 0's ``min(k, C)`` exact
     signals, then the draws of groups ``1..K`` as for ``ggn-mc``.
+
+    ``sequence``: the per-sequence signals of token logits (:func:`token_signals` with
+    :attr:`~normflat.engine.options.AnalysisOptions.per_sequence`, ``M`` of
+    :meth:`~normflat.engine.options.AnalysisOptions.token_signals_per_group`): ``ggn-mc``
+    as above; ``ggn-topk``: group 0 is all zeros, and each sampled group holds its
+    ``min(k, C)`` signed top-class signals, then its signed draws.
     """
+    if sequence and options.per_sequence and options.estimator == "ggn-topk":
+        assert options.samples is not None and options.top_classes is not None
+        k, top = options.groups, min(options.top_classes, num_classes)
+        return [(g + 1, j) for g in range(k) for j in range(top)
+                ] + [(g + 1, top + j) for g in range(k) for j in range(-(-options.samples // k))
+                     if g + j * k < options.samples]
     m = options.signals_per_group(num_classes)
     if options.estimator == "ggn":
         return [(0, j) for j in range(m)]
@@ -421,13 +436,20 @@ def output_signals(xp: Any, logits: Any, options: AnalysisOptions, uniforms: Any
     return sig
 
 
-def pool_signals(xp: Any, signals: Any, options: AnalysisOptions) -> tuple[Any, list[int]]:
+def pool_signals(xp: Any, signals: Any, options: AnalysisOptions, sequence: bool = False) -> tuple[Any, list[int]]:
     """The signals of :attr:`AnalysisOptions.pooled` sums: ``(1 + shared, K·M, ...)``.
 
     The ``K`` sampled groups ``(K, M, ...)`` become one group of ``K·M`` signals, each
     scaled by ``1/√K``, whose squares sum to the mean of the ``K`` group sums (the same
     draws, so the same mean). ``ggn-topk``'s shared group 0 stays first, zero-padded to
     ``K·M`` signals.
+
+    Args:
+        xp: Array namespace.
+        signals: ``(K', M, ...)`` signals of :func:`output_signals` or :func:`token_signals`.
+        options: The analysis options.
+        sequence: The signals are :func:`token_signals`' per-sequence ones, whose shared
+            group 0 is all zeros (:func:`zero_signals`).
 
     Returns:
         ``(signals, padding)``: the pooled signals and the flat indices ``g·K·M + j`` of the
@@ -441,7 +463,20 @@ def pool_signals(xp: Any, signals: Any, options: AnalysisOptions) -> tuple[Any, 
     if not offset:
         return sampled, []
     pad = xp.concat([signals[:1] * 0] * (k - 1), axis=1)  # zeros on the signals' device
-    return xp.concat([xp.concat([signals[:1], pad], axis=1), sampled], axis=0), list(range(m, k * m))
+    real = 0 if zero_signals(options, m, sequence) else m
+    return xp.concat([xp.concat([signals[:1], pad], axis=1), sampled], axis=0), list(range(real, k * m))
+
+
+def zero_signals(options: AnalysisOptions, members: int, sequence: bool = False) -> list[int]:
+    """Flat indices ``g·M + j`` of the ``(K', M)`` signals known to be zero before they are formed.
+
+    The shared group 0 of per-sequence ``ggn-topk`` token signals (:func:`token_signals`:
+    every top-class signal carries its sampled group's signs), else none; a backend need not
+    back-propagate them. (Padding inside the groups is :func:`signal_slots`' business.)
+    """
+    if sequence and options.per_sequence and options.shared_group:
+        return list(range(members))
+    return []
 
 
 @dataclass
@@ -537,35 +572,54 @@ def output_factor(xp: Any, logits: Any, options: AnalysisOptions, uniforms: Any 
 
 def token_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, uniforms: Any = None,
                   tokens: tuple[int, int] | None = None, diagonal: bool = False) -> Any:
-    """GGN signals ``(K, M·W, n, T, C)`` of token logits ``(n, T, C)`` (method §6.3).
+    """GGN signals ``(K', M', n, T, C)`` of token logits ``(n, T, C)`` (method §6.3).
 
-    The loss Hessian of one sequence is block-diagonal over its tokens, so its
-    factor is the per-token factor of :func:`output_signals` placed at one token:
-    signal ``m·W + j`` is the ``m``-th signal of token ``lo + j`` at position ``lo + j``
-    and zero elsewhere. Tokens not counted (``counted`` is 0) carry zero signals.
+    The loss Hessian of one sequence is block-diagonal over its tokens. **Per token**
+    (the exact ``ggn``, or ``sequence_signals=False``): its factor is the per-token
+    factor of :func:`output_signals` placed at one token, ``M' = M·W``: signal ``m·W + j``
+    is the ``m``-th signal of token ``lo + j`` at position ``lo + j`` and zero elsewhere.
+    **Per sequence** (:attr:`~normflat.engine.options.AnalysisOptions.per_sequence`,
+    ``M'`` of :meth:`~normflat.engine.options.AnalysisOptions.token_signals_per_group`):
+    a signal is the sum over the tokens of one per-token signal each, times an
+    independent sign ``ε_t = ±1``: the square of its gradient is the sum of the tokens'
+    squares plus cross terms ``ε_t ε_t' g_t g_t'`` of mean zero, one back-propagation for
+    the whole sequence. ``ggn-mc``'s per-token signals ``(e_ỹ − p)/√m`` already have mean
+    zero and independent draws, so they are summed as they are; ``ggn-topk``'s sampled
+    group ``g`` holds the top-class signals and its draws, each with its own signs from
+    the uniforms' sign columns (so the groups are independent), and the shared group 0
+    is zero (the exact part is no longer exact once signed). Tokens not counted
+    (``counted`` is 0) carry zero signals.
 
     Args:
         xp: Array namespace.
         logits: ``(n, T, C)`` token logits.
         options: The analysis options.
         counted: ``(n, T)`` 1 for counted tokens, 0 for ignored ones (logits' dtype).
-        uniforms: ``ggn-mc`` only: ``(n, T·S)`` uniforms, token ``t`` taking columns
-            ``t·S .. (t+1)·S − 1``.
-        tokens: ``(lo, hi)``: only the signals of tokens ``lo .. hi − 1`` (``W = hi − lo``),
-            so that a backend can bound memory by taking a few tokens at a time;
-            ``None``: every token (``W = T``). Each token's signals depend on its own
+        uniforms: ``ggn-mc``/``ggn-topk``: ``(n, T·D)`` uniforms
+            (:meth:`~normflat.engine.options.AnalysisOptions.uniform_columns`), token ``t``
+            taking columns ``t·D .. (t+1)·D − 1``: its ``S`` class draws, then (per-sequence
+            ``ggn-topk``) one sign column per sampled group and member, ``g·(k + ⌈S/K⌉) + j``
+            for top-class signal ``j`` and ``g·(k + ⌈S/K⌉) + k + j`` for draw ``j``
+            (``k = top_classes``), the sign ``+1`` below 1/2.
+        tokens: Per token only: ``(lo, hi)``: only the signals of tokens ``lo .. hi − 1``
+            (``W = hi − lo``), so that a backend can bound memory by taking a few tokens at a
+            time; ``None``: every token (``W = T``). Each token's signals depend on its own
             logits and uniforms only, so the blocks together are the whole factor.
-        diagonal: Place :func:`diagonal_signals` (``M = 1``) instead, for a layer whose
-            output is the logits.
+        diagonal: Place :func:`diagonal_signals` (``M = 1``) per token instead, for a layer
+            whose output is the logits (always per token: its squares are exact).
     """
     # The sample axis may be unknown while tracing (tf.function with relaxed shapes): -1 below.
     t, c = int(logits.shape[1]), int(logits.shape[2])
+    if options.per_sequence and not diagonal:
+        if tokens is not None and tuple(tokens) != (0, t):
+            raise ValueError("per-sequence token signals are formed for all tokens at once (tokens=None)")
+        return _sequence_signals(xp, logits, options, counted, uniforms)
     lo, hi = tokens if tokens is not None else (0, t)
     w = hi - lo
     rows = xp.reshape(logits[:, lo:hi], (-1, c))  # (n·W, C)
     if uniforms is not None:
         draws = int(uniforms.shape[1]) // t
-        uniforms = xp.reshape(uniforms[:, lo * draws:hi * draws], (-1, draws))
+        uniforms = xp.reshape(uniforms[:, lo * draws:hi * draws], (-1, draws))[:, :options.draws]
     sig = diagonal_signals(xp, rows, options) if diagonal else output_signals(xp, rows, options, uniforms)
     k, m = int(sig.shape[0]), int(sig.shape[1])
     sig = xp.reshape(sig, (k, m, -1, w, c)) * counted[None, None, :, lo:hi, None]
@@ -574,6 +628,29 @@ def token_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, 
                       logits.dtype)  # (W, T): token lo + j sits at position lo + j
     placed = sig[:, :, :, :, None, :] * place[None, None, :, None, :, None]  # (K, M, W, n, T, C)
     return xp.reshape(placed, (k, m * w, -1, t, c))
+
+
+def _sequence_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, uniforms: Any) -> Any:
+    """The per-sequence signals ``(K', M', n, T, C)`` of :func:`token_signals`."""
+    t, c = int(logits.shape[1]), int(logits.shape[2])
+    rows = xp.reshape(logits, (-1, c))  # (n·T, C)
+    columns = int(uniforms.shape[1]) // t
+    u = xp.reshape(uniforms, (-1, columns))  # (n·T, D): token rows, as rows
+    s = options.draws
+    sig = output_signals(xp, rows, options, u[:, :s])  # (K', M, n·T, C), per token
+    if options.estimator == "ggn-topk":
+        assert options.top_classes is not None
+        groups, k = options.groups, options.top_classes
+        top, draws = min(k, c), -(-s // groups)
+        stride = k + draws
+        signs = xp.where(u[:, s:] < 0.5, xp.ones_like(u[:, s:]), -xp.ones_like(u[:, s:]))  # (n·T, K·stride)
+        signs = _permute(xp, xp.reshape(signs, (-1, groups, stride)), (1, 2, 0))  # (K, stride, n·T)
+        signs = xp.concat([signs[:, :top], signs[:, k:k + draws]], axis=1)  # (K, top + draws, n·T)
+        exact = xp.concat([sig[:1, :top]] * groups, axis=0)  # (K, top, n·T, C): every group's own copy
+        body = xp.concat([exact, sig[1:, :draws]], axis=1) * signs[..., None]
+        sig = xp.concat([body[:1] * 0, body], axis=0)  # the shared group 0 holds nothing
+    k2, m = int(sig.shape[0]), int(sig.shape[1])
+    return xp.reshape(sig, (k2, m, -1, t, c)) * counted[None, None, :, :, None]
 
 
 def logit_stats(xp: Any, logits: Any) -> Any:

@@ -80,6 +80,12 @@ class AnalysisOptions:
             ``t + 1`` (a causal language model fed ``labels = input_ids``, as Hugging
             Face's own loss shifts them); ``None``: the backend decides (shifted for
             Hugging Face causal language models, not otherwise).
+        sequence_signals: Token logits only (method §6.3): whether every back-propagated
+            signal spans a whole sequence, each token's signal times an independent random
+            sign (``True``: one back-propagation per signal and sequence), or one token
+            (``False``: ``T`` per signal and sequence, each (token, signal) pair its own
+            square); ``None``: per sequence for ``ggn-mc`` and ``ggn-topk``, per token for
+            the exact ``ggn`` (:attr:`per_sequence`).
     """
 
     loss: Any = "nsce"
@@ -94,6 +100,7 @@ class AnalysisOptions:
     ignore_index: int = -100
     output: Any = None
     shift_labels: bool | None = None
+    sequence_signals: bool | None = None
     #: Whether the ``K`` group estimates are wanted (for standard errors). ``hessian_diagonal``
     #: needs only their mean: a backend may then pool the groups' sums (:attr:`pooled`).
     group_estimates: bool = True
@@ -151,11 +158,44 @@ class AnalysisOptions:
 
     @property
     def draws(self) -> int:
-        """Uniforms per sample (per token of token logits) the estimator consumes."""
+        """Class draws per sample (per token of token logits) the estimator consumes."""
         if self.estimator in ("ggn-mc", "ggn-topk"):
             assert self.samples is not None
             return self.samples
         return 0
+
+    @property
+    def per_sequence(self) -> bool:
+        """Whether the signals of token logits span whole sequences (method §6.3).
+
+        ``sequence_signals`` if given, else ``True`` for the stochastic ``ggn-mc`` and
+        ``ggn-topk`` and ``False`` for the exact ``ggn`` (whose signals are exact per token;
+        random signs would make it stochastic). Irrelevant for ``(n, C)`` logits.
+        """
+        if self.estimator not in ("ggn-mc", "ggn-topk"):
+            return False
+        return True if self.sequence_signals is None else bool(self.sequence_signals)
+
+    @property
+    def sign_draws(self) -> int:
+        """Uniforms per token that give the random signs of :attr:`per_sequence` ``ggn-topk``.
+
+        ``K · (k + ⌈S/K⌉)``: one per sampled group and member, ``k`` the unclipped
+        ``top_classes`` so that the layout does not depend on the number of classes. ``ggn-mc``
+        needs none: its per-token signals ``e_ỹ − p`` already have mean zero.
+        """
+        if not self.per_sequence or self.estimator != "ggn-topk":
+            return 0
+        assert self.samples is not None and self.top_classes is not None
+        return self.groups * (self.top_classes + -(-self.samples // self.groups))
+
+    def uniform_columns(self, tokens: int | None = None) -> int:
+        """Uniforms per sample a GGN estimator consumes: :attr:`draws` for ``(n, C)`` logits;
+        ``T · (draws + sign_draws)`` for token logits of ``T`` tokens, token ``t`` taking
+        columns ``t·D .. (t+1)·D − 1`` (``D = draws + sign_draws``; the class draws first)."""
+        if tokens is None:
+            return self.draws
+        return int(tokens) * (self.draws + self.sign_draws)
 
     def signals_per_group(self, num_classes: int) -> int:
         """``M``: back-propagated signals per sum group (per token), padding included.
@@ -173,6 +213,23 @@ class AnalysisOptions:
             assert self.samples is not None and self.top_classes is not None
             return max(min(self.top_classes, num_classes), -(-self.samples // self.groups))
         raise ValueError(f"estimator {self.estimator!r} back-propagates no output signals")
+
+    def token_signals_per_group(self, num_classes: int, tokens: int) -> int:
+        """Back-propagated signals per sum group and sequence of token logits (padding included).
+
+        Per token (:attr:`per_sequence` false): ``M · T``, each signal at one token. Per
+        sequence: ``ggn-mc``: ``⌈S/K⌉``; ``ggn-topk``: ``min(k, C) + ⌈S/K⌉`` in each sampled
+        group (the signed top-class signals, then the signed draws), and the shared group 0
+        holds zeros (:func:`normflat.engine.losses.token_signals`).
+        """
+        if not self.per_sequence:
+            return self.signals_per_group(num_classes) * int(tokens)
+        assert self.samples is not None
+        draws = -(-self.samples // self.groups)
+        if self.estimator == "ggn-topk":
+            assert self.top_classes is not None
+            return min(self.top_classes, num_classes) + draws
+        return draws
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -198,6 +255,7 @@ def validate_options(
     ignore_index: int = -100,
     output: Any = None,
     shift_labels: bool | None = None,
+    sequence_signals: bool | None = None,
 ) -> AnalysisOptions:
     """Check the common options and fill defaults.
 
@@ -272,6 +330,20 @@ def validate_options(
         )
     if shift_labels is not None and not isinstance(shift_labels, bool):
         raise TypeError(f"shift_labels must be True, False or None (decided by the backend), got {shift_labels!r}.")
+    if sequence_signals is not None:
+        if not isinstance(sequence_signals, bool):
+            raise TypeError(f"sequence_signals must be True, False or None (per sequence for 'ggn-mc' and "
+                            f"'ggn-topk', per token for 'ggn'), got {sequence_signals!r}.")
+        if sequence_signals and estimator not in ("ggn-mc", "ggn-topk", "auto"):
+            raise ValueError(
+                f"sequence_signals=True needs a stochastic GGN estimator ('ggn-topk', 'ggn-mc' or 'auto'); "
+                f"estimator={estimator!r} " + ("takes its signals exactly, token by token" if estimator == "ggn"
+                                               else "back-propagates no output signals")
+                + ". Drop sequence_signals, or pass estimator='ggn-topk'.")
+        if not sequence_signals and estimator not in GGN_ESTIMATORS:
+            raise ValueError(
+                f"sequence_signals=False has no meaning for estimator={estimator!r}, which back-propagates "
+                "no output signals. Drop sequence_signals.")
     return AnalysisOptions(
         loss=loss,
         estimator=estimator,
@@ -285,22 +357,30 @@ def validate_options(
         ignore_index=int(ignore_index),
         output=output,
         shift_labels=shift_labels,
+        sequence_signals=sequence_signals,
     )
 
 
-def resolve_estimator(options: AnalysisOptions, num_classes: int) -> AnalysisOptions:
+def resolve_estimator(options: AnalysisOptions, num_classes: int, tokens: int | None = None) -> AnalysisOptions:
     """The concrete estimator of ``estimator="auto"`` for a model with ``num_classes`` classes.
 
     ``auto`` is the exact ``ggn`` when its ``C − 1`` signals are at most twice the
     ``K'·M`` signals of ``ggn-topk`` (which also forms ``K'`` sums of squares per layer
     instead of one; with the defaults, ``C <= 25``), and ``ggn-topk`` otherwise, whose
     cost does not grow with ``C`` and whose standard errors are reported (method §6.2).
+    Token logits (``tokens`` given, method §6.3): ``ggn-topk`` with signals per sequence
+    (:attr:`~AnalysisOptions.per_sequence`), ``K · (min(k, C) + ⌈S/K⌉)`` back-propagations per
+    sequence against the exact ``ggn``'s ``T (C − 1)``; the choice does not depend on ``T``,
+    so sequences of any length, on any rank, resolve alike. With ``sequence_signals=False``
+    the per-token counts, ``T`` times those of ``(n, C)`` logits, give the rule above.
     Other estimators are returned unchanged.
     """
     if options.estimator != "auto":
         return options
     assert options.samples is not None and options.top_classes is not None
     topk = adopt_estimator(options, "ggn-topk")
+    if tokens is not None and topk.per_sequence:
+        return topk
     if num_classes - 1 <= 2 * topk.state_groups * topk.signals_per_group(num_classes):
         return adopt_estimator(options, "ggn")
     return topk

@@ -23,9 +23,11 @@ __all__ = ["LayerSpec", "ParameterStatus", "build_problems", "build_metadata", "
 #: ``excluded`` maps each parameter that is not a weight matrix by definition to the
 #: reason (method §3); ``coverage`` is the analyzed fraction of the weight-matrix
 #: entries (:func:`coverage`). ``estimator`` is the one used: ``"auto"`` is recorded as
-#: the estimator it resolved to.
+#: the estimator it resolved to. ``sequence_signals`` is whether token logits' signals spanned
+#: whole sequences (method §6.3; ``None`` for ``(n, C)`` logits or an estimator without signals).
 METADATA_KEYS = (
     "framework", "framework_version", "loss", "estimator", "samples", "top_classes", "seed", "temperature",
+    "sequence_signals",
     "examples", "batches", "dtype", "device", "world_size", "unsupported", "chunk_size",
     "memory_budget", "backend", "loss_terms", "excluded", "coverage",
 )
@@ -170,11 +172,13 @@ def build_metadata(framework: str, framework_version: str, options: AnalysisOpti
                    batches: int, dtype: str, device: str, unsupported: list[str], world_size: int = 1,
                    chunk_size: int | None = None, memory_budget: int | None = None,
                    backend: dict[str, Any] | None = None, loss_terms: int | None = None,
-                   parameters: list[ParameterStatus] | None = None) -> dict[str, Any]:
+                   parameters: list[ParameterStatus] | None = None, token_logits: bool = False) -> dict[str, Any]:
     """Report metadata with :data:`METADATA_KEYS`, the same in every framework.
 
     Args:
         loss_terms: Terms the mean loss averages (default: ``examples``).
+        token_logits: Whether the model returned token logits ``(n, T, C)`` (for
+            ``sequence_signals``).
         parameters: The session's parameter inventory, for ``excluded`` and
             ``coverage`` (``None``: not reported by the backend, both empty).
     """
@@ -188,6 +192,8 @@ def build_metadata(framework: str, framework_version: str, options: AnalysisOpti
         "top_classes": options.top_classes,
         "seed": options.seed if options.stochastic else None,
         "temperature": options.temperature if options.loss == "nsce" else None,
+        "sequence_signals": (options.per_sequence if token_logits and options.estimator in ("ggn", "ggn-mc", "ggn-topk")
+                             else None),
         "examples": int(examples),
         "batches": int(batches),
         "dtype": str(dtype),

@@ -306,6 +306,8 @@ def test_token_logits_shifted_labels_and_exact(token_model):
 
 
 def test_token_logits_ggn_mc_is_unbiased(token_model):
+    """With per-sequence signals (the default: each spans the tokens, the cross terms of mean zero,
+    method §6.3), about 7 % from the exact GGN here with 400 draws."""
     model, x, y = token_model
     ref = normflat.hessian_diagonal(model, (x, y), loss="ce", progress=False, layers=["lm_head"])["lm_head"]
     mc = normflat.hessian_diagonal(model, (x, y), loss="ce", estimator="ggn-mc", samples=400, seed=3,

@@ -8,11 +8,18 @@ import copy
 import math
 import threading
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import normflat
+from normflat.backends import torch as tb
+from normflat.backends.torch import ggn as ggn_kernels
+from normflat.backends.torch import session as torch_session
+from normflat.engine import losses
+from normflat.engine.options import validate_options
+from normflat.engine.random import sample_uniforms
 from tests.arch import _torch_reference as ref
 from tests.arch.test_torch_layers import DT, TinyLM, TokenTagger, _ids, _init, _labels
 
@@ -184,7 +191,7 @@ def test_padding_mask_keyword_reaches_the_model():
     labels[mask == 0] = ref.IGNORE
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     data = [({"input_ids": ids, "attention_mask": mask}, labels)]
-    got = normflat.hessian_diagonal(model, batch, shift_labels=True, progress=False)
+    got = normflat.hessian_diagonal(model, batch, shift_labels=True, estimator="ggn", progress=False)
     want = ref.problems(model, ref.ggn_diagonal(model, data, "nsce", shift=True), {"pos_embed": D})
     for k in want:
         err = (torch.as_tensor(got[k]) - want[k]).abs().max() / want[k].abs().max()
@@ -259,14 +266,267 @@ def test_embedding_max_norm_is_refused_and_the_table_unchanged():
     assert torch.equal(model.emb.weight, before)
 
 
-def test_token_signals_formed_a_few_tokens_at_a_time_give_the_same_diagonal(monkeypatch):
-    from normflat.backends.torch import session as torch_session
-
+@pytest.mark.parametrize("estimator", ["ggn", "ggn-topk"])
+def test_token_signals_formed_a_few_tokens_at_a_time_give_the_same_diagonal(estimator, monkeypatch):
+    """Per token (ggn) the signals are formed a few tokens at a time, per sequence (ggn-topk)
+    handed on a few members of every group at a time: the same sums."""
     model = _init(TinyLM(tied=False))
     ids = _ids(1, T, seed=9)
     data = [(ids, ids)]
-    whole = normflat.hessian_diagonal(model, data, shift_labels=True, progress=False)
-    monkeypatch.setattr(torch_session, "TOKEN_SIGNAL_ENTRIES", 1)  # one token per block of signals
-    blocks = normflat.hessian_diagonal(model, data, shift_labels=True, progress=False)
+    kw = dict(estimator=estimator, shift_labels=True, progress=False)
+    whole = normflat.hessian_diagonal(model, data, **kw)
+    calls: list[int] = []
+    backprop = ggn_kernels.backprop_signals
+
+    def counting(logits, outs, sig, batched):
+        calls.append(int(sig.shape[0]))
+        return backprop(logits, outs, sig, batched)
+
+    monkeypatch.setattr(ggn_kernels, "backprop_signals", counting)
+    monkeypatch.setattr(torch_session, "TOKEN_SIGNAL_ENTRIES", 1)  # one token (member) per block of signals
+    blocks = normflat.hessian_diagonal(model, data, **kw)
+    assert len(calls) == (T if estimator == "ggn" else 2 + 2)  # ggn-topk: k = 2 top classes, 10 / 5 draws
     for k in whole:
         assert torch.allclose(torch.as_tensor(whole[k]), torch.as_tensor(blocks[k]), rtol=1e-12, atol=0), k
+
+
+# ----------------------------------------------------------------------------- signals per sequence
+
+
+class SequenceTagger(nn.Module):
+    """Embedding, a dense layer of the (n, D) mean embedding added to every token (a 2-D input
+    inside a token model), causal attention, a dense layer per token and a dense head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.ctx = nn.Linear(D, D)
+        self.att = nn.MultiheadAttention(D, 2, batch_first=True)
+        self.proj = nn.Linear(D, D)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, ids):
+        e = self.emb(ids)
+        h = e + torch.tanh(self.ctx(e.mean(1)))[:, None]
+        causal = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), 1)
+        a, _ = self.att(h, h, h, attn_mask=causal)
+        return self.head(torch.tanh(self.proj(a + h)))
+
+
+def _options(**kw):
+    return validate_options(progress=False, **kw)
+
+
+def _signal_reference(model, batches, options, shift=False, exact=(), tables=None):
+    """Brute-force ``(K, *canonical)`` group estimates per problem (float64).
+
+    Every sequence's full Jacobian of its logits w.r.t. every parameter (``jacrev``) is
+    contracted with the engine's signals of the same uniforms (normflat's counter-based
+    draws at the sample's position in the data), each square summed per group and divided
+    by the counted tokens; a ``ggn-topk`` group estimate is the shared sum plus its own
+    (method §6.2, §6.3). ``exact``: the problems of a dense head, squared exactly: the exact
+    GGN (the same Jacobians contracted with the exact ``ggn``'s per-token factor) in every group.
+    """
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    # The exact GGN's per-token factor of the same logits, for a dense head squared exactly.
+    exact_options = _options(loss=options.loss, estimator="ggn") if exact else None
+    sums = {k: None for k in params}
+    exact_sums = {k: None for k in params}
+    offset = terms = 0
+    for x, y in batches:
+        n = y.shape[0]
+        counted = (ref._token_labels(y, shift) != ref.IGNORE).to(DT)
+        terms += int(counted.sum())
+        with torch.no_grad():
+            z = ref._logits(model(x))
+        u = sample_uniforms(options.seed, 0, offset, n, options.uniform_columns(z.shape[1]))
+        signals = [(sums, torch.from_numpy(losses.token_signals(np, z.numpy(), options, counted.numpy(), u)))]
+        if exact:
+            signals.append((exact_sums, torch.from_numpy(
+                losses.token_signals(np, z.numpy(), exact_options, counted.numpy()))))
+        for i in range(n):
+            args, kwargs = ref._sample(x, i)
+            jac = torch.func.jacrev(
+                lambda ps, a=args, kw=kwargs: ref._logits(torch.func.functional_call(model, ps, a, kw))[0])(params)
+            for name, j in jac.items():  # (T, C, *shape)
+                for into, sig in signals:
+                    g = torch.einsum("kmtc,tcp->kmp", sig[:, :, i], j.reshape(*j.shape[:2], -1))
+                    s = g.square().sum(1).reshape(-1, *params[name].shape)
+                    into[name] = s if into[name] is None else into[name] + s
+        offset += n
+    k = options.groups
+    shared = 1 if options.shared_group else 0
+    groups = [{name: ((s[0] + s[shared + g]) if shared else s[g]) / terms for name, s in sums.items()}
+              for g in range(k)]
+    out = [ref.problems(model, native, tables) for native in groups]
+    if exact:
+        want = ref.problems(model, {name: s[0] / terms for name, s in exact_sums.items()}, tables)
+        for per_group in out:
+            for name in exact:
+                per_group[name] = want[name]
+    return {name: torch.stack([per_group[name] for per_group in out]) for name in out[0]}
+
+
+def _sequence_case(case):
+    """A model, two batches (the second's draws start at its offset in the data), its options and
+    the reference's ``(shift, exact problems, position tables)``."""
+    if case == "tagger":
+        model = _init(SequenceTagger())
+        ids, y = _ids(N, T, seed=11), _labels(N, T, seed=12)
+        y[0, 1], y[2, 4] = ref.IGNORE, ref.IGNORE
+        return model, [(ids[:2], y[:2]), (ids[2:], y[2:])], {"loss": "nsce"}, (False, ("head",), None)
+    model = _init(TinyLM())  # the tied head (no exact head) and the attention take the generic path
+    ids = _ids(N, T, seed=13)
+    y = ids.clone()
+    y[1, 2] = ref.IGNORE  # after the shift: the label of position 1
+    return model, [(ids[:1], y[:1]), (ids[1:], y[1:])], {"loss": "ce", "shift_labels": True}, \
+        (True, (), {"pos_embed": D})
+
+
+def _relative_error(got, want):
+    scale = want.abs().max()
+    assert scale > 0
+    return float((torch.as_tensor(got, dtype=DT) - want).abs().max() / scale)
+
+
+@pytest.mark.parametrize("sequence_signals", [None, False])
+@pytest.mark.parametrize("estimator", ["ggn-topk", "ggn-mc"])
+@pytest.mark.parametrize("case", ["tagger", "tied_lm"])
+def test_token_signals_equal_brute_force_jacobians(case, estimator, sequence_signals):
+    """Per sequence (the default) and per token (``sequence_signals=False``), the group estimates
+    of analyze and the pooled mean of hessian_diagonal equal the engine's signals of the same
+    draws contracted with full per-sequence Jacobians, on the fast path (2-D and per-token dense
+    layers, the embedding), the generic path (attention, a tied head) and the exact dense head of
+    ggn-topk; ignored tokens and shifted labels included (method §6.3)."""
+    model, batches, kw, (shift, exact, tables) = _sequence_case(case)
+    kw = {**kw, "estimator": estimator, "seed": 5, "sequence_signals": sequence_signals,
+          **({"samples": 4, "top_classes": 2} if estimator == "ggn-topk" else {"samples": 3})}
+    options = _options(**kw)
+    # ggn-topk squares a dense head whose output is the logits exactly; ggn-mc samples it too.
+    want = _signal_reference(model, batches, options, shift, exact if estimator == "ggn-topk" else (), tables)
+    problems, _ = tb.layer_problems(model, batches, options)
+    assert sorted(p.name for p in problems) == sorted(want)
+    for p in problems:
+        assert p.hessian_diag_samples.shape == want[p.name].shape == (options.groups, *p.shape)
+        assert _relative_error(p.hessian_diag_samples, want[p.name]) < 1e-10, p.name
+    paths = {p.name: p.details["path"] for p in problems}
+    assert {"fast", "generic"} <= set(paths.values())
+    runs = [normflat.hessian_diagonal(model, batches, progress=False, **kw)]
+    if sequence_signals is None:  # one sequence per step: the draws follow the samples
+        runs.append(normflat.hessian_diagonal(model, batches, progress=False, chunk_size=1, **kw))
+    for got in runs:
+        for name, value in want.items():
+            assert _relative_error(got[name], value.mean(0)) < 1e-10, name
+
+
+class MixingTagger(nn.Module):
+    """Embedding, a convolution across the tokens (every position's gradient involves its
+    neighbours' signals) and a dense head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.mix = nn.Conv1d(D, D, 3, padding=1)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mix(self.emb(ids).transpose(1, 2))).transpose(1, 2))
+
+
+@pytest.mark.parametrize("estimator", ["ggn-topk", "ggn-mc"])
+def test_sequence_signals_average_to_the_ggn_within_their_standard_errors(estimator):
+    """Over several seeds the per-sequence estimates approach the exact per-token ggn, within a
+    few of their reported standard errors, which hold the cross-token terms' spread: the seeds'
+    own spread agrees with them. ggn-topk's dense head stays exact (method §6.3)."""
+    model = _init(MixingTagger())
+    data = [(_ids(4, T, seed=21), _labels(4, T, seed=22))]
+    exact = _analyze(model, data, estimator="ggn")
+    runs = [_analyze(model, data, estimator=estimator, samples=10, seed=s) for s in range(8)]
+    assert all(r.metadata["sequence_signals"] for r in runs)
+    for i, want in enumerate(exact.layers):
+        traces = np.array([r.layers[i].hessian_trace for r in runs])
+        errors = np.array([r.layers[i].standard_error["hessian_trace"] for r in runs])
+        if estimator == "ggn-topk" and want.name == "head":
+            np.testing.assert_allclose(traces, want.hessian_trace, rtol=1e-10)
+            assert np.all(errors < 1e-12 * want.hessian_trace)
+            continue
+        se = math.sqrt(np.sum(errors ** 2)) / len(runs)  # of the mean over the seeds
+        assert 0 < se < 0.2 * want.hessian_trace, want.name
+        assert abs(traces.mean() - want.hessian_trace) < 4 * se, want.name
+        spread = traces.std(ddof=1) / math.sqrt(len(runs))
+        assert 0.3 < spread / se < 3, want.name
+
+
+def test_per_token_signals_with_every_class_on_top_are_the_exact_ggn():
+    """sequence_signals=False keeps one square per (token, signal) pair: ggn-topk with every class
+    on top is the exact ggn; per sequence the signed top classes are an estimate (method §6.3)."""
+    model = _init(TokenTagger())
+    data = [(_ids(N, T), _labels(N, T))]
+    exact = normflat.hessian_diagonal(model, data, estimator="ggn", progress=False)
+    kw = dict(estimator="ggn-topk", top_classes=C, progress=False)
+    per_token = normflat.hessian_diagonal(model, data, sequence_signals=False, **kw)
+    per_sequence = normflat.hessian_diagonal(model, data, **kw)
+    for name in exact:
+        want = torch.as_tensor(exact[name])
+        assert _relative_error(per_token[name], want) < 1e-10, name
+    assert _relative_error(per_sequence["emb"], torch.as_tensor(exact["emb"])) > 1e-3
+    assert _relative_error(per_sequence["head"], torch.as_tensor(exact["head"])) < 1e-10  # the exact head
+
+
+def test_sequence_signals_in_the_report_metadata():
+    """True/False for token logits under a GGN estimator (auto with sequence_signals=True takes
+    ggn-topk), None without output signals or for (n, C) logits."""
+    model = _init(TokenTagger())
+    data = [(_ids(N, T), _labels(N, T))]
+    cases = [({"estimator": "ggn-topk"}, True), ({"estimator": "ggn-mc", "sequence_signals": False}, False),
+             ({"estimator": "ggn"}, False), ({"estimator": "hutchinson", "samples": 2}, None),
+             ({"sequence_signals": True}, True)]
+    for kw, want in cases:
+        report = _analyze(model, data, **kw)
+        assert report.metadata["sequence_signals"] is want, kw
+    assert _analyze(model, data, sequence_signals=True).metadata["estimator"] == "ggn-topk"
+    classifier = _init(AttentionTagger())
+    pooled = [(_ids(N, T), _labels(N))]
+
+    class Pooled(nn.Module):  # (n, C) logits: no token signals
+        def __init__(self):
+            super().__init__()
+            self.inner = classifier
+
+        def forward(self, ids):
+            return self.inner(ids).mean(1)
+
+    assert _analyze(Pooled(), pooled, estimator="ggn-topk").metadata["sequence_signals"] is None
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("estimator", ["ggn-topk", "ggn-mc"])
+def test_signals_back_propagated_per_sequence_do_not_grow_with_the_tokens(estimator, fast, monkeypatch):
+    """Per sequence, ggn-topk back-propagates K(min(k, C) + ⌈S/K⌉) signals (20 with the defaults;
+    its empty shared group is skipped) and ggn-mc ⌈S/K⌉ per group, whatever T; per token T times
+    as many, each (token, signal) pair its own (method §6.3)."""
+    counts: list[int] = []
+    backprop, generic = ggn_kernels.backprop_signals, ggn_kernels.generic_ggn
+
+    def counting_backprop(logits, outs, sig, batched):
+        counts.append(int(sig.shape[0]))
+        return backprop(logits, outs, sig, batched)
+
+    def counting_generic(model, inputs, sig, layers, pick):
+        counts.append(int(sig.shape[0] * sig.shape[1]))
+        return generic(model, inputs, sig, layers, pick)
+
+    monkeypatch.setattr(ggn_kernels, "backprop_signals", counting_backprop)
+    monkeypatch.setattr(ggn_kernels, "generic_ggn", counting_generic)
+    model = _init(TokenTagger())
+    data = [(_ids(N, T), _labels(N, T))]
+    per_sequence, per_token = (5 * (2 + 2), (1 + 5) * 2 * T) if estimator == "ggn-topk" else (10 * 1, 10 * 1 * T)
+    for sequence_signals in (None, False):
+        for run in (_analyze, normflat.hessian_diagonal):  # the group sums, and the pooled ones
+            counts.clear()
+            kw = {"progress": False} if run is normflat.hessian_diagonal else {}
+            run(model, data, estimator=estimator, samples=10, sequence_signals=sequence_signals, fast=fast, **kw)
+            if sequence_signals is None:
+                assert counts == [per_sequence], run
+            else:  # (the generic path back-propagates the zero padding of pooled sums)
+                assert counts[0] >= per_token, run

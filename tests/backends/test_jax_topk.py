@@ -1,11 +1,13 @@
 """JAX backend: ``ggn-topk`` and ``estimator="auto"`` (method §6.2).
 
 * with every class on top (``top_classes = C``) nothing is sampled: ``ggn-topk`` is the
-  exact ``ggn``, for ``(n, C)`` and for token ``(n, T, C)`` logits;
+  exact ``ggn``, for ``(n, C)`` and for token ``(n, T, C)`` logits with per-token signals
+  (``sequence_signals=False``; per sequence, the default, the signs make it stochastic,
+  method §6.3);
 * a dense head (the layer whose output is the logits) is exact whatever the draws,
   with standard error 0, in every JAX model type (the traced program identifies it);
-* the same weights and data give the torch backend's numbers to 1e-10 (float64):
-  normflat's draws do not depend on the framework;
+* the same weights and data give the torch backend's numbers to 1e-10 (float64), token
+  logits per sequence and per token: normflat's draws and signs do not depend on the framework;
 * ``"auto"`` resolves to ``ggn`` for few classes and to ``ggn-topk`` for many;
 * above 32 classes ``ggn`` takes the structured head too (the other layers' signals start
   at the head's input, method §6.1) with the numbers of the dense signals, and of the
@@ -333,22 +335,27 @@ def test_token_logits(kind):
     x, y = _token_data()
     data = [(jnp.asarray(x[:3]), jnp.asarray(y[:3])), (jnp.asarray(x[3:]), jnp.asarray(y[3:]))]
     ggn = _diag(model, data, loss="nsce", estimator="ggn", **extra)
-    _close(_diag(model, data, loss="nsce", estimator="ggn-topk", top_classes=C, samples=2, **extra), ggn)
+    # per token (sequence_signals=False) with every class on top nothing is sampled: the exact ggn
+    _close(_diag(model, data, loss="nsce", estimator="ggn-topk", top_classes=C, samples=2, sequence_signals=False,
+                 **extra), ggn)
     kw = dict(loss="nsce", estimator="ggn-topk", top_classes=1, samples=3, seed=7)
-    topk = _diag(model, data, **kw, **extra)
+    topk = _diag(model, data, **kw, **extra)  # per sequence (method §6.3): signed sums over the tokens
     _close(topk[1:], ggn[1:])  # the head: exact
     assert np.abs(topk[0] - ggn[0]).max() > 1e-8
     report = normflat.analyze(model, data, progress=False, **kw, **extra)
-    assert report.metadata["loss_terms"] == 5 * T - 2
+    assert report.metadata["loss_terms"] == 5 * T - 2 and report.metadata["sequence_signals"] is True
     assert all(v == 0 for v in report.layers[1].standard_error.values())
     assert report.layers[0].standard_error["hessian_trace"] > 0
     if kind == "flax_linen":
-        # and the torch backend's numbers, draws included
+        # and the torch backend's numbers, draws and signs included, per sequence and per token
         require_frameworks("torch")
         import torch
 
         tdata = [(torch.as_tensor(x[:3]), torch.as_tensor(y[:3])), (torch.as_tensor(x[3:]), torch.as_tensor(y[3:]))]
         _close(topk, _diag(_torch_token_model(), tdata, **kw))
+        per_token = _diag(model, data, sequence_signals=False, **kw, **extra)
+        assert np.abs(per_token[0] - topk[0]).max() > 1e-8
+        _close(per_token, _diag(_torch_token_model(), tdata, sequence_signals=False, **kw))
 
 
 def test_embedding_language_model():
@@ -358,7 +365,8 @@ def test_embedding_language_model():
     data = (IDS, jnp.asarray(LABELS))
     for model in (NnxTagger(nnx.Rngs(0)), EqxTagger(jax.random.key(0))):
         ggn = _diag(model, data, loss="ce", estimator="ggn")
-        _close(_diag(model, data, loss="ce", estimator="ggn-topk", top_classes=V, samples=2), ggn)
+        _close(_diag(model, data, loss="ce", estimator="ggn-topk", top_classes=V, samples=2, sequence_signals=False),
+               ggn)  # per token, every class on top: the exact ggn
         report = normflat.analyze(model, data, loss="ce", estimator="ggn-topk", top_classes=1, samples=4,
                                   progress=False)
         names = [l.name for l in report.layers]

@@ -69,11 +69,11 @@ def workers(tmp_path_factory):
     try:
         for name, proc in procs.items():
             try:
-                _, err = proc.communicate(timeout=240)
+                _, err = proc.communicate(timeout=480)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.communicate()
-                outcomes[name] = f"{name} hung (killed after 240 s)"
+                outcomes[name] = f"{name} hung (killed after 480 s)"
                 continue
             path = tmp / f"{name}.json"
             outcomes[name] = (json.loads(path.read_text()) if proc.returncode == 0 and path.exists()

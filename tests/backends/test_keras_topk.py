@@ -1,7 +1,9 @@
 """Keras backend: ``estimator="ggn-topk"`` and the default ``"auto"`` (method §6.2).
 
 ``ggn-topk`` takes the most probable classes exactly and samples the rest; with
-every class on top it is the exact ``ggn``. A ``Dense`` head whose pre-activation
+every class on top it is the exact ``ggn`` (for token logits: per token,
+``sequence_signals=False``; per sequence, the default, the top classes carry random
+signs, method §6.3). A ``Dense`` head whose pre-activation
 is the logits gets its exact GGN diagonal from the logit-Hessian diagonal (its
 standard error is 0), and the numbers equal the torch backend's on the same
 weights and data (normflat's draws are framework-free).
@@ -89,11 +91,13 @@ def test_all_classes_on_top_is_ggn(loss, fast):
 
 @pytest.mark.parametrize("loss", ["nsce", "ce"])
 def test_token_logits_all_classes_on_top_is_ggn(loss):
+    """Per token (sequence_signals=False): every class on top is the exact ggn. (Per sequence the
+    top classes carry random signs, so only the head stays exact: test_token_head_is_exact.)"""
     model = sequence_model()
     x, y = sequence_data()
     # 3 tokens x 7 classes = 21 signals: two blocks of signals, the head counted once.
     exact = diag(model, (x, y), loss=loss, estimator="ggn")
-    topk = diag(model, (x, y), loss=loss, estimator="ggn-topk", top_classes=C, chunk_size=2)
+    topk = diag(model, (x, y), loss=loss, estimator="ggn-topk", top_classes=C, chunk_size=2, sequence_signals=False)
     assert_close(topk, exact)
 
 
@@ -110,9 +114,11 @@ def test_language_model_all_classes_on_top_is_ggn():
     x = rng.integers(0, C, size=(4, 4)).astype("int32")
     y = np.concatenate([x[:, 1:], np.full((4, 1), -100)], axis=1)  # next token; the last one ignored
     exact = diag(model, (x, y), estimator="ggn")
-    assert_close(diag(model, (x, y), estimator="ggn-topk", top_classes=C), exact)
+    assert_close(diag(model, (x, y), estimator="ggn-topk", top_classes=C, sequence_signals=False), exact)
+    # Per sequence (the default) the head's squares are still the exact ones (method §6.3).
     sampled = diag(model, (x, y), estimator="ggn-topk", top_classes=2, samples=3)
     np.testing.assert_allclose(sampled["vocab"], exact["vocab"], rtol=1e-10, atol=0)
+    assert not np.allclose(sampled["mix"], exact["mix"], rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- the exact head
@@ -145,6 +151,7 @@ def test_head_is_exact_with_zero_standard_error():
 
 
 def test_token_head_is_exact():
+    """With per-sequence signals (the default) the head's squares are still exact, the rest sampled."""
     model = sequence_model()
     x, y = sequence_data()
     exact = diag(model, (x, y), estimator="ggn")
@@ -187,7 +194,9 @@ def test_same_as_torch(loss):
             assert lk.standard_error[m] == pytest.approx(v, rel=1e-8, abs=1e-12), m
 
 
-def test_token_logits_same_as_torch():
+@pytest.mark.parametrize("sequence_signals", [False, None])
+def test_token_logits_same_as_torch(sequence_signals):
+    """Per token and per sequence (the default): the same draws and signs, the same numbers."""
     require_frameworks("torch")
     import torch
 
@@ -199,10 +208,18 @@ def test_token_logits_same_as_torch():
             kernel, bias = model.get_layer(name).get_weights()
             lin.weight.copy_(torch.from_numpy(kernel.T.copy()))
             lin.bias.copy_(torch.from_numpy(bias))
-    kw = dict(estimator="ggn-topk", top_classes=2, samples=3, seed=2, progress=False)
+    kw = dict(estimator="ggn-topk", top_classes=2, samples=3, seed=2, progress=False,
+              sequence_signals=sequence_signals)
     ref = normflat.hessian_diagonal(net, (torch.from_numpy(x), torch.from_numpy(y)), **kw)
     got = diag(model, (x, y), **kw)
     assert_close(got, {k: v.detach().numpy() for k, v in ref.items()})
+    report = normflat.analyze(model, (x, y), **kw)
+    ref_report = normflat.analyze(net, (torch.from_numpy(x), torch.from_numpy(y)), **kw)
+    assert report.metadata["sequence_signals"] is ref_report.metadata["sequence_signals"] is (sequence_signals is None)
+    for lk, lt in zip(report.layers, ref_report.layers):
+        assert lk.hessian_trace == pytest.approx(lt.hessian_trace, rel=1e-10)
+        for m, v in lt.standard_error.items():
+            assert lk.standard_error[m] == pytest.approx(v, rel=1e-8, abs=1e-12), m
 
 
 # ----------------------------------------------------------------------------- auto

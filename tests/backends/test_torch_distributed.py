@@ -64,6 +64,17 @@ def make_batches(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for n in SIZES]
 
 
+def make_token_model() -> nn.Module:
+    """Token logits (n, 4 tokens, 30 classes)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(30, 4), nn.Tanh(), nn.Linear(4, 30)).to(DT)
+
+
+def make_token_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randint(0, 30, (n, 4), generator=g), torch.randint(0, 30, (n, 4), generator=g)) for n in SIZES]
+
+
 def shard(name: str, split: str, rank: int) -> list:
     batches = make_batches(name)
     return [batches[i] for i in SHARDS[split][rank]]
@@ -124,6 +135,8 @@ def _scenarios(rank: int, results: dict) -> None:
     results["zero/ggn/diag"] = diag_np(normflat.hessian_diagonal(model, shard("mlp", "zero", rank), **FAST))
     results["zero/exact/diag"] = diag_np(
         normflat.hessian_diagonal(model, shard("mlp", "zero", rank), estimator="exact", **FAST))
+    tokens = [make_token_batches()[i] for i in SHARDS["zero"][rank]]
+    results["zero/tokens"] = summary(normflat.analyze(make_token_model(), tokens, **FAST))
     ddp = nn.parallel.DistributedDataParallel(make_model("mlp"))
     results["ddp/ggn"] = summary(normflat.analyze(ddp, shard("mlp", "uneven", rank), **FAST))
     results["local/ggn"] = summary(normflat.analyze(model, shard("mlp", "uneven", rank), distributed=False,
@@ -300,6 +313,20 @@ def test_rank_with_zero_batches(ranks):
         assert res["zero/ggn"]["metadata"]["backend"]["examples_per_rank"] == [sum(SIZES), 0]
     # The idle rank never ran the layer checks; the paths are merged from the rank that did.
     assert ranks[0]["zero/ggn"] == ranks[1]["zero/ggn"]
+
+
+def test_token_logits_on_a_rank_with_zero_batches(ranks):
+    """auto on token logits: per-sequence ggn-topk (method §6.3), whose dense head keeps only its
+    exact shared sum; the idle rank adopts the estimator, has all 1 + K sums of every layer, and
+    reports the token logits it never saw; rank 0's draws are the one-process run's."""
+    want = summary(normflat.analyze(make_token_model(), make_token_batches(), **FAST))
+    assert want["metadata"]["sequence_signals"] is True and want["metadata"]["estimator"] == "ggn-topk"
+    for res in ranks:
+        assert_close_summary(res["zero/tokens"], want)
+        meta = res["zero/tokens"]["metadata"]
+        assert meta["sequence_signals"] is True
+        assert meta["loss_terms"] == 4 * sum(SIZES)
+    assert ranks[0]["zero/tokens"] == ranks[1]["zero/tokens"]
 
 
 def test_ddp_model_is_unwrapped(ranks):

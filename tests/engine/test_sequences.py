@@ -104,7 +104,8 @@ def test_token_signal_blocks_make_up_the_whole_factor(estimator):
     n, t, c, draws = 2, 5, 4, 3
     z = RNG.normal(size=(n, t, c))
     counted = np.array([[1.0, 1.0, 0.0, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0, 1.0]])
-    opts = _opts(loss="nsce", estimator=estimator, samples=draws if estimator == "ggn-mc" else None)
+    opts = _opts(loss="nsce", estimator=estimator, samples=draws if estimator == "ggn-mc" else None,
+                 sequence_signals=False if estimator == "ggn-mc" else None)
     u = RNG.uniform(size=(n, t * draws)) if estimator == "ggn-mc" else None
     whole = losses.token_signals(np, z, opts, counted, u)
     k, mt = whole.shape[:2]
@@ -119,7 +120,7 @@ def test_token_mc_signals_are_the_row_signals_placed_per_token():
     n, t, c, draws = 2, 3, 5, 4
     z = RNG.normal(size=(n, t, c))
     u = RNG.uniform(size=(n, t * draws))
-    opts = _opts(loss="ce", estimator="ggn-mc", samples=draws)
+    opts = _opts(loss="ce", estimator="ggn-mc", samples=draws, sequence_signals=False)
     sig = losses.token_signals(np, z, opts, np.ones((n, t)), u)
     rows = losses.output_signals(np, z.reshape(n * t, c), opts, u.reshape(n * t, draws))
     k, m = rows.shape[:2]
@@ -129,6 +130,146 @@ def test_token_mc_signals_are_the_row_signals_placed_per_token():
         np.testing.assert_allclose(sig[:, tok::t][:, :, :, tok], rows[:, :, :, tok], rtol=1e-15)
         others = [o for o in range(t) if o != tok]
         assert np.all(sig[:, tok::t][:, :, :, others] == 0)
+
+
+# ----------------------------------------------------------------------------- per-sequence signals
+
+
+def _sequence_case(estimator, loss, samples, top=2, n=2, t=4, c=6):
+    z = RNG.normal(size=(n, t, c)) * 1.5
+    counted = np.ones((n, t))
+    counted[1, 2] = 0.0  # an ignored token carries no signal
+    opts = _opts(loss=loss, estimator=estimator, samples=samples,
+                 top_classes=top if estimator == "ggn-topk" else None)
+    return z, counted, opts
+
+
+def _exact_sequence_blocks(z, counted, loss):
+    """Per sequence, Σ_t counted_t · H_t placed on the (T·C) diagonal blocks (the exact GGN's factor)."""
+    n, t, c = z.shape
+    blocks = logit_hessians(z.reshape(n * t, c), loss).reshape(n, t, c, c)
+    ref = np.zeros((n, t * c, t * c))
+    for i in range(n):
+        for k in range(t):
+            ref[i, k * c:(k + 1) * c, k * c:(k + 1) * c] = counted[i, k] * blocks[i, k]
+    return ref
+
+
+def test_sequence_signals_options_layout_and_validation():
+    topk = _opts(estimator="ggn-topk", samples=10, top_classes=2)
+    assert topk.per_sequence and topk.sign_draws == 5 * (2 + 2)
+    assert topk.uniform_columns(None) == 10 and topk.uniform_columns(7) == 7 * (10 + 20)
+    assert topk.token_signals_per_group(1000, 7) == 2 + 2
+    assert topk.token_signals_per_group(1, 7) == 1 + 2  # k clipped to C, the sign layout is not
+    off = _opts(estimator="ggn-topk", sequence_signals=False)
+    assert not off.per_sequence and off.sign_draws == 0 and off.token_signals_per_group(1000, 7) == 2 * 7
+    mc = _opts(estimator="ggn-mc", samples=3)
+    assert mc.per_sequence and mc.sign_draws == 0 and mc.token_signals_per_group(50, 9) == 1
+    assert not _opts(estimator="ggn").per_sequence
+    with pytest.raises(ValueError, match="sequence_signals=True needs a stochastic GGN estimator"):
+        _opts(estimator="ggn", sequence_signals=True)
+    with pytest.raises(ValueError, match="sequence_signals=False has no meaning"):
+        _opts(estimator="hutchinson", sequence_signals=False)
+    with pytest.raises(TypeError, match="sequence_signals must be True, False or None"):
+        _opts(estimator="ggn-mc", sequence_signals=1)
+
+
+def test_auto_counts_signals_per_sequence_for_token_logits():
+    from normflat.engine.options import resolve_estimator
+    auto = validate_options(progress=False)
+    assert resolve_estimator(auto, 10).estimator == "ggn"  # (n, C): up to 25 classes exact
+    # Token logits: ggn-topk per sequence whatever T and C (ranks with sequences of other lengths agree)
+    for c, t in [(10, 32), (3, 4), (2, 1), (50000, 1024)]:
+        resolved = resolve_estimator(auto, c, tokens=t)
+        assert resolved.estimator == "ggn-topk" and resolved.per_sequence
+    per_token = validate_options(progress=False, sequence_signals=False)
+    assert resolve_estimator(per_token, 10, tokens=32).estimator == "ggn"  # the (n, C) rule per token
+    assert resolve_estimator(per_token, 100, tokens=32).estimator == "ggn-topk"
+
+
+@pytest.mark.parametrize("loss", ["ce", "nsce"])
+@pytest.mark.parametrize("estimator, samples", [("ggn-mc", 3), ("ggn-topk", 6)])
+def test_sequence_signals_are_signed_sums_of_the_per_token_signals(estimator, samples, loss):
+    """A per-sequence signal is Σ_t ε_t s_t over the per-token signals of the same draws (ε = ±1;
+    ggn-mc: ε = 1, its s_t have mean zero); E[ε_t ε_t'] = δ_tt' and the independent draws make each
+    group's squares an unbiased estimate of the sequence's block-diagonal logit Hessian."""
+    z, counted, opts = _sequence_case(estimator, loss, samples)
+    n, t, c = z.shape
+    u = RNG.uniform(size=(n, opts.uniform_columns(t)))
+    sig = losses.token_signals(np, z, opts, counted, u)
+    m = opts.token_signals_per_group(c, t)
+    assert sig.shape == (opts.state_groups, m, n, t, c)
+    per_token = _opts(loss=loss, estimator=estimator, samples=samples, sequence_signals=False,
+                      top_classes=2 if estimator == "ggn-topk" else None)
+    d = opts.uniform_columns(t) // t
+    placed = losses.token_signals(np, z, per_token, counted, u.reshape(n, t, d)[:, :, :samples].reshape(n, -1))
+    mt = placed.shape[1] // t
+    placed = placed.reshape(placed.shape[0], mt, t, n, t, c).sum(axis=2)  # (K', M, n, T, C): token t at t
+    if estimator == "ggn-mc":
+        np.testing.assert_allclose(sig, placed, rtol=1e-14, atol=1e-16)
+        return
+    assert np.all(sig[0] == 0)
+    signs = np.where(u.reshape(n, t, d)[:, :, samples:] < 0.5, 1.0, -1.0).reshape(n, t, 5, 2 + 2)
+    for g in range(5):
+        for j in range(2):  # the top classes (k = 2), then the draws (ceil(6 / 5) = 2 per group)
+            want_top = placed[0, j] * signs[:, :, g, j][..., None]
+            np.testing.assert_allclose(sig[1 + g, j], want_top, rtol=1e-14, atol=1e-16)
+            want_draw = placed[1 + g, j] * signs[:, :, g, 2 + j][..., None]
+            np.testing.assert_allclose(sig[1 + g, 2 + j], want_draw, rtol=1e-14, atol=1e-16)
+
+
+@pytest.mark.parametrize("estimator, samples", [("ggn-mc", 3), ("ggn-topk", 6)])
+def test_sequence_signals_average_to_the_block_diagonal_hessian(estimator, samples):
+    """Over many independent uniforms the groups' squares approach the exact block-diagonal Hessian
+    (the cross-token blocks vanish), while one draw has cross-token terms."""
+    z, counted, opts = _sequence_case(estimator, "nsce", samples)
+    n, t, c = z.shape
+    ref = _exact_sequence_blocks(z, counted, "nsce")
+    draws = 2000
+    u = np.random.default_rng(11).uniform(size=(draws, n, opts.uniform_columns(t)))
+    first = 1 if opts.shared_group else 0
+    total = np.zeros_like(ref)
+    for d in range(draws):
+        s = losses.token_signals(np, z, opts, counted, u[d])[first:]
+        s = s.reshape(s.shape[0], s.shape[1], n, t * c)
+        one = np.einsum("gmia,gmib->giab", s, s)
+        total += one.mean(axis=0)
+        if d == 0:
+            assert np.abs(one[0, 0, :c, c:2 * c]).max() > 1e-3 * np.abs(ref).max()
+    mean = total / draws
+    assert np.linalg.norm(mean - ref) <= 0.05 * np.linalg.norm(ref)
+    assert np.all(mean[1, 2 * c:3 * c] == 0)  # sequence 1, token 2 is not counted
+
+
+def test_sequence_topk_slots_zero_group_and_pooling():
+    z, counted, opts = _sequence_case("ggn-topk", "ce", 10, top=2)
+    n, t, c = z.shape
+    u = RNG.uniform(size=(n, opts.uniform_columns(t)))
+    sig = losses.token_signals(np, z, opts, counted, u)  # (1 + K, 2 + 2, n, T, C)
+    assert sig.shape == (6, 4, n, t, c)
+    # The real slots are those the backends back-propagate; the others are zero.
+    real = set(losses.signal_slots(opts, c, sequence=True))
+    for g in range(opts.state_groups):
+        for j in range(sig.shape[1]):
+            if (g, j) not in real:
+                assert np.all(sig[g, j] == 0)
+    assert losses.zero_signals(opts, sig.shape[1], sequence=True) == list(range(sig.shape[1]))
+    pooled, padding = losses.pool_signals(np, sig, opts, sequence=True)
+    assert padding == list(range(5 * sig.shape[1]))
+    np.testing.assert_allclose(np.einsum("gm...,gm...->g...", pooled, pooled)[1],
+                               np.einsum("gm...,gm...->...", sig[1:], sig[1:]) / 5, rtol=1e-13)
+
+
+def test_sequence_signals_need_every_token_at_once():
+    z, counted, opts = _sequence_case("ggn-mc", "ce", 2)
+    u = RNG.uniform(size=(z.shape[0], opts.uniform_columns(z.shape[1])))
+    with pytest.raises(ValueError, match="all tokens at once"):
+        losses.token_signals(np, z, opts, counted, u, tokens=(0, 2))
+    whole = losses.token_signals(np, z, opts, counted, u)
+    np.testing.assert_array_equal(losses.token_signals(np, z, opts, counted, u, tokens=(0, z.shape[1])), whole)
+    # The head's diagonal signals stay per token: exact.
+    diag = losses.token_signals(np, z, opts, counted, None, diagonal=True)
+    assert diag.shape[1] == z.shape[1]
 
 
 # ----------------------------------------------------------------------------- outputs

@@ -33,6 +33,16 @@ the head in structured form (one row of the head's weight per signal and one
 product per shared vector, ``O(C·d)`` per example instead of the ``O(C²·d)`` of
 pushing ``C − 1`` dense signals through it), and the VJP runs from the head's input
 (:class:`_StructuredHead`). Token logits keep the signals at the logits.
+
+Token logits ``(n, T, C)`` (method §6.3): the exact ``ggn`` (or
+``sequence_signals=False``) back-propagates every (token, signal) pair, ``M·T``
+signals per group and sequence; ``ggn-mc`` and ``ggn-topk`` back-propagate per-sequence
+signals (:func:`~normflat.engine.losses.token_signals`: each token's signal times an
+independent sign, summed over the sequence), ``options.token_signals_per_group(C, T)``
+per group and sequence whatever ``T``. The shared group 0 of per-sequence ``ggn-topk`` is
+all zeros (:func:`~normflat.engine.losses.zero_signals`): it is not back-propagated, and
+every layer but a dense head (whose exact diagonal fills group 0, per token as before)
+gets zeros there.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ import numpy as np
 from normflat.backends.jax.compat import x64_enabled
 from normflat.backends.jax.kernel import Kernel, Run
 from normflat.core.memory import default_budget, training_step_bytes
-from normflat.engine.losses import diagonal_signals, output_factor, output_signals, token_signals
+from normflat.engine.losses import diagonal_signals, output_factor, output_signals, token_signals, zero_signals
 from normflat.engine.random import sample_uniforms
 
 __all__ = ["GGN", "STRUCTURED_HEAD_CLASSES"]
@@ -186,10 +196,16 @@ class GGN(Kernel):
             k = next(iter(self.heads))
             if _only_through_input(prog, self.taps[k]):
                 self.structured = (k, _StructuredHead(prog, self.taps[k]))
-        # Token logits (method §6.3): every (token, signal) pair is its own back-propagated signal, and
-        # the counted-token mask of the piece is one more batch input (not a Python branch).
-        self.T = self.tokens or 1
-        self.cols = self.M * self.T
+        # Token logits (method §6.3): per token every (token, signal) pair is its own back-propagated
+        # signal (M·T per group), per sequence M' signed sums over the tokens; the counted-token mask of
+        # the piece is one more batch input (not a Python branch).
+        self.cols = self.M if self.tokens is None else options.token_signals_per_group(num_classes, self.tokens)
+        # Leading groups whose signals are all zero (per-sequence ggn-topk's group 0): not
+        # back-propagated; those layers' sums get zeros there (_pad_groups).
+        zero = set(zero_signals(options, self.cols, sequence=self.tokens is not None))
+        assert zero == set(range(len(zero))) and len(zero) % self.cols == 0
+        self.skip = len(zero) // self.cols
+        self.bp = self.G - self.skip  # groups back-propagated
         if self.tokens is not None:
             self.batch_args = (2, 3, 4, 5)
         self.paths = ["fast" if k in self.taps else "generic" for k in range(len(ws))]
@@ -204,16 +220,16 @@ class GGN(Kernel):
             elif t is not None and t.squares_factor:
                 out_size = math.prod(prog.shapes[prog.ops[t.op].outs[0]])
                 act_size = math.prod(prog.shapes.get(prog.ops[t.op].ins[1 - t.weight_pos][1], (1,)))
-                per_example += self.G * self.cols * out_size + act_size
+                per_example += self.bp * self.cols * out_size + act_size
             elif t is not None and t.lookup is not None:
                 # the signals at the looked-up rows, their per-id sums and squares: no table-sized term
                 out_size = math.prod(prog.shapes[prog.ops[t.op].outs[0]])
-                per_example += 2 * self.G * self.cols * out_size + self.G * out_size
+                per_example += 2 * self.bp * self.cols * out_size + self.bp * out_size
             else:
-                per_example += self.G * self.cols * int(np.prod(w.shape))
+                per_example += self.bp * self.cols * int(np.prod(w.shape))
         # Per example: the signals and squared gradients counted above, plus the forward
         # intermediates kept for the VJP and one back-propagated signal per column.
-        self.need = (per_example + (1 + self.G * self.cols) * self._activation_elements()) \
+        self.need = (per_example + (1 + self.bp * self.cols) * self._activation_elements()) \
             * jnp.dtype(self.dtype).itemsize
         budget_block = self._budget_block(self.need, "the per-sample GGN signals")
         self.max_block = int(settings["chunk_size"] or budget_block or max(1, _GGN_BUDGET // max(per_example, 1)))
@@ -252,7 +268,14 @@ class GGN(Kernel):
         return run
 
     def _group_sum(self, v):
-        return v.reshape((self.G, self.cols) + v.shape[1:]).sum(axis=1)
+        """``(bp·cols, ...)`` squares of the back-propagated signals -> their ``(bp, ...)`` group sums."""
+        return v.reshape((self.bp, self.cols) + v.shape[1:]).sum(axis=1)
+
+    def _pad_groups(self, v):
+        """``(bp, ...)`` group sums -> ``(G, ...)``: zeros for the groups not back-propagated."""
+        if not self.skip:
+            return v
+        return jnp.concatenate([jnp.zeros((self.skip,) + v.shape[1:], v.dtype), v])
 
     def _per_example(self, ws, others, xl, u, counted=None):
         prog, taps, gen = self.prog, self.taps, self.gen
@@ -281,14 +304,14 @@ class GGN(Kernel):
             _, vjp_fn, (z, rec) = jax.vjp(fwd_input, eps0, [ws[k] for k in gen], has_aux=True)
             factor = output_factor(_XP, z.reshape(1, -1), self.options, uniforms)
             through = factor.through(_XP, head.matrix(prog.layout_fn(taps[hk])(ws[hk])))  # (K', M, 1, D)
-            cols = head.to_activation(through.reshape(self.G * self.cols, -1))
+            cols = head.to_activation(through.reshape(self.bp * self.cols, -1))
         else:
             z, vjp_fn, rec = jax.vjp(fwd, eps0, [ws[k] for k in gen], has_aux=True)
             if counted is None:
                 sig = output_signals(jnp, z[None], self.options, uniforms)  # (K', M, 1, C)
-            else:  # (K', M·T, 1, T, C): the signals of each counted token, placed at that token
+            else:  # (K', M', 1, T, C): per token placed at their token, or per sequence (method §6.3)
                 sig = token_signals(jnp, z[None], self.options, counted[None], uniforms)
-            cols = sig.reshape((self.G * self.cols,) + z.shape)
+            cols = sig[self.skip:].reshape((self.bp * self.cols,) + z.shape)  # the zero groups: no VJP
         d_eps, d_wg = jax.vmap(vjp_fn)(cols)
         out = {}
         for j, k in enumerate(gen):
@@ -340,7 +363,8 @@ class GGN(Kernel):
 
         Returns:
             ``(rows, squares)``: ``(P,)`` int32 table rows (the vocabulary size where a
-            slot holds no row) and their ``(G, P, features)`` squares.
+            slot holds no row) and their ``(bp, P, features)`` squares (the back-propagated
+            groups).
         """
         lk = t.lookup
         vocab = self.prog.shapes[self.prog.ops[t.op].ins[0][1]][lk.row_axis]
@@ -356,7 +380,7 @@ class GGN(Kernel):
         position_segment = jnp.zeros((npos,), segment.dtype).at[order].set(segment)
         sums = jax.ops.segment_sum(jnp.swapaxes(sig, 0, 1), position_segment,
                                    num_segments=npos)  # (P, cols, d): one row per distinct id
-        squares = (sums * sums).reshape(npos, self.G, self.cols, -1).sum(axis=2)
+        squares = (sums * sums).reshape(npos, self.bp, self.cols, -1).sum(axis=2)
         seg_rows = jnp.full((npos,), vocab, jnp.int32).at[jnp.where(first, segment, npos)].set(
             sorted_rows, mode="drop")
         return seg_rows, jnp.swapaxes(squares, 0, 1)
@@ -365,9 +389,9 @@ class GGN(Kernel):
         """Sum the examples' per-row squares into the table, in the layout the lookup reads."""
         lk = t.lookup
         vocab, feat = wp_shape[lk.row_axis], wp_shape[lk.feature_axis]
-        squares = squares * mask.reshape((-1,) + (1,) * (squares.ndim - 1))  # (n, G, P, d)
-        vals = jnp.swapaxes(squares, 0, 1).reshape(self.G, -1, feat)
-        table = jnp.zeros((self.G, vocab, feat), squares.dtype).at[:, rows.reshape(-1)].add(vals, mode="drop")
+        squares = squares * mask.reshape((-1,) + (1,) * (squares.ndim - 1))  # (n, bp, P, d)
+        vals = jnp.swapaxes(squares, 0, 1).reshape(self.bp, -1, feat)
+        table = jnp.zeros((self.bp, vocab, feat), squares.dtype).at[:, rows.reshape(-1)].add(vals, mode="drop")
         return table if lk.row_axis == 0 else jnp.swapaxes(table, 1, 2)
 
     def _conv_patches_ok(self, t, a) -> bool:
@@ -398,8 +422,8 @@ class GGN(Kernel):
         # Output order (group, signal, out, in*k) is the natural dot_general order: no transpose of
         # the largest array; squares are summed over the signals of each estimate group.
         grads = jnp.einsum("gjop,gkp->gjok", jnp.swapaxes(dm, 0, 1), pm)
-        sq = (grads * grads).reshape(g, self.G, self.cols, out_ch // g, -1).sum(axis=2)
-        sq = jnp.swapaxes(sq, 0, 1).reshape((self.G, out_ch, in_g, *ks))
+        sq = (grads * grads).reshape(g, self.bp, self.cols, out_ch // g, -1).sum(axis=2)
+        sq = jnp.swapaxes(sq, 0, 1).reshape((self.bp, out_ch, in_g, *ks))
         inv = [int(i) for i in np.argsort(dn.rhs_spec)]
         return jnp.transpose(sq, (0,) + tuple(1 + i for i in inv))
 
@@ -416,7 +440,7 @@ class GGN(Kernel):
         for k, w in enumerate(ws):
             t = self.taps.get(k)
             if t is None:
-                res.append(masked_sum(outs[k]))
+                res.append(self._pad_groups(masked_sum(outs[k])))
                 continue
             layout = self.prog.layout_fn(t)
             wp = layout(w)
@@ -436,19 +460,22 @@ class GGN(Kernel):
             else:
                 dwp = masked_sum(outs[k])
             _, vjp_layout = jax.vjp(layout, w)
-            res.append(jax.vmap(lambda v: vjp_layout(v)[0])(dwp))
+            dw = jax.vmap(lambda v: vjp_layout(v)[0])(dwp)
+            # a head's sums are complete (its exact group 0, zeros after); the others' lack the skipped groups
+            res.append(dw if k in self.heads else self._pad_groups(dw))
         # Padded rows repeat a real example: they change no logit statistic.
         return res, self.stats(z)
 
     def _uniforms(self, run: Run, offset: int, start: int, length: int, block: int):
-        """The piece's ``(block, draws·T)`` uniforms (rows past ``length`` are padding, zeros)."""
+        """The piece's ``(block, options.uniform_columns(T))`` uniforms (rows past ``length`` are padding, zeros)."""
         if not self.draws:
             u = run.extras.get(("u0", block))
             if u is None:
                 u = run.extras[("u0", block)] = jnp.zeros((block, 1), self.dtype)
             return u
-        # Token logits: S draws per token, token t taking columns t·S .. (t+1)·S - 1 (engine.losses).
-        n_u = self.draws * self.T
+        # Token logits: D = S draws (+ the signs of per-sequence ggn-topk) per token, token t taking
+        # columns t·D .. (t+1)·D - 1 (engine.options.uniform_columns); (n, C) logits: S.
+        n_u = self.options.uniform_columns(self.tokens)
         u = sample_uniforms(run.extras["seed"], run.extras["stream"], offset + start, length, n_u)
         if length < block:
             u = np.concatenate([u, np.zeros((block - length, n_u))])

@@ -11,8 +11,9 @@ session supplies what is JAX-specific:
 * one batch's per-layer ``K'`` group sums (``options.state_groups``, canonical layout)
   from the cached, compiled kernels (:mod:`~normflat.backends.jax.hvp`,
   :mod:`~normflat.backends.jax.ggn`). ``estimator="auto"`` is resolved on the first
-  batch, once the number of classes is known, before any kernel is built
-  (:func:`normflat.engine.options.resolve_estimator`, method §6.2);
+  batch, once the number of classes (and of tokens, for token logits) is known, before
+  any kernel is built (:func:`normflat.engine.options.resolve_estimator`, method §6.2,
+  §6.3);
 * the value checks with the engine's messages: the logits' statistics
   (:func:`normflat.engine.losses.logit_stats`) and the finiteness of device inputs
   are computed inside the compiled steps and checked on the host together, with
@@ -292,7 +293,8 @@ class JaxSession:
             backend["vmap"] = self.view.vmap
         chunk = self.run.chunk if self.run is not None and self.run.chunk is not None else self.kernel.max_block
         return {"dtype": str(jnp.dtype(self.dtype)), "device": device, "chunk_size": chunk,
-                "memory_budget": self.settings["memory_budget"], "backend": backend}
+                "memory_budget": self.settings["memory_budget"], "backend": backend,
+                "token_logits": self.kernel is not None and self.kernel.tokens is not None}
 
     def close(self) -> None:
         if not self._finished:
@@ -316,9 +318,11 @@ class JaxSession:
         prog, self.out_shape = trace_layers(view, batch)
         ws, others = view.split()
         num_classes = check_output_shape((batch.n,) + self.out_shape, options, batch.index, batch.n)
-        # "auto" becomes ggn or ggn-topk now that C is known; the driver reads self.options for the
-        # finalize and the report, and the kernel (and its cache key) takes the resolved options.
-        options = self.options = resolve_estimator(options, num_classes)
+        # "auto" becomes ggn or ggn-topk now that C (and T for token logits, whose signals it counts per
+        # sequence, method §6.3) is known; the driver reads self.options for the finalize and the report,
+        # and the kernel (and its cache key) takes the resolved options.
+        tokens = self.out_shape[0] if len(self.out_shape) == 2 else None
+        options = self.options = resolve_estimator(options, num_classes, tokens=tokens)
         if options.estimator == "exact":
             total = sum(int(np.prod(w.shape)) for w in ws)
             if total > settings["max_exact_params"] and not settings["force"]:
@@ -327,8 +331,10 @@ class JaxSession:
                     f"than max_exact_params={settings['max_exact_params']}). Use estimator='ggn' or "
                     "'hutchinson', or pass force=True if you really want it."
                 )
+        # per_sequence: the same program and estimator back-propagate other signals per token or per sequence.
         key = (prog.text, tuple(str(w.dtype) for w in ws), options.estimator, options.samples,
-               options.top_classes, options.loss if callable(options.loss) else str(options.loss), options.temperature,
+               options.top_classes, options.per_sequence,
+               options.loss if callable(options.loss) else str(options.loss), options.temperature,
                settings["chunk_size"], settings["memory_budget"], settings["exact_chunk"], settings["probe_chunk"])
         kernel = None
         cached = _CACHE.get(key)

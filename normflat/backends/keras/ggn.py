@@ -18,7 +18,9 @@ layers' signals start at the head's input, pulled back through it in structured
 form (:class:`~normflat.engine.losses.Factor`): ``O(C·d)`` per sample instead of the
 ``O(C²·d)`` of pushing ``C − 1`` dense signals through the head (method §6.1–6.2),
 and where dense signals are still needed (generic layers, no recognized head) only
-the block's are formed, ``O(C)`` each. Token logits keep the head rule only.
+the block's are formed, ``O(C)`` each. Token logits keep the head rule only; their
+stochastic estimators back-propagate per-sequence signals (a signed sum over the tokens,
+one back-propagation per signal and sequence, method §6.3) unless ``sequence_signals=False``.
 The step returns the ``(K', *canonical)`` sums of one chunk of samples
 (``K' = options.state_groups``); the engine divides.
 """
@@ -42,10 +44,11 @@ from normflat.engine.losses import (diagonal_signals, logit_stats, output_factor
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
 
-__all__ = ["Taps", "ggn_step_fn", "model_logits", "signal_layout", "ggn_bytes", "ggn_chunk_size", "SIGNAL_BLOCK",
-           "compute_dtype", "exact_head", "STRUCTURED_HEAD_CLASSES", "CHUNK_BYTES", "MAX_CHUNK"]
+__all__ = ["Taps", "ggn_step_fn", "model_logits", "signal_layout", "sequence_layout", "token_signal_bytes",
+           "ggn_bytes", "ggn_chunk_size", "SIGNAL_BLOCK", "compute_dtype", "exact_head", "STRUCTURED_HEAD_CLASSES",
+           "CHUNK_BYTES", "MAX_CHUNK"]
 
-#: Signals back-propagated per compiled step (unrolled in the graph; more are done in blocks).
+#: Most signals back-propagated per compiled step (unrolled in the graph; more are done in equal blocks).
 SIGNAL_BLOCK = 16
 #: Upper bound on the estimated bytes of one GGN step without ``memory_budget`` (the default
 #: budget is about twice a training step, :func:`normflat.core.memory.default_budget`, at most this).
@@ -131,23 +134,60 @@ class Taps:
         state.set(layer, "activation", activation)
 
 
-def signal_layout(options: AnalysisOptions, num_classes: int, tokens: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """Which of the flattened ``(K'·M·T)`` engine signals are real, and their group ids.
+def sequence_layout(options: AnalysisOptions, tokens: int | None) -> bool:
+    """Whether token logits of ``tokens`` tokens take per-sequence signals (method §6.3).
 
-    The real ``(group, member)`` slots are :func:`~normflat.engine.losses.signal_slots`'s:
-    ``ggn`` all ``C − 1``; ``ggn-mc`` draw ``d`` as member ``d // K`` of group ``d mod K``;
+    ``(n, C)`` logits (``tokens`` ``None``) never do; token logits do under
+    :attr:`~normflat.engine.options.AnalysisOptions.per_sequence` (the stochastic
+    estimators unless ``sequence_signals=False``).
+    """
+    return tokens is not None and options.per_sequence
+
+
+def signal_layout(options: AnalysisOptions, num_classes: int,
+                  tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Which of the flattened engine signals are real, and their group ids.
+
+    ``(n, C)`` logits (``tokens`` ``None``): the real ``(group, member)`` slots of the
+    ``(K', M)`` layout are :func:`~normflat.engine.losses.signal_slots`'s: ``ggn`` all
+    ``C − 1``; ``ggn-mc`` draw ``d`` as member ``d // K`` of group ``d mod K``;
     ``ggn-topk`` the exact top-class signals of the shared group 0, then the draws of
     groups ``1..K``. The engine pads shorter groups with zero signals, which are dropped
-    here (they would cost a back-propagation each and add nothing). Token logits have
-    ``T`` signals per member, one per token (:func:`normflat.engine.losses.token_signals`:
-    signal ``m·T + t``), so slot ``(g, m)`` of token ``t`` is flat index ``(g·M + m)·T + t``.
+    here (they would cost a back-propagation each and add nothing).
+
+    Token logits of ``T = tokens`` tokens (:func:`normflat.engine.losses.token_signals`):
+    per token, ``T`` signals per member, one per token (signal ``m·T + t``), so slot
+    ``(g, m)`` of token ``t`` is flat index ``(g·M + m)·T + t``; per sequence
+    (:func:`sequence_layout`), one signal per slot of the ``(K', M')`` layout,
+    ``M' = token_signals_per_group(C, T)``, flat index ``g·M' + m``, whose real slots are
+    ``signal_slots(..., sequence=True)``'s: ``ggn-topk``'s shared group 0 is all zero
+    there and is never back-propagated (method §6.3).
     """
-    m = options.signals_per_group(num_classes)
-    slots = np.asarray(signal_slots(options, num_classes), dtype=np.int64).reshape(-1, 2)
-    # Vectorized: an LM head has (C − 1)·T signals, far too many for a Python loop.
-    index = ((slots[:, 0] * m + slots[:, 1]) * tokens)[:, None] + np.arange(tokens)[None, :]
-    seg = np.repeat(slots[:, 0], tokens)
+    if sequence_layout(options, tokens):
+        assert tokens is not None
+        m, per = options.token_signals_per_group(num_classes, tokens), 1
+        slots = np.asarray(signal_slots(options, num_classes, sequence=True), dtype=np.int64).reshape(-1, 2)
+    else:
+        m, per = options.signals_per_group(num_classes), tokens or 1
+        slots = np.asarray(signal_slots(options, num_classes), dtype=np.int64).reshape(-1, 2)
+    # Vectorized: the exact ggn of an LM head has (C − 1)·T signals, far too many for a Python loop.
+    index = ((slots[:, 0] * m + slots[:, 1]) * per)[:, None] + np.arange(per)[None, :]
+    seg = np.repeat(slots[:, 0], per)
     return index.reshape(-1), seg
+
+
+def token_signal_bytes(options: AnalysisOptions, num_classes: int, tokens: int | None, item: int) -> int:
+    """Bytes per sample of the whole token-signal tensor a GGN step forms (0 for ``(n, C)`` logits).
+
+    The step forms :func:`~normflat.engine.losses.token_signals`' ``(K', M', n, T, C)``
+    signals of every token at once, then gathers the real ones (a second copy):
+    ``M' = token_signals_per_group(C, T)``, which is ``M·T`` per token (so the tensor
+    grows with ``T²``) and a few per sequence (method §6.3).
+    """
+    if tokens is None:
+        return 0
+    per_group = options.token_signals_per_group(num_classes, tokens)
+    return 2 * options.state_groups * per_group * tokens * num_classes * item
 
 
 def _head_squares(x: Any, zc: Any, counted: Any, options: AnalysisOptions, tokens: int | None,
@@ -413,12 +453,15 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
     ``step(x, uniforms, counted, start)`` returns the ``(K', *canonical)`` sums per
     layer (``groups = K'``, :attr:`~normflat.engine.options.AnalysisOptions.state_groups`)
     and the :func:`~normflat.engine.losses.logit_stats` of the chunk.
-    ``uniforms`` are the chunk's ``(n, draws·T)`` uniforms (``ggn-mc``, ``ggn-topk``;
-    ``(n, 0)`` for ``ggn``); ``counted`` is the ``(n, T)`` 0/1 mask of the counted tokens of token
-    logits ``(n, T, C)`` (``tokens = T``, method §6.3; ``(n, 0)`` for ``(n, C)``
-    logits); ``start`` selects the block of signals (an exact head's squares (:func:`exact_head`)
-    come with the block at ``start = 0``). ``holder["taps"]`` is the
-    :class:`Taps` active when the function (re)traces; the model is held weakly.
+    ``uniforms`` are the chunk's ``(n, options.uniform_columns(T))`` uniforms (``ggn-mc``,
+    ``ggn-topk``; ``(n, 0)`` for ``ggn``); ``counted`` is the ``(n, T)`` 0/1 mask of the counted
+    tokens of token logits ``(n, T, C)`` (``tokens = T``, method §6.3; ``(n, 0)`` for ``(n, C)``
+    logits), whose signals are per sequence or per token as :func:`signal_layout` lays them
+    out: either way the fast and generic squares are those of per-sequence gradients (a
+    per-token signal is zero at the other tokens); ``start`` selects the block of signals
+    (an exact head's squares (:func:`exact_head`) come with the block at ``start = 0``).
+    ``holder["taps"]`` is the :class:`Taps` active when the function (re)traces; the model is
+    held weakly.
     ``sequential``: the generic path's per-sample gradients run one after the other
     (``tf.map_fn``) rather than vectorized: vectorizing the backward pass of a
     ``tf.while_loop`` (recurrent layers) takes far longer to compile than the loop runs.
@@ -426,7 +469,7 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
     fast = [e for e in entries if e.fast]
     generic = [e for e in entries if not e.fast]
     model_ref = weakref.ref(model)
-    index, seg_list = signal_layout(options, num_classes, tokens or 1)
+    index, seg_list = signal_layout(options, num_classes, tokens)
     head_rule = exact_head(options, num_classes)
 
     @tf.function(reduce_retracing=True)
@@ -480,7 +523,8 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
             if tokens is None:
                 sig = output_signals(TF, zc, options, u)  # (K', M, n, C)
             else:
-                sig = token_signals(TF, zc, options, tf.cast(counted, zc.dtype), u)  # (K', M·T, n, T, C)
+                # (K', M', n, T, C): M' = M·T per token, a few per sequence (all tokens at once).
+                sig = token_signals(TF, zc, options, tf.cast(counted, zc.dtype), u)
             s = tf.gather(tf.reshape(sig, [-1, tf.shape(zc)[0], *rest]), index)
             s = tf.cast(s, z.dtype)
             s = tf.pad(s, [[0, block]] + [[0, 0]] * (1 + len(rest)))[start:start + block]
@@ -528,7 +572,8 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
     return step
 
 
-def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: int, block: int) -> tuple[int, int]:
+def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: int, block: int,
+              signal_bytes: int = 0) -> tuple[int, int]:
     """Estimated bytes of one GGN step as ``linear * n + quadratic * n²`` for a chunk of n samples.
 
     Counts the per-sample intermediates that grow with the chunk: the
@@ -538,9 +583,14 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
     convolution patches), and for layers on the generic path the per-sample
     Jacobian products, whose output-gradient tensor and vectorized backward
     pass grow with n² (one signal per sample of the chunk).
+
+    Args:
+        num_classes: Logits per sample (``T·C`` for token logits).
+        signal_bytes: Bytes per sample of the signals formed whole before the blocks are
+            taken (token logits: :func:`token_signal_bytes`).
     """
     item = tf.as_dtype(dtype).size
-    linear = input_size + num_classes * (block + 2)
+    linear = input_size + num_classes * (block + 2) + -(-int(signal_bytes) // item)
     work = 0
     for e in entries:
         if not e.fast:

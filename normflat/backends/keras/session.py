@@ -6,7 +6,7 @@ for one checked batch at a time, runs the estimator kernels (:mod:`.ggn`,
 :mod:`.hvp`) over chunks of the batch, dealt to the local ``tf.distribute``
 replicas when there are several, and adds the ``(K', *layout)`` sums to the
 engine's state (``K' = options.state_groups``; ``estimator="auto"`` is resolved on
-the first batch, once the number of classes is known). The layout of the sums is
+the first batch, once the number of classes and of tokens is known). The layout of the sums is
 canonical for the GGN kernels (they produce it directly) and the variable's own
 for the HVP kernels (:meth:`KerasSession.canonical` converts at the end).
 """
@@ -27,7 +27,7 @@ from normflat.backends.keras.calls import grouped_conv_call, is_plain_norm, norm
 from normflat.backends.keras.data import ADAPTER, to_tensor
 from normflat.backends.keras.distributed import Replicas
 from normflat.backends.keras.ggn import (SIGNAL_BLOCK, Taps, compute_dtype, ggn_bytes, ggn_chunk_size, ggn_step_fn,
-                                        model_logits)
+                                        model_logits, sequence_layout, signal_layout, token_signal_bytes)
 from normflat.backends.keras.hvp import (EXACT_BLOCK, PROBE_BLOCK, has_recurrence, hvp_step_fns, native_positions,
                                         native_probes)
 from normflat.backends.keras.layers import Entry, fast_kind, final_softmax, walk
@@ -36,8 +36,7 @@ from normflat.backends.keras.state import ModelState
 from normflat.core.memory import default_budget, training_step_bytes
 from normflat.engine.data import Batch, labels_for
 from normflat.engine.estimators import SumState
-from normflat.engine.losses import (check_logit_stats, check_loss_value, check_output_shape, logit_stats,
-                                    signal_slots)
+from normflat.engine.losses import check_logit_stats, check_loss_value, check_output_shape, logit_stats
 from normflat.engine.options import AnalysisOptions, resolve_estimator
 from normflat.engine.problems import LayerSpec
 from normflat.engine.random import sample_uniforms
@@ -322,6 +321,7 @@ class KerasSession:
             "chunk_size": self.chunk,
             "memory_budget": self.config.memory_budget,
             "backend": backend,
+            "token_logits": self.tokens is not None,
         }
 
     def update(self, batch: Batch, state: SumState) -> int | None:
@@ -333,9 +333,10 @@ class KerasSession:
             self._probe(x, batch)  # again when the shapes change: T of token logits may differ
             self._probed_for = signature
         if self.options.estimator == "auto":
-            # The classes are known now: the driver reads the resolved options back for the
-            # finalize and the metadata, and every compiled step is keyed on them.
-            self.options = resolve_estimator(self.options, self.num_classes)
+            # The classes and tokens are known now (the probe): the driver reads the resolved
+            # options back for the finalize and the metadata, and every compiled step is keyed on
+            # them. Token logits count the signals per sequence (method §6.3).
+            self.options = resolve_estimator(self.options, self.num_classes, tokens=self.tokens)
         labels = labels_for(batch, self.num_classes, ADAPTER, self.options, tokens=self.tokens, shift=self.shift)
         if self.hvp:
             self._update_hvp(x, labels, batch, state)
@@ -452,16 +453,20 @@ class KerasSession:
 
     def _ggn_step(self, rows: int) -> tuple[Any, int, int]:
         options = self.options
-        # The real signals of the engine's (K', M·T) layout, padding dropped (ggn.signal_layout).
-        signals = len(signal_slots(options, self.num_classes)) * (self.tokens or 1)
-        block = min(signals, SIGNAL_BLOCK)
-        key_tokens = (self.tokens, block, options.estimator)
+        # The real signals of the engine's layout, padding (and per-sequence ggn-topk's zero
+        # group 0) dropped: (K', M·T) per token, (K', M') per sequence (ggn.signal_layout).
+        signals = len(signal_layout(options, self.num_classes, self.tokens)[0])
+        # Equal blocks of at most SIGNAL_BLOCK: the last block's padding is back-propagated too
+        # (a compiled step has a fixed block), so 20 signals go as 10 + 10, not 16 + 16.
+        block = -(-signals // -(-signals // SIGNAL_BLOCK)) if signals else 1
+        sequence = sequence_layout(options, self.tokens)
+        key_tokens = (self.tokens, block, options.estimator, sequence)
         if self._step is not None and self._step_tokens != key_tokens:
             self._step = None  # another sequence length: another signal layout
         if self._step is None:
             self._step_tokens = key_tokens
             key = ("ggn", options.estimator, options.loss, options.temperature, options.samples, options.top_classes,
-                   self.num_classes, self.tokens, self._probe_key_output(),
+                   self.num_classes, self.tokens, sequence, self._probe_key_output(),
                    tuple((e.name, e.fast, id(e.variable.value), e.weight.kind) for e in self.entries),
                    None if self.strip is None else (id(self.strip[0]), self.strip[1]),
                    tuple(id(layer) for layer in self.grouped), block)
@@ -475,8 +480,9 @@ class KerasSession:
             if self.config.chunk_size is not None:
                 self.chunk = self.config.chunk_size
             else:
-                linear, quadratic = ggn_bytes(self.entries, self.dtype, self.input_size,
-                                              self.num_classes * (self.tokens or 1), block)
+                linear, quadratic = ggn_bytes(
+                    self.entries, self.dtype, self.input_size, self.num_classes * (self.tokens or 1), block,
+                    token_signal_bytes(options, self.num_classes, self.tokens, compute_dtype(self.dtype).size))
                 budget = None if self.config.memory_budget is not None else self._default_budget(rows)
                 self.chunk = ggn_chunk_size(linear, quadratic, self.config.memory_budget, block, budget)
         self._holder["taps"] = self.taps
@@ -487,7 +493,6 @@ class KerasSession:
         options = self.options
         out_dtype = compute_dtype(self.dtype)
         pieces = self._pieces(batch.n, self.chunk)
-        tokens = self.tokens or 1
         if self.tokens is not None:
             counted = (labels >= 0).astype(np.float64)  # (n, T): tokens whose label is counted
         else:
@@ -496,8 +501,10 @@ class KerasSession:
         for a, b in pieces:
             xc = x if (a, b) == (0, batch.n) else _slice(x, a, b)
             if options.draws:
-                # Token t of a sequence takes draws t·S .. (t+1)·S − 1 (losses.token_signals).
-                u = sample_uniforms(options.seed, self.rank, batch.offset + a, b - a, options.draws * tokens)
+                # Token t of a sequence takes columns t·D .. (t+1)·D − 1: its S class draws, then
+                # per-sequence ggn-topk's sign columns (options.uniform_columns, losses.token_signals).
+                u = sample_uniforms(options.seed, self.rank, batch.offset + a, b - a,
+                                    options.uniform_columns(self.tokens))
             else:
                 u = np.zeros((b - a, 0))
             args.append((xc, tf.constant(u, out_dtype), tf.constant(counted[a:b], out_dtype)))

@@ -151,8 +151,12 @@ def _dense_squares(a: torch.Tensor, deltas: Deltas, out_f: int, in_f: int,
     if a.dim() == 2:
         # Per-sample gradient δ aᵀ is rank one: its square is δ² (a²)ᵀ, summed over n by a matmul.
         d2 = []
+        like = next(d for d in deltas.parts if d is not None)
         for k in range(K):
             group = [d for d in deltas.parts[k * M:(k + 1) * M] if d is not None]
+            if not group:  # a group of zero signals only (per-sequence ggn-topk's shared group, §6.3)
+                d2.append(like.new_zeros(like.shape))
+                continue
             acc = group[0].square()
             for d in group[1:]:
                 acc.addcmul_(d, d)

@@ -141,6 +141,7 @@ class TorchSession:
         self.checked = False
         self.batched = False
         self.batches_seen = 0
+        self.token_logits = False  # whether the model returned (n, T, C) token logits (metadata)
         self.probes = hvp.Probes(self._layers, options.seed) if est == "hutchinson" else None
         self.capture: ggn_kernels.Capture | None = None
         self._closed = False
@@ -221,15 +222,16 @@ class TorchSession:
         return self._layers[layer].canonical(self._layers[layer].param.detach())
 
     def metadata(self) -> dict[str, Any]:
-        """``dtype``, ``device``, ``chunk_size``, ``memory_budget``; merges the ranks' layer paths."""
+        """``dtype``, ``device``, ``chunk_size``, ``memory_budget``, ``token_logits``; merges the
+        ranks' layer paths."""
         devices = [str(self.device)]
-        chunk = self.chunk
+        chunk, token_logits = self.chunk, self.token_logits
         if self.comm is not None:
             # Called on every rank after the reduction. A rank that saw no batch never
             # learned which layers need the generic path: merge, so every rank reports alike.
             infos = self.comm.gather((self.batches_seen > 0, str(self.device),
                                       [(layer.fast, layer.spec.path, layer.spec.reason) for layer in self._layers],
-                                      self.chunk))
+                                      self.chunk, self.token_logits))
             ran = [info for info in infos if info[0]] or infos
             for i, layer in enumerate(self._layers):
                 slow = next((info[2][i] for info in ran if not info[2][i][0]), None)
@@ -239,12 +241,14 @@ class TorchSession:
             devices = list(dict.fromkeys(info[1] for info in infos))
             chunks = [info[3] for info in infos if info[3] is not None]
             chunk = max(chunks) if chunks else None
+            token_logits = any(info[4] for info in infos)  # a rank without batches never saw the logits
         return {
             "dtype": str(self.dtype).replace("torch.", ""),
             "device": ", ".join(devices),
             "chunk_size": chunk if self.ggn else None,
             "memory_budget": self.settings.memory_budget,
             "backend": {},
+            "token_logits": token_logits,
         }
 
     def close(self) -> None:
@@ -269,6 +273,7 @@ class TorchSession:
                 "to a (batch, classes) logits tensor."
             )
         c = losses.check_output_shape(tuple(logits.shape), self.options, batch.index, rows)
+        self.token_logits = self.token_logits or logits.dim() == 3
         stats = losses.logit_stats(_XP, logits.detach())
         losses.check_logit_stats(stats.cpu().numpy(), self.options, batch.index, c,
                                  float(torch.finfo(logits.dtype).eps))
@@ -324,14 +329,23 @@ class TorchSession:
 
     # ------------------------------------------------------------------ ggn, ggn-topk, ggn-mc
 
-    def _signals_per_sample(self, c: int, tokens: int) -> int:
-        """Back-propagated signals per sample: per token, ``K' · M`` (padding included)."""
-        return self.options.state_groups * self.options.signals_per_group(c) * tokens
+    def _signals_per_sample(self, c: int, tokens: int | None) -> int:
+        """Back-propagated signals per sample, padding included: ``K' · M`` for ``(n, C)``
+        logits; for token logits of ``tokens`` tokens ``K' · M'`` (``M'`` of
+        :meth:`~normflat.engine.options.AnalysisOptions.token_signals_per_group`: ``M · T``
+        per token, a few per sequence, method §6.3) less the ones known to be zero (the empty
+        shared group of per-sequence ``ggn-topk``, never back-propagated)."""
+        o = self.options
+        if tokens is None:
+            return o.state_groups * o.signals_per_group(c)
+        m = o.token_signals_per_group(c, tokens)
+        return o.state_groups * m - len(losses.zero_signals(o, m, sequence=True))
 
     def _choose_chunk(self, logits: torch.Tensor, rows: int, c: int) -> int:
         """Samples per GGN step: bound the signal rows back-propagated at once."""
-        tokens = int(logits.shape[1]) if logits.dim() == 3 else 1
+        tokens = int(logits.shape[1]) if logits.dim() == 3 else None
         per_sample = self._signals_per_sample(c, tokens)
+        tokens = tokens or 1  # the entries of one signal are c · tokens
         from normflat.core.memory import chunk_size_for, default_budget, training_step_bytes
 
         # Per sample: the signals at every fast layer output, a second copy of them for a batched
@@ -374,6 +388,10 @@ class TorchSession:
                 layer.disable_fast("module input or output is not a single tensor")
         self.checked = True
 
+    def _per_sequence(self, logits: torch.Tensor) -> bool:
+        """Whether the estimator's signals of these logits span whole sequences (method §6.3)."""
+        return logits.dim() == 3 and self.options.per_sequence
+
     def _signal_blocks(self, logits: torch.Tensor, counted: torch.Tensor | None,
                        uniforms: torch.Tensor | None, diagonal: bool = False) -> Iterator[torch.Tensor]:
         """The GGN signals of a chunk, in blocks ``(K, M', rows, *logits.shape[1:])``.
@@ -383,9 +401,12 @@ class TorchSession:
 
         ``(n, C)`` logits: one block from :func:`~normflat.engine.losses.output_signals`.
         Token logits ``(n, T, C)``: the signals of :func:`~normflat.engine.losses.token_signals`
-        (each token's factor placed at its own position, ignored tokens zero; method §6.3),
-        formed a few tokens at a time so that the placed ``(K, M·T, n, T, C)`` tensor, which
-        grows with ``T²``, never exists whole.
+        (method §6.3; ignored tokens zero). Per token (the exact ``ggn``, ``diagonal``, or
+        ``sequence_signals=False``: each token's factor placed at its own position) they are
+        formed a few tokens at a time, so that the placed ``(K, M·T, n, T, C)`` tensor, which
+        grows with ``T²``, never exists whole. Per sequence every signal spans all tokens, so
+        they are formed at once (a few per sequence) and handed on a few members of every
+        group at a time, which bounds the signals back-propagated together.
         """
         z = logits
         if z.dim() == 2:
@@ -397,6 +418,14 @@ class TorchSession:
         assert counted is not None
         n, t, c = z.shape
         k = self.options.state_groups
+        if not diagonal and self.options.per_sequence:
+            sig = losses.token_signals(_XP, z, self.options, counted, uniforms)  # (K', M', n, T, C)
+            m = int(sig.shape[1])
+            # Splitting the members keeps each group's sums whole: they add up over the blocks.
+            step = max(1, min(m, TOKEN_SIGNAL_ENTRIES // max(k * n * t * c, 1), DEFAULT_SIGNAL_ROWS // max(k * n, 1)))
+            for start in range(0, m, step):
+                yield sig[:, start:start + step]
+            return
         m = 1 if diagonal else self.options.signals_per_group(c)  # signals per token and group
         per_token = k * m * n * t * c
         step = max(1, min(t, TOKEN_SIGNAL_ENTRIES // max(per_token, 1),
@@ -422,7 +451,9 @@ class TorchSession:
             logits = self._pick(xc.call(self.model))
             c = self._check_logits(logits, batch, rows)
             if self.options.estimator == "auto":
-                self.options = resolve_estimator(self.options, c)
+                # Token logits count the signals per sequence (method §6.3).
+                self.options = resolve_estimator(self.options, c,
+                                                 tokens=int(logits.shape[1]) if logits.dim() == 3 else None)
             if ids is None:
                 # The data contract: labels in range. The GGN uses the labels of token logits only,
                 # for the counted tokens.
@@ -453,8 +484,9 @@ class TorchSession:
                 counted = (ids[sl] >= 0).to(logits.dtype)
             uniforms = None
             if self.options.draws:
-                draws = self.options.draws * (tokens or 1)
-                u = nrandom.sample_uniforms(self.options.seed, self.rank, batch.offset + start, rows, draws)
+                # Per sample (token logits: per token, the class draws then the signs of §6.3).
+                columns = self.options.uniform_columns(tokens)
+                u = nrandom.sample_uniforms(self.options.seed, self.rank, batch.offset + start, rows, columns)
                 uniforms = torch.from_numpy(u).to(device=logits.device, dtype=logits.dtype)
             for layer in fast:
                 if cap.calls.get(id(layer), 0) != 1 or cap.modified(id(layer)):
@@ -483,11 +515,17 @@ class TorchSession:
                         if head.ext.ggn_squares is ggn_kernels.transposed_linear_squares:
                             weight = weight.t()
                         factor = losses.output_factor(_XP, z, self.options, uniforms)
-                        self._fast_squares(start, factor.through(_XP, weight), fast, state)
+                        self._fast_squares(start, self._skipped(factor.through(_XP, weight), False), fast, state)
                         fast = []
+            sequence = self._per_sequence(z)
+            # Per sequence the signals of the chunk exist whole anyway (a few per sequence): when
+            # both paths need them they are formed once. Per token each path forms them anew, a
+            # few tokens at a time, so that no more than one block exists (memory).
+            cache: list[tuple[torch.Tensor, list[int]]] | None = (
+                [] if sequence and fast and any(not layer.fast for layer in self._layers) else None)
             if fast:
-                for sig in self._signal_blocks(z, counted, uniforms):
-                    self._fast_squares(logits, sig, fast, state)
+                for block in self._prepared_blocks(z, counted, uniforms, sequence, cache):
+                    self._fast_squares(logits, block, fast, state)
                     fast = [layer for layer in fast if layer.fast]
             del logits
             cap.reset()
@@ -495,16 +533,11 @@ class TorchSession:
             if generic:
                 cap.active = False
                 try:
-                    for sig in self._signal_blocks(z, counted, uniforms):
-                        if self.options.pooled:
-                            sig = losses.pool_signals(_XP, sig, self.options)[0]
-                        # The math attention kernel has vmap batching rules; the fused one does not.
-                        with compat.FunctionalKernels(attention=True):
-                            res = ggn_kernels.generic_ggn(self.model, xc, sig, generic, self._pick)
-                        for layer in generic:
-                            state.add(self._index[id(layer)], res[layer.param_name].detach(), owned=True)
+                    for block in cache or self._prepared_blocks(z, counted, uniforms, sequence):
+                        self._generic_squares(xc, block, generic, state)
                 finally:
                     cap.active = True
+            cache = None  # not held through the next chunk's forward
         return terms
 
     def _heads(self, logits: torch.Tensor, fast: list[TorchLayer]) -> list[TorchLayer]:
@@ -537,13 +570,50 @@ class TorchSession:
             else:
                 state.add(self._index[id(layer)], value.detach(), owned=True)
 
-    def _fast_squares(self, logits: torch.Tensor, sig: torch.Tensor, fast: list[TorchLayer],
+    def _prepared_blocks(self, z: torch.Tensor, counted: torch.Tensor | None, uniforms: torch.Tensor | None,
+                         sequence: bool, cache: list | None = None) -> Iterator[tuple[torch.Tensor, list[int]]]:
+        """:meth:`_signal_blocks` as :meth:`_skipped` hands them to the kernels (appended to
+        ``cache`` too when given)."""
+        for sig in self._signal_blocks(z, counted, uniforms):
+            block = self._skipped(sig, sequence)
+            if cache is not None:
+                cache.append(block)
+            yield block
+
+    def _skipped(self, sig: torch.Tensor, sequence: bool) -> tuple[torch.Tensor, list[int]]:
+        """The signals to square, pooled if only the mean is wanted, and the flat indices
+        ``g·M + j`` of those known to be zero (padding, and the empty shared group 0 of
+        per-sequence ``ggn-topk``, method §6.3), which need no back-propagation."""
+        if self.options.pooled:  # only the mean is wanted: one sum for the sampled groups
+            return losses.pool_signals(_XP, sig, self.options, sequence=sequence)
+        return sig, losses.zero_signals(self.options, int(sig.shape[1]), sequence=sequence)
+
+    def _generic_squares(self, xc: ModelInputs, block: tuple[torch.Tensor, list[int]], generic: list[TorchLayer],
+                         state: SumState) -> None:
+        """The generic path's sums of one block of :meth:`_skipped` signals; groups that are all
+        zero are not run."""
+        sig, zero = block
+        k, m = int(sig.shape[0]), int(sig.shape[1])
+        skipped = set(zero)
+        live = [g for g in range(k) if any(g * m + j not in skipped for j in range(m))]
+        # The math attention kernel has vmap batching rules; the fused one does not.
+        with compat.FunctionalKernels(attention=True):
+            res = ggn_kernels.generic_ggn(self.model, xc, sig[live] if len(live) < k else sig, generic, self._pick)
+        for layer in generic:
+            value = res[layer.param_name].detach()
+            if len(live) < k:
+                full = value.new_zeros((k, *value.shape[1:]))
+                full[live] = value
+                value = full
+            state.add(self._index[id(layer)], value, owned=True)
+
+    def _fast_squares(self, logits: torch.Tensor, block: tuple[torch.Tensor, list[int]], fast: list[TorchLayer],
                       state: SumState) -> None:
+        """Back-propagate one block of :meth:`_skipped` signals ``(signals, zero indices)`` to the
+        fast layers' outputs and add their squares."""
         assert self.capture is not None
         cap = self.capture
-        padding: list[int] = []
-        if self.options.pooled:  # only the mean is wanted: one sum for the sampled groups
-            sig, padding = losses.pool_signals(_XP, sig, self.options)
+        sig, padding = block
         k, m, nc = sig.shape[:3]
         outs = [cap.outputs[id(layer)] for layer in fast]
         flat = sig.reshape(k * m, nc, *sig.shape[3:])

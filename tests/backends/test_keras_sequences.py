@@ -1,0 +1,209 @@
+"""Keras backend: per-sequence signals of token logits (method §6.3).
+
+``ggn-topk`` and ``ggn-mc`` back-propagate one signal per (signal, sequence): the
+tokens' signals summed with independent signs. The backend's diagonals and group
+estimates are checked against a brute-force reference built here: the full
+per-sequence Jacobians of the logits with respect to every analyzed weight
+(``tf.GradientTape.jacobian``, float64) contracted with the engine's
+:func:`normflat.engine.losses.token_signals`, formed in numpy from the same
+framework-free uniforms, and divided by the counted tokens.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from tests.builders import require_frameworks  # noqa: E402
+
+require_frameworks("tensorflow", "keras")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import normflat  # noqa: E402
+from normflat.backends.keras import layer_problems  # noqa: E402
+from normflat.backends.keras.ggn import signal_layout  # noqa: E402
+from normflat.engine import losses, validate_options  # noqa: E402
+from normflat.engine.random import sample_uniforms  # noqa: E402
+
+L = keras.layers
+F64 = "float64"
+VOCAB, C, T = 6, 5, 4
+
+
+class _OwnCallDense(L.Dense):
+    """A Dense with its own call: the generic path (per-sample Jacobians from the logits)."""
+
+    def call(self, inputs):
+        return super().call(inputs)
+
+
+def _transposed(k):
+    return k.T
+
+
+def _conv1d(k):  # Conv1D kernel (k, in, out) -> (out, in, k)
+    return k.transpose(2, 1, 0)
+
+
+#: Report name -> (variable path, native -> canonical layout).
+LAYOUT = {
+    "emb": ("emb/embeddings", _transposed),
+    "mix": ("mix/kernel", _conv1d),
+    "own": ("own/kernel", _transposed),
+    "head": ("head/kernel", _transposed),
+}
+
+
+@pytest.fixture(scope="module")
+def token_lm():
+    """Embedding, a causal convolution (the tokens mix), a generic Dense and a Dense head.
+
+    Logits ``(n, T, C)``; labels as a causal language model's, shifted by the backend
+    (``shift_labels=True``), with a prompt and padding not counted. Returns the model, the
+    data and the brute-force logits and Jacobians (:func:`_jacobians`, for every estimator).
+    """
+    keras.utils.set_random_seed(11)
+    rng = np.random.default_rng(11)
+    inp = keras.Input((T,), dtype="int32")
+    e = L.Embedding(VOCAB, 3, dtype=F64, name="emb")(inp)
+    m = L.Conv1D(3, 2, padding="causal", activation="tanh", dtype=F64, name="mix")(e)
+    h = _OwnCallDense(4, activation="tanh", dtype=F64, name="own")(m)
+    model = keras.Model(inp, L.Dense(C, dtype=F64, name="head")(h))
+    for v in model.weights:
+        v.assign(rng.normal(size=v.shape) * 0.8)
+    x = rng.integers(0, VOCAB, (4, T)).astype("int32")
+    y = rng.integers(0, C, (4, T))
+    y[0, 1] = y[2, 3] = y[3, 1] = -100  # after the shift, with the last tokens: 9 of 16 counted
+    return model, x, y, _jacobians(model, x, [path for path, _ in LAYOUT.values()])
+
+
+def _shifted(y):
+    return np.concatenate([y[:, 1:], np.full((len(y), 1), -100)], axis=1)
+
+
+def _jacobians(model, x, paths):
+    """The logits ``(n, T, C)`` and, per path, the ``(n, T, C, size)`` Jacobian of the logits."""
+    variables = {v.path: v for v in model.weights}
+    with tf.GradientTape(persistent=True) as tape:
+        z = model(x, training=False)
+    jac = tape.jacobian(z, [variables[p].value for p in paths], experimental_use_pfor=False)
+    z = z.numpy()
+    return z, [tf.convert_to_tensor(j).numpy().reshape(*z.shape, -1) for j in jac]
+
+
+def reference(model, jacobians, y, options, exact_head):
+    """Brute force: ``{name: (K', *canonical)}`` sums of squared per-sequence gradients, and the counted tokens.
+
+    Each signal ``s`` of :func:`~normflat.engine.losses.token_signals` (per sequence) gives
+    the per-sequence gradient ``Σ_{t,c} s_tc J_tc``. ``exact_head``: the head's squares are
+    the exact GGN's in the shared group 0 (per-token signals, each at its token), zero in
+    the sampled groups, as the backend's dense head rule (method §6.2–6.3).
+    """
+    counted = (y >= 0).astype(np.float64)
+    z, jac = jacobians
+    u = sample_uniforms(options.seed, 0, 0, len(y), options.uniform_columns(T))
+    sig = losses.token_signals(np, z, options, counted, u)  # (K', M', n, T, C)
+    exact = losses.token_signals(np, z, validate_options(loss=options.loss, estimator="ggn", progress=False),
+                                 counted)  # (1, (C − 1)·T, n, T, C): each at its own token
+    shapes = {v.path: tuple(v.shape) for v in model.weights}
+    out = {}
+    for (name, (path, canonical)), j in zip(LAYOUT.items(), jac):
+        if exact_head and name == "head":
+            sq = np.zeros((sig.shape[0], j.shape[-1]))
+            sq[0] = (np.einsum("mntc,ntcp->mnp", exact[0], j) ** 2).sum(axis=(0, 1))
+        else:
+            sq = (np.einsum("gmntc,ntcp->gmnp", sig, j) ** 2).sum(axis=(1, 2))
+        out[name] = np.stack([canonical(s.reshape(shapes[path])) for s in sq])
+    return out, counted.sum()
+
+
+def _groups(sums, shared, count):
+    """Group estimates from the ``(K', ...)`` sums: ``(shared + sampled_k) / N`` or ``sampled_k / N``."""
+    if shared:
+        return (sums[:1] + sums[1:]) / count
+    return sums / count
+
+
+def assert_close(got, ref, name):
+    np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-13 * np.abs(ref).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("estimator, loss, samples, top", [("ggn-topk", "nsce", 3, 1), ("ggn-mc", "ce", 3, None)])
+def test_sequence_signals_equal_brute_force(token_lm, estimator, loss, samples, top):
+    """Fast (embedding, convolution), generic and head layers; two batches, the first in two chunks."""
+    model, x, y, jacobians = token_lm
+    kw = dict(loss=loss, estimator=estimator, samples=samples, top_classes=top, seed=5, shift_labels=True)
+    options = validate_options(progress=False, **kw)
+    assert options.per_sequence
+    sums, count = reference(model, jacobians, _shifted(y), options, exact_head=estimator == "ggn-topk")
+    groups = {k: _groups(v, options.shared_group, count) for k, v in sums.items()}
+    data = [(x[:3], y[:3]), (x[3:], y[3:])]
+    got = normflat.hessian_diagonal(model, data, progress=False, chunk_size=2, **kw)
+    assert list(got) == list(LAYOUT)
+    for name, g in groups.items():
+        assert_close(np.asarray(got[name]), g.mean(axis=0), name)
+    problems, meta = layer_problems(model, data, options, chunk_size=2)
+    assert meta["sequence_signals"] is True and meta["loss_terms"] == count == 9
+    assert [p.name for p in problems] == list(LAYOUT)
+    for p in problems:
+        assert p.hessian_diag_samples.shape == (options.groups, *p.hessian_diag.shape)
+        assert_close(np.asarray(p.hessian_diag_samples), groups[p.name], p.name)
+    # The cross-token terms are really there: per-token signals give other numbers.
+    per_token, _ = reference(model, jacobians, _shifted(y), validate_options(
+        progress=False, sequence_signals=False, **kw), exact_head=estimator == "ggn-topk")
+    assert not np.allclose(per_token["mix"][1:], sums["mix"][1:], rtol=1e-3)
+
+
+def test_sequence_layout_counts_signals_per_sequence():
+    """20 back-propagations per sequence with the defaults whatever T and C; group 0 never taken."""
+    topk = validate_options(estimator="ggn-topk", progress=False)
+    for tokens, classes in [(3, 7), (32, 5000)]:
+        index, seg = signal_layout(topk, classes, tokens)
+        assert len(index) == 20 and 0 not in set(seg.tolist())
+        m = topk.token_signals_per_group(classes, tokens)
+        np.testing.assert_array_equal(index, [g * m + j for g, j in losses.signal_slots(topk, classes, sequence=True)])
+    per_token = validate_options(estimator="ggn-topk", sequence_signals=False, progress=False)
+    index, seg = signal_layout(per_token, 7, 3)
+    assert len(index) == 3 * len(losses.signal_slots(per_token, 7)) and 0 in set(seg.tolist())
+    mc = validate_options(estimator="ggn-mc", samples=7, progress=False)
+    index, seg = signal_layout(mc, 9, 32)
+    assert len(index) == 7 and sorted(seg.tolist()) == sorted(d % mc.groups for d in range(7))
+    # (n, C) logits: the ordinary layout, whatever sequence_signals says.
+    np.testing.assert_array_equal(signal_layout(mc, 9)[0], signal_layout(mc, 9, None)[0])
+    assert len(signal_layout(mc, 9)[0]) == 7
+
+
+def _token_dense(tokens=T, classes=C, seed=3):
+    """One Dense over the tokens of ``(n, T, 2)`` inputs: token logits at a small compile cost."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((tokens, 2), dtype=F64), L.Dense(classes, dtype=F64, name="head")])
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, classes, (2, tokens))
+    y[0, 0] = -100
+    return model, (rng.normal(size=(2, tokens, 2)), y)
+
+
+def test_sequence_signals_metadata_and_auto():
+    """``sequence_signals`` in the report; ``auto`` on token logits: ggn-topk per sequence, even for
+    4 tokens of 5 classes, or per token (sequence_signals=False) the (n, C) rule, here ggn."""
+    model, data = _token_dense()
+    run = lambda **kw: normflat.analyze(model, data, progress=False, loss="ce", **kw).metadata  # noqa: E731
+    assert run(estimator="ggn-mc", samples=2)["sequence_signals"] is True
+    assert run(estimator="ggn-mc", samples=2, sequence_signals=False)["sequence_signals"] is False
+    assert run(estimator="ggn")["sequence_signals"] is False
+    auto = run()
+    assert auto["estimator"] == "ggn-topk" and auto["sequence_signals"] is True
+    per_token = run(sequence_signals=False)
+    assert per_token["estimator"] == "ggn" and per_token["sequence_signals"] is False
+    assert run(estimator="hutchinson", samples=2)["sequence_signals"] is None
+    classifier = keras.Sequential([keras.Input((3,), dtype=F64), L.Dense(C, dtype=F64)])
+    rng = np.random.default_rng(0)
+    meta = normflat.analyze(classifier, (rng.normal(size=(4, 3)), rng.integers(0, C, 4)), loss="ce",
+                            estimator="ggn-mc", samples=2, progress=False).metadata
+    assert meta["sequence_signals"] is None  # (n, C) logits
