@@ -184,8 +184,10 @@ def test_embedding_fast_rule_equals_generic_path(shift):
     model = _init(TokenTagger())
     y = _labels(N, T, classes=C)
     data = [(_ids(N, T), y)]
-    fast = normflat.hessian_diagonal(model, data, shift_labels=shift, progress=False)
-    generic = normflat.hessian_diagonal(model, data, shift_labels=shift, progress=False, fast=False)
+    # The exact ggn (auto would take per-sequence ggn-topk for token logits, method §6.3).
+    fast = normflat.hessian_diagonal(model, data, shift_labels=shift, progress=False, estimator="ggn")
+    generic = normflat.hessian_diagonal(model, data, shift_labels=shift, progress=False, fast=False,
+                                        estimator="ggn")
     want = ref.problems(model, ref.ggn_diagonal(model, data, "nsce", shift=shift))
     _close(fast, want)
     _close(generic, want)
@@ -364,8 +366,8 @@ def test_register_layer_for_a_transposed_dense_layer_with_its_fast_rule():
         fast = normflat.analyze(model, data, progress=False)
         assert [layer.details["path"] for layer in fast.layers] == ["fast", "fast", "fast"]
         assert fast.layers[1].shape == (6, D)
-        got = normflat.hessian_diagonal(model, data, progress=False)
-        generic = normflat.hessian_diagonal(model, data, progress=False, fast=False)
+        got = normflat.hessian_diagonal(model, data, progress=False, estimator="ggn")  # token logits: not auto
+        generic = normflat.hessian_diagonal(model, data, progress=False, fast=False, estimator="ggn")
     finally:
         REGISTRY.unregister(InOut)
     native = ref.ggn_diagonal(model, data, "nsce")
