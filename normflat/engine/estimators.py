@@ -187,8 +187,14 @@ def finalize(state: SumState, options: AnalysisOptions, examples: int, zeros: Ca
             _check_finite(diag, all_finite, names[i])
             out.append((diag, _repeat(diag, k_groups) if with_groups and k_groups > 1 else None))
             continue
-        if int(sums.shape[0]) == 1 + offset and (k_groups == 1 or options.pooled):
-            # One group, or the backend pooled the groups' sums (options.pooled): one mean.
+        if options.pooled and int(sums.shape[0]) == 1:
+            # The backend pooled every group into one sum (options.pooled, losses.pool_signals).
+            diag = sums[0] / float(div[0])
+            _check_finite(diag, all_finite, names[i])
+            out.append((diag, None))
+            continue
+        if int(sums.shape[0]) == 1 + offset and k_groups == 1:
+            # One group (and ggn-topk's shared sum): one mean.
             diag = (sums[0] + sums[1] if offset else sums[0]) / float(div[0])
             _check_finite(diag, all_finite, names[i])
             out.append((diag, None))

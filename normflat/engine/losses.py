@@ -437,34 +437,33 @@ def output_signals(xp: Any, logits: Any, options: AnalysisOptions, uniforms: Any
 
 
 def pool_signals(xp: Any, signals: Any, options: AnalysisOptions, sequence: bool = False) -> tuple[Any, list[int]]:
-    """The signals of :attr:`AnalysisOptions.pooled` sums: ``(1 + shared, K·M, ...)``.
+    """The signals of :attr:`AnalysisOptions.pooled` sums: one group ``(1, M', ...)``.
 
-    The ``K`` sampled groups ``(K, M, ...)`` become one group of ``K·M`` signals, each
-    scaled by ``1/√K``, whose squares sum to the mean of the ``K`` group sums (the same
-    draws, so the same mean). ``ggn-topk``'s shared group 0 stays first, zero-padded to
-    ``K·M`` signals.
+    The ``K`` sampled groups ``(K, M, ...)`` become ``K·M`` signals, each scaled by
+    ``1/√K``, whose squares sum to the mean of the ``K`` groups' sampled sums (the same
+    draws, so the same mean). ``ggn-topk``'s shared group 0 is part of every group
+    estimate, so its ``M`` signals join them unscaled: the squares of the ``M + K·M``
+    signals sum to the mean of the ``K`` group sums, one sum per weight.
 
     Args:
         xp: Array namespace.
         signals: ``(K', M, ...)`` signals of :func:`output_signals` or :func:`token_signals`.
         options: The analysis options.
         sequence: The signals are :func:`token_signals`' per-sequence ones, whose shared
-            group 0 is all zeros (:func:`zero_signals`).
+            group 0 is all zeros (:func:`zero_signals`): it is left out.
 
     Returns:
-        ``(signals, padding)``: the pooled signals and the flat indices ``g·K·M + j`` of the
-        padding signals (zero; a backend need not back-propagate them).
+        ``(signals, padding)``: the pooled signals and the flat indices of those known to be
+        zero (none: the empty shared group is not included).
     """
     k = options.groups
     offset = 1 if options.shared_group else 0
     m = int(signals.shape[1])
     rest = tuple(int(d) for d in signals.shape[2:])
     sampled = xp.reshape(signals[offset:], (1, k * m, *rest)) / math.sqrt(k)
-    if not offset:
+    if not offset or zero_signals(options, m, sequence):
         return sampled, []
-    pad = xp.concat([signals[:1] * 0] * (k - 1), axis=1)  # zeros on the signals' device
-    real = 0 if zero_signals(options, m, sequence) else m
-    return xp.concat([xp.concat([signals[:1], pad], axis=1), sampled], axis=0), list(range(real, k * m))
+    return xp.concat([signals[:1], sampled], axis=1), []
 
 
 def zero_signals(options: AnalysisOptions, members: int, sequence: bool = False) -> list[int]:

@@ -107,16 +107,17 @@ class AnalysisOptions:
 
     @property
     def pooled(self) -> bool:
-        """Whether a backend may keep one sum for all ``K`` sampled groups (only the mean is
-        wanted; ``ggn-mc`` and ``ggn-topk``): the same draws, each signal scaled by ``1/√K``,
-        so the sum is the mean of the group sums. ``ggn-topk`` keeps its shared sum beside it."""
+        """Whether a backend may keep one sum per weight for all ``K`` groups (only the mean is
+        wanted; ``ggn-mc`` and ``ggn-topk``): the same draws, each sampled signal scaled by
+        ``1/√K`` and ``ggn-topk``'s shared signals as they are, so the sum is the mean of the
+        group sums (:func:`normflat.engine.losses.pool_signals`)."""
         return not self.group_estimates and self.estimator in ("ggn-mc", "ggn-topk") and self.groups > 1
 
     @property
     def sum_groups(self) -> int:
         """Sums per layer of a backend that pools (:attr:`pooled`); else :attr:`state_groups`."""
         if self.pooled:
-            return 2 if self.shared_group else 1
+            return 1
         return self.state_groups
 
     @property

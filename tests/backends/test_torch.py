@@ -959,7 +959,7 @@ class _TokenModel(nn.Module):
 @pytest.mark.parametrize("case", ["cnn_relu", "tokens", "generic", "chunked"])
 @pytest.mark.parametrize("estimator", ["ggn-topk", "ggn-mc"])
 def test_hessian_diagonal_pools_the_group_sums_to_their_mean(case, estimator):
-    """hessian_diagonal keeps one sum for the sampled groups (1 + 1 for ggn-topk instead of 1 + K):
+    """hessian_diagonal keeps one sum per weight for all groups (ggn-topk: 1 instead of 1 + K):
     the same draws, so the mean of analyze's group estimates, on the fast path (padding signals not
     back-propagated), token logits, the generic path and chunks."""
     from normflat.engine.options import validate_options

@@ -254,10 +254,27 @@ def test_sequence_topk_slots_zero_group_and_pooling():
             if (g, j) not in real:
                 assert np.all(sig[g, j] == 0)
     assert losses.zero_signals(opts, sig.shape[1], sequence=True) == list(range(sig.shape[1]))
+    # Pooled (only the mean wanted): one group, the empty shared group left out, no padding.
     pooled, padding = losses.pool_signals(np, sig, opts, sequence=True)
-    assert padding == list(range(5 * sig.shape[1]))
-    np.testing.assert_allclose(np.einsum("gm...,gm...->g...", pooled, pooled)[1],
+    assert pooled.shape == (1, 5 * sig.shape[1], n, t, c) and padding == []
+    np.testing.assert_allclose(np.einsum("gm...,gm...->g...", pooled, pooled)[0],
                                np.einsum("gm...,gm...->...", sig[1:], sig[1:]) / 5, rtol=1e-13)
+
+
+def test_pooled_signals_square_to_the_mean_of_the_group_sums():
+    """pool_signals: the squares of the one pooled group sum to the mean over the K groups of
+    (shared + sampled) squares, for ggn-topk (shared group unscaled) and ggn-mc."""
+    from normflat.engine.options import validate_options
+
+    for estimator, extra in (("ggn-topk", {"top_classes": 2}), ("ggn-mc", {})):
+        opts = validate_options(loss="ce", estimator=estimator, samples=9, progress=False, **extra)
+        offset = 1 if opts.shared_group else 0
+        sig = RNG.normal(size=(offset + opts.groups, 3, 4, 6))
+        pooled, padding = losses.pool_signals(np, sig, opts)
+        assert pooled.shape[0] == 1 and padding == []
+        squares = np.einsum("gmnc,gmnc->gnc", sig, sig)
+        groups = squares[offset:] + (squares[0] if offset else 0)
+        np.testing.assert_allclose(np.einsum("mnc,mnc->nc", pooled[0], pooled[0]), groups.mean(0), rtol=1e-13)
 
 
 def test_sequence_signals_need_every_token_at_once():

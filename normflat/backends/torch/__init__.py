@@ -99,8 +99,8 @@ def hessian_diagonal(model: Any, data: Any, options: AnalysisOptions, **backend_
     """``{layer name: diagonal}`` in canonical ``(out, in/groups, *kernel)`` layout, model order.
 
     Only the mean of the group estimates is wanted: ``ggn-mc`` and ``ggn-topk`` keep one sum
-    for their sampled groups (``AnalysisOptions.pooled``), the same draws and the same mean
-    with a fraction of the memory.
+    per weight for all their groups (``AnalysisOptions.pooled``), the same draws and the same
+    mean with a fraction of the memory.
     """
     options = replace(options, group_estimates=False)
     make_session, comm = _session_factory(model, options, backend_options)

@@ -584,7 +584,7 @@ class TorchSession:
         """The signals to square, pooled if only the mean is wanted, and the flat indices
         ``g·M + j`` of those known to be zero (padding, and the empty shared group 0 of
         per-sequence ``ggn-topk``, method §6.3), which need no back-propagation."""
-        if self.options.pooled:  # only the mean is wanted: one sum for the sampled groups
+        if self.options.pooled:  # only the mean is wanted: one sum for every group
             return losses.pool_signals(_XP, sig, self.options, sequence=sequence)
         return sig, losses.zero_signals(self.options, int(sig.shape[1]), sequence=sequence)
 
