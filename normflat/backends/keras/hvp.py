@@ -56,10 +56,11 @@ def has_recurrence(model: Any) -> bool:
 
 def hvp_step_fns(model: Any, entries: list[Entry], options: AnalysisOptions, groups: int,
                  holder: dict, sequential: bool = False) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """Compiled ``exact_step(x, target, indices, layer)`` and ``hutchinson_step(x, target, probes, seg)``.
+    """Compiled ``exact_step(x, target, indices)`` and ``hutchinson_step(x, target, probes, seg)``.
 
-    ``exact_step`` returns the Hessian diagonal entries ``indices`` of layer
-    ``layer`` (flat, variable layout); ``hutchinson_step`` the per-layer
+    ``exact_step`` returns the Hessian diagonal entries ``indices`` of the analyzed
+    variables flattened and concatenated in order (variable layout): one trace for every
+    layer and block, where a trace per layer cost seconds each; ``hutchinson_step`` the per-layer
     ``(K, *variable shape)`` sums of ``v ⊙ H v``; both also the loss sum and the
     :func:`~normflat.engine.losses.logit_stats` of the chunk.
 
@@ -101,11 +102,17 @@ def hvp_step_fns(model: Any, entries: list[Entry], options: AnalysisOptions, gro
         return tf.vectorized_map(hvp, probes), loss, stats
 
     @tf.function(reduce_retracing=True)
-    def exact_step(x, target, indices, layer):
-        v = variables[layer]
-        probes = tf.reshape(tf.one_hot(indices, sizes[layer], dtype=v.dtype), [-1, *v.shape])
-        (hv,), loss, stats = grads_and_hvp(x, target, [probes], layer)
-        return tf.reduce_sum(tf.reshape(hv * probes, [tf.shape(indices)[0], -1]), axis=1), loss, stats
+    def exact_step(x, target, indices):
+        # One-hot probes over all variables at once: e_i H e_i needs H e_i only on the variable
+        # holding entry i, but one trace for all is cheaper than a trace per variable.
+        flat = tf.one_hot(indices, sum(sizes), dtype=tf.float64)
+        probes = [tf.reshape(tf.cast(p, v.dtype), [-1, *v.shape])
+                  for p, v in zip(tf.split(flat, sizes, axis=1), variables)]
+        hv, loss, stats = grads_and_hvp(x, target, probes, None)
+        m = tf.shape(indices)[0]
+        diag = tf.add_n([tf.reduce_sum(tf.reshape(tf.cast(h * p, tf.float64), [m, -1]), axis=1)
+                         for h, p in zip(hv, probes)])
+        return diag, loss, stats
 
     @tf.function(reduce_retracing=True)
     def hutchinson_step(x, target, probes, seg):

@@ -38,7 +38,8 @@ from normflat.backends.keras.ggn import compute_dtype, model_logits
 from normflat.backends.keras.hvp import native_positions
 from normflat.backends.keras.layers import Entry, final_softmax, walk
 from normflat.backends.keras.ops import TF
-from normflat.backends.keras.session import HVP_CHUNK, _check_model, grouped_convolutions, install_logit_calls
+from normflat.backends.keras.session import (HVP_CHUNK, _check_model, grouped_convolutions, install_logit_calls,
+                                             trace_open_batch)
 from normflat.backends.keras.state import ModelState
 from normflat.engine.data import Batch, batches, labels_for
 from normflat.engine.losses import check_output_shape
@@ -384,8 +385,22 @@ class KerasPerturbationModel:
     # ------------------------------------------------------------------ compiled steps
 
     def _step(self, name: str) -> Any:
+        """The compiled ``_{name}_step(kernels, x[, target])``, traced with the batch axis open on
+        its first call (:func:`~normflat.backends.keras.session.trace_open_batch`) unless the loss
+        is a custom one."""
         if name not in self._compiled:
-            self._compiled[name] = tf.function(getattr(self, f"_{name}_step"), reduce_retracing=True)
+            fn = tf.function(getattr(self, f"_{name}_step"), reduce_retracing=True)
+            if callable(self.options.loss):
+                self._compiled[name] = fn
+            else:
+                traced: list[bool] = []
+
+                def first_call(*args: Any, fn: Any = fn, traced: list[bool] = traced) -> Any:
+                    if not traced:
+                        traced.append(True)
+                        trace_open_batch(fn, args, [False] + [True] * (len(args) - 1))
+                    return fn(*args)
+                self._compiled[name] = first_call
         return self._compiled[name]
 
     def _logits(self, kernels: list[Any], x: Any) -> Any:

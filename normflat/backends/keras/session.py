@@ -94,6 +94,24 @@ def _per_sample_elements(t: Any) -> int:
     return int(np.prod([int(d) for d in t.shape[1:]], dtype=np.int64))
 
 
+def trace_open_batch(fn: Any, args: tuple, batched: list[bool]) -> None:
+    """Trace the ``tf.function`` ``fn`` for ``args`` with the leading (batch) axis of each argument
+    marked in ``batched`` left open.
+
+    A later call with another batch size (a chunk, the last batch) then finds this trace, where
+    TensorFlow would trace the second size again (``reduce_retracing`` only generalizes then):
+    seconds for a step with second derivatives. Arguments that are not all tensors are left to
+    TensorFlow's own tracing rules.
+    """
+    if not all(isinstance(t, tf.Tensor) for t in tf.nest.flatten(args)):
+        return
+
+    def spec(t: Any, open_batch: bool) -> Any:
+        return tf.TensorSpec([None, *t.shape[1:]] if open_batch and t.shape.rank else t.shape, t.dtype)
+
+    fn.get_concrete_function(*[tf.nest.map_structure(lambda t, b=b: spec(t, b), a) for a, b in zip(args, batched)])
+
+
 def _slice(x: Any, a: int, b: int) -> Any:
     return tf.nest.map_structure(lambda t: t[a:b], x)
 
@@ -232,6 +250,7 @@ class KerasSession:
         self._step_tokens: Any = None
         self._holder: dict = {}
         self._probe_cache: list[tuple[range, list[Any]]] | None = None
+        self._open_traces: set[int] = set()  # compiled steps traced with an open batch axis
 
     # ------------------------------------------------------------------ model state
 
@@ -418,9 +437,15 @@ class KerasSession:
         size = -(-n // count)
         return [(a, min(a + size, n)) for a in range(0, n, size)]
 
-    def _map(self, fn: Callable[..., Any], args: list[tuple], shared: tuple = ()) -> list[Any]:
-        """``fn(*a, *shared)`` for every ``a`` in ``args``: in order on one device, or dealt to the replicas."""
+    def _map(self, fn: Callable[..., Any], args: list[tuple], shared: tuple = (), batched: int = 2) -> list[Any]:
+        """``fn(*a, *shared)`` for every ``a`` in ``args``: in order on one device, or dealt to the replicas.
+
+        ``batched``: how many leading arguments of each ``a`` have the batch axis first (traced
+        with it open, :meth:`_trace_open_batch`).
+        """
         if self.replicas is None:
+            if args:
+                self._trace_open_batch(fn, args[0], batched, shared)
             return [fn(*a, *shared) for a in args]
         local = self.replicas.local
         out: list[Any] = []
@@ -430,6 +455,14 @@ class KerasSession:
             round_args += [round_args[0]] * (local - real)  # idle replicas recompute a piece, ignored
             out.extend(self.replicas.call(fn, round_args, shared)[:real])
         return out
+
+    def _trace_open_batch(self, fn: Any, example: tuple, batched: int, shared: tuple) -> None:
+        """:func:`trace_open_batch` once per compiled step of this session (not for a custom loss,
+        whose value is checked while tracing, with the batch's own shape)."""
+        if id(fn) in self._open_traces or callable(self.options.loss):
+            return
+        self._open_traces.add(id(fn))
+        trace_open_batch(fn, (*example, *shared), [i < batched for i in range(len(example) + len(shared))])
 
     # ------------------------------------------------------------------ GGN
 
@@ -510,7 +543,7 @@ class KerasSession:
             args.append((xc, tf.constant(u, out_dtype), tf.constant(counted[a:b], out_dtype)))
         eps = float(np.finfo(out_dtype.as_numpy_dtype).eps)
         for start in range(0, signals, block):
-            results = self._map(step, args, (tf.constant(start, tf.int32),))
+            results = self._map(step, args, (tf.constant(start, tf.int32),), batched=3)
             for sums, stats in results:
                 if start == 0:
                     check_logit_stats(stats, options, batch.index, self.num_classes, eps)
@@ -575,19 +608,22 @@ class KerasSession:
         pieces = self._pieces(batch.n, self.chunk)
         args = [((x, target) if (a, b) == (0, batch.n) else (_slice(x, a, b), target[a:b])) for a, b in pieces]
         if self.options.estimator == "exact":
-            for li, e in enumerate(self.entries):
-                size = int(np.prod(e.variable.shape))
-                block = max(1, min(size, EXACT_BLOCK // max(self.total_params, 1)))
-                parts: list[list[Any]] = [[] for _ in pieces]
-                for a in range(0, size, block):
-                    results = self._map(exact_step, args, (tf.range(a, min(a + block, size)), li))
-                    for p, (diag, loss, stats) in enumerate(results):
-                        if a == 0 and li == 0:
-                            self._check(loss, stats, batch)
-                        parts[p].append(diag)
-                for p in parts:
-                    diag = tf.reshape(tf.concat(p, 0), e.variable.shape)
-                    self._add(state, li, diag[None])
+            total = self.total_params
+            block = max(1, min(total, EXACT_BLOCK // max(total, 1)))
+            sizes = [int(np.prod(e.variable.shape)) for e in self.entries]
+            parts: list[list[Any]] = [[] for _ in pieces]
+            for a in range(0, total, block):
+                # Every block as long as the first (the last one repeats the final entry), so that
+                # one trace serves them all.
+                indices = tf.minimum(tf.range(a, a + block), total - 1)
+                results = self._map(exact_step, args, (indices,))
+                for p, (diag, loss, stats) in enumerate(results):
+                    if a == 0:
+                        self._check(loss, stats, batch)
+                    parts[p].append(diag[:min(block, total - a)])
+            for p in parts:
+                for li, (e, diag) in enumerate(zip(self.entries, tf.split(tf.concat(p, 0), sizes))):
+                    self._add(state, li, tf.cast(tf.reshape(diag, e.variable.shape), e.variable.dtype)[None])
             return
         groups = self.options.groups
         for probes, tensors in self._probe_blocks():
