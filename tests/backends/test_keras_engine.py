@@ -429,3 +429,29 @@ def test_two_analyses_in_two_threads():
         warnings.simplefilter("always")
         warnings.warn("still recorded", UserWarning)
     assert [str(w.message) for w in caught] == ["still recorded"]
+
+
+@pytest.mark.parametrize("estimator", ["exact", "ggn", "hutchinson"])
+def test_compiled_steps_trace_once_for_every_layer_and_batch_size(estimator):
+    """Uneven batches (4 + 4 + 2) and three layers: each compiled step is traced once (its batch
+    axis open, exact's probes over every layer at once), and the numbers equal one whole batch."""
+    from normflat.backends.keras import session as keras_session
+
+    model = mlp()
+    x, y = data(n=10)
+    options = dict(loss="ce", estimator=estimator, progress=False, **({"samples": 4} if estimator == "hutchinson" else {}))
+    whole = normflat.hessian_diagonal(model, (x, y), **options)
+    keras_session._COMPILED.pop(model, None)
+    split = normflat.hessian_diagonal(model, batches(x, y, 4), **options)
+
+    def compiled(value):  # the tf.functions among the cached (nested tuples of) steps
+        if isinstance(value, (tuple, list)):
+            return [f for v in value for f in compiled(v)]
+        return [value] if hasattr(value, "experimental_get_tracing_count") else []
+
+    steps = compiled(list(keras_session._COMPILED[model].values()))
+    used = [f for f in steps if f.experimental_get_tracing_count() > 0]
+    assert used and all(f.experimental_get_tracing_count() == 1 for f in used), \
+        [f.experimental_get_tracing_count() for f in used]
+    for name in whole:
+        np.testing.assert_allclose(np.asarray(split[name]), np.asarray(whole[name]), rtol=1e-10, atol=1e-14)
