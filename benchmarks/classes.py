@@ -34,6 +34,7 @@ Run::
 
     python -m benchmarks.classes [--rounds 5] [--problems mlp-1000 resnet18-1000] [--threads 1] [--memory]
     python -m benchmarks.classes --problems resnet18-1000 --no-timing --samples 15 --top-classes 3 --seed 1
+    python -m benchmarks.classes --problems mlp-1000 resnet18-1000 --no-timing --seeds 12
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import gc
 import math
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -138,12 +140,14 @@ def _runs(name: str, model: nn.Module, data: Any, loss_of: Callable[[nn.Module],
     return runs
 
 
-def accuracy(model: nn.Module, data: Any, **options: Any) -> list[dict[str, Any]]:
+def accuracy(model: nn.Module, data: Any, exact: Any = None, **options: Any) -> list[dict[str, Any]]:
     """Per layer: exact and ``auto`` normalized sharpness, relative error, standard error.
 
-    ``options``: ``samples``, ``top_classes``, ``seed`` of ``auto`` (its defaults when absent).
+    ``exact``: the exact ``ggn`` report (computed when ``None``); ``options``: ``samples``,
+    ``top_classes``, ``seed`` of ``auto`` (its defaults when absent).
     """
-    exact = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False)
+    if exact is None:
+        exact = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False)
     auto = normflat.analyze(model, data, loss="ce", progress=False, **options)
     rows = []
     for a, b in zip(exact.layers, auto.layers):
@@ -226,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=None, help="auto's draws in the accuracy table")
     parser.add_argument("--top-classes", type=int, default=None, help="auto's exact classes in the accuracy table")
     parser.add_argument("--seed", type=int, default=0, help="auto's seed in the accuracy table")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="accuracy over seeds seed .. seed + seeds - 1 (a second table when more than one)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), minimum of {args.rounds} interleaved rounds")
@@ -265,17 +271,39 @@ def main(argv: list[str] | None = None) -> None:
     print("| problem | estimator | max abs. relative error (hidden layers) | max abs. relative error / reported "
           "standard error | head error | total error (SE) |")
     print("|---|---|---|---|---|---|")
+    over_seeds = []
     for name in args.problems:
         if not PROBLEMS[name][4]:
             continue  # no exact reference
         model, data, _ = make_problem(name)
-        chosen = {"samples": args.samples, "top_classes": args.top_classes, "seed": args.seed}
-        rows = accuracy(model, data, **{key: value for key, value in chosen.items() if value is not None})
-        hidden, head, total = rows[:-2], rows[-2], rows[-1]
-        worst = max(abs(r["rel_error"]) for r in hidden)
-        worst_z = max(abs(r["z"]) for r in hidden)
-        print(f"| {name} | {total['estimator']} | {worst:.2%} | {worst_z:.1f} | {abs(head['rel_error']):.1e} | "
-              f"{total['rel_error']:+.2%} ({total['rel_se']:.2%}) |", flush=True)
+        exact = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False)
+        runs = []
+        for seed in range(args.seed, args.seed + args.seeds):
+            chosen = {"samples": args.samples, "top_classes": args.top_classes, "seed": seed}
+            rows = accuracy(model, data, exact, **{key: value for key, value in chosen.items() if value is not None})
+            runs.append(rows)
+            hidden, head, total = rows[:-2], rows[-2], rows[-1]
+            worst = max(abs(r["rel_error"]) for r in hidden)
+            worst_z = max(abs(r["z"]) for r in hidden)
+            print(f"| {name} (seed {seed}) | {total['estimator']} | {worst:.2%} | {worst_z:.1f} | "
+                  f"{abs(head['rel_error']):.1e} | {total['rel_error']:+.2%} ({total['rel_se']:.2%}) |", flush=True)
+        over_seeds.append((name, runs))
+    if args.seeds > 1 and over_seeds:
+        print(f"\nOver {args.seeds} seeds (hidden layers): the worst layer of each seed, how many seeds have every "
+              "layer within 1 %, each layer's mean signed error (the estimate's bias; the range over the layers), "
+              "and its root-mean-square error over the mean reported standard error (the range over the layers)")
+        print("| problem | worst layer: median (max) | seeds within 1 % | mean signed error per layer | "
+              "RMS error / mean SE per layer |")
+        print("|---|---|---|---|---|")
+        for name, runs in over_seeds:
+            errors = np.array([[r["rel_error"] for r in rows[:-2]] for rows in runs])  # (seeds, layers)
+            ses = np.array([[r["rel_se"] for r in rows[:-2]] for rows in runs])
+            worst = np.abs(errors).max(axis=1)
+            ratio = np.sqrt((errors ** 2).mean(axis=0)) / np.maximum(ses.mean(axis=0), 1e-300)
+            bias = errors.mean(axis=0)
+            print(f"| {name} | {np.median(worst):.2%} ({worst.max():.2%}) | {int((worst <= 0.01).sum())} of "
+                  f"{len(runs)} | {bias.min():+.2%} to {bias.max():+.2%} | {ratio.min():.2f} to {ratio.max():.2f} |",
+                  flush=True)
     lms = [name for name in args.problems if name in LANGUAGE_MODELS]
     if lms:
         print("\nLanguage models: auto per sequence against auto per token (normalized sharpness per layer)")

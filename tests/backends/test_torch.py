@@ -821,6 +821,20 @@ def test_memory_budget_chooses_the_chunk_size():
         nf(model, (x, y), estimator="ggn", memory_budget="1MB", chunk_size=2)
 
 
+def test_chunked_first_batch_is_never_run_whole():
+    """The chunk size is chosen from a 2-row forward: the model never sees the whole first batch
+    (whose graph would double the time of the forward and hold the peak), only the chunks."""
+    model, x, y = make("cnn_smooth", n=9)
+    seen = []
+    handle = model.register_forward_pre_hook(lambda module, args: seen.append(int(args[0].shape[0])))
+    try:
+        got = nf(model, (x, y), estimator="ggn", memory_budget=6_000)
+    finally:
+        handle.remove()
+    assert seen[0] == 2 and max(seen[1:]) < 9 and sum(seen[1:]) == 9, seen
+    assert_diag_close(got, nf(model, (x, y), estimator="ggn"), model, atol=1e-14, rtol=1e-11)
+
+
 @pytest.mark.parametrize("estimator", ["ggn-mc", "hutchinson"])
 def test_group_estimates_average_to_the_diagonal(estimator):
     from normflat.engine.options import validate_options

@@ -45,6 +45,9 @@ DEFAULT_SIGNAL_ROWS = 8192
 STRUCTURED_HEAD_CLASSES = 32
 #: Bound on the entries of one block of placed token signals ``(K, M·tokens, n, T, C)``.
 TOKEN_SIGNAL_ENTRIES = 1 << 24
+#: Rows of the forward that learns the classes and sizes before the first batch is chunked: two,
+#: so that a model which squeezes its batch axis still returns a batch.
+PROBE_ROWS = 2
 #: The torch backend's own options (``distributed`` is taken by the package entry points).
 BACKEND_OPTIONS = ("force", "max_exact_params", "chunk_size", "memory_budget", "exact_chunk", "probe_chunk",
                    "fast", "distributed")
@@ -341,8 +344,30 @@ class TorchSession:
         m = o.token_signals_per_group(c, tokens)
         return o.state_groups * m - len(losses.zero_signals(o, m, sequence=True))
 
-    def _choose_chunk(self, logits: torch.Tensor, rows: int, c: int) -> int:
-        """Samples per GGN step: bound the signal rows back-propagated at once."""
+    def _probe(self, batch: Batch, xs: ModelInputs) -> None:
+        """The first batch's checks and chunk size from a forward of its first :data:`PROBE_ROWS`
+        rows: a forward of the whole batch, redone in chunks when it is too big, would double the
+        forward's time and hold the whole batch's graph (the peak) only to learn the classes."""
+        assert self.capture is not None
+        rows = slice(0, PROBE_ROWS)
+        self.capture.reset()
+        logits = self._pick(xs.rows(rows).call(self.model))
+        c = self._check_logits(logits, batch, PROBE_ROWS)
+        if self.options.estimator == "auto":
+            self.options = resolve_estimator(self.options, c,
+                                             tokens=int(logits.shape[1]) if logits.dim() == 3 else None)
+        fast = [layer for layer in self._layers if layer.fast]
+        if not self.checked and fast:
+            self._first_check(logits, fast)
+        self.chunk = self._choose_chunk(logits, PROBE_ROWS, c, batch_rows=batch.n)
+        self.capture.reset()
+
+    def _choose_chunk(self, logits: torch.Tensor, rows: int, c: int, batch_rows: int | None = None) -> int:
+        """Samples per GGN step: bound the signal rows back-propagated at once.
+
+        ``logits`` and the captured layer outputs are those of ``rows`` samples; ``batch_rows``
+        (default ``rows``) is the batch a training step would take.
+        """
         tokens = int(logits.shape[1]) if logits.dim() == 3 else None
         per_sample = self._signals_per_sample(c, tokens)
         tokens = tokens or 1  # the entries of one signal are c · tokens
@@ -365,7 +390,7 @@ class TorchSession:
         # No budget given: about twice a training step of this model on this batch (method §9),
         # and never more signal rows at once than DEFAULT_SIGNAL_ROWS.
         params = sum(p.numel() for p in self.model.parameters())
-        step = training_step_bytes(params, (outs + c * tokens) * int(logits.shape[0]), item)
+        step = training_step_bytes(params, (outs + c * tokens) * (batch_rows or rows), item)
         state = self.options.sum_groups * sum(layer.param.numel() for layer in self._layers) * item
         by_memory = default_budget(step, state) // max(need, 1)
         return max(1, min(by_memory, DEFAULT_SIGNAL_ROWS // per_sample))
@@ -438,6 +463,8 @@ class TorchSession:
         n = batch.n
         assert self.capture is not None
         cap = self.capture
+        if self.chunk is None and n > PROBE_ROWS:
+            self._probe(batch, xs)
         step = self.chunk or n
         if step < n:  # equal chunks (64 + 64, not 126 + 2): the same peak, fewer passes wasted on a remainder
             step = -(-n // -(-n // step))
