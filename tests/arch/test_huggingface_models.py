@@ -389,6 +389,7 @@ def test_gpt2_token_logits_shift_ignore_index_and_tied_weights():
     assert report.metadata["loss_terms"] == sum(len(t.split()) - 1 for t in TEXTS)
     wte = report.layers[0]
     assert wte.name == "transformer.wte" and wte.details["shared_with"] == ["lm_head"]
+    assert wte.details["path"] == "fast"  # the lookup's and the tied head's per-sample gradients, summed
     assert wte.shape == (HIDDEN, VOCAB)  # the first user's layout: an embedding, (features, vocabulary)
     assert [(layer.name, layer.shape) for layer in report.layers[2:5]] == [
         (f"transformer.h.0.attn.c_attn.{part}", (HIDDEN, HIDDEN)) for part in ("query", "key", "value")]

@@ -103,9 +103,9 @@ class BagClassifier(nn.Module):
 class TinyLM(nn.Module):
     """Embedding + position table + transformer layer + LM head tied to the embedding."""
 
-    def __init__(self, tied=True):
+    def __init__(self, tied=True, padding_idx=None):
         super().__init__()
-        self.wte = nn.Embedding(V, D)
+        self.wte = nn.Embedding(V, D, padding_idx=padding_idx)
         self.pos_embed = nn.Parameter(torch.randn(1, T, D) * 0.3)
         self.block = nn.TransformerEncoderLayer(D, 2, 12, dropout=0.0, batch_first=True)
         self.lm_head = nn.Linear(D, V, bias=False)
@@ -206,9 +206,14 @@ def test_embedding_bag(mode, padding_idx, weighted, offsets):
     assert report.layers[0].details["path"] == ("generic" if mode == "max" else "fast")
 
 
-def test_tied_lm_head_position_table_and_shifted_token_labels():
-    model = _init(TinyLM())
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_tied_lm_head_position_table_and_shifted_token_labels(padding_idx):
+    """The head tied to the embedding takes the fast path: the lookup's and the head's per-sample
+    gradients summed before squaring (the padding row gets the head's part only)."""
+    model = _init(TinyLM(padding_idx=padding_idx))
     ids = _ids(2, T)
+    if padding_idx is not None:
+        ids[0, 1] = padding_idx
     y = ids.clone()
     y[1, 2] = ref.IGNORE  # after the shift: the label of position 1
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": y}
@@ -222,6 +227,7 @@ def test_tied_lm_head_position_table_and_shifted_token_labels():
     assert "lm_head" not in names and names.count("wte") == 1
     wte = report.layers[names.index("wte")]
     assert wte.details["shared_with"] == ["lm_head"] and wte.shape == (D, V)
+    assert wte.details["path"] == "fast"
     assert report.layers[names.index("pos_embed")].shape == (D, T)
     assert report.metadata["loss_terms"] == 2 * (T - 1) - 1
 

@@ -299,10 +299,35 @@ def test_tied_weights_reported_once():
     report = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
     assert [layer.name for layer in report.layers] == ["0", "4"]
     assert report.layer("0").details["shared_with"] == ["2"]
-    assert report.layer("0").details["path"] == "generic"
+    # Both uses have per-sample gradient rules: the fast path sums them before squaring.
+    assert report.layer("0").details["path"] == "fast"
     want = brute_ggn_diag(model, x, y)
     assert_diag_close(nf(model, (x, y), loss="ce", estimator="ggn"), want, model)
+    assert_diag_close(nf(model, (x, y), loss="ce", estimator="ggn", fast=False), want, model)
     assert_diag_close(nf(model, (x, y), loss="ce", estimator="exact"), brute_hessian_diag(model, x, y), model)
+
+
+class _TiedThrice(nn.Module):
+    """A weight used by two modules and once more functionally: the fast rule cannot see the third use."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        return self.head(torch.tanh(nn.functional.linear(h, self.a.weight)))
+
+
+def test_tied_weight_with_a_functional_use_takes_the_generic_path():
+    torch.manual_seed(0)
+    model = _TiedThrice().to(DT).eval()
+    x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+    report = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert report.layer("a").details["path"] == "generic"
+    assert "tied weight used 3 times" in report.layer("a").details["generic_reason"]
+    assert_diag_close(nf(model, (x, y), loss="ce", estimator="ggn"), brute_ggn_diag(model, x, y), model)
 
 
 def test_ggn_chunks_and_batches_give_the_same_mean():

@@ -36,6 +36,8 @@ __all__ = [
     "conv_transpose_squares",
     "embedding_squares",
     "embedding_bag_squares",
+    "PER_SAMPLE_GRADIENTS",
+    "tied_squares",
     "Capture",
     "inspect_graph",
     "backprop_signals",
@@ -408,6 +410,69 @@ def embedding_bag_squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas, 
         counts = torch.zeros(bags, dtype=w.dtype, device=w.device).index_add_(0, bag, torch.ones_like(w))
         w = w / counts[bag]
     return _scatter_squares(module.weight, bag * vocab + flat, w, bag, deltas, out)
+
+
+def _linear_gradients(module: nn.Module, a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``(n, out, in)`` per-sample gradients of ``nn.Linear``'s weight for one signal ``d``
+    ``(n, ..., out)`` at its output (summed over the positions of sequence inputs)."""
+    n, out_f, in_f = a.shape[0], module.weight.shape[0], module.weight.shape[1]
+    return torch.matmul(d.reshape(n, -1, out_f).transpose(1, 2), a.reshape(n, -1, in_f))
+
+
+def _embedding_gradients(module: nn.Module, ids: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``(n, V, dim)`` per-sample gradients of ``nn.Embedding``'s table for one signal ``d``
+    ``(n, ..., dim)`` at its output: each sample's signals added into the rows of its ids (none
+    at ``padding_idx``, as in torch's backward)."""
+    vocab, dim = module.weight.shape
+    n = ids.shape[0]
+    flat = ids.reshape(n, -1).long()
+    rows = (torch.arange(n, device=ids.device)[:, None] * vocab + flat).reshape(-1)
+    signal = d.reshape(-1, dim)
+    if module.padding_idx is not None:
+        keep = flat.reshape(-1) != module.padding_idx
+        rows, signal = rows[keep], signal[keep]
+    return d.new_zeros(n * vocab, dim).index_add_(0, rows, signal).reshape(n, vocab, dim)
+
+
+#: Per-sample weight gradients ``(module, layer input, one signal at its output) -> (n, *weight
+#: shape)`` of the layers whose fast rule is the key: a weight used by several such modules (an
+#: output layer tied to the token embedding) sums its uses' gradients before squaring.
+PER_SAMPLE_GRADIENTS: dict[Any, Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    linear_squares: _linear_gradients,
+    embedding_squares: _embedding_gradients,
+}
+
+
+def tied_squares(uses: list[tuple[nn.Module, Any, torch.Tensor]], deltas: list[Deltas],
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(K, *weight shape)`` sums of squared per-sample gradients of one weight used by several
+    modules: per signal, the sum over the uses of each use's per-sample gradient
+    (:data:`PER_SAMPLE_GRADIENTS`), squared and summed over the samples, a chunk of samples at a time.
+
+    Args:
+        uses: ``(module, its squares rule, its captured input)`` per use, all with the same weight.
+        deltas: Each use's signals at its output (the same ``K``, ``M``).
+        out: The running sums to add into.
+    """
+    first = deltas[0]
+    k, m = first.k, first.m
+    weight = uses[0][0].weight
+    res = _accumulator(out, k, *weight.shape, like=weight.detach())
+    n = uses[0][2].shape[0]
+    for j in range(k * m):
+        parts = [(module, PER_SAMPLE_GRADIENTS[rule], a, d.parts[j]) for (module, rule, a), d in zip(uses, deltas)
+                 if d.parts[j] is not None]
+        if not parts:
+            continue
+        for sl in _chunks(n, weight.numel()):
+            g = None
+            for module, gradients, a, part in parts:
+                gi = gradients(module, a[sl], part[sl])
+                g = gi if g is None else g.add_(gi)
+            res[j // m] += g.square_().sum(0)
+    for d in deltas:
+        d.parts.clear()
+    return res
 
 
 # ============================================================================ capture and graph

@@ -19,7 +19,8 @@ from torch import nn
 
 from normflat.backends.torch import compat
 from normflat.backends.torch.ggn import (
-    conv_squares, conv_transpose_squares, embedding_bag_squares, embedding_squares, linear_squares)
+    PER_SAMPLE_GRADIENTS, conv_squares, conv_transpose_squares, embedding_bag_squares, embedding_squares,
+    linear_squares)
 from normflat.engine.options import GGN_ESTIMATORS, AnalysisOptions
 from normflat.engine.problems import LayerSpec, ParameterStatus
 from normflat.engine.registry import IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table
@@ -272,6 +273,10 @@ class TorchLayer:
     fast: bool
     convert: Callable[[torch.Tensor], torch.Tensor] | None = None
     _perm: torch.Tensor | None = field(default=None, repr=False)
+    #: The other modules that use this weight (a tied embedding and output layer), when every use
+    #: has a per-sample gradient rule (:data:`~normflat.backends.torch.ggn.PER_SAMPLE_GRADIENTS`):
+    #: the fast path sums the uses' per-sample gradients before squaring (method §6.1).
+    tied: list["TiedUse"] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -311,6 +316,16 @@ class TorchLayer:
     def disable_fast(self, reason: str) -> None:
         self.fast = False
         self.spec.path, self.spec.reason = "generic", reason
+
+
+@dataclass
+class TiedUse:
+    """A further module using the weight of a :class:`TorchLayer` (``module.weight`` is the same
+    parameter), e.g. a language model's output layer tied to its token embedding."""
+
+    name: str
+    module: nn.Module
+    ext: LayerExtractor
 
 
 def unwrap(model: Any) -> nn.Module:
@@ -355,6 +370,19 @@ def _position_convert(shape: tuple[int, int]) -> Callable[[torch.Tensor], torch.
     return convert
 
 
+def _tied_fast(first: TorchLayer, module: nn.Module, ext: LayerExtractor, rule: bool) -> bool:
+    """Whether a second module using ``first``'s weight keeps the fast path: both uses have a
+    per-sample gradient rule in the weight's own layout and neither overrides its class's forward."""
+
+    def plain(m: nn.Module) -> bool:
+        owner = REGISTRY.lookup_class(m)
+        return owner is not None and type(m).forward is owner.forward
+
+    return (rule and first.convert is None and ext.ggn_squares in PER_SAMPLE_GRADIENTS
+            and first.ext.ggn_squares in PER_SAMPLE_GRADIENTS and plain(module) and plain(first.module)
+            and not first.spec.blocks)
+
+
 class _Walk:
     """State of one model walk: the layers found and every parameter's status."""
 
@@ -381,7 +409,9 @@ class _Walk:
         if id(w) in self.by_param:  # tied weight: one Hessian diagonal, reported under the first name
             first = self.by_param[id(w)]
             first.spec.shared_with.append(label)
-            if self.ggn:
+            if self.ggn and first.fast and _tied_fast(first, module, ext, rule):
+                first.tied.append(TiedUse(label, module, ext))
+            elif self.ggn:
                 first.disable_fast("weight shared between modules")
             return
         fast = self.ggn and self.use_fast and rule and ext.ggn_squares is not None

@@ -159,7 +159,7 @@ class TorchSession:
             model.eval()  # BatchNorm uses its running statistics, dropout is off
             if self.ggn:
                 fast = [layer for layer in self._layers if layer.fast]
-                self.capture = ggn_kernels.Capture(fast)
+                self.capture = ggn_kernels.Capture(fast + [use for layer in fast for use in layer.tied])
                 for layer in fast:
                     layer.param.requires_grad_(True)  # so the layer outputs carry gradients for the signals
         except BaseException:
@@ -379,8 +379,8 @@ class TorchSession:
         # per-signal weight gradients.
         assert self.capture is not None
         item = logits.element_size()
-        outs = sum(self.capture.outputs[id(layer)].numel() // rows for layer in self._layers
-                   if id(layer) in self.capture.outputs)
+        outs = sum(self.capture.outputs[id(use)].numel() // rows for layer in self._layers
+                   for use in [layer, *layer.tied] if id(use) in self.capture.outputs)
         weights = sum(layer.param.numel() for layer in self._layers if not layer.fast)
         stacked = any(layer.fast and not ggn_kernels.wants_deltas(layer.ext.ggn_squares) for layer in self._layers)
         copies = 2 if self.batched or stacked else 1
@@ -400,16 +400,18 @@ class TorchSession:
         called once per forward; and the graph decides batched vs looped backward."""
         assert self.capture is not None
         cap = self.capture
-        outs = [cap.outputs[id(layer)] for layer in fast if id(layer) in cap.outputs]
+        outs = [cap.outputs[id(use)] for layer in fast for use in [layer, *layer.tied] if id(use) in cap.outputs]
         uses, self.batched = ggn_kernels.inspect_graph(logits.grad_fn, {id(layer.param): layer for layer in fast},
                                                        outs)
         for layer in fast:
-            calls = cap.calls.get(id(layer), 0)
-            if calls != 1:
-                layer.disable_fast(f"module called {calls} times per forward")
-            elif uses[id(layer.param)] != 1:
-                layer.disable_fast(f"weight used {uses[id(layer.param)]} times in the graph")
-            elif id(layer) not in cap.outputs:
+            calls = [cap.calls.get(id(use), 0) for use in [layer, *layer.tied]]
+            if any(count != 1 for count in calls):
+                layer.disable_fast(f"module called {next(c for c in calls if c != 1)} times per forward")
+            elif uses[id(layer.param)] != 1 + len(layer.tied):
+                layer.disable_fast(f"weight used {uses[id(layer.param)]} times in the graph" if not layer.tied else
+                                   f"tied weight used {uses[id(layer.param)]} times in the graph, not once per "
+                                   f"module ({1 + len(layer.tied)})")
+            elif any(id(use) not in cap.outputs for use in [layer, *layer.tied]):
                 layer.disable_fast("module input or output is not a single tensor")
         self.checked = True
 
@@ -516,10 +518,10 @@ class TorchSession:
                 u = nrandom.sample_uniforms(self.options.seed, self.rank, batch.offset + start, rows, columns)
                 uniforms = torch.from_numpy(u).to(device=logits.device, dtype=logits.dtype)
             for layer in fast:
-                if cap.calls.get(id(layer), 0) != 1 or cap.modified(id(layer)):
+                if any(cap.calls.get(id(use), 0) != 1 or cap.modified(id(use)) for use in [layer, *layer.tied]):
                     # Dynamic models: re-checked on every chunk; earlier chunks' sums stay valid.
                     layer.disable_fast("layer not called exactly once, or its input modified in place")
-                elif rows > 1 and cap.outputs[id(layer)].shape[0] != rows:
+                elif rows > 1 and any(cap.outputs[id(use)].shape[0] != rows for use in [layer, *layer.tied]):
                     # An output broadcast over the batch (position ids of shape (1, T)): the signals
                     # of all samples would be summed before squaring; the generic path is exact.
                     layer.disable_fast("output broadcast over the batch")
@@ -579,8 +581,8 @@ class TorchSession:
             return []
         assert self.capture is not None
         dense = (ggn_kernels.linear_squares, ggn_kernels.transposed_linear_squares)
-        return [layer for layer in fast
-                if layer.ext.ggn_squares in dense and _is_logits(self.capture.outputs.get(id(layer)), logits)]
+        return [layer for layer in fast if not layer.tied
+                and layer.ext.ggn_squares in dense and _is_logits(self.capture.outputs.get(id(layer)), logits)]
 
     def _head_squares(self, sig: torch.Tensor, heads: list[TorchLayer], state: SumState) -> None:
         """Squares of the head layers from signals at the logits (their output gradients)."""
@@ -642,7 +644,9 @@ class TorchSession:
         cap = self.capture
         sig, padding = block
         k, m, nc = sig.shape[:3]
-        outs = [cap.outputs[id(layer)] for layer in fast]
+        # Each layer's output, then those of the other modules of its tied weight.
+        outs = [cap.outputs[id(layer)] for layer in fast] + [cap.outputs[id(use)] for layer in fast
+                                                             for use in layer.tied]
         flat = sig.reshape(k * m, nc, *sig.shape[3:])
         skipped = set(padding)
         real = [j for j in range(k * m) if j not in skipped]
@@ -656,8 +660,14 @@ class TorchSession:
                     for j, part in zip(real, parts):
                         full[j] = part
                     grads[i] = full
+        tied_at = len(fast)
         for i, layer in enumerate(fast):
             parts, grads[i] = grads[i], None  # the rule may free the parts once used
+            if layer.tied:
+                tied_parts = grads[tied_at:tied_at + len(layer.tied)]
+                tied_at += len(layer.tied)
+                self._tied_squares(layer, [parts, *tied_parts], k, m, state)
+                continue
             if parts is None:  # the layer does not influence the logits
                 continue
             deltas = ggn_kernels.Deltas(parts, k, m)
@@ -681,6 +691,24 @@ class TorchSession:
                 continue
             if running is None:
                 state.add(index, value.detach(), owned=builtin)
+
+
+    def _tied_squares(self, layer: TorchLayer, parts: list[list[torch.Tensor | None] | None], k: int, m: int,
+                      state: SumState) -> None:
+        """The squares of a tied weight from the signals at each of its modules' outputs (a use the
+        logits do not depend on adds nothing)."""
+        assert self.capture is not None
+        cap = self.capture
+        uses = [(use.module, use.ext.ggn_squares, cap.inputs[id(use)])
+                for use, p in zip([layer, *layer.tied], parts) if p is not None]
+        deltas = [ggn_kernels.Deltas(p, k, m) for p in parts if p is not None]
+        if not uses:
+            return
+        index = self._index[id(layer)]
+        running = state.accumulator(index)
+        value = ggn_kernels.tied_squares(uses, deltas, out=running)
+        if running is None:
+            state.add(index, value.detach(), owned=True)
 
 
 def _is_logits(output: torch.Tensor | None, logits: torch.Tensor) -> bool:
