@@ -630,13 +630,19 @@ def token_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, 
 
 
 def _sequence_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, uniforms: Any) -> Any:
-    """The per-sequence signals ``(K', M', n, T, C)`` of :func:`token_signals`."""
+    """The per-sequence signals ``(K', M', n, T, C)`` of :func:`token_signals`.
+
+    The signs and the counted tokens scale the per-token classes' scales ``(K', M', n·T)``
+    before the dense signals are formed once (the largest array of a language model's
+    analysis: no stacked or signed copies of it).
+    """
     t, c = int(logits.shape[1]), int(logits.shape[2])
     rows = xp.reshape(logits, (-1, c))  # (n·T, C)
     columns = int(uniforms.shape[1]) // t
     u = xp.reshape(uniforms, (-1, columns))  # (n·T, D): token rows, as rows
     s = options.draws
-    sig = output_signals(xp, rows, options, u[:, :s])  # (K', M, n·T, C), per token
+    p, zhat, sigma = _probabilities(xp, rows, options)
+    index, scale = _sampled_classes(xp, p, options, u[:, :s])  # (K', M, n·T), per token
     if options.estimator == "ggn-topk":
         assert options.top_classes is not None
         groups, k = options.groups, options.top_classes
@@ -645,11 +651,18 @@ def _sequence_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: A
         signs = xp.where(u[:, s:] < 0.5, xp.ones_like(u[:, s:]), -xp.ones_like(u[:, s:]))  # (n·T, K·stride)
         signs = _permute(xp, xp.reshape(signs, (-1, groups, stride)), (1, 2, 0))  # (K, stride, n·T)
         signs = xp.concat([signs[:, :top], signs[:, k:k + draws]], axis=1)  # (K, top + draws, n·T)
-        exact = xp.concat([sig[:1, :top]] * groups, axis=0)  # (K, top, n·T, C): every group's own copy
-        body = xp.concat([exact, sig[1:, :draws]], axis=1) * signs[..., None]
-        sig = xp.concat([body[:1] * 0, body], axis=0)  # the shared group 0 holds nothing
+        # Every sampled group holds its own signed copy of the top-class signals, then its draws;
+        # the shared group 0 holds nothing (scale 0, class -1: a padding signal).
+        body_index = xp.concat([xp.concat([index[:1, :top]] * groups, axis=0), index[1:, :draws]], axis=1)
+        body_scale = xp.concat([xp.concat([scale[:1, :top]] * groups, axis=0), scale[1:, :draws]], axis=1) * signs
+        index = xp.concat([body_index[:1] * 0 - 1, body_index], axis=0)
+        scale = xp.concat([body_scale[:1] * 0, body_scale], axis=0)
+    scale = scale * xp.reshape(counted, (-1,))[None, None, :]  # uncounted tokens: zero signals
+    sig = _class_signals(xp, p, index, scale)
+    if options.loss == "nsce":
+        sig = pull_back(xp, sig, zhat, sigma, options.temperature)
     k2, m = int(sig.shape[0]), int(sig.shape[1])
-    return xp.reshape(sig, (k2, m, -1, t, c)) * counted[None, None, :, :, None]
+    return xp.reshape(sig, (k2, m, -1, t, c))
 
 
 def logit_stats(xp: Any, logits: Any) -> Any:

@@ -692,7 +692,6 @@ class TorchSession:
             if running is None:
                 state.add(index, value.detach(), owned=builtin)
 
-
     def _tied_squares(self, layer: TorchLayer, parts: list[list[torch.Tensor | None] | None], k: int, m: int,
                       state: SumState) -> None:
         """The squares of a tied weight from the signals at each of its modules' outputs (a use the
