@@ -570,7 +570,8 @@ def output_factor(xp: Any, logits: Any, options: AnalysisOptions, uniforms: Any 
 
 
 def token_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, uniforms: Any = None,
-                  tokens: tuple[int, int] | None = None, diagonal: bool = False) -> Any:
+                  tokens: tuple[int, int] | None = None, diagonal: bool = False,
+                  members: tuple[int, int] | None = None) -> Any:
     """GGN signals ``(K', M', n, T, C)`` of token logits ``(n, T, C)`` (method §6.3).
 
     The loss Hessian of one sequence is block-diagonal over its tokens. **Per token**
@@ -606,13 +607,18 @@ def token_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, 
             logits and uniforms only, so the blocks together are the whole factor.
         diagonal: Place :func:`diagonal_signals` (``M = 1``) per token instead, for a layer
             whose output is the logits (always per token: its squares are exact).
+        members: Per sequence only: ``(lo, hi)``: only members ``lo .. hi − 1`` of every group
+            (``M' = hi − lo``), from the same draws and signs, so that a backend can bound the
+            signals formed at once; the blocks together are the whole set. ``None``: all.
     """
     # The sample axis may be unknown while tracing (tf.function with relaxed shapes): -1 below.
     t, c = int(logits.shape[1]), int(logits.shape[2])
     if options.per_sequence and not diagonal:
         if tokens is not None and tuple(tokens) != (0, t):
             raise ValueError("per-sequence token signals are formed for all tokens at once (tokens=None)")
-        return _sequence_signals(xp, logits, options, counted, uniforms)
+        return _sequence_signals(xp, logits, options, counted, uniforms, members)
+    if members is not None:
+        raise ValueError("members selects per-sequence token signals; per token, select tokens")
     lo, hi = tokens if tokens is not None else (0, t)
     w = hi - lo
     rows = xp.reshape(logits[:, lo:hi], (-1, c))  # (n·W, C)
@@ -629,8 +635,10 @@ def token_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, 
     return xp.reshape(placed, (k, m * w, -1, t, c))
 
 
-def _sequence_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, uniforms: Any) -> Any:
-    """The per-sequence signals ``(K', M', n, T, C)`` of :func:`token_signals`.
+def _sequence_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, uniforms: Any,
+                      members: tuple[int, int] | None = None) -> Any:
+    """The per-sequence signals ``(K', M', n, T, C)`` of :func:`token_signals` (members
+    ``lo .. hi − 1`` of every group when ``members`` is given).
 
     The signs and the counted tokens scale the per-token classes' scales ``(K', M', n·T)``
     before the dense signals are formed once (the largest array of a language model's
@@ -657,6 +665,8 @@ def _sequence_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: A
         body_scale = xp.concat([xp.concat([scale[:1, :top]] * groups, axis=0), scale[1:, :draws]], axis=1) * signs
         index = xp.concat([body_index[:1] * 0 - 1, body_index], axis=0)
         scale = xp.concat([body_scale[:1] * 0, body_scale], axis=0)
+    if members is not None:
+        index, scale = index[:, members[0]:members[1]], scale[:, members[0]:members[1]]
     scale = scale * xp.reshape(counted, (-1,))[None, None, :]  # uncounted tokens: zero signals
     sig = _class_signals(xp, p, index, scale)
     if options.loss == "nsce":

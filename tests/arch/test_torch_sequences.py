@@ -269,7 +269,7 @@ def test_embedding_max_norm_is_refused_and_the_table_unchanged():
 @pytest.mark.parametrize("estimator", ["ggn", "ggn-topk"])
 def test_token_signals_formed_a_few_tokens_at_a_time_give_the_same_diagonal(estimator, monkeypatch):
     """Per token (ggn) the signals are formed a few tokens at a time, per sequence (ggn-topk)
-    handed on a few members of every group at a time: the same sums."""
+    formed a few members of every group at a time: the same sums."""
     model = _init(TinyLM(tied=False))
     ids = _ids(1, T, seed=9)
     data = [(ids, ids)]
@@ -283,7 +283,8 @@ def test_token_signals_formed_a_few_tokens_at_a_time_give_the_same_diagonal(esti
         return backprop(logits, outs, sig, batched)
 
     monkeypatch.setattr(ggn_kernels, "backprop_signals", counting)
-    monkeypatch.setattr(torch_session, "TOKEN_SIGNAL_ENTRIES", 1)  # one token (member) per block of signals
+    monkeypatch.setattr(torch_session, "TOKEN_SIGNAL_ENTRIES", 1)  # one token per block of signals
+    monkeypatch.setattr(torch_session, "SEQUENCE_SIGNAL_ENTRIES", 1)  # one member of every group per block
     blocks = normflat.hessian_diagonal(model, data, **kw)
     assert len(calls) == (T if estimator == "ggn" else 2 + 2)  # ggn-topk: k = 2 top classes, 10 / 5 draws
     for k in whole:

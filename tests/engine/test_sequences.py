@@ -5,6 +5,8 @@ Framework-free: numpy stands in for every backend's array namespace.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -275,6 +277,25 @@ def test_pooled_signals_square_to_the_mean_of_the_group_sums():
         squares = np.einsum("gmnc,gmnc->gnc", sig, sig)
         groups = squares[offset:] + (squares[0] if offset else 0)
         np.testing.assert_allclose(np.einsum("mnc,mnc->nc", pooled[0], pooled[0]), groups.mean(0), rtol=1e-13)
+
+
+@pytest.mark.parametrize("estimator", ["ggn-topk", "ggn-mc"])
+@pytest.mark.parametrize("loss", ["ce", "nsce"])
+def test_sequence_signals_in_blocks_of_members_are_the_whole(estimator, loss):
+    """members=(lo, hi): the same draws and signs, members lo .. hi - 1 of every group; the blocks
+    side by side are the whole set (a backend forms one block at a time)."""
+    z, counted, opts = _sequence_case(estimator, loss, 7, top=2)
+    u = RNG.uniform(size=(z.shape[0], opts.uniform_columns(z.shape[1])))
+    whole = losses.token_signals(np, z, opts, counted, u)
+    m = whole.shape[1]
+    assert m == opts.token_signals_per_group(z.shape[2], z.shape[1])
+    for step in (1, 2, m):
+        parts = [losses.token_signals(np, z, opts, counted, u, members=(a, min(m, a + step)))
+                 for a in range(0, m, step)]
+        np.testing.assert_array_equal(np.concatenate(parts, axis=1), whole)
+    with pytest.raises(ValueError, match="per-sequence"):
+        losses.token_signals(np, z, replace(opts, sequence_signals=False), counted, u[:, :opts.draws * z.shape[1]],
+                             members=(0, 1))
 
 
 def test_sequence_signals_need_every_token_at_once():

@@ -45,6 +45,9 @@ DEFAULT_SIGNAL_ROWS = 8192
 STRUCTURED_HEAD_CLASSES = 32
 #: Bound on the entries of one block of placed token signals ``(K, M·tokens, n, T, C)``.
 TOKEN_SIGNAL_ENTRIES = 1 << 24
+#: Bound on the entries of one block of per-sequence token signals ``(K, M', n, T, C)`` (a few
+#: members of every group; 4 MiB in float32), formed one block at a time (method §6.3).
+SEQUENCE_SIGNAL_ENTRIES = 1 << 20
 #: Rows of the forward that learns the classes and sizes before the first batch is chunked: two,
 #: so that a model which squeezes its batch axis still returns a batch.
 PROBE_ROWS = 2
@@ -446,12 +449,15 @@ class TorchSession:
         n, t, c = z.shape
         k = self.options.state_groups
         if not diagonal and self.options.per_sequence:
-            sig = losses.token_signals(_XP, z, self.options, counted, uniforms)  # (K', M', n, T, C)
-            m = int(sig.shape[1])
-            # Splitting the members keeps each group's sums whole: they add up over the blocks.
-            step = max(1, min(m, TOKEN_SIGNAL_ENTRIES // max(k * n * t * c, 1), DEFAULT_SIGNAL_ROWS // max(k * n, 1)))
+            m = self.options.token_signals_per_group(c, t)
+            # A few members of every group at a time, formed as they are needed: each group's sums
+            # add up over the blocks, and the dense signals, the largest arrays of a language model's
+            # analysis, never exist whole.
+            step = max(1, min(m, SEQUENCE_SIGNAL_ENTRIES // max(k * n * t * c, 1),
+                              DEFAULT_SIGNAL_ROWS // max(k * n, 1)))
             for start in range(0, m, step):
-                yield sig[:, start:start + step]
+                yield losses.token_signals(_XP, z, self.options, counted, uniforms,
+                                           members=(start, min(m, start + step)))  # (K', M', n, T, C)
             return
         m = 1 if diagonal else self.options.signals_per_group(c)  # signals per token and group
         per_token = k * m * n * t * c
@@ -547,13 +553,10 @@ class TorchSession:
                         self._fast_squares(start, self._skipped(factor.through(_XP, weight), False), fast, state)
                         fast = []
             sequence = self._per_sequence(z)
-            # Per sequence the signals of the chunk exist whole anyway (a few per sequence): when
-            # both paths need them they are formed once. Per token each path forms them anew, a
-            # few tokens at a time, so that no more than one block exists (memory).
-            cache: list[tuple[torch.Tensor, list[int]]] | None = (
-                [] if sequence and fast and any(not layer.fast for layer in self._layers) else None)
+            # Each path forms the signals anew, one block at a time (the same draws, so the same
+            # signals), so that no more than one block exists (memory).
             if fast:
-                for block in self._prepared_blocks(z, counted, uniforms, sequence, cache):
+                for block in self._prepared_blocks(z, counted, uniforms, sequence):
                     self._fast_squares(logits, block, fast, state)
                     fast = [layer for layer in fast if layer.fast]
             del logits
@@ -562,11 +565,10 @@ class TorchSession:
             if generic:
                 cap.active = False
                 try:
-                    for block in cache or self._prepared_blocks(z, counted, uniforms, sequence):
+                    for block in self._prepared_blocks(z, counted, uniforms, sequence):
                         self._generic_squares(xc, block, generic, state)
                 finally:
                     cap.active = True
-            cache = None  # not held through the next chunk's forward
         return terms
 
     def _heads(self, logits: torch.Tensor, fast: list[TorchLayer]) -> list[TorchLayer]:
@@ -600,14 +602,10 @@ class TorchSession:
                 state.add(self._index[id(layer)], value.detach(), owned=True)
 
     def _prepared_blocks(self, z: torch.Tensor, counted: torch.Tensor | None, uniforms: torch.Tensor | None,
-                         sequence: bool, cache: list | None = None) -> Iterator[tuple[torch.Tensor, list[int]]]:
-        """:meth:`_signal_blocks` as :meth:`_skipped` hands them to the kernels (appended to
-        ``cache`` too when given)."""
+                         sequence: bool) -> Iterator[tuple[torch.Tensor, list[int]]]:
+        """:meth:`_signal_blocks` as :meth:`_skipped` hands them to the kernels."""
         for sig in self._signal_blocks(z, counted, uniforms):
-            block = self._skipped(sig, sequence)
-            if cache is not None:
-                cache.append(block)
-            yield block
+            yield self._skipped(sig, sequence)
 
     def _skipped(self, sig: torch.Tensor, sequence: bool) -> tuple[torch.Tensor, list[int]]:
         """The signals to square, pooled if only the mean is wanted, and the flat indices
