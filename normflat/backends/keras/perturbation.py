@@ -38,8 +38,8 @@ from normflat.backends.keras.ggn import compute_dtype, model_logits
 from normflat.backends.keras.hvp import native_positions
 from normflat.backends.keras.layers import Entry, final_softmax, walk
 from normflat.backends.keras.ops import TF
-from normflat.backends.keras.session import (HVP_CHUNK, _check_model, grouped_convolutions, install_logit_calls,
-                                             trace_open_batch)
+from normflat.backends.keras.session import (HVP_CHUNK, OpenBatchTraces, _check_model, grouped_convolutions,
+                                             install_logit_calls)
 from normflat.backends.keras.state import ModelState
 from normflat.engine.data import Batch, batches, labels_for
 from normflat.engine.losses import check_output_shape
@@ -158,6 +158,7 @@ class KerasPerturbationModel:
         self._positions: list[np.ndarray] | None = None  # flat native index of each canonical entry
         self._outputs: dict[Any, tuple[int, int | None]] = {}  # input signature -> (classes, tokens)
         self._compiled: dict[str, Any] = {}
+        self._open_traces = OpenBatchTraces(callable(self.options.loss))
         self._closed = False
 
     # ------------------------------------------------------------------ protocol
@@ -386,21 +387,14 @@ class KerasPerturbationModel:
 
     def _step(self, name: str) -> Any:
         """The compiled ``_{name}_step(kernels, x[, target])``, traced with the batch axis open on
-        its first call (:func:`~normflat.backends.keras.session.trace_open_batch`) unless the loss
-        is a custom one."""
+        its first call (:class:`~normflat.backends.keras.session.OpenBatchTraces`)."""
         if name not in self._compiled:
             fn = tf.function(getattr(self, f"_{name}_step"), reduce_retracing=True)
-            if callable(self.options.loss):
-                self._compiled[name] = fn
-            else:
-                traced: list[bool] = []
 
-                def first_call(*args: Any, fn: Any = fn, traced: list[bool] = traced) -> Any:
-                    if not traced:
-                        traced.append(True)
-                        trace_open_batch(fn, args, [False] + [True] * (len(args) - 1))
-                    return fn(*args)
-                self._compiled[name] = first_call
+            def call(*args: Any, fn: Any = fn) -> Any:
+                self._open_traces.trace(fn, args, [False] + [True] * (len(args) - 1))
+                return fn(*args)
+            self._compiled[name] = call
         return self._compiled[name]
 
     def _logits(self, kernels: list[Any], x: Any) -> Any:

@@ -112,6 +112,24 @@ def trace_open_batch(fn: Any, args: tuple, batched: list[bool]) -> None:
     fn.get_concrete_function(*[tf.nest.map_structure(lambda t, b=b: spec(t, b), a) for a, b in zip(args, batched)])
 
 
+class OpenBatchTraces:
+    """:func:`trace_open_batch` once per compiled step, on its first call.
+
+    Not for a custom loss: its value is checked while tracing, with the batch's own shape (the
+    error names that shape).
+    """
+
+    def __init__(self, custom_loss: bool) -> None:
+        self._custom_loss = custom_loss
+        self._done: set[int] = set()
+
+    def trace(self, fn: Any, args: tuple, batched: list[bool]) -> None:
+        if self._custom_loss or id(fn) in self._done:
+            return
+        self._done.add(id(fn))
+        trace_open_batch(fn, args, batched)
+
+
 def _slice(x: Any, a: int, b: int) -> Any:
     return tf.nest.map_structure(lambda t: t[a:b], x)
 
@@ -250,7 +268,7 @@ class KerasSession:
         self._step_tokens: Any = None
         self._holder: dict = {}
         self._probe_cache: list[tuple[range, list[Any]]] | None = None
-        self._open_traces: set[int] = set()  # compiled steps traced with an open batch axis
+        self._open_traces = OpenBatchTraces(callable(options.loss))
 
     # ------------------------------------------------------------------ model state
 
@@ -441,11 +459,12 @@ class KerasSession:
         """``fn(*a, *shared)`` for every ``a`` in ``args``: in order on one device, or dealt to the replicas.
 
         ``batched``: how many leading arguments of each ``a`` have the batch axis first (traced
-        with it open, :meth:`_trace_open_batch`).
+        with it open, :class:`OpenBatchTraces`).
         """
         if self.replicas is None:
             if args:
-                self._trace_open_batch(fn, args[0], batched, shared)
+                count = len(args[0]) + len(shared)
+                self._open_traces.trace(fn, (*args[0], *shared), [i < batched for i in range(count)])
             return [fn(*a, *shared) for a in args]
         local = self.replicas.local
         out: list[Any] = []
@@ -455,14 +474,6 @@ class KerasSession:
             round_args += [round_args[0]] * (local - real)  # idle replicas recompute a piece, ignored
             out.extend(self.replicas.call(fn, round_args, shared)[:real])
         return out
-
-    def _trace_open_batch(self, fn: Any, example: tuple, batched: int, shared: tuple) -> None:
-        """:func:`trace_open_batch` once per compiled step of this session (not for a custom loss,
-        whose value is checked while tracing, with the batch's own shape)."""
-        if id(fn) in self._open_traces or callable(self.options.loss):
-            return
-        self._open_traces.add(id(fn))
-        trace_open_batch(fn, (*example, *shared), [i < batched for i in range(len(example) + len(shared))])
 
     # ------------------------------------------------------------------ GGN
 

@@ -279,6 +279,11 @@ class TorchLayer:
     tied: list["TiedUse"] = field(default_factory=list)
 
     @property
+    def uses(self) -> list["TorchLayer | TiedUse"]:
+        """The modules using this weight: the layer itself, then its :attr:`tied` uses."""
+        return [self, *self.tied]
+
+    @property
     def name(self) -> str:
         return self.spec.name
 
@@ -323,7 +328,6 @@ class TiedUse:
     """A further module using the weight of a :class:`TorchLayer` (``module.weight`` is the same
     parameter), e.g. a language model's output layer tied to its token embedding."""
 
-    name: str
     module: nn.Module
     ext: LayerExtractor
 
@@ -371,16 +375,13 @@ def _position_convert(shape: tuple[int, int]) -> Callable[[torch.Tensor], torch.
 
 
 def _tied_fast(first: TorchLayer, module: nn.Module, ext: LayerExtractor, rule: bool) -> bool:
-    """Whether a second module using ``first``'s weight keeps the fast path: both uses have a
-    per-sample gradient rule in the weight's own layout and neither overrides its class's forward."""
-
-    def plain(m: nn.Module) -> bool:
-        owner = REGISTRY.lookup_class(m)
-        return owner is not None and type(m).forward is owner.forward
-
-    return (rule and first.convert is None and ext.ggn_squares in PER_SAMPLE_GRADIENTS
-            and first.ext.ggn_squares in PER_SAMPLE_GRADIENTS and plain(module) and plain(first.module)
-            and not first.spec.blocks)
+    """Whether a second module using the weight of ``first`` (a layer on the fast path, so with its
+    class's own forward) keeps the fast path: both uses have a per-sample gradient rule in the
+    weight's own layout and ``module`` does not override its class's forward."""
+    owner = REGISTRY.lookup_class(module)
+    return (rule and first.convert is None and not first.spec.blocks
+            and ext.ggn_squares in PER_SAMPLE_GRADIENTS and first.ext.ggn_squares in PER_SAMPLE_GRADIENTS
+            and owner is not None and type(module).forward is owner.forward)
 
 
 class _Walk:
@@ -410,7 +411,7 @@ class _Walk:
             first = self.by_param[id(w)]
             first.spec.shared_with.append(label)
             if self.ggn and first.fast and _tied_fast(first, module, ext, rule):
-                first.tied.append(TiedUse(label, module, ext))
+                first.tied.append(TiedUse(module, ext))
             elif self.ggn:
                 first.disable_fast("weight shared between modules")
             return

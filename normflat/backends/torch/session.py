@@ -162,7 +162,7 @@ class TorchSession:
             model.eval()  # BatchNorm uses its running statistics, dropout is off
             if self.ggn:
                 fast = [layer for layer in self._layers if layer.fast]
-                self.capture = ggn_kernels.Capture(fast + [use for layer in fast for use in layer.tied])
+                self.capture = ggn_kernels.Capture([use for layer in fast for use in layer.uses])
                 for layer in fast:
                     layer.param.requires_grad_(True)  # so the layer outputs carry gradients for the signals
         except BaseException:
@@ -356,14 +356,21 @@ class TorchSession:
         self.capture.reset()
         logits = self._pick(xs.rows(rows).call(self.model))
         c = self._check_logits(logits, batch, PROBE_ROWS)
+        self._settle(logits, c)
+        self.chunk = self._choose_chunk(logits, PROBE_ROWS, c, batch_rows=batch.n)
+        self.capture.reset()
+
+    def _settle(self, logits: torch.Tensor, c: int) -> None:
+        """On a first forward: resolve ``estimator="auto"`` from the classes (token logits count
+        the signals per sequence, method §6.3) and check the fast rules (:meth:`_first_check`:
+        before the chunk is chosen, since a batched backward holds every signal's intermediates
+        at once, a looped one a signal's at a time)."""
         if self.options.estimator == "auto":
             self.options = resolve_estimator(self.options, c,
                                              tokens=int(logits.shape[1]) if logits.dim() == 3 else None)
         fast = [layer for layer in self._layers if layer.fast]
         if not self.checked and fast:
             self._first_check(logits, fast)
-        self.chunk = self._choose_chunk(logits, PROBE_ROWS, c, batch_rows=batch.n)
-        self.capture.reset()
 
     def _choose_chunk(self, logits: torch.Tensor, rows: int, c: int, batch_rows: int | None = None) -> int:
         """Samples per GGN step: bound the signal rows back-propagated at once.
@@ -383,7 +390,7 @@ class TorchSession:
         assert self.capture is not None
         item = logits.element_size()
         outs = sum(self.capture.outputs[id(use)].numel() // rows for layer in self._layers
-                   for use in [layer, *layer.tied] if id(use) in self.capture.outputs)
+                   for use in layer.uses if id(use) in self.capture.outputs)
         weights = sum(layer.param.numel() for layer in self._layers if not layer.fast)
         stacked = any(layer.fast and not ggn_kernels.wants_deltas(layer.ext.ggn_squares) for layer in self._layers)
         copies = 2 if self.batched or stacked else 1
@@ -403,18 +410,18 @@ class TorchSession:
         called once per forward; and the graph decides batched vs looped backward."""
         assert self.capture is not None
         cap = self.capture
-        outs = [cap.outputs[id(use)] for layer in fast for use in [layer, *layer.tied] if id(use) in cap.outputs]
+        outs = [cap.outputs[id(use)] for layer in fast for use in layer.uses if id(use) in cap.outputs]
         uses, self.batched = ggn_kernels.inspect_graph(logits.grad_fn, {id(layer.param): layer for layer in fast},
                                                        outs)
         for layer in fast:
-            calls = [cap.calls.get(id(use), 0) for use in [layer, *layer.tied]]
+            calls = [cap.calls.get(id(use), 0) for use in layer.uses]
             if any(count != 1 for count in calls):
                 layer.disable_fast(f"module called {next(c for c in calls if c != 1)} times per forward")
             elif uses[id(layer.param)] != 1 + len(layer.tied):
                 layer.disable_fast(f"weight used {uses[id(layer.param)]} times in the graph" if not layer.tied else
                                    f"tied weight used {uses[id(layer.param)]} times in the graph, not once per "
                                    f"module ({1 + len(layer.tied)})")
-            elif any(id(use) not in cap.outputs for use in [layer, *layer.tied]):
+            elif any(id(use) not in cap.outputs for use in layer.uses):
                 layer.disable_fast("module input or output is not a single tensor")
         self.checked = True
 
@@ -485,20 +492,12 @@ class TorchSession:
             cap.reset()
             logits = self._pick(xc.call(self.model))
             c = self._check_logits(logits, batch, rows)
-            if self.options.estimator == "auto":
-                # Token logits count the signals per sequence (method §6.3).
-                self.options = resolve_estimator(self.options, c,
-                                                 tokens=int(logits.shape[1]) if logits.dim() == 3 else None)
+            self._settle(logits, c)
             if ids is None:
                 # The data contract: labels in range. The GGN uses the labels of token logits only,
                 # for the counted tokens.
                 ids, terms = self._labels(batch, c, logits)
             fast = [layer for layer in self._layers if layer.fast]
-            if not self.checked and fast:
-                # On the first forward, before the chunk is chosen: a batched backward holds every
-                # signal's intermediates at once, a looped one a signal's at a time.
-                self._first_check(logits, fast)
-                fast = [layer for layer in fast if layer.fast]
             if self.chunk is None:
                 # The class count is known after the first forward, which is redone in chunks if
                 # the whole batch is too big.
@@ -524,10 +523,10 @@ class TorchSession:
                 u = nrandom.sample_uniforms(self.options.seed, self.rank, batch.offset + start, rows, columns)
                 uniforms = torch.from_numpy(u).to(device=logits.device, dtype=logits.dtype)
             for layer in fast:
-                if any(cap.calls.get(id(use), 0) != 1 or cap.modified(id(use)) for use in [layer, *layer.tied]):
+                if any(cap.calls.get(id(use), 0) != 1 or cap.modified(id(use)) for use in layer.uses):
                     # Dynamic models: re-checked on every chunk; earlier chunks' sums stay valid.
                     layer.disable_fast("layer not called exactly once, or its input modified in place")
-                elif rows > 1 and any(cap.outputs[id(use)].shape[0] != rows for use in [layer, *layer.tied]):
+                elif rows > 1 and any(cap.outputs[id(use)].shape[0] != rows for use in layer.uses):
                     # An output broadcast over the batch (position ids of shape (1, T)): the signals
                     # of all samples would be summed before squaring; the generic path is exact.
                     layer.disable_fast("output broadcast over the batch")
@@ -643,8 +642,7 @@ class TorchSession:
         sig, padding = block
         k, m, nc = sig.shape[:3]
         # Each layer's output, then those of the other modules of its tied weight.
-        outs = [cap.outputs[id(layer)] for layer in fast] + [cap.outputs[id(use)] for layer in fast
-                                                             for use in layer.tied]
+        outs = [cap.outputs[id(use)] for layer in fast for use in layer.uses]
         flat = sig.reshape(k * m, nc, *sig.shape[3:])
         skipped = set(padding)
         real = [j for j in range(k * m) if j not in skipped]
@@ -658,14 +656,16 @@ class TorchSession:
                     for j, part in zip(real, parts):
                         full[j] = part
                     grads[i] = full
-        tied_at = len(fast)
-        for i, layer in enumerate(fast):
-            parts, grads[i] = grads[i], None  # the rule may free the parts once used
+        at = 0
+        for layer in fast:
+            count = len(layer.uses)
+            mine, grads[at:at + count] = grads[at:at + count], [None] * count  # the rule may free the parts
+            at += count
             if layer.tied:
-                tied_parts = grads[tied_at:tied_at + len(layer.tied)]
-                tied_at += len(layer.tied)
-                self._tied_squares(layer, [parts, *tied_parts], k, m, state)
+                self._tied_squares(layer, mine, k, m, state)
                 continue
+            parts = mine[0]
+            del mine
             if parts is None:  # the layer does not influence the logits
                 continue
             deltas = ggn_kernels.Deltas(parts, k, m)
@@ -697,7 +697,7 @@ class TorchSession:
         assert self.capture is not None
         cap = self.capture
         uses = [(use.module, use.ext.ggn_squares, cap.inputs[id(use)])
-                for use, p in zip([layer, *layer.tied], parts) if p is not None]
+                for use, p in zip(layer.uses, parts) if p is not None]
         deltas = [ggn_kernels.Deltas(p, k, m) for p in parts if p is not None]
         if not uses:
             return
