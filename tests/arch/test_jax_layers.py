@@ -575,6 +575,31 @@ def test_invariance_equinox_attention_heads_and_embedding_features():
     _assert_invariant(model, new, data, jax.vmap(model), jax.vmap(new))
 
 
+def test_invariance_nnx_tied_embedding_features_against_both_uses():
+    """Feature j of the table that is both the lookup and the ``attend`` head times c_j: the next
+    layer's input row j (kernel (in, out)) and the previous layer's output column j take 1/c_j."""
+
+    class TiedMixer(nnx.Module):
+        def __init__(self, rngs):
+            self.emb = nnx.Embed(9, 4, param_dtype=F64, rngs=rngs)
+            self.mix_in = nnx.Linear(4, 6, param_dtype=F64, rngs=rngs)
+            self.mix_out = nnx.Linear(6, 4, param_dtype=F64, rngs=rngs)
+
+        def __call__(self, ids):
+            return self.emb.attend(self.mix_out(jnp.tanh(self.mix_in(self.emb(ids)))))
+
+    model = TiedMixer(nnx.Rngs(12))
+    model.mix_out.bias[...] = jnp.asarray(RNG.normal(size=4)) * 0.3  # a non-zero bias to rescale
+    other = nnx.clone(model)
+    c = jnp.asarray([2.0, 0.5, 3.0, 0.25])
+    other.emb.embedding[...] = other.emb.embedding[...] * c
+    other.mix_in.kernel[...] = other.mix_in.kernel[...] / c[:, None]
+    other.mix_out.kernel[...] = other.mix_out.kernel[...] / c
+    other.mix_out.bias[...] = other.mix_out.bias[...] / c
+    ids = jnp.asarray(RNG.integers(0, 9, size=(3, 4)))
+    _assert_invariant(model, other, (ids, jnp.asarray(RNG.integers(0, 9, size=(3, 4)))), model, other)
+
+
 def test_invariance_nnx_simple_cell_relu_hidden_units():
     class Relu(nnx.Module):
         def __init__(self, rngs):

@@ -112,6 +112,35 @@ def test_keras_hub_gpt2_causal_lm_with_tied_embedding():
     assert rep.metadata["loss_terms"] == 8
 
 
+def test_tied_reversible_embedding_feature_rescaling_is_invariant():
+    """keras-hub's tied ``ReversibleEmbedding`` (the lookup and the LM head, one table): feature j
+    times c_j, the next Dense's input row j and the previous Dense's output column j times 1/c_j
+    leave the function and each layer's normalized sharpness unchanged (method §8); the trace moves."""
+    ids_in = keras.Input((4,), dtype="int32")
+    emb = keras_hub.layers.ReversibleEmbedding(9, 4, tie_weights=True, dtype=F64, name="emb")
+    h = L.Dense(6, activation="tanh", dtype=F64, name="mix_in")(emb(ids_in))
+    model = keras.Model(ids_in, emb(L.Dense(4, dtype=F64, name="mix_out")(h), reverse=True))
+    rng = np.random.default_rng(11)
+    for v in model.weights:
+        v.assign(rng.normal(size=v.shape) * 0.7)
+    ids, y = rng.integers(0, 9, (3, 4)).astype("int32"), rng.integers(0, 9, (3, 4))
+    twin = keras.models.clone_model(model)
+    twin.set_weights(model.get_weights())
+    c = np.array([2.0, 0.5, 3.0, 0.25])
+    table, mix_in, mix_out = twin.get_layer("emb").embeddings, twin.get_layer("mix_in"), twin.get_layer("mix_out")
+    table.assign(table.numpy() * c)
+    mix_in.kernel.assign(mix_in.kernel.numpy() / c[:, None])
+    mix_out.kernel.assign(mix_out.kernel.numpy() / c)
+    mix_out.bias.assign(mix_out.bias.numpy() / c)
+    np.testing.assert_allclose(twin(ids).numpy(), model(ids).numpy(), rtol=1e-12)
+    before, after = (normflat.analyze(m, (ids, y), loss="ce", estimator="ggn", progress=False) for m in (model, twin))
+    assert [l.name for l in before.layers] == [l.name for l in after.layers] == ["emb", "mix_in", "mix_out"]
+    for a, b in zip(before.layers, after.layers):
+        assert b.normalized_sharpness == pytest.approx(a.normalized_sharpness, rel=1e-8), a.name
+    assert after.normalized_sharpness == pytest.approx(before.normalized_sharpness, rel=1e-8)
+    assert abs(after.hessian_trace / before.hessian_trace - 1) > 1e-3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["MobileNetV2", "ResNet50"])
 def test_keras_applications(name):

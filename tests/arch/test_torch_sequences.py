@@ -151,6 +151,44 @@ def test_gated_input_column_scaling_against_a_scaled_embedding(cell):
     _assert_invariant(model, moved, _Call(data))
 
 
+class TiedMixer(nn.Module):
+    """Token LM whose head is tied to its embedding, with two dense layers between them."""
+
+    def __init__(self, padding_idx=None):
+        super().__init__()
+        self.wte = nn.Embedding(V, D, padding_idx=padding_idx)
+        self.mix_in = nn.Linear(D, 6)
+        self.mix_out = nn.Linear(6, D)
+        self.lm_head = nn.Linear(D, V, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids):
+        return self.lm_head(self.mix_out(torch.tanh(self.mix_in(self.wte(ids)))))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_tied_embedding_feature_scaling_against_both_of_its_uses(padding_idx):
+    """Feature j of the tied table times c_j scales the lookup's output and the head's input:
+    the next layer's input column j and the previous layer's output row j take 1/c_j. The tied
+    weight is on its fast path (per-use per-sample gradients summed, method §6.1)."""
+    model = _init(TiedMixer(padding_idx))
+    ids = _ids(N, T)
+    if padding_idx is not None:
+        ids[0, 1] = padding_idx
+    data = [(ids, _ids(N, T, seed=4))]
+    moved = copy.deepcopy(model)
+    c = _head_factors(D, 10)
+    with torch.no_grad():
+        moved.wte.weight *= c[None, :]  # the head's weight too: one tensor
+        moved.mix_in.weight /= c[None, :]
+        moved.mix_out.weight /= c[:, None]
+        moved.mix_out.bias /= c
+    assert moved.lm_head.weight is moved.wte.weight
+    _assert_invariant(model, moved, _Call(data))
+    wte = _analyze(moved, data).layer("wte")
+    assert wte.details["shared_with"] == ["lm_head"] and wte.details["path"] == "fast"
+
+
 # ----------------------------------------------------------------------------- token logits
 
 
