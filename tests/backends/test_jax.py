@@ -314,6 +314,24 @@ def test_names_are_pytree_paths_in_model_order():
     assert names["flax_linen"] == ["Conv_0", "Net_0/Conv_0", "Net_0/Conv_1", "Dense_0"]
 
 
+def test_results_are_jax_arrays_and_the_reports_problems_host_numpy(builder):
+    """hessian_diagonal returns the framework's arrays; the report's problems on a CPU are numpy
+    views of the same numbers (the core runs op by op, which JAX would compile op by op)."""
+    from normflat.backends import jax as jax_backend
+    from normflat.engine.options import validate_options
+
+    spec = netspec.mlp((5, 7, 3), seed=5)
+    x, y = netspec.data(spec, n=4)
+    data = builder.make_data(x, y, 4)
+    model = builder.build(spec)
+    diag = normflat.hessian_diagonal(model, data, progress=False)
+    assert all(isinstance(d, jax.Array) for d in diag.values())
+    problems, _ = jax_backend.layer_problems(model, data, validate_options(progress=False))
+    for p in problems:
+        assert isinstance(p.weight, np.ndarray) and isinstance(p.hessian_diag, np.ndarray), p.name
+        np.testing.assert_array_equal(p.hessian_diag, np.asarray(diag[p.name]))
+
+
 def test_report_shapes_are_canonical(builder):
     spec = netspec.cnn(seed=3, channels=(2, 4, 6), groups=2)
     x, y = netspec.data(spec, n=3)

@@ -117,7 +117,8 @@ _OPTIONS = {"vmap": None, "state": None, "apply_kwargs": None, "layouts": None, 
 
 def layer_problems(model: Any, data: Any, options: AnalysisOptions, **backend_options: Any):
     """Per-layer problems and report metadata of a JAX model (see the module docstring for the options)."""
-    return _run(driver.layer_problems, model, data, options, backend_options)
+    # The report's problems leave host memory as numpy (JaxSession.host_results).
+    return _run(driver.layer_problems, model, data, options, backend_options, host_results=True)
 
 
 def hessian_diagonal(model: Any, data: Any, options: AnalysisOptions, **backend_options: Any) -> dict:
@@ -125,14 +126,14 @@ def hessian_diagonal(model: Any, data: Any, options: AnalysisOptions, **backend_
     return _run(driver.hessian_diagonal, model, data, options, backend_options)
 
 
-def _run(entry, model, data, options: AnalysisOptions, backend_options: dict):
+def _run(entry, model, data, options: AnalysisOptions, backend_options: dict, host_results: bool = False):
     settings = _settings(backend_options)
     need_x64 = settings["dtype"] == jnp.float64 and not x64_enabled()
     comm = distributed.ProcessComm() if distributed.multi_process(settings) else None
 
     def make_session():
         # JAX cannot hold float64 arrays once x64 is off again: float64 results go out as numpy.
-        return JaxSession(model, options, settings, comm, host_outputs=need_x64)
+        return JaxSession(model, options, settings, comm, host_outputs=need_x64, host_results=host_results)
 
     # float64 without global x64: enable it for this computation only (thread-local, documented).
     with enable_x64(True) if need_x64 else contextlib.nullcontext():

@@ -172,10 +172,13 @@ class JaxSession:
     adapter = ADAPTER
 
     def __init__(self, model: Any, options: AnalysisOptions, settings: dict, comm: Any = None,
-                 host_outputs: bool = False) -> None:
+                 host_outputs: bool = False, host_results: bool = False) -> None:
         self.framework_version = jax.__version__
         self.model, self.options, self.settings, self.comm = model, options, settings, comm
+        #: Every result goes out as numpy (float64 without global x64: JAX cannot hold it).
         self.host_outputs = host_outputs
+        #: Results in host memory go out as numpy (for the core's report, not hessian_diagonal).
+        self.host_results = host_results
         self.layers: list[LayerSpec] = []
         self.unsupported: list[str] = []
         #: What became of every parameter leaf (the report's ``excluded`` and ``coverage``).
@@ -271,7 +274,7 @@ class JaxSession:
     def canonical(self, layer: int, array: Any) -> Any:
         # The kernels hand over their sums in the canonical layout already (transposed inside
         # the compiled split of each batch), so this session's "native" layout is canonical.
-        return np.asarray(array) if self.host_outputs else jnp.asarray(array)
+        return self._handover(array)
 
     def _canonical_shape(self, layer: int) -> tuple:
         return tuple(canonical_shape(self.kernel.shapes[layer], self.view.weights[layer].layout))
@@ -280,8 +283,23 @@ class JaxSession:
         if self._weights is None:
             # One compiled call for every layer (dispatched early, next to the first batch).
             self._weights = _canonical_weights(self.view)
-        out = self._weights[layer]
-        return np.asarray(out) if self.host_outputs else out
+        return self._handover(self._weights[layer])
+
+    def _handover(self, array: Any) -> Any:
+        """A result as the engine hands it on: a JAX array (``hessian_diagonal`` returns the
+        framework's arrays), numpy where JAX cannot hold it, and numpy for the report's
+        problems when it lives in host memory.
+
+        The core runs eagerly, op by op; JAX compiles each new op and shape on its first use
+        (about 3 s of a first analyze on a CPU), where numpy on the same memory has no such
+        cost. An accelerator's arrays stay there, so that the core runs on the device.
+        """
+        if self.host_outputs or isinstance(array, np.ndarray):
+            return np.asarray(array)
+        array = jnp.asarray(array)
+        if self.host_results and all(device.platform == "cpu" for device in array.devices()):
+            return np.asarray(array)
+        return array
 
     def metadata(self) -> dict[str, Any]:
         ws = self.run.ws if self.run is not None else []
