@@ -334,6 +334,34 @@ def test_weight_derivatives_match_per_sample_gradients(cases, builder_name, spec
     np.testing.assert_allclose(derivatives, reference, rtol=1e-8, atol=1e-12)
 
 
+@pytest.mark.parametrize("builder_name", BUILDERS)
+def test_a_short_last_batch_is_padded_and_changes_no_number(builder_name):
+    """Batches of 4, 4, 1: the last is padded to 4 (label -1, not counted), so every compiled
+    step is compiled once and the losses, gradient and derivatives equal one whole batch's."""
+    spec = netspec.mlp((4, 5, 3), seed=13)
+    builder = load_builder(builder_name)
+    model = builder.build(spec)
+    x, y = netspec.data(spec, n=9, seed=4)
+    uneven = perturbation_model(model, builder.make_data(x, y, 4), _options())
+    whole = perturbation_model(model, builder.make_data(x, y, 9), _options())
+    deltas = _random_deltas(spec, seed=2)
+    for a, b in zip(uneven.evaluate(deltas), whole.evaluate(deltas)):
+        assert a.shape == (9,)
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    (va, ga), (vb, gb) = uneven.gradient(deltas), whole.gradient(deltas)
+    assert va == pytest.approx(vb, rel=1e-12)
+    for a, b in zip(ga, gb):
+        np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-14)
+    np.testing.assert_allclose(uneven.weight_derivatives(), whole.weight_derivatives(), rtol=1e-11, atol=1e-14)
+    from normflat.backends.jax import perturbation as jax_perturbation
+
+    jax_perturbation._STEPS.clear()  # new steps: count their compilations from none
+    fresh = perturbation_model(model, builder.make_data(x, y, 4), _options())
+    fresh.evaluate(deltas), fresh.gradient(deltas), fresh.weight_derivatives()
+    steps = (fresh._steps.losses, fresh._steps.gradient, fresh._steps.derivatives)
+    assert [f._cache_size() for f in steps] == [1, 1, 1]  # batches of 4 only, the short one padded
+
+
 # ----------------------------------------------------------------------------- squared output
 
 

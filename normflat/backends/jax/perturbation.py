@@ -104,6 +104,8 @@ class JaxPerturbationModel:
         # float64 without global x64: enable it for every call of this object only (thread-local).
         self._x64 = settings["dtype"] == jnp.float64 and not x64_enabled()
         self._closed = False
+        #: The first batch's size: a shorter batch is padded to it (:func:`_padded`).
+        self._block: int | None = None
         with self._context():
             self._prepare()
         self._steps = _steps_for(self._view, self._weight_ids, self._rest_ids, options)
@@ -167,7 +169,12 @@ class JaxPerturbationModel:
             # JAX models have no config telling a causal LM: shift_labels=None means no shift (method §6.3).
             labels = labels_for(batch, self._num_classes, ADAPTER, options, tokens=tokens,
                                 shift=bool(options.shift_labels) if tokens is not None else False)
-            yield cast_inputs(batch.x, self.dtype), jnp.asarray(labels, jnp.int32), labels.reshape(-1) >= 0
+            x, labels = cast_inputs(batch.x, self.dtype), np.asarray(labels)
+            if self._block is None:
+                self._block = batch.n
+            elif batch.n < self._block:
+                x, labels = _padded(x, labels, self._block)
+            yield x, jnp.asarray(labels, jnp.int32), labels.reshape(-1) >= 0
 
     # ------------------------------------------------------------------ weights and deltas
 
@@ -444,6 +451,25 @@ class JaxPerturbationModel:
                     raise _refusal("/".join(path), m, problem)
 
         return f, check_modules
+
+
+def _padded(x: Any, labels: np.ndarray, size: int) -> tuple[Any, np.ndarray]:
+    """A short batch padded to ``size`` examples, so that the compiled steps see the first
+    batch's shapes again instead of compiling anew (a last short batch is the usual case).
+
+    The padding repeats the first example with label -1: no loss, gradient or derivative
+    counts it (the steps mask labels < 0), as the session's padded pieces. Inputs whose
+    leaves do not all lead with the batch axis are left as they are.
+    """
+    n = labels.shape[0]
+    leaves = jax.tree_util.tree_leaves(x)
+    if not leaves or any(not hasattr(a, "shape") or not a.shape or a.shape[0] != n for a in leaves):
+        return x, labels
+    index = np.concatenate([np.arange(n), np.zeros(size - n, np.int64)])
+    x = jax.tree_util.tree_map(lambda a: np.take(a, index, axis=0) if isinstance(a, np.ndarray)
+                               else jnp.take(a, jnp.asarray(index), axis=0), x)
+    labels = np.concatenate([labels, np.full((size - n,) + labels.shape[1:], -1, labels.dtype)])
+    return x, labels
 
 
 # ---------------------------------------------------------------------- compiled per-batch steps
