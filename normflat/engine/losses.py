@@ -326,13 +326,13 @@ def signal_slots(options: AnalysisOptions, num_classes: int, sequence: bool = Fa
     member ``d // K`` of group ``d mod K``; ``ggn-topk``: group 0's ``min(k, C)`` exact
     signals, then the draws of groups ``1..K`` as for ``ggn-mc``.
 
-    ``sequence``: the per-sequence signals of token logits (:func:`token_signals` with
-    :attr:`~normflat.engine.options.AnalysisOptions.per_sequence`, ``M`` of
+    ``sequence``: the per-sequence signals of token logits (:func:`token_signals` where
+    :meth:`~normflat.engine.options.AnalysisOptions.sequence_layout` holds, ``M`` of
     :meth:`~normflat.engine.options.AnalysisOptions.token_signals_per_group`): ``ggn-mc``
     as above; ``ggn-topk``: group 0 is all zeros, and each sampled group holds its
     ``min(k, C)`` signed top-class signals, then its signed draws.
     """
-    if sequence and options.per_sequence and options.estimator == "ggn-topk":
+    if sequence and options.estimator == "ggn-topk":
         assert options.samples is not None and options.top_classes is not None
         k, top = options.groups, min(options.top_classes, num_classes)
         return [(g + 1, j) for g in range(k) for j in range(top)
@@ -449,8 +449,9 @@ def pool_signals(xp: Any, signals: Any, options: AnalysisOptions, sequence: bool
         xp: Array namespace.
         signals: ``(K', M, ...)`` signals of :func:`output_signals` or :func:`token_signals`.
         options: The analysis options.
-        sequence: The signals are :func:`token_signals`' per-sequence ones, whose shared
-            group 0 is all zeros (:func:`zero_signals`): it is left out.
+        sequence: The signals are :func:`token_signals`' per-sequence ones
+            (:meth:`~normflat.engine.options.AnalysisOptions.sequence_layout`), whose
+            shared group 0 is all zeros (:func:`zero_signals`): it is left out.
 
     Returns:
         ``(signals, padding)``: the pooled signals and the flat indices of those known to be
@@ -472,8 +473,10 @@ def zero_signals(options: AnalysisOptions, members: int, sequence: bool = False)
     The shared group 0 of per-sequence ``ggn-topk`` token signals (:func:`token_signals`:
     every top-class signal carries its sampled group's signs), else none; a backend need not
     back-propagate them. (Padding inside the groups is :func:`signal_slots`' business.)
+    ``sequence``: the signals are per sequence
+    (:meth:`~normflat.engine.options.AnalysisOptions.sequence_layout`).
     """
-    if sequence and options.per_sequence and options.shared_group:
+    if sequence and options.shared_group:
         return list(range(members))
     return []
 

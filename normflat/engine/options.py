@@ -177,6 +177,15 @@ class AnalysisOptions:
             return False
         return True if self.sequence_signals is None else bool(self.sequence_signals)
 
+    def sequence_layout(self, tokens: int | None) -> bool:
+        """Whether logits of ``tokens`` tokens take per-sequence signals (method §6.3).
+
+        The one predicate every backend and the engine's signal functions share: ``(n, C)``
+        logits (``tokens`` ``None``) never do; token logits do under :attr:`per_sequence`
+        (the stochastic estimators unless ``sequence_signals=False``).
+        """
+        return tokens is not None and self.per_sequence
+
     @property
     def sign_draws(self) -> int:
         """Uniforms per token that give the random signs of :attr:`per_sequence` ``ggn-topk``.

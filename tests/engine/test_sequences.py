@@ -168,6 +168,9 @@ def test_sequence_signals_options_layout_and_validation():
     mc = _opts(estimator="ggn-mc", samples=3)
     assert mc.per_sequence and mc.sign_draws == 0 and mc.token_signals_per_group(50, 9) == 1
     assert not _opts(estimator="ggn").per_sequence
+    # The one predicate of the backends: per sequence only for token logits.
+    assert topk.sequence_layout(7) and not topk.sequence_layout(None)
+    assert not off.sequence_layout(7) and not _opts(estimator="ggn").sequence_layout(7)
     with pytest.raises(ValueError, match="sequence_signals=True needs a stochastic GGN estimator"):
         _opts(estimator="ggn", sequence_signals=True)
     with pytest.raises(ValueError, match="sequence_signals=False has no meaning"):

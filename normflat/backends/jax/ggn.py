@@ -202,7 +202,7 @@ class GGN(Kernel):
         self.cols = self.M if self.tokens is None else options.token_signals_per_group(num_classes, self.tokens)
         # Leading groups whose signals are all zero (per-sequence ggn-topk's group 0): not
         # back-propagated; those layers' sums get zeros there (_pad_groups).
-        zero = set(zero_signals(options, self.cols, sequence=self.tokens is not None))
+        zero = set(zero_signals(options, self.cols, sequence=options.sequence_layout(self.tokens)))
         assert zero == set(range(len(zero))) and len(zero) % self.cols == 0
         self.skip = len(zero) // self.cols
         self.bp = self.G - self.skip  # groups back-propagated

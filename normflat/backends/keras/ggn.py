@@ -44,7 +44,7 @@ from normflat.engine.losses import (diagonal_signals, logit_stats, output_factor
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
 
-__all__ = ["Taps", "ggn_step_fn", "model_logits", "signal_layout", "sequence_layout", "token_signal_bytes",
+__all__ = ["Taps", "ggn_step_fn", "model_logits", "signal_layout", "token_signal_bytes",
            "ggn_bytes", "ggn_chunk_size", "SIGNAL_BLOCK", "compute_dtype", "exact_head", "STRUCTURED_HEAD_CLASSES",
            "CHUNK_BYTES", "MAX_CHUNK"]
 
@@ -134,16 +134,6 @@ class Taps:
         state.set(layer, "activation", activation)
 
 
-def sequence_layout(options: AnalysisOptions, tokens: int | None) -> bool:
-    """Whether token logits of ``tokens`` tokens take per-sequence signals (method §6.3).
-
-    ``(n, C)`` logits (``tokens`` ``None``) never do; token logits do under
-    :attr:`~normflat.engine.options.AnalysisOptions.per_sequence` (the stochastic
-    estimators unless ``sequence_signals=False``).
-    """
-    return tokens is not None and options.per_sequence
-
-
 def signal_layout(options: AnalysisOptions, num_classes: int,
                   tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Which of the flattened engine signals are real, and their group ids.
@@ -158,12 +148,12 @@ def signal_layout(options: AnalysisOptions, num_classes: int,
     Token logits of ``T = tokens`` tokens (:func:`normflat.engine.losses.token_signals`):
     per token, ``T`` signals per member, one per token (signal ``m·T + t``), so slot
     ``(g, m)`` of token ``t`` is flat index ``(g·M + m)·T + t``; per sequence
-    (:func:`sequence_layout`), one signal per slot of the ``(K', M')`` layout,
-    ``M' = token_signals_per_group(C, T)``, flat index ``g·M' + m``, whose real slots are
-    ``signal_slots(..., sequence=True)``'s: ``ggn-topk``'s shared group 0 is all zero
-    there and is never back-propagated (method §6.3).
+    (:meth:`~normflat.engine.options.AnalysisOptions.sequence_layout`), one signal per
+    slot of the ``(K', M')`` layout, ``M' = token_signals_per_group(C, T)``, flat index
+    ``g·M' + m``, whose real slots are ``signal_slots(..., sequence=True)``'s: ``ggn-topk``'s
+    shared group 0 is all zero there and is never back-propagated (method §6.3).
     """
-    if sequence_layout(options, tokens):
+    if options.sequence_layout(tokens):
         assert tokens is not None
         m, per = options.token_signals_per_group(num_classes, tokens), 1
         slots = np.asarray(signal_slots(options, num_classes, sequence=True), dtype=np.int64).reshape(-1, 2)

@@ -27,7 +27,7 @@ from normflat.backends.keras.calls import grouped_conv_call, is_plain_norm, norm
 from normflat.backends.keras.data import ADAPTER, to_tensor
 from normflat.backends.keras.distributed import Replicas
 from normflat.backends.keras.ggn import (SIGNAL_BLOCK, Taps, compute_dtype, ggn_bytes, ggn_chunk_size, ggn_step_fn,
-                                        model_logits, sequence_layout, signal_layout, token_signal_bytes)
+                                        model_logits, signal_layout, token_signal_bytes)
 from normflat.backends.keras.hvp import (EXACT_BLOCK, PROBE_BLOCK, has_recurrence, hvp_step_fns, native_positions,
                                         native_probes)
 from normflat.backends.keras.layers import Entry, fast_kind, final_softmax, walk
@@ -503,7 +503,7 @@ class KerasSession:
         # Equal blocks of at most SIGNAL_BLOCK: the last block's padding is back-propagated too
         # (a compiled step has a fixed block), so 20 signals go as 10 + 10, not 16 + 16.
         block = -(-signals // -(-signals // SIGNAL_BLOCK)) if signals else 1
-        sequence = sequence_layout(options, self.tokens)
+        sequence = options.sequence_layout(self.tokens)
         key_tokens = (self.tokens, block, options.estimator, sequence)
         if self._step is not None and self._step_tokens != key_tokens:
             self._step = None  # another sequence length: another signal layout

@@ -345,7 +345,7 @@ class TorchSession:
         if tokens is None:
             return o.state_groups * o.signals_per_group(c)
         m = o.token_signals_per_group(c, tokens)
-        return o.state_groups * m - len(losses.zero_signals(o, m, sequence=True))
+        return o.state_groups * m - len(losses.zero_signals(o, m, sequence=o.sequence_layout(tokens)))
 
     def _probe(self, batch: Batch, xs: ModelInputs) -> None:
         """The first batch's checks and chunk size from a forward of its first :data:`PROBE_ROWS`
@@ -425,10 +425,6 @@ class TorchSession:
                 layer.disable_fast("module input or output is not a single tensor")
         self.checked = True
 
-    def _per_sequence(self, logits: torch.Tensor) -> bool:
-        """Whether the estimator's signals of these logits span whole sequences (method §6.3)."""
-        return logits.dim() == 3 and self.options.per_sequence
-
     def _signal_blocks(self, logits: torch.Tensor, counted: torch.Tensor | None,
                        uniforms: torch.Tensor | None, diagonal: bool = False) -> Iterator[torch.Tensor]:
         """The GGN signals of a chunk, in blocks ``(K, M', rows, *logits.shape[1:])``.
@@ -455,7 +451,7 @@ class TorchSession:
         assert counted is not None
         n, t, c = z.shape
         k = self.options.state_groups
-        if not diagonal and self.options.per_sequence:
+        if not diagonal and self.options.sequence_layout(t):
             m = self.options.token_signals_per_group(c, t)
             # A few members of every group at a time, formed as they are needed: each group's sums
             # add up over the blocks, and the dense signals, the largest arrays of a language model's
@@ -551,7 +547,7 @@ class TorchSession:
                         factor = losses.output_factor(_XP, z, self.options, uniforms)
                         self._fast_squares(start, self._skipped(factor.through(_XP, weight), False), fast, state)
                         fast = []
-            sequence = self._per_sequence(z)
+            sequence = self.options.sequence_layout(int(z.shape[1]) if z.dim() == 3 else None)
             # Each path forms the signals anew, one block at a time (the same draws, so the same
             # signals), so that no more than one block exists (memory).
             if fast:
