@@ -31,6 +31,8 @@ _TINY = 1e-300
 _WIDE = 1e150
 _LN2 = math.log(2.0)
 _LOG_HALF = math.log(0.5)
+#: A little below log(float64 max): an exponential up to it is finite.
+_LOG_FLOAT64_MAX = 709.0
 
 
 class LayerMatrices(NamedTuple):
@@ -98,28 +100,56 @@ def _materialize(entries: Entries, what: str) -> Any:
     return M
 
 
+#: Entries of the float64 blocks in which a lower-precision layer with kernel axes is summed.
+_BLOCK_ENTRIES = 1 << 20
+
+
 def _layer_entries(weight: Any, hessian_diag: Any) -> _LayerEntries:
     xp = namespace_of(weight, hessian_diag)
+    out, inp = int(weight.shape[0]), int(weight.shape[1])
+    kernel = math.prod(int(d) for d in weight.shape[2:])
+    if kernel > 1 and (weight.dtype != xp.float64 or hessian_diag.dtype != xp.float64) and holds_float64(xp):
+        # A float32 convolution: its (out, in) kernel sums in float64, a block of rows at a time,
+        # never a float64 copy of the whole kernel (three of them were most of the peak of a
+        # report on resnet18). The same sums of float64 values as below.
+        W3, H3 = xp.reshape(weight, (out, inp, kernel)), xp.reshape(hessian_diag, (out, inp, kernel))
+        A, clipped, trace = _curvature(xp, H3, _blocked_sums(xp, H3, square=False))
+        B = _squared_weights(xp, W3, _blocked_sums(xp, W3, square=True))
+        return _LayerEntries(A, B, clipped, trace, xp)
     # Both arrays share xp, so both stay in it or both move to numpy.
     W, _ = as_float64(weight, xp)
     H, xp = as_float64(hessian_diag, xp)
-    out, inp = int(W.shape[0]), int(W.shape[1])
     A, clipped, trace = _curvature(xp, xp.reshape(H, (out, inp, -1)))
     B = _squared_weights(xp, xp.reshape(W, (out, inp, -1)))
     return _LayerEntries(A, B, clipped, trace, xp)
+
+
+def _blocked_sums(xp: Any, X3: Any, square: bool) -> Any:
+    """``Σ_k X`` (or ``Σ_k X²``) over the kernel axis of ``(out, in, k)`` ``X3`` in float64,
+    converting a block of rows at a time."""
+    rows = max(1, _BLOCK_ENTRIES // max(1, int(X3.shape[1]) * int(X3.shape[2])))
+    parts = []
+    with np.errstate(over="ignore"):  # overflowing squares are detected and redone by the caller
+        for start in range(0, int(X3.shape[0]), rows):
+            block, _ = as_float64(X3[start:start + rows], xp)
+            parts.append(xp.sum(block * block if square else block, axis=2))
+    return parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
 
 
 def _count(xp: Any, mask: Any) -> int:
     return int(to_float(xp.sum(xp.astype(mask, xp.float64))))
 
 
-def _curvature(xp: Any, H3: Any) -> tuple[Entries, int, float]:
-    """``A`` with the number of clipped entries and the trace ``Σ H``."""
-    with np.errstate(over="ignore"):  # an overflowing sum is detected and redone below
-        H_sum = xp.sum(H3, axis=2)
+def _curvature(xp: Any, H3: Any, H_sum: Any = None) -> tuple[Entries, int, float]:
+    """``A`` with the number of clipped entries and the trace ``Σ H`` (``H_sum``: the float64
+    kernel sums when already formed)."""
+    if H_sum is None:
+        with np.errstate(over="ignore"):  # an overflowing sum is detected and redone below
+            H_sum = xp.sum(H3, axis=2)
     if bool(xp.all(xp.isfinite(H_sum))):
         A = xp.where(H_sum > 0, H_sum, xp.zeros_like(H_sum))
         return Entries(A, xp), _count(xp, H_sum < 0), _signed_total(xp, H_sum)
+    H3, _ = as_float64(H3, xp)
     # A kernel sum overflowed (entries near 1e308): sum every (row, column) pair in
     # units of its own largest entry and keep the result as a logarithm.
     top = xp.max(xp.abs(H3), axis=2)
@@ -147,15 +177,18 @@ def _signed_total(xp: Any, X: Any, unit: Any = None) -> float:
     return math.copysign(compose((abs(scaled),), 0.0, e), scaled) if scaled else 0.0
 
 
-def _squared_weights(xp: Any, W3: Any) -> Entries:
-    """``B = Σ_k W²`` exactly: plain, scaled by a power of two, or in logs."""
-    with np.errstate(over="ignore"):  # squares beyond float64 are detected and redone below
-        B = xp.sum(W3 * W3, axis=2)
+def _squared_weights(xp: Any, W3: Any, B: Any = None) -> Entries:
+    """``B = Σ_k W²`` exactly: plain, scaled by a power of two, or in logs (``B``: the float64
+    sums of squares when already formed)."""
+    if B is None:
+        with np.errstate(over="ignore"):  # squares beyond float64 are detected and redone below
+            B = xp.sum(W3 * W3, axis=2)
     if bool(xp.all(xp.isfinite(B))):
         small = B < _TINY
         # Only pairs whose weights are all tiny but not all zero lose their value.
         if not bool(xp.any(small)) or not bool(xp.any(small & xp.any(W3 != 0, axis=2))):
             return Entries(B, xp)
+    W3, _ = as_float64(W3, xp)
     top = xp.max(xp.abs(W3), axis=2)
     w_max = to_float(xp.max(top))
     w_min = to_float(xp.min(xp.where(top > 0, top, xp.full_like(top, math.inf))))
@@ -315,76 +348,119 @@ def _linearized_group_values(
     raw = problem.hessian_diag_samples
     k = int(raw.shape[0])
     out, inp = problem.shape[0], problem.shape[1]
-    # Group kernel sums (out, in), one group at a time and summed in float64 in the samples'
-    # own library: never a float64 copy of all K groups of the layer (440 MB for resnet18).
-    # In units of 2^e when a plain sum would overflow.
+    active = np.asarray(to_numpy(entries.A.positive()))
+    groups = problem.groups
+
+    def slopes_of() -> dict[str, Any]:
+        """The log-derivative of each measure per entry (a float: the same for every entry)."""
+        # Column sigma of entry (i, j) in the compact grouped layout: input channel
+        # j of the group that output channel i belongs to.
+        col_index = (np.arange(out) // (out // groups))[:, None] * inp + np.arange(inp)[None, :]
+        with np.errstate(invalid="ignore"):  # inf - inf of two degenerate indices: no term
+            log_v = solution.log_row_sigma[:, None] + solution.log_col_sigma[col_index]
+        del col_index
+        log_v += _LOG_HALF
+        with np.errstate(invalid="ignore"):  # -inf - (-inf): zero weight and zero curvature, no term
+            log_ratio = np.asarray(to_numpy(entries.B.logs())) - np.asarray(to_numpy(entries.A.logs()))
+        log_ratio *= 0.5
+        log_ratio += _LOG_HALF
+        slopes: dict[str, Any] = {"normalized_sharpness": log_v, "elementwise_bound": log_ratio}
+        if sum_a[0] > 0 and sum_b[0] > 0:
+            # d sqrt(ΣA·ΣB) / dA_ij = ½ sqrt(ΣB / ΣA), the same for every entry
+            slopes["matrix_normalized_sharpness"] = _LOG_HALF + 0.5 * (
+                math.log(sum_b[0]) + sum_b[1] + sum_b[2] * _LN2 - math.log(sum_a[0]) - sum_a[1] - sum_a[2] * _LN2)
+        return slopes
+
+    # The groups' kernel sums (out, in), one group at a time, summed in float64 in the samples'
+    # own library: the peak is a few (out, in) float64 arrays, never K of them (nor a float64
+    # copy of the groups: 440 MB for resnet18). In units of 2^e when a plain sum overflows.
     e = 0
-    A_groups = np.stack([_kernel_sums(raw[g], out, inp) for g in range(k)])
-    if not np.all(np.isfinite(A_groups)):
+    while True:
+        values = _group_linear_terms(raw, k, out, inp, e, entries, active, slopes_of())
+        if values is not None:
+            break
         xs = namespace_of(raw)
         e = max(math.frexp(to_float(xs.max(xs.abs(raw[g]))))[1] for g in range(k))
-        A_groups = np.stack([_kernel_sums(raw[g], out, inp, 2.0**-e) for g in range(k)])
-    totals = [_signed_total(_np_namespace(), A_groups[g].reshape(-1)) for g in range(k)]
-    trace = np.array([math.copysign(compose((abs(t),), 0.0, e), t) if t and e else t for t in totals])
-    log_unit = e * _LN2
+    trace = values.pop("trace")
+    result = {
+        "hessian_trace": trace,
+        "normalized_sharpness": base["normalized_sharpness"] + values["normalized_sharpness"],
+        "elementwise_bound": base["elementwise_bound"] + values["elementwise_bound"],
+        "matrix_normalized_sharpness": (base["matrix_normalized_sharpness"] + values["matrix_normalized_sharpness"]
+                                        if "matrix_normalized_sharpness" in values
+                                        else np.full(k, base["matrix_normalized_sharpness"])),
+    }
+    return {name: result[name] for name in ("hessian_trace", "normalized_sharpness",
+                                            "matrix_normalized_sharpness", "elementwise_bound")}
 
-    log_A = np.asarray(to_numpy(entries.A.logs()))
-    log_B = np.asarray(to_numpy(entries.B.logs()))
-    active = log_A > -math.inf
+
+def _group_linear_terms(raw: Any, k: int, out: int, inp: int, e: int, entries: _LayerEntries,
+                        active: np.ndarray, slopes: dict[str, Any]) -> dict[str, np.ndarray] | None:
+    """``Σ_ij deviation_kij · e^{slope_ij}`` per group ``k`` and measure (0 off ``active``; a
+    float slope is the same for every entry), and each group's trace, with the deviations
+    ``A_k − A`` in units of ``2^e``; ``None`` if a kernel sum overflows."""
+    log_unit = e * _LN2
     if entries.A.is_log:
+        log_A = np.asarray(to_numpy(entries.A.logs()))
         A_units = np.where(active, np.exp(np.where(active, log_A - log_unit, 0.0)), 0.0)
+        del log_A
     else:  # exact: a power-of-two rescaling of the plain values
         A_units = np.asarray(to_numpy(entries.A.values)) * 2.0 ** (entries.A.exp2 - e)
-    deviation = A_groups  # in place: no second (K, out, in) float64 array
-    deviation -= A_units[None]
-    del A_groups
+    values = {name: np.empty(k) for name in slopes}
+    terms = {}
+    for name in list(slopes):  # each slope released as its weights are formed
+        terms[name] = _linear_weight(slopes.pop(name), active, log_unit)
+    trace = np.empty(k)
+    for g in range(k):
+        deviation = _kernel_sums(raw[g], out, inp, 2.0**-e if e else 1.0)
+        if not np.all(np.isfinite(deviation)):
+            return None
+        total = _signed_total(_np_namespace(), deviation.reshape(-1))
+        trace[g] = math.copysign(compose((abs(total),), 0.0, e), total) if total and e else total
+        deviation -= A_units  # in place: one (out, in) float64 array per group
+        for name, term in terms.items():
+            values[name][g] = _linear_term(deviation, term)
+    values["trace"] = trace
+    return values
 
-    def linear_term(log_weight: np.ndarray) -> np.ndarray:
-        """``Σ_ij deviation_kij · e^{log_weight_ij}`` per group k (weight 0 off ``active``)."""
-        log_weight = np.where(active & np.isfinite(log_weight), log_weight, -math.inf)
+
+def _linear_weight(log_weight: Any, active: np.ndarray, log_unit: float) -> tuple[str, Any]:
+    """The weight ``e^{log_weight}`` of a linear term (0 off ``active``): ``("plain", weight)``,
+    or ``("log", log_weight)`` where weights leave the float64 range (huge variances against
+    tiny curvature), whose terms are then formed from logarithms."""
+    if isinstance(log_weight, float):
+        if log_weight + log_unit <= _LOG_FLOAT64_MAX:
+            return "constant", (math.exp(log_weight + log_unit), active)  # Σ over the active entries, times it
+        log_weight = np.full(active.shape, log_weight)
+    log_weight = np.where(active & np.isfinite(log_weight), log_weight, -math.inf)
+    log_weight += log_unit
+    if float(np.max(log_weight)) <= _LOG_FLOAT64_MAX:
+        np.exp(log_weight, out=log_weight)  # in place: the weights fit float64
+        return "plain", log_weight
+    return "log", log_weight
+
+
+def _linear_term(deviation: np.ndarray, term: tuple[str, Any]) -> float:
+    """``Σ_ij deviation_ij · weight_ij`` of one group (see :func:`_linear_weight`)."""
+    kind, array = term
+    if kind == "constant":
+        weight, active = array
         with np.errstate(over="ignore"):
-            weight = np.exp(log_weight + log_unit)
-        if np.all(np.isfinite(weight)):
-            with np.errstate(over="ignore"):  # an overflowing total is refused below
-                totals = np.einsum("kij,ij->k", deviation, weight)
-        else:
-            # Weights beyond float64 (huge variances against tiny curvature): form each
-            # term from logarithms, which stay in range whenever the terms do.
-            nonzero = deviation != 0
-            log_dev = np.where(nonzero, np.log(np.where(nonzero, np.abs(deviation), 1.0)), -math.inf)
-            with np.errstate(over="ignore"):
-                terms = np.sign(deviation) * np.exp(log_dev + log_weight[None] + log_unit)
-                totals = terms.reshape(k, -1).sum(axis=1)
-        if not np.all(np.isfinite(totals)):
-            raise OverflowError(
-                "a standard error exceeds the float64 range; divide the loss (hence the Hessian "
-                "diagonal and its samples) by a constant."
-            )
-        return totals
-
-    groups = problem.groups
-    # Column sigma of entry (i, j) in the compact grouped layout: input channel
-    # j of the group that output channel i belongs to.
-    col_index = (np.arange(out) // (out // groups))[:, None] * inp + np.arange(inp)[None, :]
-    with np.errstate(invalid="ignore"):  # inf - inf of two degenerate indices: no term
-        log_v = solution.log_row_sigma[:, None] + solution.log_col_sigma[col_index]
-    with np.errstate(invalid="ignore"):  # -inf - (-inf): zero weight and zero curvature, no term
-        log_ratio = 0.5 * (log_B - log_A)
-    values = {
-        "hessian_trace": trace,
-        "normalized_sharpness": base["normalized_sharpness"] + linear_term(_LOG_HALF + log_v),
-        "elementwise_bound": base["elementwise_bound"] + linear_term(_LOG_HALF + log_ratio),
-    }
-    if sum_a[0] > 0 and sum_b[0] > 0:
-        # d sqrt(ΣA·ΣB) / dA_ij = ½ sqrt(ΣB / ΣA)
-        log_slope = _LOG_HALF + 0.5 * (math.log(sum_b[0]) + sum_b[1] + sum_b[2] * _LN2
-                                       - math.log(sum_a[0]) - sum_a[1] - sum_a[2] * _LN2)
-        values["matrix_normalized_sharpness"] = base["matrix_normalized_sharpness"] + linear_term(
-            np.full(log_A.shape, log_slope))
+            total = float(np.sum(deviation, where=active)) * weight
+    elif kind == "plain":
+        with np.errstate(over="ignore"):  # an overflowing total is refused below
+            total = float(np.einsum("ij,ij->", deviation, array))
     else:
-        values["matrix_normalized_sharpness"] = np.full(k, base["matrix_normalized_sharpness"])
-    return {name: values[name] for name in ("hessian_trace", "normalized_sharpness",
-                                            "matrix_normalized_sharpness", "elementwise_bound")}
+        nonzero = deviation != 0
+        log_dev = np.where(nonzero, np.log(np.where(nonzero, np.abs(deviation), 1.0)), -math.inf)
+        with np.errstate(over="ignore"):
+            total = float((np.sign(deviation) * np.exp(log_dev + array)).sum())
+    if not math.isfinite(total):
+        raise OverflowError(
+            "a standard error exceeds the float64 range; divide the loss (hence the Hessian "
+            "diagonal and its samples) by a constant."
+        )
+    return total
 
 
 def _kernel_sums(group: Any, out: int, inp: int, scale: float = 1.0) -> np.ndarray:

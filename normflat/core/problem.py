@@ -36,7 +36,10 @@ class LayerProblem:
             is ``hessian_diag`` (for example group means of Hutchinson probes);
             the mean is checked to within ``1e-6 · max|hessian_diag|`` (plus the
             rounding of the samples' dtype). When given, the report carries
-            standard errors of every measure (method §6).
+            standard errors of every measure (method §6). For a weight with kernel
+            axes the samples may instead be their kernel sums, ``(K, out, in, 1, ...,
+            1)``: the measures see the curvature only through ``Σ_k H_ijk`` (method §3),
+            and the mean is then checked against the kernel sums of ``hessian_diag``.
         details: Free-form information from the backend (which computational path
             produced the diagonal, sample counts); copied into the report.
         groups: Number of groups of a grouped convolution. The canonical weight is
@@ -96,10 +99,12 @@ class LayerProblem:
             if self.check_samples:
                 _check_array(self.name, "hessian_diag_samples", self.hessian_diag_samples)
             s_shape = tuple(self.hessian_diag_samples.shape)
-            if len(s_shape) != len(w_shape) + 1 or s_shape[1:] != w_shape or s_shape[0] < 2:
+            summed = w_shape[:2] + (1,) * (len(w_shape) - 2)
+            if len(s_shape) != len(w_shape) + 1 or s_shape[1:] not in (w_shape, summed) or s_shape[0] < 2:
+                alternative = f" or their kernel sums (K, {', '.join(map(str, summed))})" if len(w_shape) > 2 else ""
                 raise ValueError(
                     f"Layer {self.name!r}: hessian_diag_samples has shape {s_shape}; expected "
-                    f"(K, {', '.join(map(str, w_shape))}) with K >= 2 independent estimates."
+                    f"(K, {', '.join(map(str, w_shape))}){alternative} with K >= 2 independent estimates."
                 )
             if self.check_samples:
                 _check_samples_mean(self.name, self.hessian_diag, self.hessian_diag_samples)
@@ -161,6 +166,9 @@ def _check_samples_mean(layer: str, diag: Any, samples: Any) -> None:
     eps = max(float(xp.finfo(samples.dtype).eps), float(xp.finfo(diag.dtype).eps))
     S, _ = as_float64(samples, xp)
     D, xp = as_float64(diag, xp)
+    if tuple(samples.shape[1:]) != tuple(diag.shape):
+        # Kernel-summed samples (K, out, in, 1, ...): compare with the diagonal's kernel sums.
+        D = xp.reshape(xp.sum(xp.reshape(D, (D.shape[0], D.shape[1], -1)), axis=2), tuple(samples.shape[1:]))
     s_max, d_max = to_float(xp.max(xp.abs(S))), to_float(xp.max(xp.abs(D)))
     if max(s_max, d_max) == 0.0:
         return

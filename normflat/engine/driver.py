@@ -49,6 +49,11 @@ class Session(Protocol):
             with :func:`~normflat.engine.options.resolve_estimator`'s on its first batch,
             when the number of classes is known, and sizes its sums with
             ``options.state_groups``.
+
+    A session may also define ``kernel_axes(layer) -> tuple[int, ...]``: the kernel axes of
+    one group's array of ``layer`` in the layout it adds in (``()`` for none), with
+    :meth:`canonical` accepting the array with those axes of size 1. The estimator state
+    then keeps that layer's group sums as kernel sums (:mod:`normflat.engine.estimators`).
     """
 
     framework: str
@@ -190,19 +195,28 @@ def run(make_session: Callable[[], Session], data: Any, options: AnalysisOptions
             signature = None if session is None else session.signature() + [repr(options)]
             distributed.agree(comm, error, signature)
         assert session is not None
-        state = estimators.init(len(session.layers), options)
+        # Where the group estimates are wanted, a layer's groups may be kept as kernel sums
+        # (the measures need no more, method §3): the session says which axes those are.
+        state = estimators.init(len(session.layers), options,
+                                kernel_axes=getattr(session, "kernel_axes", None) if with_groups else None,
+                                resolved=lambda: getattr(session, "options", options))
         examples, count, terms = _loop(session, data, options, state, comm)
         extra: dict[str, Any] = {}
         if comm is not None:
             if options.estimator == "auto":
                 _agree_on_estimator(comm, session)
-            filled = [s if s is not None else session.zeros(i) for i, s in enumerate(state.sums)]
+            for i, sums in enumerate(state.sums):
+                if sums is None:  # a rank that saw no batch: zeros, in the form the others hold
+                    state.add(i, session.zeros(i), owned=True)
             for i in sorted(state.exact):
                 # An exact layer keeps only its shared sum (1, ...) (SumState.add_exact), a rank that
                 # saw no batch or took another path has all of them: the same shape on every rank.
-                filled[i] = native.concat([filled[i], session.zeros(i)[1:]])
-            state.exact.clear()
-            state.sums = comm.sum_arrays(filled)
+                state.expand_exact(i, session.zeros(i))
+            state.sums = comm.sum_arrays(state.sums)
+            compacted = [i for i in range(len(state.sums)) if state.compacted(i)]
+            if compacted:
+                for i, mean in zip(compacted, comm.sum_arrays([state.means[i] for i in compacted])):
+                    state.means[i] = mean
             per_rank = comm.gather(examples)
             examples, count, terms = comm.sum_ints([examples, count, terms])
             extra = {"world_size": comm.size, "examples_per_rank": per_rank}

@@ -22,6 +22,14 @@ spread of the groups is that of the sampled part alone (method §6.2).
 With ``estimator="auto"`` the number of sums is known only once a backend has seen
 the classes: :func:`init` leaves it open and the first contribution fixes it.
 
+**Kernel sums of the groups** (``kernel_axes``): the measures see the curvature of a
+layer only through its kernel sums ``A_ij = Σ_k H_ijk`` (method §3), so for a layer with
+kernel axes the state keeps its ``K`` group sums as kernel sums (axes of size 1) and the
+diagonal's numerator at full size, one array: ``Σ_s c_s sums_s`` with the weights
+:func:`mean_weights`, so that ``diag = Σ_s c_s sums_s / divisor_0``. A 3×3 convolution then
+holds ``1 + K/9`` arrays of its size instead of ``K`` (or ``1 + K``) (method §6.2, memory of
+the groups).
+
 The arithmetic uses only ``+``, ``/`` and indexing, so the sums stay in the
 framework's array type and on its device.
 """
@@ -37,7 +45,7 @@ from normflat.engine import native
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.random import group_counts
 
-__all__ = ["SumState", "init", "update", "finalize", "divisors"]
+__all__ = ["SumState", "init", "update", "finalize", "divisors", "mean_weights", "state_entries"]
 
 
 @dataclass
@@ -54,6 +62,17 @@ class SumState:
     #: Layers whose every contribution so far is exact (``ggn-topk``'s dense head): only the
     #: shared sum 0 is kept, ``(1, *shape)``, instead of ``1 + K`` sums of which ``K`` are zero.
     exact: set = field(default_factory=set)
+    #: ``layer -> kernel axes`` of one group's array (the layout the backend adds in, axis 0
+    #: its first axis after the groups), asked at a layer's first contribution; a layer with
+    #: kernel axes keeps its groups as kernel sums. ``None``: no layer does.
+    kernel_axes: Callable[[int], tuple[int, ...]] | None = None
+    #: For those layers, once they have a contribution: the diagonal's full-size numerator
+    #: ``Σ_s c_s sums_s`` (:func:`mean_weights`); ``sums`` then holds the kernel sums.
+    means: dict = field(default_factory=dict)
+    _axes: dict = field(default_factory=dict, repr=False)
+    #: The options with ``"auto"`` resolved (the backend's), for :func:`mean_weights`;
+    #: called at a kernel-summed layer's first contribution.
+    resolved: Callable[[], AnalysisOptions] | None = None
 
     def add(self, layer: int, value: Any, owned: bool = False) -> None:
         """Add one contribution ``(K, *shape)`` to layer ``layer``'s sums (in place).
@@ -66,7 +85,8 @@ class SumState:
         """The layer's running sums when a kernel may add into them in place (the state owns
         them, numpy or torch, not an exact layer's single sum), else ``None``."""
         sums = self.sums[layer]
-        if sums is None or layer not in self.owned or layer in self.exact or not native.mutable(sums):
+        if (sums is None or layer not in self.owned or layer in self.exact or self.axes(layer)
+                or not native.mutable(sums)):
             return None
         return sums
 
@@ -83,11 +103,96 @@ class SumState:
         if layer in self.exact:
             update(self, layer, value, owned, check=False)
             return
+        if self.compacted(layer):
+            # Kernel-summed groups: the shared sum's weight in the mean is 1 (mean_weights).
+            self.means[layer] = _accumulate(self.means[layer], value[0])
+            reduced = native.kernel_sums(value[0:1], self.axes(layer))
+            if native.mutable(current):
+                current[0] += reduced[0]
+            else:
+                self.sums[layer] = _with_first(current, current[0] + reduced[0])
+            return
         if layer in self.owned and native.mutable(current):
             current[0] += value[0]
             return
         self.sums[layer] = _with_first(current, current[0] + value[0])
         self.owned.add(layer)
+
+    def axes(self, layer: int) -> tuple[int, ...]:
+        """The kernel axes over which ``layer``'s group sums are kept summed (``()``: none)."""
+        if self.kernel_axes is None:
+            return ()
+        if layer not in self._axes:
+            # One group (ggn-topk with one draw: K' = 2 sums, no group estimates) keeps its sums.
+            grouped = self.resolved is None or self.resolved().groups > 1
+            self._axes[layer] = tuple(self.kernel_axes(layer)) if grouped else ()
+        return self._axes[layer]
+
+    def compacted(self, layer: int) -> bool:
+        """Whether ``layer``'s sums are kernel sums beside a full-size :attr:`means` entry."""
+        return layer in self.means
+
+    def weights(self) -> np.ndarray:
+        """:func:`mean_weights` of the resolved options."""
+        assert self.resolved is not None
+        return mean_weights(self.resolved())
+
+    def expand_exact(self, layer: int, zeros: Any) -> None:
+        """Give an exact layer's single shared sum the full ``(K', ...)`` form (zeros for the
+        sampled sums), kernel-summed where the layer's groups are: every rank of a distributed
+        run then holds the same shapes."""
+        current = self.sums[layer]
+        self.exact.discard(layer)
+        if self.axes(layer):
+            self.sums[layer] = None
+            self.owned.discard(layer)
+            update(self, layer, native.concat([current, zeros[1:]]), owned=True, check=False)
+        else:
+            self.sums[layer] = native.concat([current, zeros[1:]])
+            self.owned.add(layer)
+
+
+def _accumulate(total: Any, part: Any) -> Any:
+    """``total + part``, in place where the library allows (``total`` is the state's own) and
+    ``part`` does not hold more precision (a float32 first contribution, then float64 ones)."""
+    if native.mutable(total) and total.dtype == part.dtype:
+        total += part
+        return total
+    return total + part
+
+
+def mean_weights(options: AnalysisOptions) -> np.ndarray:
+    """Weights ``c_s`` of the ``K'`` sums with ``diag = Σ_s c_s sums_s / divisor_0``.
+
+    Without a shared sum ``diag = (1/K) Σ_k sums_k / (n m_k)``, so ``c_k = m_0 / (K m_k)``;
+    with ``ggn-topk``'s shared sum 0, ``diag = (sums_0 + (1/K) Σ_k sums_k) / n``: ``c =
+    (1, 1/K, ..., 1/K)``.
+    """
+    k = options.groups
+    div = divisors(options, 1)
+    sampled = div[0] / (k * div)
+    return np.concatenate([[1.0], sampled]) if options.shared_group else sampled
+
+
+def state_entries(options: AnalysisOptions, layers: list[tuple[int, int]]) -> int:
+    """Entries the state holds at its peak, for layers given as ``(size, kernel size)``.
+
+    ``options.sum_groups`` sums per weight; where the group estimates are wanted, a layer
+    whose kernel size is above 1 and whose backend reports its kernel axes holds one
+    full-size numerator and ``K'`` kernel sums instead, plus, while one contribution is added,
+    its ``K'`` full-size squares (those of one layer at a time).
+    """
+    s = options.sum_groups
+    if not (options.group_estimates and options.groups > 1):
+        return s * sum(size for size, _ in layers)
+    total, transient = 0, 0
+    for size, kernel in layers:
+        if kernel > 1:
+            total += size + s * (size // kernel)
+            transient = max(transient, s * size)
+        else:
+            total += s * size
+    return total + transient
 
 
 def _with_first(array: Any, first: Any) -> Any:
@@ -95,12 +200,26 @@ def _with_first(array: Any, first: Any) -> Any:
     return native.concat([first[None], array[1:]])
 
 
-def init(n_layers: int, options: AnalysisOptions) -> SumState:
-    """Empty sums for ``n_layers`` layers (``K'`` sums each, open for ``"auto"``)."""
+def init(n_layers: int, options: AnalysisOptions, kernel_axes: Callable[[int], tuple[int, ...]] | None = None,
+         resolved: Callable[[], AnalysisOptions] | None = None) -> SumState:
+    """Empty sums for ``n_layers`` layers (``K'`` sums each, open for ``"auto"``).
+
+    Args:
+        n_layers: Number of layers.
+        options: The validated options.
+        kernel_axes: ``layer -> axes``: the kernel axes of one group's array of ``layer``
+            (the layout the backend adds in; its ``canonical`` must accept them with size 1),
+            over which the group sums may be kept summed; asked at the layer's first
+            contribution. Used only when the group estimates are wanted.
+        resolved: The options with ``"auto"`` resolved (the backend's), when they may
+            differ from ``options``; default ``options``.
+    """
     # Pooled sums (options.pooled) may come from a backend that pools or one that does not:
     # the first contribution fixes their number, and finalize takes the mean of either.
     open_count = options.estimator == "auto" or options.pooled
-    return SumState(None if open_count else options.state_groups, [None] * n_layers)
+    return SumState(None if open_count else options.state_groups, [None] * n_layers,
+                    kernel_axes=kernel_axes if options.group_estimates else None,
+                    resolved=resolved or (lambda: options))
 
 
 def update(state: SumState, layer: int, value: Any, owned: bool = False, check: bool = True) -> SumState:
@@ -117,10 +236,10 @@ def update(state: SumState, layer: int, value: Any, owned: bool = False, check: 
         if layer in state.exact:
             # A layer exact so far gets a full contribution (its fast rule gave way to the
             # generic path): its shared sum becomes sum 0 of 1 + K.
-            current = native.concat([current, native.zeros_like(value[1:])])
-            state.sums[layer] = current
-            state.exact.discard(layer)
-            state.owned.add(layer)
+            state.expand_exact(layer, native.zeros_like(value))
+            current = state.sums[layer]
+    if int(value.shape[0]) > 1 and state.axes(layer):
+        return _update_kernel_sums(state, layer, value)
     if current is None:
         state.sums[layer] = value
         if owned:
@@ -131,6 +250,24 @@ def update(state: SumState, layer: int, value: Any, owned: bool = False, check: 
     else:
         state.sums[layer] = current + value
         state.owned.add(layer)
+    return state
+
+
+def _update_kernel_sums(state: SumState, layer: int, value: Any) -> SumState:
+    """Add ``value`` to a kernel-summed layer: its weighted sum to :attr:`SumState.means`,
+    its kernel sums to the sums (``value`` itself is not kept)."""
+    axes = state.axes(layer)
+    compact = getattr(value, "compact", None)  # a backend's container may do both in one call
+    if compact is not None:
+        part, reduced = compact(state.weights(), axes)
+    else:
+        part, reduced = native.weighted_sum(value, state.weights()), native.kernel_sums(value, axes)
+    if layer not in state.means:
+        state.means[layer], state.sums[layer] = part, reduced
+        state.owned.add(layer)  # both are new arrays
+    else:
+        state.means[layer] = _accumulate(state.means[layer], part)
+        state.sums[layer] = _accumulate(state.sums[layer], reduced)
     return state
 
 
@@ -180,6 +317,17 @@ def finalize(state: SumState, options: AnalysisOptions, examples: int, zeros: Ca
     out = []
     for i in range(len(state.sums)):
         sums, state.sums[i] = state.sums[i], None
+        means = state.means.pop(i, None)
+        if means is not None:
+            # Kernel-summed groups (SumState.kernel_axes): the full-size diagonal from its own
+            # numerator, the group estimates from the kernel sums.
+            diag = _divided(means, float(div[0]), in_place=i in state.owned)
+            del means
+            _check_finite(diag, all_finite, names[i])
+            groups = (_group_estimates(sums, offset, div, even, in_place=i in state.owned and native.mutable(sums))
+                      if with_groups else None)
+            out.append((diag, groups))
+            continue
         if sums is None:
             sums = zeros(i)
         if offset and i in state.exact:
@@ -224,7 +372,16 @@ def finalize(state: SumState, options: AnalysisOptions, examples: int, zeros: Ca
         out.append((diag, groups if with_groups else None))
     state.owned.clear()
     state.exact.clear()
+    state.means.clear()
     return out
+
+
+def _divided(array: Any, divisor: float, in_place: bool) -> Any:
+    """``array / divisor``, in ``array``'s memory when the state owns it and the library allows."""
+    if in_place and native.mutable(array):
+        array /= divisor
+        return array
+    return array / divisor
 
 
 def _group_estimates(sums: Any, offset: int, div: np.ndarray, even: bool, in_place: bool) -> Any:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["library", "mutable", "stack", "concat", "zeros_like"]
+__all__ = ["library", "mutable", "stack", "concat", "zeros_like", "kernel_sums", "weighted_sum"]
 
 #: Per library: (module, stack, concatenate along axis 0, zeros_like).
 _OPERATIONS = {
@@ -58,3 +58,29 @@ def zeros_like(array: Any) -> Any:
     """Zeros of ``array``'s shape, dtype and device."""
     op = _operation(array, 3)
     return np.zeros_like(array) if op is None else op(array)
+
+
+def kernel_sums(value: Any, axes: tuple[int, ...]) -> Any:
+    """``(K, ...)`` ``value`` summed over ``axes`` of each ``value[k]``, kept with size 1 (a new array)."""
+    dims = tuple(a + 1 for a in axes)
+    lib = library(value)
+    if lib == "torch":
+        return value.sum(dim=dims, keepdim=True)
+    if lib == "tensorflow":
+        return importlib.import_module("tensorflow").reduce_sum(value, axis=dims, keepdims=True)
+    if lib in ("jax", "jaxlib"):
+        return importlib.import_module("jax.numpy").sum(value, axis=dims, keepdims=True)
+    return np.sum(value, axis=dims, keepdims=True)
+
+
+def weighted_sum(value: Any, weights: np.ndarray) -> Any:
+    """``Σ_k weights_k · value[k]`` of a ``(K, ...)`` array (a new array of one ``value[k]``'s shape)."""
+    total = value[0] * float(weights[0])
+    in_place = mutable(total)
+    for k in range(1, int(value.shape[0])):
+        part = value[k] * float(weights[k]) if float(weights[k]) != 1.0 else value[k]
+        if in_place:
+            total += part
+        else:
+            total = total + part
+    return total

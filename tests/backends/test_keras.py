@@ -640,3 +640,36 @@ def test_other_keras_backends_get_a_clear_error():
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert "ERR" in out.stdout, out.stderr[-2000:]
     assert "'jax'" in out.stdout and "KERAS_BACKEND=tensorflow" in out.stdout
+
+
+@pytest.mark.parametrize("estimator, options", [("ggn-mc", dict(samples=6)), ("hutchinson", dict(samples=7))])
+def test_convolution_groups_kept_as_kernel_sums_give_the_full_groups_report(monkeypatch, estimator, options):
+    """analyze keeps the groups of a convolution, a depthwise and a separable one as kernel sums
+    (method §6.2, memory of the groups), on the GGN path (canonical sums) and the Hessian-vector
+    products' (the variable's layout): the report is the one from the full groups."""
+    from normflat.backends import keras as kb
+    from normflat.backends.keras.session import KerasSession
+    from normflat.engine.options import validate_options
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((6, 6, 3)), keras.layers.Conv2D(4, 3, padding="same", dtype="float64"),
+        keras.layers.DepthwiseConv2D(3, dtype="float64"), keras.layers.SeparableConv2D(3, 2, dtype="float64"),
+        keras.layers.Flatten(dtype="float64"), keras.layers.Dense(12, dtype="float64"),
+    ])
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 6, 6, 3)), rng.integers(0, 12, 16)
+    data = [(x[:8], y[:8]), (x[8:], y[8:])]
+    kw = dict(loss="ce", estimator=estimator, progress=False, **options)
+    problems, _ = kb.layer_problems(model, data, validate_options(**kw))
+    summed = normflat.analyze(problems)
+    k = validate_options(**kw).groups
+    assert [tuple(p.hessian_diag_samples.shape) for p in problems] == [
+        (k, 4, 3, 1, 1), (k, 4, 1, 1, 1), (k, 4, 1, 1, 1), (k, 3, 4, 1, 1), (k, 12, 27)]
+    monkeypatch.setattr(KerasSession, "kernel_axes", lambda self, layer: ())
+    full = normflat.analyze(model, data, **kw)
+    for a, b in zip(summed.layers, full.layers):
+        assert a.normalized_sharpness == pytest.approx(b.normalized_sharpness, rel=1e-13)
+        for m, se in b.standard_error.items():
+            assert se > 0
+            assert a.standard_error[m] == pytest.approx(se, rel=1e-12), (a.name, m)

@@ -1025,6 +1025,38 @@ def test_hessian_diagonal_pools_the_group_sums_to_their_mean(case, estimator):
         groups = torch.as_tensor(problem.hessian_diag_samples)
         assert groups.shape[0] == validated.groups > 1
         distinct += not torch.allclose(groups[0], groups[1])  # ggn-topk's dense head is exact: equal groups
-        torch.testing.assert_close(value, groups.mean(0), rtol=1e-10, atol=1e-15)
+        # A convolution's groups are kept as kernel sums (engine.estimators, kernel_axes).
+        summed = value if groups.shape[1:] == value.shape else value.sum(dim=tuple(range(2, value.dim())), keepdim=True)
+        torch.testing.assert_close(summed, groups.mean(0), rtol=1e-10, atol=1e-15)
         torch.testing.assert_close(value, torch.as_tensor(problem.hessian_diag), rtol=1e-10, atol=1e-15)
     assert distinct >= 2
+
+
+@pytest.mark.parametrize("estimator, options", [
+    ("ggn-mc", dict(samples=6)), ("ggn-topk", dict(samples=6, top_classes=3)), ("hutchinson", dict(samples=7)),
+])
+def test_convolution_groups_kept_as_kernel_sums_give_the_full_groups_report(monkeypatch, estimator, options):
+    """analyze keeps a convolution's (grouped, transposed) groups as kernel sums (method §6.2, memory
+    of the groups): the report, standard errors included, is the one from the full groups, over two
+    batches; the problems' samples are the kernel sums."""
+    from normflat.backends.torch.layers import TorchLayer
+    from normflat.engine.options import validate_options
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 4, 3, groups=2), nn.ReLU(),
+                          nn.ConvTranspose2d(4, 6, 3, groups=2), nn.Flatten(), nn.Linear(6 * 8 * 8, 40)).to(DT)
+    x, y = torch.randn(24, 3, 8, 8, dtype=DT), torch.randint(0, 40, (24,))
+    data = [(x[:12], y[:12]), (x[12:], y[12:])]
+    kw = dict(loss="ce", estimator=estimator, progress=False, **options)
+    problems, _ = tb.layer_problems(model, data, validate_options(**kw))
+    summed = normflat.analyze(problems)
+    k = validate_options(**kw).groups
+    assert [tuple(p.hessian_diag_samples.shape) for p in problems] == [
+        (k, 6, 3, 1, 1), (k, 4, 3, 1, 1), (k, 6, 2, 1, 1), (k, 40, 384)]
+    monkeypatch.setattr(TorchLayer, "kernel_axes", lambda self: ())
+    full = normflat.analyze(model, data, **kw)
+    for a, b in zip(summed.layers, full.layers):
+        assert a.normalized_sharpness == pytest.approx(b.normalized_sharpness, rel=1e-13)
+        for m, se in b.standard_error.items():
+            assert se > 0 or (a.name == "6" and estimator == "ggn-topk")  # its exact dense head: 0
+            assert a.standard_error[m] == pytest.approx(se, rel=1e-12, abs=1e-300), (a.name, m)

@@ -54,3 +54,15 @@ def load_builder(name: str):
         raise
     require_frameworks(*module.FRAMEWORKS)
     return module
+
+
+def stored_groups(groups, stored_shape):
+    """Reference group estimates ``(K, out, in, *kernel)`` as the engine stores them: whole, or
+    their kernel sums ``(K, out, in, 1, ...)`` when ``stored_shape`` says so (a layer with
+    kernel axes, normflat.engine.estimators)."""
+    import numpy as np
+
+    groups = np.asarray(groups)
+    if tuple(stored_shape) == groups.shape or groups.ndim <= 3:
+        return groups
+    return groups.sum(axis=tuple(range(3, groups.ndim)), keepdims=True)

@@ -239,3 +239,38 @@ def test_mixed_magnitudes_with_array_api_strict():
     B = xps.asarray(np.array([[1.0, 1e-300], [1e300, 1.0]]))
     assert solve_scaling(A, B).value == pytest.approx(
         math.exp(log_domain_ns(safe_log(np.asarray(A)), safe_log(np.asarray(B)))), rel=1e-9)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-250, 1e300])
+def test_kernel_summed_samples_give_the_standard_errors_of_the_full_samples(scale):
+    """Samples ``(K, out, in, 1, 1)``, the kernel sums of ``(K, out, in, kh, kw)`` ones (what the
+    engine keeps of a convolution, method §6.2): every measure's standard error and group value
+    is that of the full samples, also where the kernel sums are formed in units of 2^e."""
+    rng = np.random.default_rng(11)
+    W = rng.normal(size=(4, 3, 2, 2))
+    samples = (rng.random((5, 4, 3, 2, 2)) + 0.1) * scale
+    H = samples.mean(axis=0)
+    full = normflat.analyze([normflat.LayerProblem("c", W, H, hessian_diag_samples=samples, groups=1)])
+    summed_samples = samples.sum(axis=(3, 4), keepdims=True)
+    summed = normflat.analyze([normflat.LayerProblem("c", W, H, hessian_diag_samples=summed_samples)])
+    assert summed.normalized_sharpness == full.normalized_sharpness
+    for m in normflat.MEASURES:
+        assert full.standard_error[m] > 0
+        assert summed.standard_error[m] == pytest.approx(full.standard_error[m], rel=1e-12), m
+        np.testing.assert_allclose(summed.layers[0]._group_values[m], full.layers[0]._group_values[m], rtol=1e-12)
+
+
+def test_float32_convolution_kernel_sums_are_formed_in_float64_blocks(monkeypatch):
+    """A float32 layer with kernel axes is summed in float64 a block of rows at a time: the same
+    measures as from a float64 copy, with blocks smaller than the layer."""
+    from normflat.core import measures
+
+    rng = np.random.default_rng(12)
+    W = rng.normal(size=(7, 3, 3, 3)).astype(np.float32)
+    H = (rng.random((7, 3, 3, 3)) - 0.45).astype(np.float32)  # some kernel sums clipped
+    ref = normflat.normalized_sharpness(W.astype(np.float64), H.astype(np.float64))
+    monkeypatch.setattr(measures, "_BLOCK_ENTRIES", 20)  # two rows of 9 entries per block
+    got = normflat.normalized_sharpness(W, H)
+    assert got.value == pytest.approx(ref.value, rel=1e-13)
+    assert got.hessian_trace == pytest.approx(ref.hessian_trace, rel=1e-13)
+    assert got.clipped == ref.clipped > 0

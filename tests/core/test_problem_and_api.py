@@ -39,6 +39,14 @@ def test_layer_problem_rejects_bad_input(weight, hdiag, exc, match):
 def test_layer_problem_rejects_bad_samples():
     with pytest.raises(ValueError, match=r"hessian_diag_samples has shape \(1, 2, 2\)"):
         normflat.LayerProblem("L", np.ones((2, 2)), np.ones((2, 2)), hessian_diag_samples=np.ones((1, 2, 2)))
+    # A kernel: the full samples or their kernel sums, nothing in between.
+    w = np.ones((2, 3, 3, 3))
+    normflat.LayerProblem("C", w, w, hessian_diag_samples=np.full((4, 2, 3, 1, 1), 9.0))
+    with pytest.raises(ValueError, match=r"expected \(K, 2, 3, 3, 3\) or their kernel sums \(K, 2, 3, 1, 1\)"):
+        normflat.LayerProblem("C", w, w, hessian_diag_samples=np.ones((4, 2, 3, 3, 1)))
+    # Kernel sums are checked against the diagonal's kernel sums.
+    with pytest.raises(ValueError, match="must be the mean"):
+        normflat.LayerProblem("C", w, w, hessian_diag_samples=np.ones((4, 2, 3, 1, 1)))
 
 
 def test_analyze_layer_problems_sums_layers():

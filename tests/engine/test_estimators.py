@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -116,3 +118,80 @@ def test_non_finite_diagonal_names_the_layer(bad):
     state.add(1, v)
     with pytest.raises(ValueError, match="Layer 'second': the Hessian diagonal is not finite"):
         _finalize(state, options, examples=3)
+
+
+# ----------------------------------------------------------------- kernel-summed group sums
+
+
+def _run_state(options, contributions, kernel_axes=None, exact=()):
+    """Feed ``[(layer, value)]`` (an ``exact`` index: :meth:`SumState.add_exact`) and finalize."""
+    state = estimators.init(2, options, kernel_axes=kernel_axes)
+    for j, (layer, value) in enumerate(contributions):
+        (state.add_exact if j in exact else state.add)(layer, value.copy(), owned=True)
+    return state, _finalize(state, options, examples=5)
+
+
+@pytest.mark.parametrize("estimator,samples,top", [
+    ("ggn-mc", 4, None), ("hutchinson", 7, None), ("hutchinson", 13, None), ("ggn-topk", 5, 1),
+])
+@pytest.mark.parametrize("exact", [(), (0,), (0, 2), (1, 2)])
+def test_kernel_summed_groups_equal_the_kernel_sums_of_the_full_groups(estimator, samples, top, exact):
+    """A layer with kernel axes keeps its group sums as kernel sums and the diagonal's numerator at
+    full size (method §6.2): the same diagonal, and groups that are the full groups' kernel sums,
+    for even and uneven groups (Hutchinson's probes per group), ggn-topk's shared sum and its exact
+    contributions before, between and after full ones."""
+    options = validate_options(estimator=estimator, samples=samples, top_classes=top)
+    if estimator != "ggn-topk":
+        exact = ()
+    rng = np.random.default_rng(3)
+    s = options.state_groups
+    contributions = []
+    for j in range(4):
+        value = rng.normal(size=(s,) + SHAPES[1])
+        contributions.append((1, value[:1] if j in exact else value))
+        contributions.append((0, rng.normal(size=(s,) + SHAPES[0])))
+    full_state, full = _run_state(options, contributions, exact={2 * j for j in exact})
+    state, summed = _run_state(options, contributions, kernel_axes=lambda i: (2,) if i == 1 else (),
+                               exact={2 * j for j in exact})
+    assert not state.means and state.sums == [None, None]  # finalize released everything
+    np.testing.assert_allclose(summed[0][0], full[0][0], rtol=1e-14)  # a matrix: kept whole
+    np.testing.assert_allclose(np.stack(summed[0][1]), np.stack(full[0][1]), rtol=1e-14)
+    np.testing.assert_allclose(summed[1][0], full[1][0], rtol=1e-13, atol=1e-15)
+    groups = np.stack(summed[1][1])
+    assert groups.shape == (options.groups, 2, 2, 1)
+    np.testing.assert_allclose(groups, np.stack(full[1][1]).sum(axis=3, keepdims=True), rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(groups.mean(0), summed[1][0].sum(axis=2, keepdims=True), rtol=1e-13, atol=1e-15)
+
+
+def test_kernel_summed_state_holds_less_and_never_the_contribution():
+    """What a kernel-summed layer holds: one full-size numerator and ``K'`` kernel sums; the
+    caller's contribution is not kept (nor written into); only the mean is ever full size."""
+    options = validate_options(estimator="ggn-mc", samples=4)
+    state = estimators.init(2, options, kernel_axes=lambda i: (2,))
+    first = np.ones((4, 2, 2, 3))
+    state.add(1, first)
+    state.add(1, np.ones((4, 2, 2, 3)))
+    np.testing.assert_array_equal(first, 1.0)
+    assert state.sums[1].shape == (4, 2, 2, 1) and state.means[1].shape == (2, 2, 3)
+    np.testing.assert_allclose(state.means[1], 2.0)  # Σ_k sums_k / K over two contributions
+    np.testing.assert_allclose(state.sums[1], 6.0)
+    assert state.accumulator(1) is None  # the kernels may not add into kernel sums
+
+
+def test_mean_weights():
+    np.testing.assert_allclose(estimators.mean_weights(validate_options(estimator="ggn-mc", samples=4)), [0.25] * 4)
+    np.testing.assert_allclose(estimators.mean_weights(validate_options(estimator="ggn-topk", samples=4)),
+                               [1.0] + [0.25] * 4)
+    # 7 probes in 7 groups of one; 13 probes in 10 groups: 2, 2, 2, then 1
+    np.testing.assert_allclose(estimators.mean_weights(validate_options(estimator="hutchinson", samples=13)),
+                               [0.1] * 3 + [0.2] * 7)
+
+
+def test_hessian_diagonal_keeps_no_kernel_sums():
+    """Without the group estimates (hessian_diagonal) the state does not ask for kernel axes."""
+    options = validate_options(estimator="ggn-mc", samples=4)
+    options = dataclasses.replace(options, group_estimates=False)
+    asked = []
+    state = estimators.init(1, options, kernel_axes=lambda i: asked.append(i) or (1,))
+    state.add(0, np.ones((4, 2, 3)))
+    assert not asked and not state.means

@@ -78,9 +78,22 @@ class GroupSums:
     def __add__(self, other: "GroupSums") -> "GroupSums":
         return GroupSums(_add_all(self.parts, tuple(other.parts)))
 
+    def compact(self, weights, axes: tuple[int, ...]):
+        """``(Σ_k weights_k · parts_k, kernel sums of every part)`` in one compiled call: what the
+        engine's state keeps of a layer whose groups are kernel-summed
+        (:mod:`normflat.engine.estimators`)."""
+        mean, reduced = _compact(tuple(float(w) for w in weights), tuple(axes), self.parts)
+        return mean, GroupSums(reduced)
+
     def __array__(self, dtype=None, copy=None):
         out = np.stack([np.asarray(jax.device_get(p)) for p in self.parts])
         return out if dtype is None else out.astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _compact(weights, axes, parts):
+    mean = sum(w * p for w, p in zip(weights, parts))
+    return mean, tuple(jnp.sum(p, axis=axes, keepdims=True) for p in parts)
 
 
 @jax.jit

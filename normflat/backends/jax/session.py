@@ -262,11 +262,18 @@ class JaxSession:
         # bad logits or inputs get their own message rather than "the diagonal is not finite";
         # the same synchronisation fetches whether each layer's sums are finite (the engine
         # asks layer by layer, in order; a diagonal is a sum divided by positive counts).
-        if self._flags is None:
-            sums = self._sum_state.sums if self._sum_state is not None else []
-            parts = [() if g is None else (g.parts if isinstance(g, GroupSums) else (g,)) for g in sums]
-            self._run_checks(extra=_finite_each(parts))
         i, self._finite_calls = self._finite_calls, self._finite_calls + 1
+        if self._flags is None:
+            state = self._sum_state
+            sums = state.sums if state is not None else []
+            # A kernel-summed layer's diagonal is its full-size numerator (state.means) divided;
+            # the layer being finalized has already left the state: its diagonal itself.
+            parts = [(state.means[j],) if state.compacted(j)
+                     else () if g is None else (g.parts if isinstance(g, GroupSums) else (g,))
+                     for j, g in enumerate(sums)]
+            if i < len(parts) and isinstance(array, jax.Array):
+                parts[i] = (array,)
+            self._run_checks(extra=_finite_each(parts))
         if self.kernel is not None and i < len(self._flags) and tuple(array.shape) == self._canonical_shape(i):
             return bool(self._flags[i])
         return bool(_finite(array)) if isinstance(array, jax.Array) else bool(np.isfinite(array).all())
@@ -275,6 +282,13 @@ class JaxSession:
         # The kernels hand over their sums in the canonical layout already (transposed inside
         # the compiled split of each batch), so this session's "native" layout is canonical.
         return self._handover(array)
+
+    def kernel_axes(self, layer: int) -> tuple[int, ...]:
+        """The canonical kernel axes (the sums are canonical): the groups are kept as kernel sums."""
+        if self.kernel is None:
+            return ()
+        shape = self._canonical_shape(layer)
+        return tuple(range(2, len(shape))) if int(np.prod(shape[2:], dtype=np.int64)) > 1 else ()
 
     def _canonical_shape(self, layer: int) -> tuple:
         return tuple(canonical_shape(self.kernel.shapes[layer], self.view.weights[layer].layout))

@@ -59,6 +59,10 @@ class KerasWeight:
         blocks: For a weight that packs several linear maps along its canonical rows
             (the gates of a recurrent kernel), ``(suffix, start, stop)`` per map; each
             is reported as its own matrix ``f"{name}.{suffix}"`` (method §3).
+        kernel_axes: The axes of the variable's layout that become the canonical kernel
+            axes, where ``to_canonical`` also accepts them with size 1 (then the group
+            sums of ``analyze`` on the Hessian-vector-product path are kept as kernel
+            sums, method §6.2); ``()``: not declared.
     """
 
     variable: Any
@@ -67,6 +71,7 @@ class KerasWeight:
     suffix: str = ""
     groups: int = 1
     blocks: tuple[tuple[str, int, int], ...] | None = None
+    kernel_axes: tuple[int, ...] = ()
 
 
 class UnsupportedLayer(Exception):
@@ -126,7 +131,7 @@ def _conv_weights(layer: Any) -> list[KerasWeight]:
     r = layer.rank
     # (*k, in/groups, out) -> (out, in/groups, *k)
     return [KerasWeight(layer.kernel, _transpose_fn((r + 1, r) + tuple(range(r))), f"conv{r}d",
-                        groups=int(getattr(layer, "groups", 1) or 1))]
+                        groups=int(getattr(layer, "groups", 1) or 1), kernel_axes=tuple(range(r)))]
 
 
 def _depthwise_canonical(rank: int) -> Callable[[Any], Any]:
@@ -143,7 +148,8 @@ def _depthwise_canonical(rank: int) -> Callable[[Any], Any]:
 def _depthwise_weights(layer: Any) -> list[KerasWeight]:
     r = layer.rank
     cin = int(layer.kernel.shape[r])
-    return [KerasWeight(layer.kernel, _depthwise_canonical(r), f"depthwise_conv{r}d", groups=cin)]
+    return [KerasWeight(layer.kernel, _depthwise_canonical(r), f"depthwise_conv{r}d", groups=cin,
+                        kernel_axes=tuple(range(r)))]
 
 
 def _separable_weights(layer: Any) -> list[KerasWeight]:
@@ -151,9 +157,9 @@ def _separable_weights(layer: Any) -> list[KerasWeight]:
     cin = int(layer.depthwise_kernel.shape[r])
     return [
         KerasWeight(layer.depthwise_kernel, _depthwise_canonical(r), f"depthwise_conv{r}d", "/depthwise",
-                    groups=cin),
+                    groups=cin, kernel_axes=tuple(range(r))),
         KerasWeight(layer.pointwise_kernel, _transpose_fn((r + 1, r) + tuple(range(r))), f"conv{r}d",
-                    "/pointwise"),
+                    "/pointwise", kernel_axes=tuple(range(r))),
     ]
 
 

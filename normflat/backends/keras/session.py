@@ -34,6 +34,7 @@ from normflat.backends.keras.layers import Entry, fast_kind, final_softmax, walk
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.core.memory import default_budget, training_step_bytes
+from normflat.engine import estimators
 from normflat.engine.data import Batch, labels_for
 from normflat.engine.estimators import SumState
 from normflat.engine.losses import check_logit_stats, check_loss_value, check_output_shape, logit_stats
@@ -294,17 +295,28 @@ class KerasSession:
         return [(e.name, tuple(int(d) for d in e.variable.shape), tf.as_dtype(e.variable.dtype).name)
                 for e in self.entries]
 
-    def zeros(self, layer: int) -> Any:
+    def _sum_shape(self, layer: int) -> tuple[int, ...]:
+        """The shape of one group's sums: the variable's (Hessian-vector products) or canonical."""
         entry = self.entries[layer]
         if self.hvp:
-            shape = tuple(int(d) for d in entry.variable.shape)
-        else:
-            if self._canonical_shapes is None:
-                self._canonical_shapes = [
-                    tuple(int(d) for d in e.weight.to_canonical(tf.convert_to_tensor(e.variable.value)).shape)
-                    for e in self.entries
-                ]
-            shape = self._canonical_shapes[layer]
+            return tuple(int(d) for d in entry.variable.shape)
+        if self._canonical_shapes is None:
+            self._canonical_shapes = [
+                tuple(int(d) for d in e.weight.to_canonical(tf.convert_to_tensor(e.variable.value)).shape)
+                for e in self.entries
+            ]
+        return self._canonical_shapes[layer]
+
+    def kernel_axes(self, layer: int) -> tuple[int, ...]:
+        """A convolution's kernel axes, over which its groups are kept summed: the canonical ones
+        (the GGN kernels' sums are canonical), or for the Hessian-vector products' sums, in the
+        variable's layout, those its extractor declares (``KerasWeight.kernel_axes``)."""
+        axes = self.entries[layer].weight.kernel_axes if self.hvp else tuple(range(2, len(self._sum_shape(layer))))
+        shape = self._sum_shape(layer)
+        return axes if int(np.prod([shape[a] for a in axes], dtype=np.int64)) > 1 else ()
+
+    def zeros(self, layer: int) -> Any:
+        shape = self._sum_shape(layer)
         if self.host:
             return np.zeros((self.options.state_groups, *shape))
         return tf.zeros((self.options.state_groups, *shape), tf.float64)
@@ -492,7 +504,10 @@ class KerasSession:
         params = sum(int(np.prod(v.shape, dtype=np.int64)) for v in self.model.weights)
         per_sample = sum(e.pre_size for e in self.entries if e.fast) + self.num_classes * (self.tokens or 1)
         step = training_step_bytes(params, per_sample * rows, item)
-        state = self.options.state_groups * self.total_params * item
+        state = item * estimators.state_entries(self.options, [
+            (int(np.prod(e.variable.shape, dtype=np.int64)),
+             int(np.prod([self._sum_shape(i)[a] for a in self.kernel_axes(i)], dtype=np.int64)))
+            for i, e in enumerate(self.entries)])
         return default_budget(step, state)
 
     def _ggn_step(self, rows: int) -> tuple[Any, int, int]:

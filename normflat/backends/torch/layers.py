@@ -11,6 +11,7 @@ subclasses of a registered type match too.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -299,6 +300,16 @@ class TorchLayer:
         if self.convert is not None:
             return self.convert(t)
         return self.ext.to_canonical(self.module, t) if self.ext.to_canonical else t
+
+    def kernel_axes(self) -> tuple[int, ...]:
+        """The kernel axes of the parameter's native layout (``()`` for a matrix), where
+        :meth:`canonical` is known to accept them with size 1: a convolution's
+        ``(out, in/groups, *k)`` and a transposed convolution's ``(in, out/groups, *k)``."""
+        if self.param.ndim <= 2 or self.convert is not None or math.prod(self.param.shape[2:]) == 1:
+            return ()  # no kernel, or a 1×1 one: the kernel sums would be as large
+        if self.ext.to_canonical not in (None, _conv_transpose_canonical):
+            return ()  # a registered conversion may need the full shape
+        return tuple(range(2, self.param.ndim))
 
     def canonical_shape(self) -> tuple[int, ...]:
         return tuple(self.canonical(torch.empty(self.param.shape, device="meta")).shape)

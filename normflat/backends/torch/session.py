@@ -12,6 +12,7 @@ the model's dtype, with autograd on also under ``torch.no_grad()`` or
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -25,7 +26,7 @@ from normflat.backends.torch.data import ADAPTER, ModelInputs, inputs_to_model, 
 from normflat.backends.torch.distributed import TorchComm
 from normflat.backends.torch.layers import TorchLayer, all_finite, collect_layers, unwrap
 from normflat.backends.torch.state import ModelState, claim, release
-from normflat.engine import losses
+from normflat.engine import estimators, losses
 from normflat.engine import random as nrandom
 from normflat.engine.data import Batch, labels_for
 from normflat.engine.estimators import SumState
@@ -223,6 +224,10 @@ class TorchSession:
         """A tensor of the parameter's shape in the canonical ``(out, in/groups, *k)`` layout."""
         return self._layers[layer].canonical(array)
 
+    def kernel_axes(self, layer: int) -> tuple[int, ...]:
+        """A convolution's kernel axes: its group sums are then kept as kernel sums."""
+        return self._layers[layer].kernel_axes()
+
     def weight(self, layer: int) -> Any:
         """The canonical weight (a detached view of the parameter)."""
         return self._layers[layer].canonical(self._layers[layer].param.detach())
@@ -401,7 +406,9 @@ class TorchSession:
         # and never more signal rows at once than DEFAULT_SIGNAL_ROWS.
         params = sum(p.numel() for p in self.model.parameters())
         step = training_step_bytes(params, (outs + c * tokens) * (batch_rows or rows), item)
-        state = self.options.sum_groups * sum(layer.param.numel() for layer in self._layers) * item
+        state = item * estimators.state_entries(self.options, [
+            (layer.param.numel(), math.prod(layer.param.shape[a] for a in layer.kernel_axes()))
+            for layer in self._layers])
         by_memory = default_budget(step, state) // max(need, 1)
         return max(1, min(by_memory, DEFAULT_SIGNAL_ROWS // per_sample))
 
@@ -628,6 +635,7 @@ class TorchSession:
                 full[live] = value
                 value = full
             state.add(self._index[id(layer)], value, owned=True)
+            del value
 
     def _fast_squares(self, logits: torch.Tensor, block: tuple[torch.Tensor, list[int]], fast: list[TorchLayer],
                       state: SumState) -> None:
@@ -685,6 +693,9 @@ class TorchSession:
                 continue
             if running is None:
                 state.add(index, value.detach(), owned=builtin)
+            # A kernel-summed layer's full (K', ...) squares are garbage once added: free them
+            # before the next layer's.
+            del value
 
     def _tied_squares(self, layer: TorchLayer, parts: list[list[torch.Tensor | None] | None], k: int, m: int,
                       state: SumState) -> None:
