@@ -24,11 +24,10 @@ the classes: :func:`init` leaves it open and the first contribution fixes it.
 
 **Kernel sums of the groups** (``kernel_axes``): the measures see the curvature of a
 layer only through its kernel sums ``A_ij = Σ_k H_ijk`` (method §3), so for a layer with
-kernel axes the state keeps its ``K`` group sums as kernel sums (axes of size 1) and the
+kernel axes the state keeps its ``K'`` sums as kernel sums (axes of size 1) and the
 diagonal's numerator at full size, one array: ``Σ_s c_s sums_s`` with the weights
 :func:`mean_weights`, so that ``diag = Σ_s c_s sums_s / divisor_0``. A 3×3 convolution then
-holds ``1 + K/9`` arrays of its size instead of ``K`` (or ``1 + K``) (method §6.2, memory of
-the groups).
+holds ``1 + K'/9`` arrays of its size instead of ``K'`` (method §6.2, memory of the groups).
 
 The arithmetic uses only ``+``, ``/`` and indexing, so the sums stay in the
 framework's array type and on its device.
