@@ -232,6 +232,98 @@ def test_tied_lm_head_position_table_and_shifted_token_labels(padding_idx):
     assert report.metadata["loss_terms"] == 2 * (T - 1) - 1
 
 
+class PositionTagger(nn.Module):
+    """Token embedding plus a learned position table, a dense mixer and a head (one logit row per
+    sequence). ``use`` is how the forward reads the table: ``add`` as timm and Hugging Face do
+    (sliced to the sequence), ``first`` indexing its leading axis, ``view`` reshaping it without a
+    batch axis, ``alias`` through a second reference the module attributes do not hold."""
+
+    def __init__(self, use="add", name="pos_embed", shape=(1, T, D)):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.name, self.use = name, use
+        self.register_parameter(name, nn.Parameter(torch.randn(*shape) * 0.3))
+        self.alias = [getattr(self, name)]
+        self.mix = nn.Linear(D, 6)
+        self.head = nn.Linear(6, C)
+
+    def table(self, t):
+        p = getattr(self, self.name)
+        if self.use == "add":
+            return p[:, :t] if p.dim() == 3 else p[:t]
+        if self.use == "first":
+            return p[0, :t]
+        if self.use == "view":
+            return p.view(T, D)[:t]
+        return self.alias[0][:, :t]
+
+    def forward(self, ids):
+        h = self.emb(ids) + self.table(ids.shape[1])
+        return self.head(torch.tanh(self.mix(h))).mean(1)
+
+
+@pytest.mark.parametrize("name, shape, estimator", [
+    ("pos_embed", (1, T, D), "ggn"), ("pos_embed", (1, T, D), "ggn-mc"), ("position_embeddings", (T, D), "ggn")])
+def test_position_table_fast_rule_equals_brute_force_and_the_generic_path(name, shape, estimator):
+    """The table's fast rule (method §6.1): the model runs with the table expanded over the batch,
+    whose gradient is each sample's gradient of the table; the same numbers as the generic path,
+    for every chunking (a chunk of one row, a remainder)."""
+    model = _init(PositionTagger(name=name, shape=shape))
+    data = [(_ids(N, T), _labels(N)), (_ids(2, T - 1, seed=5), _labels(2, seed=6))]
+    kw = dict(progress=False, estimator=estimator, loss="nsce")
+    fast = normflat.hessian_diagonal(model, data, **kw)
+    generic = normflat.hessian_diagonal(model, data, fast=False, **kw)
+    chunked = normflat.hessian_diagonal(model, data, chunk_size=2, **kw)
+    if estimator == "ggn":
+        _close(fast, ref.problems(model, ref.ggn_diagonal(model, data, "nsce"), {name: D}))
+    _close(fast, {k: torch.as_tensor(v) for k, v in generic.items()})
+    _close(chunked, {k: torch.as_tensor(v) for k, v in generic.items()})
+    report = normflat.analyze(model, data, progress=False, estimator=estimator)
+    table = report.layer(name)
+    assert table.shape == (D, T) and table.kind == "position_embedding"
+    assert table.details["path"] == "fast", table.details
+    assert getattr(model, name).grad is None and getattr(model, name).shape == shape
+
+
+@pytest.mark.parametrize("use, reason", [
+    ("first", "not added to each sample's own activations"),
+    ("view", "fails with the position table expanded over the batch"),
+])
+def test_position_table_read_otherwise_takes_the_exact_generic_path(use, reason):
+    """A forward that indexes or reshapes the table's leading axis, or reaches it through a
+    reference the substitution misses, would give wrong per-sample gradients (or none) with the
+    expanded table: the checks of the first forward send the table to the generic path."""
+    model = _init(PositionTagger(use=use))
+    data = [(_ids(N, T), _labels(N))]
+    got = _check_ggn(model, data, tables={"pos_embed": D})
+    report = normflat.analyze(model, data, progress=False, estimator="ggn")
+    details = report.layer("pos_embed").details
+    assert details["path"] == "generic" and reason in details["generic_reason"], details
+    assert report.layer("mix").details["path"] == "fast"
+    assert set(got) == {"emb", "pos_embed", "mix", "head"}
+
+
+def test_position_table_reached_outside_its_module_attribute_is_not_on_the_fast_path():
+    """A table the forward reaches through a reference of its own (not the module attribute that
+    ``functional_call`` swaps) would get no gradient at the expanded view: the graph check sees the
+    parameter itself used and refuses the fast rule."""
+    model = _init(PositionTagger(use="alias"))
+    report = normflat.analyze(model, [(_ids(N, T), _labels(N))], progress=False, estimator="ggn")
+    details = report.layer("pos_embed").details
+    assert details["path"] == "generic" and "also used outside its module attribute" in details["generic_reason"]
+
+
+def test_position_table_checked_on_the_first_chunk_of_two_rows():
+    """A first batch of one row cannot show a table indexed along its leading axis (one sample's
+    gradient is the whole gradient): the check waits for a chunk of two rows or more."""
+    model = _init(PositionTagger(use="first"))
+    data = [(_ids(1, T), _labels(1)), (_ids(N, T, seed=2), _labels(N, seed=3))]
+    got = _check_ggn(model, data, tables={"pos_embed": D})
+    report = normflat.analyze(model, data, progress=False, estimator="ggn")
+    assert report.layer("pos_embed").details["path"] == "generic"
+    assert set(got) == {"emb", "pos_embed", "mix", "head"}
+
+
 @pytest.mark.parametrize("cell, kw", [
     (nn.RNN, dict(nonlinearity="tanh", num_layers=2, bidirectional=True)),
     (nn.RNN, dict(nonlinearity="relu")),

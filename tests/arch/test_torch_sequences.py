@@ -21,7 +21,7 @@ from normflat.engine import losses
 from normflat.engine.options import validate_options
 from normflat.engine.random import sample_uniforms
 from tests.arch import _torch_reference as ref
-from tests.arch.test_torch_layers import DT, TinyLM, TokenTagger, _ids, _init, _labels
+from tests.arch.test_torch_layers import DT, PositionTagger, TinyLM, TokenTagger, _ids, _init, _labels
 
 V, D, T, N, C = 13, 8, 5, 3, 4
 
@@ -187,6 +187,23 @@ def test_tied_embedding_feature_scaling_against_both_of_its_uses(padding_idx):
     _assert_invariant(model, moved, _Call(data))
     wte = _analyze(moved, data).layer("wte")
     assert wte.details["shared_with"] == ["lm_head"] and wte.details["path"] == "fast"
+
+
+def test_position_table_feature_scaling_with_the_embedding():
+    """Feature j of the token embedding and of the position table (rows j of both canonical
+    ``(features, ·)`` matrices) times c_j, the next layer's input column j times 1/c_j: the same
+    function, the same normalized sharpness per layer, the table on its fast path (method §6.1)."""
+    model = _init(PositionTagger())
+    data = [(_ids(N, T), _labels(N))]
+    moved = copy.deepcopy(model)
+    c = _head_factors(D, 11)
+    with torch.no_grad():
+        moved.emb.weight *= c[None, :]
+        moved.pos_embed *= c
+        moved.mix.weight /= c[None, :]
+    moved.alias = [moved.pos_embed]
+    _assert_invariant(model, moved, _Call(data))
+    assert _analyze(moved, data).layer("pos_embed").details["path"] == "fast"
 
 
 # ----------------------------------------------------------------------------- token logits

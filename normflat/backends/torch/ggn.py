@@ -36,6 +36,7 @@ __all__ = [
     "conv_transpose_squares",
     "embedding_squares",
     "embedding_bag_squares",
+    "position_table_squares",
     "PER_SAMPLE_GRADIENTS",
     "tied_squares",
     "Capture",
@@ -410,6 +411,30 @@ def embedding_bag_squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas, 
         counts = torch.zeros(bags, dtype=w.dtype, device=w.device).index_add_(0, bag, torch.ones_like(w))
         w = w / counts[bag]
     return _scatter_squares(module.weight, bag * vocab + flat, w, bag, deltas, out)
+
+
+@_builtin
+def position_table_squares(module: nn.Module, table: torch.Tensor, deltas: Deltas,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Fast GGN rule of a learned position table added to the activations (method §6.1,
+    "Position tables"): ``(K, *table.shape)`` sums of squared per-sample gradients.
+
+    The session runs the model with the table (``table``, the detached parameter) replaced by
+    its view expanded over the batch, ``(n, *table.shape[1:])`` for a leading axis of 1, else
+    ``(n, *table.shape)``; the signal at that view is each sample's gradient of the table
+    itself, squared and summed over the samples. ``module`` is the table's owner (unused).
+    """
+    K, M = deltas.k, deltas.m
+    res = _accumulator(out, K, *table.shape, like=table)
+    rows = res.reshape(K, -1)
+    for j in range(len(deltas.parts)):
+        part, deltas.parts[j] = deltas.parts[j], None
+        if part is None:
+            continue
+        flat = part.reshape(part.shape[0], -1)
+        for sl in _chunks(flat.shape[0], flat.shape[1]):
+            rows[j // M] += flat[sl].square().sum(0)
+    return res
 
 
 def _linear_gradients(module: nn.Module, a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from torch import nn
 from normflat.backends.torch import compat
 from normflat.backends.torch.ggn import (
     PER_SAMPLE_GRADIENTS, conv_squares, conv_transpose_squares, embedding_bag_squares, embedding_squares,
-    linear_squares)
+    linear_squares, position_table_squares)
 from normflat.engine.options import GGN_ESTIMATORS, AnalysisOptions
 from normflat.engine.problems import LayerSpec, ParameterStatus
 from normflat.engine.registry import IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table
@@ -329,6 +329,12 @@ class TorchLayer:
         out[:, self._perm] = t.reshape(t.shape[0], -1)
         return out.reshape(t.shape[0], *self.param.shape)
 
+    @property
+    def table(self) -> bool:
+        """Whether this is a loose position table: no module of its own to hook, the session
+        passes it expanded over the batch instead (:func:`~normflat.backends.torch.ggn.position_table_squares`)."""
+        return self.ext is POSITION_TABLE
+
     def disable_fast(self, reason: str) -> None:
         self.fast = False
         self.spec.path, self.spec.reason = "generic", reason
@@ -371,9 +377,9 @@ def unwrap(model: Any) -> nn.Module:
     return model
 
 
-#: Extractor of learned position tables held as loose parameters (method §3, "Position tables").
-POSITION_TABLE = LayerExtractor(kind="position_embedding",
-                                generic_reason="a position table added to the activations")
+#: Extractor of learned position tables held as loose parameters (method §3, "Position tables";
+#: the fast rule, method §6.1: the session runs the model with the table expanded over the batch).
+POSITION_TABLE = LayerExtractor(kind="position_embedding", ggn_squares=position_table_squares)
 _NORM_REASON = "a normalization or activation parameter, not a weight matrix"
 
 
@@ -462,7 +468,7 @@ class _Walk:
             table = position_table(full, shape)
             if table is not None and id(p) not in self.by_param:
                 self.add(self.names.get(id(p), full), module, p, POSITION_TABLE,
-                         convert=_position_convert(table), rule=False)
+                         convert=_position_convert(table))
                 continue
             if id(p) in self.by_param:
                 continue
@@ -543,7 +549,7 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
                 walk.mark(p, "excluded", why)
             elif table is not None:
                 walk.add(walk.names.get(id(p), full), module, p, POSITION_TABLE,
-                         convert=_position_convert(table), rule=False)
+                         convert=_position_convert(table))
             elif walk.names.get(id(p)) not in walk.status:
                 walk.skipped.add(full, module, "a parameter its layer extractor does not read")
                 walk.mark(p, "skipped", "a parameter its layer extractor does not read")

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import array_api_compat
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from normflat.backends.torch import compat, hf, hvp
 from normflat.backends.torch import ggn as ggn_kernels
@@ -146,6 +147,7 @@ class TorchSession:
         self.ggn = est in GGN_ESTIMATORS
         self.chunk: int | None = self.settings.chunk_size
         self.checked = False
+        self._tables_seen = self._tables_probed = False  # the position tables' checks (_table_checks)
         self.batched = False
         self.batches_seen = 0
         self.token_logits = False  # whether the model returned (n, T, C) token logits (metadata)
@@ -163,7 +165,8 @@ class TorchSession:
             model.eval()  # BatchNorm uses its running statistics, dropout is off
             if self.ggn:
                 fast = [layer for layer in self._layers if layer.fast]
-                self.capture = ggn_kernels.Capture([use for layer in fast for use in layer.uses])
+                # A position table has no module of its own: :meth:`_forward` records it.
+                self.capture = ggn_kernels.Capture([use for layer in fast if not layer.table for use in layer.uses])
                 for layer in fast:
                     layer.param.requires_grad_(True)  # so the layer outputs carry gradients for the signals
         except BaseException:
@@ -359,13 +362,101 @@ class TorchSession:
         assert self.capture is not None
         rows = slice(0, PROBE_ROWS)
         self.capture.reset()
-        logits = self._pick(xs.rows(rows).call(self.model))
+        xp = xs.rows(rows)
+        logits = self._pick(self._forward(xp))
         c = self._check_logits(logits, batch, PROBE_ROWS)
-        self._settle(logits, c)
+        self._settle(logits, c, xp)
         self.chunk = self._choose_chunk(logits, PROBE_ROWS, c, batch_rows=batch.n)
         self.capture.reset()
 
-    def _settle(self, logits: torch.Tensor, c: int) -> None:
+    def _forward(self, xc: ModelInputs) -> Any:
+        """The model's forward on a chunk for the GGN paths, with each fast position table
+        replaced by its view expanded over the chunk's samples (recorded in the capture as the
+        table's output): the gradient at that view is each sample's gradient of the table
+        (:func:`~normflat.backends.torch.ggn.position_table_squares`). Nothing is copied, and
+        the user's parameter is never touched (``functional_call`` swaps a view in and back).
+
+        On the first forward, a model that cannot take the expanded table (it reshapes or
+        indexes the table's leading axis) runs as it is, its tables on the generic path.
+        """
+        tables = [layer for layer in self._layers if layer.fast and layer.table]
+        if not tables:
+            return xc.call(self.model)
+        assert self.capture is not None
+        views = {}
+        for layer in tables:
+            p = layer.param.detach().requires_grad_(True)
+            shape = p.shape[1:] if p.shape[0] == 1 else p.shape
+            views[layer.param_name] = (layer, p, p.expand(xc.n, *shape))
+        try:
+            out = functional_call(self.model, {name: v for name, (_, _, v) in views.items()}, xc.args, xc.kwargs,
+                                  strict=False)
+        except Exception as why:  # noqa: BLE001 - any failure of the substituted forward: run it as it is
+            if self._tables_seen:
+                raise
+            for layer in tables:
+                layer.disable_fast(f"the forward fails with the position table expanded over the batch "
+                                   f"({type(why).__name__}: {why})")
+            self.capture.reset()
+            return xc.call(self.model)
+        cap = self.capture
+        for layer, p, view in views.values():
+            key = id(layer)
+            cap.calls[key] = 1
+            cap.inputs[key] = layer.param.detach()
+            cap.versions[key] = compat.tensor_version(cap.inputs[key])
+            cap.outputs[key] = view
+            cap.extras[key] = ((), {})
+        return out
+
+    def _table_checks(self, logits: torch.Tensor, xc: ModelInputs) -> None:
+        """The fast rule of a position table needs it added to each sample's own activations.
+
+        On the first forward: no use of the parameter left outside the expanded view (the graph
+        reaches it), and the model's logits unchanged by the view (a plain forward without
+        gradients). On the first chunk of two rows or more: a signal at the last sample's logits
+        reaches only that sample's row of the view (a model that indexes the table's leading
+        axis mixes the samples). A table failing either takes the generic path.
+        """
+        assert self.capture is not None
+        cap = self.capture
+        tables = [layer for layer in self._layers if layer.fast and layer.table]
+        if not self._tables_seen:
+            self._tables_seen = True
+            uses, _ = ggn_kernels.inspect_graph(logits.grad_fn, {id(layer.param): layer for layer in tables}, [])
+            for layer in tables:
+                if uses[id(layer.param)]:
+                    layer.disable_fast("the position table is also used outside its module attribute")
+            tables = [layer for layer in tables if layer.fast]
+            if tables:
+                cap.active = False
+                try:
+                    with torch.no_grad():
+                        plain = self._pick(xc.call(self.model))
+                finally:
+                    cap.active = True
+                z = logits.detach()
+                tol = 64 * float(torch.finfo(z.dtype).eps) * (float(z.abs().max()) + 1.0) if z.numel() else 0.0
+                if not (isinstance(plain, torch.Tensor) and plain.shape == z.shape
+                        and bool(((plain - z).abs() <= tol).all())):
+                    for layer in tables:
+                        layer.disable_fast("the model computes other logits with the position table expanded "
+                                           "over the batch")
+                    tables = []
+        if not tables or logits.shape[0] < 2:
+            return
+        self._tables_probed = True
+        probe = torch.zeros_like(logits)
+        last = probe[-1]
+        last.copy_(torch.linspace(1.0, 2.0, last.numel(), dtype=probe.dtype, device=probe.device).reshape(last.shape))
+        grads = torch.autograd.grad(logits, [cap.outputs[id(layer)] for layer in tables], grad_outputs=probe,
+                                    retain_graph=True, allow_unused=True)
+        for layer, g in zip(tables, grads):
+            if g is not None and bool(g[:-1].abs().amax() > 0):
+                layer.disable_fast("the position table is not added to each sample's own activations "
+                                   "(one sample's signal reaches the other samples' rows)")
+
+    def _settle(self, logits: torch.Tensor, c: int, xc: ModelInputs) -> None:
         """On a first forward: resolve ``estimator="auto"`` from the classes (token logits count
         the signals per sequence, method §6.3) and check the fast rules (:meth:`_first_check`:
         before the chunk is chosen, since a batched backward holds every signal's intermediates
@@ -376,6 +467,8 @@ class TorchSession:
         fast = [layer for layer in self._layers if layer.fast]
         if not self.checked and fast:
             self._first_check(logits, fast)
+        if not self._tables_probed and any(layer.table for layer in fast):
+            self._table_checks(logits, xc)
 
     def _choose_chunk(self, logits: torch.Tensor, rows: int, c: int, batch_rows: int | None = None) -> int:
         """Samples per GGN step: bound the signal rows back-propagated at once.
@@ -420,13 +513,16 @@ class TorchSession:
 
     def _first_check(self, logits: torch.Tensor, fast: list[TorchLayer]) -> None:
         """On the first forward: the fast rules need each weight used once, by its own module,
-        called once per forward; and the graph decides batched vs looped backward."""
+        called once per forward (a position table: :meth:`_table_checks`); and the graph decides
+        batched vs looped backward."""
         assert self.capture is not None
         cap = self.capture
         outs = [cap.outputs[id(use)] for layer in fast for use in layer.uses if id(use) in cap.outputs]
         uses, self.batched = ggn_kernels.inspect_graph(logits.grad_fn, {id(layer.param): layer for layer in fast},
                                                        outs)
         for layer in fast:
+            if layer.table:
+                continue
             calls = [cap.calls.get(id(use), 0) for use in layer.uses]
             if any(count != 1 for count in calls):
                 layer.disable_fast(f"module called {next(c for c in calls if c != 1)} times per forward")
@@ -499,9 +595,9 @@ class TorchSession:
             rows = sl.stop - sl.start
             xc = xs.rows(sl)
             cap.reset()
-            logits = self._pick(xc.call(self.model))
+            logits = self._pick(self._forward(xc))
             c = self._check_logits(logits, batch, rows)
-            self._settle(logits, c)
+            self._settle(logits, c, xc)
             if ids is None:
                 # The data contract: labels in range. The GGN uses the labels of token logits only,
                 # for the counted tokens.
