@@ -498,7 +498,12 @@ class TorchSession:
         # nonlinearities' inputs): about four times the layer outputs, measured on ViT-Tiny, whose
         # position table alone on this path peaked at 7× a training step without this term.
         backward = 4 * outs if generic else 0
-        need = per_sample * item * (copies * (outs + c * tokens) + weights + backward)
+        # Per sample, beside its signals: the chunk's forward graph, kept for the backward of every
+        # signal (about twice the layer outputs, as in a training step), and the gradients of the
+        # intermediates one signal's backward holds while it runs (about as much again; measured on
+        # ViT-Tiny, whose retained signals alone under-counted its peak by a fifth).
+        graph = 4 * (outs + c * tokens)
+        need = item * (per_sample * (copies * (outs + c * tokens) + weights + backward) + graph)
         if self.settings.memory_budget is not None:
             return chunk_size_for(self.settings.memory_budget, need, "the back-propagated GGN signals")
         # No budget given: about twice a training step of this model on this batch (method §9),
