@@ -324,6 +324,65 @@ def test_position_table_checked_on_the_first_chunk_of_two_rows():
     assert set(got) == {"emb", "pos_embed", "mix", "head"}
 
 
+class PositionIds(nn.Module):
+    """Position embeddings looked up from position ids of shape ``(1, T)`` (BERT, GPT-2), one row
+    for the whole batch, broadcast when added. ``use``: ``add``; ``first`` taking row 0 of the
+    lookup; ``view`` reshaping it without a batch axis; ``rows`` scaling the logits by its rows."""
+
+    def __init__(self, use="add"):
+        super().__init__()
+        self.use = use
+        self.emb = nn.Embedding(V, D)
+        self.pos = nn.Embedding(T, D)
+        self.mix = nn.Linear(D, 6)
+        self.head = nn.Linear(6, C)
+
+    def forward(self, ids):
+        p = self.pos(torch.arange(ids.shape[1])[None])
+        if self.use == "first":
+            p = p[0]
+        elif self.use == "view":
+            p = p.view(ids.shape[1], D)
+        h = self.emb(ids) + p
+        z = self.head(torch.tanh(self.mix(h))).mean(1)
+        return z * p.shape[0] if self.use == "rows" else z
+
+
+def test_embedding_of_position_ids_broadcast_over_the_batch_takes_its_fast_rule():
+    """A lookup of ``(1, T)`` position ids has one output row for the batch: the capture expands
+    its ids and output to the chunk's samples (views), so the gradient at the output is each
+    sample's and the embedding's own fast rule applies (method §6.1)."""
+    model = _init(PositionIds())
+    data = [(_ids(N, T), _labels(N)), (_ids(2, T - 1, seed=5), _labels(2, seed=6))]
+    got = _check_ggn(model, data)
+    generic = normflat.hessian_diagonal(model, data, loss="nsce", estimator="ggn", fast=False, progress=False)
+    _close(got, {k: torch.as_tensor(v) for k, v in generic.items()})
+    _close(normflat.hessian_diagonal(model, data, loss="nsce", estimator="ggn", chunk_size=2, progress=False),
+           {k: torch.as_tensor(v) for k, v in generic.items()})
+    report = normflat.analyze(model, data, progress=False, estimator="ggn")
+    assert report.layer("pos").details["path"] == "fast", report.layer("pos").details
+
+
+@pytest.mark.parametrize("use, reason", [
+    ("first", "not added to each sample's own activations"),
+    ("view", "the forward fails with the layer's one-row output expanded"),
+    ("rows", "computes other logits with the layer's one-row output expanded"),
+])
+def test_one_row_output_read_otherwise_takes_the_exact_generic_path(use, reason):
+    """The expanded output must leave the logits alone, keep the samples apart and not break the
+    forward: otherwise the layer takes the generic path, and the numbers stay exact (the forward
+    runs again without the expansion where the logits changed). Two rows: no probe forward
+    before the first chunk, whose own forward is the one checked and redone."""
+    model = _init(PositionIds(use))
+    data = [(_ids(2, T), _labels(2))]
+    got = _check_ggn(model, data)
+    report = normflat.analyze(model, data, progress=False, estimator="ggn")
+    details = report.layer("pos").details
+    assert details["path"] == "generic" and reason in details["generic_reason"], details
+    assert report.layer("mix").details["path"] == "fast"
+    assert set(got) == {"emb", "pos", "mix", "head"}
+
+
 @pytest.mark.parametrize("cell, kw", [
     (nn.RNN, dict(nonlinearity="tanh", num_layers=2, bidirectional=True)),
     (nn.RNN, dict(nonlinearity="relu")),

@@ -510,7 +510,12 @@ class Capture:
     the same modules meanwhile) and only while :attr:`active`.
     """
 
-    def __init__(self, layers: list[Any]) -> None:
+    def __init__(self, layers: list[Any], broadcast: Iterable[int] = ()) -> None:
+        #: The keys whose output, broadcast over the batch (leading axis 1 from an input with a
+        #: leading axis 1, e.g. position ids of shape ``(1, T)``), is expanded to :attr:`rows`.
+        self.broadcast = set(broadcast)
+        self.rows: int | None = None  # the samples of the forward (set by the session)
+        self.expanded: set[int] = set()  # the keys expanded in this forward
         self.inputs: dict[int, torch.Tensor] = {}
         self.versions: dict[int, int] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -529,9 +534,20 @@ class Capture:
             self.calls[key] = self.calls.get(key, 0) + 1
             if not args or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
                 return None
-            a = args[0].detach()
+            live = args[0]
+            rows = self.rows or 0
+            if (key in self.broadcast and rows > 1 and output.dim() > 0 and live.dim() > 0
+                    and output.shape[0] == 1 and live.shape[0] == 1):
+                # One row for the whole batch, broadcast later: as many rows as samples (views,
+                # the same numbers), so that the gradient at the output is each sample's own and
+                # the layer's fast rule applies; the session checks the model's logits unchanged
+                # and the samples kept apart (method §6.1, "Position tables").
+                live = live.expand(rows, *live.shape[1:])
+                output = output.expand(rows, *output.shape[1:])
+                self.expanded.add(key)
+            a = live.detach()
             self.inputs[key] = a
-            self.live_inputs[key] = args[0]
+            self.live_inputs[key] = live
             self.versions[key] = compat.tensor_version(a)
             self.outputs[key] = output
             self.extras[key] = (tuple(args[1:]), dict(kwargs))
@@ -546,6 +562,7 @@ class Capture:
         return compat.tensor_version(self.inputs[key]) != self.versions[key]
 
     def reset(self) -> None:
+        self.expanded.clear()
         self.inputs.clear(), self.versions.clear(), self.outputs.clear(), self.calls.clear()
         self.live_inputs.clear()
         self.extras.clear()

@@ -147,7 +147,11 @@ class TorchSession:
         self.ggn = est in GGN_ESTIMATORS
         self.chunk: int | None = self.settings.chunk_size
         self.checked = False
-        self._tables_seen = self._tables_probed = False  # the position tables' checks (_table_checks)
+        self._broadcast: set[int] = set()  # the layers the capture may expand (_forward)
+        self._by_key: dict[int, TorchLayer] = {}
+        # The layers whose substitution (_forward) passed its first checks, and its per-sample one.
+        self._seen: set[int] = set()
+        self._probed: set[int] = set()
         self.batched = False
         self.batches_seen = 0
         self.token_logits = False  # whether the model returned (n, T, C) token logits (metadata)
@@ -165,8 +169,14 @@ class TorchSession:
             model.eval()  # BatchNorm uses its running statistics, dropout is off
             if self.ggn:
                 fast = [layer for layer in self._layers if layer.fast]
-                # A position table has no module of its own: :meth:`_forward` records it.
-                self.capture = ggn_kernels.Capture([use for layer in fast if not layer.table for use in layer.uses])
+                # A position table has no module of its own: :meth:`_forward` records it. A layer
+                # on one row broadcast over the batch is expanded where its rule takes any input.
+                self._broadcast = {id(layer) for layer in fast if not layer.table and not layer.tied
+                                   and ggn_kernels.wants_deltas(layer.ext.ggn_squares)
+                                   and not ggn_kernels.wants_call(layer.ext.ggn_squares)}
+                self._by_key = {id(layer): layer for layer in self._layers}
+                self.capture = ggn_kernels.Capture([use for layer in fast if not layer.table for use in layer.uses],
+                                                   self._broadcast)
                 for layer in fast:
                     layer.param.requires_grad_(True)  # so the layer outputs carry gradients for the signals
         except BaseException:
@@ -365,42 +375,55 @@ class TorchSession:
         xp = xs.rows(rows)
         logits = self._pick(self._forward(xp))
         c = self._check_logits(logits, batch, PROBE_ROWS)
-        self._settle(logits, c, xp)
+        if self._settle(logits, c, xp):  # a substitution was refused: the forward as the model computes it
+            self.capture.reset()
+            logits = self._pick(self._forward(xp))
         self.chunk = self._choose_chunk(logits, PROBE_ROWS, c, batch_rows=batch.n)
         self.capture.reset()
 
     def _forward(self, xc: ModelInputs) -> Any:
-        """The model's forward on a chunk for the GGN paths, with each fast position table
-        replaced by its view expanded over the chunk's samples (recorded in the capture as the
-        table's output): the gradient at that view is each sample's gradient of the table
-        (:func:`~normflat.backends.torch.ggn.position_table_squares`). Nothing is copied, and
-        the user's parameter is never touched (``functional_call`` swaps a view in and back).
+        """The model's forward on a chunk for the GGN paths, with the batch made explicit where
+        the model broadcasts one row over it (method §6.1, "Position tables"):
 
-        On the first forward, a model that cannot take the expanded table (it reshapes or
-        indexes the table's leading axis) runs as it is, its tables on the generic path.
+        * each fast position table is replaced by its view expanded over the chunk's samples
+          (recorded in the capture as the table's output), whose gradient is each sample's
+          gradient of the table (:func:`~normflat.backends.torch.ggn.position_table_squares`);
+          ``functional_call`` swaps the view in and back, the user's parameter is not touched;
+        * a fast layer whose input and output have one row for the whole batch (an embedding
+          of position ids ``(1, T)``) has both expanded to the samples by the capture hook, so
+          its own fast rule applies.
+
+        Nothing is copied. A substitution is checked by :meth:`_substitution_checks`; if the
+        forward fails with a new one, that one is dropped (its layer takes the generic path) and
+        the forward runs again.
         """
-        tables = [layer for layer in self._layers if layer.fast and layer.table]
-        if not tables:
-            return xc.call(self.model)
         assert self.capture is not None
+        cap = self.capture
+        cap.rows = xc.n
+        cap.broadcast = {key for key in self._broadcast if self._by_key[key].fast}
+        tables = [layer for layer in self._layers if layer.fast and layer.table]
         views = {}
         for layer in tables:
             p = layer.param.detach().requires_grad_(True)
             shape = p.shape[1:] if p.shape[0] == 1 else p.shape
-            views[layer.param_name] = (layer, p, p.expand(xc.n, *shape))
+            views[layer.param_name] = (layer, p.expand(xc.n, *shape))
         try:
-            out = functional_call(self.model, {name: v for name, (_, _, v) in views.items()}, xc.args, xc.kwargs,
-                                  strict=False)
-        except Exception as why:  # noqa: BLE001 - any failure of the substituted forward: run it as it is
-            if self._tables_seen:
+            if views:
+                out = functional_call(self.model, {name: v for name, (_, v) in views.items()}, xc.args, xc.kwargs,
+                                      strict=False)
+            else:
+                out = xc.call(self.model)
+        except Exception as why:  # noqa: BLE001 - a failure with a new substitution: drop it, run again
+            fresh = [layer for layer in self._layers if layer.fast and (layer.table or id(layer) in cap.expanded)
+                     and id(layer) not in self._seen]
+            if not fresh:
                 raise
-            for layer in tables:
-                layer.disable_fast(f"the forward fails with the position table expanded over the batch "
+            for layer in fresh:
+                layer.disable_fast(f"the forward fails with {_expanded_what(layer)} expanded over the batch "
                                    f"({type(why).__name__}: {why})")
-            self.capture.reset()
-            return xc.call(self.model)
-        cap = self.capture
-        for layer, p, view in views.values():
+            cap.reset()
+            return self._forward(xc)
+        for layer, view in views.values():
             key = id(layer)
             cap.calls[key] = 1
             cap.inputs[key] = layer.param.detach()
@@ -409,66 +432,86 @@ class TorchSession:
             cap.extras[key] = ((), {})
         return out
 
-    def _table_checks(self, logits: torch.Tensor, xc: ModelInputs) -> None:
-        """The fast rule of a position table needs it added to each sample's own activations.
+    def _substitution_checks(self, logits: torch.Tensor, xc: ModelInputs) -> bool:
+        """The substitutions of :meth:`_forward` need the row added to each sample's own
+        activations; a layer failing a check takes the generic path.
 
-        On the first forward: no use of the parameter left outside the expanded view (the graph
-        reaches it), and the model's logits unchanged by the view (a plain forward without
-        gradients). On the first chunk of two rows or more: a signal at the last sample's logits
-        reaches only that sample's row of the view (a model that indexes the table's leading
-        axis mixes the samples). A table failing either takes the generic path.
+        The first time a layer is substituted: no use of a table left outside its view (the
+        graph reaches the parameter itself), and the model's logits unchanged (one plain
+        forward without gradients). On its first chunk of two rows or more: a signal at the
+        last sample's logits reaches only that sample's row of the view (a model indexing the
+        leading axis, ``P[0]``, would mix the samples).
+
+        Returns:
+            Whether the logits changed: the caller runs the forward again without the refused
+            substitutions.
         """
         assert self.capture is not None
         cap = self.capture
-        tables = [layer for layer in self._layers if layer.fast and layer.table]
-        if not self._tables_seen:
-            self._tables_seen = True
+        new = [layer for layer in self._layers if layer.fast and (layer.table or id(layer) in cap.expanded)
+               and id(layer) not in self._probed]
+        if not new:
+            return False
+        unseen = [layer for layer in new if id(layer) not in self._seen]
+        self._seen.update(id(layer) for layer in unseen)
+        tables = [layer for layer in unseen if layer.table]
+        if tables:
             uses, _ = ggn_kernels.inspect_graph(logits.grad_fn, {id(layer.param): layer for layer in tables}, [])
             for layer in tables:
                 if uses[id(layer.param)]:
                     layer.disable_fast("the position table is also used outside its module attribute")
-            tables = [layer for layer in tables if layer.fast]
-            if tables:
-                cap.active = False
-                try:
-                    with torch.no_grad():
-                        plain = self._pick(xc.call(self.model))
-                finally:
-                    cap.active = True
-                z = logits.detach()
-                tol = 64 * float(torch.finfo(z.dtype).eps) * (float(z.abs().max()) + 1.0) if z.numel() else 0.0
-                if not (isinstance(plain, torch.Tensor) and plain.shape == z.shape
-                        and bool(((plain - z).abs() <= tol).all())):
-                    for layer in tables:
-                        layer.disable_fast("the model computes other logits with the position table expanded "
-                                           "over the batch")
-                    tables = []
-        if not tables or logits.shape[0] < 2:
-            return
-        self._tables_probed = True
+        unseen = [layer for layer in unseen if layer.fast]
+        if unseen and not self._same_logits(logits, xc):
+            for layer in unseen:
+                layer.disable_fast(f"the model computes other logits with {_expanded_what(layer)} expanded "
+                                   "over the batch")
+            return True
+        new = [layer for layer in new if layer.fast]
+        if not new or logits.shape[0] < 2:
+            return False
+        self._probed.update(id(layer) for layer in new)
         probe = torch.zeros_like(logits)
         last = probe[-1]
         last.copy_(torch.linspace(1.0, 2.0, last.numel(), dtype=probe.dtype, device=probe.device).reshape(last.shape))
-        grads = torch.autograd.grad(logits, [cap.outputs[id(layer)] for layer in tables], grad_outputs=probe,
+        grads = torch.autograd.grad(logits, [cap.outputs[id(layer)] for layer in new], grad_outputs=probe,
                                     retain_graph=True, allow_unused=True)
-        for layer, g in zip(tables, grads):
+        for layer, g in zip(new, grads):
             if g is not None and bool(g[:-1].abs().amax() > 0):
-                layer.disable_fast("the position table is not added to each sample's own activations "
+                layer.disable_fast(f"{_expanded_what(layer)} is not added to each sample's own activations "
                                    "(one sample's signal reaches the other samples' rows)")
+        return False
 
-    def _settle(self, logits: torch.Tensor, c: int, xc: ModelInputs) -> None:
+    def _same_logits(self, logits: torch.Tensor, xc: ModelInputs) -> bool:
+        """Whether a plain forward (no substitution, no gradients) gives these logits."""
+        assert self.capture is not None
+        self.capture.active = False
+        try:
+            with torch.no_grad():
+                plain = self._pick(xc.call(self.model))
+        finally:
+            self.capture.active = True
+        z = logits.detach()
+        tol = 64 * float(torch.finfo(z.dtype).eps) * (float(z.abs().max()) + 1.0) if z.numel() else 0.0
+        return (isinstance(plain, torch.Tensor) and plain.shape == z.shape
+                and bool(((plain - z).abs() <= tol).all()))
+
+    def _settle(self, logits: torch.Tensor, c: int, xc: ModelInputs) -> bool:
         """On a first forward: resolve ``estimator="auto"`` from the classes (token logits count
         the signals per sequence, method §6.3) and check the fast rules (:meth:`_first_check`:
         before the chunk is chosen, since a batched backward holds every signal's intermediates
-        at once, a looped one a signal's at a time)."""
+        at once, a looped one a signal's at a time); on every forward, the new substitutions
+        (:meth:`_substitution_checks`).
+
+        Returns:
+            Whether the forward must run again (a substitution changed the logits).
+        """
         if self.options.estimator == "auto":
             self.options = resolve_estimator(self.options, c,
                                              tokens=int(logits.shape[1]) if logits.dim() == 3 else None)
         fast = [layer for layer in self._layers if layer.fast]
         if not self.checked and fast:
             self._first_check(logits, fast)
-        if not self._tables_probed and any(layer.table for layer in fast):
-            self._table_checks(logits, xc)
+        return self._substitution_checks(logits, xc)
 
     def _choose_chunk(self, logits: torch.Tensor, rows: int, c: int, batch_rows: int | None = None) -> int:
         """Samples per GGN step: bound the signal rows back-propagated at once.
@@ -518,7 +561,7 @@ class TorchSession:
 
     def _first_check(self, logits: torch.Tensor, fast: list[TorchLayer]) -> None:
         """On the first forward: the fast rules need each weight used once, by its own module,
-        called once per forward (a position table: :meth:`_table_checks`); and the graph decides
+        called once per forward (a substituted one: :meth:`_substitution_checks`); and the graph decides
         batched vs looped backward."""
         assert self.capture is not None
         cap = self.capture
@@ -602,7 +645,9 @@ class TorchSession:
             cap.reset()
             logits = self._pick(self._forward(xc))
             c = self._check_logits(logits, batch, rows)
-            self._settle(logits, c, xc)
+            if self._settle(logits, c, xc):  # a substitution was refused: the forward as the model computes it
+                cap.reset()
+                logits = self._pick(self._forward(xc))
             if ids is None:
                 # The data contract: labels in range. The GGN uses the labels of token logits only,
                 # for the counted tokens.
@@ -820,6 +865,11 @@ class TorchSession:
         value = ggn_kernels.tied_squares(uses, deltas, out=running)
         if running is None:
             state.add(index, value.detach(), owned=True)
+
+
+def _expanded_what(layer: TorchLayer) -> str:
+    """How the reasons of :meth:`TorchSession._forward`'s substitutions name a layer's."""
+    return "the position table" if layer.table else "the layer's one-row output"
 
 
 def _is_logits(output: torch.Tensor | None, logits: torch.Tensor) -> bool:
