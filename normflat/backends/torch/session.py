@@ -147,8 +147,7 @@ class TorchSession:
         self.ggn = est in GGN_ESTIMATORS
         self.chunk: int | None = self.settings.chunk_size
         self.checked = False
-        self._broadcast: set[int] = set()  # the layers the capture may expand (_forward)
-        self._by_key: dict[int, TorchLayer] = {}
+        self._broadcast: list[TorchLayer] = []  # the layers the capture may expand (_forward)
         # The layers whose substitution (_forward) passed its first checks, and its per-sample one.
         self._seen: set[int] = set()
         self._probed: set[int] = set()
@@ -171,12 +170,11 @@ class TorchSession:
                 fast = [layer for layer in self._layers if layer.fast]
                 # A position table has no module of its own: :meth:`_forward` records it. A layer
                 # on one row broadcast over the batch is expanded where its rule takes any input.
-                self._broadcast = {id(layer) for layer in fast if not layer.table and not layer.tied
+                self._broadcast = [layer for layer in fast if not layer.table and not layer.tied
                                    and ggn_kernels.wants_deltas(layer.ext.ggn_squares)
-                                   and not ggn_kernels.wants_call(layer.ext.ggn_squares)}
-                self._by_key = {id(layer): layer for layer in self._layers}
+                                   and not ggn_kernels.wants_call(layer.ext.ggn_squares)]
                 self.capture = ggn_kernels.Capture([use for layer in fast if not layer.table for use in layer.uses],
-                                                   self._broadcast)
+                                                   [id(layer) for layer in self._broadcast])
                 for layer in fast:
                     layer.param.requires_grad_(True)  # so the layer outputs carry gradients for the signals
         except BaseException:
@@ -400,7 +398,7 @@ class TorchSession:
         assert self.capture is not None
         cap = self.capture
         cap.rows = xc.n
-        cap.broadcast = {key for key in self._broadcast if self._by_key[key].fast}
+        cap.broadcast = {id(layer) for layer in self._broadcast if layer.fast}
         tables = [layer for layer in self._layers if layer.fast and layer.table]
         views = {}
         for layer in tables:
@@ -414,8 +412,7 @@ class TorchSession:
             else:
                 out = xc.call(self.model)
         except Exception as why:  # noqa: BLE001 - a failure with a new substitution: drop it, run again
-            fresh = [layer for layer in self._layers if layer.fast and (layer.table or id(layer) in cap.expanded)
-                     and id(layer) not in self._seen]
+            fresh = [layer for layer in self._substituted() if id(layer) not in self._seen]
             if not fresh:
                 raise
             for layer in fresh:
@@ -448,8 +445,7 @@ class TorchSession:
         """
         assert self.capture is not None
         cap = self.capture
-        new = [layer for layer in self._layers if layer.fast and (layer.table or id(layer) in cap.expanded)
-               and id(layer) not in self._probed]
+        new = [layer for layer in self._substituted() if id(layer) not in self._probed]
         if not new:
             return False
         unseen = [layer for layer in new if id(layer) not in self._seen]
@@ -480,6 +476,13 @@ class TorchSession:
                 layer.disable_fast(f"{_expanded_what(layer)} is not added to each sample's own activations "
                                    "(one sample's signal reaches the other samples' rows)")
         return False
+
+    def _substituted(self) -> list[TorchLayer]:
+        """The fast layers :meth:`_forward` substituted in the last forward: the position tables,
+        and the layers whose one-row output the capture expanded."""
+        assert self.capture is not None
+        return [layer for layer in self._layers
+                if layer.fast and (layer.table or id(layer) in self.capture.expanded)]
 
     def _same_logits(self, logits: torch.Tensor, xc: ModelInputs) -> bool:
         """Whether a plain forward (no substitution, no gradients) gives these logits."""
