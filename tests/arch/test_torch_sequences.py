@@ -21,7 +21,7 @@ from normflat.engine import losses
 from normflat.engine.options import validate_options
 from normflat.engine.random import sample_uniforms
 from tests.arch import _torch_reference as ref
-from tests.arch.test_torch_layers import DT, PositionTagger, TinyLM, TokenTagger, _ids, _init, _labels
+from tests.arch.test_torch_layers import DT, PositionIds, PositionTagger, TinyLM, TokenTagger, _ids, _init, _labels
 
 V, D, T, N, C = 13, 8, 5, 3, 4
 
@@ -204,6 +204,21 @@ def test_position_table_feature_scaling_with_the_embedding():
     moved.alias = [moved.pos_embed]
     _assert_invariant(model, moved, _Call(data))
     assert _analyze(moved, data).layer("pos_embed").details["path"] == "fast"
+
+
+def test_position_ids_embedding_feature_scaling_with_the_token_embedding():
+    """The same feature scaling through an embedding of ``(1, T)`` position ids (one output row,
+    broadcast over the batch, on its fast rule with the row expanded to the samples)."""
+    model = _init(PositionIds())
+    data = [(_ids(N, T), _labels(N))]
+    moved = copy.deepcopy(model)
+    c = _head_factors(D, 12)
+    with torch.no_grad():
+        moved.emb.weight *= c[None, :]
+        moved.pos.weight *= c[None, :]
+        moved.mix.weight /= c[None, :]
+    _assert_invariant(model, moved, _Call(data))
+    assert _analyze(moved, data).layer("pos").details["path"] == "fast"
 
 
 # ----------------------------------------------------------------------------- token logits
