@@ -13,6 +13,8 @@ from normflat.core.report import LayerResult, Report, standard_error_of
 from normflat.core.solver import (
     DEFAULT_MAX_ITER,
     DEFAULT_TOL,
+    DERIVED_BLOCK_ENTRIES,
+    DerivedEntries,
     Entries,
     ScalingSolution,
     check_solver_options,
@@ -85,7 +87,7 @@ def _materialize(entries: Entries, what: str) -> Any:
         with np.errstate(over="ignore"):
             M = xp.exp(entries.values)
     elif entries.exp2 == 0:
-        return entries.values
+        return entries.dense()
     elif -1022 <= entries.exp2 <= 1023:
         with np.errstate(over="ignore"):
             M = entries.values * 2.0**entries.exp2
@@ -108,6 +110,16 @@ def _layer_entries(weight: Any, hessian_diag: Any) -> _LayerEntries:
     xp = namespace_of(weight, hessian_diag)
     out, inp = int(weight.shape[0]), int(weight.shape[1])
     kernel = math.prod(int(d) for d in weight.shape[2:])
+    if kernel == 1 and _within_float32(xp, weight.dtype) and _within_float32(xp, hessian_diag.dtype) \
+            and holds_float64(xp):
+        # A float32 dense layer: A and B are formed from the arrays themselves a block of rows at a
+        # time wherever they are used (DerivedEntries), never as float64 copies of the layer's size
+        # (five of them were the peak of a report on an MLP, several times a training step). Every
+        # entry is the float64 value of the plain path: float32 squares are exact in float64.
+        H2, W2 = xp.reshape(hessian_diag, (out, inp)), xp.reshape(weight, (out, inp))
+        clipped, trace = _blocked_curvature_stats(xp, H2)
+        return _LayerEntries(DerivedEntries(H2, xp, "curvature"), DerivedEntries(W2, xp, "squares"),
+                             clipped, trace, xp)
     if kernel > 1 and (weight.dtype != xp.float64 or hessian_diag.dtype != xp.float64) and holds_float64(xp):
         # A float32 convolution: its (out, in) kernel sums in float64, a block of rows at a time,
         # never a float64 copy of the whole kernel (three of them were most of the peak of a
@@ -124,6 +136,22 @@ def _layer_entries(weight: Any, hessian_diag: Any) -> _LayerEntries:
     return _LayerEntries(A, B, clipped, trace, xp)
 
 
+def _within_float32(xp: Any, dtype: Any) -> bool:
+    """Whether a floating dtype's range lies within float32's (float32, float16, bfloat16)."""
+    return dtype != xp.float64 and float(xp.finfo(dtype).max) <= float(xp.finfo(xp.float32).max)
+
+
+def _blocked_curvature_stats(xp: Any, H2: Any) -> tuple[int, float]:
+    """``(clipped, Σ H)`` of a lower-precision ``(out, in)`` diagonal, in float64 blocks of rows."""
+    rows = max(1, DERIVED_BLOCK_ENTRIES // max(1, int(H2.shape[1])))
+    clipped, parts = 0, []
+    for start in range(0, int(H2.shape[0]), rows):
+        block, _ = as_float64(H2[start:min(int(H2.shape[0]), start + rows), :], xp)
+        clipped += _count(xp, block < 0)
+        parts.append(to_float(xp.sum(block)))
+    return clipped, math.fsum(parts)
+
+
 def _blocked_sums(xp: Any, X3: Any, square: bool) -> Any:
     """``Σ_k X`` (or ``Σ_k X²``) over the kernel axis of ``(out, in, k)`` ``X3`` in float64,
     converting a block of rows at a time."""
@@ -131,7 +159,7 @@ def _blocked_sums(xp: Any, X3: Any, square: bool) -> Any:
     parts = []
     with np.errstate(over="ignore"):  # overflowing squares are detected and redone by the caller
         for start in range(0, int(X3.shape[0]), rows):
-            block, _ = as_float64(X3[start:start + rows], xp)
+            block, _ = as_float64(X3[start:min(int(X3.shape[0]), start + rows), ...], xp)
             parts.append(xp.sum(block * block if square else block, axis=2))
     return parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
 
@@ -220,7 +248,15 @@ def _elementwise_bound(A: Entries, B: Entries) -> float:
         mantissa, log_factor, _ = Entries(0.5 * (A.logs() + B.logs()), xp, log=True).total()
         return compose((mantissa,), log_factor)
     # sqrt of each factor: the product of two tiny entries would underflow.
-    total = to_float(xp.sum(xp.sqrt(A.values) * xp.sqrt(B.values)))
+    if A.derived or B.derived:  # a block of rows at a time (no float64 arrays of the layer's size)
+        out, rows = A.shape[0], max(1, DERIVED_BLOCK_ENTRIES // max(1, A.shape[1]))
+        parts = []
+        for start in range(0, out, rows):
+            stop = min(out, start + rows)
+            parts.append(to_float(xp.sum(xp.sqrt(A.block(start, stop)) * xp.sqrt(B.block(start, stop)))))
+        total = math.fsum(parts)
+    else:
+        total = to_float(xp.sum(xp.sqrt(A.values) * xp.sqrt(B.values)))
     odd = (math.sqrt(2.0),) if (A.exp2 + B.exp2) % 2 else ()
     return compose((total, *odd), 0.0, (A.exp2 + B.exp2) // 2) if total else 0.0
 
@@ -347,36 +383,16 @@ def _linearized_group_values(
     """
     raw = problem.hessian_diag_samples
     k = int(raw.shape[0])
-    out, inp = problem.shape[0], problem.shape[1]
-    active = np.asarray(to_numpy(entries.A.positive()))
-    groups = problem.groups
-
-    def slopes_of() -> dict[str, Any]:
-        """The log-derivative of each measure per entry (a float: the same for every entry)."""
-        # Column sigma of entry (i, j) in the compact grouped layout: input channel
-        # j of the group that output channel i belongs to.
-        col_index = (np.arange(out) // (out // groups))[:, None] * inp + np.arange(inp)[None, :]
-        with np.errstate(invalid="ignore"):  # inf - inf of two degenerate indices: no term
-            log_v = solution.log_row_sigma[:, None] + solution.log_col_sigma[col_index]
-        del col_index
-        log_v += _LOG_HALF
-        with np.errstate(invalid="ignore"):  # -inf - (-inf): zero weight and zero curvature, no term
-            log_ratio = np.asarray(to_numpy(entries.B.logs())) - np.asarray(to_numpy(entries.A.logs()))
-        log_ratio *= 0.5
-        log_ratio += _LOG_HALF
-        slopes: dict[str, Any] = {"normalized_sharpness": log_v, "elementwise_bound": log_ratio}
-        if sum_a[0] > 0 and sum_b[0] > 0:
-            # d sqrt(ΣA·ΣB) / dA_ij = ½ sqrt(ΣB / ΣA), the same for every entry
-            slopes["matrix_normalized_sharpness"] = _LOG_HALF + 0.5 * (
-                math.log(sum_b[0]) + sum_b[1] + sum_b[2] * _LN2 - math.log(sum_a[0]) - sum_a[1] - sum_a[2] * _LN2)
-        return slopes
-
-    # The groups' kernel sums (out, in), one group at a time, summed in float64 in the samples'
-    # own library: the peak is a few (out, in) float64 arrays, never K of them (nor a float64
-    # copy of the groups: 440 MB for resnet18). In units of 2^e when a plain sum overflows.
+    mns_slope = None
+    if sum_a[0] > 0 and sum_b[0] > 0:
+        # d sqrt(ΣA·ΣB) / dA_ij = ½ sqrt(ΣB / ΣA), the same for every entry
+        mns_slope = _LOG_HALF + 0.5 * (
+            math.log(sum_b[0]) + sum_b[1] + sum_b[2] * _LN2 - math.log(sum_a[0]) - sum_a[1] - sum_a[2] * _LN2)
+    # The groups' kernel sums, summed in float64 in the samples' own library, in units of 2^e
+    # when a plain sum overflows.
     e = 0
     while True:
-        values = _group_linear_terms(raw, k, out, inp, e, entries, active, slopes_of())
+        values = _group_linear_terms(raw, k, e, entries, solution, problem.groups, mns_slope)
         if values is not None:
             break
         xs = namespace_of(raw)
@@ -394,34 +410,83 @@ def _linearized_group_values(
                                             "matrix_normalized_sharpness", "elementwise_bound")}
 
 
-def _group_linear_terms(raw: Any, k: int, out: int, inp: int, e: int, entries: _LayerEntries,
-                        active: np.ndarray, slopes: dict[str, Any]) -> dict[str, np.ndarray] | None:
-    """``Σ_ij deviation_kij · e^{slope_ij}`` per group ``k`` and measure (0 off ``active``; a
-    float slope is the same for every entry), and each group's trace, with the deviations
-    ``A_k − A`` in units of ``2^e``; ``None`` if a kernel sum overflows."""
+#: Entries of the ``(rows, in)`` blocks in which the standard errors' linear terms are formed.
+_LINEAR_BLOCK_ENTRIES = 1 << 16
+
+
+def _group_linear_terms(raw: Any, k: int, e: int, entries: _LayerEntries, solution: ScalingSolution,
+                        groups: int, mns_slope: float | None) -> dict[str, np.ndarray] | None:
+    """``Σ_ij deviation_kij · e^{slope_ij}`` per group ``k`` and measure (0 where the curvature
+    is not positive), and each group's trace, with the deviations ``A_k − A`` in units of
+    ``2^e``; ``None`` if a kernel sum overflows.
+
+    The slopes (log-derivatives: ``log ½ v_ij`` for normalized sharpness, ``log ½ √(B/A)`` for
+    the element-wise bound, one number for the matrix-normalized one) and the deviations are
+    formed a block of rows at a time: a few float64 arrays of a block, never of the layer.
+    """
     log_unit = e * _LN2
-    if entries.A.is_log:
-        log_A = np.asarray(to_numpy(entries.A.logs()))
-        A_units = np.where(active, np.exp(np.where(active, log_A - log_unit, 0.0)), 0.0)
-        del log_A
-    else:  # exact: a power-of-two rescaling of the plain values
-        A_units = np.asarray(to_numpy(entries.A.values)) * 2.0 ** (entries.A.exp2 - e)
-    values = {name: np.empty(k) for name in slopes}
-    terms = {}
-    for name in list(slopes):  # each slope released as its weights are formed
-        terms[name] = _linear_weight(slopes.pop(name), active, log_unit)
+    out, inp = entries.A.shape
+    rows_per_group = out // groups
+    rows = max(1, _LINEAR_BLOCK_ENTRIES // max(1, inp))
+    names = ["normalized_sharpness", "elementwise_bound"] + (["matrix_normalized_sharpness"] if mns_slope is not None
+                                                              else [])
+    parts: dict[str, list[list[float]]] = {name: [[] for _ in range(k)] for name in names}
+    traces: list[list[float]] = [[] for _ in range(k)]
+    for start in range(0, out, rows):
+        stop = min(out, start + rows)
+        A, B = entries.A.rows(start, stop), entries.B.rows(start, stop)
+        active = np.asarray(to_numpy(A.positive()))
+        if A.is_log:
+            log_A = np.asarray(to_numpy(A.logs()))
+            A_units = np.where(active, np.exp(np.where(active, log_A - log_unit, 0.0)), 0.0)
+            del log_A
+        else:  # exact: a power-of-two rescaling of the plain values
+            A_units = np.asarray(to_numpy(A.dense()), dtype=np.float64) * 2.0 ** (A.exp2 - e)
+        # Column sigma of entry (i, j) in the compact grouped layout: input channel j of the group
+        # that output channel i belongs to.
+        col_index = (np.arange(start, stop) // rows_per_group)[:, None] * inp + np.arange(inp)[None, :]
+        with np.errstate(invalid="ignore"):  # inf - inf of two degenerate indices: no term
+            log_v = solution.log_row_sigma[start:stop, None] + solution.log_col_sigma[col_index]
+        del col_index
+        log_v += _LOG_HALF
+        with np.errstate(invalid="ignore"):  # -inf - (-inf): zero weight and zero curvature, no term
+            log_ratio = np.asarray(to_numpy(B.logs())) - np.asarray(to_numpy(A.logs()))
+        log_ratio *= 0.5
+        log_ratio += _LOG_HALF
+        slopes: dict[str, Any] = {"normalized_sharpness": log_v, "elementwise_bound": log_ratio}
+        if mns_slope is not None:
+            slopes["matrix_normalized_sharpness"] = mns_slope
+        del log_v, log_ratio
+        terms = {}
+        for name in names:  # each slope released as its weights are formed
+            terms[name] = _linear_weight(slopes.pop(name), active, log_unit)
+        for g in range(k):
+            deviation = _kernel_sums(raw[g, start:stop, ...], stop - start, inp, 2.0**-e if e else 1.0)
+            if not np.all(np.isfinite(deviation)):
+                return None
+            traces[g].append(_signed_total(_np_namespace(), deviation.reshape(-1)))
+            deviation -= A_units  # in place: one block of float64 per group
+            for name, term in terms.items():
+                parts[name][g].append(_linear_term(deviation, term))
+    values = {name: np.array([_finite_sum(p) for p in per_group]) for name, per_group in parts.items()}
     trace = np.empty(k)
     for g in range(k):
-        deviation = _kernel_sums(raw[g], out, inp, 2.0**-e if e else 1.0)
-        if not np.all(np.isfinite(deviation)):
-            return None
-        total = _signed_total(_np_namespace(), deviation.reshape(-1))
+        total = _finite_sum(traces[g])
         trace[g] = math.copysign(compose((abs(total),), 0.0, e), total) if total and e else total
-        deviation -= A_units  # in place: one (out, in) float64 array per group
-        for name, term in terms.items():
-            values[name][g] = _linear_term(deviation, term)
     values["trace"] = trace
     return values
+
+
+def _finite_sum(parts: list[float]) -> float:
+    """``Σ parts`` of the blocks of :func:`_group_linear_terms`; an overflowing total is refused."""
+    try:
+        return math.fsum(parts)
+    except OverflowError:
+        pass
+    raise OverflowError(
+        "a standard error exceeds the float64 range; divide the loss (hence the Hessian "
+        "diagonal and its samples) by a constant."
+    )
 
 
 def _linear_weight(log_weight: Any, active: np.ndarray, log_unit: float) -> tuple[str, Any]:

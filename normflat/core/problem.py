@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import array_api_compat
 import numpy as np
@@ -139,15 +139,25 @@ def _check_array(layer: str, what: str, x: Any) -> None:
             f"Layer {layer!r}: {what} has dtype {x.dtype}; a real floating-point dtype is "
             "required (cast integer arrays with .astype(float))."
         )
-    if x.ndim > 0 and not bool(xp.all(xp.isfinite(x))):
+    if x.ndim > 0 and not _all_finite(xp, x):
         raise ValueError(
             f"Layer {layer!r}: {what} contains NaN or infinite values; check the model's "
             "weights and the data, or the estimator's settings."
         )
 
 
+def _all_finite(xp: Any, x: Any) -> bool:
+    """Whether every entry is finite, a slice of the leading axis at a time (the masks of a
+    layer's ``K`` group samples at once would be ``K`` bytes per weight)."""
+    n = int(x.shape[0])
+    step = max(1, _CHECK_BLOCK_ENTRIES // max(1, math.prod(int(d) for d in x.shape[1:])))
+    return all(bool(xp.all(xp.isfinite(x[start:min(n, start + step), ...]))) for start in range(0, n, step))
+
+
 #: Relative tolerance of the check that ``hessian_diag`` is the mean of the samples.
 SAMPLES_MEAN_RTOL = 1e-6
+#: Entries (samples of a block of rows) compared at once by :func:`_check_samples_mean`.
+_CHECK_BLOCK_ENTRIES = 1 << 16
 
 
 def _check_samples_mean(layer: str, diag: Any, samples: Any) -> None:
@@ -156,6 +166,8 @@ def _check_samples_mean(layer: str, diag: Any, samples: Any) -> None:
     The standard errors linearize every measure around ``diag`` and take the
     spread of the samples around it; samples of another quantity (sums instead of
     means, another layer, another layout) would give a confident, wrong error.
+    The comparison runs in float64 a block of rows at a time: no float64 copy of the
+    samples (``K`` times the layer) is ever formed.
     """
     try:
         xp = array_api_compat.array_namespace(samples, diag)
@@ -164,19 +176,33 @@ def _check_samples_mean(layer: str, diag: Any, samples: Any) -> None:
         xp = namespace_of(samples)
     # Rounding of the mean in the arrays' own precision is allowed for.
     eps = max(float(xp.finfo(samples.dtype).eps), float(xp.finfo(diag.dtype).eps))
-    S, _ = as_float64(samples, xp)
-    D, xp = as_float64(diag, xp)
-    if tuple(samples.shape[1:]) != tuple(diag.shape):
-        # Kernel-summed samples (K, out, in, 1, ...): compare with the diagonal's kernel sums.
-        D = xp.reshape(xp.sum(xp.reshape(D, (D.shape[0], D.shape[1], -1)), axis=2), tuple(samples.shape[1:]))
-    s_max, d_max = to_float(xp.max(xp.abs(S))), to_float(xp.max(xp.abs(D)))
+    k, out = int(samples.shape[0]), int(diag.shape[0])
+    # Kernel-summed samples (K, out, in, 1, ...) are compared with the diagonal's kernel sums.
+    summed = tuple(samples.shape[1:]) != tuple(diag.shape)
+    per_row = math.prod(int(d) for d in diag.shape[1:])
+    rows = max(1, _CHECK_BLOCK_ENTRIES // max(1, k * per_row))
+
+    def blocks() -> Iterator[tuple[Any, Any, Any]]:
+        """``(samples, diagonal, namespace)`` of each block of rows, in float64."""
+        for start in range(0, out, rows):
+            S, _ = as_float64(samples[:, start:min(out, start + rows), ...], xp)
+            D, ns = as_float64(diag[start:min(out, start + rows), ...], xp)
+            if summed:
+                D = ns.reshape(ns.sum(ns.reshape(D, (D.shape[0], D.shape[1], -1)), axis=2), tuple(S.shape[1:]))
+            yield S, D, ns
+
+    def largest(ns: Any, x: Any) -> float:
+        return max(to_float(ns.max(x)), -to_float(ns.min(x)))  # max |x| without an abs() copy
+
+    s_max = d_max = 0.0
+    for S, D, ns in blocks():
+        s_max, d_max = max(s_max, largest(ns, S)), max(d_max, largest(ns, D))
     if max(s_max, d_max) == 0.0:
         return
     # Units of the largest magnitude (a power of two): samples near the float64
     # limits neither overflow in the mean nor underflow in the bound.
     unit = 2.0 ** -math.frexp(max(s_max, d_max))[1]
-    error = to_float(xp.max(xp.abs(xp.mean(S * unit, axis=0) - D * unit)))
-    k = int(samples.shape[0])
+    error = max(largest(ns, ns.mean(S * unit, axis=0) - D * unit) for S, D, ns in blocks())
     bound = SAMPLES_MEAN_RTOL * d_max * unit + 8.0 * k * eps * s_max * unit
     if not error <= bound:
         raise ValueError(

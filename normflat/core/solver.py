@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -172,8 +172,12 @@ class Entries:
     log=True)`` for ``exp(L)`` with ``L = -inf`` for zero entries. The log form
     holds matrices whose entries do not fit one float64 scale (squared weights of
     a layer whose weights span more than about 1e±150), the scaled form a matrix
-    that is uniformly huge or tiny. Internal to the core.
+    that is uniformly huge or tiny. :class:`DerivedEntries` forms its float64
+    entries from a lower-precision array a block of rows at a time. Internal to the
+    core.
     """
+
+    derived = False
 
     def __init__(self, values: Any, xp: Any, *, exp2: int = 0, log: bool = False):
         self.values, self.xp, self.exp2, self.is_log = values, xp, int(exp2), log
@@ -191,6 +195,18 @@ class Entries:
         if self.is_log:
             return self.values
         return safe_log(self.xp, self.values) + self.exp2 * _LN2
+
+    def dense(self) -> Any:
+        """The plain float64 values (``2^exp2`` not applied; not for the log form)."""
+        return self.values
+
+    def largest(self) -> float:
+        """The largest plain value (``2^exp2`` not applied; not for the log form)."""
+        return to_float(self.xp.max(self.values))
+
+    def block(self, start: int, stop: int) -> Any:
+        """Rows ``start .. stop − 1`` of :meth:`dense`."""
+        return self.values[start:stop, :]
 
     def total(self) -> tuple[float, float, int]:
         """``Σ`` of the entries as ``(mantissa, log_factor, exp2)`` for :func:`compose`.
@@ -217,6 +233,79 @@ class Entries:
         if self.is_log:
             return Entries(xp.where(mask, self.values, xp.full_like(self.values, -math.inf)), xp, log=True)
         return Entries(xp.where(mask, self.values, xp.zeros_like(self.values)), xp, exp2=self.exp2)
+
+
+#: Entries of one float64 block of :class:`DerivedEntries` (512 KiB): the float64 copies of a
+#: large dense layer exist one block at a time.
+DERIVED_BLOCK_ENTRIES = 1 << 16
+
+
+class DerivedEntries(Entries):
+    """Float64 entries formed from a lower-precision array, a block of rows at a time.
+
+    ``kind="curvature"``: ``max(S, 0)``; ``kind="squares"``: ``S²``, for an ``(out, in)``
+    array ``S`` of at most float32's range (float32, float16, bfloat16), whose every such
+    entry float64 holds exactly (a float32 square has at most 48 significant bits and lies
+    within ``[1e-90, 1.2e77]``). The solver's matrix-vector products and the measures' sums
+    convert one block of rows at a time, so a dense layer never has a float64 copy of its
+    size (method §5, numerics): the values are those of the float64 matrix formed at once,
+    up to the order of the additions.
+    """
+
+    derived = True
+
+    def __init__(self, source: Any, xp: Any, kind: str):
+        super().__init__(source, xp)
+        self.kind = kind
+
+    def _derive(self, block: Any) -> Any:
+        block, _ = as_float64(block, self.xp)
+        if self.kind == "squares":
+            return block * block
+        return self.xp.where(block > 0, block, self.xp.zeros_like(block))
+
+    def positive(self) -> Any:
+        return self.values > 0 if self.kind == "curvature" else self.values != 0
+
+    def logs(self) -> Any:
+        return safe_log(self.xp, self.dense())
+
+    def dense(self) -> Any:
+        return self._derive(self.values)
+
+    def largest(self) -> float:
+        xp = self.xp
+        # In float64 first: numpy has no bfloat16. A float32 value squared is exact in float64. No
+        # abs(): it would copy the layer.
+        top, _ = as_float64(xp.max(self.values), xp)
+        if self.kind == "curvature":
+            return max(to_float(top), 0.0)
+        bottom, _ = as_float64(xp.min(self.values), xp)
+        return max(to_float(top), -to_float(bottom)) ** 2
+
+    def block(self, start: int, stop: int) -> Any:
+        return self._derive(self.values[start:stop, :])
+
+    def block_rows(self) -> int:
+        return max(1, DERIVED_BLOCK_ENTRIES // max(1, self.shape[1]))
+
+    def total(self) -> tuple[float, float, int]:
+        return math.fsum(to_float(self.xp.sum(block)) for block in self.blocks()), 0.0, 0
+
+    def blocks(self) -> Iterator[Any]:
+        """The float64 blocks of rows, in order."""
+        step = self.block_rows()
+        for start in range(0, self.shape[0], step):
+            yield self.block(start, min(self.shape[0], start + step))
+
+    def take(self, index: Any, axis: int) -> Entries:
+        return DerivedEntries(self.xp.take(self.values, index, axis=axis), self.xp, self.kind)
+
+    def rows(self, start: int, stop: int) -> Entries:
+        return DerivedEntries(self.values[start:stop, :], self.xp, self.kind)
+
+    def masked(self, mask: Any) -> Entries:
+        return DerivedEntries(self.xp.where(mask, self.values, self.xp.zeros_like(self.values)), self.xp, self.kind)
 
 
 def safe_log(xp: Any, v: Any) -> Any:
@@ -369,6 +458,44 @@ def _peel_degenerate(pos_a, pos_b, log_a, log_b):
     return rows, cols, deg_rows, deg_cols, compact[rows.size:], compact[: rows.size], keep
 
 
+class _Kernel:
+    """A working kernel ``K`` of :class:`_Iteration` with its two matrix-vector products.
+
+    Either a float64 matrix, or ``E / scale`` for :class:`DerivedEntries` ``E``, whose
+    products go a block of rows at a time and are divided by ``scale`` afterwards (no
+    float64 copy of ``E``; its entries and the working exponentials are far inside the
+    float64 range, so the unscaled products neither overflow nor lose precision).
+    """
+
+    def __init__(self, matrix: Any, entries: DerivedEntries | None = None, scale: float = 1.0):
+        self.matrix, self.entries, self.scale = matrix, entries, scale
+
+    @classmethod
+    def of(cls, entries: Entries, scale: float) -> _Kernel:
+        """The unit-maximum kernel ``entries / scale`` (``scale`` the largest entry)."""
+        if isinstance(entries, DerivedEntries):
+            return cls(None, entries, scale)
+        return cls(entries.values / scale)
+
+    def times(self, v: Any) -> Any:
+        """``K v``."""
+        if self.entries is None:
+            return self.matrix @ v
+        xp = self.entries.xp
+        return xp.concat([block @ v for block in self.entries.blocks()]) / self.scale
+
+    def times_left(self, u: Any) -> Any:
+        """``uᵀ K``."""
+        if self.entries is None:
+            return u @ self.matrix
+        total, start = None, 0
+        for block in self.entries.blocks():
+            stop = start + int(block.shape[0])
+            part = u[start:stop] @ block
+            total, start = (part if total is None else total + part), stop
+        return total / self.scale
+
+
 class _Iteration:
     """Alternating exact block minimization on blocks whose minimum is attained.
 
@@ -401,12 +528,12 @@ class _Iteration:
         if self.log_mode:
             # Both in logs (the plain one carries its power of two into its logs).
             # The powers of two stay with the caller, so plain operands enter without them.
-            log_a, log_b = (E.values if E.is_log else safe_log(self.xp, E.values) for E in (A, B))
+            log_a, log_b = (E.values if E.is_log else safe_log(self.xp, E.dense()) for E in (A, B))
             self.log_top_a, self.log_top_b = to_float(self.xp.max(log_a)), to_float(self.xp.max(log_b))
             self.logs: tuple[Any, Any] | None = (log_a - self.log_top_a, log_b - self.log_top_b)
         else:
-            self.scale_a, self.scale_b = to_float(self.xp.max(A.values)), to_float(self.xp.max(B.values))
-            self.plain = (A.values, B.values)
+            self.scale_a, self.scale_b = A.largest(), B.largest()
+            self.plain = (A, B)
             self.logs = None
 
     def _log_entries(self) -> tuple[Any, Any]:
@@ -414,7 +541,8 @@ class _Iteration:
         if self.logs is None:
             xp = self.xp
             out = []
-            for values, scale in zip(self.plain, (self.scale_a, self.scale_b)):
+            for entries, scale in zip(self.plain, (self.scale_a, self.scale_b)):
+                values = entries.dense()
                 ratio = values / scale
                 direct = safe_log(xp, ratio)
                 # Entries that underflow in the ratio keep their log through log(v) - log(scale).
@@ -439,7 +567,7 @@ class _Iteration:
         ea, eb = log_a + exponent, log_b - exponent
         gamma = max(to_float(xp.max(ea)), to_float(xp.max(eb)))
         self.alpha = self.beta = gamma
-        self.K_A, self.K_B = xp.exp(ea - gamma), xp.exp(eb - gamma)
+        self.K_A, self.K_B = _Kernel(xp.exp(ea - gamma)), _Kernel(xp.exp(eb - gamma))
         self.x0, self.y0 = x, y
 
     def _point(self, a: Any, b: Any) -> tuple[Any, Any]:
@@ -461,7 +589,7 @@ class _Iteration:
         if self.log_mode:
             return self._run_log(self._zeros(self.m), self._zeros(self.n), 0, tol, max_iter)
         # Unit-maximum start: exact, and all that ordinary layers ever need.
-        self.K_A, self.K_B = self.plain[0] / self.scale_a, self.plain[1] / self.scale_b
+        self.K_A, self.K_B = (_Kernel.of(E, scale) for E, scale in zip(self.plain, (self.scale_a, self.scale_b)))
         self.alpha = self.beta = 0.0
         self.x0, self.y0 = self._zeros(self.m), self._zeros(self.n)
         a, b = self._zeros(self.m), self._zeros(self.n)
@@ -472,7 +600,7 @@ class _Iteration:
             if absorptions > 2:  # a common scale cannot hold these totals
                 return self._run_log(*self._point(a, b), iterations, tol, max_iter)
             eb, emb = xp.exp(b), xp.exp(-b)
-            row_a, row_b = self.K_A @ eb, self.K_B @ emb
+            row_a, row_b = self.K_A.times(eb), self.K_B.times(emb)
             if not self._safe(row_a, row_b):
                 if fresh:
                     return self._run_log(*self._point(a, b), iterations, tol, max_iter)
@@ -487,8 +615,8 @@ class _Iteration:
                 a, b, fresh, absorptions = self._zeros(self.m), self._zeros(self.n), True, absorptions + 1
                 continue
             ea = xp.exp(a)
-            col_a = (ea @ self.K_A) * eb
-            col_b = ((1.0 / ea) @ self.K_B) * emb
+            col_a = self.K_A.times_left(ea) * eb
+            col_b = self.K_B.times_left(1.0 / ea) * emb
             if not self._safe(col_a, col_b):
                 if fresh:
                     return self._run_log(*self._point(a, b), iterations, tol, max_iter)
