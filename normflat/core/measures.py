@@ -13,7 +13,7 @@ from normflat.core.report import LayerResult, Report, standard_error_of
 from normflat.core.solver import (
     DEFAULT_MAX_ITER,
     DEFAULT_TOL,
-    DERIVED_BLOCK_ENTRIES,
+    PASS_BLOCK_ENTRIES,
     DerivedEntries,
     Entries,
     ScalingSolution,
@@ -143,7 +143,7 @@ def _within_float32(xp: Any, dtype: Any) -> bool:
 
 def _blocked_curvature_stats(xp: Any, H2: Any) -> tuple[int, float]:
     """``(clipped, Σ H)`` of a lower-precision ``(out, in)`` diagonal, in float64 blocks of rows."""
-    rows = max(1, DERIVED_BLOCK_ENTRIES // max(1, int(H2.shape[1])))
+    rows = max(1, PASS_BLOCK_ENTRIES // max(1, int(H2.shape[1])))
     clipped, parts = 0, []
     for start in range(0, int(H2.shape[0]), rows):
         block, _ = as_float64(H2[start:min(int(H2.shape[0]), start + rows), :], xp)
@@ -249,7 +249,7 @@ def _elementwise_bound(A: Entries, B: Entries) -> float:
         return compose((mantissa,), log_factor)
     # sqrt of each factor: the product of two tiny entries would underflow.
     if A.derived or B.derived:  # a block of rows at a time (no float64 arrays of the layer's size)
-        out, rows = A.shape[0], max(1, DERIVED_BLOCK_ENTRIES // max(1, A.shape[1]))
+        out, rows = A.shape[0], max(1, PASS_BLOCK_ENTRIES // max(1, A.shape[1]))
         parts = []
         for start in range(0, out, rows):
             stop = min(out, start + rows)

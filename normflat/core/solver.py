@@ -235,9 +235,14 @@ class Entries:
         return Entries(xp.where(mask, self.values, xp.zeros_like(self.values)), xp, exp2=self.exp2)
 
 
-#: Entries of one float64 block of :class:`DerivedEntries` (512 KiB): the float64 copies of a
-#: large dense layer exist one block at a time.
-DERIVED_BLOCK_ENTRIES = 1 << 16
+#: Entries of one float64 block of the solver's products with :class:`DerivedEntries` (2 MiB):
+#: the float64 copies of a large dense layer exist one block at a time, and a layer of a few
+#: hundred thousand weights takes a few blocks per product (every sweep forms them anew, and
+#: the operations per block, not the arithmetic, set the time of a small layer).
+DERIVED_BLOCK_ENTRIES = 1 << 18
+#: Entries of one float64 block of a single pass over :class:`DerivedEntries` (sums, the
+#: element-wise bound; 512 KiB): done once per layer, so small blocks cost nothing.
+PASS_BLOCK_ENTRIES = 1 << 16
 
 
 class DerivedEntries(Entries):
@@ -259,10 +264,15 @@ class DerivedEntries(Entries):
         self.kind = kind
 
     def _derive(self, block: Any) -> Any:
-        block, _ = as_float64(block, self.xp)
-        if self.kind == "squares":
-            return block * block
-        return self.xp.where(block > 0, block, self.xp.zeros_like(block))
+        # Few operations per block (each is a call into the array library, the cost of a
+        # solver sweep on a small layer) and no second float64 block: the clip in the source's
+        # precision (exact), the square in place on the fresh float64 copy.
+        xp = self.xp
+        if self.kind == "curvature":
+            return as_float64(xp.clip(block, min=0.0), xp)[0]
+        block, _ = as_float64(block, xp)
+        block *= block
+        return block
 
     def positive(self) -> Any:
         return self.values > 0 if self.kind == "curvature" else self.values != 0
@@ -286,15 +296,13 @@ class DerivedEntries(Entries):
     def block(self, start: int, stop: int) -> Any:
         return self._derive(self.values[start:stop, :])
 
-    def block_rows(self) -> int:
-        return max(1, DERIVED_BLOCK_ENTRIES // max(1, self.shape[1]))
-
     def total(self) -> tuple[float, float, int]:
-        return math.fsum(to_float(self.xp.sum(block)) for block in self.blocks()), 0.0, 0
+        return math.fsum(to_float(self.xp.sum(block)) for block in self.blocks(PASS_BLOCK_ENTRIES)), 0.0, 0
 
-    def blocks(self) -> Iterator[Any]:
-        """The float64 blocks of rows, in order."""
-        step = self.block_rows()
+    def blocks(self, entries: int | None = None) -> Iterator[Any]:
+        """The float64 blocks of rows, in order, of about ``entries`` entries each (default
+        :data:`DERIVED_BLOCK_ENTRIES`)."""
+        step = max(1, (entries or DERIVED_BLOCK_ENTRIES) // max(1, self.shape[1]))
         for start in range(0, self.shape[0], step):
             yield self.block(start, min(self.shape[0], start + step))
 

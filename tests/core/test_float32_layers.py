@@ -33,7 +33,8 @@ def _all_warnings_are_errors():
 def small_blocks(monkeypatch):
     """Blocks of a few rows, so that every layer below spans several of them."""
     monkeypatch.setattr(solver, "DERIVED_BLOCK_ENTRIES", 64)
-    monkeypatch.setattr(measures, "DERIVED_BLOCK_ENTRIES", 64)
+    monkeypatch.setattr(solver, "PASS_BLOCK_ENTRIES", 64)
+    monkeypatch.setattr(measures, "PASS_BLOCK_ENTRIES", 64)
     monkeypatch.setattr(measures, "_LINEAR_BLOCK_ENTRIES", 64)
 
 
@@ -147,9 +148,11 @@ def test_torch_lower_precision_tensors(small_blocks, weight_dtype, diag_dtype):
     _assert_same(got, ref)
 
 
-def test_no_float64_array_of_the_layers_size():
+def test_no_float64_array_of_the_layers_size(monkeypatch):
     """The peak of a float32 dense layer's report, standard errors included, stays far below one
     float64 array of the layer (the plain path held five of them at once)."""
+    # blocks of 512 KiB, far smaller than this layer
+    monkeypatch.setattr(solver, "DERIVED_BLOCK_ENTRIES", 1 << 16)
     rng = np.random.default_rng(7)
     out, inp = 1500, 1000
     W = rng.normal(size=(out, inp)).astype(np.float32)
