@@ -303,14 +303,23 @@ def test_position_table_read_otherwise_takes_the_exact_generic_path(use, reason)
     assert set(got) == {"emb", "pos_embed", "mix", "head"}
 
 
-def test_position_table_reached_outside_its_module_attribute_is_not_on_the_fast_path():
+def test_position_table_reached_outside_its_module_attribute_is_refused(monkeypatch):
     """A table the forward reaches through a reference of its own (not the module attribute that
     ``functional_call`` swaps) would get no gradient at the expanded view: the graph check sees the
-    parameter itself used and refuses the fast rule."""
+    parameter itself used and refuses the fast rule. The generic path swaps it with
+    ``functional_call`` too, and would read its curvature as zero: the analysis is refused with the
+    cause and the fix, never a silent zero."""
+    from normflat.backends.torch import session
+
+    reasons = []
+    disable = session.TorchLayer.disable_fast
+    monkeypatch.setattr(session.TorchLayer, "disable_fast", lambda self, why: (reasons.append((self.name, why)),
+                                                                                disable(self, why))[1])
     model = _init(PositionTagger(use="alias"))
-    report = normflat.analyze(model, [(_ids(N, T), _labels(N))], progress=False, estimator="ggn")
-    details = report.layer("pos_embed").details
-    assert details["path"] == "generic" and "also used outside its module attribute" in details["generic_reason"]
+    with pytest.raises(ValueError, match=r"'pos_embed' through a reference other than their module attribute.*"
+                                         r"nn\.ParameterList"):
+        normflat.analyze(model, [(_ids(N, T), _labels(N))], progress=False, estimator="ggn")
+    assert [name for name, why in reasons if "also used outside its module attribute" in why] == ["pos_embed"]
 
 
 def test_position_table_checked_on_the_first_chunk_of_two_rows():

@@ -1060,3 +1060,86 @@ def test_convolution_groups_kept_as_kernel_sums_give_the_full_groups_report(monk
         for m, se in b.standard_error.items():
             assert se > 0 or (a.name == "6" and estimator == "ggn-topk")  # its exact dense head: 0
             assert a.standard_error[m] == pytest.approx(se, rel=1e-12, abs=1e-300), (a.name, m)
+
+
+# ----------------------------------------------------------------------------- weights functional_call cannot swap
+
+
+class _HeldWeight(nn.Module):
+    """A dense layer whose weight the forward reaches through ``held`` instead of the module
+    (``held``: a plain list, which ``functional_call`` does not swap, or an ``nn.ParameterList``,
+    whose registered name is tied to the module's and swapped with it); ``held=None``: the module."""
+
+    def __init__(self, held):
+        super().__init__()
+        self.a = nn.Linear(4, 5)
+        self.b = nn.Linear(5, 3)
+        self.held = None if held is None else held([self.a.weight])
+
+    def forward(self, x):
+        w = self.a.weight if self.held is None else self.held[0]
+        return self.b(torch.relu(F.linear(x, w, self.a.bias)))
+
+
+def _held_data():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(6, 4, generator=g, dtype=DT), torch.randint(0, 3, (6,), generator=g)
+
+
+@pytest.mark.parametrize("estimator", ["ggn", "ggn-mc", "exact", "hutchinson"])
+def test_weight_held_in_a_plain_list_is_refused_not_zero(estimator):
+    """``functional_call`` (the generic path, the Hessian-vector products) swaps module attributes:
+    a weight the forward takes from a plain list would keep its original, and its curvature would
+    read as zero. Refused with the cause and the fix, and the fix (an ``nn.ParameterList``) gives the
+    numbers of the model that uses its module."""
+    plain, listed, fixed = (_HeldWeight(held).double() for held in (None, list, nn.ParameterList))
+    for other in (listed, fixed):  # in place: the references stay the module's parameters
+        with torch.no_grad():
+            for p, q in zip(other.parameters(), plain.parameters()):
+                p.copy_(q)
+    data = _held_data()
+    flags = [p.requires_grad for p in listed.parameters()]
+    with pytest.raises(ValueError, match=r"'a\.weight' through a reference other than their module attribute"
+                                         r".*functional_call.*nn\.ParameterList"):
+        normflat.hessian_diagonal(listed, data, estimator=estimator, progress=False)
+    assert [p.requires_grad for p in listed.parameters()] == flags
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the list's entry is the layer's weight, not a skipped parameter
+        got = normflat.hessian_diagonal(fixed, data, estimator=estimator, progress=False)
+    ref = normflat.hessian_diagonal(plain, data, estimator=estimator, progress=False)
+    assert set(got) == set(ref) == {"a", "b"}
+    for name in ref:
+        assert float(ref[name].abs().sum()) > 0
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("name", ["adaptive_sharpness", "fisher_rao_norm", "path_norm"])
+def test_rival_measures_refuse_a_weight_held_in_a_plain_list(name):
+    """The rival measures swap perturbed (or squared) weights in with ``functional_call`` too."""
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"'a\.weight' through a reference other than their module attribute"):
+        normflat.measures(_HeldWeight(list).double(), _held_data(), names=[name], progress=False)
+
+
+def test_a_parameter_list_registered_before_the_layer_holding_its_weight_is_not_skipped():
+    """The loose parameters of modules without an extractor are settled after the walk: an
+    ``nn.ParameterList`` registered before the layer whose weight it holds is that layer's
+    weight, not a skipped parameter."""
+
+    class ListFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            layer = nn.Linear(4, 3)
+            self.held = nn.ParameterList([layer.weight])
+            self.a = layer
+
+        def forward(self, x):
+            return F.linear(x, self.held[0], self.a.bias)
+
+    torch.manual_seed(0)
+    model = ListFirst().double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = normflat.analyze(model, _held_data(), progress=False, estimator="ggn")
+    assert [layer.name for layer in report.layers] == ["a"]
+    assert report.metadata["unsupported"] == [] and report.metadata["coverage"] == 1.0

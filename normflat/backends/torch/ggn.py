@@ -43,6 +43,8 @@ __all__ = [
     "inspect_graph",
     "backprop_signals",
     "generic_ggn",
+    "unswapped",
+    "unswapped_error",
 ]
 
 #: Elements of one chunk of per-sample squares: bounds memory, and small enough to stay in
@@ -641,6 +643,46 @@ def backprop_signals(logits: torch.Tensor, outs: list[torch.Tensor], sig: torch.
 
 
 _VMAP_ERRORS = (RuntimeError, NotImplementedError, TypeError, ValueError)
+
+
+def unswapped(model: nn.Module, inputs: Any, params: dict[str, torch.Tensor],
+              pick: Callable[[Any], torch.Tensor]) -> list[str]:
+    """The names of ``params`` (``{registered name: parameter}``) that the model also reaches
+    without their module attribute.
+
+    ``torch.func.functional_call``, behind the generic path, the Hessian-vector products and the
+    rival measures, swaps the registered attributes (and every name tied to them) for the
+    tensors it is given; a forward that reaches a parameter through another reference (a plain
+    list or dict holding it) computes with the original, and its curvature would read as zero.
+    One forward of ``inputs`` (a row or two) with stand-ins for the parameters tells: the
+    originals, made to require gradients for it, must not be in the graph.
+    """
+    flags = {name: p.requires_grad for name, p in params.items()}
+    try:
+        for p in params.values():
+            p.requires_grad_(True)
+        stand_ins = {name: p.detach().requires_grad_(True) for name, p in params.items()}
+        with torch.enable_grad():
+            out = pick(functional_call(model, stand_ins, inputs.args, inputs.kwargs, strict=False))
+        root = out.grad_fn if isinstance(out, torch.Tensor) else None
+        uses, _ = inspect_graph(root, {id(p): name for name, p in params.items()}, [])
+    finally:
+        for name, p in params.items():
+            p.requires_grad_(flags[name])
+    return [name for name, p in params.items() if uses[id(p)]]
+
+
+def unswapped_error(names: list[str]) -> ValueError:
+    """The error for :func:`unswapped` parameters: the cause and the fix."""
+    return ValueError(
+        f"The model uses the parameter(s) {', '.join(map(repr, names))} through a reference other than "
+        "their module attribute (a plain Python list or dict holding the parameter, say). normflat "
+        "computes per-sample gradients, Hessian-vector products and perturbed losses with "
+        "torch.func.functional_call, which swaps registered attributes only, so the curvature of such "
+        "a weight would read as zero. Use the parameter through its module, or hold the extra "
+        "reference in an nn.ParameterList or nn.ParameterDict (the registered names of one parameter "
+        "are swapped together)."
+    )
 
 
 def generic_ggn(model: nn.Module, inputs: Any, sig: torch.Tensor, layers: list[Any],

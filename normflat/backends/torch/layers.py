@@ -411,6 +411,8 @@ class _Walk:
         self.layers: list[TorchLayer] = []
         self.by_param: dict[int, TorchLayer] = {}
         self.skipped = Skipped(REGISTRY)
+        # Direct parameters of modules without an extractor, settled after the walk (settle_loose).
+        self.loose_params: list[tuple[str, nn.Module, Any]] = []
 
     def mark(self, p: Any, status: str, reason: str | None = None) -> None:
         name = self.names.get(id(p))
@@ -470,10 +472,16 @@ class _Walk:
                 self.add(self.names.get(id(p), full), module, p, POSITION_TABLE,
                          convert=_position_convert(table))
                 continue
-            if id(p) in self.by_param:
-                continue
-            self.skipped.add(f"{label}.{pname}" if name else pname, module)
-            self.mark(p, "skipped", "no registered extractor for its module")
+            if id(p) not in self.by_param:
+                self.loose_params.append((f"{label}.{pname}" if name else pname, module, p))
+
+    def settle_loose(self) -> None:
+        """The loose parameters no layer analyzed are skipped. Settled after the walk: a module
+        registered before a layer (an ``nn.ParameterList`` holding its weight) may hold it too."""
+        for label, module, p in self.loose_params:
+            if id(p) not in self.by_param:
+                self.skipped.add(label, module)
+                self.mark(p, "skipped", "no registered extractor for its module")
 
 
 def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
@@ -553,6 +561,7 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
             elif walk.names.get(id(p)) not in walk.status:
                 walk.skipped.add(full, module, "a parameter its layer extractor does not read")
                 walk.mark(p, "skipped", "a parameter its layer extractor does not read")
+    walk.settle_loose()
     messages = walk.skipped.report(on_unsupported)
     layers = walk.layers
     if not layers:

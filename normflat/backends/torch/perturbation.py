@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Mapping
 
 import array_api_compat
@@ -34,6 +35,7 @@ from torch.func import functional_call, grad_and_value, vjp
 
 from normflat.backends.torch import compat, hf
 from normflat.backends.torch.data import ADAPTER, ModelInputs, inputs_to_model, to_model
+from normflat.backends.torch.ggn import unswapped, unswapped_error
 from normflat.backends.torch.layers import collect_layers, unwrap
 from normflat.backends.torch.session import parse_settings
 from normflat.backends.torch.state import ModelState, claim, release
@@ -110,6 +112,7 @@ class TorchPerturbationModel:
                       else bool(hf.is_causal_lm(self.model)))
         self._recurrent = any(isinstance(m, nn.RNNBase) for m in self.model.modules())
         self._closed = False
+        self._swappable = False  # the weights checked to be swappable by functional_call (_batches)
 
     # ------------------------------------------------------------------ the protocol
 
@@ -231,6 +234,10 @@ class TorchPerturbationModel:
             guard = _PathNormGuard({id(t) for t in squared.values()}, folds, type(self.model).__name__)
             with guard:
                 out = functional_call(self.model, squared, (x,), strict=False)
+            # After the guard, which refuses what the path norm is not defined for (a forward of
+            # one example of ones may not even run otherwise, batch statistics say).
+            self._check_swappable(SimpleNamespace(args=(x,), kwargs={}),
+                                  {name: p for name, p in self.model.named_parameters() if id(p) not in folded_params})
             logits = select_output(out, self.options.output, _is_tensor)
             if not isinstance(logits, torch.Tensor):
                 raise TypeError(_not_tensor(logits))
@@ -287,9 +294,22 @@ class TorchPerturbationModel:
         source, _ = batches(self.data, ADAPTER, self.options)
         for batch in source:
             xs = inputs_to_model(batch.x, batch.index, self.device, self.dtype, batch.n, batch.keywords)
+            if not self._swappable:
+                # Every forward swaps the weights in with functional_call: a weight also reached
+                # another way would stay unperturbed (ggn.unswapped).
+                self._check_swappable(xs.rows(slice(0, min(2, xs.n))),
+                                     {layer.param_name: layer.param for layer in self._layers})
+                self._swappable = True
             # Labels on the host before the torch.func transforms: inside them a tensor cannot be
             # read into numpy (labels_for does), and the data contract reads numpy labels alike.
             yield dataclasses.replace(batch, y=ADAPTER.to_numpy(batch.y)), xs
+
+    def _check_swappable(self, inputs: Any, params: dict[str, torch.Tensor]) -> None:
+        """Refuse parameters the model reaches without their module attribute (they would not be
+        swapped: :func:`~normflat.backends.torch.ggn.unswapped`)."""
+        names = unswapped(self.model, inputs, params, lambda out: select_output(out, self.options.output, _is_tensor))
+        if names:
+            raise unswapped_error(names)
 
     def _prediction_losses(self, params: dict[str, torch.Tensor], batch: Batch,
                            xs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:

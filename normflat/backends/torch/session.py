@@ -151,6 +151,8 @@ class TorchSession:
         # The layers whose substitution (_forward) passed its first checks, and its per-sample one.
         self._seen: set[int] = set()
         self._probed: set[int] = set()
+        # The layers whose weights were checked to be swappable by functional_call (_check_swappable).
+        self._swappable: set[int] = set()
         self.batched = False
         self.batches_seen = 0
         self.token_logits = False  # whether the model returned (n, T, C) token logits (metadata)
@@ -338,6 +340,7 @@ class TorchSession:
         y, terms = self._labels(batch, c, logits)
         self._check_loss(logits, y, batch.index)
         del logits
+        self._check_swappable(xs, self._layers)
         loss_of = hvp.functional_loss(self.model, xs, lambda z: self._loss_sum(z, y), self._pick)
         # Hessian-vector products need attention's double backward (the math kernel).
         with compat.FunctionalKernels(attention=True):
@@ -722,11 +725,25 @@ class TorchSession:
             if generic:
                 cap.active = False
                 try:
+                    self._check_swappable(xc, generic)
                     for block in self._prepared_blocks(z, counted, uniforms, sequence):
                         self._generic_squares(xc, block, generic, state)
                 finally:
                     cap.active = True
         return terms
+
+    def _check_swappable(self, xs: ModelInputs, layers: list[TorchLayer]) -> None:
+        """Refuse, once per layer, a weight the model reaches without its module attribute: the
+        generic path and the Hessian-vector products swap weights with ``functional_call``, and
+        would read its curvature as zero (:func:`~normflat.backends.torch.ggn.unswapped`)."""
+        new = [layer for layer in layers if id(layer) not in self._swappable]
+        if not new:
+            return
+        names = ggn_kernels.unswapped(self.model, xs.rows(slice(0, min(PROBE_ROWS, xs.n))),
+                                      {layer.param_name: layer.param for layer in new}, self._pick)
+        if names:
+            raise ggn_kernels.unswapped_error(names)
+        self._swappable.update(id(layer) for layer in new)
 
     def _heads(self, logits: torch.Tensor, fast: list[TorchLayer]) -> list[TorchLayer]:
         """``ggn``/``ggn-topk``: the fast dense layers whose output tensor is the logits themselves.
