@@ -10,6 +10,14 @@ lookup taps) and the brute-force ``(1/N) Σ J_{n,t}ᵀ H_{n,t} J_{n,t}`` of
 loss Hessians over the counted tokens), with repeated ids inside a sample and
 token labels with ``ignore_index``. A table that is also the tied LM head is used
 twice and must stay on the generic path.
+
+Learned position tables added to the activations (method §6.1 "Position tables")
+are taps of their own: the signal at the table's operand of the ``add`` is, in the
+per-example program, that example's gradient of the rows it reads. The same three
+ways for flax nnx, linen and equinox tables (sliced, indexed at the leading axis,
+broadcast inside the example), with ``ggn``, ``ggn-mc`` and ``ggn-topk`` on two batch
+sizes; a table also used elsewhere, or used other than by an addition, stays generic
+with its reason.
 """
 
 from __future__ import annotations
@@ -52,7 +60,8 @@ def _paths(model, data, **kw):
 
 
 def _generic(monkeypatch, fn):
-    """``fn()`` traced without lookup taps (every table on the generic path), in fresh caches.
+    """``fn()`` traced without lookup taps and added tables (every table on the generic path),
+    in fresh caches.
 
     The traced programs and compiled kernels are cached by the program's text, which
     does not show the taps: both caches are emptied before and after.
@@ -60,6 +69,7 @@ def _generic(monkeypatch, fn):
     session._TRACES.clear()
     session._CACHE.clear()
     monkeypatch.setattr(program, "_LOOKUP_PRIMS", frozenset())
+    monkeypatch.setattr(program, "_TABLE_ADD", frozenset())
     try:
         return fn()
     finally:
@@ -197,3 +207,153 @@ def test_tied_attend_head_stays_generic_and_exact():
     assert paths["emb"] == "generic"  # the lookup and the attend head: one table used twice
     diag = _hd(model, data, estimator="ggn", loss="ce")
     assert_close(diag["emb"], canon(ref_ggn(model, IDS, LABELS, "ce")["emb/embedding"], "flax"))
+
+
+# ----------------------------------------------------------------------------- position tables (method §6.1)
+
+#: Positions of the tables (longer than the sequences: the forward slices them), patch features.
+P_N, P_IN = 5, 3
+#: Patches (n, T, P_IN) of T = 3 positions and their labels, 3 classes.
+PATCHES = jnp.asarray(np.random.default_rng(7).normal(size=(3, 3, P_IN)))
+PATCH_Y = jnp.asarray([2, 0, 1])
+
+
+class NnxViT(nnx.Module):
+    """A ViT in small: a class token, patch embeddings plus a ``(1, N, d)`` ``nnx.Param`` table, a
+    mixer and a head. ``use``: ``add`` as ViTs do (the table sliced to the tokens), ``first`` its
+    leading axis indexed (``P[0]``: per example that is no mix of samples), ``twice`` also read
+    once more, ``scaled`` multiplied into the activations instead of added."""
+
+    def __init__(self, rngs, use="add"):
+        self.use = use
+        self.patch = nnx.Linear(P_IN, D, param_dtype=F64, rngs=rngs)
+        self.cls_token = nnx.Param(0.5 * jax.random.normal(rngs.params(), (1, 1, D), F64))
+        self.pos_embed = nnx.Param(0.5 * jax.random.normal(rngs.params(), (1, P_N, D), F64))
+        self.mix = nnx.Linear(D, 6, param_dtype=F64, rngs=rngs)
+        self.head = nnx.Linear(6, 3, param_dtype=F64, rngs=rngs)
+
+    def __call__(self, x):
+        n, t = x.shape[0], x.shape[1] + 1
+        h = jnp.concatenate([jnp.broadcast_to(self.cls_token[...], (n, 1, D)), self.patch(x)], axis=1)
+        p = self.pos_embed[...]
+        if self.use == "first":
+            h = h + p[0, :t]
+        elif self.use == "scaled":
+            h = h * p[:, :t]
+        else:
+            h = h + p[:, :t]
+        if self.use == "twice":
+            h = h * jnp.tanh(p.sum())
+        return self.head(jnp.tanh(self.mix(h)).mean(axis=1))
+
+
+class LinenViT(nn.Module):
+    """The same with a linen ``self.param('pos_embedding', ...)`` table."""
+
+    @nn.compact
+    def __call__(self, x):
+        pe = self.param("pos_embedding", nn.initializers.normal(0.5), (1, P_N, D), F64)
+        h = nn.Dense(D, param_dtype=F64, name="patch")(x) + pe[:, :x.shape[1]]
+        return nn.Dense(3, param_dtype=F64, name="head")(jnp.tanh(nn.Dense(6, param_dtype=F64, name="mix")(h)).mean(1))
+
+
+class EqxViT(eqx.Module):
+    """Per example: patches (T, P_IN) -> two views (T, d) of the patch embeddings, each plus the
+    table's rows: the table broadcast inside the example, its gradient the sum of the two views'
+    signals before the square. ``broadcast``: ``explicit`` (``jnp.broadcast_to``) or ``implicit``
+    (the addition broadcasts the table's axis of 1)."""
+
+    patch: eqx.nn.Linear
+    pos_embed: jax.Array
+    head: eqx.nn.Linear
+    broadcast: str = eqx.field(static=True)
+
+    def __init__(self, key, broadcast="explicit"):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.patch = eqx.nn.Linear(P_IN, D, key=k1, dtype=F64)
+        self.pos_embed = 0.5 * jax.random.normal(k2, (1, P_N, D), F64)
+        self.head = eqx.nn.Linear(D, 3, key=k3, dtype=F64)
+        self.broadcast = broadcast
+
+    def __call__(self, x):
+        h = jax.vmap(self.patch)(x)
+        views = jnp.stack([h, jnp.tanh(h)])  # (2, T, d)
+        t = x.shape[0]
+        if self.broadcast == "explicit":
+            views = views + jnp.broadcast_to(self.pos_embed[0, :t], views.shape)
+        else:
+            views = views + self.pos_embed[:, :t]
+        return self.head(jnp.tanh(views).mean(axis=(0, 1)))
+
+
+def _vit(kind, **kw):
+    """``(model, brute-force reference function, table name, its native leaf)``."""
+    if kind == "nnx":
+        model = NnxViT(nnx.Rngs(5), **kw)
+        return model, lambda x, y, loss: ref_ggn(model, x, y, loss), "pos_embed"
+    if kind == "linen":
+        module = LinenViT()
+        variables = module.init(jax.random.key(6), PATCHES)
+        return (module, variables), lambda x, y, loss: ref_ggn(module, x, y, loss, variables), "pos_embedding"
+    model = EqxViT(jax.random.key(7), **kw)
+    return model, lambda x, y, loss: ref_ggn(model, x, y, loss), "pos_embed"
+
+
+def _table(a):
+    """A ``(1, N, d)`` table as its canonical ``(features, positions)`` matrix (method §3)."""
+    a = np.asarray(a)
+    return a.reshape(-1, a.shape[-1]).T
+
+
+@pytest.mark.parametrize("kind, kw, every_estimator", [
+    ("nnx", {}, True), ("equinox", {"broadcast": "explicit"}, True), ("nnx", {"use": "first"}, False),
+    ("linen", {}, False), ("equinox", {"broadcast": "implicit"}, False)],
+    ids=["nnx", "equinox-broadcast", "nnx-first", "linen", "equinox-implicit"])
+def test_position_table_fast_equals_generic_and_brute_force(monkeypatch, kind, kw, every_estimator):
+    """The added table's fast rule (method §6.1 "Position tables"): ``ggn`` against brute force and
+    the generic path; with ``every_estimator`` also ``ggn-mc`` and ``ggn-topk`` against the generic
+    path (the same draws), and on two batches: 3 in pieces of 2 (the last one padded) and 2 (one
+    piece, the same compiled step). The other model forms: ``ggn`` on the first batch."""
+    model, ref, name = _vit(kind, **kw)
+    report = normflat.analyze(model, (PATCHES, PATCH_Y), estimator="ggn", progress=False)
+    table = report.layer(name)
+    assert table.shape == (D, P_N) and table.details["path"] == "fast", table.details
+    batches = [(PATCHES[:n], PATCH_Y[:n]) for n in ((3, 2) if every_estimator else (3,))]
+    runs = [dict(estimator="ggn")]
+    if every_estimator:
+        runs += [dict(estimator="ggn-mc", samples=3, seed=4), dict(estimator="ggn-topk", top_classes=1, samples=3,
+                                                                    seed=5)]
+
+    def every():
+        return [[_hd(model, data, chunk_size=2, **r) for r in runs] for data in batches]
+
+    fast = every()
+    generic = _generic(monkeypatch, every)
+    for data, f_runs, g_runs in zip(batches, fast, generic):
+        want = _table(ref(*data, "nsce")[name])
+        assert_close(f_runs[0][name], want)
+        assert_close(g_runs[0][name], want)
+        assert np.all(want[:, PATCHES.shape[1] + (kind == "nnx"):] == 0)  # rows past the tokens: never read
+        for f, g in zip(f_runs, g_runs):
+            assert set(f) == set(g)
+            for k in f:
+                assert_close(f[k], g[k])
+
+
+@pytest.mark.parametrize("use, reason", [
+    ("twice", "also used outside its addition to the activations"),
+    ("scaled", "its use in the forward pass (mul) has no fast rule"),
+])
+def test_position_table_used_otherwise_stays_generic_and_exact(use, reason):
+    """A table the forward also reads elsewhere, or multiplies into the activations, has per-example
+    gradients that are not the signal at one addition: the generic path, with its reason, and the
+    brute-force numbers."""
+    model, ref, name = _vit("nnx", use=use)
+    report = normflat.analyze(model, (PATCHES, PATCH_Y), estimator="ggn", progress=False)
+    details = report.layer(name).details
+    assert details["path"] == "generic" and reason in details["generic_reason"], details
+    assert report.layer("mix").details["path"] == "fast" and "generic_reason" not in report.layer("mix").details
+    got = _hd(model, (PATCHES, PATCH_Y), estimator="ggn")
+    full = ref(PATCHES, PATCH_Y, "nsce")
+    assert_close(got[name], _table(full[name]))
+    assert_close(got["mix"], canon(full["mix/kernel"], "flax"))

@@ -18,7 +18,11 @@ of squared inputs with squared signals, a convolution from per-example gradients
 of that layer only (input patches and one batched matmul), an embedding lookup
 as a scatter of squared output signals (:meth:`GGN._lookup_squares`: per example
 the signals of equal ids are summed, then squared and added into their table
-rows; never a ``(n, V, d)`` array).
+rows; never a ``(n, V, d)`` array), a table added to the activations (a learned
+position table, method §6.1 "Position tables") from the signal at its operand of
+the addition: per example that *is* the gradient of the rows it reads, pulled back
+through the broadcasts on the way (summed per example) before the squares and
+through the slices and layout ops after them (:meth:`GGN._table_squares`).
 
 With ``ggn-topk``, and with ``ggn`` above :data:`STRUCTURED_HEAD_CLASSES` classes,
 a dense *head* tap (a layer whose output is the logits,
@@ -209,6 +213,8 @@ class GGN(Kernel):
         if self.tokens is not None:
             self.batch_args = (2, 3, 4, 5)
         self.paths = ["fast" if k in self.taps else "generic" for k in range(len(ws))]
+        #: Why each weight without a tap takes the generic path (None for the fast ones).
+        self.reasons = [None if k in self.taps else prog.reasons[k] for k in range(len(ws))]
         per_example = 0
         for k, w in enumerate(ws):
             t = self.taps.get(k)
@@ -225,6 +231,11 @@ class GGN(Kernel):
                 # the signals at the looked-up rows, their per-id sums and squares: no table-sized term
                 out_size = math.prod(prog.shapes[prog.ops[t.op].outs[0]])
                 per_example += 2 * self.bp * self.cols * out_size + self.bp * out_size
+            elif t is not None and t.added is not None:
+                # the signals at the table's operand, pulled back to the rows read, and their squares
+                operand = math.prod(prog.shapes[prog.ops[t.op].ins[t.weight_pos][1]])
+                rows = math.prod(prog.table_spread(t)[1])
+                per_example += self.bp * self.cols * (operand + rows) + self.bp * rows
             else:
                 per_example += self.bp * self.cols * int(np.prod(w.shape))
         # Per example: the signals and squared gradients counted above, plus the forward
@@ -279,7 +290,9 @@ class GGN(Kernel):
 
     def _per_example(self, ws, others, xl, u, counted=None):
         prog, taps, gen = self.prog, self.taps, self.gen
-        eps0 = {t.op: jnp.zeros(prog.shapes[prog.ops[t.op].outs[0]], self.dtype) for t in taps.values()}
+        # An added table is perturbed at its operand of the addition (Program.run), the others at their output.
+        eps0 = {t.op: jnp.zeros(prog.shapes[prog.ops[t.op].ins[t.weight_pos][1] if t.added is not None
+                                            else prog.ops[t.op].outs[0]], self.dtype) for t in taps.values()}
 
         def fwd(eps, wg):
             w_all = list(ws)
@@ -318,8 +331,10 @@ class GGN(Kernel):
             out[k] = self._group_sum(d_wg[j] ** 2)
         root = self._head_signal(z, counted) if self.heads else None
         for k, t in taps.items():
-            a, d = rec[t.op], d_eps[t.op]
-            if k in self.heads:
+            a, d = rec.get(t.op), d_eps[t.op]
+            if t.added is not None:
+                out[k] = self._table_squares(t, d)
+            elif k in self.heads:
                 # The sampled signals reached this tap in the same VJP at no extra cost; they are
                 # replaced by the one signal whose square is the logit-Hessian diagonal.
                 a, d = _balance(a, prog.head_pullback(t)(root))
@@ -351,6 +366,24 @@ class GGN(Kernel):
         if counted is not None:
             root = root * counted[:, None]
         return root.reshape((1,) + z.shape)
+
+    def _table_squares(self, t, d):
+        """One example's ``(bp, *rows)`` squared gradients of a table added to the activations.
+
+        ``d`` ``(cols, *operand)`` are the signals at the table's operand of the addition: the
+        program is per example, so they are this example's gradient of that operand. Pulled back
+        through the broadcasts and casts on the way (:attr:`~normflat.backends.jax.program.Tap.added`,
+        whose VJP sums the entries one table entry became, before the square), they are the
+        gradient of the value :attr:`~normflat.backends.jax.program.Tap.chain` makes of the table
+        (the rows read); squared and summed over the signals of each group. The slices and layout
+        ops of the chain only select entries: :meth:`_chunk` maps the summed squares back through
+        them, as for any tap, so nothing table-sized is formed per example and signal.
+        """
+        if t.added:
+            spread, shape, dtype = self.prog.table_spread(t)
+            _, pull = jax.vjp(spread, jnp.zeros(shape, dtype or self.dtype))
+            d = jax.vmap(lambda v: pull(v)[0])(d)
+        return self._group_sum(d * d)
 
     def _lookup_squares(self, t, index_args, d):
         """One example's squared table gradients of a lookup tap, per looked-up row (method §3, Embeddings).

@@ -152,6 +152,8 @@ class Kernel:
         self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
         self.dtype, self.num_classes, self.settings = dtype, num_classes, settings
         self.paths = ["hvp"] * len(ws)
+        #: Why each weight takes the generic GGN path (:class:`~normflat.backends.jax.ggn.GGN`); None here.
+        self.reasons: list[str | None] = [None] * len(ws)
         # Token logits (method §6.3): the per-example output is (tokens, classes).
         out = prog.out_refs[0] if len(prog.out_refs) == 1 else None
         out_shape = tuple(prog.shapes.get(out[1], ())) if out is not None and out[0] == "ref" else ()

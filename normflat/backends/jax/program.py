@@ -9,11 +9,16 @@ analysed: a weight whose only use is one ``dot_general`` or
 casts) with an activation as the other operand is a *tap*; so is a table whose
 only use is one row lookup (a ``gather`` or ``dynamic_slice`` taking whole rows of
 a 2-D table at integer ids: ``jnp.take``, ``table[ids]``, flax ``Embed``, equinox
-``Embedding``; a :class:`Lookup`). Re-evaluating the program with a zero
-perturbation added to each tap's output then yields both the tap inputs (for a
-lookup, its ids) and, by a VJP with respect to the perturbations, the signals.
-Weights used in any other way are handled by the generic path (per-example
-VJPs), so the analysis can only choose a faster path, never a wrong one.
+``Embedding``; a :class:`Lookup`); and so is a table *added* to the activations
+(a learned position table, method §6.1 "Position tables") whose only use is one
+``add`` reached through layout ops, static slices and broadcasts
+(:attr:`Tap.added`). Re-evaluating the program with a zero perturbation added to
+each tap's output (for an added table, to the table's operand of the ``add``)
+then yields both the tap inputs (for a lookup, its ids) and, by a VJP with
+respect to the perturbations, the signals. Weights used in any other way are
+handled by the generic path (per-example VJPs), so the analysis can only choose a
+faster path, never a wrong one; :attr:`Program.reasons` says why a weight has no
+tap.
 
 A dense tap whose output *is* the program's output, up to a bias added and
 layout-only operations, is also marked as a *head* (:attr:`Tap.head`): for it
@@ -51,6 +56,13 @@ _LAYOUT = {"transpose", "reshape", "convert_element_type", "copy", "copy_p", "sq
 _TAP_PRIMS = {"dot_general", "conv_general_dilated"}
 # Row lookups of a table: the per-example gradient is a scatter of the output signals into the rows.
 _LOOKUP_PRIMS = {"gather", "dynamic_slice"}
+# A table added to the activations (a position table): its per-example gradient is the signal at
+# its operand of the addition, pulled back through the ops that bring the table there.
+_TABLE_ADD = {"add"}
+# Ops that may bring such a table to its addition (operand 0 the table, any other operand a
+# constant): each output entry is one entry of the input (a selection), or a broadcast (a sum per
+# example in the VJP). Nothing else: the per-example gradient must be exactly that pull-back.
+_TABLE_STEPS = _LAYOUT | {"slice", "dynamic_slice", "broadcast_in_dim"}
 
 
 @dataclass
@@ -95,6 +107,13 @@ class Tap:
             language-model head), the indices of the ops from the tap output to the
             program output (bias additions, casts, transposes; see
             :meth:`Program.head_pullback`); ``None`` for every other tap.
+        added: For a table added to the activations (``op`` is the ``add``,
+            ``weight_pos`` the table's operand), the ops from the end of ``chain`` to
+            that operand whose VJP sums entries of one example (broadcasts, casts) and
+            so must come before the squares; ``chain`` is then the leading ops that
+            only select or permute entries (static slices, layout ops), whose VJP
+            commutes with squaring and is applied to the summed squares. ``None`` for
+            every other tap.
     """
 
     weight: int
@@ -104,6 +123,7 @@ class Tap:
     squares_factor: bool
     lookup: Lookup | None = None
     head: tuple[int, ...] | None = None
+    added: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -122,6 +142,8 @@ class Program:
     first_use: list[float] = field(default_factory=list)
     #: Per weight: ``(op, operand position, layout chain)`` of every non-layout use.
     uses: list[list] = field(default_factory=list)
+    #: Per weight: why it has no tap (the generic path), ``None`` for a tapped weight.
+    reasons: list = field(default_factory=list)
     text: str = ""
 
     def reorder(self, order: Sequence[int]) -> None:
@@ -130,6 +152,7 @@ class Program:
         self.weight_refs = [self.weight_refs[k] for k in order]
         self.first_use = [self.first_use[k] for k in order]
         self.uses = [self.uses[k] for k in order]
+        self.reasons = [self.reasons[k] for k in order]
         for t in self.taps:
             t.weight = new_index[t.weight]
 
@@ -139,6 +162,9 @@ class Program:
             eps: dict[int, Any] | None = None, record: dict[int, Any] | None = None,
             fast_pool: bool = False) -> list[Any]:
         """Evaluate the program; add ``eps[op]`` to tap outputs, store tap activations in ``record``.
+
+        For an added table (:attr:`Tap.added`) ``eps[op]`` is added to the table's operand
+        of the ``add`` instead, and nothing is recorded (its squares need only the signal).
 
         ``fast_pool=True`` evaluates floating-point max-pooling with a reverse-mode-only
         rule (see :func:`_fast_max_pool`); only for callers that never take forward-mode
@@ -155,6 +181,10 @@ class Program:
 
         for i, op in enumerate(self.ops):
             args = [read(a) for a in op.ins]
+            table = tap_at[i] if i in tap_at and tap_at[i].added is not None else None
+            if table is not None and eps is not None and i in eps:
+                # the operand, not the sum: an add may broadcast its operands' axes of size 1
+                args[table.weight_pos] = args[table.weight_pos] + eps[i]
             with op.ctx:
                 if (fast_pool and op.prim.name == "reduce_window_max"
                         and jnp.issubdtype(args[0].dtype, jnp.floating)
@@ -165,9 +195,9 @@ class Program:
             if op.prim.multiple_results:
                 env.update(zip(op.outs, ans))
             else:
-                if eps is not None and i in eps:
+                if eps is not None and i in eps and table is None:
                     ans = ans + eps[i]
-                if record is not None and i in tap_at:
+                if record is not None and i in tap_at and table is None:
                     t = tap_at[i]
                     # a lookup's ids are all its other operands (dynamic_slice: one start per axis)
                     record[i] = args[1 - t.weight_pos] if t.lookup is None else args[1:]
@@ -180,16 +210,31 @@ class Program:
         return sorted({op.prim.name for op in self.ops for r in op.outs if _dtype_in(self.dtypes.get(r), half)})
 
     def layout_fn(self, tap: Tap) -> Callable[[Any], Any]:
-        """The function weight -> the operand the tap primitive sees."""
-        chain = [self.ops[i] for i in tap.chain]
+        """The function weight -> the operand the tap primitive sees (for an added table,
+        the value its selecting :attr:`Tap.chain` makes of the table)."""
+        return self.chain_fn(tap.chain)
+
+    def chain_fn(self, indices: Sequence[int]) -> Callable[[Any], Any]:
+        """The function applying the ops ``indices`` in turn, each to the previous result as
+        its operand 0 (any other operand of a chain op is a literal or a constant)."""
+        chain = [self.ops[i] for i in indices]
+        extra = [[a[1] if a[0] == "lit" else self.consts[a[1]] for a in op.ins[1:]] for op in chain]
 
         def f(w):
-            for op in chain:
+            for op, rest in zip(chain, extra):
                 with op.ctx:
-                    w = op.prim.bind(w, **op.params)
+                    w = op.prim.bind(w, *rest, **op.params)
             return w
 
         return f
+
+    def table_spread(self, tap: Tap) -> tuple[Callable[[Any], Any], tuple[int, ...], Any]:
+        """``(f, shape, dtype)`` of an added table: ``f`` maps the value its :attr:`Tap.chain`
+        makes of the table (of ``shape`` and ``dtype``) to its operand of the ``add``
+        (:attr:`Tap.added`)."""
+        assert tap.added is not None
+        ref = self.ops[tap.chain[-1]].outs[0] if tap.chain else self.weight_refs[tap.weight]
+        return self.chain_fn(tap.added), tuple(self.shapes[ref]), self.dtypes.get(ref)
 
     def lookup_rows(self, tap: Tap, index_args: Sequence[Any]) -> Any:
         """The table row that every output slice of a lookup tap reads, ``-1`` where none.
@@ -375,6 +420,7 @@ def trace_program(fn: Callable, weights: Sequence[Any], others: Sequence[Any], x
     in_atoms = [("ref", fresh()) for _ in closed.jaxpr.invars]
     for v, a in zip(closed.jaxpr.invars, in_atoms):
         shapes[a[1]] = tuple(v.aval.shape)
+        dtypes[a[1]] = getattr(v.aval, "dtype", None)
     out_atoms = inline(closed.jaxpr, closed.consts, in_atoms)
     refs = [a[1] for a in in_atoms]
     prog = Program(ops, consts, refs[:n_w], refs[n_w:n_w + n_o], refs[n_w + n_o:], out_atoms, shapes)
@@ -385,13 +431,20 @@ def trace_program(fn: Callable, weights: Sequence[Any], others: Sequence[Any], x
 
 
 def _analyse(prog: Program, n_weights: int) -> None:
-    """Find taps and the first data-dependent use of every weight (model order)."""
+    """Find taps, the first data-dependent use of every weight (model order) and, for every
+    weight without a tap, why (:attr:`Program.reasons`)."""
     derived: dict[int, tuple[int, list[int]]] = {r: (k, []) for k, r in enumerate(prog.weight_refs)}
+    # The same, through the wider set of ops that may bring an added table to its addition.
+    table: dict[int, tuple[int, list[int]]] = dict(derived)
+    # Per weight: every use of it (or of a value of ``table``) by an op outside that set.
+    ends: list[list[tuple[int, int, list[int]]]] = [[] for _ in range(n_weights)]
     data_dep: set[int] = set(prog.x_refs)
     uses: dict[int, int] = {}
     for a in prog.out_refs:
         if a[0] == "ref":
             uses[a[1]] = uses.get(a[1], 0) + 1
+            if a[1] in table:
+                ends[table[a[1]][0]].append((-1, 0, table[a[1]][1]))
     consumers: dict[int, int] = {}  # ref -> the (last) op reading it; unique where uses == 1
     for j, op in enumerate(prog.ops):
         for a in op.ins:
@@ -406,11 +459,22 @@ def _analyse(prog: Program, n_weights: int) -> None:
         refs = [a[1] for a in op.ins if a[0] == "ref"]
         name = op.prim.name
         w_ins = [(pos, derived[a[1]]) for pos, a in enumerate(op.ins) if a[0] == "ref" and a[1] in derived]
+        t_ins = [(pos, table[a[1]]) for pos, a in enumerate(op.ins) if a[0] == "ref" and a[1] in table]
         # A row lookup is a layer whatever its ids (data or constants, e.g. positions arange(T)).
         lookup = _lookup_spec(prog, op) if name in _LOOKUP_PRIMS and w_ins else None
         is_data = any(r in data_dep for r in refs)
         if is_data:
             data_dep.update(op.outs)
+        if len(t_ins) == 1 and _table_step(prog, op, t_ins[0][0]):
+            k, chain = t_ins[0][1]
+            table[op.outs[0]] = (k, chain + [i])
+        else:
+            for pos, (k, chain) in t_ins:
+                ends[k].append((i, pos, chain))
+                if is_data and name in _TABLE_ADD and op.ins[pos][1] not in derived:
+                    # a table sliced or broadcast first meets the data here (a layout-only chain: below)
+                    first_use[k] = min(first_use[k], i)
+                    weight_uses[k].append((op, pos, chain))
         if name in _LAYOUT and len(op.ins) == 1 and len(w_ins) == 1 and len(op.outs) == 1:
             k, chain = w_ins[0][1]
             derived[op.outs[0]] = (k, chain + [i])
@@ -441,9 +505,76 @@ def _analyse(prog: Program, n_weights: int) -> None:
         head = _dense_head(prog, i, pos, uses, consumers, data_dep) if lookup is None else None
         prog.taps.append(Tap(k, i, pos, chain, lookup is None and _squares_factor(prog, prog.ops[i], pos), lookup,
                              head))
+    tapped = {t.weight for t in prog.taps}
+    for k in range(n_weights):
+        tap = None if k in tapped else _added_table(prog, k, ends[k], uses)
+        if tap is not None:
+            prog.taps.append(tap)
     prog.taps.sort(key=lambda t: t.op)
     prog.first_use = first_use
     prog.uses = weight_uses
+    tapped = {t.weight for t in prog.taps}
+    prog.reasons = [None if k in tapped else _generic_reason(prog, ends[k]) for k in range(n_weights)]
+
+
+def _table_step(prog: Program, op: _Op, pos: int) -> bool:
+    """Whether ``op`` may bring a table (its operand ``pos``) to its addition (:data:`_TABLE_STEPS`)."""
+    if op.prim.multiple_results or len(op.outs) != 1 or pos != 0 or op.prim.name not in _TABLE_STEPS:
+        return False
+    if op.prim.name in _LAYOUT or op.prim.name in ("slice", "broadcast_in_dim"):
+        return len(op.ins) == 1
+    # dynamic_slice: start indices fixed in the program (a slice at data-dependent starts is not)
+    return all(a[0] == "lit" or a[1] in prog.consts for a in op.ins[1:])
+
+
+def _spreads(prog: Program, op: _Op) -> bool:
+    """Whether a table step's VJP sums entries (a broadcast that repeats them) or rounds them (a
+    cast to another dtype), so that it must come before the squares; the others only select or
+    permute entries, and their VJP (zeros elsewhere, the inverse permutation) commutes with squaring."""
+    src = prog.shapes.get(op.ins[0][1]) if op.ins[0][0] == "ref" else None
+    dst = prog.shapes.get(op.outs[0])
+    if op.prim.name == "broadcast_in_dim":
+        return src is None or dst is None or math.prod(src) != math.prod(dst)
+    if op.prim.name == "convert_element_type":
+        src_dtype = prog.dtypes.get(op.ins[0][1]) if op.ins[0][0] == "ref" else None
+        return src_dtype is None or jnp.dtype(src_dtype) != jnp.dtype(op.params["new_dtype"])
+    return False
+
+
+def _added_table(prog: Program, k: int, ends: list, uses: dict) -> Tap | None:
+    """The tap of weight ``k`` if its only use is one ``add`` (:data:`_TABLE_ADD`) reached through
+    :data:`_TABLE_STEPS` ops, each value on the way used once; else None.
+
+    Its per-example gradient is then exactly the pull-back of the signal at its operand of the
+    ``add`` through those (linear) ops: the program is per example, so the signal there is this
+    example's alone (method §6.1 "Position tables").
+    """
+    if len(ends) != 1:
+        return None
+    i, pos, chain = ends[0]
+    if i < 0 or prog.ops[i].prim.name not in _TABLE_ADD or len(prog.ops[i].ins) != 2:
+        return None
+    if not jnp.issubdtype(jnp.dtype(prog.dtypes.get(prog.ops[i].outs[0]) or jnp.int32), jnp.inexact):
+        return None
+    chain_refs = [prog.weight_refs[k]] + [prog.ops[j].outs[0] for j in chain]
+    if any(uses.get(r, 0) != 1 for r in chain_refs):
+        return None
+    first = next((m for m, j in enumerate(chain) if _spreads(prog, prog.ops[j])), len(chain))
+    return Tap(k, i, pos, list(chain[:first]), False, added=tuple(chain[first:]))
+
+
+def _generic_reason(prog: Program, ends: list) -> str:
+    """Why a weight without a tap takes the generic path, from its uses (``ends``: the ops that
+    use it beyond the layout ops, slices and broadcasts that may bring a table to an addition)."""
+    names = ["the output" if i < 0 else prog.ops[i].prim.name for i, _, _ in ends]
+    if not names:
+        return "not used by the forward pass"
+    if len(names) > 1:
+        listed = ", ".join(names)
+        if any(n in _TABLE_ADD for n in names):
+            return f"also used outside its addition to the activations ({len(names)} uses: {listed})"
+        return f"used {len(names)} times in the forward pass ({listed}): no fast rule for a weight used twice"
+    return f"its use in the forward pass ({names[0]}) has no fast rule"
 
 
 def _squares_factor(prog: Program, op: _Op, weight_pos: int) -> bool:

@@ -378,9 +378,9 @@ class JaxSession:
         self.run = kernel.begin(ws, others, self._mesh, seed=options.seed, stream=self._stream,
                                 weights=view.weights)
         self.view, self.kernel, self.dtype, self.num_classes = view, kernel, dtype, num_classes
-        self.layers = [LayerSpec(w.name, w.kind, w.path, groups=w.groups, path=p, extra={"leaf": w.path},
-                                 blocks=w.blocks)
-                       for w, p in zip(view.weights, kernel.paths)]
+        self.layers = [LayerSpec(w.name, w.kind, w.path, groups=w.groups, path=p, reason=why,
+                                 extra={"leaf": w.path}, blocks=w.blocks)
+                       for w, p, why in zip(view.weights, kernel.paths, kernel.reasons)]
 
     # ------------------------------------------------------------------ deferred checks
 
