@@ -1,4 +1,5 @@
-"""Keras EinsumDense, MultiHeadAttention, Embedding and recurrent layers, and token logits (method §3, §6.3, §8).
+"""Keras EinsumDense, MultiHeadAttention, Embedding, position tables and recurrent layers, and token logits
+(method §3, §6.1, §6.3, §8).
 
 Every diagonal is checked against a reference built here, independently of the
 backend: full per-sample Jacobians of the (normalized) logits with respect to
@@ -219,6 +220,101 @@ def test_embedding_with_repeated_ids(fast):
                                                           "head": ("head/kernel", _transposed)}, fast=fast)
     assert got["emb"].shape == (3, 6)
     assert np.all(np.asarray(got["emb"])[:, 4] == 0)  # id 4 never looked up: no curvature
+
+
+class PatchPositions(L.Layer):
+    """A custom ViT layer holding a learned ``(1, N, d)`` position table as a loose weight.
+
+    ``use``: ``add`` as ViTs do (sliced to the tokens); ``first`` indexes the table's leading
+    axis (``P[0]``, which with the table expanded over the batch reads sample 0's row: the
+    samples' gradients would mix); ``alias`` also reads it through a second reference;
+    ``reshaped`` reshapes it without its batch axis (the forward fails with the expanded table);
+    ``summed`` sums its leading axis (the logits change with the expanded table).
+    """
+
+    def __init__(self, positions, use="add", **kwargs):
+        super().__init__(**kwargs)
+        self.positions, self.use = positions, use
+
+    def build(self, input_shape):
+        self.pos_embed = self.add_weight(shape=(1, self.positions, int(input_shape[-1])), name="pos_embed")
+        object.__setattr__(self, "alias", [self.pos_embed])  # untracked: a second way to the variable
+
+    def call(self, x):
+        t = tf.shape(x)[1]
+        if self.use == "first":
+            return x + self.pos_embed[0, :t]
+        if self.use == "reshaped":
+            return x + tf.reshape(self.pos_embed, [self.positions, -1])[:t]
+        if self.use == "summed":
+            return x + tf.reduce_sum(self.pos_embed, axis=0)[:t]
+        if self.use == "alias":
+            return x + self.pos_embed[:, :t] + 0.5 * self.alias[0][:, :t]
+        return x + self.pos_embed[:, :t]
+
+
+def position_model(use="add", seed=12):
+    """Patches ``(3, 2)`` -> Dense -> the position table (5 positions, sliced to 3) -> a tanh mixer
+    -> average over the tokens -> head: one logit row per sample."""
+    rng = _rng(seed)
+    inp = keras.Input((3, 2), dtype=F64)
+    h = PatchPositions(5, use=use, dtype=F64, name="vit")(L.Dense(4, dtype=F64, name="patch")(inp))
+    h = L.Dense(6, activation="tanh", dtype=F64, name="mix")(h)
+    model = keras.Model(inp, L.Dense(3, dtype=F64, name="head")(L.GlobalAveragePooling1D(dtype=F64)(h)))
+    _randomize(model, rng)
+    return model, rng.normal(size=(3, 3, 2)), rng.integers(0, 3, 3)
+
+
+def _positions(k):  # a (1, N, d) table -> (features, positions)
+    return k.reshape(-1, k.shape[-1]).T
+
+
+#: The analyzed weights of ``position_model`` and their canonical layouts.
+POSITION_LAYERS = {"patch": ("patch/kernel", _transposed), "vit/pos_embed": ("vit/pos_embed", _positions),
+                   "mix": ("mix/kernel", _transposed), "head": ("head/kernel", _transposed)}
+
+
+def test_loose_position_table_fast_rule():
+    """A loose ``(1, N, d)`` table's fast rule (method §6.1 "Position tables"): the model runs with
+    the table expanded over the batch. ``ggn`` against brute force on the fast and the generic path;
+    ``ggn-mc`` and ``ggn-topk`` fast against generic (the same draws); batches of 3 and 2."""
+    model, x, y = position_model()
+    rep = normflat.analyze(model, (x, y), progress=False)
+    assert rep.layer("vit/pos_embed").details["path"] == "fast", rep.layer("vit/pos_embed").details
+    assert rep.layer("vit/pos_embed").shape == (4, 5) and rep.metadata["coverage"] == 1.0
+    for n in (3, 2):
+        got = check_against(model, x[:n], y[:n], POSITION_LAYERS, loss="nsce")
+        check_against(model, x[:n], y[:n], POSITION_LAYERS, loss="nsce", fast=False)
+        assert np.all(np.asarray(got["vit/pos_embed"])[:, 3:] == 0)  # rows past the tokens: never read
+        for kw in (dict(estimator="ggn-mc", samples=3, seed=4), dict(estimator="ggn-topk", top_classes=1,
+                                                                       samples=3, seed=5)):
+            fast = normflat.hessian_diagonal(model, (x[:n], y[:n]), progress=False, **kw)
+            generic = normflat.hessian_diagonal(model, (x[:n], y[:n]), progress=False, fast=False, **kw)
+            assert set(fast) == set(POSITION_LAYERS)
+            for k in fast:
+                # ggn-topk squares the fast head exactly (method §6.2), the generic path samples it
+                want = got[k] if (k, kw["estimator"]) == ("head", "ggn-topk") else generic[k]
+                np.testing.assert_allclose(np.asarray(fast[k]), np.asarray(want), rtol=RTOL, err_msg=k)
+    assert model.get_layer("vit").pos_embed is model.get_layer("vit").__dict__["pos_embed"]  # put back
+
+
+@pytest.mark.parametrize("use, reason", [
+    ("first", "not added to each sample's own activations"),
+    ("alias", "also used outside its layer attribute"),
+    ("reshaped", "fails with the position table expanded over the batch"),
+    ("summed", "computes other logits with the position table expanded over the batch"),
+])
+def test_loose_position_table_read_otherwise_takes_the_exact_generic_path(use, reason):
+    """A table read in a way the expanded view would get wrong (the leading axis indexed, a second
+    reference, a reshape without the batch axis, a sum over the batch axis) is refused on the first forward: the generic
+    path, with its reason, and the brute-force numbers; a first batch of one row is checked too."""
+    model, x, y = position_model(use)
+    for n in (3, 1):
+        rep = normflat.analyze(model, (x[:n], y[:n]), progress=False)
+        details = rep.layer("vit/pos_embed").details
+        assert details["path"] == "generic" and reason in details["generic_reason"], details
+        assert rep.layer("mix").details["path"] == "fast"
+    check_against(model, x, y, POSITION_LAYERS, loss="nsce")
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ Transformers and recurrent classifiers built from Keras layers, keras-hub BERT
 and GPT-2 built from tiny configs (no downloads), and ``keras.applications``
 ConvNeXtTiny / MobileNetV2 / ResNet50 with ``weights=None`` at 32×32. One tiny
 batch each; the numbers themselves are checked against brute force in
-``test_keras_layers.py``.
+``test_keras_layers.py``, those of keras-hub's ``PositionEmbedding`` (its fast rule,
+method §6.1 "Position tables") here.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import keras_hub  # noqa: E402
 import normflat  # noqa: E402
 from normflat.backends.keras.layers import walk  # noqa: E402
 from normflat.engine.problems import coverage  # noqa: E402
+from tests.arch.test_keras_layers import RTOL, check_against  # noqa: E402
 
 L = keras.layers
 F64 = "float64"
@@ -139,6 +141,78 @@ def test_tied_reversible_embedding_feature_rescaling_is_invariant():
         assert b.normalized_sharpness == pytest.approx(a.normalized_sharpness, rel=1e-8), a.name
     assert after.normalized_sharpness == pytest.approx(before.normalized_sharpness, rel=1e-8)
     assert abs(after.hessian_trace / before.hessian_trace - 1) > 1e-3
+
+
+class HubTagger(keras.Model):
+    """keras-hub's ``TokenAndPositionEmbedding`` (5 positions; the tokens read rows
+    ``start .. start + 2``), a tanh mixer averaged over the tokens, a head. ``also``: the model
+    also adds the position table's first rows itself, a second use of the variable."""
+
+    def __init__(self, start=1, also=False):
+        super().__init__(name="tagger")
+        self.start, self.also = start, also
+        self.tpe = keras_hub.layers.TokenAndPositionEmbedding(7, 5, 4, dtype=F64, name="tpe")
+        self.mix = L.Dense(6, activation="tanh", dtype=F64, name="mix")
+        self.head = L.Dense(3, dtype=F64, name="head")
+
+    def call(self, ids):
+        h = self.tpe(ids, start_index=self.start)
+        if self.also:
+            h = h + 0.5 * self.tpe.position_embedding.position_embeddings[:3]
+        return self.head(keras.ops.mean(self.mix(h), axis=1))
+
+
+def _tagger(**kw):
+    model = HubTagger(**kw)
+    rng = np.random.default_rng(13)
+    ids, y = rng.integers(0, 7, (3, 3)).astype("int32"), rng.integers(0, 3, 3)
+    model(ids)
+    for v in model.weights:
+        v.assign(rng.normal(size=v.shape) * 0.7)
+    return model, ids, y
+
+
+def _transposed(k):
+    return k.T
+
+
+TAGGER_LAYERS = {"tpe/token_embedding": ("tagger/tpe/token_embedding/embeddings", _transposed),
+                 "tpe/position_embedding": ("tagger/tpe/position_embedding/embeddings", _transposed),
+                 "mix": ("tagger/mix/kernel", _transposed), "head": ("tagger/head/kernel", _transposed)}
+
+
+def test_keras_hub_position_embedding_fast_rule():
+    """keras-hub's ``PositionEmbedding`` (inside ``TokenAndPositionEmbedding``, started at row 1) on
+    its fast rule: its output is per sample, so the signal there is each sample's gradient of the
+    rows it read (method §6.1). ``ggn`` against brute force on the fast and the generic path,
+    ``ggn-mc`` and ``ggn-topk`` fast against generic; batches of 3 and 2."""
+    model, ids, y = _tagger()
+    rep = normflat.analyze(model, (ids, y), progress=False)
+    table = rep.layer("tpe/position_embedding")
+    assert table.details["path"] == "fast" and table.shape == (4, 5), table.details
+    for n in (3, 2):
+        got = check_against(model, ids[:n], y[:n], TAGGER_LAYERS, loss="nsce")
+        check_against(model, ids[:n], y[:n], TAGGER_LAYERS, loss="nsce", fast=False)
+        rows = np.abs(np.asarray(got["tpe/position_embedding"])).sum(0)
+        assert rows[0] == rows[4] == 0 and np.all(rows[1:4] > 0)  # the rows start_index=1 reads, no others
+        for kw in (dict(estimator="ggn-mc", samples=3, seed=4), dict(estimator="ggn-topk", top_classes=1,
+                                                                       samples=3, seed=5)):
+            fast = normflat.hessian_diagonal(model, (ids[:n], y[:n]), progress=False, **kw)
+            generic = normflat.hessian_diagonal(model, (ids[:n], y[:n]), progress=False, fast=False, **kw)
+            for k in fast:
+                # ggn-topk squares the fast head exactly (method §6.2), the generic path samples it
+                want = got[k] if (k, kw["estimator"]) == ("head", "ggn-topk") else generic[k]
+                np.testing.assert_allclose(np.asarray(fast[k]), np.asarray(want), rtol=RTOL, err_msg=k)
+
+
+def test_keras_hub_position_embedding_used_twice_is_generic_and_exact():
+    """A ``PositionEmbedding`` table the model also reads itself: a gradient reaches the variable
+    besides the layer's output, so the fast rule is refused (with the reason), exactly."""
+    model, ids, y = _tagger(also=True)
+    details = normflat.analyze(model, (ids, y), progress=False).layer("tpe/position_embedding").details
+    assert details["path"] == "generic", details
+    assert "also used outside its PositionEmbedding layer" in details["generic_reason"]
+    check_against(model, ids, y, TAGGER_LAYERS, loss="nsce")
 
 
 @pytest.mark.slow

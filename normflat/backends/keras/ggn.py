@@ -11,6 +11,12 @@ once, back-propagates a block of signals to the tapped pre-activations of every
 path) and forms the per-sample squares there (grouped and depthwise kernels in one
 batched matmul with the groups as a batch axis); other layers (shared, subclassed,
 separable, registered) take the *generic* path of per-sample Jacobian products.
+Learned position tables (method §6.1 "Position tables") are fast too: keras-hub's
+``PositionEmbedding`` by its output (per sample, so the signal there is each
+sample's gradient of the rows it reads, :meth:`Taps.rows`), a position table held
+as a loose weight by running the model with its layer attribute set to the table
+expanded over the batch (:meth:`Taps.expanded`); both checked on the first forward
+(:meth:`~normflat.backends.keras.session.KerasSession._table_checks`).
 With ``ggn-topk``, and ``ggn`` above :data:`STRUCTURED_HEAD_CLASSES` classes
 (:func:`exact_head`), a ``Dense`` head whose pre-activation is the logits takes its
 exact squares from the logit-Hessian diagonal; for ``(n, C)`` logits the other fast
@@ -27,14 +33,17 @@ The step returns the ``(K', *canonical)`` sums of one chunk of samples
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import keras
 import numpy as np
 import tensorflow as tf
 
+from normflat.backends.keras import compat
 from normflat.backends.keras.layers import Entry, einsum_fast_axes
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
@@ -93,14 +102,23 @@ class Taps:
     The wrappers are set on the layer instances through ``state`` (restored when
     the analysis ends). ``records[name]`` collects ``[input, pre_activation]`` per
     call; ``tape``, while set, watches the pre-activations (frozen kernels are
-    not watched automatically).
+    not watched automatically). A lookup records ``[ids, output]``; keras-hub's
+    ``PositionEmbedding`` ``[rows, output]`` (:meth:`rows`); a loose position table
+    ``[view, view]`` while :meth:`expanded` holds it.
     """
 
     def __init__(self, state: ModelState, tapped: list[Entry]) -> None:
         self.records: dict[str, list] = {}
         self.tape: tf.GradientTape | None = None
+        #: Loose position tables: no call of their own, :meth:`expanded` substitutes them.
+        self.tables = [entry for entry in tapped if entry.fast == "table"]
+        #: The first forward's checks (``KerasSession._table_checks``): a ``PositionEmbedding``
+        #: reads its table without a gradient (any gradient that still reaches the variable comes
+        #: from another use) and also records which feature each output entry reads.
+        self.checking = False
         for entry in tapped:
-            self._tap(state, entry)
+            if entry.fast != "table":
+                self._tap(state, entry)
 
     def _tap(self, state: ModelState, entry: Entry) -> None:
         layer, name = entry.layer, entry.name
@@ -115,6 +133,26 @@ class Taps:
                 return out
 
             state.set(layer, "call", lookup)
+            return
+        if entry.fast == "position":
+            variable = entry.variable
+
+            def position(inputs, *args, **kwargs):
+                if self.checking:
+                    frozen = tf.stop_gradient(tf.convert_to_tensor(variable.value))
+                    with keras.StatelessScope(state_mapping=[(variable, frozen)]):
+                        out = original_call(inputs, *args, **kwargs)
+                else:
+                    out = original_call(inputs, *args, **kwargs)
+                if self.tape is not None:
+                    self.tape.watch(out)
+                record = [self.rows(original_call, variable, 0, inputs, args, kwargs), out]
+                if self.checking:
+                    record.append(self.rows(original_call, variable, 1, inputs, args, kwargs))
+                self.records.setdefault(name, []).append(record)
+                return out
+
+            state.set(layer, "call", position)
             return
         original_activation = layer.activation
 
@@ -132,6 +170,48 @@ class Taps:
 
         state.set(layer, "call", call)
         state.set(layer, "activation", activation)
+
+    def rows(self, call: Callable[..., Any], variable: Any, axis: int, inputs: Any, args: tuple,
+             kwargs: dict) -> Any:
+        """The layer's ``call`` on a table of its own indices: entry ``(r, j)`` of the table is
+        ``r`` (``axis=0``) or ``j`` (``axis=1``), so each output entry holds the table row (the
+        feature) it reads. Whatever the call's arguments (``start_index``, ``positions``), the rows
+        follow the layer's own indexing; the first forward checks that the output really is the
+        table's rows (``KerasSession._table_checks``)."""
+        shape = tuple(int(d) for d in variable.shape)
+        index = tf.range(shape[axis], dtype=variable.dtype)
+        code = tf.broadcast_to(index[:, None] if axis == 0 else index[None, :], shape)
+        quiet = self.tape.stop_recording() if self.tape is not None else contextlib.nullcontext()
+        with quiet, keras.StatelessScope(state_mapping=[(variable, code)]):
+            return call(inputs, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def expanded(self, x: Any) -> Iterator[None]:
+        """Run the model with every loose position table expanded over the batch of ``x``.
+
+        The attribute holding the table (:attr:`Entry.attr`) is set, on the layer instance, to
+        a view ``(n, *table)`` (``(n, N, d)`` for a ``(1, N, d)`` table) of the table's value
+        without a gradient, watched by :attr:`tape`: the gradient at the view is each sample's
+        gradient of the table (method §6.1 "Position tables"). The variable is put back on exit.
+        """
+        tables = [e for e in self.tables if e.fast == "table"]
+        n = tf.shape(tf.nest.flatten(x)[0])[:1]
+        saved = []
+        try:
+            for e in tables:
+                value = tf.stop_gradient(tf.convert_to_tensor(e.variable.value))
+                shape = [int(d) for d in value.shape]
+                rest = shape[1:] if shape[0] == 1 else shape
+                view = tf.broadcast_to(value, tf.concat([n, tf.constant(rest, tf.int32)], 0))
+                if self.tape is not None:
+                    self.tape.watch(view)
+                saved.append((e.layer, e.attr, compat.instance_attr(e.layer, e.attr)))
+                compat.set_instance_attr(e.layer, e.attr, view)
+                self.records[e.name] = [[view, view]]
+            yield
+        finally:
+            for layer, attr, old in reversed(saved):
+                compat.del_instance_attr(layer, attr, old)
 
 
 def signal_layout(options: AnalysisOptions, num_classes: int,
@@ -334,6 +414,20 @@ def _embedding_squares(ids: Any, gs: list[Any], seg: Any, groups: int, vocabular
     return tf.transpose(table, [1, 2, 0])  # (K, d, V)
 
 
+def _table_squares(entry: Entry, view: Any, gs: list[Any], seg: Any, groups: int) -> Any:
+    """``(K, features, positions)`` per-sample squares of a loose position table.
+
+    ``gs`` are the signals at the table's ``view`` expanded over the batch
+    (:meth:`Taps.expanded`): each sample's gradient of the table, squared and summed over
+    the samples, then over the signals of each group (method §6.1, "Position tables").
+    """
+    gs = [tf.zeros_like(view) if g is None else g for g in gs]  # a table the logits do not reach
+    sq = tf.reduce_sum(tf.square(tf.stack(gs)), axis=1)  # (B, *table without a leading 1)
+    sq = tf.math.unsorted_segment_sum(sq, seg, groups)
+    sq = tf.reshape(sq, [groups, *(int(d) for d in entry.variable.shape)])
+    return tf.vectorized_map(entry.weight.to_canonical, sq)
+
+
 def _einsum_squares(equation: str, x: Any, gs: list[Any], seg: Any, groups: int) -> Any:
     """``(K, ∏ output-only, ∏ contracted)`` per-sample squares of an ``EinsumDense`` kernel.
 
@@ -372,6 +466,13 @@ def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int) ->
     b = len(gs)
     if entry.fast == "embedding":
         return _embedding_squares(x, gs, seg, groups, int(entry.variable.shape[0]))
+    if entry.fast == "position":
+        # Each output entry is one table row (the first forward checked it): a lookup of the rows.
+        gs = [tf.zeros_like(x) if g is None else g for g in gs]  # an output the logits do not reach
+        rows = tf.cast(x[..., 0], tf.int64)
+        return _embedding_squares(rows, gs, seg, groups, int(entry.variable.shape[0]))
+    if entry.fast == "table":
+        return _table_squares(entry, x, gs, seg, groups)
     if entry.fast == "einsum":
         return _einsum_squares(layer.equation, x, gs, seg, groups)
     if entry.fast == "dense":
@@ -470,7 +571,8 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
             taps.tape = tape
             for e in generic:
                 tape.watch(e.variable.value)
-            z = model_logits(model_ref(), x, options)
+            with taps.expanded(x):  # loose position tables: each sample its own view (method §6.1)
+                z = model_logits(model_ref(), x, options)
         taps.tape = None
         zc = tf.cast(tf.stop_gradient(z), compute_dtype(z.dtype))
         c = int(z.shape[-1])

@@ -89,7 +89,8 @@ def register_layer(layer_class: type, extractor: Callable[[Any], list[KerasWeigh
 
     Registered layers are analyzed with the generic (per-sample Jacobian) GGN
     path; the built-in ``Dense``, ``EinsumDense``, ``Embedding``,
-    ``Conv1D/2D/3D`` and ``DepthwiseConv1D/2D`` have faster ones.
+    ``Conv1D/2D/3D``, ``DepthwiseConv1D/2D`` and keras-hub's ``PositionEmbedding``
+    have faster ones.
 
     Args:
         layer_class: A ``keras.layers.Layer`` subclass; subclasses of it match too
@@ -342,12 +343,16 @@ class Entry:
         name: Report name (layer path plus the weight's suffix).
         layer: The Keras layer.
         weight: Its :class:`KerasWeight`.
-        fast: ``"dense"``/``"conv"``/``"depthwise"``/``"einsum"``/``"embedding"`` for the fast
-            GGN path, ``None`` for the generic one.
+        fast: ``"dense"``/``"conv"``/``"depthwise"``/``"einsum"``/``"embedding"``, ``"position"``
+            (keras-hub's ``PositionEmbedding``) or ``"table"`` (a position table held as a loose
+            weight, :attr:`attr`) for the fast GGN path, ``None`` for the generic one.
         reason: Why the generic path is used.
         input_rank: Rank of the tapped input (seen by the probe).
         in_size: Per-sample elements of the tapped input (memory estimate).
         pre_size: Per-sample elements of the tapped pre-activation (memory estimate).
+        attr: For a loose position table, the attribute of :attr:`layer` holding its variable,
+            which the GGN step sets to the table expanded over the batch (method §6.1,
+            "Position tables"); ``None`` otherwise.
     """
 
     name: str
@@ -358,6 +363,7 @@ class Entry:
     input_rank: int | None = None
     in_size: int = 0
     pre_size: int = 0
+    attr: str | None = None
 
     @property
     def variable(self) -> Any:
@@ -375,6 +381,9 @@ def fast_kind(layer: Any) -> str | None:
         return "einsum" if einsum_fast_axes(layer.equation) is not None else None
     if isinstance(layer, keras.layers.Embedding) and cls.call is keras.layers.Embedding.call:
         return "embedding"
+    hub = _hub_position_embedding()
+    if hub is not None and isinstance(layer, hub) and cls.call is hub.call:
+        return "position"
     base = compat.base_conv_class()
     if (
         base is not None
@@ -393,6 +402,19 @@ def fast_kind(layer: Any) -> str | None:
     ):
         return "depthwise"
     return None
+
+
+def _hub_position_embedding() -> type | None:
+    """keras-hub's ``PositionEmbedding`` when keras-hub is imported (never imported here)."""
+    hub_layers = getattr(sys.modules.get("keras_hub"), "layers", None)
+    cls = getattr(hub_layers, "PositionEmbedding", None)
+    return cls if isinstance(cls, type) else None
+
+
+def _holding_attribute(layer: Any, variable: Any) -> str | None:
+    """The one instance attribute of ``layer`` that holds ``variable`` (``None``: none, or several)."""
+    names = [k for k, v in vars(layer).items() if v is variable]
+    return names[0] if len(names) == 1 else None
 
 
 def _base_depthwise_class() -> type | None:
@@ -473,9 +495,14 @@ def walk(model: Any, on_unsupported: str,
                 inventory.set(v, "excluded", reason)
             elif position_table(v.path, _shape(v)) is not None:
                 features, positions = position_table(v.path, _shape(v))
+                # The fast rule replaces the attribute holding the table by the table expanded over
+                # the batch (checked on the first forward, method §6.1 "Position tables").
+                attr = _holding_attribute(layer, v)
                 entries.append(Entry(f"{name}/{v.name}", layer, KerasWeight(
                     v, _position_table_canonical(features, positions), "position_table", f"/{v.name}"),
-                    None, "a learned position table (generic path)"))
+                    "table" if attr else None,
+                    None if attr else "a position table not held in one attribute of its layer (no fast rule)",
+                    attr=attr))
                 inventory.set(v, "analyzed")
             else:
                 unknown.append(v)

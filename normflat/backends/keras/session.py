@@ -135,6 +135,33 @@ def _slice(x: Any, a: int, b: int) -> Any:
     return tf.nest.map_structure(lambda t: t[a:b], x)
 
 
+#: The largest integer up to which every integer is exact in each floating dtype.
+_EXACT_INTEGERS = {"float16": 2**11, "bfloat16": 2**8, "float32": 2**24, "float64": 2**53}
+
+
+def _whole_rows(entry: Entry, rows: Any, out: Any, features: Any) -> bool:
+    """Whether a ``PositionEmbedding``'s output ``out`` is table rows, one per position.
+
+    ``rows`` and ``features`` are the layer's output for tables of row and of feature indices
+    (:meth:`~normflat.backends.keras.ggn.Taps.rows`): every output entry must read one row
+    (an exact integer in range, the same along the features) and the feature of its own place,
+    and ``out`` must equal the table's rows at those numbers exactly.
+    """
+    table = tf.convert_to_tensor(entry.variable.value)
+    count, width = (int(d) for d in table.shape)
+    exact = min(_EXACT_INTEGERS.get(tf.as_dtype(t.dtype).name, 0) for t in (table, out, rows, features))
+    if count > exact or int(out.shape[-1]) != width or tuple(rows.shape) != tuple(out.shape):
+        return False
+    r = tf.cast(rows, tf.float64)
+    ids = tf.cast(tf.round(r[..., 0]), tf.int64)
+    ok = (tf.reduce_all(tf.equal(r, tf.round(r))) and tf.reduce_all(tf.equal(r, r[..., :1]))
+          and tf.reduce_all((ids >= 0) & (ids < count))
+          and tf.reduce_all(tf.equal(tf.cast(features, tf.float64), tf.range(width, dtype=tf.float64))))
+    if not bool(ok):
+        return False
+    return bool(tf.reduce_all(tf.equal(tf.gather(table, ids), tf.cast(out, table.dtype))))
+
+
 def _check_model(model: Any) -> None:
     if not isinstance(model, keras.layers.Layer):
         raise TypeError(
@@ -445,7 +472,7 @@ class KerasSession:
                           float(np.finfo(zc.dtype.as_numpy_dtype).eps))
         if self.taps is not None:
             for entry in self.entries:
-                if entry.fast:
+                if entry.fast and entry.fast != "table":  # a loose table has no call: _table_checks
                     recs = self.taps.records.get(entry.name, [])
                     if len(recs) != 1 or recs[0][1] is None:
                         # A shared or bypassed layer: its one input/pre-activation is not the whole story.
@@ -455,7 +482,101 @@ class KerasSession:
                         entry.in_size = _per_sample_elements(recs[0][0])
                         entry.pre_size = _per_sample_elements(recs[0][1])
             self.taps.records.clear()
+            self._table_checks(x, batch, z)
         self.input_size = sum(_per_sample_elements(t) for t in tf.nest.flatten(first))
+
+    def _table_checks(self, x: Any, batch: Batch, z: Any) -> None:
+        """The fast rules of position tables need each sample's gradient where the signal is taken.
+
+        A loose table (``Entry.fast == "table"``) runs with its attribute set to the table
+        expanded over the batch (:meth:`~normflat.backends.keras.ggn.Taps.expanded`); a
+        ``PositionEmbedding`` (``"position"``) is tapped at its output. On two rows of the first
+        batch (one row twice if it has one), one forward under a tape checks, as the torch
+        backend does (method §6.1 "Position tables"):
+
+        * the forward runs with the expanded tables and computes the same logits;
+        * no gradient reaches the variable itself (the expanded view and the layer's own read
+          carry none here): the table is not used another way;
+        * a signal at the last sample's logits reaches only that sample's row of the view (or
+          of the layer's output): the samples are not mixed;
+        * a ``PositionEmbedding``'s output is whole rows of its table, one per position, each
+          feature in its place (:meth:`~normflat.backends.keras.ggn.Taps.rows`), and its row
+          numbers are exact in the dtypes involved.
+
+        A table failing a check takes the generic path, the reason in its ``generic_reason``.
+        """
+        tables = [e for e in self.entries if e.fast in ("table", "position")]
+        if not tables or self.taps is None:
+            return
+        taps, options = self.taps, self.options
+        n = batch.n
+        x2 = _slice(x, 0, 2) if n >= 2 else tf.nest.map_structure(lambda t: tf.concat([t, t], 0), x)
+        if n < 2:
+            z = model_logits(self.model, x2, options)
+        z = z[:2]
+
+        def refuse(entries: list[Entry], reason: str) -> None:
+            for e in entries:
+                e.fast, e.reason = None, reason
+
+        taps.checking = True
+        try:
+            while True:
+                tables = [e for e in tables if e.fast]
+                if not tables:
+                    return
+                taps.records.clear()
+                try:
+                    with tf.GradientTape(persistent=True) as tape:
+                        taps.tape = tape
+                        for e in tables:
+                            tape.watch(e.variable.value)
+                        with taps.expanded(x2):
+                            expanded = model_logits(self.model, x2, options)
+                    break
+                except Exception as why:  # noqa: BLE001 - any failure of the substituted forward
+                    loose = [e for e in tables if e.fast == "table"]
+                    what = f"({type(why).__name__}: {str(why)[:200]})"
+                    if not loose:
+                        refuse(tables, f"the first forward's check of the position table fails {what}")
+                        return
+                    refuse(loose, f"the forward fails with the position table expanded over the batch {what}")
+                finally:
+                    taps.tape = None
+            zc = tf.cast(z, tf.float64)
+            tol = 64 * float(np.finfo(z.dtype.as_numpy_dtype).eps) * (float(tf.reduce_max(tf.abs(zc))) + 1.0)
+            if tuple(expanded.shape) != tuple(z.shape) or \
+                    float(tf.reduce_max(tf.abs(tf.cast(expanded, tf.float64) - zc))) > tol:
+                refuse([e for e in tables if e.fast == "table"],
+                       "the model computes other logits with the position table expanded over the batch")
+            for e, g in zip(tables, tape.gradient(expanded, [e.variable.value for e in tables])):
+                if g is not None:
+                    refuse([e], "the position table is also used outside its "
+                                + ("layer attribute" if e.fast == "table" else "PositionEmbedding layer"))
+            tables = [e for e in tables if e.fast]
+            probe = np.zeros(tuple(expanded.shape), np.float64)
+            probe[-1] = np.linspace(1.0, 2.0, probe[-1].size).reshape(probe[-1].shape)
+            probe = tf.constant(probe, expanded.dtype)
+            records = [taps.records.get(e.name, [[None, None]])[0] for e in tables]
+            views = [r[1] for r in records]
+            grads = tape.gradient(expanded, views, output_gradients=probe) if tables else []
+            del tape
+            for e, record, view, g in zip(tables, records, views, grads):
+                if view is None or int(view.shape[0]) != 2:
+                    refuse([e], "its output is not one row per sample")
+                    continue
+                if g is not None and float(tf.reduce_max(tf.abs(tf.convert_to_tensor(g)[:-1]))) > 0:
+                    refuse([e], "the position table is not added to each sample's own activations (one sample's "
+                                "signal reaches the other samples' rows)")
+                    continue
+                if e.fast == "position" and not _whole_rows(e, *record):
+                    refuse([e], "its output is not whole rows of its table, one per position")
+                    continue
+                e.input_rank, e.pre_size = len(view.shape), _per_sample_elements(view)
+                e.in_size = 0 if e.fast == "table" else _per_sample_elements(record[0])  # rows: like the output
+        finally:
+            taps.checking = False
+            taps.records.clear()
 
     # ------------------------------------------------------------------ chunks and replicas
 
