@@ -2,7 +2,8 @@
 
 Each test builds the same small network in every framework (``tests/builders``),
 applies a transformation that provably leaves the function unchanged, checks
-that the function really is unchanged, and compares the reports.
+that the function really is unchanged, and compares the reports. The position
+table cases use the tiny ViTs of the framework's own layer tests.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 
 import normflat
 from tests import netspec
-from tests.builders import BUILDERS, load_builder
+from tests.builders import BUILDERS, load_builder, require_frameworks
 
 RTOL_INVARIANT = 1e-8
 
@@ -126,3 +127,63 @@ def test_grouped_conv_output_channel_rescaling(builder, estimator, channels, gro
     factors = np.exp(np.random.default_rng(3).uniform(-2, 2, size=channels[2]))
     _check(builder, spec, netspec.rescale_units(spec, 1, factors), loss="ce", estimator=estimator,
            mns_invariant=False)
+
+
+def _scaled_vit_keras(c):
+    """The Keras ViT of ``tests/arch/test_keras_layers.py`` (a loose ``(1, N, d)`` table in a custom
+    layer) and its copy with feature j of the patch embedding and of the table times ``c[j]``."""
+    require_frameworks("keras", "tensorflow")
+    import keras
+
+    from tests.arch.test_keras_layers import position_model
+
+    model, x, y = position_model()
+    twin = keras.models.clone_model(model)
+    twin.set_weights(model.get_weights())
+    patch, table, mix = twin.get_layer("patch"), twin.get_layer("vit").pos_embed, twin.get_layer("mix")
+    patch.kernel.assign(patch.kernel.numpy() * c)
+    patch.bias.assign(patch.bias.numpy() * c)
+    table.assign(table.numpy() * c)
+    mix.kernel.assign(mix.kernel.numpy() / c[:, None])  # kernel (in, out): input row j
+    return model, twin, (x, y), lambda m: m(x).numpy(), "vit/pos_embed"
+
+
+def _scaled_vit_flax_nnx(c):
+    """The flax nnx ViT of ``tests/arch/test_jax_embedding_fast.py`` (class token, ``(1, N, d)``
+    ``nnx.Param`` table) and its copy with feature j of the patch embedding, the class token and
+    the table times ``c[j]``."""
+    require_frameworks("jax", "flax", "equinox")
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from tests.arch.test_jax_embedding_fast import PATCH_Y, PATCHES, NnxViT
+
+    model = NnxViT(nnx.Rngs(5))
+    twin = nnx.clone(model)
+    cj = jnp.asarray(c)
+    twin.patch.kernel[...] = twin.patch.kernel[...] * cj
+    twin.patch.bias[...] = twin.patch.bias[...] * cj
+    twin.cls_token[...] = twin.cls_token[...] * cj
+    twin.pos_embed[...] = twin.pos_embed[...] * cj
+    twin.mix.kernel[...] = twin.mix.kernel[...] / cj[:, None]  # kernel (in, out): input row j
+    return model, twin, (PATCHES, PATCH_Y), lambda m: np.asarray(m(PATCHES)), "pos_embed"
+
+
+@pytest.mark.parametrize("framework", ["keras", "flax_nnx"])
+def test_position_table_feature_scaling(framework):
+    """Feature j of the patch embedding and of the learned position table added to it (rows j of
+    both canonical ``(features, ·)`` matrices) times c_j, the next linear layer's input column j
+    times 1/c_j: the same function, the same normalized sharpness per layer (the rescaled rows
+    and columns are absorbed, method §8), a moved trace, and the table on its fast path
+    (method §6.1 "Position tables")."""
+    c = np.array([3.0, 0.25, 1.5, 0.1])
+    model, twin, data, predict, table = globals()[f"_scaled_vit_{framework}"](c)
+    np.testing.assert_allclose(predict(twin), predict(model), rtol=1e-10, atol=1e-12)
+    before, after = (normflat.analyze(m, data, loss="ce", estimator="ggn", progress=False) for m in (model, twin))
+    assert [l.name for l in before.layers] == [l.name for l in after.layers]
+    for lb, la in zip(before.layers, after.layers):
+        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=RTOL_INVARIANT), lb.name
+    assert after.normalized_sharpness == pytest.approx(before.normalized_sharpness, rel=RTOL_INVARIANT)
+    assert abs(after.hessian_trace - before.hessian_trace) > 1e-3 * abs(before.hessian_trace)
+    assert before.layer(table).details["path"] == after.layer(table).details["path"] == "fast"
+    assert after.layer(table).hessian_trace != pytest.approx(before.layer(table).hessian_trace, rel=1e-3)
