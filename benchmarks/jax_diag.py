@@ -14,9 +14,15 @@ cache look-up of the compiled estimator, computation). Times are medians of
 within each round. The PyTorch figures come from
 :func:`benchmarks.torch_diag.torch_figures` in the same process, run first.
 
+``--position-table`` times instead a tiny ViT (class token, a learned ``(1, 17, 64)``
+position table added to 16 patch embeddings, one MLP block, batch 32): ``ggn`` with
+the table on its fast rule (method §6.1 "Position tables") and on the generic path
+(:func:`position_table_figures`).
+
 Run::
 
     python -m benchmarks.jax_diag [--repeats 5] [--no-torch]
+    python -m benchmarks.jax_diag --position-table [--repeats 5]
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from flax import nnx
 import normflat
 from benchmarks._common import time_interleaved  # noqa: E402
 
-__all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "make_problem", "jax_figures", "main"]
+__all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "make_problem", "jax_figures", "position_table_figures", "main"]
 
 
 class _MLP(nnx.Module):
@@ -122,6 +128,57 @@ def jax_figures(repeats: int = 5, problems: tuple[str, ...] = tuple(PROBLEMS)) -
     return out
 
 
+class _TinyViT(nnx.Module):
+    """16 patches of 48 features -> Dense 64, a class token, a (1, 17, 64) position table, one
+    residual MLP block (128 hidden units), the class token's head (10 classes)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.patch = nnx.Linear(48, 64, rngs=rngs)
+        self.cls_token = nnx.Param(jnp.zeros((1, 1, 64)))
+        self.pos_embed = nnx.Param(0.02 * jax.random.normal(rngs.params(), (1, 17, 64)))
+        self.up = nnx.Linear(64, 128, rngs=rngs)
+        self.down = nnx.Linear(128, 64, rngs=rngs)
+        self.head = nnx.Linear(64, 10, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.patch(x)
+        h = jnp.concatenate([jnp.broadcast_to(self.cls_token[...], (h.shape[0], 1, 64)), h], axis=1)
+        h = h + self.pos_embed[:, :h.shape[1]]
+        h = h + self.down(nnx.gelu(self.up(h)))
+        return self.head(h[:, 0])
+
+
+def position_table_figures(repeats: int = 5) -> dict[str, float]:
+    """Seconds of ``ggn`` on :class:`_TinyViT` (batch 32) with the position table on its fast rule
+    and on the generic path, and their ratio.
+
+    The generic path is the same analysis traced without the added-table taps
+    (``program._TABLE_ADD`` emptied, the trace and kernel caches cleared, as the tests do).
+    """
+    from normflat.backends.jax import program, session
+
+    model = _TinyViT(nnx.Rngs(0))
+    kx, ky = jax.random.split(jax.random.key(0))
+    x, y = jax.random.normal(kx, (32, 16, 48), jnp.float32), jax.random.randint(ky, (32,), 0, 10)
+
+    def ggn():
+        return jax.block_until_ready(normflat.hessian_diagonal(model, (x, y), loss="ce", estimator="ggn",
+                                                               progress=False))
+
+    fast = time_interleaved({"fast": ggn}, repeats)["fast"]
+    saved = program._TABLE_ADD
+    session._TRACES.clear()
+    session._CACHE.clear()
+    program._TABLE_ADD = frozenset()
+    try:
+        generic = time_interleaved({"generic": ggn}, repeats)["generic"]
+    finally:
+        program._TABLE_ADD = saved
+        session._TRACES.clear()
+        session._CACHE.clear()
+    return {"fast": fast, "generic": generic, "generic_over_fast": generic / fast}
+
+
 def format_side_by_side(jax_figs: dict, torch_figs: dict | None) -> str:
     """Plain-text table: JAX seconds and multiples, PyTorch multiples, and their ratio for ggn."""
     lines = []
@@ -144,7 +201,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch figures")
     parser.add_argument("--problems", nargs="*", default=list(PROBLEMS), choices=list(PROBLEMS))
+    parser.add_argument("--position-table", action="store_true",
+                        help="time a tiny ViT's position table: fast rule against the generic path")
     args = parser.parse_args(argv)
+    if args.position_table:
+        f = position_table_figures(args.repeats)
+        print(f"jax {jax.__version__}, device {jax.devices()[0]}, tiny ViT (batch 32, 17 tokens, d 64), ggn, "
+              f"median of {args.repeats}")
+        print(f"  position table fast {f['fast']:.4f} s, generic {f['generic']:.4f} s, "
+              f"generic / fast {f['generic_over_fast']:.2f}")
+        return
     torch_figs = None
     if not args.no_torch:
         from benchmarks.torch_diag import torch_figures

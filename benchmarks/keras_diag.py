@@ -16,9 +16,15 @@ within each round. Results are reported as multiples of one gradient, next to
 the PyTorch figures measured in the same run by
 ``benchmarks.torch_diag.torch_figures``.
 
+``--position-table`` times instead a tiny ViT (a custom layer adding a learned
+``(1, 17, 64)`` position table to a class token and 16 patch embeddings, one MLP
+block, batch 32): ``ggn`` with the table on its fast rule (method §6.1 "Position
+tables") and on the generic path (:func:`position_table_figures`).
+
 Run::
 
     python -m benchmarks.keras_diag [--repeats 5] [--threads 1] [--no-torch]
+    python -m benchmarks.keras_diag --position-table [--repeats 5] [--threads 1]
 
 ``--threads N`` limits both frameworks to N CPU threads (TensorFlow intra- and
 inter-op pools, ``torch.set_num_threads``): on a shared machine one thread
@@ -40,7 +46,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # noqa: E402
 from benchmarks._common import time_interleaved  # noqa: E402
 
-__all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "METHODS", "make_problem", "keras_figures", "main"]
+__all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "METHODS", "make_problem", "keras_figures", "position_table_figures",
+           "main"]
 
 METHODS = ("gradient", "normflat_ggn", "normflat_ggn_mc")
 
@@ -126,6 +133,62 @@ def keras_figures(repeats: int = 5, problems: tuple[str, ...] = tuple(PROBLEMS))
     return out
 
 
+def _tiny_vit(generic: bool):
+    """16 patches of 48 features -> Dense 64, a custom layer adding a class token and a (1, 17, 64)
+    position table, one residual MLP block (128 hidden units), the class token's head (10 classes).
+
+    ``generic``: the layer holds its table in a list rather than an attribute of its own, which
+    sends the table to the generic path (no attribute to set to the expanded view) and changes
+    nothing else.
+    """
+    import keras
+    import tensorflow as tf
+
+    L = keras.layers
+
+    class Tokens(L.Layer):
+        def build(self, input_shape):
+            self.cls_token = self.add_weight(shape=(1, 1, 64), initializer="zeros", name="cls_token")
+            table = self.add_weight(shape=(1, 17, 64), initializer="random_normal", name="pos_embed")
+            if generic:
+                self.tables = [table]
+            else:
+                self.pos_embed = table
+
+        def call(self, h):
+            table = self.tables[0] if generic else self.pos_embed
+            cls = tf.broadcast_to(self.cls_token, [tf.shape(h)[0], 1, 64])
+            return tf.concat([cls, h], axis=1) + table
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((16, 48))
+    h = Tokens(name="tokens")(L.Dense(64, name="patch")(inp))
+    h = L.Add()([h, L.Dense(64, name="down")(L.Dense(128, activation="gelu", name="up")(h))])
+    return keras.Model(inp, L.Dense(10, name="head")(h[:, 0]))
+
+
+def position_table_figures(repeats: int = 5) -> dict[str, float]:
+    """Seconds of ``ggn`` on a tiny ViT (batch 32) with the position table on its fast rule and on
+    the generic path (:func:`_tiny_vit`), the other layers fast in both, and their ratio."""
+    import tensorflow as tf
+
+    import normflat
+
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(32, 16, 48)).astype("float32"))
+    y = tf.constant(rng.integers(0, 10, size=32))
+    runs = {}
+    for name in ("fast", "generic"):
+        model = _tiny_vit(name == "generic")
+
+        def run(model=model):
+            return [v.numpy() for v in normflat.hessian_diagonal(model, (x, y), loss="ce", estimator="ggn",
+                                                                 progress=False).values()]
+        runs[name] = run
+    seconds = time_interleaved(runs, repeats)
+    return {**seconds, "generic_over_fast": seconds["generic"] / seconds["fast"]}
+
+
 def _device() -> str:
     import tensorflow as tf
 
@@ -138,12 +201,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads per framework")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch figures")
+    parser.add_argument("--position-table", action="store_true",
+                        help="time a tiny ViT's position table: fast rule against the generic path")
     args = parser.parse_args(argv)
     if args.threads:
         import tensorflow as tf
 
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    if args.position_table:
+        f = position_table_figures(args.repeats)
+        print(f"tiny ViT (batch 32, 17 tokens, d 64), ggn, device {_device()}, threads {args.threads or 'default'}, "
+              f"median of {args.repeats}")
+        print(f"  position table fast {f['fast']:.4f} s, generic {f['generic']:.4f} s, "
+              f"generic / fast {f['generic_over_fast']:.2f}")
+        return {"position_table": f}
 
     keras_fig = keras_figures(args.repeats)
     torch_fig = None
