@@ -333,6 +333,66 @@ def test_ggn_on_bn_residual_nsce_and_separable_conv():
 # ----------------------------------------------------------------------------- stochastic estimators
 
 
+class _ReadsKernel(keras.layers.Layer):
+    """Adds ``x @ other.kernel``: reads another layer's weight a second time (a hand-tied weight)."""
+
+    def __init__(self, other, **kwargs):
+        super().__init__(**kwargs)
+        self.other = other
+
+    def call(self, x):
+        return x + keras.ops.matmul(x, self.other.kernel)
+
+
+def _weight_read_twice(kind):
+    """A model whose first layer's weight is also read by another layer: a square ``Dense``, or a
+    ``Conv1D`` / ``EinsumDense`` of one feature map, through ``_ReadsKernel``."""
+    _seed(7)
+    if kind == "conv":
+        inp = keras.Input((3, 4), dtype=F64)
+        first = keras.layers.Conv1D(4, 1, activation="tanh", dtype=F64, name="first")
+        h = first(inp)
+        h = _ReadsKernelConv(first, dtype=F64, name="reuse")(h)
+        h = keras.layers.Flatten(dtype=F64)(h)
+    else:
+        inp = keras.Input((4,), dtype=F64)
+        first = (keras.layers.Dense(4, activation="tanh", dtype=F64, name="first") if kind == "dense" else
+                 keras.layers.EinsumDense("ab,bc->ac", output_shape=4, activation="tanh", dtype=F64, name="first"))
+        h = first(inp)
+        h = _ReadsKernel(first, dtype=F64, name="reuse")(h)
+    out = keras.layers.Dense(3, dtype=F64, name="head")(h)
+    return keras.Model(inp, out), first
+
+
+class _ReadsKernelConv(keras.layers.Layer):
+    """Adds the 1×1 convolution of ``other``'s kernel to its input (a second read of it)."""
+
+    def __init__(self, other, **kwargs):
+        super().__init__(**kwargs)
+        self.other = other
+
+    def call(self, x):
+        return x + keras.ops.matmul(x, self.other.kernel[0])
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv", "einsum"])
+def test_weight_also_read_outside_its_layer_takes_the_generic_path(kind):
+    """A fast rule forms a weight's squares from its own layer's input and pre-activation: a
+    weight another layer reads too would miss that use's share of every per-sample gradient (a
+    silent wrong diagonal). The first forward sees the second read (the layer's own read carries
+    no gradient then) and sends the weight to the generic path, exact against brute force."""
+    model, first = _weight_read_twice(kind)
+    x, y = data_for(model, n=5)
+    report = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    details = report.layer("first").details
+    assert details["path"] == "generic"
+    assert "also used outside its layer's call" in details["generic_reason"]
+    assert report.layer("head").details["path"] == "fast"
+    got = _diag(model, batches(x, y, 2), loss="ce", estimator="ggn")
+    ref = brute_ggn_diag(model, [first, model.get_layer("head")], x)
+    _assert_same(got, ref, rtol=1e-10, atol=1e-13)
+
+
 def test_ggn_mc_is_unbiased_and_reports_standard_errors():
     model = tanh_mlp()
     x, y = data_for(model, n=6)

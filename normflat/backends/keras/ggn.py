@@ -16,7 +16,7 @@ Learned position tables (method §6.1 "Position tables") are fast too: keras-hub
 sample's gradient of the rows it reads, :meth:`Taps.rows`), a position table held
 as a loose weight by running the model with its layer attribute set to the table
 expanded over the batch (:meth:`Taps.expanded`); both checked on the first forward
-(:meth:`~normflat.backends.keras.session.KerasSession._table_checks`).
+(:meth:`~normflat.backends.keras.session.KerasSession._first_checks`).
 With ``ggn-topk``, and ``ggn`` above :data:`STRUCTURED_HEAD_CLASSES` classes
 (:func:`exact_head`), a ``Dense`` head whose pre-activation is the logits takes its
 exact squares from the logit-Hessian diagonal; for ``(n, C)`` logits the other fast
@@ -112,9 +112,10 @@ class Taps:
         self.tape: tf.GradientTape | None = None
         #: Loose position tables: no call of their own, :meth:`expanded` substitutes them.
         self.tables = [entry for entry in tapped if entry.fast == "table"]
-        #: The first forward's checks (``KerasSession._table_checks``): a ``PositionEmbedding``
-        #: reads its table without a gradient (any gradient that still reaches the variable comes
-        #: from another use) and also records which feature each output entry reads.
+        #: The first forward's checks (``KerasSession._first_checks``): every tapped layer reads
+        #: its weight without a gradient (any gradient that still reaches the variable comes from
+        #: another use, which its fast rule would miss), and a ``PositionEmbedding`` also records
+        #: which feature each output entry reads.
         self.checking = False
         for entry in tapped:
             if entry.fast != "table":
@@ -126,7 +127,8 @@ class Taps:
         if entry.fast == "embedding":
             # A lookup has no activation: its output is what the signals are pulled back to.
             def lookup(inputs, *args, **kwargs):
-                out = original_call(inputs, *args, **kwargs)
+                with self.own_read(entry):
+                    out = original_call(inputs, *args, **kwargs)
                 if self.tape is not None:
                     self.tape.watch(out)
                 self.records.setdefault(name, []).append([inputs, out])
@@ -138,11 +140,7 @@ class Taps:
             variable = entry.variable
 
             def position(inputs, *args, **kwargs):
-                if self.checking:
-                    frozen = tf.stop_gradient(tf.convert_to_tensor(variable.value))
-                    with keras.StatelessScope(state_mapping=[(variable, frozen)]):
-                        out = original_call(inputs, *args, **kwargs)
-                else:
+                with self.own_read(entry):
                     out = original_call(inputs, *args, **kwargs)
                 if self.tape is not None:
                     self.tape.watch(out)
@@ -158,7 +156,8 @@ class Taps:
 
         def call(inputs, *args, **kwargs):
             self.records.setdefault(name, []).append([inputs, None])
-            return original_call(inputs, *args, **kwargs)
+            with self.own_read(entry):
+                return original_call(inputs, *args, **kwargs)
 
         def activation(y):
             if self.tape is not None:
@@ -171,13 +170,23 @@ class Taps:
         state.set(layer, "call", call)
         state.set(layer, "activation", activation)
 
+    def own_read(self, entry: Entry) -> Any:
+        """While :attr:`checking`: the layer's call reads its weight as a value without a gradient
+        (a ``StatelessScope`` holding it), so a gradient that still reaches the variable comes from
+        another use (a layer or an op reading ``layer.kernel`` too), which the fast rule, built on
+        this call's input and pre-activation alone, would miss."""
+        if not self.checking:
+            return contextlib.nullcontext()
+        frozen = tf.stop_gradient(tf.convert_to_tensor(entry.variable.value))
+        return keras.StatelessScope(state_mapping=[(entry.variable, frozen)])
+
     def rows(self, call: Callable[..., Any], variable: Any, axis: int, inputs: Any, args: tuple,
              kwargs: dict) -> Any:
         """The layer's ``call`` on a table of its own indices: entry ``(r, j)`` of the table is
         ``r`` (``axis=0``) or ``j`` (``axis=1``), so each output entry holds the table row (the
         feature) it reads. Whatever the call's arguments (``start_index``, ``positions``), the rows
         follow the layer's own indexing; the first forward checks that the output really is the
-        table's rows (``KerasSession._table_checks``)."""
+        table's rows (``KerasSession._first_checks``)."""
         shape = tuple(int(d) for d in variable.shape)
         index = tf.range(shape[axis], dtype=variable.dtype)
         code = tf.broadcast_to(index[:, None] if axis == 0 else index[None, :], shape)

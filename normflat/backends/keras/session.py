@@ -472,7 +472,7 @@ class KerasSession:
                           float(np.finfo(zc.dtype.as_numpy_dtype).eps))
         if self.taps is not None:
             for entry in self.entries:
-                if entry.fast and entry.fast != "table":  # a loose table has no call: _table_checks
+                if entry.fast and entry.fast != "table":  # a loose table has no call: _first_checks
                     recs = self.taps.records.get(entry.name, [])
                     if len(recs) != 1 or recs[0][1] is None:
                         # A shared or bypassed layer: its one input/pre-activation is not the whole story.
@@ -482,31 +482,36 @@ class KerasSession:
                         entry.in_size = _per_sample_elements(recs[0][0])
                         entry.pre_size = _per_sample_elements(recs[0][1])
             self.taps.records.clear()
-            self._table_checks(x, batch, z)
+            self._first_checks(x, batch, z)
         self.input_size = sum(_per_sample_elements(t) for t in tf.nest.flatten(first))
 
-    def _table_checks(self, x: Any, batch: Batch, z: Any) -> None:
-        """The fast rules of position tables need each sample's gradient where the signal is taken.
+    def _first_checks(self, x: Any, batch: Batch, z: Any) -> None:
+        """The fast rules need each weight used by its own layer's call only, and the position
+        tables each sample's gradient where the signal is taken.
 
-        A loose table (``Entry.fast == "table"``) runs with its attribute set to the table
-        expanded over the batch (:meth:`~normflat.backends.keras.ggn.Taps.expanded`); a
-        ``PositionEmbedding`` (``"position"``) is tapped at its output. On two rows of the first
-        batch (one row twice if it has one), one forward under a tape checks, as the torch
-        backend does (method §6.1 "Position tables"):
+        Every fast rule forms a weight's squares from its layer's input and pre-activation (or
+        output): a weight also read elsewhere (another layer or op reading ``layer.kernel``)
+        would miss that use's share of every per-sample gradient. A loose table
+        (``Entry.fast == "table"``) runs with its attribute set to the table expanded over the
+        batch (:meth:`~normflat.backends.keras.ggn.Taps.expanded`); a ``PositionEmbedding``
+        (``"position"``) is tapped at its output. On two rows of the first batch (one row twice if
+        it has one), one forward under a tape, in which every tapped layer reads its weight
+        without a gradient (:meth:`~normflat.backends.keras.ggn.Taps.own_read`), checks, as the
+        torch backend does (method §6.1):
 
+        * no gradient reaches the variable itself (the layer's own read, and a table's expanded
+          view, carry none here): the weight is not used another way;
         * the forward runs with the expanded tables and computes the same logits;
-        * no gradient reaches the variable itself (the expanded view and the layer's own read
-          carry none here): the table is not used another way;
-        * a signal at the last sample's logits reaches only that sample's row of the view (or
-          of the layer's output): the samples are not mixed;
+        * a signal at the last sample's logits reaches only that sample's row of a table's view
+          (or of the layer's output): the samples are not mixed;
         * a ``PositionEmbedding``'s output is whole rows of its table, one per position, each
           feature in its place (:meth:`~normflat.backends.keras.ggn.Taps.rows`), and its row
           numbers are exact in the dtypes involved.
 
-        A table failing a check takes the generic path, the reason in its ``generic_reason``.
+        A weight failing a check takes the generic path, the reason in its ``generic_reason``.
         """
-        tables = [e for e in self.entries if e.fast in ("table", "position")]
-        if not tables or self.taps is None:
+        checked = [e for e in self.entries if e.fast]
+        if not checked or self.taps is None:
             return
         taps, options = self.taps, self.options
         n = batch.n
@@ -522,37 +527,45 @@ class KerasSession:
         taps.checking = True
         try:
             while True:
-                tables = [e for e in tables if e.fast]
-                if not tables:
+                checked = [e for e in checked if e.fast]
+                if not checked:
                     return
                 taps.records.clear()
                 try:
                     with tf.GradientTape(persistent=True) as tape:
                         taps.tape = tape
-                        for e in tables:
+                        for e in checked:
                             tape.watch(e.variable.value)
                         with taps.expanded(x2):
                             expanded = model_logits(self.model, x2, options)
                     break
-                except Exception as why:  # noqa: BLE001 - any failure of the substituted forward
-                    loose = [e for e in tables if e.fast == "table"]
+                except Exception as why:  # noqa: BLE001 - any failure of the checking forward
+                    loose = [e for e in checked if e.fast == "table"]
                     what = f"({type(why).__name__}: {str(why)[:200]})"
                     if not loose:
-                        refuse(tables, f"the first forward's check of the position table fails {what}")
+                        refuse(checked, f"the first forward's check of its layer fails {what}")
                         return
                     refuse(loose, f"the forward fails with the position table expanded over the batch {what}")
                 finally:
                     taps.tape = None
+            for e, g in zip(checked, tape.gradient(expanded, [e.variable.value for e in checked])):
+                if g is None:
+                    continue
+                if e.fast == "table":
+                    refuse([e], "the position table is also used outside its layer attribute")
+                elif e.fast == "position":
+                    refuse([e], "the position table is also used outside its PositionEmbedding layer")
+                else:
+                    refuse([e], "its weight is also used outside its layer's call (another layer or op reads it)")
+            tables = [e for e in checked if e.fast in ("table", "position")]
+            if not tables:
+                return
             zc = tf.cast(z, tf.float64)
             tol = 64 * float(np.finfo(z.dtype.as_numpy_dtype).eps) * (float(tf.reduce_max(tf.abs(zc))) + 1.0)
             if tuple(expanded.shape) != tuple(z.shape) or \
                     float(tf.reduce_max(tf.abs(tf.cast(expanded, tf.float64) - zc))) > tol:
                 refuse([e for e in tables if e.fast == "table"],
                        "the model computes other logits with the position table expanded over the batch")
-            for e, g in zip(tables, tape.gradient(expanded, [e.variable.value for e in tables])):
-                if g is not None:
-                    refuse([e], "the position table is also used outside its "
-                                + ("layer attribute" if e.fast == "table" else "PositionEmbedding layer"))
             tables = [e for e in tables if e.fast]
             probe = np.zeros(tuple(expanded.shape), np.float64)
             probe[-1] = np.linspace(1.0, 2.0, probe[-1].size).reshape(probe[-1].shape)
