@@ -14,3 +14,12 @@ if os.environ.get("PYTEST_XDIST_WORKER") and _WORKERS > 1:
         os.environ.setdefault(_name, _THREADS)
     if _THREADS == "1" and "multi_thread_eigen" not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " --xla_cpu_multi_thread_eigen=false"
+# XLA's persistent compilation cache, in the checkout's ignored build folder (shared by the xdist
+# workers, kept between runs of this checkout): the JAX tests rebuild the same small models again
+# and again, and compiling their programs is most of their time (tests/backends/test_jax_topk.py:
+# 121 s without it, 94 s with an empty cache, 31 s with a warm one). A hit is the executable XLA
+# compiled for the same program, options and versions: the numbers are the same.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "build", "jax-compilation-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
