@@ -4,7 +4,11 @@ Problems (float32, random data, 10 classes):
 
 * ``mlp``: 784-512-256-10 ReLU MLP, batch 128;
 * ``3c3d``: the DeepOBS 3C3D CIFAR-10 CNN (three conv + max-pool blocks, two
-  hidden dense layers), batch 32.
+  hidden dense layers), batch 32;
+* ``resnet8`` / ``resnet20``: He et al.'s CIFAR ResNets (16/32/64 channels, one or
+  three basic blocks per stage, 1×1 projection shortcuts), BatchNorm in eval mode with
+  random running statistics, batch 32 (BackPACK through its module converter, which
+  turns the residual additions into modules it extends).
 
 Methods: one gradient of the mean cross-entropy (``loss.backward()``), BackPACK
 ``DiagGGNExact``, normflat ``estimator="ggn"`` and ``"ggn-mc"`` (one sample),
@@ -41,7 +45,7 @@ from torch import nn
 import normflat
 from benchmarks._common import proc_status_kib, reset_peak_kib, value_from_fresh_process
 
-__all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "METHODS", "make_problem", "torch_figures", "main"]
+__all__ = ["mlp", "cnn_3c3d", "resnet_cifar", "PROBLEMS", "METHODS", "make_problem", "torch_figures", "main"]
 
 
 def mlp() -> nn.Module:
@@ -60,11 +64,65 @@ def cnn_3c3d() -> nn.Module:
     )
 
 
+class _BasicBlock(nn.Module):
+    """Two 3×3 convolutions with BatchNorm and a shortcut (a 1×1 convolution with BatchNorm where
+    the shape changes)."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+        # ReLU modules, one per use: BackPACK's converter extends modules, not functions.
+        self.relu1, self.relu2 = nn.ReLU(), nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu1(self.bn1(self.conv1(x)))
+        return self.relu2(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+def resnet_cifar(depth: int) -> nn.Module:
+    """He et al.'s CIFAR ResNet of ``depth = 6n + 2`` layers (ResNet-8: n = 1, ResNet-20: n = 3):
+    16, 32 and 64 channels in three stages of ``n`` basic blocks, global average pooling, 10 classes."""
+    n = (depth - 2) // 6
+    layers: list[nn.Module] = [nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU()]
+    cin = 16
+    for stage, cout in enumerate((16, 32, 64)):
+        for block in range(n):
+            layers.append(_BasicBlock(cin, cout, 2 if stage > 0 and block == 0 else 1))
+            cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)]
+    return nn.Sequential(*layers)
+
+
+def _with_running_statistics(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """The model with random BatchNorm running statistics and affine parameters (in eval mode they
+    would otherwise be the identity's), so that the benchmark's BatchNorm layers compute something."""
+    def make() -> nn.Module:
+        model = factory()
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.running_mean.normal_(0.0, 0.2)
+                    m.running_var.uniform_(0.5, 1.5)
+                    m.weight.normal_(1.0, 0.2)
+                    m.bias.normal_(0.0, 0.1)
+        return model
+    return make
+
+
 #: name -> (model factory, input shape with batch axis)
 PROBLEMS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "mlp": (mlp, (128, 1, 28, 28)),
     "3c3d": (cnn_3c3d, (32, 3, 32, 32)),
+    "resnet8": (_with_running_statistics(lambda: resnet_cifar(8)), (32, 3, 32, 32)),
+    "resnet20": (_with_running_statistics(lambda: resnet_cifar(20)), (32, 3, 32, 32)),
 }
+
 METHODS = ("gradient", "backpack", "normflat_ggn", "normflat_ggn_mc")
 
 
@@ -91,7 +149,10 @@ def _runner(method: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> 
         from backpack import backpack, extend
         from backpack.extensions import DiagGGNExact
 
-        bp_model = extend(copy.deepcopy(model))
+        # A residual forward's additions are functions, not modules: BackPACK's converter traces the
+        # model into one whose every operation is a module it can extend.
+        residual = any(isinstance(m, _BasicBlock) for m in model.modules())
+        bp_model = extend(copy.deepcopy(model), use_converter=residual)
         loss_fn = extend(nn.CrossEntropyLoss())
 
         def run():
