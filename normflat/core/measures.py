@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -141,12 +141,19 @@ def _within_float32(xp: Any, dtype: Any) -> bool:
     return dtype != xp.float64 and float(xp.finfo(dtype).max) <= float(xp.finfo(xp.float32).max)
 
 
+def _row_blocks(out: int, inp: int) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` of the blocks of rows of an ``(out, in)`` layer that a single pass over it
+    (sums, the element-wise bound, the standard errors' linear terms) forms in float64 at once."""
+    rows = max(1, PASS_BLOCK_ENTRIES // max(1, inp))
+    for start in range(0, out, rows):
+        yield start, min(out, start + rows)
+
+
 def _blocked_curvature_stats(xp: Any, H2: Any) -> tuple[int, float]:
     """``(clipped, Σ H)`` of a lower-precision ``(out, in)`` diagonal, in float64 blocks of rows."""
-    rows = max(1, PASS_BLOCK_ENTRIES // max(1, int(H2.shape[1])))
     clipped, parts = 0, []
-    for start in range(0, int(H2.shape[0]), rows):
-        block, _ = as_float64(H2[start:min(int(H2.shape[0]), start + rows), :], xp)
+    for start, stop in _row_blocks(int(H2.shape[0]), int(H2.shape[1])):
+        block, _ = as_float64(H2[start:stop, :], xp)
         clipped += _count(xp, block < 0)
         parts.append(to_float(xp.sum(block)))
     return clipped, math.fsum(parts)
@@ -249,12 +256,8 @@ def _elementwise_bound(A: Entries, B: Entries) -> float:
         return compose((mantissa,), log_factor)
     # sqrt of each factor: the product of two tiny entries would underflow.
     if A.derived or B.derived:  # a block of rows at a time (no float64 arrays of the layer's size)
-        out, rows = A.shape[0], max(1, PASS_BLOCK_ENTRIES // max(1, A.shape[1]))
-        parts = []
-        for start in range(0, out, rows):
-            stop = min(out, start + rows)
-            parts.append(to_float(xp.sum(xp.sqrt(A.block(start, stop)) * xp.sqrt(B.block(start, stop)))))
-        total = math.fsum(parts)
+        total = math.fsum(to_float(xp.sum(xp.sqrt(A.block(start, stop)) * xp.sqrt(B.block(start, stop))))
+                          for start, stop in _row_blocks(*A.shape))
     else:
         total = to_float(xp.sum(xp.sqrt(A.values) * xp.sqrt(B.values)))
     odd = (math.sqrt(2.0),) if (A.exp2 + B.exp2) % 2 else ()
@@ -410,10 +413,6 @@ def _linearized_group_values(
                                             "matrix_normalized_sharpness", "elementwise_bound")}
 
 
-#: Entries of the ``(rows, in)`` blocks in which the standard errors' linear terms are formed.
-_LINEAR_BLOCK_ENTRIES = 1 << 16
-
-
 def _group_linear_terms(raw: Any, k: int, e: int, entries: _LayerEntries, solution: ScalingSolution,
                         groups: int, mns_slope: float | None) -> dict[str, np.ndarray] | None:
     """``Σ_ij deviation_kij · e^{slope_ij}`` per group ``k`` and measure (0 where the curvature
@@ -427,13 +426,11 @@ def _group_linear_terms(raw: Any, k: int, e: int, entries: _LayerEntries, soluti
     log_unit = e * _LN2
     out, inp = entries.A.shape
     rows_per_group = out // groups
-    rows = max(1, _LINEAR_BLOCK_ENTRIES // max(1, inp))
     names = ["normalized_sharpness", "elementwise_bound"] + (["matrix_normalized_sharpness"] if mns_slope is not None
                                                               else [])
     parts: dict[str, list[list[float]]] = {name: [[] for _ in range(k)] for name in names}
     traces: list[list[float]] = [[] for _ in range(k)]
-    for start in range(0, out, rows):
-        stop = min(out, start + rows)
+    for start, stop in _row_blocks(out, inp):
         A, B = entries.A.rows(start, stop), entries.B.rows(start, stop)
         active = np.asarray(to_numpy(A.positive()))
         if A.is_log:

@@ -35,7 +35,6 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(solver, "DERIVED_BLOCK_ENTRIES", 64)
     monkeypatch.setattr(solver, "PASS_BLOCK_ENTRIES", 64)
     monkeypatch.setattr(measures, "PASS_BLOCK_ENTRIES", 64)
-    monkeypatch.setattr(measures, "_LINEAR_BLOCK_ENTRIES", 64)
 
 
 def _pair(problem32: LayerProblem) -> tuple[normflat.LayerResult, normflat.LayerResult]:
