@@ -35,6 +35,7 @@ Run::
     python -m benchmarks.classes [--rounds 5] [--problems mlp-1000 resnet18-1000] [--threads 1] [--memory]
     python -m benchmarks.classes --problems resnet18-1000 --no-timing --samples 15 --top-classes 3 --seed 1
     python -m benchmarks.classes --problems mlp-1000 resnet18-1000 --no-timing --seeds 12
+    python -m benchmarks.classes --device cuda --memory    # on a GPU: the same tables
 """
 
 from __future__ import annotations
@@ -98,17 +99,32 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
 LANGUAGE_MODELS = ("gpt2-5000",)
 
 
-def make_problem(name: str, seed: int = 0) -> tuple[nn.Module, Any, Callable[[nn.Module], torch.Tensor]]:
-    """Model (eval mode), the data normflat is given, and the mean loss of the batch."""
+def make_problem(name: str, seed: int = 0, device: str = "cpu"
+                 ) -> tuple[nn.Module, Any, Callable[[nn.Module], torch.Tensor]]:
+    """Model (eval mode, on ``device``), the data normflat is given, and the mean loss of the batch."""
     factory, classes, shape, _, _ = PROBLEMS[name]
     torch.manual_seed(seed)
-    model = factory(classes).eval()
+    model = factory(classes).eval().to(device)
     if name in LANGUAGE_MODELS:  # a causal LM fed labels = input_ids (Hugging Face shifts them), every token counted
-        ids = torch.randint(0, classes, shape)
+        ids = torch.randint(0, classes, shape).to(device)
         return model, {"input_ids": ids, "labels": ids}, lambda m: m(input_ids=ids, labels=ids).loss
-    x = torch.randn(*shape)
-    y = torch.randint(0, classes, (shape[0],))
+    x = torch.randn(*shape).to(device)
+    y = torch.randint(0, classes, (shape[0],)).to(device)
     return model, (x, y), lambda m: nn.functional.cross_entropy(m(x), y)
+
+
+def _synced(runs: dict[str, Callable[[], Any]], device: str) -> dict[str, Callable[[], Any]]:
+    """On a CUDA device each run waits for its kernels, so that its wall time is its own."""
+    if not device.startswith("cuda"):
+        return runs
+
+    def synced(run: Callable[[], Any]) -> Callable[[], Any]:
+        def wrapped():
+            out = run()
+            torch.cuda.synchronize()
+            return out
+        return wrapped
+    return {name: synced(run) for name, run in runs.items()}
 
 
 def _runs(name: str, model: nn.Module, data: Any, loss_of: Callable[[nn.Module], torch.Tensor]
@@ -195,28 +211,38 @@ def _training_step(model: nn.Module, data: Any, loss_of: Callable[[nn.Module], t
     return step
 
 
-def _peak_worker(name: str, method: str, threads: int, queue) -> None:
+def _peak_worker(name: str, method: str, threads: int, device: str, queue) -> None:
     torch.set_num_threads(threads)
     # One-time imports and initialization (normflat's backend, the optimizer, tqdm) on a tiny model
     # first, so that they are not counted.
-    tiny = make_problem("mlp-10")
+    tiny = make_problem("mlp-10", device=device)
     warm = _training_step(*tiny) if method == "training step" else _runs("mlp-10", *tiny).get(method, lambda: None)
     warm()
     del tiny
-    problem = make_problem(name)
+    problem = make_problem(name, device=device)
     run = _training_step(*problem) if method == "training step" else _runs(name, *problem)[method]
     gc.collect()
+    if device.startswith("cuda"):  # the device's allocations: the model and its batch are there before
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        run()
+        run()
+        torch.cuda.synchronize()
+        queue.put((torch.cuda.max_memory_allocated() - base) / 2**20)
+        return
     before = reset_peak_kib()
     run()  # everything the method allocates counts: gradients and optimizer state, normflat's sums
     run()
     queue.put((proc_status_kib("VmHWM") - before) / 1024)
 
 
-def peak_mib(name: str, method: str, threads: int = 1) -> float:
-    """Peak resident memory (MiB) that two runs of ``method`` add to the model and its batch, in a
-    fresh process (Linux): a training step's gradients, optimizer state and activations; normflat's
-    sums, signals and per-sample squares."""
-    return value_from_fresh_process(_peak_worker, (name, method, threads))
+def peak_mib(name: str, method: str, threads: int = 1, device: str = "cpu") -> float:
+    """Peak memory (MiB) that two runs of ``method`` add to the model and its batch, in a fresh
+    process: the resident set on the CPU (Linux), the device's allocations on a CUDA device; a
+    training step's gradients, optimizer state and activations; normflat's sums, signals and
+    per-sample squares."""
+    return value_from_fresh_process(_peak_worker, (name, method, threads, device))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -232,19 +258,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="auto's seed in the accuracy table")
     parser.add_argument("--seeds", type=int, default=1,
                         help="accuracy over seeds seed .. seed + seeds - 1 (a second table when more than one)")
+    parser.add_argument("--device", default="cpu", help="the models' device: cpu or cuda (CUDA times wait for "
+                        "the kernels; CUDA memory is the device's allocations)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), minimum of {args.rounds} interleaved rounds")
+    print(f"torch {torch.__version__}, device {args.device}, {args.threads} thread(s), minimum of {args.rounds} "
+          "interleaved rounds")
     if args.memory:
         print("| problem | training step (MiB) | auto (MiB) | auto / step | analyze (MiB) | analyze / step | "
               "ggn (MiB) | ggn / step |")
         print("|---|---|---|---|---|---|---|---|")
         for name in args.problems:
-            step = peak_mib(name, "training step", args.threads)
-            auto = peak_mib(name, "auto", args.threads)
-            report = peak_mib(name, "analyze", args.threads)
+            step = peak_mib(name, "training step", args.threads, args.device)
+            auto = peak_mib(name, "auto", args.threads, args.device)
+            report = peak_mib(name, "analyze", args.threads, args.device)
             if PROBLEMS[name][4]:
-                exact = peak_mib(name, "ggn", args.threads)
+                exact = peak_mib(name, "ggn", args.threads, args.device)
                 exact_cells = f"{exact:.0f} | {exact / step:.1f}×"
             else:
                 exact_cells = "— | —"
@@ -256,7 +285,8 @@ def main(argv: list[str] | None = None) -> None:
           "gradient (s) |")
     print("|---|---|---|---|---|---|---|---|")
     for name in ([] if args.no_timing else args.problems):
-        times = {m: min(t) for m, t in time_rounds(_runs(name, *make_problem(name)), args.rounds).items()}
+        runs = _synced(_runs(name, *make_problem(name, device=args.device)), args.device)
+        times = {m: min(t) for m, t in time_rounds(runs, args.rounds).items()}
         g = times["gradient"]
 
         def cell(method: str) -> str:
@@ -275,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.problems:
         if not PROBLEMS[name][4]:
             continue  # no exact reference
-        model, data, _ = make_problem(name)
+        model, data, _ = make_problem(name, device=args.device)
         exact = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False)
         runs = []
         for seed in range(args.seed, args.seed + args.seeds):
@@ -311,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
               "median relative SE per sequence | median relative SE per token |")
         print("|---|---|---|---|---|---|")
     for name in lms:
-        model, data, _ = make_problem(name)
+        model, data, _ = make_problem(name, device=args.device)
         chosen = {"samples": args.samples, "top_classes": args.top_classes, "seed": args.seed}
         rows = lm_accuracy(model, data, **{key: value for key, value in chosen.items() if value is not None})
         med = sorted(r["rel_se"] for r in rows)[len(rows) // 2]
