@@ -8,8 +8,15 @@ float64: the fast rule, the generic path (the same analysis traced without
 lookup taps) and the brute-force ``(1/N) Σ J_{n,t}ᵀ H_{n,t} J_{n,t}`` of
 :func:`tests.arch.test_jax_layers.ref_ggn` (full per-sample Jacobians, per-token
 loss Hessians over the counted tokens), with repeated ids inside a sample and
-token labels with ``ignore_index``. A table that is also the tied LM head is used
-twice and must stay on the generic path.
+token labels with ``ignore_index``.
+
+A table that is also the tied LM head (flax ``Embed.attend``, ``h @ table.T``) has one
+tap per use (method §6.1 "Tied weights"): its per-example gradient, the lookup's
+scatter of its output signals plus the head's product of the signal with its input, is
+summed before the square. The same three ways for flax nnx, linen and equinox, with a
+padding id whose labels are ignored, ``shift_labels``, ``ggn``, ``ggn-mc`` and ``ggn-topk``
+on two batch sizes, and the signals in several steps; a table also used otherwise, or
+changed before its use, stays generic with its reason.
 
 Learned position tables added to the activations (method §6.1 "Position tables")
 are taps of their own: the signal at the table's operand of the ``add`` is, in the
@@ -36,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import normflat  # noqa: E402
+from normflat.backends.jax import ggn as jax_ggn  # noqa: E402
 from normflat.backends.jax import program, session  # noqa: E402
 from tests.arch.test_jax_layers import NnxLM, assert_close, canon, ref_ggn  # noqa: E402
 
@@ -200,13 +208,178 @@ def test_equinox_embedding_gather_and_dynamic_slice_fast(monkeypatch):
     _three_way(monkeypatch, model, data, ref_ggn(model, IDS, LABELS, "nsce"), expected, ("emb", "first"))
 
 
-def test_tied_attend_head_stays_generic_and_exact():
-    model = NnxLM(nnx.Rngs(4), vocab=V, d=D)
-    data = (IDS, jnp.asarray(LABELS))
-    paths = _paths(model, data, estimator="ggn", loss="ce")
-    assert paths["emb"] == "generic"  # the lookup and the attend head: one table used twice
-    diag = _hd(model, data, estimator="ggn", loss="ce")
-    assert_close(diag["emb"], canon(ref_ggn(model, IDS, LABELS, "ce")["emb/embedding"], "flax"))
+# ----------------------------------------------------------------------------- tied tables (method §6.1)
+
+#: The padding id of :data:`TIED_IDS`; its positions' labels are ignored.
+PAD = 0
+#: Sequences with repeated ids and trailing padding (the second and third).
+TIED_IDS = jnp.asarray([[1, 3, 1, 1], [2, 2, 5, PAD], [7, 1, PAD, PAD]])
+#: Next-token labels (``shift_labels=True`` shifts them): padding and one prompt token not counted.
+TIED_LABELS = np.asarray([[1, 3, -100, 1], [2, 2, 5, -100], [7, 1, -100, -100]])
+
+
+def _shifted(y):
+    """The labels ``shift_labels=True`` makes of ``y``: position ``t`` predicts label ``t + 1``."""
+    y = np.asarray(y)
+    return np.concatenate([y[:, 1:], np.full((len(y), 1), -100)], axis=1)
+
+
+class NnxTiedLM(nnx.Module):
+    """Embed, a mix over the tokens, the ``attend`` head; ``use``: ``"attend"`` only, ``"lookups"`` the
+    ids reversed looked up too (two lookups and the head: three taps), ``"third"`` the table also
+    scales the features (a third use), ``"scaled"`` the head reads a scaled copy of it."""
+
+    def __init__(self, rngs, use="attend"):
+        self.use = use
+        self.emb = nnx.Embed(V, D, param_dtype=F64, rngs=rngs)
+        self.mix = nnx.Linear(D, D, param_dtype=F64, rngs=rngs)
+
+    def __call__(self, ids):
+        h = self.emb(ids)
+        if self.use == "lookups":
+            h = h + 0.5 * self.emb(jnp.flip(ids, axis=-1))
+        h = jnp.tanh(self.mix(h + h.mean(axis=-2, keepdims=True)))
+        if self.use == "third":
+            h = h * jnp.tanh(self.emb.embedding[...].mean(axis=0))
+        if self.use == "scaled":
+            return h @ (0.5 * self.emb.embedding[...]).T
+        return self.emb.attend(h)
+
+
+class LinenTiedLM(nn.Module):
+    """linen ``Embed`` and its ``attend`` as the head."""
+
+    @nn.compact
+    def __call__(self, ids):
+        emb = nn.Embed(V, D, param_dtype=F64, name="emb")
+        h = emb(ids)
+        return emb.attend(jnp.tanh(nn.Dense(D, param_dtype=F64, name="mix")(h + h.mean(axis=-2, keepdims=True))))
+
+
+class EqxTiedLM(eqx.Module):
+    """Per example: ids (T,) -> vmapped ``Embedding`` -> a mix -> ``h @ table.T`` by hand."""
+
+    emb: eqx.nn.Embedding
+    mix: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.emb = eqx.nn.Embedding(V, D, key=k1, dtype=F64)
+        self.mix = eqx.nn.Linear(D, D, key=k2, dtype=F64)
+
+    def __call__(self, ids):
+        h = jax.vmap(self.emb)(ids)
+        return jnp.tanh(jax.vmap(self.mix)(h + h.mean(axis=0))) @ self.emb.weight.T
+
+
+def _tied(kind, **kw):
+    """``(model, brute-force reference (ids, labels, loss) -> {leaf: native}, {name: (leaf, kind)})``."""
+    if kind == "nnx":
+        model = NnxTiedLM(nnx.Rngs(8), **kw)
+        return model, lambda x, y, loss: ref_ggn(model, x, y, loss), {
+            "emb": ("emb/embedding", "flax"), "mix": ("mix/kernel", "flax")}
+    if kind == "linen":
+        module = LinenTiedLM()
+        variables = module.init(jax.random.key(9), TIED_IDS)
+        return (module, variables), lambda x, y, loss: ref_ggn(module, x, y, loss, variables), {
+            "emb": ("emb/embedding", "flax"), "mix": ("mix/kernel", "flax")}
+    model = EqxTiedLM(jax.random.key(10))
+    return model, lambda x, y, loss: ref_ggn(model, x, y, loss), {
+        "emb": ("emb/weight", "flax"), "mix": ("mix/weight", "eqx")}
+
+
+def _untied(fn):
+    """``fn()`` with every tied table on the generic path (no tied taps), in fresh caches."""
+    session._TRACES.clear()
+    session._CACHE.clear()
+    saved = program._TIED_USES
+    program._TIED_USES = frozenset()
+    try:
+        return fn()
+    finally:
+        program._TIED_USES = saved
+        session._TRACES.clear()
+        session._CACHE.clear()
+
+
+@pytest.mark.parametrize("kind, kw, every_estimator", [
+    ("nnx", {}, True), ("nnx", {"use": "lookups"}, False), ("linen", {}, False), ("equinox", {}, False)],
+    ids=["nnx", "nnx-lookups", "linen", "equinox"])
+def test_tied_table_fast_equals_generic_and_brute_force(kind, kw, every_estimator):
+    """The table read by the lookup and the tied head: one weight, two taps, their per-example
+    gradients summed before the square. ``ggn`` (per token, labels shifted as a causal LM's, the
+    padding ignored) against brute force and the generic path, on a batch of 3 in pieces of 2 (the
+    last one padded) and of 2; with ``every_estimator`` also ``ggn-mc`` and ``ggn-topk`` (per
+    sequence) against the generic path (the same draws)."""
+    model, ref, layers = _tied(kind, **kw)
+    data = (TIED_IDS, jnp.asarray(TIED_LABELS))
+    report = normflat.analyze(model, data, estimator="ggn", shift_labels=True, progress=False)
+    emb = report.layer("emb")
+    assert emb.shape == (D, V) and emb.details["path"] == "fast" and "generic_reason" not in emb.details
+    assert report.metadata["loss_terms"] == int((_shifted(TIED_LABELS) >= 0).sum()) == 5
+    batches = [(TIED_IDS[:n], jnp.asarray(TIED_LABELS[:n])) for n in (3, 2)]
+    runs = [dict(estimator="ggn")]
+    if every_estimator:
+        runs += [dict(estimator="ggn-mc", samples=3, seed=4),
+                 dict(estimator="ggn-topk", top_classes=2, samples=3, seed=5)]
+
+    def every():
+        return [[_hd(model, b, chunk_size=2, shift_labels=True, **r) for r in runs] for b in batches]
+
+    fast = every()
+    generic_paths, generic = _untied(lambda: (_paths(model, data, estimator="ggn"), every()))
+    assert generic_paths["emb"] == "generic"  # the comparison really is with the generic path
+    for (ids, y), f_runs, g_runs in zip(batches, fast, generic):
+        want = ref(ids, _shifted(y), "nsce")
+        for name, (leaf, native) in layers.items():
+            assert_close(f_runs[0][name], canon(want[leaf], native))
+            assert_close(g_runs[0][name], canon(want[leaf], native))
+        for f, g in zip(f_runs, g_runs):
+            assert set(f) == set(g) == set(layers)
+            for k in f:
+                assert_close(f[k], g[k])
+
+
+def test_tied_table_signals_in_steps(monkeypatch):
+    """A table whose per-example gradients are formed a few signals at a time (a vocabulary-sized
+    table takes one at a time): 2 signals per step, the last step padded, the same numbers."""
+    model, _, layers = _tied("nnx")
+    data = (TIED_IDS, jnp.asarray(TIED_LABELS))
+    kw = dict(estimator="ggn-topk", top_classes=2, samples=3, seed=5, chunk_size=2)
+    whole = _hd(model, data, **kw)
+    session._TRACES.clear()
+    session._CACHE.clear()
+    monkeypatch.setattr(jax_ggn, "_TIED_ELEMENTS", 2 * V * D)
+    try:
+        stepped = _hd(model, data, **kw)
+        kernels = [k for _, k in session._CACHE._data.values() if isinstance(k, jax_ggn.GGN) and k.tied]
+        assert kernels and all(list(k.tied_step.values()) == [2] and (k.bp * k.cols) % 2 for k in kernels)
+    finally:
+        monkeypatch.undo()
+        session._TRACES.clear()
+        session._CACHE.clear()
+    for name in layers:
+        assert_close(stepped[name], whole[name])
+
+
+@pytest.mark.parametrize("use, reason", [
+    ("third", "used 3 times in the forward pass (gather, reduce_sum, dot_general): a tied table is fast only"),
+    ("scaled", "used 2 times in the forward pass (gather, mul): a tied table is fast only"),
+])
+def test_tied_table_used_otherwise_stays_generic_and_exact(use, reason):
+    """A table the forward also reads another way (a third use), or changes before the head reads it,
+    has per-example gradients that are not the sum of a lookup's and a product's: the generic path,
+    with its reason, and the brute-force numbers."""
+    model, ref, layers = _tied("nnx", use=use)
+    data = (TIED_IDS, jnp.asarray(TIED_LABELS))
+    report = normflat.analyze(model, data, estimator="ggn", progress=False)
+    details = report.layer("emb").details
+    assert details["path"] == "generic" and reason in details["generic_reason"], details
+    assert report.layer("mix").details["path"] == "fast"
+    got = _hd(model, data, estimator="ggn")
+    want = ref(TIED_IDS, TIED_LABELS, "nsce")
+    for name, (leaf, native) in layers.items():
+        assert_close(got[name], canon(want[leaf], native))
 
 
 # ----------------------------------------------------------------------------- position tables (method §6.1)

@@ -343,6 +343,7 @@ def test_nnx_token_lm_tied_embedding_nsce_ignore_index():
     r = normflat.analyze(model, (ids, jnp.asarray(y)), estimator="ggn", progress=False)
     d = {l.name: None for l in r.layers}
     assert list(d)[0] == "emb" and r.metadata["loss_terms"] == 10
+    assert r.layer("emb").details["path"] == "fast"  # the lookup's and the head's taps (method §6.1)
     diag = _hd(model, (ids, jnp.asarray(y)), estimator="ggn")
     expected = {"emb": ("emb/embedding", "flax")}  # used by the lookup and the tied head: one diagonal
     for p in ("query", "key", "value"):
@@ -530,6 +531,7 @@ def _assert_invariant(model_a, model_b, data, apply_a, apply_b, **kw):
         np.testing.assert_allclose(lb[k], la[k], rtol=1e-8)
     np.testing.assert_allclose(rb.normalized_sharpness, ra.normalized_sharpness, rtol=1e-8)
     assert abs(rb.hessian_trace - ra.hessian_trace) > 1e-3 * abs(ra.hessian_trace)
+    return ra, rb
 
 
 def _scale_heads(k, c, axis):
@@ -597,7 +599,8 @@ def test_invariance_nnx_tied_embedding_features_against_both_uses():
     other.mix_out.kernel[...] = other.mix_out.kernel[...] / c
     other.mix_out.bias[...] = other.mix_out.bias[...] / c
     ids = jnp.asarray(RNG.integers(0, 9, size=(3, 4)))
-    _assert_invariant(model, other, (ids, jnp.asarray(RNG.integers(0, 9, size=(3, 4)))), model, other)
+    before, after = _assert_invariant(model, other, (ids, jnp.asarray(RNG.integers(0, 9, size=(3, 4)))), model, other)
+    assert before.layer("emb").details["path"] == after.layer("emb").details["path"] == "fast"  # the tied taps
 
 
 def test_invariance_nnx_simple_cell_relu_hidden_units():

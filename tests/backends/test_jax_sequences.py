@@ -10,8 +10,9 @@ squared, summed over each group's signals and sequences and divided by the count
 tokens. A dense head whose output is the logits stays exact under ``ggn-topk`` (the
 brute force of the exact ``ggn`` in every group). The models have ignored tokens, an
 embedding lookup, a convolution over the tokens and self-attention (every fast tap of
-the traced program), or a tied head (the generic path), and are fed in two batches
-with a padded piece.
+the traced program), or a head tied to the embedding (one table, two taps whose
+per-example gradients are summed before the square, method §6.1 "Tied weights"), and
+are fed in two batches with a padded piece.
 """
 
 from __future__ import annotations
@@ -175,10 +176,9 @@ def test_sequence_signals_equal_the_brute_force(name, kw):
     assert set(got) == set(layers)
     for layer, w in want.items():
         _assert_close(got[layer], stored_groups(w, got[layer].shape))  # a convolution's: kernel sums
-    # the tied table is read twice (generic); else every layer took a fast tap of the traced program
-    # (lookup, conv patches, dense squares, the head)
-    assert {p.name: p.details["path"] for p in problems} == {
-        layer: "generic" if name == "tied" and layer == "emb" else "fast" for layer in layers}
+    # every layer took a fast tap of the traced program (lookup, conv patches, dense squares, the head,
+    # the tied table's two taps)
+    assert {p.name: p.details["path"] for p in problems} == {layer: "fast" for layer in layers}
     diag = normflat.hessian_diagonal(model, _data(), progress=False, chunk_size=2, **kw)
     for layer, w in want.items():
         _assert_close(diag[layer], w.mean(axis=0))

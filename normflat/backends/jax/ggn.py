@@ -22,7 +22,13 @@ rows; never a ``(n, V, d)`` array), a table added to the activations (a learned
 position table, method §6.1 "Position tables") from the signal at its operand of
 the addition: per example that *is* the gradient of the rows it reads, pulled back
 through the broadcasts on the way (summed per example) before the squares and
-through the slices and layout ops after them (:meth:`GGN._table_squares`).
+through the slices and layout ops after them (:meth:`GGN._table_squares`). A tied
+table (row lookups and ``dot_general`` products with the activations, the
+:attr:`~normflat.backends.jax.program.Tap.tied` taps: a language model's head tied
+to its token embedding) sums its uses' per-example gradients (each one's VJP of the
+signal at its output) before squaring, a chunk of examples and of signals at a
+time, so that no ``examples × vocabulary × features × signals`` array is formed
+(:meth:`GGN._tied_squares`, method §6.1 "Tied weights"); it is never a head.
 
 With ``ggn-topk``, and with ``ggn`` above :data:`STRUCTURED_HEAD_CLASSES` classes,
 a dense *head* tap (a layer whose output is the logits,
@@ -68,6 +74,10 @@ __all__ = ["GGN", "STRUCTURED_HEAD_CLASSES"]
 #: Elements of per-example intermediate results one vectorised GGN chunk may hold (an upper
 #: bound on the chunk whatever the memory budget, :meth:`GGN.block_for`).
 _GGN_BUDGET = 2**26
+#: Elements of one example's gradients of a tied table formed at once (:meth:`GGN._tied_squares`):
+#: as many signals per step as fit, at least one, so that a vocabulary-sized table takes one
+#: signal at a time and a small one all of them in a single step.
+_TIED_ELEMENTS = 2**20
 #: ``ggn`` squares a dense head from the logit-Hessian diagonal and starts the other layers'
 #: signals at its input (structured, method §6.1) above this many classes; below, pushing the
 #: ``C − 1`` dense signals through the head costs less than forming the structured ones (the
@@ -183,8 +193,13 @@ class GGN(Kernel):
         # K' sums of M signals each (ggn: diag(p) - p p^T has rank C-1, engine.losses.ggn_factor).
         self.G = options.state_groups
         self.M = options.signals_per_group(num_classes)
-        self.taps = {t.weight: t for t in prog.taps}
-        self.gen = [k for k in range(len(ws)) if k not in self.taps]
+        self.taps = {t.weight: t for t in prog.taps if not t.tied}
+        #: Tied tables (method §6.1 "Tied weights"): weight -> its taps, one per use.
+        self.tied: dict[int, list] = {}
+        for t in prog.taps:
+            if t.tied:
+                self.tied.setdefault(t.weight, []).append(t)
+        self.gen = [k for k in range(len(ws)) if k not in self.taps and k not in self.tied]
         super().__init__(options, prog, ws, dtype, num_classes, settings)
         # Dense heads get the exact diagonal from one signal (program.Tap.head): ggn-topk always,
         # ggn above STRUCTURED_HEAD_CLASSES classes with (n, C) logits (method §6.1).
@@ -212,13 +227,25 @@ class GGN(Kernel):
         self.bp = self.G - self.skip  # groups back-propagated
         if self.tokens is not None:
             self.batch_args = (2, 3, 4, 5)
-        self.paths = ["fast" if k in self.taps else "generic" for k in range(len(ws))]
+        self.paths = ["generic" if k in self.gen else "fast" for k in range(len(ws))]
         #: Why each weight without a tap takes the generic path (None for the fast ones).
-        self.reasons = [None if k in self.taps else prog.reasons[k] for k in range(len(ws))]
+        self.reasons = [prog.reasons[k] if k in self.gen else None for k in range(len(ws))]
+        #: Per tied table, the signals whose per-example gradients one step of
+        #: :meth:`_tied_squares` forms at once.
+        self.tied_step = {k: min(self.bp * self.cols, max(1, _TIED_ELEMENTS // max(1, int(np.prod(ws[k].shape)))))
+                          for k in self.tied}
         per_example = 0
         for k, w in enumerate(ws):
             t = self.taps.get(k)
-            if k in self.heads:
+            if k in self.tied:
+                # the signals at every use's output (and its activation), then one step's per-example
+                # gradients of the whole table and their squares
+                for u in self.tied[k]:
+                    out_size = math.prod(prog.shapes[prog.ops[u.op].outs[0]])
+                    act_size = math.prod(prog.shapes.get(prog.ops[u.op].ins[1 - u.weight_pos][1], (1,)))
+                    per_example += self.bp * self.cols * out_size + act_size
+                per_example += 2 * self.tied_step[k] * int(np.prod(w.shape))
+            elif k in self.heads:
                 # squared activations and one squared signal (per token) at the output
                 out_size = math.prod(prog.shapes[prog.ops[t.op].outs[0]])
                 act_size = math.prod(prog.shapes.get(prog.ops[t.op].ins[1 - t.weight_pos][1], (1,)))
@@ -292,7 +319,7 @@ class GGN(Kernel):
         prog, taps, gen = self.prog, self.taps, self.gen
         # An added table is perturbed at its operand of the addition (Program.run), the others at their output.
         eps0 = {t.op: jnp.zeros(prog.shapes[prog.ops[t.op].ins[t.weight_pos][1] if t.added is not None
-                                            else prog.ops[t.op].outs[0]], self.dtype) for t in taps.values()}
+                                            else prog.ops[t.op].outs[0]], self.dtype) for t in prog.taps}
 
         def fwd(eps, wg):
             w_all = list(ws)
@@ -330,6 +357,10 @@ class GGN(Kernel):
         for j, k in enumerate(gen):
             out[k] = self._group_sum(d_wg[j] ** 2)
         root = self._head_signal(z, counted) if self.heads else None
+        for k, uses in self.tied.items():
+            # Each use's activation (a lookup's ids) and the signals at its output: the per-example
+            # gradients are formed and summed over the uses a chunk at a time (_tied_squares).
+            out[k] = ([rec[u.op] for u in uses], [d_eps[u.op] for u in uses])
         for k, t in taps.items():
             a, d = rec.get(t.op), d_eps[t.op]
             if t.added is not None:
@@ -418,6 +449,57 @@ class GGN(Kernel):
             sorted_rows, mode="drop")
         return seg_rows, jnp.swapaxes(squares, 0, 1)
 
+    def _tied_squares(self, k, w, records, signals, mask):
+        """``(bp, *w.shape)``: squared per-example gradients of a tied table, summed over the chunk's
+        examples and each group's signals (method §6.1 "Tied weights").
+
+        For every example and signal the table's gradient is the sum over its uses
+        (:attr:`tied`) of each use's VJP, with respect to the table, of the signal at that
+        use's output: a lookup scatters its output signals into the rows it read (its own
+        primitive's transpose, so clipped or dropped ids are handled as the model does), a
+        ``dot_general`` forms the product of the signal with its activation. The sum is
+        squared, weighted by ``mask`` (padded examples) and added into the signal's group.
+        The signals go in steps of :attr:`tied_step` (a ``lax.scan``): one step holds
+        ``examples × tied_step`` gradients of the table, never those of every signal.
+
+        Args:
+            k: The table's weight index.
+            w: The table, in the weight's own layout.
+            records: Per use, its recorded operand, ``(n, ...)`` (a lookup's index operands).
+            signals: Per use, the ``(n, bp·cols, *output)`` signals at its output.
+            mask: ``(n,)`` weights of the examples (0 for padding).
+        """
+        uses = self.tied[k]
+        fns = [(self.prog.tap_fn(u), self.prog.layout_fn(u)) for u in uses]
+
+        def gradient(recs, sigs):  # one example, one signal: the sum of the uses' gradients
+            g = None
+            for (f, layout), r, s in zip(fns, recs, sigs):
+                _, pull = jax.vjp(lambda w_, f=f, layout=layout, r=r: f(r, layout(w_)), w)
+                part = pull(s)[0]
+                g = part if g is None else g + part
+            return g
+
+        per_example = jax.vmap(jax.vmap(gradient, in_axes=(None, 0)), in_axes=(0, 0))
+        total, step = self.bp * self.cols, self.tied_step[k]
+        steps = -(-total // step)
+        pad = steps * step - total  # zero signals: zero gradients, added to the last group
+
+        def split(s):  # (n, total, *out) -> (steps, n, step, *out)
+            s = jnp.pad(s, [(0, 0), (0, pad)] + [(0, 0)] * (s.ndim - 2))
+            return jnp.moveaxis(s.reshape((s.shape[0], steps, step) + s.shape[2:]), 1, 0)
+
+        group = jnp.minimum(jnp.arange(steps * step) // self.cols, self.bp - 1).reshape(steps, step)
+
+        def body(acc, xs):
+            sigs, grp = xs
+            g = per_example(records, sigs)  # (n, step, *w)
+            return acc.at[grp].add(jnp.tensordot(mask.astype(g.dtype), g * g, axes=1)), None
+
+        acc = jnp.zeros((self.bp,) + tuple(w.shape), w.dtype)
+        acc, _ = jax.lax.scan(body, acc, ([split(s) for s in signals], group))
+        return acc
+
     def _scatter_lookup(self, t, rows, squares, mask, wp_shape):
         """Sum the examples' per-row squares into the table, in the layout the lookup reads."""
         lk = t.lookup
@@ -472,6 +554,9 @@ class GGN(Kernel):
         res = []
         for k, w in enumerate(ws):
             t = self.taps.get(k)
+            if k in self.tied:
+                res.append(self._pad_groups(self._tied_squares(k, w, *outs[k], mask)))
+                continue
             if t is None:
                 res.append(self._pad_groups(masked_sum(outs[k])))
                 continue

@@ -12,7 +12,12 @@ a 2-D table at integer ids: ``jnp.take``, ``table[ids]``, flax ``Embed``, equino
 ``Embedding``; a :class:`Lookup`); and so is a table *added* to the activations
 (a learned position table, method §6.1 "Position tables") whose only use is one
 ``add`` reached through layout ops, static slices and broadcasts
-(:attr:`Tap.added`). Re-evaluating the program with a zero perturbation added to
+(:attr:`Tap.added`). A table used by row lookups *and* by ``dot_general`` products
+with the activations (a language model's head tied to its token embedding: flax
+``Embed.attend``, ``x @ table.T``) and nothing else has one tap per use
+(:attr:`Tap.tied`): its per-example gradient is the sum of the uses' gradients,
+formed from the signals at each use's output, before the square (method §6.1
+"Tied weights"). Re-evaluating the program with a zero perturbation added to
 each tap's output (for an added table, to the table's operand of the ``add``)
 then yields both the tap inputs (for a lookup, its ids) and, by a VJP with
 respect to the perturbations, the signals. Weights used in any other way are
@@ -56,6 +61,9 @@ _LAYOUT = {"transpose", "reshape", "convert_element_type", "copy", "copy_p", "sq
 _TAP_PRIMS = {"dot_general", "conv_general_dilated"}
 # Row lookups of a table: the per-example gradient is a scatter of the output signals into the rows.
 _LOOKUP_PRIMS = {"gather", "dynamic_slice"}
+# The other uses a tied table (one with row lookups) may have on its fast rule: products with the
+# activations, whose per-example gradient is the signal at their output times the activation.
+_TIED_USES = {"dot_general"}
 # A table added to the activations (a position table): its per-example gradient is the signal at
 # its operand of the addition, pulled back through the ops that bring the table there.
 _TABLE_ADD = {"add"}
@@ -114,6 +122,11 @@ class Tap:
             only select or permute entries (static slices, layout ops), whose VJP
             commutes with squaring and is applied to the summed squares. ``None`` for
             every other tap.
+        tied: One of several uses of a tied table (method §6.1 "Tied weights"): every tap
+            with this :attr:`weight` is one of its uses (a row lookup or a ``dot_general``
+            with the activations), and the weight's per-example gradient is the sum of
+            theirs, formed before the square. A tied tap is never a :attr:`head` nor
+            :attr:`squares_factor`: its squares need each signal's whole gradient.
     """
 
     weight: int
@@ -124,6 +137,7 @@ class Tap:
     lookup: Lookup | None = None
     head: tuple[int, ...] | None = None
     added: tuple[int, ...] | None = None
+    tied: bool = False
 
 
 @dataclass
@@ -293,11 +307,15 @@ class Program:
         return pull
 
     def tap_fn(self, tap: Tap) -> Callable[[Any, Any], Any]:
-        """``(activation, weight operand) -> tap output`` for one tap."""
+        """``(activation, weight operand) -> tap output`` for one tap; for a lookup,
+        ``(its recorded index operands, table operand) -> tap output``."""
         op = self.ops[tap.op]
 
         def f(a, wp):
-            args = [a, wp] if tap.weight_pos == 1 else [wp, a]
+            if tap.lookup is not None:
+                args = [wp, *a]
+            else:
+                args = [a, wp] if tap.weight_pos == 1 else [wp, a]
             with op.ctx:
                 return op.prim.bind(*args, **op.params)
 
@@ -495,7 +513,10 @@ def _analyse(prog: Program, n_weights: int) -> None:
             for _, (k, _) in w_ins:
                 blocked.add(k)
     for k, cands in candidates.items():
-        if k in blocked or len(cands) != 1:
+        if k in blocked:
+            continue
+        if len(cands) > 1:
+            prog.taps.extend(_tied_taps(prog, k, cands, derived, uses))
             continue
         i, pos, chain, lookup = cands[0]
         # Every ref on the chain (the weight and each layout result) must be used once.
@@ -515,6 +536,26 @@ def _analyse(prog: Program, n_weights: int) -> None:
     prog.uses = weight_uses
     tapped = {t.weight for t in prog.taps}
     prog.reasons = [None if k in tapped else _generic_reason(prog, ends[k]) for k in range(n_weights)]
+
+
+def _tied_taps(prog: Program, k: int, cands: list, derived: dict, uses: dict) -> list[Tap]:
+    """One :attr:`Tap.tied` tap per use of weight ``k`` if it is a tied table, else none.
+
+    A tied table: at least one use is a whole-row lookup, every other use a
+    :data:`_TIED_USES` product with the activations (``cands``, all reached through layout
+    ops only), and the table and its layout results are used by nothing else (the program's
+    output included). Its per-example gradient is then exactly the sum of each use's
+    gradient from the signal at that use's output.
+    """
+    if not any(lookup is not None for _, _, _, lookup in cands):
+        return []
+    if any(lookup is None and prog.ops[i].prim.name not in _TIED_USES for i, _, _, lookup in cands):
+        return []
+    refs = [r for r, (owner, _) in derived.items() if owner == k]
+    # Every value derived from the table is read by one layout op (making the next) or one use.
+    if sum(uses.get(r, 0) for r in refs) != len(refs) - 1 + len(cands):
+        return []
+    return [Tap(k, i, pos, chain, False, lookup, None, tied=True) for i, pos, chain, lookup in cands]
 
 
 def _table_step(prog: Program, op: _Op, pos: int) -> bool:
@@ -573,6 +614,9 @@ def _generic_reason(prog: Program, ends: list) -> str:
         listed = ", ".join(names)
         if any(n in _TABLE_ADD for n in names):
             return f"also used outside its addition to the activations ({len(names)} uses: {listed})"
+        if any(n in _LOOKUP_PRIMS for n in names):
+            return (f"used {len(names)} times in the forward pass ({listed}): a tied table is fast only when "
+                    "every use is a row lookup or a product with the activations (dot_general)")
         return f"used {len(names)} times in the forward pass ({listed}): no fast rule for a weight used twice"
     return f"its use in the forward pass ({names[0]}) has no fast rule"
 
