@@ -1,5 +1,5 @@
-"""Keras EinsumDense, MultiHeadAttention, Embedding, position tables and recurrent layers, and token logits
-(method §3, §6.1, §6.3, §8).
+"""Keras EinsumDense, MultiHeadAttention, Embedding, position tables, a ``ReversibleEmbedding`` tied to the
+LM head and recurrent layers, and token logits (method §3, §6.1, §6.3, §8).
 
 Every diagonal is checked against a reference built here, independently of the
 backend: full per-sample Jacobians of the (normalized) logits with respect to
@@ -215,7 +215,9 @@ def test_embedding_with_repeated_ids(fast):
     out = L.Dense(3, dtype=F64, name="head")(L.Flatten(dtype=F64)(L.Activation("tanh", dtype=F64)(h)))
     model = keras.Model(inp, out)
     _randomize(model, rng)
-    x = np.array([[1, 1, 2, 5], [0, 3, 3, 3], [5, 1, 5, 1]], dtype="int32")  # repeats within and across samples
+    # repeats within and across samples; Keras' take reads row 6 − 1 for id −1, also looked up as 5 by the
+    # sample before (the rows of two samples must not meet)
+    x = np.array([[1, 1, 2, 5], [-1, 3, 3, 3], [5, 1, -1, 1]], dtype="int32")
     got = check_against(model, x, rng.integers(0, 3, 3), {"emb": ("emb/embeddings", _transposed),
                                                           "head": ("head/kernel", _transposed)}, fast=fast)
     assert got["emb"].shape == (3, 6)
@@ -411,6 +413,133 @@ def test_token_logits_ggn_mc_is_unbiased(token_model):
     ref, mc = np.asarray(ref), np.asarray(mc)
     assert np.abs(mc - ref).max() < 0.25 * np.abs(ref).max()
     assert not np.allclose(mc, ref, rtol=1e-6)  # a real Monte-Carlo estimate, not the exact GGN
+
+
+# ----------------------------------------------------------------------------- a tied table (method §6.1)
+
+#: Vocabulary, features and tokens of :func:`tied_model`.
+TV, TD, TT = 9, 4, 4
+
+
+def _conv1d(k):  # Conv1D kernel (k, in, out) -> (out, in, k)
+    return k.transpose(2, 1, 0)
+
+
+#: The layers of :func:`tied_model` (the table in its embedding layout, method §3).
+TIED_LAYERS = {"emb": ("emb/embeddings", _transposed), "mix": ("mix/kernel", _conv1d),
+               "out": ("out/kernel", _transposed)}
+
+
+class _OwnCallReversible(L.ReversibleEmbedding):
+    """A subclass with its own ``call`` (the same numbers): no tied fast rule for it."""
+
+    def call(self, inputs, reverse=False):
+        return super().call(inputs, reverse=reverse)
+
+
+class _TableScale(L.Layer):
+    """Scales its input by ``tanh`` of the table's mean row: a third use of the table, outside its layer."""
+
+    def __init__(self, table, **kwargs):
+        super().__init__(**kwargs)
+        self._read = lambda: table.embeddings  # a function: the layer is not tracked twice
+
+    def call(self, h):
+        return h * keras.ops.tanh(keras.ops.mean(self._read(), axis=0))
+
+
+def tied_model(use="tied", seed=13):
+    """A causal LM whose head is its token embedding (``ReversibleEmbedding``, ``tie_weights=True``):
+    lookup, a causal convolution over the tokens, a Dense, the reverse projection. ``use``: ``"third"``
+    the table also scales the features, ``"twice"`` two reverse projections, ``"soft_cap"``
+    ``logit_soft_cap``, ``"own_call"`` a subclass with its own call, ``"untied"`` ``tie_weights=False``.
+
+    Returns the model, ids ``(3, T)`` with padding (0, its labels ignored) and an id −1 (row V − 1),
+    and next-token labels to be shifted (``shift_labels=True``).
+    """
+    rng = _rng(seed)
+    cls = _OwnCallReversible if use == "own_call" else L.ReversibleEmbedding
+    emb = cls(TV, TD, tie_weights=use != "untied", logit_soft_cap=3.0 if use == "soft_cap" else None, dtype=F64,
+              name="emb")
+    ids = keras.Input((TT,), dtype="int32")
+    m = L.Conv1D(TD, 2, padding="causal", activation="tanh", dtype=F64, name="mix")(emb(ids))
+    h = L.Dense(TD, activation="tanh", dtype=F64, name="out")(m)
+    if use == "third":
+        h = _TableScale(emb, dtype=F64, name="scale")(h)
+    logits = emb(h, reverse=True)
+    if use == "twice":
+        logits = L.Add(dtype=F64)([logits, emb(L.Dense(TD, dtype=F64, name="second")(m), reverse=True)])
+    model = keras.Model(ids, logits)
+    _randomize(model, rng)
+    x = np.array([[1, 3, 1, 8], [2, -1, 5, 0], [7, 1, 0, 0]], dtype="int32")
+    y = np.where(x == 0, -100, x % TV)
+    y[0, 2] = -100  # a prompt token
+    return model, x, y
+
+
+def _shift(y):
+    return np.concatenate([y[:, 1:], np.full((len(y), 1), -100)], axis=1)
+
+
+def _tied_check(model, x, y, layers, **kw):
+    """``ggn`` with ``shift_labels=True`` against the brute force on the shifted labels, per layer."""
+    got = normflat.hessian_diagonal(model, (x, y), loss="nsce", estimator="ggn", shift_labels=True, progress=False,
+                                    **kw)
+    refs = ggn_reference(model, [_layer_variable(model, path) for path, _ in layers.values()], x, _shift(y), "nsce")
+    for (name, (_, canonical)), ref in zip(layers.items(), refs):
+        np.testing.assert_allclose(np.asarray(got[name]), canonical(ref), rtol=RTOL, atol=1e-14 * np.abs(ref).max(),
+                                   err_msg=name)
+    return got
+
+
+def test_tied_reversible_embedding_fast_rule():
+    """The table read by the lookup and by the reverse projection (the LM head): its per-sample gradient
+    is the sum of the two uses', squared one signal at a time (method §6.1 "Tied weights"). ``ggn``
+    against brute force and ``fast=False``; ``ggn-mc`` and ``ggn-topk`` (per sequence) against
+    ``fast=False`` with the same draws; batches of 3 (in chunks of 2) and 2."""
+    model, x, y = tied_model()
+    rep = normflat.analyze(model, (x, y), shift_labels=True, progress=False)
+    emb = rep.layer("emb")
+    assert emb.details["path"] == "fast" and "generic_reason" not in emb.details, emb.details
+    assert emb.shape == (TD, TV) and rep.metadata["coverage"] == 1.0
+    assert rep.metadata["loss_terms"] == int((_shift(y) >= 0).sum()) == 5
+    for n in (3, 2):
+        got = _tied_check(model, x[:n], y[:n], TIED_LAYERS, chunk_size=2)
+        generic = normflat.hessian_diagonal(model, (x[:n], y[:n]), loss="nsce", estimator="ggn", shift_labels=True,
+                                            progress=False, fast=False)
+        for kw in (dict(estimator="ggn-mc", samples=3, seed=4), dict(estimator="ggn-topk", top_classes=2, samples=3,
+                                                                       seed=5)):
+            fast = normflat.hessian_diagonal(model, (x[:n], y[:n]), shift_labels=True, progress=False, chunk_size=2,
+                                             **kw)
+            slow = normflat.hessian_diagonal(model, (x[:n], y[:n]), shift_labels=True, progress=False, fast=False, **kw)
+            for k in TIED_LAYERS:
+                np.testing.assert_allclose(np.asarray(fast[k]), np.asarray(slow[k]), rtol=RTOL, err_msg=(k, kw))
+        for k in TIED_LAYERS:
+            np.testing.assert_allclose(np.asarray(generic[k]), np.asarray(got[k]), rtol=RTOL, err_msg=k)
+
+
+@pytest.mark.parametrize("use, reason", [
+    ("third", "also used outside its layer's call"),
+    ("twice", "1 lookup call(s) and 2 reverse call(s) per forward"),
+    ("soft_cap", "soft-capped (logit_soft_cap)"),
+    ("own_call", "overrides ReversibleEmbedding's call"),
+    ("untied", "an untied reverse_embeddings"),
+])
+def test_tied_reversible_embedding_otherwise_takes_the_generic_path(use, reason):
+    """A table also read outside the layer, a layer called twice in reverse, a soft-capped head, a
+    subclass with its own call, an untied reverse projection: the generic path, with the reason, and
+    the brute-force numbers."""
+    model, x, y = tied_model(use)
+    rep = normflat.analyze(model, (x, y), loss="nsce", estimator="ggn", shift_labels=True, progress=False)
+    names = ["emb", "emb/reverse"] if use == "untied" else ["emb"]
+    for name in names:
+        details = rep.layer(name).details
+        assert details["path"] == "generic" and reason in details["generic_reason"], details
+    assert rep.layer("mix").details["path"] == "fast"
+    layers = dict(TIED_LAYERS)
+    if use == "untied":
+        layers["emb/reverse"] = ("emb/reverse_embeddings", _transposed)
+    _tied_check(model, x, y, layers)
 
 
 def test_keyword_batches_and_dict_outputs():

@@ -101,7 +101,7 @@ def test_keras_hub_bert_classifier():
 def test_keras_hub_gpt2_causal_lm_with_tied_embedding():
     keras.utils.set_random_seed(4)
     backbone = keras_hub.models.GPT2Backbone(vocabulary_size=20, num_layers=1, num_heads=2, hidden_dim=8,
-                                             intermediate_dim=16, max_sequence_length=8)
+                                             intermediate_dim=16, max_sequence_length=8, dtype=F64)
     model = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
     rng = np.random.default_rng(4)
     ids = rng.integers(0, 20, (2, 5)).astype("int32")
@@ -112,6 +112,13 @@ def test_keras_hub_gpt2_causal_lm_with_tied_embedding():
     names = [l.name for l in rep.layers]
     assert names.count("gpt2_backbone/token_embedding") == 1  # tied with the LM head: reported once
     assert rep.metadata["loss_terms"] == 8
+    # the lookup inside the backbone and the reverse projection outside it: the tied fast rule
+    # (method §6.1), the numbers of the generic path
+    assert rep.layer("gpt2_backbone/token_embedding").details["path"] == "fast"
+    fast, generic = (normflat.hessian_diagonal(model, (x, y), loss="ce", estimator="ggn-mc", samples=2, fast=f,
+                                               progress=False) for f in (True, False))
+    for k in fast:
+        np.testing.assert_allclose(np.asarray(fast[k]), np.asarray(generic[k]), rtol=RTOL, err_msg=k)
 
 
 def test_tied_reversible_embedding_feature_rescaling_is_invariant():
@@ -137,6 +144,7 @@ def test_tied_reversible_embedding_feature_rescaling_is_invariant():
     np.testing.assert_allclose(twin(ids).numpy(), model(ids).numpy(), rtol=1e-12)
     before, after = (normflat.analyze(m, (ids, y), loss="ce", estimator="ggn", progress=False) for m in (model, twin))
     assert [l.name for l in before.layers] == [l.name for l in after.layers] == ["emb", "mix_in", "mix_out"]
+    assert before.layer("emb").details["path"] == after.layer("emb").details["path"] == "fast"  # the tied rule
     for a, b in zip(before.layers, after.layers):
         assert b.normalized_sharpness == pytest.approx(a.normalized_sharpness, rel=1e-8), a.name
     assert after.normalized_sharpness == pytest.approx(before.normalized_sharpness, rel=1e-8)

@@ -6,7 +6,9 @@ estimates are checked against a brute-force reference built here: the full
 per-sequence Jacobians of the logits with respect to every analyzed weight
 (``tf.GradientTape.jacobian``, float64) contracted with the engine's
 :func:`normflat.engine.losses.token_signals`, formed in numpy from the same
-framework-free uniforms, and divided by the counted tokens.
+framework-free uniforms, and divided by the counted tokens; also for a language model
+whose head is its token embedding (a tied ``ReversibleEmbedding``, method §6.1 "Tied
+weights").
 """
 
 from __future__ import annotations
@@ -97,14 +99,16 @@ def _jacobians(model, x, paths):
     return z, [tf.convert_to_tensor(j).numpy().reshape(*z.shape, -1) for j in jac]
 
 
-def reference(model, jacobians, y, options, exact_head):
+def reference(model, jacobians, y, options, exact_head, layout=None):
     """Brute force: ``{name: (K', *canonical)}`` sums of squared per-sequence gradients, and the counted tokens.
 
     Each signal ``s`` of :func:`~normflat.engine.losses.token_signals` (per sequence) gives
     the per-sequence gradient ``Σ_{t,c} s_tc J_tc``. ``exact_head``: the head's squares are
     the exact GGN's in the shared group 0 (per-token signals, each at its token), zero in
-    the sampled groups, as the backend's dense head rule (method §6.2–6.3).
+    the sampled groups, as the backend's dense head rule (method §6.2–6.3). ``layout``: the
+    report names of ``jacobians``, as :data:`LAYOUT` (the default).
     """
+    layout = LAYOUT if layout is None else layout
     counted = (y >= 0).astype(np.float64)
     z, jac = jacobians
     u = sample_uniforms(options.seed, 0, 0, len(y), options.uniform_columns(T))
@@ -113,7 +117,7 @@ def reference(model, jacobians, y, options, exact_head):
                                  counted)  # (1, (C − 1)·T, n, T, C): each at its own token
     shapes = {v.path: tuple(v.shape) for v in model.weights}
     out = {}
-    for (name, (path, canonical)), j in zip(LAYOUT.items(), jac):
+    for (name, (path, canonical)), j in zip(layout.items(), jac):
         if exact_head and name == "head":
             sq = np.zeros((sig.shape[0], j.shape[-1]))
             sq[0] = (np.einsum("mntc,ntcp->mnp", exact[0], j) ** 2).sum(axis=(0, 1))
@@ -160,6 +164,46 @@ def test_sequence_signals_equal_brute_force(token_lm, estimator, loss, samples, 
     per_token, _ = reference(model, jacobians, _shifted(y), validate_options(
         progress=False, sequence_signals=False, **kw), exact_head=estimator == "ggn-topk")
     assert not np.allclose(per_token["mix"][1:], sums["mix"][1:], rtol=1e-3)
+
+
+#: The layers of :func:`_tied_lm`: the table in its embedding layout (method §3).
+TIED_LAYOUT = {"emb": ("emb/embeddings", _transposed), "mix": ("mix/kernel", _conv1d)}
+
+
+def _tied_lm():
+    """Ids -> a tied ``ReversibleEmbedding`` -> a causal convolution -> its reverse projection: logits ``(n, T,
+    VOCAB)``, 4 sequences with padding (id 0, its labels ignored)."""
+    keras.utils.set_random_seed(12)
+    rng = np.random.default_rng(12)
+    emb = L.ReversibleEmbedding(VOCAB, 3, tie_weights=True, dtype=F64, name="emb")
+    inp = keras.Input((T,), dtype="int32")
+    h = L.Conv1D(3, 2, padding="causal", activation="tanh", dtype=F64, name="mix")(emb(inp))
+    model = keras.Model(inp, emb(h, reverse=True))
+    for v in model.weights:
+        v.assign(rng.normal(size=v.shape) * 0.8)
+    x = rng.integers(1, VOCAB, (4, T)).astype("int32")
+    x[1, 3] = x[3, 2:] = 0
+    y = np.where(x == 0, -100, x)
+    return model, x, y
+
+
+@pytest.mark.parametrize("estimator, loss, samples, top", [("ggn-topk", "ce", 3, 2), ("ggn-mc", "nsce", 3, None)])
+def test_tied_table_sequence_signals_equal_brute_force(estimator, loss, samples, top):
+    """The tied table on its fast rule (the lookup's and the head's per-sample gradients summed before
+    the square): every group estimate against the per-sequence brute force, two batches, chunks of 2."""
+    model, x, y = _tied_lm()
+    kw = dict(loss=loss, estimator=estimator, samples=samples, top_classes=top, seed=6, shift_labels=True)
+    options = validate_options(progress=False, **kw)
+    jacobians = _jacobians(model, x, [path for path, _ in TIED_LAYOUT.values()])
+    sums, count = reference(model, jacobians, _shifted(y), options, exact_head=False, layout=TIED_LAYOUT)
+    groups = {k: _groups(v, options.shared_group, count) for k, v in sums.items()}
+    data = [(x[:3], y[:3]), (x[3:], y[3:])]
+    problems, meta = layer_problems(model, data, options, chunk_size=2)
+    assert meta["sequence_signals"] is True and meta["loss_terms"] == count
+    assert [(p.name, p.details["path"]) for p in problems] == [("emb", "fast"), ("mix", "fast")]
+    for p in problems:
+        want = stored_groups(groups[p.name], p.hessian_diag_samples.shape)
+        assert_close(np.asarray(p.hessian_diag_samples), want, p.name)
 
 
 def test_sequence_layout_counts_signals_per_sequence():

@@ -16,7 +16,12 @@ Learned position tables (method §6.1 "Position tables") are fast too: keras-hub
 sample's gradient of the rows it reads, :meth:`Taps.rows`), a position table held
 as a loose weight by running the model with its layer attribute set to the table
 expanded over the batch (:meth:`Taps.expanded`); both checked on the first forward
-(:meth:`~normflat.backends.keras.session.KerasSession._first_checks`).
+(:meth:`~normflat.backends.keras.session.KerasSession._first_checks`). A keras-hub
+``ReversibleEmbedding`` with ``tie_weights=True`` (the LM head tied to the token
+embedding) is fast too: tapped at the outputs of its lookup call and of its
+``reverse=True`` call, its per-sample gradient is the sum of the two uses' (the signals
+scattered into the rows of the sample's ids, and ``Σ_t s_t a_tᵀ``), squared one signal
+at a time (:func:`_tied_squares`, method §6.1 "Tied weights"); it is never a head.
 With ``ggn-topk``, and ``ggn`` above :data:`STRUCTURED_HEAD_CLASSES` classes
 (:func:`exact_head`), a ``Dense`` head whose pre-activation is the logits takes its
 exact squares from the logit-Hessian diagonal; for ``(n, C)`` logits the other fast
@@ -104,7 +109,9 @@ class Taps:
     call; ``tape``, while set, watches the pre-activations (frozen kernels are
     not watched automatically). A lookup records ``[ids, output]``; keras-hub's
     ``PositionEmbedding`` ``[rows, output]`` (:meth:`rows`); a loose position table
-    ``[view, view]`` while :meth:`expanded` holds it.
+    ``[view, view]`` while :meth:`expanded` holds it; a tied ``ReversibleEmbedding``
+    ``[ids, output, False]`` for its lookup and ``[input, logits, True]`` for its
+    reverse projection (``None`` in place of the mode when ``reverse`` is not a Python bool).
     """
 
     def __init__(self, state: ModelState, tapped: list[Entry]) -> None:
@@ -135,6 +142,20 @@ class Taps:
                 return out
 
             state.set(layer, "call", lookup)
+            return
+        if entry.fast == "tied":
+            # Both modes of the layer's own call read the one table; each is recorded with its mode.
+            def tied(inputs, *args, **kwargs):
+                reverse = kwargs.get("reverse", args[0] if args else False)
+                mode = bool(reverse) if isinstance(reverse, (bool, np.bool_)) else None
+                with self.own_read(entry):
+                    out = original_call(inputs, *args, **kwargs)
+                if self.tape is not None:
+                    self.tape.watch(out)
+                self.records.setdefault(name, []).append([inputs, out, mode])
+                return out
+
+            state.set(layer, "call", tied)
             return
         if entry.fast == "position":
             variable = entry.variable
@@ -410,7 +431,7 @@ def _embedding_squares(ids: Any, gs: list[Any], seg: Any, groups: int, vocabular
     b = len(gs)
     d = int(gs[0].shape[-1])
     n = tf.shape(ids)[0]
-    ids = tf.reshape(tf.cast(ids, tf.int64), [n, -1])  # (n, T)
+    ids = _table_rows(ids, vocabulary)  # (n, T)
     t = tf.shape(ids)[1]
     pair = tf.range(tf.cast(n, tf.int64))[:, None] * vocabulary + ids  # one key per (sample, id)
     keys, slot = tf.unique(tf.reshape(pair, [-1]))
@@ -421,6 +442,69 @@ def _embedding_squares(ids: Any, gs: list[Any], seg: Any, groups: int, vocabular
     rows = tf.math.floormod(keys, vocabulary)
     table = tf.math.unsorted_segment_sum(tf.transpose(sq, [1, 0, 2]), rows, vocabulary)  # (V, K, d)
     return tf.transpose(table, [1, 2, 0])  # (K, d, V)
+
+
+def _table_rows(ids: Any, vocabulary: int) -> Any:
+    """``(n, T)`` int64 rows a lookup of ``ids`` reads: Keras' ``take`` reads row ``V + i`` for a
+    negative id ``i`` (ids past the table fail in the forward pass)."""
+    ids = tf.reshape(tf.cast(ids, tf.int64), [tf.shape(ids)[0], -1])
+    return tf.where(ids < 0, ids + vocabulary, ids)
+
+
+def _tied_squares(entry: Entry, lookup: list | None, reverse: list | None, seg: Any, groups: int) -> Any:
+    """``(K, features, vocabulary)`` per-sample squares of a ``ReversibleEmbedding``'s tied table.
+
+    ``lookup`` is ``[ids (n, T), signals]`` of its lookup call and ``reverse`` ``[input (n, ..., d),
+    signals]`` of its ``reverse=True`` call (``None``: the forward has no such call), with one
+    signal per back-propagated column (each shaped like that call's output). Per sample and
+    signal the table's gradient is the sum of the uses' (method §6.1 "Tied weights"): the
+    lookup's signals added into the rows of the sample's ids, and the reverse projection's
+    ``Σ_t s_t a_tᵀ``, ``(vocabulary, features)``; it is squared, summed over the samples and
+    added into the signal's group. The signals go one at a time (a ``tf.while_loop`` of one
+    iteration in flight), so the step holds ``samples × vocabulary × features`` gradients of
+    one signal, never of the block.
+    """
+    variable = entry.variable
+    vocab, dim = (int(d) for d in variable.shape)
+    dtype = tf.as_dtype(variable.dtype)
+    first = (lookup or reverse)[1]
+    b = len(first)
+    n = tf.shape((lookup or reverse)[0])[0]
+    parts = []  # per use, a function: signal index -> (n, V, d) per-sample gradients
+    if lookup is not None:
+        ids, gl = lookup
+        rows = _table_rows(ids, vocab)
+        keys = tf.reshape(tf.range(tf.cast(n, tf.int64))[:, None] * vocab + rows, [-1])
+        gl = tf.stack(gl)  # (B, n, T, d)
+
+        def scatter(j, gl=gl, keys=keys):
+            signal = tf.cast(tf.reshape(gl[j], [-1, dim]), dtype)
+            return tf.reshape(tf.math.unsorted_segment_sum(signal, keys, n * vocab), [n, vocab, dim])
+
+        parts.append(scatter)
+    if reverse is not None:
+        a, gr = reverse
+        gr = tf.stack(gr)  # (B, n, ..., V)
+        a = tf.reshape(a, [n, -1, dim])
+        gr = tf.reshape(gr, [b, n, -1, vocab])
+
+        def product(j, a=a, gr=gr):
+            s = gr[j]
+            # logits = a @ tableᵀ (in the signals' dtype: the layer's reverse_dtype): s_tᵀ a_t per sample
+            return tf.cast(tf.matmul(s, tf.cast(a, s.dtype), transpose_a=True), dtype)
+
+        parts.append(product)
+
+    def body(j, acc):
+        g = parts[0](j)
+        for part in parts[1:]:
+            g = g + part(j)
+        square = tf.reduce_sum(tf.square(g), axis=0)  # (V, d)
+        return j + 1, tf.tensor_scatter_nd_add(acc, [[seg[j]]], square[None])
+
+    acc = tf.zeros([groups, vocab, dim], dtype)
+    _, acc = tf.while_loop(lambda j, acc: j < b, body, (tf.constant(0), acc), parallel_iterations=1)
+    return tf.transpose(acc, [0, 2, 1])  # (K, d, V)
 
 
 def _table_squares(entry: Entry, view: Any, gs: list[Any], seg: Any, groups: int) -> Any:
@@ -631,7 +715,9 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
             s = tf.pad(s, [[0, block]] + [[0, 0]] * (1 + len(rest)))[start:start + block]
             s = tf.ensure_shape(s, [block, None, *rest])
         if rest_fast:
-            pre = [taps.records[e.name][0][1] for e in rest_fast]
+            # The records whose outputs get the signals: one per layer, a tied table's every call.
+            records = [taps.records[e.name] if e.fast == "tied" else taps.records[e.name][:1] for e in rest_fast]
+            pre = [r[1] for rec in records for r in rec]
             # One back-propagation per signal, unrolled: much faster on CPU than pfor here.
             if head_input is not None:
                 kernel = tf.cast(tf.stop_gradient(tf.convert_to_tensor(heads[0].variable.value)), zc.dtype)
@@ -640,9 +726,17 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                 back = [tape.gradient(head_input, pre, output_gradients=sx[i]) for i in range(block)]
             else:
                 back = [tape.gradient(z, pre, output_gradients=s[i]) for i in range(block)]
-            for j, e in enumerate(rest_fast):
-                gs = [back[i][j] for i in range(block)]
-                out[e.name] = _fast_squares(e, taps.records[e.name][0][0], gs, seg, groups)
+            j = 0
+            for e, rec in zip(rest_fast, records):
+                per_call = [[back[i][j + c] for i in range(block)] for c in range(len(rec))]
+                j += len(rec)
+                if e.fast == "tied":
+                    # An output the logits do not reach gets no signal: zeros.
+                    uses = {r[2]: [r[0], [tf.zeros_like(r[1]) if g is None else g for g in gs]]
+                            for r, gs in zip(rec, per_call)}
+                    out[e.name] = _tied_squares(e, uses.get(False), uses.get(True), seg, groups)
+                else:
+                    out[e.name] = _fast_squares(e, rec[0][0], per_call[0], seg, groups)
         if generic:
             n = tf.shape(z)[0]
             # One signal per (signal, sample): per-sample gradients through the whole model.
@@ -700,6 +794,10 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
         linear += e.in_size * (block + 1) + e.pre_size * (block + 1)
         if e.fast == "dense" and (e.input_rank == 2 or e.pre_size == int(e.variable.shape[-1])):
             work = max(work, block * e.pre_size)  # one position (rank one): stacked squared signals
+        elif e.fast == "tied":
+            # One signal's per-sample gradients of each use, their sum and its square (_tied_squares),
+            # beside the block's signals at both outputs, stacked.
+            work = max(work, 3 * size + block * e.pre_size)
         elif e.fast in ("conv", "depthwise"):
             shape = [int(d) for d in e.variable.shape]  # (*k, in/groups, out) or (*k, in, multiplier)
             koff = int(np.prod(shape[:-2]))

@@ -250,8 +250,9 @@ def _embedding_weights(layer: Any) -> list[KerasWeight]:
 
     keras-hub's ``ReversibleEmbedding`` also maps features back to the vocabulary:
     with ``tie_weights`` through the same table (one variable, reported once, its
-    diagonal covering both uses), otherwise through its own ``reverse_embeddings``
-    ``(features, vocabulary)``, a dense kernel (canonical ``(vocabulary, features)``).
+    diagonal covering both uses; fast kind ``"tied"``, :func:`fast_kind`), otherwise
+    through its own ``reverse_embeddings`` ``(features, vocabulary)``, a dense kernel
+    (canonical ``(vocabulary, features)``).
     """
     _refuse_lora(layer)
     table = getattr(layer, "_embeddings", None)
@@ -344,8 +345,10 @@ class Entry:
         layer: The Keras layer.
         weight: Its :class:`KerasWeight`.
         fast: ``"dense"``/``"conv"``/``"depthwise"``/``"einsum"``/``"embedding"``, ``"position"``
-            (keras-hub's ``PositionEmbedding``) or ``"table"`` (a position table held as a loose
-            weight, :attr:`attr`) for the fast GGN path, ``None`` for the generic one.
+            (keras-hub's ``PositionEmbedding``), ``"table"`` (a position table held as a loose
+            weight, :attr:`attr`) or ``"tied"`` (a ``ReversibleEmbedding`` whose table is also
+            its reverse projection, method §6.1 "Tied weights") for the fast GGN path, ``None``
+            for the generic one.
         reason: Why the generic path is used.
         input_rank: Rank of the tapped input (seen by the probe).
         in_size: Per-sample elements of the tapped input (memory estimate).
@@ -375,6 +378,9 @@ def fast_kind(layer: Any) -> str | None:
     cls = type(layer)
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
         return None
+    reversible = _reversible_embedding()
+    if reversible is not None and isinstance(layer, reversible):
+        return "tied" if tied_reversible_reason(layer) is None else None
     if isinstance(layer, keras.layers.Dense) and cls.call is keras.layers.Dense.call:
         return "dense"
     if isinstance(layer, keras.layers.EinsumDense) and cls.call is keras.layers.EinsumDense.call:
@@ -401,6 +407,33 @@ def fast_kind(layer: Any) -> str | None:
         and int(layer.rank) in (1, 2)
     ):
         return "depthwise"
+    return None
+
+
+def _reversible_embedding() -> type | None:
+    """Keras' ``ReversibleEmbedding`` (keras-hub's is a subclass), ``None`` in Keras versions without it."""
+    cls = getattr(keras.layers, "ReversibleEmbedding", None)
+    return cls if isinstance(cls, type) else None
+
+
+def tied_reversible_reason(layer: Any) -> str | None:
+    """Why a ``ReversibleEmbedding`` has no tied fast rule (``None``: it has one).
+
+    The rule (method §6.1 "Tied weights") needs the layer's own ``call`` as Keras writes it,
+    whose two modes read the one table: a lookup, and with ``reverse=True`` the product of
+    the input with the table's transpose, nothing else on the way to the output.
+    """
+    reversible = _reversible_embedding()
+    name = type(layer).__name__
+    if reversible is None or not isinstance(layer, reversible):
+        return f"{name} is not a ReversibleEmbedding"
+    if type(layer).call is not reversible.call:
+        return f"{name} overrides ReversibleEmbedding's call (no fast rule for its own call)"
+    if not getattr(layer, "tie_weights", False):
+        return "several weight tensors in one layer (an untied reverse_embeddings)"
+    if getattr(layer, "logit_soft_cap", None) is not None:
+        return ("its reverse projection is soft-capped (logit_soft_cap): the logits are not a product with the "
+                "table")
     return None
 
 
@@ -542,8 +575,10 @@ def walk(model: Any, on_unsupported: str,
                     continue
                 kind = fast_kind(child)
                 fast = kind if len(weights) == 1 else None
+                reversible = _reversible_embedding()
                 reason = None if fast else (
                     "several weight tensors in one layer" if kind else
+                    tied_reversible_reason(child) if reversible is not None and isinstance(child, reversible) else
                     f"{type(child).__name__} has no fast path (not Keras' own Dense/Conv call)")
                 for w in weights:
                     if w.variable in inventory:  # shared with an earlier layer: analyzed there

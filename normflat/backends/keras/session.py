@@ -472,7 +472,9 @@ class KerasSession:
                           float(np.finfo(zc.dtype.as_numpy_dtype).eps))
         if self.taps is not None:
             for entry in self.entries:
-                if entry.fast and entry.fast != "table":  # a loose table has no call: _first_checks
+                if entry.fast == "tied":
+                    self._probe_tied(entry, self.taps.records.get(entry.name, []))
+                elif entry.fast and entry.fast != "table":  # a loose table has no call: _first_checks
                     recs = self.taps.records.get(entry.name, [])
                     if len(recs) != 1 or recs[0][1] is None:
                         # A shared or bypassed layer: its one input/pre-activation is not the whole story.
@@ -484,6 +486,27 @@ class KerasSession:
             self.taps.records.clear()
             self._first_checks(x, batch, z)
         self.input_size = sum(_per_sample_elements(t) for t in tf.nest.flatten(first))
+
+    @staticmethod
+    def _probe_tied(entry: Entry, recs: list) -> None:
+        """A tied ``ReversibleEmbedding`` keeps its fast rule when the first forward calls it at most
+        once as a lookup and at most once as the reverse projection (``reverse`` a Python bool): its
+        squares sum the recorded calls' per-sample gradients, so every use of the table must be one
+        of them (a call repeated, or hidden in a loop, is another; uses outside the layer are
+        :meth:`_first_checks`')."""
+        modes = [r[2] for r in recs]
+        if not recs:
+            entry.fast, entry.reason = None, "called more than once per forward, or bypassed"
+        elif None in modes:
+            entry.fast, entry.reason = None, "its reverse argument is not a Python bool (no tied fast rule)"
+        elif len(set(modes)) != len(modes):
+            entry.fast, entry.reason = None, (
+                f"{modes.count(False)} lookup call(s) and {modes.count(True)} reverse call(s) per forward (the tied "
+                "fast rule takes at most one of each)")
+        else:
+            entry.input_rank = len(recs[0][0].shape)
+            entry.in_size = sum(_per_sample_elements(r[0]) for r in recs)
+            entry.pre_size = sum(_per_sample_elements(r[1]) for r in recs)
 
     def _first_checks(self, x: Any, batch: Batch, z: Any) -> None:
         """The fast rules need each weight used by its own layer's call only, and the position
