@@ -231,9 +231,13 @@ class GGN(Kernel):
         #: Why each weight without a tap takes the generic path (None for the fast ones).
         self.reasons = [prog.reasons[k] if k in self.gen else None for k in range(len(ws))]
         #: Per tied table, the signals whose per-example gradients one step of
-        #: :meth:`_tied_squares` forms at once.
-        self.tied_step = {k: min(self.bp * self.cols, max(1, _TIED_ELEMENTS // max(1, int(np.prod(ws[k].shape)))))
-                          for k in self.tied}
+        #: :meth:`_tied_squares` forms at once: at most what fits :data:`_TIED_ELEMENTS`, in
+        #: equal steps (20 signals in steps of at most 16 go as 10 + 10, not 16 + 16 padded).
+        self.tied_step = {}
+        for k in self.tied:
+            total = self.bp * self.cols
+            most = min(total, max(1, _TIED_ELEMENTS // max(1, int(np.prod(ws[k].shape)))))
+            self.tied_step[k] = -(-total // -(-total // most))
         per_example = 0
         for k, w in enumerate(ws):
             t = self.taps.get(k)
