@@ -19,10 +19,17 @@ position table added to 16 patch embeddings, one MLP block, batch 32): ``ggn`` w
 the table on its fast rule (method §6.1 "Position tables") and on the generic path
 (:func:`position_table_figures`).
 
+``--tied-lm`` times a tiny language model whose head is its token embedding (an nnx
+``Embed`` of 1000 ids and 64 features read by the lookup and by ``attend``, one causal
+attention block and one MLP block, 16 sequences of 16 tokens): ``ggn-topk`` per
+sequence (``auto`` for token logits) with the table on its fast rule (method §6.1
+"Tied weights") and on the generic path (:func:`tied_lm_figures`).
+
 Run::
 
     python -m benchmarks.jax_diag [--repeats 5] [--no-torch]
     python -m benchmarks.jax_diag --position-table [--repeats 5]
+    python -m benchmarks.jax_diag --tied-lm [--repeats 5]
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ from flax import nnx
 import normflat
 from benchmarks._common import time_interleaved  # noqa: E402
 
-__all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "make_problem", "jax_figures", "position_table_figures", "main"]
+__all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "make_problem", "jax_figures", "position_table_figures", "tied_lm_figures",
+           "main"]
 
 
 class _MLP(nnx.Module):
@@ -179,6 +187,60 @@ def position_table_figures(repeats: int = 5) -> dict[str, float]:
     return {"fast": fast, "generic": generic, "generic_over_fast": generic / fast}
 
 
+class _TinyTiedLM(nnx.Module):
+    """Ids (16 tokens) -> an ``Embed`` (1000 ids, 64 features) -> a causal 2-head attention block and
+    an MLP block (128 hidden units), each residual -> ``attend``, the head tied to the table."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.emb = nnx.Embed(1000, 64, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(2, 64, decode=False, rngs=rngs)
+        self.up = nnx.Linear(64, 128, rngs=rngs)
+        self.down = nnx.Linear(128, 64, rngs=rngs)
+
+    def __call__(self, ids):
+        h = self.emb(ids)
+        h = h + self.attn(h, mask=nnx.make_causal_mask(ids))
+        h = h + self.down(nnx.gelu(self.up(h)))
+        return self.emb.attend(h)
+
+
+def tied_lm_figures(repeats: int = 5) -> dict[str, float]:
+    """Seconds of ``ggn-topk`` (per sequence) on :class:`_TinyTiedLM` (16 sequences) with the table on
+    its fast rule and on the generic path, the other layers fast in both, and their ratio.
+
+    The generic path is the same analysis traced without the tied taps (``program._TIED_USES``
+    emptied, the trace and kernel caches cleared, as the tests do).
+    """
+    from normflat.backends.jax import program, session
+
+    model = _TinyTiedLM(nnx.Rngs(0))
+    ids = jax.random.randint(jax.random.key(0), (16, 16), 0, 1000)
+    data = (ids, jnp.concatenate([ids[:, 1:], jnp.full((16, 1), -100)], axis=1))
+
+    def ggn_topk():
+        return jax.block_until_ready(normflat.hessian_diagonal(model, data, loss="ce", estimator="ggn-topk",
+                                                               progress=False))
+
+    def path():
+        report = normflat.analyze(model, data, loss="ce", estimator="ggn-topk", progress=False)
+        return report.layer("emb").details["path"]
+
+    assert path() == "fast"
+    fast = time_interleaved({"fast": ggn_topk}, repeats)["fast"]
+    saved = program._TIED_USES
+    session._TRACES.clear()
+    session._CACHE.clear()
+    program._TIED_USES = frozenset()
+    try:
+        assert path() == "generic"
+        generic = time_interleaved({"generic": ggn_topk}, repeats)["generic"]
+    finally:
+        program._TIED_USES = saved
+        session._TRACES.clear()
+        session._CACHE.clear()
+    return {"fast": fast, "generic": generic, "generic_over_fast": generic / fast}
+
+
 def format_side_by_side(jax_figs: dict, torch_figs: dict | None) -> str:
     """Plain-text table: JAX seconds and multiples, PyTorch multiples, and their ratio for ggn."""
     lines = []
@@ -203,12 +265,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--problems", nargs="*", default=list(PROBLEMS), choices=list(PROBLEMS))
     parser.add_argument("--position-table", action="store_true",
                         help="time a tiny ViT's position table: fast rule against the generic path")
+    parser.add_argument("--tied-lm", action="store_true",
+                        help="time a tiny LM's table tied to its head: fast rule against the generic path")
     args = parser.parse_args(argv)
     if args.position_table:
         f = position_table_figures(args.repeats)
         print(f"jax {jax.__version__}, device {jax.devices()[0]}, tiny ViT (batch 32, 17 tokens, d 64), ggn, "
               f"median of {args.repeats}")
         print(f"  position table fast {f['fast']:.4f} s, generic {f['generic']:.4f} s, "
+              f"generic / fast {f['generic_over_fast']:.2f}")
+        return
+    if args.tied_lm:
+        f = tied_lm_figures(args.repeats)
+        print(f"jax {jax.__version__}, device {jax.devices()[0]}, tiny tied LM (16 sequences of 16 tokens, "
+              f"vocabulary 1000, d 64), ggn-topk, median of {args.repeats}")
+        print(f"  tied table fast {f['fast']:.4f} s, generic {f['generic']:.4f} s, "
               f"generic / fast {f['generic_over_fast']:.2f}")
         return
     torch_figs = None

@@ -21,10 +21,17 @@ the PyTorch figures measured in the same run by
 block, batch 32): ``ggn`` with the table on its fast rule (method §6.1 "Position
 tables") and on the generic path (:func:`position_table_figures`).
 
+``--tied-lm`` times a tiny language model whose head is its token embedding (a
+``ReversibleEmbedding`` of 1000 ids and 64 features, ``tie_weights=True``, one
+causal attention block and one MLP block, 16 sequences of 16 tokens):
+``ggn-topk`` per sequence (``auto`` for token logits) with the table on its fast
+rule (method §6.1 "Tied weights") and on the generic path (:func:`tied_lm_figures`).
+
 Run::
 
     python -m benchmarks.keras_diag [--repeats 5] [--threads 1] [--no-torch]
     python -m benchmarks.keras_diag --position-table [--repeats 5] [--threads 1]
+    python -m benchmarks.keras_diag --tied-lm [--repeats 5] [--threads 1]
 
 ``--threads N`` limits both frameworks to N CPU threads (TensorFlow intra- and
 inter-op pools, ``torch.set_num_threads``): on a shared machine one thread
@@ -47,7 +54,7 @@ import numpy as np  # noqa: E402
 from benchmarks._common import time_interleaved  # noqa: E402
 
 __all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "METHODS", "make_problem", "keras_figures", "position_table_figures",
-           "main"]
+           "tied_lm_figures", "main"]
 
 METHODS = ("gradient", "normflat_ggn", "normflat_ggn_mc")
 
@@ -189,6 +196,55 @@ def position_table_figures(repeats: int = 5) -> dict[str, float]:
     return {**seconds, "generic_over_fast": seconds["generic"] / seconds["fast"]}
 
 
+def _tiny_tied_lm(generic: bool):
+    """Ids (16 tokens) -> a tied ``ReversibleEmbedding`` (1000 ids, 64 features) -> a causal 2-head
+    attention block and an MLP block (128 hidden units), each residual -> the reverse projection.
+
+    ``generic``: the embedding is a subclass with its own ``call`` (the same numbers), which sends the
+    table to the generic path and changes nothing else.
+    """
+    import keras
+
+    L = keras.layers
+
+    class OwnCall(L.ReversibleEmbedding):
+        def call(self, inputs, reverse=False):
+            return super().call(inputs, reverse=reverse)
+
+    keras.utils.set_random_seed(0)
+    emb = (OwnCall if generic else L.ReversibleEmbedding)(1000, 64, tie_weights=True, name="emb")
+    ids = keras.Input((16,), dtype="int32")
+    h = emb(ids)
+    h = L.Add()([h, L.MultiHeadAttention(2, 32, name="attn")(h, h, use_causal_mask=True)])
+    h = L.Add()([h, L.Dense(64, name="down")(L.Dense(128, activation="gelu", name="up")(h))])
+    return keras.Model(ids, emb(h, reverse=True))
+
+
+def tied_lm_figures(repeats: int = 5) -> dict[str, float]:
+    """Seconds of ``ggn-topk`` (per sequence) on a tiny tied LM (:func:`_tiny_tied_lm`, 16 sequences)
+    with the table on its fast rule and on the generic path, the other layers fast in both, and their
+    ratio."""
+    import tensorflow as tf
+
+    import normflat
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 1000, size=(16, 16)).astype("int32")
+    data = (tf.constant(ids), tf.constant(np.concatenate([ids[:, 1:], np.full((16, 1), -100)], axis=1)))
+    runs = {}
+    for name in ("fast", "generic"):
+        model = _tiny_tied_lm(name == "generic")
+        report = normflat.analyze(model, data, loss="ce", estimator="ggn-topk", progress=False)
+        assert report.layer("emb").details["path"] == name, report.layer("emb").details
+
+        def run(model=model):
+            return [v.numpy() for v in normflat.hessian_diagonal(model, data, loss="ce", estimator="ggn-topk",
+                                                                 progress=False).values()]
+        runs[name] = run
+    seconds = time_interleaved(runs, repeats)
+    return {**seconds, "generic_over_fast": seconds["generic"] / seconds["fast"]}
+
+
 def _device() -> str:
     import tensorflow as tf
 
@@ -203,6 +259,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch figures")
     parser.add_argument("--position-table", action="store_true",
                         help="time a tiny ViT's position table: fast rule against the generic path")
+    parser.add_argument("--tied-lm", action="store_true",
+                        help="time a tiny LM's table tied to its head: fast rule against the generic path")
     args = parser.parse_args(argv)
     if args.threads:
         import tensorflow as tf
@@ -216,6 +274,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  position table fast {f['fast']:.4f} s, generic {f['generic']:.4f} s, "
               f"generic / fast {f['generic_over_fast']:.2f}")
         return {"position_table": f}
+    if args.tied_lm:
+        f = tied_lm_figures(args.repeats)
+        print(f"tiny tied LM (16 sequences of 16 tokens, vocabulary 1000, d 64), ggn-topk, device {_device()}, "
+              f"threads {args.threads or 'default'}, median of {args.repeats}")
+        print(f"  tied table fast {f['fast']:.4f} s, generic {f['generic']:.4f} s, "
+              f"generic / fast {f['generic_over_fast']:.2f}")
+        return {"tied_lm": f}
 
     keras_fig = keras_figures(args.repeats)
     torch_fig = None
