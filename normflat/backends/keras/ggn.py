@@ -16,8 +16,8 @@ Learned position tables (method §6.1 "Position tables") are fast too: keras-hub
 sample's gradient of the rows it reads, :meth:`Taps.rows`), a position table held
 as a loose weight by running the model with its layer attribute set to the table
 expanded over the batch (:meth:`Taps.expanded`); both checked on the first forward
-(:meth:`~normflat.backends.keras.session.KerasSession._first_checks`). A keras-hub
-``ReversibleEmbedding`` with ``tie_weights=True`` (the LM head tied to the token
+(:meth:`~normflat.backends.keras.session.KerasSession._first_checks`). A
+``ReversibleEmbedding`` (Keras' or keras-hub's) with ``tie_weights=True`` (the LM head tied to the token
 embedding) is fast too: tapped at the outputs of its lookup call and of its
 ``reverse=True`` call, its per-sample gradient is the sum of the two uses' (the signals
 scattered into the rows of the sample's ids, and ``Σ_t s_t a_tᵀ``), squared one signal
