@@ -35,7 +35,8 @@ Run::
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -163,8 +164,6 @@ def position_table_figures(repeats: int = 5) -> dict[str, float]:
     The generic path is the same analysis traced without the added-table taps
     (``program._TABLE_ADD`` emptied, the trace and kernel caches cleared, as the tests do).
     """
-    from normflat.backends.jax import program, session
-
     model = _TinyViT(nnx.Rngs(0))
     kx, ky = jax.random.split(jax.random.key(0))
     x, y = jax.random.normal(kx, (32, 16, 48), jnp.float32), jax.random.randint(ky, (32,), 0, 10)
@@ -174,17 +173,27 @@ def position_table_figures(repeats: int = 5) -> dict[str, float]:
                                                                progress=False))
 
     fast = time_interleaved({"fast": ggn}, repeats)["fast"]
-    saved = program._TABLE_ADD
+    with _without_taps("_TABLE_ADD"):
+        generic = time_interleaved({"generic": ggn}, repeats)["generic"]
+    return {"fast": fast, "generic": generic, "generic_over_fast": generic / fast}
+
+
+@contextlib.contextmanager
+def _without_taps(kind: str) -> Iterator[None]:
+    """Analyses traced without one kind of tap (``program.<kind>`` emptied: those weights take the
+    generic path), the trace and kernel caches cleared on the way in and out, as the tests do."""
+    from normflat.backends.jax import program, session
+
+    saved = getattr(program, kind)
     session._TRACES.clear()
     session._CACHE.clear()
-    program._TABLE_ADD = frozenset()
+    setattr(program, kind, frozenset())
     try:
-        generic = time_interleaved({"generic": ggn}, repeats)["generic"]
+        yield
     finally:
-        program._TABLE_ADD = saved
+        setattr(program, kind, saved)
         session._TRACES.clear()
         session._CACHE.clear()
-    return {"fast": fast, "generic": generic, "generic_over_fast": generic / fast}
 
 
 class _TinyTiedLM(nnx.Module):
@@ -211,8 +220,6 @@ def tied_lm_figures(repeats: int = 5) -> dict[str, float]:
     The generic path is the same analysis traced without the tied taps (``program._TIED_USES``
     emptied, the trace and kernel caches cleared, as the tests do).
     """
-    from normflat.backends.jax import program, session
-
     model = _TinyTiedLM(nnx.Rngs(0))
     ids = jax.random.randint(jax.random.key(0), (16, 16), 0, 1000)
     data = (ids, jnp.concatenate([ids[:, 1:], jnp.full((16, 1), -100)], axis=1))
@@ -227,17 +234,9 @@ def tied_lm_figures(repeats: int = 5) -> dict[str, float]:
 
     assert path() == "fast"
     fast = time_interleaved({"fast": ggn_topk}, repeats)["fast"]
-    saved = program._TIED_USES
-    session._TRACES.clear()
-    session._CACHE.clear()
-    program._TIED_USES = frozenset()
-    try:
+    with _without_taps("_TIED_USES"):
         assert path() == "generic"
         generic = time_interleaved({"generic": ggn_topk}, repeats)["generic"]
-    finally:
-        program._TIED_USES = saved
-        session._TRACES.clear()
-        session._CACHE.clear()
     return {"fast": fast, "generic": generic, "generic_over_fast": generic / fast}
 
 
