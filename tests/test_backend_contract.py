@@ -107,58 +107,75 @@ def _assert_same(a, b, rtol=1e-12, what=""):
 
 def _with_softmax(builder, model):
     """The model followed by a softmax: its outputs are probabilities, not logits."""
+    return _followed_by(builder, model, "softmax")
+
+
+def _followed_by(builder, model, what):
+    """The model followed by ``what``: ``"softmax"`` (its outputs are probabilities, not logits)
+    or ``"exp"`` (finite logits that overflow for large inputs)."""
     name = builder.NAME
     if name == "torch":
+        import torch
         from torch import nn
 
-        return nn.Sequential(model, nn.Softmax(dim=1))
+        class Then(nn.Module):
+            def forward(self, z):
+                return torch.softmax(z, dim=1) if what == "softmax" else torch.exp(z)
+
+        return nn.Sequential(model, Then())
     if name == "keras":
         import keras
 
         # A softmax written out: a final Softmax layer or activation is removed by the
         # Keras backend (docs/semantics.md), see test_keras_final_softmax_is_stripped.
-        def probabilities(t):
+        def then(t):
+            if what == "exp":
+                return keras.ops.exp(t)
             e = keras.ops.exp(t - keras.ops.max(t, axis=-1, keepdims=True))
             return e / keras.ops.sum(e, axis=-1, keepdims=True)
 
-        return keras.Model(model.input, keras.layers.Lambda(probabilities, dtype="float64")(model.outputs[0]))
+        return keras.Model(model.input, keras.layers.Lambda(then, dtype="float64")(model.outputs[0]))
     import jax
+    import jax.numpy as jnp
+
+    def then(z):
+        return jax.nn.softmax(z, axis=-1) if what == "softmax" else jnp.exp(z)
 
     if name == "equinox":
         import equinox as eqx
 
-        class WithSoftmax(eqx.Module):
+        class Then(eqx.Module):
             net: eqx.Module
 
             def __call__(self, x):
-                return jax.nn.softmax(self.net(x), axis=-1)
+                return then(self.net(x))
 
-        return WithSoftmax(model)
+        return Then(model)
     if name == "flax_nnx":
         from flax import nnx
 
-        class WithSoftmaxNnx(nnx.Module):
+        class ThenNnx(nnx.Module):
             def __init__(self, net):
                 self.net = net
 
             def __call__(self, h):
-                return jax.nn.softmax(self.net(h), axis=-1)
+                return then(self.net(h))
 
-        return WithSoftmaxNnx(model)
+        return ThenNnx(model)
     if name == "flax_linen":
         import flax.linen as linen
 
         module, variables = model
 
-        class WithSoftmaxLinen(linen.Module):
+        class ThenLinen(linen.Module):
             inner: linen.Module
 
             @linen.compact
             def __call__(self, h):
-                return jax.nn.softmax(self.inner(h), axis=-1)
+                return then(self.inner(h))
 
         wrapped = {k: {"inner": v} for k, v in variables.items()}
-        return WithSoftmaxLinen(module.clone()), wrapped
+        return ThenLinen(module.clone()), wrapped
     raise AssertionError(name)
 
 
@@ -325,6 +342,19 @@ def test_probabilities_refused(builder):
     for loss in ("nsce", "ce"):
         with pytest.raises(ValueError, match="probabilities"):
             normflat.analyze(model, builder.make_data(x, y, 3), **_kw(builder, loss=loss))
+
+
+@pytest.mark.parametrize("estimator", ["ggn", "ggn-topk", "hutchinson"])
+def test_later_batch_with_overflowing_logits(builder, estimator):
+    """Finite inputs whose logits overflow in a later batch: every framework names that batch
+    with the logits' message (JAX, Keras and PyTorch read the value checks of the batches after
+    the first in one go after the loop, not the "diagonal is not finite" that follows)."""
+    spec = _mlp(9)
+    x, y = netspec.data(spec, n=9, seed=10)
+    x[3:6] *= 1e6  # the 2nd batch: exp of logits of order 1e5 is infinite
+    model = _followed_by(builder, builder.build(spec), "exp")
+    with pytest.raises(ValueError, match="Batch 1: the model's logits contain NaN or infinite"):
+        normflat.analyze(model, builder.make_data(x, y, 3), **_kw(builder, estimator=estimator))
 
 
 def test_keras_final_softmax_is_stripped(builder):

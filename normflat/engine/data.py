@@ -40,7 +40,7 @@ import numpy as np
 from normflat.engine.options import AnalysisOptions, limited
 
 __all__ = ["INFINITE", "DataAdapter", "Batch", "EmptyDataError", "batches", "labels_for", "input_leaves",
-           "LABEL_KEYS"]
+           "LABEL_KEYS", "non_finite_inputs"]
 
 #: Keys of a Hugging Face style mapping batch that hold the labels (the rest are inputs).
 LABEL_KEYS = ("labels", "label")
@@ -73,7 +73,8 @@ class DataAdapter(Protocol):
         """A host copy of a (small) array, for label checks."""
 
     def all_finite(self, a: Any) -> bool:
-        """Whether a floating array has no NaN or infinity."""
+        """Whether a floating array has no NaN or infinity; ``True`` for an array on an
+        accelerator whose check the session defers (:func:`non_finite_inputs`)."""
 
     def cardinality(self, data: Any) -> Any:
         """Number of batches of ``data``: an int, ``None`` if unknown, or :data:`INFINITE`."""
@@ -205,11 +206,17 @@ def _check_batch(x: Any, y: Any, index: int, adapter: DataAdapter) -> int:
     if n:
         for v in leaves:
             if adapter.kind(v) == "f" and not adapter.all_finite(v):
-                raise ValueError(
-                    f"Batch {index}: the inputs contain NaN or infinite values; clean or impute the data "
-                    "before analyzing."
-                )
+                raise non_finite_inputs(index)
     return n
+
+
+def non_finite_inputs(index: int) -> ValueError:
+    """The one error for NaN or infinite inputs in batch ``index``: raised here for host arrays,
+    and by a session for device arrays, whose check it defers (an adapter's ``all_finite`` answers
+    ``True`` for them) to one device synchronisation after the loop."""
+    return ValueError(
+        f"Batch {index}: the inputs contain NaN or infinite values; clean or impute the data before analyzing."
+    )
 
 
 def batches(data: Any, adapter: DataAdapter, options: AnalysisOptions) -> tuple[Iterator[Batch], int | None]:

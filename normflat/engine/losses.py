@@ -296,9 +296,12 @@ def _topk_classes(xp: Any, p: Any, uniforms: Any, top: int, groups: int, members
     chosen = xp.zeros_like(p)
     top_index, top_scale = [], []
     for _ in range(k):
-        # The first most probable class not chosen yet (chosen ones are set to -1 < any p).
+        # The first most probable class not chosen yet (chosen ones are set to -1 < any p). The
+        # fill C − 1 changes nothing where a class equals the maximum; where none does (NaN
+        # probabilities of overflowing logits, refused after the loop) it keeps every index in
+        # range, so the gathers that follow never fail inside a compiled step or on a device.
         best = xp.max(remaining, axis=-1, keepdims=True)
-        index = xp.min(xp.where(remaining == best, classes, xp.ones_like(p) * c), axis=-1, keepdims=True)
+        index = xp.min(xp.where(remaining == best, classes, xp.ones_like(p) * (c - 1)), axis=-1, keepdims=True)
         e = xp.astype(classes == index, p.dtype)
         top_index.append(index[:, 0])
         top_scale.append(xp.sqrt(xp.sum(p * e, axis=-1)))

@@ -655,6 +655,77 @@ def test_bad_nan_weights_data_and_loss(small):
         nf(nn.Sequential(model, Log()), (x, y))
 
 
+#: The tensor methods that return a value to the host: on an accelerator each waits for the device.
+HOST_CALLS = frozenset({"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy"})
+
+
+class _HostCalls(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_CALLS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _host_calls(model, data, **kw):
+    mode = _HostCalls()
+    with mode:
+        nf(model, data, **kw)
+    return mode.count
+
+
+class _TokenLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.head = nn.Linear(6, 11)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.embed(ids)))
+
+
+@pytest.mark.parametrize("case", ["mlp-ggn", "mlp-ggn-topk", "mlp-ggn-mc", "mlp-hutchinson", "mlp-exact",
+                                  "conv-ggn", "lm-ggn-topk"])
+def test_no_host_round_trip_per_batch(case):
+    """After the first batch a batch never waits for the device: the logits' and the loss's value
+    checks (and those of inputs on an accelerator) are read in one go after the loop, the labels
+    and draws are host arrays copied without waiting. Host data (numpy), so that every call
+    counted is normflat's own; the count of four batches equals that of two (both read the
+    deferred checks once)."""
+    name, estimator = case.split("-", 1)
+    if name == "lm":
+        torch.manual_seed(0)
+        model = _TokenLM().to(DT).eval()
+        ids = torch.randint(0, 11, (4, 5)).numpy()
+        batch = (ids, ids)
+    else:
+        model, x, y = make("mlp_relu" if name == "mlp" else "res_block")
+        batch = (x.numpy(), y.numpy())
+    two = _host_calls(model, [batch] * 2, estimator=estimator)
+    four = _host_calls(model, [batch] * 4, estimator=estimator)
+    assert two > 0  # the first batch's checks and the diagonals' finite checks: the counter counts
+    assert four == two
+
+
+def test_deferred_logit_check_names_its_batch(small):
+    """A later batch's non-finite logits (finite inputs that overflow) get the eager message, with
+    their batch index, before the diagonal's finite check."""
+    model, x, y = small
+
+    class Exp(nn.Module):
+        def forward(self, z):
+            return torch.exp(z)
+
+    overflowing = nn.Sequential(model, Exp())
+    for estimator in ("ggn", "ggn-topk", "hutchinson"):
+        nf(overflowing, [(x, y), (x, y)], estimator=estimator)  # finite logits: no error
+        with pytest.raises(ValueError, match=r"Batch 1: the model's logits contain NaN or infinite"):
+            nf(overflowing, [(x, y), (x * 1e6, y), (x, y)], estimator=estimator)
+
+
 def test_bad_labels(small):
     model, x, y = small
     with pytest.raises(ValueError, match=r"class indices in \[0, 2\]"):

@@ -103,6 +103,20 @@ def test_topk_never_draws_a_top_class():
     del sig, p
 
 
+@pytest.mark.parametrize("estimator,kw", [("ggn-topk", {"top_classes": 2, "samples": 4}),
+                                          ("ggn-mc", {"samples": 4})])
+def test_overflowing_logits_keep_every_class_index_in_range(estimator, kw):
+    """Infinite logits make the probabilities NaN: the classes stay in range (the gathers that follow
+    would fail inside a compiled step, or assert on a device); the logits' check refuses the batch."""
+    z = np.array([[np.inf, 1.0, 0.0], [0.0, 1.0, 2.0]])
+    options = _opts(loss="ce", estimator=estimator, **kw)
+    with np.errstate(invalid="ignore"):
+        factor = losses.output_factor(np, z, options, RNG.random((2, options.draws)))
+    assert np.all((factor.index >= -1) & (factor.index <= 2))
+    if estimator == "ggn-topk":
+        assert set(np.unique(factor.index[0][:2, 1])) == {1.0, 2.0}  # the finite row: its top two classes
+
+
 @pytest.mark.parametrize("loss", ["ce", "nsce"])
 @pytest.mark.parametrize("estimator,kw", [("ggn", {}), ("ggn-topk", {"top_classes": 2, "samples": 7}),
                                           ("ggn-mc", {"samples": 5})])

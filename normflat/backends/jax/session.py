@@ -41,7 +41,7 @@ from normflat.backends.jax.kernel import GroupSums, combine_stats
 from normflat.backends.jax.layers import canonical_shape, check_has_weights, check_layouts, make_view, to_canonical
 from normflat.backends.jax.program import trace_program
 from normflat.backends.jax.state import ModelState
-from normflat.engine.data import Batch, labels_for
+from normflat.engine.data import Batch, labels_for, non_finite_inputs
 from normflat.engine.estimators import SumState
 from normflat.engine.losses import check_logit_stats, check_loss_value, check_output_shape
 from normflat.engine.options import AnalysisOptions, resolve_estimator
@@ -56,10 +56,6 @@ _CACHE = LRU(8)
 # Traced and analysed per-example programs, keyed by the model's structure.
 _TRACES = LRU(8)
 
-#: The engine's message for NaN/inf inputs (normflat.engine.data), for device arrays
-#: whose check is deferred to one synchronisation.
-_NAN_INPUTS = ("Batch {index}: the inputs contain NaN or infinite values; clean or impute the data before "
-               "analyzing.")
 
 
 @jax.jit
@@ -397,7 +393,7 @@ class JaxSession:
         eps = float(np.finfo(np.dtype(self.dtype)).eps)
         for (index, _, _), (stats, ok) in zip(pending, values):
             if ok is not None and not bool(ok):
-                raise ValueError(_NAN_INPUTS.format(index=index))
+                raise non_finite_inputs(index)
             st = combine_stats(stats)
             check_logit_stats(st[:5], self.options, index, self.num_classes, eps)
             check_loss_value(getattr(self.kernel, "loss_shape", ()) if callable(self.options.loss) else (),

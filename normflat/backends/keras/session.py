@@ -297,6 +297,10 @@ class KerasSession:
         self._holder: dict = {}
         self._probe_cache: list[tuple[range, list[Any]]] | None = None
         self._open_traces = OpenBatchTraces(callable(options.loss))
+        # The value checks of the logits (and the loss) of every batch after the first, read in one
+        # transfer after the loop (_run_checks): reading them per batch would wait for the device.
+        self._pending: list[tuple[int, Any, Any, float]] = []
+        self._updates = 0
 
     # ------------------------------------------------------------------ model state
 
@@ -349,6 +353,9 @@ class KerasSession:
         return tf.zeros((self.options.state_groups, *shape), tf.float64)
 
     def all_finite(self, array: Any) -> bool:
+        # The engine's first call after the data: the deferred checks first, so that bad logits
+        # get their own message rather than "the diagonal is not finite".
+        self._run_checks()
         if isinstance(array, np.ndarray):
             return bool(np.isfinite(array).all())
         return bool(tf.reduce_all(tf.math.is_finite(array)))
@@ -418,6 +425,9 @@ class KerasSession:
             self._update_hvp(x, labels, batch, state)
         else:
             self._update_ggn(x, labels, batch, state)
+        self._updates += 1
+        if self.replicas is not None:
+            self._run_checks()  # every worker must learn of a bad batch in this step
         if self.tokens is None or labels is None:
             return None
         return int(np.count_nonzero(labels >= 0))  # the counted tokens (method §6.3)
@@ -729,7 +739,7 @@ class KerasSession:
             results = self._map(step, args, (tf.constant(start, tf.int32),), batched=3)
             for sums, stats in results:
                 if start == 0:
-                    check_logit_stats(stats, options, batch.index, self.num_classes, eps)
+                    self._defer(batch.index, stats, None, eps)
                 for i, v in enumerate(sums):
                     self._add(state, i, v)
 
@@ -777,9 +787,33 @@ class KerasSession:
         return blocks
 
     def _check(self, loss: Any, stats: Any, batch: Batch) -> None:
-        check_logit_stats(stats, self.options, batch.index, self.num_classes,
-                          float(np.finfo(compute_dtype(self.dtype).as_numpy_dtype).eps))
-        check_loss_value((), bool(np.isfinite(float(loss))), batch.index, self.options)
+        self._defer(batch.index, stats, loss, float(np.finfo(compute_dtype(self.dtype).as_numpy_dtype).eps))
+
+    def _defer(self, index: int, stats: Any, loss: Any, eps: float) -> None:
+        """Queue a piece's logit statistics (and loss) for :meth:`_run_checks`; the first batch's
+        are checked at once."""
+        self._pending.append((index, stats, loss, eps))
+        if self._updates == 0:
+            self._run_checks()
+
+    def _run_checks(self) -> None:
+        """Read the queued checks in one transfer, in batch order, and raise the first failure
+        with the message an eager check gives."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        parts = []
+        for _, stats, loss, _ in pending:
+            parts.append(tf.cast(tf.reshape(stats, [-1]), tf.float64))
+            if loss is not None:
+                parts.append(tf.cast(tf.reshape(loss, [-1]), tf.float64))
+        values = iter(np.asarray(tf.concat(parts, 0)))
+        for index, stats, loss, eps in pending:
+            got = np.asarray([next(values) for _ in range(int(np.prod(stats.shape)))])
+            check_logit_stats(got, self.options, index, self.num_classes, eps)
+            if loss is not None:
+                value = np.asarray([next(values) for _ in range(int(np.prod(loss.shape)))])
+                check_loss_value((), bool(np.all(np.isfinite(value))), index, self.options)
 
     def _update_hvp(self, x: Any, labels: np.ndarray | None, batch: Batch, state: SumState) -> None:
         exact_step, hutchinson_step = self._hvp_steps()

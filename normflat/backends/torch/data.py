@@ -15,7 +15,10 @@ import numpy as np
 import torch
 import torch.utils.data
 
-__all__ = ["TorchAdapter", "ADAPTER", "to_model", "inputs_to_model", "ModelInputs"]
+from normflat.engine.data import input_leaves
+
+__all__ = ["TorchAdapter", "ADAPTER", "to_model", "inputs_to_model", "ModelInputs", "deferred_inputs_finite",
+           "host_to_device"]
 
 
 class TorchAdapter:
@@ -49,8 +52,11 @@ class TorchAdapter:
     def all_finite(self, a: Any) -> bool:
         if isinstance(a, np.ndarray):
             return bool(np.isfinite(a).all())
-        if a.device.type == "meta":
-            return True  # no values to check; the session refuses the device itself
+        if a.device.type != "cpu":
+            # On an accelerator the answer would wait for the device: the session checks these
+            # tensors after the loop, in one synchronisation (deferred_inputs_finite); the meta
+            # device has no values, and the session refuses it itself.
+            return True
         if not a.is_floating_point():
             return True
         # One reduction decides the common case; the element-wise test runs only if the
@@ -151,6 +157,28 @@ def inputs_to_model(x: Any, index: int, device: torch.device, dtype: torch.dtype
     else:
         items = (x,)
     return ModelInputs(tuple(to_model(xi, "inputs", index, device, dtype) for xi in items), {}, n)
+
+
+def deferred_inputs_finite(x: Any) -> torch.Tensor | None:
+    """Whether the floating input tensors of ``x`` that live on an accelerator are all finite,
+    as a boolean tensor on their device (``None`` if there are none): the checks
+    :meth:`TorchAdapter.all_finite` leaves to the session, read after the loop."""
+    leaves = [a for a in input_leaves(x) if isinstance(a, torch.Tensor) and a.device.type not in ("cpu", "meta")
+              and a.is_floating_point() and a.numel()]
+    if not leaves:
+        return None
+    flags = [torch.isfinite(a).all() for a in leaves]
+    return flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).all()
+
+
+def host_to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array of normflat's own (labels, uniform draws) on ``device``, without waiting for
+    the device: a copy from pageable memory to a CUDA device waits for the stream, one from
+    pinned memory is queued."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _is_tensor_like(v: Any) -> bool:

@@ -34,12 +34,12 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vjp
 
 from normflat.backends.torch import compat, hf
-from normflat.backends.torch.data import ADAPTER, ModelInputs, inputs_to_model, to_model
+from normflat.backends.torch.data import ADAPTER, ModelInputs, deferred_inputs_finite, inputs_to_model, to_model
 from normflat.backends.torch.ggn import unswapped, unswapped_error
 from normflat.backends.torch.layers import collect_layers, unwrap
 from normflat.backends.torch.session import parse_settings
 from normflat.backends.torch.state import ModelState, claim, release
-from normflat.engine.data import Batch, batches, labels_for
+from normflat.engine.data import Batch, batches, labels_for, non_finite_inputs
 from normflat.engine.losses import check_output_shape
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
@@ -294,6 +294,9 @@ class TorchPerturbationModel:
         source, _ = batches(self.data, ADAPTER, self.options)
         for batch in source:
             xs = inputs_to_model(batch.x, batch.index, self.device, self.dtype, batch.n, batch.keywords)
+            inputs_ok = deferred_inputs_finite(batch.x)  # inputs on an accelerator: the adapter left them
+            if inputs_ok is not None and not bool(inputs_ok):
+                raise non_finite_inputs(batch.index)
             if not self._swappable:
                 # Every forward swaps the weights in with functional_call: a weight also reached
                 # another way would stay unperturbed (ggn.unswapped).

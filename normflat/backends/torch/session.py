@@ -13,23 +13,25 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import array_api_compat
+import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call
 
 from normflat.backends.torch import compat, hf, hvp
 from normflat.backends.torch import ggn as ggn_kernels
-from normflat.backends.torch.data import ADAPTER, ModelInputs, inputs_to_model, to_model
+from normflat.backends.torch.data import (ADAPTER, ModelInputs, deferred_inputs_finite, host_to_device,
+                                          inputs_to_model, to_model)
 from normflat.backends.torch.distributed import TorchComm
 from normflat.backends.torch.layers import TorchLayer, all_finite, collect_layers, unwrap
 from normflat.backends.torch.state import ModelState, claim, release
 from normflat.engine import estimators, losses
 from normflat.engine import random as nrandom
-from normflat.engine.data import Batch, labels_for
+from normflat.engine.data import Batch, labels_for, non_finite_inputs
 from normflat.engine.estimators import SumState
 from normflat.engine.options import GGN_ESTIMATORS, AnalysisOptions, resolve_estimator
 from normflat.engine.outputs import select_output
@@ -155,6 +157,10 @@ class TorchSession:
         self._swappable: set[int] = set()
         self.batched = False
         self.batches_seen = 0
+        # Value checks of the batches whose answer would wait for the device (the logits' and the
+        # loss's statistics, the inputs on an accelerator), read in one go after the loop
+        # (_run_checks): ``(batch index, kind, device tensor, what the message needs)`` in order.
+        self._pending: list[tuple[int, str, torch.Tensor, Any]] = []
         self.token_logits = False  # whether the model returned (n, T, C) token logits (metadata)
         self.probes = hvp.Probes(self._layers, options.seed) if est == "hutchinson" else None
         self.capture: ggn_kernels.Capture | None = None
@@ -201,11 +207,16 @@ class TorchSession:
         # (both are thread-local switches).
         with torch.inference_mode(False), torch.enable_grad(), self._analysis_mode():
             xs = inputs_to_model(batch.x, batch.index, self.device, self.dtype, batch.n, batch.keywords)
+            inputs_ok = deferred_inputs_finite(batch.x)
+            if inputs_ok is not None:
+                self._pending.append((batch.index, "inputs", inputs_ok, None))
             if self.ggn:
                 terms = self._ggn_update(batch, xs, state)
             else:
                 terms = self._hvp_update(batch, xs, state)
         self.batches_seen += 1
+        if self.comm is not None:
+            self._run_checks()  # every rank must learn of a bad batch in this step
         return terms
 
     @contextlib.contextmanager
@@ -230,7 +241,10 @@ class TorchSession:
         return torch.zeros((self.options.sum_groups, *p.shape), dtype=p.dtype, device=p.device)
 
     def all_finite(self, array: Any) -> bool:
-        """Whether a tensor is finite."""
+        """Whether a tensor is finite. The engine's first call after the data runs the deferred
+        checks first, so that bad logits or inputs get their own message rather than "the
+        diagonal is not finite"."""
+        self._run_checks()
         return all_finite(array)
 
     def canonical(self, layer: int, array: Any) -> Any:
@@ -290,7 +304,11 @@ class TorchSession:
 
     # ------------------------------------------------------------------ checks
 
-    def _check_logits(self, logits: Any, batch: Batch, rows: int) -> int:
+    def _check_logits(self, logits: Any, batch: Batch, rows: int, defer: bool = True) -> int:
+        """Check the logits' type and shape now and their values
+        (:func:`~normflat.engine.losses.logit_stats`) after the loop, or now if not ``defer`` (the
+        first batch, whose logits decide the fast rules and the chunk); return the number of
+        classes."""
         if not isinstance(logits, torch.Tensor):
             raise TypeError(
                 f"The model returned a {type(logits).__name__}; normflat needs a forward that maps inputs "
@@ -299,20 +317,61 @@ class TorchSession:
         c = losses.check_output_shape(tuple(logits.shape), self.options, batch.index, rows)
         self.token_logits = self.token_logits or logits.dim() == 3
         stats = losses.logit_stats(_XP, logits.detach())
-        losses.check_logit_stats(stats.cpu().numpy(), self.options, batch.index, c,
-                                 float(torch.finfo(logits.dtype).eps))
+        self._pending.append((batch.index, "logits", stats, (c, float(torch.finfo(logits.dtype).eps))))
+        if not defer:
+            self._run_checks()
         return c
 
-    def _labels(self, batch: Batch, c: int, logits: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-        """The labels on the device, and the counted tokens (token logits, built-in loss) or ``None``."""
+    def _run_checks(self) -> None:
+        """Read the deferred checks (:attr:`_pending`) with one transfer per dtype, in batch order,
+        and raise the first failure with the message an eager check gives."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for _, kind, value, _ in pending:
+            if kind != "labels":
+                by_dtype.setdefault(value.dtype, []).append(value.reshape(-1))
+        # Blocking reads on the stream that queued the labels' copies: those are complete after them.
+        host = {dtype: iter(torch.cat(values).cpu().numpy()) for dtype, values in by_dtype.items()}
+        if not by_dtype and any(kind == "labels" for _, kind, _, _ in pending):
+            torch.cuda.synchronize(self.device)
+        for index, kind, value, extra in pending:
+            if kind == "labels":
+                batch, c = extra
+                labels_for(replace(batch, y=value), c, ADAPTER, self.options)
+                continue
+            got = [next(host[value.dtype]) for _ in range(value.numel())]
+            if kind == "inputs" and not bool(got[0]):
+                raise non_finite_inputs(index)
+            if kind == "logits":
+                c, eps = extra
+                losses.check_logit_stats(np.asarray(got), self.options, index, c, eps)
+            if kind == "loss":
+                losses.check_loss_value(extra, bool(got[0]), index, self.options)
+
+    def _labels(self, batch: Batch, c: int, logits: torch.Tensor, on_device: bool = True
+                ) -> tuple[torch.Tensor | None, int | None]:
+        """The checked labels on the device (``None`` unless ``on_device``: the GGN of ``(n, C)``
+        logits does not depend on them), and the counted tokens (token logits, built-in loss) or
+        ``None``."""
         tokens = int(logits.shape[1]) if logits.dim() == 3 else None
+        y = batch.y
+        if (not on_device and tokens is None and self.batches_seen > 0 and not callable(self.options.loss)
+                and isinstance(y, torch.Tensor) and y.device.type == "cuda"):
+            # Labels that only need checking, on a CUDA device: copied to pinned host memory
+            # without waiting, and checked by _run_checks after the blocking read that follows.
+            host = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)
+            host.copy_(y.detach(), non_blocking=True)
+            self._pending.append((batch.index, "labels", host, (batch, c)))
+            return None, None
         ids = labels_for(batch, c, ADAPTER, self.options, tokens=tokens, shift=self.shift)
         if ids is None:  # a custom loss gets the labels as given
             return to_model(batch.y, "labels", batch.index, self.device, None), None
-        y = torch.as_tensor(ids, device=self.device)
+        y = host_to_device(ids, self.device) if on_device else None
         if tokens is None or callable(self.options.loss):
             return y, None
-        return y, int((y >= 0).sum())
+        return y, int(np.count_nonzero(ids >= 0))  # on the host: no wait for the device
 
     def _loss_sum(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if callable(self.options.loss):
@@ -329,14 +388,16 @@ class TorchSession:
                 )
         else:
             value = losses.loss_sum(_XP, logits, y, self.options)
-        losses.check_loss_value(tuple(value.shape), all_finite(value.detach()), index, self.options)
+        shape = tuple(value.shape)
+        losses.check_loss_value(shape, True, index, self.options)  # the shape now, the value after the loop
+        self._pending.append((index, "loss", torch.isfinite(value.detach()).all(), shape))
 
     # ------------------------------------------------------------------ exact, hutchinson
 
     def _hvp_update(self, batch: Batch, xs: ModelInputs, state: SumState) -> int | None:
         with torch.no_grad():
             logits = self._pick(xs.call(self.model))
-        c = self._check_logits(logits, batch, batch.n)
+        c = self._check_logits(logits, batch, batch.n, defer=self.batches_seen > 0)
         y, terms = self._labels(batch, c, logits)
         self._check_loss(logits, y, batch.index)
         del logits
@@ -375,7 +436,7 @@ class TorchSession:
         self.capture.reset()
         xp = xs.rows(rows)
         logits = self._pick(self._forward(xp))
-        c = self._check_logits(logits, batch, PROBE_ROWS)
+        c = self._check_logits(logits, batch, PROBE_ROWS, defer=False)
         if self._settle(logits, c, xp):  # a substitution was refused: the forward as the model computes it
             self.capture.reset()
             logits = self._pick(self._forward(xp))
@@ -644,20 +705,22 @@ class TorchSession:
             step = -(-n // -(-n // step))
         ids: torch.Tensor | None = None
         terms: int | None = None
+        labelled = False
         for start in range(0, n, step):
             sl = slice(start, min(n, start + step))
             rows = sl.stop - sl.start
             xc = xs.rows(sl)
             cap.reset()
             logits = self._pick(self._forward(xc))
-            c = self._check_logits(logits, batch, rows)
+            c = self._check_logits(logits, batch, rows, defer=self.batches_seen > 0)
             if self._settle(logits, c, xc):  # a substitution was refused: the forward as the model computes it
                 cap.reset()
                 logits = self._pick(self._forward(xc))
-            if ids is None:
+            if not labelled:
                 # The data contract: labels in range. The GGN uses the labels of token logits only,
                 # for the counted tokens.
-                ids, terms = self._labels(batch, c, logits)
+                ids, terms = self._labels(batch, c, logits, on_device=logits.dim() == 3)
+                labelled = True
             fast = [layer for layer in self._layers if layer.fast]
             if self.chunk is None:
                 # The class count is known after the first forward, which is redone in chunks if
@@ -682,7 +745,7 @@ class TorchSession:
                 # Per sample (token logits: per token, the class draws then the signs of §6.3).
                 columns = self.options.uniform_columns(tokens)
                 u = nrandom.sample_uniforms(self.options.seed, self.rank, batch.offset + start, rows, columns)
-                uniforms = torch.from_numpy(u).to(device=logits.device, dtype=logits.dtype)
+                uniforms = host_to_device(u, logits.device).to(logits.dtype)
             for layer in fast:
                 if any(cap.calls.get(id(use), 0) != 1 or cap.modified(id(use)) for use in layer.uses):
                     # Dynamic models: re-checked on every chunk; earlier chunks' sums stay valid.
