@@ -9,10 +9,13 @@ checks, then times:
    probes come from normflat's own generator, so both runs use the same ones): the largest
    difference of the Hessian diagonals relative to the largest entry, and that the
    diagonals stay on the device;
-2. **host round trips per batch** (PyTorch): the calls that wait for the device
-   (``.item()``, ``bool()``, ``.cpu()``, ``.numpy()``, ``.tolist()``, counted by a
-   ``TorchFunctionMode``) in an analysis of one batch and of three, so the count per batch
-   is their difference over two; it does not grow with the layers or the chunks;
+2. **host round trips per batch** (PyTorch): the calls that return a device value to the
+   host (``.item()``, ``bool()``, ``.cpu()``, ``.numpy()``, ``.tolist()``, counted by a
+   ``TorchFunctionMode``) in analyses of two batches and of four (both read the deferred
+   checks once after the loop), so the count per batch is their difference over two: 0 on a
+   CUDA device with the batch on it (the value checks of every batch after the first are read
+   after the loop, the labels copied to pinned memory without waiting); a CPU dry run counts
+   the data contract's checks of the inputs and labels, host tensors there;
 3. **JAX** (when installed): the MLP's ``ggn`` on JAX's default device against its CPU;
 4. the ratio tables of ``benchmarks/torch_diag.py`` (``--device``), ``benchmarks/classes.py``
    (``--device``, with ``--memory``) and ``benchmarks/jax_diag.py`` (JAX's default device).
@@ -132,19 +135,20 @@ class _HostCalls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def host_calls_per_batch(device: str) -> dict[str, float]:
-    """Host round trips per batch of ``ggn`` on the CNN, from analyses of one and of three batches."""
+def host_calls_per_batch(device: str, estimator: str = "ggn") -> dict[str, float]:
+    """Host round trips per batch of ``estimator`` on the CNN, from analyses of two and of four
+    batches (both read the deferred checks once, after the loop)."""
     factory, make_data = _cases()["cnn"]
     torch.manual_seed(0)
     model = factory().eval().to(device)
     batch = _to(make_data(torch.Generator().manual_seed(1)), device)
     totals = {}
-    for batches in (1, 3):
+    for batches in (2, 4):
         mode = _HostCalls()
         with mode:
-            normflat.hessian_diagonal(model, [batch] * batches, estimator="ggn", progress=False)
+            normflat.hessian_diagonal(model, [batch] * batches, estimator=estimator, progress=False)
         totals[batches] = sum(mode.count.values())
-    return {"per batch": (totals[3] - totals[1]) / 2, "first batch and set-up": totals[1]}
+    return {"per batch": (totals[4] - totals[2]) / 2, "two batches with the set-up": totals[2]}
 
 
 def jax_check() -> str:
@@ -191,9 +195,11 @@ def main(argv: list[str] | None = None) -> None:
     print("| model | estimator | difference | diagonal on the device |\n|---|---|---|---|")
     for model, estimator, worst, on_device in precision_checks(args.device):
         print(f"| {model} | {estimator} | {worst:.1e} | {'yes' if on_device else 'NO'} |", flush=True)
-    calls = host_calls_per_batch(args.device)
-    print(f"\nhost round trips (ggn, CNN): {calls['per batch']:.0f} per batch, "
-          f"{calls['first batch and set-up']} for the first batch with the set-up")
+    print()
+    for estimator in ("ggn", "ggn-topk", "hutchinson"):
+        calls = host_calls_per_batch(args.device, estimator)
+        print(f"host round trips ({estimator}, CNN): {calls['per batch']:.0f} per batch, "
+              f"{calls['two batches with the set-up']} for two batches with the set-up and the final checks")
     print(jax_check())
     print(f"(checks: {time.perf_counter() - start:.0f} s)")
     if args.no_tables:
