@@ -61,3 +61,21 @@ def test_the_bound_runs_its_own_analysis_when_no_report_is_given():
     given = normflat.measures(model, data, names, report=report, estimator="ggn", progress=False, **CHEAP)
     own = normflat.measures(model, data, names, estimator="ggn", progress=False, **CHEAP)
     assert own.values == given.values and own.metadata["bound_estimator"] == "ggn"
+
+
+@pytest.mark.parametrize("builder_name", BUILDERS)
+def test_non_finite_inputs_are_refused_in_every_framework(builder_name):
+    """NaN inputs in a later batch: the engine's error naming it, never a NaN measure (JAX arrays
+    and torch tensors on a device are checked by the backends, host arrays by the data contract)."""
+    import numpy as np
+
+    import normflat
+    from tests._rivals import CHEAP
+
+    builder = load_builder(builder_name)
+    spec = SPECS["mlp"]()
+    x, y = netspec.data(spec, n=10, seed=5)
+    x[7, 1] = np.nan
+    with pytest.raises(ValueError, match="Batch 1: the inputs contain NaN or infinite values"):
+        normflat.measures(builder.build(spec), builder.make_data(x, y, 5), ["fisher_rao_norm", "adaptive_sharpness"],
+                          progress=False, backend_options=builder.ANALYZE_KWARGS, **CHEAP)

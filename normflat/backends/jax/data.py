@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from normflat.engine.data import INFINITE
+from normflat.engine.data import INFINITE, input_leaves
 
-__all__ = ["JaxAdapter", "ADAPTER", "to_jax", "cast_inputs"]
+__all__ = ["JaxAdapter", "ADAPTER", "to_jax", "cast_inputs", "all_finite_arrays", "device_inputs_finite"]
 
 
 def _is_tensor_like(a: Any) -> bool:
@@ -122,3 +122,18 @@ def cast_inputs(x: Any, dtype: Any) -> Any:
         a = to_jax(a)
         return a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != dtype else a
     return jax.tree_util.tree_map(cast, x)
+
+
+@jax.jit
+def all_finite_arrays(arrays):
+    """Whether every array of a non-empty list is finite, as one device boolean (compiled once per
+    list of shapes)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays]))
+
+
+def device_inputs_finite(x: Any) -> Any:
+    """Whether the floating JAX arrays among the inputs ``x`` (those :meth:`JaxAdapter.all_finite`
+    leaves to the caller) are all finite, as a device boolean, without waiting for it (``None``
+    if there are none)."""
+    arrays = [a for a in input_leaves(x) if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating)]
+    return all_finite_arrays(arrays) if arrays else None

@@ -39,11 +39,11 @@ import numpy as np
 
 from normflat.backends.jax.cache import LRU
 from normflat.backends.jax.compat import Literal, enable_x64, x64_enabled
-from normflat.backends.jax.data import ADAPTER, cast_inputs
+from normflat.backends.jax.data import ADAPTER, cast_inputs, device_inputs_finite
 from normflat.backends.jax.layers import REGISTRY, LayerRule, check_has_weights, path_str, to_canonical, to_native
 from normflat.backends.jax.session import trace_layers, view_for
 from normflat.backends.jax.state import ModelState
-from normflat.engine.data import batches, input_leaves, labels_for
+from normflat.engine.data import batches, input_leaves, labels_for, non_finite_inputs
 from normflat.engine.losses import check_output_shape
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
@@ -106,6 +106,7 @@ class JaxPerturbationModel:
         self._closed = False
         #: The first batch's size: a shorter batch is padded to it (:func:`_padded`).
         self._block: int | None = None
+        self._inputs_checked = False  # the device inputs, on the first complete pass (_batches)
         with self._context():
             self._prepare()
         self._steps = _steps_for(self._view, self._weight_ids, self._rest_ids, options)
@@ -166,6 +167,12 @@ class JaxPerturbationModel:
         source, _ = batches(self._data, ADAPTER, options)
         for batch in source:
             check_output_shape((batch.n,) + self._out_shape, options, batch.index, batch.n)
+            if not self._inputs_checked:
+                # Device arrays: the adapter leaves their check to the caller. Once, on the first
+                # pass over the data (the measures make several), before any perturbed loss.
+                finite = device_inputs_finite(batch.x)
+                if finite is not None and not bool(finite):
+                    raise non_finite_inputs(batch.index)
             # JAX models have no config telling a causal LM: shift_labels=None means no shift (method §6.3).
             labels = labels_for(batch, self._num_classes, ADAPTER, options, tokens=tokens,
                                 shift=bool(options.shift_labels) if tokens is not None else False)
@@ -175,6 +182,7 @@ class JaxPerturbationModel:
             elif batch.n < self._block:
                 x, labels = _padded(x, labels, self._block)
             yield x, jnp.asarray(labels, jnp.int32), labels.reshape(-1) >= 0
+        self._inputs_checked = True
 
     # ------------------------------------------------------------------ weights and deltas
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from normflat.backends.jax import distributed
 from normflat.backends.jax.cache import LRU
-from normflat.backends.jax.data import ADAPTER, cast_inputs, to_jax
+from normflat.backends.jax.data import ADAPTER, all_finite_arrays, cast_inputs, to_jax
 from normflat.backends.jax.ggn import GGN
 from normflat.backends.jax.hvp import Exact, Hutchinson
 from normflat.backends.jax.kernel import GroupSums, combine_stats
@@ -56,11 +56,6 @@ _CACHE = LRU(8)
 # Traced and analysed per-example programs, keyed by the model's structure.
 _TRACES = LRU(8)
 
-
-
-@jax.jit
-def _all_finite(arrays):
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays]))
 
 
 @jax.jit
@@ -229,7 +224,7 @@ class JaxSession:
         # (same pytree order as xl) and, once, the canonical weights for the report.
         device_inputs = [a for a, orig in zip(xl, jax.tree_util.tree_leaves(batch.x))
                          if isinstance(orig, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating)]
-        inputs_ok = _all_finite(device_inputs) if device_inputs else None
+        inputs_ok = all_finite_arrays(device_inputs) if device_inputs else None
         if self._weights is None:
             self._weights = _canonical_weights(self.view)
         if callable(options.loss):
