@@ -6,7 +6,7 @@ script times, interleaved, one gradient of the mean cross-entropy, normflat's
 classes, method §6.2; only the mean, so its group sums are pooled), the whole
 ``normflat.analyze`` report with the defaults (standard errors, the solver and the
 measures), the exact ``ggn``, ``ggn-mc`` with one draw and, where BackPACK runs, BackPACK's
-``DiagGGNExact``; it prints each as a multiple of the gradient (minimum over the
+``DiagGGNExact`` and ``DiagGGNMC`` (one draw); it prints each as a multiple of the gradient (minimum over the
 rounds: the machine is shared). Then it measures the accuracy of ``auto``
 against the exact ``ggn``: every layer's normalized sharpness, its relative
 error, the reported standard error and their ratio. With ``--memory`` it also
@@ -153,6 +153,7 @@ def _runs(name: str, model: nn.Module, data: Any, loss_of: Callable[[nn.Module],
         except ImportError:
             return runs
         runs["backpack"] = torch_diag_runner("backpack", model, *data)
+        runs["backpack mc"] = torch_diag_runner("backpack_mc", model, *data)
     return runs
 
 
@@ -281,9 +282,9 @@ def main(argv: list[str] | None = None) -> None:
                   f"{exact_cells} |", flush=True)
     if args.no_timing:
         args.problems = [] if args.no_accuracy else args.problems
-    print("| problem | auto | analyze | ggn (exact) | ggn-mc (1 draw) | BackPACK exact | auto per token | "
-          "gradient (s) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| problem | auto | analyze | ggn (exact) | ggn-mc (1 draw) | BackPACK exact | BackPACK MC (1 draw) | "
+          "auto per token | gradient (s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in ([] if args.no_timing else args.problems):
         runs = _synced(_runs(name, *make_problem(name, device=args.device)), args.device)
         times = {m: min(t) for m, t in time_rounds(runs, args.rounds).items()}
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
             return f"{times[method] / g:.1f}×" if method in times else "—"
 
         print(f"| {name} | {cell('auto')} | {cell('analyze')} | {cell('ggn')} | {cell('ggn-mc')} | {cell('backpack')} "
-              f"| {cell('per token')} | {g:.4f} |",
+              f"| {cell('backpack mc')} | {cell('per token')} | {g:.4f} |",
               flush=True)
     if args.no_accuracy:
         return
