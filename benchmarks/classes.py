@@ -35,6 +35,7 @@ Run::
     python -m benchmarks.classes [--rounds 5] [--problems mlp-1000 resnet18-1000] [--threads 1] [--memory]
     python -m benchmarks.classes --problems resnet18-1000 --no-timing --samples 15 --top-classes 3 --seed 1
     python -m benchmarks.classes --problems mlp-1000 resnet18-1000 --no-timing --seeds 12
+    python -m benchmarks.classes --problems resnet18-1000 --no-timing --seeds 6 --train-to 0.5
     python -m benchmarks.classes --device cuda --memory    # on a GPU: the same tables
 """
 
@@ -202,6 +203,22 @@ def lm_accuracy(model: nn.Module, data: Any, **options: Any) -> list[dict[str, A
     return rows
 
 
+def train_to(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor], target: float,
+             max_steps: int = 1000) -> tuple[int, float]:
+    """Adam (lr 1e-3) on the problem's batch until its mean loss is below ``target``; the model
+    stays in eval mode, so the function trained is the one analyzed. Returns (steps, loss)."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for step in range(max_steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_of(model)
+        if float(loss.detach()) < target:
+            break
+        loss.backward()
+        optimizer.step()
+    model.zero_grad(set_to_none=True)
+    return step, float(loss.detach())
+
+
 def _training_step(model: nn.Module, data: Any, loss_of: Callable[[nn.Module], torch.Tensor]) -> Callable[[], None]:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
@@ -257,6 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=None, help="auto's draws in the accuracy table")
     parser.add_argument("--top-classes", type=int, default=None, help="auto's exact classes in the accuracy table")
     parser.add_argument("--seed", type=int, default=0, help="auto's seed in the accuracy table")
+    parser.add_argument("--train-to", type=float, default=None, metavar="LOSS",
+                        help="accuracy table: first train each model on its batch (Adam, lr 1e-3, in eval mode, so "
+                             "the analyzed function is the trained one) until its mean loss is below LOSS")
     parser.add_argument("--seeds", type=int, default=1,
                         help="accuracy over seeds seed .. seed + seeds - 1 (a second table when more than one)")
     parser.add_argument("--device", default="cpu", help="the models' device: cpu or cuda (CUDA times wait for "
@@ -306,7 +326,13 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.problems:
         if not PROBLEMS[name][4]:
             continue  # no exact reference
-        model, data, _ = make_problem(name, device=args.device)
+        model, data, loss_of = make_problem(name, device=args.device)
+        if args.train_to is not None:
+            steps, loss = train_to(model, loss_of, args.train_to)
+            probs = torch.softmax(model(data[0]), -1).detach()
+            print(f"| {name}: trained {steps} steps to loss {loss:.3f}; per sample, median top probability "
+                  f"{float(probs.max(-1).values.median()):.2f}, median mass beyond the top two "
+                  f"{float((1 - probs.topk(2).values.sum(-1)).median()):.2f} | | | | | |")
         exact = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False)
         runs = []
         for seed in range(args.seed, args.seed + args.seeds):
