@@ -726,6 +726,26 @@ def test_deferred_logit_check_names_its_batch(small):
             nf(overflowing, [(x, y), (x * 1e6, y), (x, y)], estimator=estimator)
 
 
+def test_deferred_labels_are_checked_after_the_loop(small, monkeypatch):
+    """Labels on a CUDA device are copied without waiting and checked after the loop (the GGN of
+    (n, C) logits does not use them): the same numbers, and a later batch's bad labels get the
+    eager message naming it. Run on the CPU by deferring every tensor's labels."""
+    from normflat.backends.torch.session import TorchSession
+
+    model, x, y = small
+    eager = nf(model, [(x, y)] * 3, estimator="ggn")
+    monkeypatch.setattr(TorchSession, "_deferred_labels", staticmethod(lambda labels: isinstance(labels, torch.Tensor)))
+    deferred = nf(model, [(x, y)] * 3, estimator="ggn")
+    for name in eager:
+        torch.testing.assert_close(deferred[name], eager[name], rtol=0, atol=0)
+    bad = y.clone()
+    bad[1] = 7
+    with pytest.raises(ValueError, match=r"Batch 1: .*class indices in \[0, 2\]"):
+        nf(model, [(x, y), (x, bad), (x, y)], estimator="ggn")
+    with pytest.raises(ValueError, match=r"Batch 1: .*class indices in \[0, 2\]"):
+        nf(model, [(x, y), (x, bad), (x, y)], estimator="ggn-topk")
+
+
 def test_bad_labels(small):
     model, x, y = small
     with pytest.raises(ValueError, match=r"class indices in \[0, 2\]"):

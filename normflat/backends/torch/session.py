@@ -350,6 +350,12 @@ class TorchSession:
             if kind == "loss":
                 losses.check_loss_value(extra, bool(got[0]), index, self.options)
 
+    @staticmethod
+    def _deferred_labels(y: Any) -> bool:
+        """Whether labels are copied without waiting and checked after the loop (where the GGN
+        does not need them): a tensor on a CUDA device, whose read would wait for it."""
+        return isinstance(y, torch.Tensor) and y.device.type == "cuda"
+
     def _labels(self, batch: Batch, c: int, logits: torch.Tensor, on_device: bool = True
                 ) -> tuple[torch.Tensor | None, int | None]:
         """The checked labels on the device (``None`` unless ``on_device``: the GGN of ``(n, C)``
@@ -358,12 +364,13 @@ class TorchSession:
         tokens = int(logits.shape[1]) if logits.dim() == 3 else None
         y = batch.y
         if (not on_device and tokens is None and self.batches_seen > 0 and not callable(self.options.loss)
-                and isinstance(y, torch.Tensor) and y.device.type == "cuda"):
+                and self._deferred_labels(y)):
             # Labels that only need checking, on a CUDA device: copied to pinned host memory
             # without waiting, and checked by _run_checks after the blocking read that follows.
-            host = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)
-            host.copy_(y.detach(), non_blocking=True)
-            self._pending.append((batch.index, "labels", host, (batch, c)))
+            host = torch.empty(y.shape, dtype=y.dtype, pin_memory=y.is_cuda)
+            host.copy_(y.detach(), non_blocking=y.is_cuda)
+            # The batch kept without its inputs: they need not live until the checks.
+            self._pending.append((batch.index, "labels", host, (replace(batch, x=None, y=None), c)))
             return None, None
         ids = labels_for(batch, c, ADAPTER, self.options, tokens=tokens, shift=self.shift)
         if ids is None:  # a custom loss gets the labels as given
