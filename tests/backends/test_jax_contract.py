@@ -174,6 +174,24 @@ def test_nan_logits_and_nan_inputs_on_device():
         normflat.analyze(_pair(), (jnp.asarray(X).at[2, 1].set(jnp.nan), Y), progress=False)
 
 
+def test_deferred_labels_are_checked_after_the_loop(monkeypatch):
+    """Labels on an accelerator are copied to the host without waiting and checked after the loop
+    (the GGN of (n, C) logits does not use them): the same numbers, and a later batch's bad labels
+    get the eager message naming it. Run on the CPU by deferring every JAX array's labels."""
+    from normflat.backends.jax.session import JaxSession
+
+    data = [(jnp.asarray(X[:4]), jnp.asarray(Y[:4])), (jnp.asarray(X[4:]), jnp.asarray(Y[4:]))] * 2
+    eager = normflat.hessian_diagonal(_pair(), data, estimator="ggn", progress=False)
+    monkeypatch.setattr(JaxSession, "_deferred_labels", staticmethod(lambda y: isinstance(y, jax.Array)))
+    deferred = normflat.hessian_diagonal(_pair(), data, estimator="ggn", progress=False)
+    for name in eager:
+        np.testing.assert_array_equal(np.asarray(deferred[name]), np.asarray(eager[name]))
+    bad = list(data)
+    bad[1] = (data[1][0], data[1][1].at[1].set(3))
+    with pytest.raises(ValueError, match=r"Batch 1: .*class indices in \[0, 2\]"):
+        normflat.analyze(_pair(), bad, estimator="ggn", progress=False)
+
+
 def test_float32_logits_near_1e20_keep_their_value():
     """nsce is invariant to the logit scale: logits near 1e20 in float32 give the float64 value at scale 1.
 

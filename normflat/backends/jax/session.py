@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -179,6 +180,10 @@ class JaxSession:
         self._mesh = distributed.mesh(settings)
         self._stream = comm.rank if comm is not None else 0
         self._pending: list = []
+        # Labels on an accelerator that only need checking (the GGN of (n, C) logits does not use
+        # them): copied to the host without waiting, checked with the deferred checks.
+        self._label_checks: dict[int, Batch] = {}
+        self._updates = 0
         self.view = self.kernel = self.run = None
         self._weights = None
         self._sum_state: SumState | None = None
@@ -202,9 +207,15 @@ class JaxSession:
         n, index, options = batch.n, batch.index, self.options
         check_output_shape((n,) + self.out_shape, options, index, n)
         tokens = self.out_shape[0] if len(self.out_shape) == 2 else None
-        # JAX models have no config telling a causal LM: shift_labels=None means no shift (method §6.3).
-        labels = labels_for(batch, self.num_classes, self.adapter, options, tokens=tokens,
-                            shift=bool(options.shift_labels) if tokens is not None else False)
+        if (isinstance(self.kernel, GGN) and tokens is None and not callable(options.loss) and self._updates > 0
+                and self._deferred_labels(batch.y)):
+            batch.y.copy_to_host_async()
+            self._label_checks[index] = replace(batch, x=None)  # the inputs need not live until the checks
+            labels = None
+        else:
+            # JAX models have no config telling a causal LM: shift_labels=None means no shift (method §6.3).
+            labels = labels_for(batch, self.num_classes, self.adapter, options, tokens=tokens,
+                                shift=bool(options.shift_labels) if tokens is not None else False)
         x = cast_inputs(batch.x, self.dtype)
         xl = jax.tree_util.tree_leaves(x)
         terms = None
@@ -239,6 +250,7 @@ class JaxSession:
         for i, v in enumerate(vals):
             state.add(i, v)
         self._pending.append((index, stats, inputs_ok))
+        self._updates += 1
         if self.comm is not None:
             self._run_checks()  # every process must learn of a bad batch in this step
         return terms
@@ -327,6 +339,7 @@ class JaxSession:
         # Drop references to this model's arrays (the kernels are cached, the run is not).
         self.run = None
         self._pending = []
+        self._label_checks = {}
 
     # ------------------------------------------------------------------ preparation
 
@@ -375,6 +388,12 @@ class JaxSession:
 
     # ------------------------------------------------------------------ deferred checks
 
+    @staticmethod
+    def _deferred_labels(y: Any) -> bool:
+        """Whether labels are copied to the host without waiting and checked after the loop: a
+        JAX array on an accelerator, whose read would wait for it."""
+        return isinstance(y, jax.Array) and any(d.platform != "cpu" for d in y.devices())
+
     def _run_checks(self, extra: Any = None) -> None:
         """Evaluate the deferred value checks with one device synchronisation; raise the first failure.
 
@@ -387,6 +406,9 @@ class JaxSession:
             self._flags = [bool(f) for f in flags]
         eps = float(np.finfo(np.dtype(self.dtype)).eps)
         for (index, _, _), (stats, ok) in zip(pending, values):
+            held = self._label_checks.pop(index, None)
+            if held is not None:  # in the order of the eager checks: labels, inputs, logits
+                labels_for(held, self.num_classes, self.adapter, self.options)
             if ok is not None and not bool(ok):
                 raise non_finite_inputs(index)
             st = combine_stats(stats)
