@@ -344,17 +344,29 @@ def test_probabilities_refused(builder):
             normflat.analyze(model, builder.make_data(x, y, 3), **_kw(builder, loss=loss))
 
 
-@pytest.mark.parametrize("estimator", ["ggn", "ggn-topk", "hutchinson"])
-def test_later_batch_with_overflowing_logits(builder, estimator):
+@pytest.mark.parametrize("estimator,held", [("ggn", None), ("ggn-topk", None), ("hutchinson", None), ("ggn", 2)])
+def test_later_batch_with_overflowing_logits(builder, estimator, held, monkeypatch):
     """Finite inputs whose logits overflow in a later batch: every framework names that batch
     with the logits' message (JAX, Keras and PyTorch read the value checks of the batches after
-    the first in one go after the loop, not the "diagonal is not finite" that follows)."""
+    the first in one go after the loop, not the "diagonal is not finite" that follows); also when
+    the checks held are read during the loop (``held``: at most that many)."""
+    if held is not None:
+        session = f"normflat.backends.{FRAMEWORK[builder.NAME]}.session"
+        monkeypatch.setattr(f"{session}.PENDING_CHECKS", held)
     spec = _mlp(9)
-    x, y = netspec.data(spec, n=9, seed=10)
-    x[3:6] *= 1e6  # the 2nd batch: exp of logits of order 1e5 is infinite
+    x, y = netspec.data(spec, n=15, seed=10)
+    x[6:9] *= 1e6  # the 3rd batch: exp of logits of order 1e5 is infinite
     model = _followed_by(builder, builder.build(spec), "exp")
-    with pytest.raises(ValueError, match="Batch 1: the model's logits contain NaN or infinite"):
-        normflat.analyze(model, builder.make_data(x, y, 3), **_kw(builder, estimator=estimator))
+    batches = _batches(builder, x, y, 3)
+    data = batches
+    if held is not None:
+        def data_source():  # the checks must be read before the loop reaches the 5th batch
+            yield from batches[:4]
+            raise AssertionError("the deferred checks were not read within the loop")
+
+        data = data_source()
+    with pytest.raises(ValueError, match="Batch 2: the model's logits contain NaN or infinite"):
+        normflat.analyze(model, data, **_kw(builder, estimator=estimator))
 
 
 def test_keras_final_softmax_is_stripped(builder):

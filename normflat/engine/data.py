@@ -40,7 +40,7 @@ import numpy as np
 from normflat.engine.options import AnalysisOptions, limited
 
 __all__ = ["INFINITE", "DataAdapter", "Batch", "EmptyDataError", "batches", "labels_for", "input_leaves",
-           "LABEL_KEYS", "non_finite_inputs"]
+           "LABEL_KEYS", "non_finite_inputs", "PENDING_CHECKS"]
 
 #: Keys of a Hugging Face style mapping batch that hold the labels (the rest are inputs).
 LABEL_KEYS = ("labels", "label")
@@ -208,6 +208,12 @@ def _check_batch(x: Any, y: Any, index: int, adapter: DataAdapter) -> int:
             if adapter.kind(v) == "f" and not adapter.all_finite(v):
                 raise non_finite_inputs(index)
     return n
+
+
+#: The deferred value checks a session holds at most (each a few numbers on the device) before it
+#: reads them: a pass over a large dataset does not accumulate them, at one wait for the device per
+#: hundreds of batches.
+PENDING_CHECKS = 1024
 
 
 def non_finite_inputs(index: int) -> ValueError:

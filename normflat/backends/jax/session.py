@@ -42,7 +42,7 @@ from normflat.backends.jax.kernel import GroupSums, combine_stats
 from normflat.backends.jax.layers import canonical_shape, check_has_weights, check_layouts, make_view, to_canonical
 from normflat.backends.jax.program import trace_program
 from normflat.backends.jax.state import ModelState
-from normflat.engine.data import Batch, labels_for, non_finite_inputs
+from normflat.engine.data import PENDING_CHECKS, Batch, labels_for, non_finite_inputs
 from normflat.engine.estimators import SumState
 from normflat.engine.losses import check_logit_stats, check_loss_value, check_output_shape
 from normflat.engine.options import AnalysisOptions, resolve_estimator
@@ -251,7 +251,7 @@ class JaxSession:
             state.add(i, v)
         self._pending.append((index, stats, inputs_ok))
         self._updates += 1
-        if self.comm is not None:
+        if self.comm is not None or len(self._pending) >= PENDING_CHECKS:
             self._run_checks()  # every process must learn of a bad batch in this step
         return terms
 

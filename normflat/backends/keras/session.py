@@ -35,7 +35,7 @@ from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.core.memory import default_budget, training_step_bytes
 from normflat.engine import estimators
-from normflat.engine.data import Batch, labels_for
+from normflat.engine.data import PENDING_CHECKS, Batch, labels_for
 from normflat.engine.estimators import SumState
 from normflat.engine.losses import check_logit_stats, check_loss_value, check_output_shape, logit_stats
 from normflat.engine.options import AnalysisOptions, resolve_estimator
@@ -426,8 +426,8 @@ class KerasSession:
         else:
             self._update_ggn(x, labels, batch, state)
         self._updates += 1
-        if self.replicas is not None:
-            self._run_checks()  # every worker must learn of a bad batch in this step
+        if self.replicas is not None or len(self._pending) >= PENDING_CHECKS:
+            self._run_checks()  # distributed: every worker must learn of a bad batch in this step
         if self.tokens is None or labels is None:
             return None
         return int(np.count_nonzero(labels >= 0))  # the counted tokens (method §6.3)

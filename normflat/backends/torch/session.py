@@ -31,7 +31,7 @@ from normflat.backends.torch.layers import TorchLayer, all_finite, collect_layer
 from normflat.backends.torch.state import ModelState, claim, release
 from normflat.engine import estimators, losses
 from normflat.engine import random as nrandom
-from normflat.engine.data import Batch, labels_for, non_finite_inputs
+from normflat.engine.data import PENDING_CHECKS, Batch, labels_for, non_finite_inputs
 from normflat.engine.estimators import SumState
 from normflat.engine.options import GGN_ESTIMATORS, AnalysisOptions, resolve_estimator
 from normflat.engine.outputs import select_output
@@ -215,8 +215,8 @@ class TorchSession:
             else:
                 terms = self._hvp_update(batch, xs, state)
         self.batches_seen += 1
-        if self.comm is not None:
-            self._run_checks()  # every rank must learn of a bad batch in this step
+        if self.comm is not None or len(self._pending) >= PENDING_CHECKS:
+            self._run_checks()  # distributed: every rank must learn of a bad batch in this step
         return terms
 
     @contextlib.contextmanager
