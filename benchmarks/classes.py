@@ -36,6 +36,7 @@ Run::
     python -m benchmarks.classes --problems resnet18-1000 --no-timing --samples 15 --top-classes 3 --seed 1
     python -m benchmarks.classes --problems mlp-1000 resnet18-1000 --no-timing --seeds 12
     python -m benchmarks.classes --problems resnet18-1000 --no-timing --seeds 6 --train-to 0.5
+    python -m benchmarks.classes --problems mlp-10 3c3d-100 --no-accuracy --loader-batches 10
     python -m benchmarks.classes --device cuda --memory    # on a GPU: the same tables
 """
 
@@ -128,8 +129,8 @@ def _synced(runs: dict[str, Callable[[], Any]], device: str) -> dict[str, Callab
     return {name: synced(run) for name, run in runs.items()}
 
 
-def _runs(name: str, model: nn.Module, data: Any, loss_of: Callable[[nn.Module], torch.Tensor]
-          ) -> dict[str, Callable[[], Any]]:
+def _runs(name: str, model: nn.Module, data: Any, loss_of: Callable[[nn.Module], torch.Tensor],
+          loader_batches: int = 0) -> dict[str, Callable[[], Any]]:
     def gradient():
         model.zero_grad(set_to_none=True)
         loss_of(model).backward()
@@ -143,6 +144,12 @@ def _runs(name: str, model: nn.Module, data: Any, loss_of: Callable[[nn.Module],
     # "auto": hessian_diagonal with the defaults (only the mean: pooled group sums); "analyze":
     # the whole report with standard errors (1 + K sums for ggn-topk, the solver, the measures).
     runs = {"gradient": gradient, "auto": normflat_run(), "analyze": analyze_run}
+    if loader_batches:
+        # A loader of the same batch repeated: its time over the batches is the cost per batch
+        # once the per-call work (session, probe, checks, finalize) is shared.
+        def loader_run():
+            return normflat.hessian_diagonal(model, [data] * loader_batches, loss="ce", progress=False)
+        runs["auto per batch"] = loader_run
     if name in LANGUAGE_MODELS:
         runs["per token"] = normflat_run(sequence_signals=False)
     if PROBLEMS[name][4]:  # too slow for the ViT (999 signals through 12 blocks) and the LM
@@ -274,6 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=None, help="auto's draws in the accuracy table")
     parser.add_argument("--top-classes", type=int, default=None, help="auto's exact classes in the accuracy table")
     parser.add_argument("--seed", type=int, default=0, help="auto's seed in the accuracy table")
+    parser.add_argument("--loader-batches", type=int, default=0, metavar="N",
+                        help="also time auto on a loader of N copies of the batch, per batch (the per-call "
+                             "work shared)")
     parser.add_argument("--train-to", type=float, default=None, metavar="LOSS",
                         help="accuracy table: first train each model on its batch (Adam, lr 1e-3, in eval mode, so "
                              "the analyzed function is the trained one) until its mean loss is below LOSS")
@@ -302,18 +312,22 @@ def main(argv: list[str] | None = None) -> None:
                   f"{exact_cells} |", flush=True)
     if args.no_timing:
         args.problems = [] if args.no_accuracy else args.problems
-    print("| problem | auto | analyze | ggn (exact) | ggn-mc (1 draw) | BackPACK exact | BackPACK MC (1 draw) | "
-          "auto per token | gradient (s) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| problem | auto | auto per batch of a loader | analyze | ggn (exact) | ggn-mc (1 draw) | BackPACK exact | "
+          "BackPACK MC (1 draw) | auto per token | gradient (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in ([] if args.no_timing else args.problems):
-        runs = _synced(_runs(name, *make_problem(name, device=args.device)), args.device)
+        runs = _synced(_runs(name, *make_problem(name, device=args.device), loader_batches=args.loader_batches),
+                       args.device)
         times = {m: min(t) for m, t in time_rounds(runs, args.rounds).items()}
+        if "auto per batch" in times:
+            times["auto per batch"] /= args.loader_batches
         g = times["gradient"]
 
         def cell(method: str) -> str:
             return f"{times[method] / g:.1f}×" if method in times else "—"
 
-        print(f"| {name} | {cell('auto')} | {cell('analyze')} | {cell('ggn')} | {cell('ggn-mc')} | {cell('backpack')} "
+        print(f"| {name} | {cell('auto')} | {cell('auto per batch')} | {cell('analyze')} | {cell('ggn')} | "
+              f"{cell('ggn-mc')} | {cell('backpack')} "
               f"| {cell('backpack mc')} | {cell('per token')} | {g:.4f} |",
               flush=True)
     if args.no_accuracy:
