@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from normflat.engine.data import INFINITE, input_leaves
+from normflat.engine.data import INFINITE
 
-__all__ = ["JaxAdapter", "ADAPTER", "to_jax", "cast_inputs", "all_finite_arrays", "device_inputs_finite"]
+__all__ = ["JaxAdapter", "ADAPTER", "to_jax", "cast_inputs", "device_inputs_finite"]
 
 
 def _is_tensor_like(a: Any) -> bool:
@@ -125,15 +125,24 @@ def cast_inputs(x: Any, dtype: Any) -> Any:
 
 
 @jax.jit
-def all_finite_arrays(arrays):
+def _all_finite_arrays(arrays):
     """Whether every array of a non-empty list is finite, as one device boolean (compiled once per
     list of shapes)."""
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays]))
 
 
-def device_inputs_finite(x: Any) -> Any:
+def device_inputs_finite(x: Any, cast: Any = None) -> Any:
     """Whether the floating JAX arrays among the inputs ``x`` (those :meth:`JaxAdapter.all_finite`
     leaves to the caller) are all finite, as a device boolean, without waiting for it (``None``
-    if there are none)."""
-    arrays = [a for a in input_leaves(x) if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating)]
-    return all_finite_arrays(arrays) if arrays else None
+    if there are none).
+
+    Args:
+        x: The batch's inputs as given.
+        cast: The same inputs cast to the analysis dtype (:func:`cast_inputs`), whose arrays are
+            then the ones checked (a float64 input beyond the float32 range is infinite there).
+    """
+    given = jax.tree_util.tree_leaves(x)
+    checked = given if cast is None else jax.tree_util.tree_leaves(cast)
+    arrays = [a for a, orig in zip(checked, given)
+              if isinstance(orig, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating)]
+    return _all_finite_arrays(arrays) if arrays else None

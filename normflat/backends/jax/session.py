@@ -35,7 +35,7 @@ import numpy as np
 
 from normflat.backends.jax import distributed
 from normflat.backends.jax.cache import LRU
-from normflat.backends.jax.data import ADAPTER, all_finite_arrays, cast_inputs, to_jax
+from normflat.backends.jax.data import ADAPTER, cast_inputs, device_inputs_finite, to_jax
 from normflat.backends.jax.ggn import GGN
 from normflat.backends.jax.hvp import Exact, Hutchinson
 from normflat.backends.jax.kernel import GroupSums, combine_stats
@@ -232,10 +232,8 @@ class JaxSession:
             y = jnp.asarray(labels, dtype=jnp.int32)
         vals, stats = self.kernel.batch(self.run, xl, y, n, batch.offset)
         # Dispatched after the kernel, so that they do not delay its start: the input check
-        # (same pytree order as xl) and, once, the canonical weights for the report.
-        device_inputs = [a for a, orig in zip(xl, jax.tree_util.tree_leaves(batch.x))
-                         if isinstance(orig, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating)]
-        inputs_ok = all_finite_arrays(device_inputs) if device_inputs else None
+        # (of the cast arrays) and, once, the canonical weights for the report.
+        inputs_ok = device_inputs_finite(batch.x, cast=x)
         if self._weights is None:
             self._weights = _canonical_weights(self.view)
         if callable(options.loss):

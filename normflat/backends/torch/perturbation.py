@@ -113,6 +113,7 @@ class TorchPerturbationModel:
         self._recurrent = any(isinstance(m, nn.RNNBase) for m in self.model.modules())
         self._closed = False
         self._swappable = False  # the weights checked to be swappable by functional_call (_batches)
+        self._inputs_checked = False  # the device inputs, on the first complete pass (_batches)
 
     # ------------------------------------------------------------------ the protocol
 
@@ -294,9 +295,12 @@ class TorchPerturbationModel:
         source, _ = batches(self.data, ADAPTER, self.options)
         for batch in source:
             xs = inputs_to_model(batch.x, batch.index, self.device, self.dtype, batch.n, batch.keywords)
-            inputs_ok = deferred_inputs_finite(batch.x)  # inputs on an accelerator: the adapter left them
-            if inputs_ok is not None and not bool(inputs_ok):
-                raise non_finite_inputs(batch.index)
+            if not self._inputs_checked:
+                # Inputs on an accelerator: the adapter leaves their check to the caller. Once, on
+                # the first pass over the data (the measures make several).
+                inputs_ok = deferred_inputs_finite(batch.x)
+                if inputs_ok is not None and not bool(inputs_ok):
+                    raise non_finite_inputs(batch.index)
             if not self._swappable:
                 # Every forward swaps the weights in with functional_call: a weight also reached
                 # another way would stay unperturbed (ggn.unswapped).
@@ -306,6 +310,7 @@ class TorchPerturbationModel:
             # Labels on the host before the torch.func transforms: inside them a tensor cannot be
             # read into numpy (labels_for does), and the data contract reads numpy labels alike.
             yield dataclasses.replace(batch, y=ADAPTER.to_numpy(batch.y)), xs
+        self._inputs_checked = True
 
     def _check_swappable(self, inputs: Any, params: dict[str, torch.Tensor]) -> None:
         """Refuse parameters the model reaches without their module attribute (they would not be
