@@ -352,6 +352,33 @@ def test_nnx_token_lm_tied_embedding_nsce_ignore_index():
     check(diag, ref_ggn(model, ids, y, "nsce"), expected)
 
 
+class NnxSharedKernel(nnx.Module):
+    """Two ``nnx.Linear`` holding one kernel variable (``second.kernel = first.kernel``)."""
+
+    def __init__(self, rngs):
+        self.first = nnx.Linear(4, 4, param_dtype=F64, rngs=rngs)
+        self.second = nnx.Linear(4, 4, param_dtype=F64, rngs=rngs)
+        self.second.kernel = self.first.kernel
+        self.head = nnx.Linear(4, 3, param_dtype=F64, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(self.second(jnp.tanh(self.first(x)))))
+
+
+def test_nnx_kernel_shared_between_two_modules():
+    """A variable shared by two modules is one parameter leaf, under its first path: one problem, no
+    ``shared_with`` (there is no second name), the generic path naming both uses, the diagonal
+    covering both (method §6.1 "Embeddings")."""
+    model = NnxSharedKernel(nnx.Rngs(7))
+    x, y = jnp.asarray(RNG.normal(size=(6, 4))), np.array([0, 1, 2, 2, 1, 0])
+    report = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert [layer.name for layer in report.layers] == ["first", "head"]
+    first = report.layer("first").details
+    assert first["path"] == "generic" and "used 2 times" in first["generic_reason"] and "shared_with" not in first
+    check(_hd(model, (x, y), loss="ce", estimator="ggn"), ref_ggn(model, x, y, "ce"),
+          {"first": ("first/kernel", "flax"), "head": ("head/kernel", "flax")})
+
+
 # ----------------------------------------------------------------------------- recurrent cells
 
 

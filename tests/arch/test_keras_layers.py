@@ -477,6 +477,44 @@ def tied_model(use="tied", seed=13):
     return model, x, y
 
 
+class _SharedKernelDense(L.Dense):
+    """A ``Dense`` whose kernel is another ``Dense``'s variable (a hand-tied weight, built in ``build``)."""
+
+    def __init__(self, source, **kwargs):
+        super().__init__(**kwargs)
+        self._source = lambda: source  # a function: the source layer is not tracked twice
+
+    def build(self, input_shape):
+        self._kernel = self._source()._kernel
+        self.bias = self.add_weight(shape=(self.units,), initializer="zeros", name="bias")
+        self.built = True
+
+
+@pytest.mark.parametrize("estimator", ["ggn", "exact"])
+def test_kernel_shared_between_two_layers(estimator):
+    """One variable listed by two ``Dense`` layers: one problem under the first user, ``shared_with``
+    naming the second (as in torch), the generic path (each fast rule sees one use only), and the
+    diagonal covering both uses (method §6.1 "Embeddings")."""
+    rng = _rng(21)
+    first = L.Dense(4, activation="tanh", dtype=F64, name="first")
+    inputs = keras.Input((4,))
+    h = _SharedKernelDense(first, units=4, activation="tanh", dtype=F64, name="second")(first(inputs))
+    model = keras.Model(inputs, L.Dense(3, dtype=F64, name="head")(h))
+    _randomize(model, rng)
+    x, y = rng.normal(size=(6, 4)), np.array([0, 1, 2, 2, 1, 0])
+    report = normflat.analyze(model, (x, y), loss="ce", estimator=estimator, progress=False)
+    assert [layer.name for layer in report.layers] == ["first", "head"]
+    assert report.layer("first").details["shared_with"] == ["second"]
+    assert "shared_with" not in report.layer("head").details
+    if estimator == "ggn":
+        assert report.layer("first").details["path"] == "generic"
+        assert report.layer("first").details["generic_reason"] == "weight shared between layers"
+        assert report.layer("head").details["path"] == "fast"
+    reference = ggn_reference if estimator == "ggn" else hessian_reference
+    check_against(model, x, y, {"first": ("first/kernel", _transposed), "head": ("head/kernel", _transposed)},
+                  estimator=estimator, reference=reference)
+
+
 def _shift(y):
     return np.concatenate([y[:, 1:], np.full((len(y), 1), -100)], axis=1)
 

@@ -15,7 +15,7 @@ model with its :class:`~normflat.engine.problems.ParameterStatus`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import sys
@@ -356,6 +356,8 @@ class Entry:
         attr: For a loose position table, the attribute of :attr:`layer` holding its variable,
             which the GGN step sets to the table expanded over the batch (method §6.1,
             "Position tables"); ``None`` otherwise.
+        shared_with: Report names of the other layers whose weights list this variable
+            (analyzed once, here; method §6.1 "Embeddings").
     """
 
     name: str
@@ -367,6 +369,7 @@ class Entry:
     in_size: int = 0
     pre_size: int = 0
     attr: str | None = None
+    shared_with: list[str] = field(default_factory=list)
 
     @property
     def variable(self) -> Any:
@@ -516,6 +519,7 @@ def walk(model: Any, on_unsupported: str,
     skipped = Skipped(REGISTRY)
     inventory = _Inventory()
     seen: set[int] = set()
+    by_variable: dict[int, Entry] = {}  # id of an analyzed variable -> its entry
 
     def loose(name: str, layer: Any, variables: list[Any]) -> None:
         """Variables of a layer without a registry entry: excluded, position tables, or skipped."""
@@ -581,9 +585,18 @@ def walk(model: Any, on_unsupported: str,
                     tied_reversible_reason(child) if reversible is not None and isinstance(child, reversible) else
                     f"{type(child).__name__} has no fast path (not Keras' own Dense/Conv call)")
                 for w in weights:
-                    if w.variable in inventory:  # shared with an earlier layer: analyzed there
+                    first = by_variable.get(id(w.variable))
+                    if first is not None:  # shared with an earlier layer: analyzed there, as torch does
+                        first.shared_with.append(name + w.suffix)
+                        if first.fast is not None:
+                            # Each fast rule sees its own layer's use only (the first forward's check
+                            # would find the other one too); the generic path sums every use.
+                            first.fast, first.reason = None, "weight shared between layers"
+                        continue
+                    if w.variable in inventory:  # already settled as excluded or skipped
                         continue
                     entries.append(Entry(name + w.suffix, child, w, fast, reason))
+                    by_variable[id(w.variable)] = entries[-1]
                     inventory.set(w.variable, "analyzed")
                 for v in child.weights:  # its other weights: biases by definition, or skipped
                     if v not in inventory:

@@ -275,7 +275,8 @@ class KerasSession:
         self.layers = [
             LayerSpec(e.name, e.weight.kind, e.variable.path, groups=int(e.weight.groups),
                       path="hvp" if self.hvp else ("fast" if e.fast else "generic"),
-                      reason=None if self.hvp else e.reason, extra={"layer_class": type(e.layer).__name__},
+                      reason=None if self.hvp else e.reason, shared_with=list(e.shared_with),
+                      extra={"layer_class": type(e.layer).__name__},
                       blocks=list(e.weight.blocks) if e.weight.blocks else None)
             for e in entries
         ]
