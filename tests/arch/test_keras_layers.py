@@ -74,7 +74,8 @@ def ggn_reference(model, variables, x, y, loss):
     entries not counted; ``N`` the number of counted terms.
     """
     with tf.GradientTape(persistent=True) as tape:
-        u = _normalized(model(x, training=False), loss)
+        # float64 logits (a float32 reverse projection's too: the tape's Jacobian wants one dtype)
+        u = _normalized(tf.cast(model(x, training=False), tf.float64), loss)
         u3 = u[:, None, :] if len(u.shape) == 2 else u  # (n, T, C), T = 1 for a classifier
     y2 = np.asarray(y).reshape(u3.shape[:2])
     p = tf.nn.softmax(u3).numpy()
@@ -452,7 +453,8 @@ def tied_model(use="tied", seed=13):
     """A causal LM whose head is its token embedding (``ReversibleEmbedding``, ``tie_weights=True``):
     lookup, a causal convolution over the tokens, a Dense, the reverse projection. ``use``: ``"third"``
     the table also scales the features, ``"twice"`` two reverse projections, ``"soft_cap"``
-    ``logit_soft_cap``, ``"own_call"`` a subclass with its own call, ``"untied"`` ``tie_weights=False``.
+    ``logit_soft_cap``, ``"own_call"`` a subclass with its own call, ``"untied"`` ``tie_weights=False``,
+    ``"reverse_float32"`` the reverse projection computed in float32 (``reverse_dtype``).
 
     Returns the model, ids ``(3, T)`` with padding (0, its labels ignored) and an id −1 (row V − 1),
     and next-token labels to be shifted (``shift_labels=True``).
@@ -460,7 +462,7 @@ def tied_model(use="tied", seed=13):
     rng = _rng(seed)
     cls = _OwnCallReversible if use == "own_call" else L.ReversibleEmbedding
     emb = cls(TV, TD, tie_weights=use != "untied", logit_soft_cap=3.0 if use == "soft_cap" else None, dtype=F64,
-              name="emb")
+              reverse_dtype="float32" if use == "reverse_float32" else "compute_dtype", name="emb")
     ids = keras.Input((TT,), dtype="int32")
     m = L.Conv1D(TD, 2, padding="causal", activation="tanh", dtype=F64, name="mix")(emb(ids))
     h = L.Dense(TD, activation="tanh", dtype=F64, name="out")(m)
@@ -554,6 +556,27 @@ def test_tied_reversible_embedding_fast_rule():
                 np.testing.assert_allclose(np.asarray(fast[k]), np.asarray(slow[k]), rtol=RTOL, err_msg=(k, kw))
         for k in TIED_LAYERS:
             np.testing.assert_allclose(np.asarray(generic[k]), np.asarray(got[k]), rtol=RTOL, err_msg=k)
+
+
+def test_tied_reversible_embedding_with_another_reverse_dtype():
+    """A float64 model whose reverse projection runs in float32 (``reverse_dtype``): the fast rule takes
+    the head's float32 signals with the float64 table and activations, and agrees with ``fast=False``
+    and the brute force to float32's precision."""
+    model, x, y = tied_model("reverse_float32")
+    rep = normflat.analyze(model, (x, y), loss="nsce", estimator="ggn", shift_labels=True, progress=False)
+    assert rep.layer("emb").details["path"] == "fast" and rep.metadata["dtype"] == "float64"
+    fast = normflat.hessian_diagonal(model, (x, y), loss="nsce", estimator="ggn", shift_labels=True, progress=False)
+    slow = normflat.hessian_diagonal(model, (x, y), loss="nsce", estimator="ggn", shift_labels=True, progress=False,
+                                     fast=False)
+    refs = ggn_reference(model, [_layer_variable(model, path) for path, _ in TIED_LAYERS.values()], x, _shift(y),
+                         "nsce")
+    for (name, (_, canonical)), ref in zip(TIED_LAYERS.items(), refs):
+        assert np.asarray(fast[name]).dtype == np.float64
+        scale = np.abs(ref).max()
+        np.testing.assert_allclose(np.asarray(fast[name]), np.asarray(slow[name]), rtol=1e-5, atol=1e-6 * scale,
+                                   err_msg=name)
+        np.testing.assert_allclose(np.asarray(fast[name]), canonical(ref), rtol=1e-5, atol=1e-6 * scale,
+                                   err_msg=name)
 
 
 @pytest.mark.parametrize("use, reason", [
