@@ -461,8 +461,9 @@ def tied_model(use="tied", seed=13):
     """
     rng = _rng(seed)
     cls = _OwnCallReversible if use == "own_call" else L.ReversibleEmbedding
+    extra = {"reverse_dtype": "float32"} if use == "reverse_float32" else {}
     emb = cls(TV, TD, tie_weights=use != "untied", logit_soft_cap=3.0 if use == "soft_cap" else None, dtype=F64,
-              reverse_dtype="float32" if use == "reverse_float32" else "compute_dtype", name="emb")
+              name="emb", **extra)
     ids = keras.Input((TT,), dtype="int32")
     m = L.Conv1D(TD, 2, padding="causal", activation="tanh", dtype=F64, name="mix")(emb(ids))
     h = L.Dense(TD, activation="tanh", dtype=F64, name="out")(m)
