@@ -436,6 +436,34 @@ def test_option_errors(builder):
         normflat.analyze(model, builder.make_data(x, y, 3), **_kw(builder, estimator="ggn", samples=3))
     with pytest.raises(ValueError, match="tol must be a positive finite number"):
         normflat.analyze(model, builder.make_data(x, y, 3), **_kw(builder, tol=-1))
+    for flag in ("fast", "force"):  # "no" would read as true
+        with pytest.raises(TypeError, match=f"{flag} must be True or False, got 'no'"):
+            normflat.analyze(model, builder.make_data(x, y, 3), **_kw(builder, **{flag: "no"}))
+
+
+@pytest.mark.parametrize("estimator", ["ggn", "ggn-mc", "ggn-topk"])
+def test_fast_false_takes_the_generic_path_with_the_same_numbers(builder, estimator):
+    """``fast=False`` (every framework): every weight on the generic path, reason ``"fast=False"``, the
+    same diagonal as the fast rules (the same draws for the stochastic estimators). Under ``ggn-topk``
+    the dense head's fast rule is exact (method §6.1) where the generic path samples it: there the
+    fast head equals the exact ``ggn``'s."""
+    spec = _cnn(17)
+    x, y = netspec.data(spec, n=6, seed=18)
+    model = builder.build(spec)
+    kw = dict(estimator=estimator, seed=2, **({} if estimator == "ggn" else {"samples": 2}),
+              **({"top_classes": 1} if estimator == "ggn-topk" else {}))
+    report = normflat.analyze(model, builder.make_data(x, y, 4), **_kw(builder, fast=False, **kw))
+    for layer in report.layers:
+        assert (layer.details["path"], layer.details["generic_reason"]) == ("generic", "fast=False"), layer.name
+    fast = normflat.analyze(model, builder.make_data(x, y, 4), **_kw(builder, **kw))
+    assert all(layer.details["path"] == "fast" for layer in fast.layers)
+    generic = _diag(builder, model, builder.make_data(x, y, 4), fast=False, **kw)
+    got = _diag(builder, model, builder.make_data(x, y, 4), **kw)
+    if estimator == "ggn-topk":
+        exact_head = _diag(builder, model, builder.make_data(x, y, 4), estimator="ggn")[-1]
+        _assert_same(got[-1:], [exact_head], rtol=1e-10)
+        generic, got = generic[:-1], got[:-1]
+    _assert_same(generic, got, rtol=1e-10)
 
 
 # ----------------------------------------------------------------------------- metadata

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterable, Iterator, TypeVar
 
 __all__ = [
+    "check_flags",
     "ESTIMATORS",
     "GGN_ESTIMATORS",
     "LOSSES",
@@ -240,6 +241,18 @@ class AnalysisOptions:
             assert self.top_classes is not None
             return min(self.top_classes, num_classes) + draws
         return draws
+
+
+def check_flags(backend_options: dict[str, Any], names: tuple[str, ...] = ("fast", "force")) -> None:
+    """Refuse a backend option among ``names`` that is not ``True`` or ``False`` (the same message in
+    every framework: ``fast="no"`` would otherwise read as true).
+
+    Raises:
+        TypeError: Naming the option and the value.
+    """
+    for name in names:
+        if name in backend_options and not isinstance(backend_options[name], bool):
+            raise TypeError(f"{name} must be True or False, got {backend_options[name]!r}.")
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:

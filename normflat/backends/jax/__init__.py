@@ -75,6 +75,10 @@ Backend options (keyword arguments of :func:`normflat.analyze`):
     :func:`jax.distributed.initialize` with several processes, treat the data
     each process passes as its shard and combine all processes (the engine's
     protocol). ``False``: one device, this process's data only.
+``fast``
+    ``False`` takes the generic path (per-example VJPs of each weight) for every
+    weight of the GGN estimators, as in the other frameworks (for cross-checks;
+    ``details["generic_reason"]`` is ``"fast=False"``). Default ``True``.
 ``force``, ``max_exact_params``
     ``estimator="exact"`` refuses models with more than ``max_exact_params``
     (default :data:`DEFAULT_MAX_EXACT_PARAMS`) weight entries unless ``force=True``.
@@ -99,7 +103,7 @@ from normflat.backends.jax.perturbation import perturbation_model
 from normflat.backends.jax.session import JaxSession
 from normflat.core.memory import parse_memory_budget
 from normflat.engine import driver
-from normflat.engine.options import AnalysisOptions
+from normflat.engine.options import AnalysisOptions, check_flags
 from normflat.engine.registry import IGNORE, Unsupported
 
 __all__ = ["layer_problems", "hessian_diagonal", "register_layer", "registered_layers", "LayerRule", "IGNORE",
@@ -110,7 +114,7 @@ __all__ = ["layer_problems", "hessian_diagonal", "register_layer", "registered_l
 DEFAULT_MAX_EXACT_PARAMS = 20_000
 
 _OPTIONS = {"vmap": None, "state": None, "apply_kwargs": None, "layouts": None, "dtype": None,
-            "chunk_size": None, "exact_chunk": 64, "probe_chunk": 16, "force": False,
+            "chunk_size": None, "exact_chunk": 64, "probe_chunk": 16, "force": False, "fast": True,
             "max_exact_params": DEFAULT_MAX_EXACT_PARAMS, "memory_budget": None, "devices": None,
             "distributed": None}
 
@@ -145,6 +149,7 @@ def _settings(backend_options: dict) -> dict:
     if unknown:
         raise TypeError(f"Unknown option(s) {sorted(unknown)} for a JAX model; the JAX backend accepts "
                         f"{', '.join(_OPTIONS)}.")
+    check_flags(backend_options)
     s = {**_OPTIONS, **backend_options}
     for name in ("exact_chunk", "probe_chunk", "max_exact_params"):
         v = s[name]

@@ -193,10 +193,12 @@ class GGN(Kernel):
         # K' sums of M signals each (ggn: diag(p) - p p^T has rank C-1, engine.losses.ggn_factor).
         self.G = options.state_groups
         self.M = options.signals_per_group(num_classes)
-        self.taps = {t.weight: t for t in prog.taps if not t.tied}
+        # fast=False: no taps, every weight on the generic path (cross-checks, as in torch and Keras).
+        taps = self.active_taps = prog.taps if settings["fast"] else []
+        self.taps = {t.weight: t for t in taps if not t.tied}
         #: Tied tables (method §6.1 "Tied weights"): weight -> its taps, one per use.
         self.tied: dict[int, list] = {}
-        for t in prog.taps:
+        for t in taps:
             if t.tied:
                 self.tied.setdefault(t.weight, []).append(t)
         self.gen = [k for k in range(len(ws)) if k not in self.taps and k not in self.tied]
@@ -229,7 +231,8 @@ class GGN(Kernel):
             self.batch_args = (2, 3, 4, 5)
         self.paths = ["generic" if k in self.gen else "fast" for k in range(len(ws))]
         #: Why each weight without a tap takes the generic path (None for the fast ones).
-        self.reasons = [prog.reasons[k] if k in self.gen else None for k in range(len(ws))]
+        self.reasons = [None if k not in self.gen else prog.reasons[k] if settings["fast"] else "fast=False"
+                        for k in range(len(ws))]
         #: Per tied table, the signals whose per-example gradients one step of
         #: :meth:`_tied_squares` forms at once: at most what fits :data:`_TIED_ELEMENTS`, in
         #: equal steps (20 signals in steps of at most 16 go as 10 + 10, not 16 + 16 padded).
@@ -323,7 +326,7 @@ class GGN(Kernel):
         prog, taps, gen = self.prog, self.taps, self.gen
         # An added table is perturbed at its operand of the addition (Program.run), the others at their output.
         eps0 = {t.op: jnp.zeros(prog.shapes[prog.ops[t.op].ins[t.weight_pos][1] if t.added is not None
-                                            else prog.ops[t.op].outs[0]], self.dtype) for t in prog.taps}
+                                            else prog.ops[t.op].outs[0]], self.dtype) for t in self.active_taps}
 
         def fwd(eps, wg):
             w_all = list(ws)

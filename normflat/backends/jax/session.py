@@ -369,7 +369,8 @@ class JaxSession:
         key = (prog.text, tuple(str(w.dtype) for w in ws), options.estimator, options.samples,
                options.top_classes, options.per_sequence,
                options.loss if callable(options.loss) else str(options.loss), options.temperature,
-               settings["chunk_size"], settings["memory_budget"], settings["exact_chunk"], settings["probe_chunk"])
+               settings["chunk_size"], settings["memory_budget"], settings["exact_chunk"], settings["probe_chunk"],
+               settings["fast"])
         kernel = None
         cached = _CACHE.get(key)
         if cached is not None and _same_consts(cached[0], prog.consts):

@@ -88,7 +88,7 @@ from normflat.backends.keras.perturbation import perturbation_model
 from normflat.backends.keras.session import BackendConfig, KerasSession
 from normflat.core.memory import parse_memory_budget
 from normflat.engine import driver
-from normflat.engine.options import AnalysisOptions
+from normflat.engine.options import AnalysisOptions, check_flags
 from normflat.engine.registry import warn_user
 
 __all__ = [
@@ -125,6 +125,7 @@ def _config(backend_options: dict[str, Any]) -> BackendConfig:
         raise TypeError(
             f"Unknown Keras backend option(s) {unknown}; the Keras backend accepts {list(BACKEND_OPTIONS)}."
         )
+    check_flags(backend_options)
     chunk_size = backend_options.get("chunk_size")
     if "batch_size" in backend_options:
         warn_user(
@@ -152,7 +153,7 @@ def _config(backend_options: dict[str, Any]) -> BackendConfig:
     if backend_options.get("force", False):
         exact_max = math.inf
     return BackendConfig(layers=backend_options.get("layers"), chunk_size=chunk_size, memory_budget=memory_budget,
-                         max_exact_params=exact_max, fast=bool(backend_options.get("fast", True)),
+                         max_exact_params=exact_max, fast=backend_options.get("fast", True),
                          distributed=distributed)
 
 

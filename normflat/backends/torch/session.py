@@ -33,7 +33,7 @@ from normflat.engine import estimators, losses
 from normflat.engine import random as nrandom
 from normflat.engine.data import PENDING_CHECKS, Batch, labels_for, non_finite_inputs
 from normflat.engine.estimators import SumState
-from normflat.engine.options import GGN_ESTIMATORS, AnalysisOptions, resolve_estimator
+from normflat.engine.options import GGN_ESTIMATORS, AnalysisOptions, check_flags, resolve_estimator
 from normflat.engine.outputs import select_output
 
 __all__ = ["Settings", "parse_settings", "TorchSession", "BACKEND_OPTIONS", "DEFAULT_MAX_EXACT_PARAMS",
@@ -87,6 +87,7 @@ def parse_settings(backend_options: dict[str, Any]) -> Settings:
         raise TypeError(
             f"Unknown option(s) for the torch backend: {unknown}; it accepts {list(BACKEND_OPTIONS)}."
         )
+    check_flags(backend_options)
     s = Settings(**backend_options)
     for name in ("max_exact_params", "exact_chunk", "probe_chunk"):
         v = getattr(s, name)
