@@ -227,7 +227,8 @@ def _shifted(y):
 class NnxTiedLM(nnx.Module):
     """Embed, a mix over the tokens, the ``attend`` head; ``use``: ``"attend"`` only, ``"lookups"`` the
     ids reversed looked up too (two lookups and the head: three taps), ``"third"`` the table also
-    scales the features (a third use), ``"scaled"`` the head reads a scaled copy of it."""
+    scales the features (a third use), ``"scaled"`` the head reads a scaled copy of it, ``"row"`` its
+    row 0 is added to every token (a fixed row, e.g. a start token's)."""
 
     def __init__(self, rngs, use="attend"):
         self.use = use
@@ -236,6 +237,8 @@ class NnxTiedLM(nnx.Module):
 
     def __call__(self, ids):
         h = self.emb(ids)
+        if self.use == "row":
+            h = h + self.emb.embedding[0]
         if self.use == "lookups":
             h = h + 0.5 * self.emb(jnp.flip(ids, axis=-1))
         h = jnp.tanh(self.mix(h + h.mean(axis=-2, keepdims=True)))
@@ -365,10 +368,11 @@ def test_tied_table_signals_in_steps(monkeypatch):
 @pytest.mark.parametrize("use, reason", [
     ("third", "used 3 times in the forward pass (gather, reduce_sum, dot_general): a tied table is fast only"),
     ("scaled", "used 2 times in the forward pass (gather, mul): a tied table is fast only"),
+    ("row", "used 3 times in the forward pass (gather, add, dot_general): a tied table is fast only"),
 ])
 def test_tied_table_used_otherwise_stays_generic_and_exact(use, reason):
-    """A table the forward also reads another way (a third use), or changes before the head reads it,
-    has per-example gradients that are not the sum of a lookup's and a product's: the generic path,
+    """A table the forward also reads another way (a third use, a fixed row added), or changes before
+    the head reads it, has per-example gradients that are not the sum of a lookup's and a product's: the generic path,
     with its reason, and the brute-force numbers."""
     model, ref, layers = _tied("nnx", use=use)
     data = (TIED_IDS, jnp.asarray(TIED_LABELS))

@@ -612,11 +612,13 @@ def _generic_reason(prog: Program, ends: list) -> str:
         return "not used by the forward pass"
     if len(names) > 1:
         listed = ", ".join(names)
-        if any(n in _TABLE_ADD for n in names):
-            return f"also used outside its addition to the activations ({len(names)} uses: {listed})"
+        # A table that is looked up is a tied table gone wrong (also a fixed row of it added), not a
+        # position table read twice: say what a tied table may do.
         if any(n in _LOOKUP_PRIMS for n in names):
             return (f"used {len(names)} times in the forward pass ({listed}): a tied table is fast only when "
                     "every use is a row lookup or a product with the activations (dot_general)")
+        if any(n in _TABLE_ADD for n in names):
+            return f"also used outside its addition to the activations ({len(names)} uses: {listed})"
         return f"used {len(names)} times in the forward pass ({listed}): no fast rule for a weight used twice"
     return f"its use in the forward pass ({names[0]}) has no fast rule"
 
