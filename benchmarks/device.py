@@ -16,7 +16,10 @@ checks, then times:
    CUDA device with the batch on it (the value checks of every batch after the first are read
    after the loop, the labels copied to pinned memory without waiting); a CPU dry run counts
    the data contract's checks of the inputs and labels, host tensors there;
-3. **JAX** (when installed): the MLP's ``ggn`` on JAX's default device against its CPU;
+3. **JAX** and **Keras** (TensorFlow backend), when installed: every estimator in float32 on
+   the framework's default device (its GPU) against float64 (JAX: on its CPU, ``dtype="float64"``;
+   Keras: a float64 copy of a CNN with BatchNormalization and max-pooling), and that the
+   diagonals stay on the device;
 4. the ratio tables of ``benchmarks/torch_diag.py`` (``--device``), ``benchmarks/classes.py``
    (``--device``, with ``--memory``) and ``benchmarks/jax_diag.py`` (JAX's default device).
 
@@ -152,7 +155,8 @@ def host_calls_per_batch(device: str, estimator: str = "ggn") -> dict[str, float
 
 
 def jax_check() -> str:
-    """The MLP's ``ggn`` on JAX's default device against JAX's CPU, or why it did not run."""
+    """Every estimator on the MLP, float32 on JAX's default device against float64 on its CPU (the
+    ``dtype`` option), or why it did not run."""
     try:
         import jax
         from flax import nnx
@@ -169,17 +173,74 @@ def jax_check() -> str:
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(6, 6)).astype(np.float32), rng.integers(0, 5, 6)
     default = jax.devices()[0]
-    results = {}
-    for device in (default, jax.devices("cpu")[0]):
-        with jax.default_device(device):
-            diag = normflat.hessian_diagonal(MLP(nnx.Rngs(0)), (x, y), estimator="ggn", progress=False)
-            results[device.platform] = {k: np.asarray(v) for k, v in diag.items()}
-    if default.platform == "cpu":
-        return "JAX: only a CPU device"
-    ref, got = results["cpu"], results[default.platform]
-    scale = max(float(np.abs(v).max()) for v in ref.values())
-    worst = max(float(np.abs(got[k] - ref[k]).max()) for k in ref) / scale
-    return f"JAX {jax.__version__} on {default}: ggn against its CPU, largest difference / largest entry {worst:.1e}"
+    rows = []
+    for estimator in ESTIMATORS:
+        options = {"estimator": estimator, "progress": False, **_samples(estimator)}
+        with jax.default_device(jax.devices("cpu")[0]):
+            ref = {k: np.asarray(v, np.float64) for k, v in normflat.hessian_diagonal(
+                MLP(nnx.Rngs(0)), (x, y), dtype="float64", **options).items()}
+        with jax.default_device(default):
+            got = normflat.hessian_diagonal(MLP(nnx.Rngs(0)), (x, y), **options)
+            on_device = all(d.platform == default.platform for v in got.values() for d in v.devices())
+        scale = max(float(np.abs(v).max()) for v in ref.values())
+        worst = max(float(np.abs(np.asarray(got[k], np.float64) - ref[k]).max()) for k in ref) / scale
+        rows.append(f"| mlp | {estimator} | {worst:.1e} | {'yes' if on_device else 'NO'} |")
+    head = f"JAX {jax.__version__} on {default} (float32) against float64 on its CPU:"
+    return "\n".join([head, "| model | estimator | difference | diagonal on the device |", "|---|---|---|---|", *rows])
+
+
+def _samples(estimator: str) -> dict[str, int]:
+    return {"samples": 4} if estimator in ("ggn-mc", "hutchinson") else {}
+
+
+def keras_check() -> str:
+    """Every estimator on a Keras CNN (Conv2D, BatchNormalization, max-pooling, Dense; TensorFlow
+    backend), float32 where TensorFlow places it (its GPU when it has one) against a float64 copy
+    with the same weights, or why it did not run."""
+    import os
+
+    os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")  # beside torch and JAX on one device
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    try:
+        import keras
+        import tensorflow as tf
+    except ImportError as why:
+        return f"Keras not run ({why})"
+    if keras.backend.backend() != "tensorflow":
+        return f"Keras not run (backend {keras.backend.backend()!r}, not tensorflow)"
+
+    def cnn(dtype):
+        layers = keras.layers
+        inputs = keras.Input((8, 8, 2))
+        h = layers.Conv2D(4, 3, padding="same", dtype=dtype, name="conv1")(inputs)
+        h = layers.BatchNormalization(dtype=dtype, name="bn")(h)
+        h = layers.MaxPooling2D(2, dtype=dtype)(layers.ReLU(dtype=dtype)(h))
+        h = layers.Conv2D(3, 3, dtype=dtype, name="conv2")(h)
+        h = layers.Flatten(dtype=dtype)(layers.ReLU(dtype=dtype)(h))
+        return keras.Model(inputs, layers.Dense(5, dtype=dtype, name="head")(h))
+
+    keras.utils.set_random_seed(0)
+    reference_model, model = cnn("float64"), cnn("float32")
+    rng = np.random.default_rng(2)
+    for v64, v32 in zip(reference_model.weights, model.weights):
+        value = rng.normal(size=v64.shape) * 0.5 if "variance" not in v64.path else rng.uniform(0.5, 1.5, v64.shape)
+        v64.assign(value)
+        v32.assign(value.astype(np.float32))
+    x, y = rng.normal(size=(6, 8, 8, 2)), rng.integers(0, 5, 6)
+    gpu = bool(tf.config.list_physical_devices("GPU"))
+    rows = []
+    for estimator in ESTIMATORS:
+        options = {"estimator": estimator, "progress": False, **_samples(estimator)}
+        ref = {k: np.asarray(v, np.float64) for k, v in normflat.hessian_diagonal(
+            reference_model, (x, y), **options).items()}
+        got = normflat.hessian_diagonal(model, (x.astype(np.float32), y), **options)
+        on_device = all("GPU" in getattr(v, "device", "").upper() for v in got.values()) if gpu else True
+        scale = max(float(np.abs(v).max()) for v in ref.values())
+        worst = max(float(np.abs(np.asarray(got[k], np.float64) - ref[k]).max()) for k in ref) / scale
+        rows.append(f"| cnn | {estimator} | {worst:.1e} | {'yes' if on_device else 'NO'} |")
+    head = (f"Keras {keras.__version__} / TensorFlow {tf.__version__} on {'its GPU' if gpu else 'the CPU'} "
+            "(float32) against float64:")
+    return "\n".join([head, "| model | estimator | difference | diagonal on the device |", "|---|---|---|---|", *rows])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -200,7 +261,10 @@ def main(argv: list[str] | None = None) -> None:
         calls = host_calls_per_batch(args.device, estimator)
         print(f"host round trips ({estimator}, CNN): {calls['per batch']:.0f} per batch, "
               f"{calls['two batches with the set-up']} for two batches with the set-up and the final checks")
+    print()
     print(jax_check())
+    print()
+    print(keras_check())
     print(f"(checks: {time.perf_counter() - start:.0f} s)")
     if args.no_tables:
         return
