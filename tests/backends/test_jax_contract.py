@@ -176,7 +176,8 @@ def test_nan_logits_and_nan_inputs_on_device():
 
 def test_deferred_labels_are_checked_after_the_loop(monkeypatch):
     """Labels on an accelerator are copied to the host without waiting and checked after the loop
-    (the GGN of (n, C) logits does not use them): the same numbers, and a later batch's bad labels
+    (the GGN of (n, C) logits does not use them; the Hessian-vector products' loss compares class
+    indices with the classes, so a bad one selects nothing until then): the same numbers, and a later batch's bad labels
     get the eager message naming it. Run on the CPU by deferring every JAX array's labels."""
     from normflat.backends.jax.session import JaxSession
 
@@ -190,6 +191,27 @@ def test_deferred_labels_are_checked_after_the_loop(monkeypatch):
     bad[1] = (data[1][0], data[1][1].at[1].set(3))
     with pytest.raises(ValueError, match=r"Batch 1: .*class indices in \[0, 2\]"):
         normflat.analyze(_pair(), bad, estimator="ggn", progress=False)
+    # The Hessian-vector products use the class indices on the device before the checks: the same
+    # numbers, the later batches checked after the loop, the eager message.
+    from normflat.backends.jax import session as jax_session
+    from normflat.engine.data import labels_for
+
+    for estimator in ("exact", "hutchinson"):
+        monkeypatch.undo()
+        eager = normflat.hessian_diagonal(_pair(), data, estimator=estimator, seed=1, progress=False)
+        monkeypatch.setattr(JaxSession, "_deferred_labels", staticmethod(lambda y: isinstance(y, jax.Array)))
+        checked = []
+        monkeypatch.setattr(jax_session, "labels_for", lambda batch, *a, **k: checked.append(
+            (batch.index, batch.x is None)) or labels_for(batch, *a, **k))
+        deferred = normflat.hessian_diagonal(_pair(), data, estimator=estimator, seed=1, progress=False)
+        assert checked == [(0, False), (1, True), (2, True), (3, True)], checked
+        for name in eager:
+            np.testing.assert_array_equal(np.asarray(deferred[name]), np.asarray(eager[name]))
+        for wrong in (3, -1):
+            bad = list(data)
+            bad[1] = (data[1][0], data[1][1].at[1].set(wrong))
+            with pytest.raises(ValueError, match=r"Batch 1: .*class indices in \[0, 2\]"):
+                normflat.analyze(_pair(), bad, estimator=estimator, progress=False)
 
 
 def test_float32_logits_near_1e20_keep_their_value():

@@ -728,12 +728,16 @@ def test_deferred_logit_check_names_its_batch(small):
 
 def test_deferred_labels_are_checked_after_the_loop(small, monkeypatch):
     """Labels on a CUDA device are copied without waiting and checked after the loop (the GGN of
-    (n, C) logits does not use them): the same numbers, and a later batch's bad labels get the
-    eager message naming it. Run on the CPU by deferring every tensor's labels."""
+    (n, C) logits does not use them; the Hessian-vector products' loss compares class indices with
+    the classes, so a bad one selects nothing until then): the same numbers, and a later batch's bad labels get the eager message
+    naming it. Run on the CPU by deferring every tensor's labels."""
+    from normflat.backends.torch import session as torch_session
     from normflat.backends.torch.session import TorchSession
+    from normflat.engine.data import labels_for
 
     model, x, y = small
     eager = nf(model, [(x, y)] * 3, estimator="ggn")
+    eager_exact = nf(model, [(x, y)] * 3, estimator="exact")
     monkeypatch.setattr(TorchSession, "_deferred_labels", staticmethod(lambda labels: isinstance(labels, torch.Tensor)))
     deferred = nf(model, [(x, y)] * 3, estimator="ggn")
     for name in eager:
@@ -744,6 +748,31 @@ def test_deferred_labels_are_checked_after_the_loop(small, monkeypatch):
         nf(model, [(x, y), (x, bad), (x, y)], estimator="ggn")
     with pytest.raises(ValueError, match=r"Batch 1: .*class indices in \[0, 2\]"):
         nf(model, [(x, y), (x, bad), (x, y)], estimator="ggn-topk")
+    # The Hessian-vector products use the class indices on the device before the checks: the same
+    # numbers, the eager message, never an error from inside the loss.
+    for estimator in ("exact", "hutchinson"):
+        monkeypatch.undo()
+        eager = nf(model, [(x, y)] * 3, estimator=estimator, seed=1)
+        monkeypatch.setattr(TorchSession, "_deferred_labels",
+                            staticmethod(lambda labels: isinstance(labels, torch.Tensor)))
+        checked = []
+        monkeypatch.setattr(torch_session, "labels_for",
+                            lambda batch, *a, **k: checked.append((batch.index, batch.x is None))
+                            or labels_for(batch, *a, **k))
+        deferred = nf(model, [(x, y)] * 3, estimator=estimator, seed=1)
+        # the first batch at once, the later ones after the loop (kept without their inputs)
+        assert checked == [(0, False), (1, True), (2, True)], checked
+        for name in eager:
+            torch.testing.assert_close(deferred[name], eager[name], rtol=0, atol=0)
+        for wrong in (7, -1):
+            bad = y.clone()
+            bad[1] = wrong
+            with pytest.raises(ValueError, match=r"Batch 1: .*class indices in \[0, 2\]"):
+                nf(model, [(x, y), (x, bad), (x, y)], estimator=estimator)
+    # One-hot rows on the device are converted by the data contract on the host, as before.
+    onehot = nf(model, [(x, y), (x, F.one_hot(y, 3)), (x, y)], estimator="exact")
+    for name in onehot:
+        torch.testing.assert_close(onehot[name], eager_exact[name], rtol=1e-12, atol=0)
 
 
 def test_bad_labels(small):

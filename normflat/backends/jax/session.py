@@ -207,8 +207,14 @@ class JaxSession:
         n, index, options = batch.n, batch.index, self.options
         check_output_shape((n,) + self.out_shape, options, index, n)
         tokens = self.out_shape[0] if len(self.out_shape) == 2 else None
-        if (isinstance(self.kernel, GGN) and tokens is None and not callable(options.loss) and self._updates > 0
-                and self._deferred_labels(batch.y)):
+        deferred = (tokens is None and not callable(options.loss) and self._updates > 0
+                    and self._deferred_labels(batch.y))
+        # The Hessian-vector products use class indices (n,) on the device before the checks: their
+        # loss compares them with the classes, so a bad one selects nothing until the checks refuse
+        # it (other forms, one-hot rows, are converted by the data contract on the host).
+        indices = deferred and not isinstance(self.kernel, GGN) and tuple(batch.y.shape) == (n,) and bool(
+            jnp.issubdtype(batch.y.dtype, jnp.integer))
+        if deferred and (isinstance(self.kernel, GGN) or indices):
             batch.y.copy_to_host_async()
             self._label_checks[index] = replace(batch, x=None)  # the inputs need not live until the checks
             labels = None
@@ -228,6 +234,8 @@ class JaxSession:
             y = jnp.asarray(labels >= 0, dtype=self.dtype) if tokens is not None else None
         elif callable(options.loss):
             y = to_jax(batch.y)  # the custom loss receives y as given
+        elif labels is None:  # deferred class indices, on the device
+            y = batch.y.astype(jnp.int32)
         else:
             y = jnp.asarray(labels, dtype=jnp.int32)
         vals, stats = self.kernel.batch(self.run, xl, y, n, batch.offset)

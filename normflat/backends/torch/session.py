@@ -353,8 +353,9 @@ class TorchSession:
 
     @staticmethod
     def _deferred_labels(y: Any) -> bool:
-        """Whether labels are copied without waiting and checked after the loop (where the GGN
-        does not need them): a tensor on a CUDA device, whose read would wait for it."""
+        """Whether labels are copied without waiting and checked after the loop (the GGN of
+        ``(n, C)`` logits does not need them; the Hessian-vector products' loss takes any class
+        indices ``(n,)`` safely): a tensor on a CUDA device, whose read would wait for it."""
         return isinstance(y, torch.Tensor) and y.device.type == "cuda"
 
     def _labels(self, batch: Batch, c: int, logits: torch.Tensor, on_device: bool = True
@@ -364,15 +365,25 @@ class TorchSession:
         ``None``."""
         tokens = int(logits.shape[1]) if logits.dim() == 3 else None
         y = batch.y
-        if (not on_device and tokens is None and self.batches_seen > 0 and not callable(self.options.loss)
-                and self._deferred_labels(y)):
-            # Labels that only need checking, on a CUDA device: copied to pinned host memory
-            # without waiting, and checked by _run_checks after the blocking read that follows.
+        deferred = (tokens is None and self.batches_seen > 0 and not callable(self.options.loss)
+                    and self._deferred_labels(y))
+        # Class indices (n,) that the loss uses on the device (exact, hutchinson) are deferred too:
+        # the built-in loss compares them with the classes (engine.losses.one_hot, no gather), so
+        # an index out of range selects nothing there, never a device assert, and fails the checks
+        # after the loop with the eager message (those numbers are never returned). One-hot and
+        # other forms are converted by the data contract on the host.
+        indices = (tuple(y.shape) == (logits.shape[0],) and not y.is_floating_point() and not y.is_complex()
+                   and y.dtype != torch.bool) if deferred else False
+        if deferred and (not on_device or indices):
+            # Copied to pinned host memory without waiting, checked by _run_checks after the
+            # blocking read that follows.
             host = torch.empty(y.shape, dtype=y.dtype, pin_memory=y.is_cuda)
             host.copy_(y.detach(), non_blocking=y.is_cuda)
             # The batch kept without its inputs: they need not live until the checks.
             self._pending.append((batch.index, "labels", host, (replace(batch, x=None, y=None), c)))
-            return None, None
+            if not on_device:
+                return None, None
+            return y.detach().to(self.device, torch.long), None
         ids = labels_for(batch, c, ADAPTER, self.options, tokens=tokens, shift=self.shift)
         if ids is None:  # a custom loss gets the labels as given
             return to_model(batch.y, "labels", batch.index, self.device, None), None
