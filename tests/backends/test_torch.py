@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import normflat  # noqa: E402
 from normflat.backends import torch as tb  # noqa: E402
+from normflat.backends.torch.session import TorchSession  # noqa: E402
 from normflat.backends.torch import ggn as ggn_kernels  # noqa: E402
 from normflat.engine.options import NSCE_EPS  # noqa: E402
 
@@ -964,6 +965,65 @@ def test_memory_budget_chooses_the_chunk_size():
         nf(model, (x, y), estimator="ggn", memory_budget=100)
     with pytest.raises(ValueError, match="not both"):
         nf(model, (x, y), estimator="ggn", memory_budget="1MB", chunk_size=2)
+
+
+def _signal_steps(monkeypatch):
+    """Record the signal blocks the fast and generic paths receive (their signals per sample)."""
+    seen = []
+    fast, generic = TorchSession._fast_squares, TorchSession._generic_squares
+
+    def fast_spy(self, logits, block, *rest):
+        seen.append(int(block[0].shape[0]) * int(block[0].shape[1]))
+        return fast(self, logits, block, *rest)
+
+    def generic_spy(self, xc, block, *rest):
+        seen.append(int(block[0].shape[0]) * int(block[0].shape[1]))
+        return generic(self, xc, block, *rest)
+
+    monkeypatch.setattr(TorchSession, "_fast_squares", fast_spy)
+    monkeypatch.setattr(TorchSession, "_generic_squares", generic_spy)
+    return seen
+
+
+@pytest.mark.parametrize("case", ["structured-head", "at-the-logits", "generic", "topk-groups", "default-budget"])
+def test_one_samples_signals_in_steps_when_they_exceed_the_memory(case, monkeypatch):
+    """When one sample's signals alone exceed the memory (the exact ggn with many classes), they are
+    back-propagated a few at a time: every block within the budget, the same numbers as all at once
+    and as the brute-force GGN; the groups of ggn-topk kept apart; an error only if one signal of
+    every group does not fit."""
+    from normflat.engine.options import validate_options
+
+    torch.manual_seed(1)
+    classes = 130 if case in ("structured-head", "topk-groups", "default-budget") else 20
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(12, 6), nn.Tanh(),
+                          nn.Linear(6, classes)).to(DT).eval()
+    x, y = torch.randn(5, 2, 4, 4, dtype=DT), torch.randint(0, classes, (5,))
+    options = {"loss": "ce", **({"fast": False} if case == "generic" else {})}
+    if case == "topk-groups":
+        validated = validate_options(loss="ce", estimator="ggn-topk", top_classes=2, samples=60, progress=False)
+        want, _ = tb.layer_problems(model, (x, y), validated, chunk_size=5)
+        seen = _signal_steps(monkeypatch)
+        got, _ = tb.layer_problems(model, (x, y), validated, memory_budget=60_000)
+        for a, b in zip(got, want):  # every group's sums, not only their mean
+            torch.testing.assert_close(torch.as_tensor(a.hessian_diag_samples), torch.as_tensor(b.hessian_diag_samples),
+                                       rtol=1e-10, atol=1e-15)
+        assert len(seen) > 5 and max(seen) < 6 * 60, seen  # (1 + K) · M signals per sample, in steps
+        return
+    whole = nf(model, (x, y), estimator="ggn", chunk_size=5, **options)
+    seen = _signal_steps(monkeypatch)
+    if case == "default-budget":  # the default budget (twice a training step) too small for one sample
+        import normflat.core.memory as memory
+
+        monkeypatch.setattr(memory, "default_budget", lambda step, state: 60_000)
+        got = nf(model, (x, y), estimator="ggn", **options)
+    else:
+        budget = 60_000 if classes == 130 else 9_000
+        got = nf(model, (x, y), estimator="ggn", memory_budget=budget, **options)
+    assert len(seen) > 5 and max(seen) < classes - 1, seen  # one sample at a time, its signals in steps
+    assert_diag_close(got, whole, model, atol=1e-14, rtol=1e-11)
+    assert_diag_close(got, brute_ggn_diag(model, x, y), model, atol=1e-12, rtol=1e-9)
+    with pytest.raises(ValueError, match="memory_budget=.* is too small: one back-propagated GGN signal"):
+        nf(model, (x, y), estimator="ggn", memory_budget=500, **options)
 
 
 def test_chunked_first_batch_is_never_run_whole():

@@ -149,6 +149,9 @@ class TorchSession:
                 )
         self.ggn = est in GGN_ESTIMATORS
         self.chunk: int | None = self.settings.chunk_size
+        # Signals of one sample back-propagated at once when all of them exceed the memory (the
+        # exact ``ggn`` with many classes); None: all of them (_choose_chunk, _member_steps).
+        self.signal_step: int | None = None
         self.checked = False
         self._broadcast: list[TorchLayer] = []  # the layers the capture may expand (_forward)
         # The layers whose substitution (_forward) passed its first checks, and its per-sample one.
@@ -632,9 +635,20 @@ class TorchSession:
         # intermediates one signal's backward holds while it runs (about as much again; measured on
         # ViT-Tiny, whose retained signals alone under-counted its peak by a fifth).
         graph = 4 * (outs + c * tokens)
-        need = item * (per_sample * (copies * (outs + c * tokens) + weights + backward) + graph)
+        per_signal = copies * (outs + c * tokens) + weights + backward
+        need = item * (per_sample * per_signal + graph)
+        self.signal_step = None
         if self.settings.memory_budget is not None:
-            return chunk_size_for(self.settings.memory_budget, need, "the back-propagated GGN signals")
+            budget = self.settings.memory_budget
+            if need <= budget:
+                return chunk_size_for(budget, need, "the back-propagated GGN signals")
+            # One sample at a time, its signals in steps: an error only if one member of every
+            # group does not fit (as the other backends, which step through the signals too).
+            groups = self.options.state_groups
+            chunk_size_for(budget, item * (groups * per_signal + graph), "one back-propagated GGN signal" + (
+                f" of each of the {groups} groups" if groups > 1 else ""))
+            self._step_signals((budget - item * graph) // (item * per_signal), per_sample)
+            return 1
         # No budget given: about twice a training step of this model on this batch (method §9),
         # and never more signal rows at once than DEFAULT_SIGNAL_ROWS.
         params = sum(p.numel() for p in self.model.parameters())
@@ -642,8 +656,38 @@ class TorchSession:
         state = item * estimators.state_entries(self.options, [
             (layer.param.numel(), math.prod(layer.param.shape[a] for a in layer.kernel_axes()))
             for layer in self._layers])
-        by_memory = default_budget(step, state) // max(need, 1)
-        return max(1, min(by_memory, DEFAULT_SIGNAL_ROWS // per_sample))
+        budget = default_budget(step, state)
+        if need <= budget and per_sample <= DEFAULT_SIGNAL_ROWS:
+            return max(1, min(budget // need, DEFAULT_SIGNAL_ROWS // per_sample))
+        # One sample's signals alone exceed the budget (the exact ggn of a large model with many
+        # classes: C − 1 gradients of every layer output): one sample at a time, its signals in
+        # steps, so that the peak stays bounded whatever the number of classes.
+        self._step_signals(min(DEFAULT_SIGNAL_ROWS, max(budget - item * graph, 0) // (item * per_signal)),
+                           per_sample)
+        return 1
+
+    def _step_signals(self, signals: int, per_sample: int) -> None:
+        """Back-propagate about ``signals`` of one sample's ``per_sample`` signals at a time
+        (:meth:`_member_steps`; at least one member of every group)."""
+        self.signal_step = max(int(signals), self.options.state_groups)
+        if self.signal_step >= per_sample:
+            self.signal_step = None
+
+    def _member_steps(self, block: tuple[torch.Tensor, list[int]]) -> Iterator[tuple[torch.Tensor, list[int]]]:
+        """A block of :meth:`_skipped` signals ``(K', M, ...)`` in equal steps of a few members of
+        every group, at most :attr:`signal_step` signals (at least one member), each step with its
+        own zero indices: the groups' sums add up over the steps (each signal is squared on its own)."""
+        sig, zero = block
+        k, m = int(sig.shape[0]), int(sig.shape[1])
+        if self.signal_step is None or k * m <= self.signal_step:
+            yield block
+            return
+        step = max(1, self.signal_step // k)
+        step = -(-m // -(-m // step))
+        skipped = set(zero)
+        for a in range(0, m, step):
+            b = min(m, a + step)
+            yield sig[:, a:b], [g * (b - a) + j - a for g in range(k) for j in range(a, b) if g * m + j in skipped]
 
     def _first_check(self, logits: torch.Tensor, fast: list[TorchLayer]) -> None:
         """On the first forward: the fast rules need each weight used once, by its own module,
@@ -792,7 +836,8 @@ class TorchSession:
                         if head.ext.ggn_squares is ggn_kernels.transposed_linear_squares:
                             weight = weight.t()
                         factor = losses.output_factor(_XP, z, self.options, uniforms)
-                        self._fast_squares(start, self._skipped(factor.through(_XP, weight), False), fast, state)
+                        for block in self._member_steps(self._skipped(factor.through(_XP, weight), False)):
+                            self._fast_squares(start, block, fast, state)
                         fast = []
             sequence = self.options.sequence_layout(int(z.shape[1]) if z.dim() == 3 else None)
             # Each path forms the signals anew, one block at a time (the same draws, so the same
@@ -861,7 +906,7 @@ class TorchSession:
                          sequence: bool) -> Iterator[tuple[torch.Tensor, list[int]]]:
         """:meth:`_signal_blocks` as :meth:`_skipped` hands them to the kernels."""
         for sig in self._signal_blocks(z, counted, uniforms):
-            yield self._skipped(sig, sequence)
+            yield from self._member_steps(self._skipped(sig, sequence))
 
     def _skipped(self, sig: torch.Tensor, sequence: bool) -> tuple[torch.Tensor, list[int]]:
         """The signals to square, pooled if only the mean is wanted, and the flat indices
