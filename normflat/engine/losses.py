@@ -508,6 +508,13 @@ class Factor:
     vectors: list
     coefs: list
 
+    def members(self, start: int, stop: int) -> "Factor":
+        """The signals ``start .. stop - 1`` of every group: ``(K', stop - start, n)`` (a backend
+        forms and back-propagates a few members of every group at a time; each group's sums add
+        up over the slices)."""
+        return Factor(self.index[:, start:stop], self.scale[:, start:stop], self.vectors,
+                      [w[:, start:stop] for w in self.coefs])
+
     def dense(self, xp: Any) -> Any:
         """The ``(K', M, n, C)`` signals (for tests and the generic path)."""
         c = int(self.vectors[0].shape[-1])

@@ -968,7 +968,8 @@ def test_memory_budget_chooses_the_chunk_size():
 
 
 def _signal_steps(monkeypatch):
-    """Record the signal blocks the fast and generic paths receive (their signals per sample)."""
+    """Record the signal blocks formed and those the fast and generic paths receive (their signals per
+    sample)."""
     seen = []
     fast, generic = TorchSession._fast_squares, TorchSession._generic_squares
 
@@ -982,6 +983,19 @@ def _signal_steps(monkeypatch):
 
     monkeypatch.setattr(TorchSession, "_fast_squares", fast_spy)
     monkeypatch.setattr(TorchSession, "_generic_squares", generic_spy)
+    # The signals formed (at the logits, or pulled back through a head), not only those
+    # back-propagated: one sample's C − 1 signals never exist at once.
+    from normflat.engine import losses
+
+    def formed(fn):
+        def spy(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            seen.append(int(out.shape[0]) * int(out.shape[1]))
+            return out
+        return spy
+
+    for owner, name in [(losses, "output_signals"), (losses.Factor, "dense"), (losses.Factor, "through")]:
+        monkeypatch.setattr(owner, name, formed(getattr(owner, name)))
     return seen
 
 

@@ -129,6 +129,11 @@ def test_factor_is_the_signals_and_goes_through_a_head(loss, estimator, kw):
     factor = losses.output_factor(np, z, options, u)
     np.testing.assert_allclose(factor.dense(np), dense, rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(factor.through(np, weight), dense @ weight, rtol=1e-12, atol=1e-13)
+    members = int(dense.shape[1])
+    for start, stop in {(0, 1), (members // 2, members), (members - 1, members)}:  # a few members of every group
+        part = factor.members(start, stop)
+        np.testing.assert_allclose(part.dense(np), dense[:, start:stop], rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(part.through(np, weight), dense[:, start:stop] @ weight, rtol=1e-12, atol=1e-13)
 
 
 def test_factor_under_torch_and_jax():

@@ -673,21 +673,41 @@ class TorchSession:
         if self.signal_step >= per_sample:
             self.signal_step = None
 
-    def _member_steps(self, block: tuple[torch.Tensor, list[int]]) -> Iterator[tuple[torch.Tensor, list[int]]]:
-        """A block of :meth:`_skipped` signals ``(K', M, ...)`` in equal steps of a few members of
-        every group, at most :attr:`signal_step` signals (at least one member), each step with its
-        own zero indices: the groups' sums add up over the steps (each signal is squared on its own)."""
-        sig, zero = block
-        k, m = int(sig.shape[0]), int(sig.shape[1])
+    def _member_ranges(self, k: int, m: int) -> list[tuple[int, int]]:
+        """Member ranges ``[start, stop)`` of a ``(K', M)`` signal layout in equal steps of at
+        most :attr:`signal_step` signals (at least one member of every group); one range when
+        the signals are not stepped."""
         if self.signal_step is None or k * m <= self.signal_step:
-            yield block
-            return
+            return [(0, m)]
         step = max(1, self.signal_step // k)
         step = -(-m // -(-m // step))
+        return [(a, min(m, a + step)) for a in range(0, m, step)]
+
+    def _member_steps(self, block: tuple[torch.Tensor, list[int]]) -> Iterator[tuple[torch.Tensor, list[int]]]:
+        """A block of :meth:`_skipped` signals ``(K', M, ...)`` in the steps of
+        :meth:`_member_ranges`, each step with its own zero indices: the groups' sums add up over
+        the steps (each signal is squared on its own)."""
+        sig, zero = block
+        k, m = int(sig.shape[0]), int(sig.shape[1])
+        ranges = self._member_ranges(k, m)
+        if len(ranges) == 1:
+            yield block
+            return
         skipped = set(zero)
-        for a in range(0, m, step):
-            b = min(m, a + step)
+        for a, b in ranges:
             yield sig[:, a:b], [g * (b - a) + j - a for g in range(k) for j in range(a, b) if g * m + j in skipped]
+
+    def _factor_steps(self, factor: losses.Factor) -> Iterator[losses.Factor]:
+        """The members of a :class:`~normflat.engine.losses.Factor` in the steps of
+        :meth:`_member_ranges`: the dense or pulled-back signals of one step are formed only when
+        they are wanted, so that the ``C − 1`` signals of the exact ``ggn`` (``C²`` numbers a
+        sample) never exist whole."""
+        ranges = self._member_ranges(int(factor.index.shape[0]), int(factor.index.shape[1]))
+        if len(ranges) == 1:
+            yield factor
+            return
+        for a, b in ranges:
+            yield factor.members(a, b)
 
     def _first_check(self, logits: torch.Tensor, fast: list[TorchLayer]) -> None:
         """On the first forward: the fast rules need each weight used once, by its own module,
@@ -732,8 +752,12 @@ class TorchSession:
         if z.dim() == 2:
             if diagonal:
                 yield losses.diagonal_signals(_XP, z, self.options)  # (K', 1, rows, C)
-            else:
+            elif self.signal_step is None:
                 yield losses.output_signals(_XP, z, self.options, uniforms)  # (K', M, rows, C)
+            else:  # one sample's signals in steps: formed a step at a time, never (K', C − 1, 1, C) at once
+                factor = losses.output_factor(_XP, z, self.options, uniforms)
+                for members in self._factor_steps(factor):
+                    yield members.dense(_XP)  # (K', M', rows, C)
             return
         assert counted is not None
         n, t, c = z.shape
@@ -836,8 +860,9 @@ class TorchSession:
                         if head.ext.ggn_squares is ggn_kernels.transposed_linear_squares:
                             weight = weight.t()
                         factor = losses.output_factor(_XP, z, self.options, uniforms)
-                        for block in self._member_steps(self._skipped(factor.through(_XP, weight), False)):
-                            self._fast_squares(start, block, fast, state)
+                        for members in self._factor_steps(factor):
+                            for block in self._member_steps(self._skipped(members.through(_XP, weight), False)):
+                                self._fast_squares(start, block, fast, state)
                         fast = []
             sequence = self.options.sequence_layout(int(z.shape[1]) if z.dim() == 3 else None)
             # Each path forms the signals anew, one block at a time (the same draws, so the same
