@@ -57,6 +57,7 @@ gets zeros there.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -65,8 +66,9 @@ import numpy as np
 
 from normflat.backends.jax.compat import x64_enabled
 from normflat.backends.jax.kernel import Kernel, Run
-from normflat.core.memory import default_budget, training_step_bytes
-from normflat.engine.losses import diagonal_signals, output_factor, output_signals, token_signals, zero_signals
+from normflat.core.memory import chunk_size_for, default_budget, training_step_bytes
+from normflat.engine.losses import (Factor, diagonal_signals, output_factor, output_signals, token_signals,
+                                    zero_signals)
 from normflat.engine.random import sample_uniforms
 
 __all__ = ["GGN", "STRUCTURED_HEAD_CLASSES"]
@@ -146,11 +148,16 @@ def _balance(a, d):
     near 1e20 give signals near 1e-20, whose squares underflow). Scaling by a power of
     2 is exact, so the product is unchanged.
     """
+    t = _balance_scale(a, d)
+    return a * t, d / t
+
+
+def _balance_scale(a, d):
+    """The power of 2 ``t`` of :func:`_balance`."""
     ma, md = jnp.max(jnp.abs(a)), jnp.max(jnp.abs(d))
     ok = (ma > 0) & (md > 0) & jnp.isfinite(ma) & jnp.isfinite(md)
     e = jnp.round(0.5 * (jnp.log2(jnp.where(ok, md, 1)) - jnp.log2(jnp.where(ok, ma, 1))))
-    t = jnp.exp2(e).astype(a.dtype)
-    return a * t, d / t
+    return jnp.exp2(e).astype(a.dtype)
 
 
 def _only_through_input(prog, tap) -> bool:
@@ -241,42 +248,71 @@ class GGN(Kernel):
             total = self.bp * self.cols
             most = min(total, max(1, _TIED_ELEMENTS // max(1, int(np.prod(ws[k].shape)))))
             self.tied_step[k] = -(-total // -(-total // most))
-        per_example = 0
+        # Per example, in elements: ``base`` whatever the signals, ``per_signal`` for each
+        # back-propagated signal (bp·cols of them at once, or a step of them), ``sums`` the
+        # group sums a step of signals adds into.
+        base = per_signal = sums = tied_tables = 0
         for k, w in enumerate(ws):
             t = self.taps.get(k)
+            size = int(np.prod(w.shape))
             if k in self.tied:
                 # the signals at every use's output (and its activation), then one step's per-example
                 # gradients of the whole table and their squares
                 for u in self.tied[k]:
                     out_size = math.prod(prog.shapes[prog.ops[u.op].outs[0]])
                     act_size = math.prod(prog.shapes.get(prog.ops[u.op].ins[1 - u.weight_pos][1], (1,)))
-                    per_example += self.bp * self.cols * out_size + act_size
-                per_example += 2 * self.tied_step[k] * int(np.prod(w.shape))
+                    per_signal += out_size
+                    base += act_size
+                base += 2 * self.tied_step[k] * size
+                tied_tables += size
+                sums += self.bp * size
             elif k in self.heads:
                 # squared activations and one squared signal (per token) at the output
                 out_size = math.prod(prog.shapes[prog.ops[t.op].outs[0]])
                 act_size = math.prod(prog.shapes.get(prog.ops[t.op].ins[1 - t.weight_pos][1], (1,)))
-                per_example += out_size + act_size
+                base += out_size + act_size
             elif t is not None and t.squares_factor:
                 out_size = math.prod(prog.shapes[prog.ops[t.op].outs[0]])
                 act_size = math.prod(prog.shapes.get(prog.ops[t.op].ins[1 - t.weight_pos][1], (1,)))
-                per_example += self.bp * self.cols * out_size + act_size
+                per_signal += out_size
+                base += act_size
+                sums += self.bp * out_size
             elif t is not None and t.lookup is not None:
                 # the signals at the looked-up rows, their per-id sums and squares: no table-sized term
                 out_size = math.prod(prog.shapes[prog.ops[t.op].outs[0]])
-                per_example += 2 * self.bp * self.cols * out_size + self.bp * out_size
+                per_signal += 2 * out_size
+                base += self.bp * out_size
             elif t is not None and t.added is not None:
                 # the signals at the table's operand, pulled back to the rows read, and their squares
                 operand = math.prod(prog.shapes[prog.ops[t.op].ins[t.weight_pos][1]])
                 rows = math.prod(prog.table_spread(t)[1])
-                per_example += self.bp * self.cols * (operand + rows) + self.bp * rows
+                per_signal += operand + rows
+                base += self.bp * rows
             else:
-                per_example += self.bp * self.cols * int(np.prod(w.shape))
+                per_signal += size
+                sums += self.bp * size
+        signals = self.bp * self.cols
+        per_example = base + signals * per_signal
         # Per example: the signals and squared gradients counted above, plus the forward
         # intermediates kept for the VJP and one back-propagated signal per column.
-        self.need = (per_example + (1 + self.bp * self.cols) * self._activation_elements()) \
-            * jnp.dtype(self.dtype).itemsize
-        budget_block = self._budget_block(self.need, "the per-sample GGN signals")
+        activations = self._activation_elements()
+        item = jnp.dtype(self.dtype).itemsize
+        self.need = (per_example + (1 + signals) * activations) * item
+        #: Bytes of one example whose signals go ``s`` at a time (:meth:`signal_step_for`): the
+        #: group sums they add into, a tied table's per-signal gradients instead of its own steps.
+        self._step_base = (base - 2 * sum(self.tied_step[k] * int(np.prod(ws[k].shape)) for k in self.tied)
+                           + sums + activations) * item
+        self._step_signal = (per_signal + 2 * tied_tables + activations) * item
+        #: Signals of one example back-propagated at once when they do not all fit (None: all of them).
+        self.signal_step = None
+        budget = settings["memory_budget"]
+        if settings["chunk_size"] or budget is None or self.need <= budget:
+            budget_block = self._budget_block(self.need, "the per-sample GGN signals")
+        else:
+            # One example at a time, its signals in steps (as the torch and Keras backends): an
+            # error only if one signal does not fit.
+            self.signal_step = self.signal_step_for(budget, refuse=True)
+            budget_block = 1
         self.max_block = int(settings["chunk_size"] or budget_block or max(1, _GGN_BUDGET // max(per_example, 1)))
         # The layer outputs of one example (every op that uses a weight, and the logits): the
         # activations of a training step (the default budget, block_for).
@@ -304,17 +340,46 @@ class GGN(Kernel):
                      if hasattr(a, "shape") and hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.inexact))
         step = training_step_bytes(params, self.layer_outputs * int(n), item)
         state = self.G * self.weight_entries * item
-        by_memory = default_budget(step, state) // max(int(self.need), 1)
+        budget = default_budget(step, state)
+        by_memory = budget // max(int(self.need), 1)
+        if by_memory < 1:
+            # One example's signals alone exceed the budget (the exact ggn of a large model with
+            # many classes): one example at a time, its signals in steps, so that the peak stays
+            # bounded whatever the number of classes.
+            run.extras["signal_step"] = self.signal_step_for(budget)
         return max(1, min(int(by_memory), self.max_block))
+
+    def signal_step_for(self, budget: int, refuse: bool = False) -> int | None:
+        """Signals of one example back-propagated at once within ``budget`` bytes, in equal steps
+        (None: all of them fit). ``refuse``: a budget that one signal does not fit is an error
+        (the user's ``memory_budget``); otherwise one signal at a time."""
+        if refuse:
+            chunk_size_for(budget, self._step_base + self._step_signal, "one back-propagated GGN signal")
+        total = self.bp * self.cols
+        most = max(1, (int(budget) - self._step_base) // self._step_signal)
+        if most >= total:
+            return None
+        return -(-total // -(-total // most))
+
+    def variant(self, run: Run) -> dict:
+        """The signal step of this run, if any, is compiled into the chunk (:meth:`_chunk`)."""
+        step = run.extras.get("signal_step", self.signal_step)
+        return {} if step is None else {"step": int(step)}
 
     def begin(self, ws, others, mesh, *, seed, stream, weights=None) -> Run:
         run = super().begin(ws, others, mesh, seed=seed, stream=stream, weights=weights)
         run.extras["seed"], run.extras["stream"] = seed, stream
         return run
 
-    def _group_sum(self, v):
-        """``(bp·cols, ...)`` squares of the back-propagated signals -> their ``(bp, ...)`` group sums."""
-        return v.reshape((self.bp, self.cols) + v.shape[1:]).sum(axis=1)
+    def _group_sum(self, v, groups=None):
+        """Squares of back-propagated signals ``(signals, ...)`` -> their ``(bp, ...)`` group sums.
+
+        ``groups`` None: all ``bp·cols`` signals, in order. Otherwise a step of them
+        (:meth:`_per_example`), ``groups`` the group of each (a padded signal is zero).
+        """
+        if groups is None:
+            return v.reshape((self.bp, self.cols) + v.shape[1:]).sum(axis=1)
+        return jax.ops.segment_sum(v, groups, num_segments=self.bp)
 
     def _pad_groups(self, v):
         """``(bp, ...)`` group sums -> ``(G, ...)``: zeros for the groups not back-propagated."""
@@ -322,7 +387,17 @@ class GGN(Kernel):
             return v
         return jnp.concatenate([jnp.zeros((self.skip,) + v.shape[1:], v.dtype), v])
 
-    def _per_example(self, ws, others, xl, u, counted=None):
+    def _per_example(self, ws, others, xl, u, counted=None, step=None):
+        """One example's squares: per weight its ``(bp, ...)`` group sums, or what :meth:`_chunk`
+        finishes over the examples (a head's or dense tap's squared factors, a lookup's rows, a tied
+        table's signals).
+
+        ``step``: the example's ``bp·cols`` signals are back-propagated ``step`` at a time (a
+        ``lax.scan``; the forward once), their squares added into the group sums, so that one
+        example's memory is bounded however many signals it has (:meth:`signal_step_for`); the
+        signals of a step are formed as it comes (of ``(n, C)`` logits from the factor, never all
+        ``C − 1`` at once).
+        """
         prog, taps, gen = self.prog, self.taps, self.gen
         # An added table is perturbed at its operand of the addition (Program.run), the others at their output.
         eps0 = {t.op: jnp.zeros(prog.shapes[prog.ops[t.op].ins[t.weight_pos][1] if t.added is not None
@@ -337,6 +412,7 @@ class GGN(Kernel):
             return z, rec
 
         uniforms = u[None] if self.draws else None
+        total = self.bp * self.cols
         if self.structured is not None:
             # The signals start at the head's input, pulled back through the head in structured
             # form (losses.Factor): O(C·d) per example, not O(C²·d). Every other weight reaches
@@ -350,46 +426,130 @@ class GGN(Kernel):
 
             _, vjp_fn, (z, rec) = jax.vjp(fwd_input, eps0, [ws[k] for k in gen], has_aux=True)
             factor = output_factor(_XP, z.reshape(1, -1), self.options, uniforms)
-            through = factor.through(_XP, head.matrix(prog.layout_fn(taps[hk])(ws[hk])))  # (K', M, 1, D)
-            cols = head.to_activation(through.reshape(self.bp * self.cols, -1))
+            matrix = head.matrix(prog.layout_fn(taps[hk])(ws[hk]))
+
+            def signals(columns=None):
+                part = factor if columns is None else self._factor_columns(factor, *columns)
+                through = part.through(_XP, matrix)  # (K', M, 1, D), or (1, step, 1, D)
+                return head.to_activation(through.reshape(-1, through.shape[-1]))
         else:
             z, vjp_fn, rec = jax.vjp(fwd, eps0, [ws[k] for k in gen], has_aux=True)
-            if counted is None:
-                sig = output_signals(jnp, z[None], self.options, uniforms)  # (K', M, 1, C)
-            else:  # (K', M', 1, T, C): per token placed at their token, or per sequence (method §6.3)
-                sig = token_signals(jnp, z[None], self.options, counted[None], uniforms)
-            cols = sig[self.skip:].reshape((self.bp * self.cols,) + z.shape)  # the zero groups: no VJP
-        d_eps, d_wg = jax.vmap(vjp_fn)(cols)
-        out = {}
-        for j, k in enumerate(gen):
-            out[k] = self._group_sum(d_wg[j] ** 2)
+            if counted is None and step is not None:
+                factor = output_factor(_XP, z[None], self.options, uniforms)
+
+                def signals(columns=None):
+                    return self._factor_columns(factor, *columns).dense(_XP).reshape((-1,) + z.shape)
+            else:
+                if counted is None:
+                    sig = output_signals(jnp, z[None], self.options, uniforms)  # (K', M, 1, C)
+                else:  # (K', M', 1, T, C): per token placed at their token, or per sequence (method §6.3)
+                    sig = token_signals(jnp, z[None], self.options, counted[None], uniforms)
+                cols = sig[self.skip:].reshape((total,) + z.shape)  # the zero groups: no VJP
+
+                def signals(columns=None):
+                    if columns is None:
+                        return cols
+                    index, valid = columns
+                    picked = jnp.take(cols, jnp.minimum(index, total - 1), axis=0)
+                    return jnp.where(valid.reshape((-1,) + (1,) * z.ndim), picked, jnp.zeros_like(picked))
+        lookups = {k: self._lookup_segments(t, rec[t.op]) for k, t in taps.items()
+                   if t.lookup is not None and k not in self.heads}
+        if step is None:
+            d_eps, d_wg = jax.vmap(vjp_fn)(signals())
+            sums, scales = self._signal_squares(ws, rec, lookups, d_eps, d_wg)
+        else:
+            def one_step(i, scales):
+                index = i * step + jnp.arange(step)
+                valid = index < total
+                d_eps, d_wg = jax.vmap(vjp_fn)(signals((index, valid)))
+                return self._signal_squares(ws, rec, lookups, d_eps, d_wg, jnp.minimum(index // self.cols, self.bp - 1),
+                                            scales)
+
+            # The first step outside the scan: it fixes the dense taps' balancing scales and the
+            # sums' shapes; the others add into them.
+            sums, scales = one_step(0, None)
+
+            def body(acc, i):
+                part, _ = one_step(i, scales)
+                return jax.tree_util.tree_map(jnp.add, acc, part), None
+
+            sums, _ = jax.lax.scan(body, sums, jnp.arange(1, -(-total // step)))
+        out = dict(sums)
         root = self._head_signal(z, counted) if self.heads else None
         for k, uses in self.tied.items():
-            # Each use's activation (a lookup's ids) and the signals at its output: the per-example
-            # gradients are formed and summed over the uses a chunk at a time (_tied_squares).
-            out[k] = ([rec[u.op] for u in uses], [d_eps[u.op] for u in uses])
+            if step is None:
+                # Each use's activation (a lookup's ids) and the signals at its output: the per-example
+                # gradients are formed and summed over the uses a chunk at a time (_tied_squares).
+                out[k] = ([rec[u.op] for u in uses], sums[k])
         for k, t in taps.items():
-            a, d = rec.get(t.op), d_eps[t.op]
-            if t.added is not None:
-                out[k] = self._table_squares(t, d)
-            elif k in self.heads:
+            a = rec.get(t.op)
+            if k in self.heads:
                 # The sampled signals reached this tap in the same VJP at no extra cost; they are
                 # replaced by the one signal whose square is the logit-Hessian diagonal.
                 a, d = _balance(a, prog.head_pullback(t)(root))
                 out[k] = (a * a, d * d)  # (1, *out): the shared group only
             elif t.lookup is not None:
-                out[k] = self._lookup_squares(t, a, d)
+                out[k] = (lookups[k][1], sums[k])
             elif t.squares_factor:
-                a, d = _balance(a, d)
-                out[k] = (a * a, self._group_sum(d * d))
+                a = a * scales[k]
+                out[k] = (a * a, sums[k])
+        return out, z
+
+    def _signal_squares(self, ws, rec, lookups, d_eps, d_wg, groups=None, scales=None):
+        """The group sums of the squares of some back-propagated signals, per weight.
+
+        ``d_eps``, ``d_wg``: the signals at the taps and the per-signal gradients of the generic
+        weights (all ``bp·cols`` signals, or a step of them whose groups are ``groups``).
+        A dense tap's sums are of its squared signals (the squared activations are the
+        example's, :meth:`_per_example`), balanced by a power of 2 (:func:`_balance`): ``scales``
+        given (a step after the first), those of the first step. A tied table's, without
+        ``groups``: its signals at each use, squared in :meth:`_tied_squares`.
+
+        Returns:
+            ``(sums, scales)``: per weight index its sums, and the balancing scales used.
+        """
+        prog, taps = self.prog, self.taps
+        sums, used = {}, {}
+        for j, k in enumerate(self.gen):
+            sums[k] = self._group_sum(d_wg[j] ** 2, groups)
+        for k, uses in self.tied.items():
+            if groups is None:
+                sums[k] = [d_eps[u.op] for u in uses]
+            else:  # this example's gradients of the table for the step's signals, summed over the uses
+                grads = jax.vmap(self._tied_gradient(k, ws[k]), in_axes=(None, 0))(
+                    [rec[u.op] for u in uses], [d_eps[u.op] for u in uses])
+                sums[k] = self._group_sum(grads * grads, groups)
+        for k, t in taps.items():
+            if k in self.heads:
+                continue
+            a, d = rec.get(t.op), d_eps[t.op]
+            if t.added is not None:
+                sums[k] = self._table_squares(t, d, groups)
+            elif t.lookup is not None:
+                sums[k] = self._lookup_squares(lookups[k][0], d, t, groups)
+            elif t.squares_factor:
+                used[k] = _balance_scale(a, d) if scales is None else scales[k]
+                sums[k] = self._group_sum((d / used[k]) ** 2, groups)
             elif self._conv_patches_ok(t, a):
-                out[k] = self._conv_squares(t, a, d, prog.layout_fn(t)(ws[k]).shape)
+                sums[k] = self._conv_squares(t, a, d, prog.layout_fn(t)(ws[k]).shape, groups)
             else:
                 f, wp = prog.tap_fn(t), prog.layout_fn(t)(ws[k])
                 _, vjp_w = jax.vjp(lambda w_: f(a, w_), wp)
                 grads = jax.vmap(lambda dd: vjp_w(dd)[0])(d)
-                out[k] = self._group_sum(grads**2)
-        return out, z
+                sums[k] = self._group_sum(grads**2, groups)
+        return sums, used
+
+    def _factor_columns(self, factor, index, valid):
+        """The back-propagated signals ``index`` (flat ``group·cols + member`` of the groups after
+        the skipped ones) of a one-example :class:`~normflat.engine.losses.Factor`, zero where not
+        ``valid``: a ``(1, len(index), 1)`` factor, whose signals cost ``O(C)`` each."""
+        def pick(values, fill):
+            flat = jnp.broadcast_to(values, factor.index.shape)[self.skip:].reshape(-1)
+            got = jnp.take(flat, jnp.minimum(index, flat.shape[0] - 1))
+            return jnp.where(valid, got, jnp.full_like(got, fill))[None, :, None]
+
+        return Factor(pick(factor.index, -1), pick(factor.scale, 0), factor.vectors,
+                      [pick(w, 0) for w in factor.coefs])
 
     def _head_signal(self, z, counted=None):
         """``(1, *z.shape)``: each token's (or the sample's) √diag of the logit Hessian, 0 where not counted.
@@ -405,7 +565,7 @@ class GGN(Kernel):
             root = root * counted[:, None]
         return root.reshape((1,) + z.shape)
 
-    def _table_squares(self, t, d):
+    def _table_squares(self, t, d, groups=None):
         """One example's ``(bp, *rows)`` squared gradients of a table added to the activations.
 
         ``d`` ``(cols, *operand)`` are the signals at the table's operand of the addition: the
@@ -421,40 +581,60 @@ class GGN(Kernel):
             spread, shape, dtype = self.prog.table_spread(t)
             _, pull = jax.vjp(spread, jnp.zeros(shape, dtype or self.dtype))
             d = jax.vmap(lambda v: pull(v)[0])(d)
-        return self._group_sum(d * d)
+        return self._group_sum(d * d, groups)
 
-    def _lookup_squares(self, t, index_args, d):
-        """One example's squared table gradients of a lookup tap, per looked-up row (method §3, Embeddings).
+    def _lookup_segments(self, t, index_args):
+        """One example's distinct looked-up rows of a lookup tap (method §3, Embeddings).
 
-        The example's gradient of table row ``v`` for signal ``j`` is the sum of the
-        output signals ``d_j`` over the slices that read row ``v``. The rows are
-        sorted to number the distinct ids, the signals of each id summed (a segment
-        sum, so memory stays ``O(positions)`` however large the vocabulary), squared
-        and summed over the signals of each estimate group.
+        The rows are sorted to number the distinct ids, so that the signals of each id can be
+        summed (a segment sum, memory ``O(positions)`` however large the vocabulary).
 
         Returns:
-            ``(rows, squares)``: ``(P,)`` int32 table rows (the vocabulary size where a
-            slot holds no row) and their ``(bp, P, features)`` squares (the back-propagated
-            groups).
+            ``(segment, rows)``: the ``(P,)`` distinct id of each position, and the ``(P,)``
+            int32 table row of each distinct id (the vocabulary size where a slot holds no row).
         """
         lk = t.lookup
         vocab = self.prog.shapes[self.prog.ops[t.op].ins[0][1]][lk.row_axis]
         rows = self.prog.lookup_rows(t, index_args).reshape(-1)
         rows = jnp.where(rows < 0, vocab, rows)  # dropped lookups (out of range, fill mode): no row
         npos = rows.shape[0]
-        sig = jnp.moveaxis(d, 1 + lk.out_feature_axis, -1).reshape(d.shape[0], npos, -1)  # (cols, P, d)
         order = jnp.argsort(rows)
         sorted_rows = rows[order]
         first = jnp.concatenate([jnp.ones((min(npos, 1),), bool), sorted_rows[1:] != sorted_rows[:-1]])
         segment = jnp.cumsum(first) - 1  # the distinct id of each sorted position
         # each position's distinct id in the original order: the signals are summed where they lie
         position_segment = jnp.zeros((npos,), segment.dtype).at[order].set(segment)
-        sums = jax.ops.segment_sum(jnp.swapaxes(sig, 0, 1), position_segment,
-                                   num_segments=npos)  # (P, cols, d): one row per distinct id
-        squares = (sums * sums).reshape(npos, self.bp, self.cols, -1).sum(axis=2)
         seg_rows = jnp.full((npos,), vocab, jnp.int32).at[jnp.where(first, segment, npos)].set(
             sorted_rows, mode="drop")
-        return seg_rows, jnp.swapaxes(squares, 0, 1)
+        return position_segment, seg_rows
+
+    def _lookup_squares(self, segment, d, t, groups=None):
+        """One example's ``(bp, P, features)`` squared table gradients of a lookup tap, per distinct id.
+
+        The example's gradient of table row ``v`` for signal ``j`` is the sum of the output
+        signals ``d_j`` over the slices that read row ``v`` (``segment``, :meth:`_lookup_segments`):
+        summed, squared and summed over the signals of each estimate group (``groups``:
+        :meth:`_group_sum`). Never a ``(V, d)`` array.
+        """
+        npos = segment.shape[0]
+        sig = jnp.moveaxis(d, 1 + t.lookup.out_feature_axis, -1).reshape(d.shape[0], npos, -1)  # (cols, P, d)
+        sums = jax.ops.segment_sum(jnp.swapaxes(sig, 0, 1), segment, num_segments=npos)  # (P, cols, d)
+        return self._group_sum(jnp.swapaxes(sums * sums, 0, 1), groups)
+
+    def _tied_gradient(self, k, w):
+        """``gradient(records, signals)``: one example's gradient of the tied table ``w`` (weight ``k``)
+        for one signal, the sum over its uses of each use's VJP of the signal at its output."""
+        fns = [(self.prog.tap_fn(u), self.prog.layout_fn(u)) for u in self.tied[k]]
+
+        def gradient(recs, sigs):
+            g = None
+            for (f, layout), r, s in zip(fns, recs, sigs):
+                _, pull = jax.vjp(lambda w_, f=f, layout=layout, r=r: f(r, layout(w_)), w)
+                part = pull(s)[0]
+                g = part if g is None else g + part
+            return g
+
+        return gradient
 
     def _tied_squares(self, k, w, records, signals, mask):
         """``(bp, *w.shape)``: squared per-example gradients of a tied table, summed over the chunk's
@@ -476,18 +656,7 @@ class GGN(Kernel):
             signals: Per use, the ``(n, bp·cols, *output)`` signals at its output.
             mask: ``(n,)`` weights of the examples (0 for padding).
         """
-        uses = self.tied[k]
-        fns = [(self.prog.tap_fn(u), self.prog.layout_fn(u)) for u in uses]
-
-        def gradient(recs, sigs):  # one example, one signal: the sum of the uses' gradients
-            g = None
-            for (f, layout), r, s in zip(fns, recs, sigs):
-                _, pull = jax.vjp(lambda w_, f=f, layout=layout, r=r: f(r, layout(w_)), w)
-                part = pull(s)[0]
-                g = part if g is None else g + part
-            return g
-
-        per_example = jax.vmap(jax.vmap(gradient, in_axes=(None, 0)), in_axes=(0, 0))
+        per_example = jax.vmap(jax.vmap(self._tied_gradient(k, w), in_axes=(None, 0)), in_axes=(0, 0))
         total, step = self.bp * self.cols, self.tied_step[k]
         steps = -(-total // step)
         pad = steps * step - total  # zero signals: zero gradients, added to the last group
@@ -523,7 +692,7 @@ class GGN(Kernel):
                 and prm["batch_group_count"] == 1 and all(v == 1 for v in (prm["lhs_dilation"] or ()))
                 and a.shape[prm["dimension_numbers"].lhs_spec[0]] == 1)
 
-    def _conv_squares(self, t, a, d, wp_shape):
+    def _conv_squares(self, t, a, d, wp_shape, groups=None):
         """Sum over signals of squared per-example conv-kernel gradients, from input patches.
 
         The per-example gradient for signal j is ``delta_j (out, positions) @ patches
@@ -544,16 +713,16 @@ class GGN(Kernel):
         # Output order (group, signal, out, in*k) is the natural dot_general order: no transpose of
         # the largest array; squares are summed over the signals of each estimate group.
         grads = jnp.einsum("gjop,gkp->gjok", jnp.swapaxes(dm, 0, 1), pm)
-        sq = (grads * grads).reshape(g, self.bp, self.cols, out_ch // g, -1).sum(axis=2)
-        sq = jnp.swapaxes(sq, 0, 1).reshape((self.bp, out_ch, in_g, *ks))
+        sq = self._group_sum(jnp.swapaxes(grads * grads, 0, 1), groups).reshape((self.bp, out_ch, in_g, *ks))
         inv = [int(i) for i in np.argsort(dn.rhs_spec)]
         return jnp.transpose(sq, (0,) + tuple(1 + i for i in inv))
 
-    def _chunk(self, ws, others, xl, mask, u, counted=None):
+    def _chunk(self, ws, others, xl, mask, u, counted=None, step=None):
+        per_example = functools.partial(self._per_example, step=step)  # step: :meth:`variant`
         if counted is None:
-            outs, z = jax.vmap(self._per_example, in_axes=(None, None, 0, 0))(ws, others, xl, u)
+            outs, z = jax.vmap(per_example, in_axes=(None, None, 0, 0))(ws, others, xl, u)
         else:
-            outs, z = jax.vmap(self._per_example, in_axes=(None, None, 0, 0, 0))(ws, others, xl, u, counted)
+            outs, z = jax.vmap(per_example, in_axes=(None, None, 0, 0, 0))(ws, others, xl, u, counted)
 
         def masked_sum(v):
             return jnp.tensordot(mask, v, axes=1)
@@ -561,7 +730,7 @@ class GGN(Kernel):
         res = []
         for k, w in enumerate(ws):
             t = self.taps.get(k)
-            if k in self.tied:
+            if k in self.tied and step is None:  # in steps, the example's squares are summed already
                 res.append(self._pad_groups(self._tied_squares(k, w, *outs[k], mask)))
                 continue
             if t is None:

@@ -158,7 +158,8 @@ class Kernel:
         out = prog.out_refs[0] if len(prog.out_refs) == 1 else None
         out_shape = tuple(prog.shapes.get(out[1], ())) if out is not None and out[0] == "ref" else ()
         self.tokens = int(out_shape[0]) if len(out_shape) == 2 else None
-        self._sharded: dict = {}
+        # Compiled chunks other than the plain one: per (mesh or None, static variant, :meth:`variant`).
+        self._compiled: dict = {}
         self._lock = threading.Lock()
         self._jit = jax.jit(self._chunk)
 
@@ -192,20 +193,29 @@ class Kernel:
         (XLA's in-process CPU all-reduce can deadlock when several sharded
         executables are in flight on a machine with few cores.)
         """
-        if not sharded:
+        static = self.variant(run)
+        if not sharded and not static:
             return self._jit(*args)
+        key = (run.mesh if sharded else None, tuple(sorted(static.items())))
         with self._lock:
-            fn = self._sharded.get(run.mesh)
+            fn = self._compiled.get(key)
             if fn is None:
-                fn = self._sharded[run.mesh] = self._make_sharded(run.mesh, len(args))
+                chunk = functools.partial(self._chunk, **static) if static else self._chunk
+                fn = self._compiled[key] = (self._make_sharded(run.mesh, len(args), chunk) if sharded
+                                            else jax.jit(chunk))
         return fn(*args)
 
-    def _make_sharded(self, mesh, nargs: int):
+    def variant(self, run: Run) -> dict:
+        """Static keyword arguments of ``_chunk`` chosen per run (a kernel is shared by the runs of
+        one architecture, whose batches may differ); each variant is compiled once. None here."""
+        return {}
+
+    def _make_sharded(self, mesh, nargs: int, chunk):
         spec_b, spec_r = PartitionSpec("data"), PartitionSpec()
         in_specs = tuple(spec_b if i in self.batch_args else spec_r for i in range(nargs))
 
         def body(*args):
-            return jax.tree_util.tree_map(lambda a: a[None], self._chunk(*args))
+            return jax.tree_util.tree_map(lambda a: a[None], chunk(*args))
 
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=spec_b, check_vma=False))
 

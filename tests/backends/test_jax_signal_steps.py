@@ -1,0 +1,200 @@
+"""JAX backend: one example's GGN signals in steps (method §9, "Memory").
+
+When one example's signals alone exceed the memory (the exact ``ggn`` with many classes:
+``C − 1`` back-propagated signals, each with its gradients of every layer output), the
+example's signals go a few at a time through one forward (a ``lax.scan`` over steps of the
+VJP), each step's squares added into the group sums, as the torch and Keras backends do.
+Every fast tap takes its squares from a step of signals: dense squares, convolution
+patches, the structured head's pulled-back signals, the signals at the logits formed from
+the factor a step at a time, embedding lookups, a tied table, a learned position table,
+and the generic path. Checked in float64 against the same analysis with all signals at
+once (every group of ``ggn-topk`` and ``ggn-mc``, not only their mean) and against the
+brute force; a ``memory_budget`` that one signal does not fit is refused with the torch
+backend's message, and without options the default budget steps through the signals too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.builders import load_builder, require_frameworks, stored_groups
+
+require_frameworks("jax", "flax", "equinox")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import normflat  # noqa: E402
+from normflat.backends import jax as jax_backend  # noqa: E402
+from normflat.backends.jax import ggn as jax_ggn  # noqa: E402
+from normflat.backends.jax import session  # noqa: E402
+from normflat.engine import validate_options  # noqa: E402
+from tests import netspec, reference  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+
+@pytest.fixture(autouse=True)
+def fresh_kernels():
+    """Kernels are cached by program and options: each case builds and compiles its own."""
+    session._TRACES.clear()
+    session._CACHE.clear()
+    yield
+    session._TRACES.clear()
+    session._CACHE.clear()
+
+
+def _kernel():
+    """The GGN kernel of the last analysis (the caches hold one per analysis here)."""
+    kernels = [k for _, k in session._CACHE._data.values() if isinstance(k, jax_ggn.GGN)]
+    assert kernels
+    return kernels[-1]
+
+
+def _budget(run, signals):
+    """Run ``run(chunk_size=1)`` (all signals at once) and return its result and a memory budget
+    that holds one example with ``signals`` signals at a time, less than all of them need."""
+    whole = run(chunk_size=1)
+    kernel = _kernel()
+    budget = kernel._step_base + signals * kernel._step_signal
+    assert budget < kernel.need, "the case must be one whose signals do not all fit"
+    session._CACHE.clear()
+    return whole, budget
+
+
+def _stepped(run, signals):
+    """The same analysis under a budget of ``signals`` signals per step: ``(whole, stepped)``,
+    with the steps (equal, of at most ``signals``) checked to be fewer signals than the example has."""
+    whole, budget = _budget(run, signals)
+    stepped = run(memory_budget=int(budget))
+    kernel = _kernel()
+    total = kernel.bp * kernel.cols
+    step = -(-total // -(-total // signals))  # equal steps of at most that many
+    assert kernel.signal_step == step < total, (kernel.signal_step, step, total)
+    assert kernel.max_block == 1 and [key[1] for key in kernel._compiled] == [(("step", step),)]
+    return whole, stepped
+
+
+def _close(got, ref, tol=1e-10):
+    assert len(got) == len(ref)
+    for g, r in zip(got, ref):
+        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+        assert g.shape == r.shape
+        np.testing.assert_allclose(g, r, rtol=tol, atol=tol * max(1e-300, float(np.abs(r).max())))
+
+
+def _diag(model, data, **kw):
+    return [np.asarray(v) for v in normflat.hessian_diagonal(model, data, progress=False, **kw).values()]
+
+
+def _groups(model, data, options, **kw):
+    """Every group's sums (the exact ``ggn``: its one diagonal)."""
+    problems, _ = jax_backend.layer_problems(model, data, options, **kw)
+    return [p.hessian_diag if p.hessian_diag_samples is None else p.hessian_diag_samples for p in problems]
+
+
+# ----------------------------------------------------------------------------- (n, C) logits
+
+
+@pytest.mark.parametrize("case, loss, signals", [
+    ("structured-head", "ce", 7), ("structured-head", "nsce", 5), ("at-the-logits", "nsce", 4),
+    ("generic", "ce", 6)])
+def test_one_examples_signals_in_steps_equal_all_at_once_and_brute_force(case, loss, signals):
+    """Convolutions (patches) and a structured dense head at 40 classes; dense taps with the
+    signals at the logits (20 classes, formed from the factor a step at a time); every weight on
+    the generic path. Steps that do not divide the signals (the last one padded)."""
+    if case == "structured-head":
+        spec = netspec.cnn(channels=(2, 3, 4), image=6, classes=40, seed=61)
+    else:
+        spec = netspec.mlp((5, 6, 20), activation="tanh", seed=62)
+    x, y = netspec.data(spec, n=5, seed=3)
+    builder = load_builder("flax_nnx")
+    model, data = builder.build(spec), builder.make_data(x, y, 3)
+    kw = dict(loss=loss, estimator="ggn", **({"fast": False} if case == "generic" else {}))
+    whole, stepped = _stepped(lambda **extra: _diag(model, data, **kw, **extra), signals)
+    _close(stepped, whole, 1e-12)
+    _close(stepped, reference.ggn_diagonal(spec, x, y, loss), 1e-10)
+
+
+@pytest.mark.parametrize("estimator, kw", [("ggn-topk", dict(top_classes=2, samples=9)),
+                                           ("ggn-mc", dict(samples=12))])
+def test_every_group_is_kept_apart_in_steps(estimator, kw):
+    """Steps cut across the groups: every group's sums (the standard errors' input), not only
+    their mean, equal those of all signals at once."""
+    spec = netspec.cnn(channels=(2, 3, 4), image=6, classes=40, seed=63)
+    x, y = netspec.data(spec, n=4, seed=4)
+    builder = load_builder("equinox")
+    model, data = builder.build(spec), builder.make_data(x, y, 4)
+    options = validate_options(loss="ce", estimator=estimator, seed=3, progress=False, **kw)
+    whole, stepped = _stepped(lambda **extra: _groups(model, data, options, **extra), 2)
+    _close(stepped, whole, 1e-12)
+
+
+def test_memory_budget_too_small_for_one_signal_is_refused():
+    spec = netspec.cnn(channels=(2, 3, 4), image=6, classes=40, seed=61)
+    x, y = netspec.data(spec, n=3, seed=3)
+    builder = load_builder("flax_nnx")
+    model, data = builder.build(spec), builder.make_data(x, y, 3)
+    with pytest.raises(ValueError, match=r"memory_budget=500 bytes .* is too small: one back-propagated GGN "
+                                         r"signal needs \d+ bytes"):
+        _diag(model, data, estimator="ggn", memory_budget=500)
+
+
+def test_default_budget_steps_through_one_examples_signals(monkeypatch):
+    """No options: when one example's signals exceed about twice a training step, they go in steps."""
+    spec = netspec.cnn(channels=(2, 3, 4), image=6, classes=40, seed=64)
+    x, y = netspec.data(spec, n=4, seed=5)
+    builder = load_builder("flax_nnx")
+    model, data = builder.build(spec), builder.make_data(x, y, 4)
+    whole = _diag(model, data, loss="ce", estimator="ggn", chunk_size=4)
+    kernel = _kernel()
+    budget = kernel._step_base + 3 * kernel._step_signal
+    session._CACHE.clear()
+    monkeypatch.setattr(jax_ggn, "default_budget", lambda step, state: budget)
+    got = _diag(model, data, loss="ce", estimator="ggn")
+    kernel = _kernel()
+    assert kernel.signal_step is None and [key[1] for key in kernel._compiled] == [(("step", 3),)]
+    _close(got, whole, 1e-12)
+    _close(got, reference.ggn_diagonal(spec, x, y, "ce"), 1e-10)
+
+
+# ----------------------------------------------------------------------------- token logits, tables
+
+
+@pytest.mark.parametrize("name, kw", [
+    ("tokens", dict(loss="nsce", estimator="ggn", sequence_signals=False)),
+    ("tokens", dict(loss="ce", estimator="ggn-topk", top_classes=2, samples=3, seed=5)),
+    ("tied", dict(loss="ce", estimator="ggn", sequence_signals=False)),
+    ("tied", dict(loss="nsce", estimator="ggn-mc", samples=3, seed=8)),
+], ids=["tokens-per-token", "tokens-per-sequence", "tied-per-token", "tied-per-sequence"])
+def test_token_logits_lookups_and_tied_tables_in_steps(name, kw):
+    """Token logits: an embedding lookup, a convolution over the tokens, attention and a dense
+    head, or a head tied to the embedding (its per-example gradient formed a step of signals at a
+    time): every group against all signals at once and the brute force of every group."""
+    from tests.backends.test_jax_sequences import MODELS, _data, reference_estimates
+
+    make, layers, _ = MODELS[name]
+    model, options = make(), validate_options(progress=False, **kw)
+    signals = 1 if options.per_sequence else 5
+    whole, stepped = _stepped(lambda **extra: _groups(model, _data(), options, **extra), signals)
+    _close(stepped, whole, 1e-12)
+    want = reference_estimates(name, options)
+    for got, layer in zip(stepped, layers):
+        groups = want[layer] if options.groups > 1 else want[layer][0]  # the exact ggn: its one diagonal
+        _close([got], [stored_groups(groups, got.shape)], 1e-10)
+
+
+def test_position_table_in_steps():
+    """A learned position table added to the activations (its rows' squares from the signals at
+    its operand of the addition), with the brute force."""
+    from tests.arch.test_jax_embedding_fast import PATCH_Y, PATCHES, _table, _vit
+
+    model, ref, name = _vit("nnx")
+    data = (PATCHES, PATCH_Y)
+    whole, stepped = _stepped(lambda **extra: normflat.hessian_diagonal(model, data, loss="nsce", estimator="ggn",
+                                                                        progress=False, **extra), 1)
+    assert set(stepped) == set(whole)
+    for key in whole:
+        _close([stepped[key]], [whole[key]], 1e-12)
+    _close([stepped[name]], [_table(ref(*data, "nsce")[name])], 1e-10)
