@@ -25,9 +25,16 @@ attention block and one MLP block, 16 sequences of 16 tokens): ``ggn-topk`` per
 sequence (``auto`` for token logits) with the table on its fast rule (method §6.1
 "Tied weights") and on the generic path (:func:`tied_lm_figures`).
 
+``--many-classes C`` measures instead the peak memory and time of the exact ``ggn`` of
+3C3D with ``C`` classes on 8 images against a training step (the gradient and a momentum
+update), each in a fresh process after a warm-up run that compiles
+(:func:`many_classes_figures`): one example's ``C − 1`` signals go a few at a time when
+they alone exceed the default budget.
+
 Run::
 
     python -m benchmarks.jax_diag [--repeats 5] [--no-torch]
+    python -m benchmarks.jax_diag --many-classes 1000
     python -m benchmarks.jax_diag --position-table [--repeats 5]
     python -m benchmarks.jax_diag --tied-lm [--repeats 5]
 """
@@ -46,7 +53,7 @@ import normflat
 from benchmarks._common import time_interleaved  # noqa: E402
 
 __all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "make_problem", "jax_figures", "position_table_figures", "tied_lm_figures",
-           "main"]
+           "many_classes_figures", "main"]
 
 
 class _MLP(nnx.Module):
@@ -66,13 +73,13 @@ def _pool(x):
 
 
 class _C3D3(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
+    def __init__(self, rngs: nnx.Rngs, classes: int = 10):
         self.c1 = nnx.Conv(3, 64, (5, 5), padding="VALID", rngs=rngs)
         self.c2 = nnx.Conv(64, 96, (3, 3), padding="VALID", rngs=rngs)
         self.c3 = nnx.Conv(96, 128, (3, 3), padding=1, rngs=rngs)
         self.d1 = nnx.Linear(1152, 512, rngs=rngs)
         self.d2 = nnx.Linear(512, 256, rngs=rngs)
-        self.d3 = nnx.Linear(256, 10, rngs=rngs)
+        self.d3 = nnx.Linear(256, classes, rngs=rngs)
 
     def __call__(self, x):
         x = _pool(nnx.relu(self.c1(x)))
@@ -87,9 +94,9 @@ def mlp(seed: int = 0) -> nnx.Module:
     return _MLP(nnx.Rngs(seed))
 
 
-def cnn_3c3d(seed: int = 0) -> nnx.Module:
-    """DeepOBS 3C3D CIFAR-10 network, NHWC."""
-    return _C3D3(nnx.Rngs(seed))
+def cnn_3c3d(seed: int = 0, classes: int = 10) -> nnx.Module:
+    """DeepOBS 3C3D CIFAR-10 network, NHWC (``classes`` outputs)."""
+    return _C3D3(nnx.Rngs(seed), classes)
 
 
 #: name -> (model factory, input shape with batch axis, NHWC)
@@ -240,6 +247,67 @@ def tied_lm_figures(repeats: int = 5) -> dict[str, float]:
     return {"fast": fast, "generic": generic, "generic_over_fast": generic / fast}
 
 
+def _many_classes_worker(method: str, classes: int, n: int, queue) -> None:
+    """In a fresh process: peak resident memory (MiB) that two runs of ``method`` add after a
+    warm-up run (which compiles), and the seconds of one run."""
+    import gc
+    import time
+
+    from benchmarks._common import proc_status_kib, reset_peak_kib
+
+    model = cnn_3c3d(0, classes)
+    x = jax.random.normal(jax.random.key(1), (n, 32, 32, 3), jnp.float32)
+    y = jax.random.randint(jax.random.key(2), (n,), 0, classes)
+    if method == "training step":  # the gradient and a momentum update of every parameter
+        graphdef, params = nnx.split(model)
+
+        @jax.jit
+        def step(params, momentum):
+            def loss(p):
+                z = nnx.merge(graphdef, p)(x)
+                return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(z), y[:, None], axis=1))
+
+            grads = jax.grad(loss)(params)
+            momentum = jax.tree_util.tree_map(lambda m, g: 0.9 * m + g, momentum, grads)
+            return jax.tree_util.tree_map(lambda p, m: p - 1e-3 * m, params, momentum), momentum
+
+        momentum = jax.tree_util.tree_map(jnp.zeros_like, params)
+
+        def run():
+            return jax.block_until_ready(step(params, momentum))
+    else:
+        def run():
+            return jax.block_until_ready(normflat.hessian_diagonal(model, (x, y), loss="ce", estimator=method,
+                                                                   progress=False))
+    run()
+    gc.collect()
+    before = reset_peak_kib()
+    start = time.perf_counter()
+    run()
+    run()
+    seconds = (time.perf_counter() - start) / 2
+    queue.put(((proc_status_kib("VmHWM") - before) / 1024, seconds))
+
+
+def many_classes_figures(classes: int = 1000, n: int = 8) -> dict[str, tuple[float, float]]:
+    """``{method: (peak MiB, seconds)}`` of a training step and the exact ``ggn`` of 3C3D with
+    ``classes`` outputs on ``n`` images, each in a fresh process (Linux: ``/proc`` peak marks)."""
+    import multiprocessing as mp
+
+    from benchmarks._common import mmap_freed_blocks
+
+    out = {}
+    for method in ("training step", "ggn"):
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_many_classes_worker, args=(method, classes, n, queue))
+        with mmap_freed_blocks():
+            proc.start()
+        out[method] = queue.get(timeout=3600)
+        proc.join()
+    return out
+
+
 def format_side_by_side(jax_figs: dict, torch_figs: dict | None) -> str:
     """Plain-text table: JAX seconds and multiples, PyTorch multiples, and their ratio for ggn."""
     lines = []
@@ -266,7 +334,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="time a tiny ViT's position table: fast rule against the generic path")
     parser.add_argument("--tied-lm", action="store_true",
                         help="time a tiny LM's table tied to its head: fast rule against the generic path")
+    parser.add_argument("--many-classes", type=int, default=None, metavar="C",
+                        help="peak memory and time of the exact ggn of 3C3D with C classes (8 images) against a "
+                             "training step, in fresh processes")
     args = parser.parse_args(argv)
+    if args.many_classes:
+        f = many_classes_figures(args.many_classes)
+        step_mib, step_s = f["training step"]
+        ggn_mib, ggn_s = f["ggn"]
+        print(f"jax {jax.__version__}, device {jax.devices()[0]}, 3C3D with {args.many_classes} classes, 8 images")
+        print(f"  training step: peak {step_mib:.1f} MiB, {step_s:.3f} s")
+        print(f"  ggn:           peak {ggn_mib:.1f} MiB ({ggn_mib / step_mib:.2f}x a training step, at least "
+              f"32 MiB by default), {ggn_s:.2f} s")
+        return
     if args.position_table:
         f = position_table_figures(args.repeats)
         print(f"jax {jax.__version__}, device {jax.devices()[0]}, tiny ViT (batch 32, 17 tokens, d 64), ggn, "
