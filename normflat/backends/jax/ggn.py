@@ -300,8 +300,10 @@ class GGN(Kernel):
         self.need = (per_example + (1 + signals) * activations) * item
         #: Bytes of one example whose signals go ``s`` at a time (:meth:`signal_step_for`): the
         #: group sums they add into, a tied table's per-signal gradients instead of its own steps.
+        # Token logits' signals are formed whole (K', M', T, C) before they are stepped through.
+        formed = self.G * self.cols * self.tokens * num_classes if self.tokens is not None else 0
         self._step_base = (base - 2 * sum(self.tied_step[k] * int(np.prod(ws[k].shape)) for k in self.tied)
-                           + sums + activations) * item
+                           + sums + activations + formed) * item
         self._step_signal = (per_signal + 2 * tied_tables + activations) * item
         #: Signals of one example back-propagated at once when they do not all fit (None: all of them).
         self.signal_step = None
