@@ -534,3 +534,34 @@ def test_position_table_used_otherwise_stays_generic_and_exact(use, reason):
     full = ref(PATCHES, PATCH_Y, "nsce")
     assert_close(got[name], _table(full[name]))
     assert_close(got["mix"], canon(full["mix/kernel"], "flax"))
+
+
+class EqxPrior(eqx.Module):
+    """Logits that are a row of a learned table, whatever the input (class priors): the table
+    reaches the program's output through a slice only, so its one use is the output."""
+
+    patch: eqx.nn.Linear
+    pos_embed: jax.Array
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.patch = eqx.nn.Linear(P_IN, 3, key=k1, dtype=F64)
+        self.pos_embed = 0.5 * jax.random.normal(k2, (1, P_N, 3), F64)
+
+    def __call__(self, x):
+        return self.pos_embed[0, 1]
+
+
+def test_table_returned_as_the_logits_is_generic_with_its_reason_and_exact():
+    """The reason names the output (not "not used"), found through the slice, and the generic
+    path's diagonal is the brute force: every sample's softmax Hessian diagonal on the row read."""
+    model = EqxPrior(jax.random.key(8))
+    report = normflat.analyze(model, (PATCHES, PATCH_Y), estimator="ggn", progress=False)
+    details = report.layer("pos_embed").details
+    assert details["path"] == "generic", details
+    assert details["generic_reason"] == "its use in the forward pass (the output) has no fast rule", details
+    assert report.layer("patch").details["generic_reason"] == "not used by the forward pass"
+    got = _hd(model, (PATCHES, PATCH_Y), loss="ce", estimator="ggn")
+    assert_close(got["pos_embed"], _table(ref_ggn(model, PATCHES, PATCH_Y, "ce")["pos_embed"]))
+    p = jax.nn.softmax(model.pos_embed[0, 1])
+    assert_close(got["pos_embed"][:, 1], np.asarray(p * (1 - p)))  # the row read; the others 0

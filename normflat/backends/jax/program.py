@@ -461,8 +461,6 @@ def _analyse(prog: Program, n_weights: int) -> None:
     for a in prog.out_refs:
         if a[0] == "ref":
             uses[a[1]] = uses.get(a[1], 0) + 1
-            if a[1] in table:
-                ends[table[a[1]][0]].append((-1, 0, table[a[1]][1]))
     consumers: dict[int, int] = {}  # ref -> the (last) op reading it; unique where uses == 1
     for j, op in enumerate(prog.ops):
         for a in op.ins:
@@ -512,6 +510,12 @@ def _analyse(prog: Program, n_weights: int) -> None:
             # A weight combined with constants only, e.g. a regularizer: not a plain layer.
             for _, (k, _) in w_ins:
                 blocked.add(k)
+    # A weight the program returns, itself or through slices and layout ops (known only now that
+    # every op is seen): the output is one of its uses.
+    for a in prog.out_refs:
+        reached = table.get(a[1], derived.get(a[1])) if a[0] == "ref" else None
+        if reached is not None:
+            ends[reached[0]].append((-1, 0, reached[1]))
     for k, cands in candidates.items():
         if k in blocked:
             continue
