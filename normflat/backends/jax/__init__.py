@@ -60,12 +60,16 @@ Backend options (keyword arguments of :func:`normflat.analyze`):
     :data:`~normflat.core.memory.DEFAULT_BUDGET_FLOOR` (32 MiB), and never more
     examples than an internal bound of 2²⁶ per-example intermediate elements; the
     same rule as the torch backend. ``metadata["chunk_size"]`` is the chunk used.
+    One example whose signals alone exceed the bound is a chunk of one, its
+    signals back-propagated a few at a time (method §9, "Memory").
     ``exact_chunk``: basis vectors per chunk of ``exact`` (default 64);
     ``probe_chunk``: Hutchinson probes per chunk (default 16).
 ``memory_budget``
     Bound on the memory of the per-example work of one compiled step *per
     device*: an int number of bytes or a string such as ``"512MB"`` or
     ``"2GiB"`` (see :mod:`normflat.core.memory`). Exclusive with ``chunk_size``.
+    One example that does not fit takes its GGN signals a few at a time; only a
+    budget that one signal does not fit is refused.
 ``devices``
     Data parallelism over local devices: ``None`` (default) all local devices
     of the default backend, an int ``n`` the first ``n``, or a list of local

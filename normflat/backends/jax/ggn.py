@@ -53,6 +53,13 @@ per group and sequence whatever ``T``. The shared group 0 of per-sequence ``ggn-
 all zeros (:func:`~normflat.engine.losses.zero_signals`): it is not back-propagated, and
 every layer but a dense head (whose exact diagonal fills group 0, per token as before)
 gets zeros there.
+
+When one example's signals alone exceed the memory (the exact ``ggn`` of a large model
+with many classes), the example's ``bp·cols`` signals go a step at a time through one
+forward: a ``lax.scan`` over steps of the VJP, each step's squares added into the group
+sums by group (:meth:`GGN._per_example`, :meth:`GGN.signal_step_for`; method §9
+"Memory"). The step is a static argument of the compiled chunk, chosen per run
+(:meth:`GGN.variant`).
 """
 
 from __future__ import annotations
@@ -298,10 +305,11 @@ class GGN(Kernel):
         activations = self._activation_elements()
         item = jnp.dtype(self.dtype).itemsize
         self.need = (per_example + (1 + signals) * activations) * item
-        #: Bytes of one example whose signals go ``s`` at a time (:meth:`signal_step_for`): the
-        #: group sums they add into, a tied table's per-signal gradients instead of its own steps.
         # Token logits' signals are formed whole (K', M', T, C) before they are stepped through.
         formed = self.G * self.cols * self.tokens * num_classes if self.tokens is not None else 0
+        # Bytes of one example whose signals go ``s`` at a time, ``_step_base + s · _step_signal``
+        # (:meth:`signal_step_for`): also the group sums they add into, and a tied table's
+        # per-signal gradients instead of its own steps.
         self._step_base = (base - 2 * sum(self.tied_step[k] * int(np.prod(ws[k].shape)) for k in self.tied)
                            + sums + activations + formed) * item
         self._step_signal = (per_signal + 2 * tied_tables + activations) * item
