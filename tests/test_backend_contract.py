@@ -441,6 +441,18 @@ def test_option_errors(builder):
             normflat.analyze(model, builder.make_data(x, y, 3), **_kw(builder, **{flag: "no"}))
 
 
+def test_memory_budget_too_small_for_one_signal(builder):
+    """Every backend steps through one sample's signals when the sample does not fit (method §9,
+    "Memory"), and refuses with the same message a budget that one signal does not fit."""
+    spec = _mlp(14, sizes=(4, 6, 40))
+    x, y = netspec.data(spec, n=4, seed=15)
+    with pytest.raises(ValueError, match=r"^memory_budget=500 bytes \(500 B\) is too small: one back-propagated "
+                                         r"GGN signal needs \d+ bytes \(.*\) for a single sample\. Raise "
+                                         r"memory_budget"):
+        normflat.analyze(builder.build(spec), builder.make_data(x, y, 4),
+                         **_kw(builder, estimator="ggn", memory_budget=500))
+
+
 @pytest.mark.parametrize("estimator", ["ggn", "ggn-mc", "ggn-topk"])
 def test_fast_false_takes_the_generic_path_with_the_same_numbers(builder, estimator):
     """``fast=False`` (every framework): every weight on the generic path, reason ``"fast=False"``, the

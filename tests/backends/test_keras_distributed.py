@@ -240,3 +240,52 @@ def test_memory_budget_estimate_grows_with_chunk_on_generic_path(mlp):
     for a, b in zip(_diag(model, data, memory_budget="20KB", fast=False),
                     _diag(model, data)):
         np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["structured-head", "at-the-logits", "topk-groups"])
+def test_memory_budget_takes_fewer_signals_per_block_when_one_sample_does_not_fit(case, monkeypatch):
+    """A budget that one sample with the default block of signals exceeds: smaller blocks (as the
+    torch and JAX backends step through one sample's signals; method §9, "Memory"), the same
+    numbers as the default blocks and as the brute force, every group of ggn-topk kept apart; a
+    budget that one signal does not fit is refused with the other backends' message."""
+    from normflat.backends import keras as keras_backend
+    from normflat.backends.keras import session as keras_session
+    from normflat.engine.options import validate_options
+    from tests import netspec, reference
+    from tests.builders import load_builder
+
+    if case == "at-the-logits":
+        spec = netspec.mlp((5, 6, 20), activation="tanh", seed=71)
+    else:
+        spec = netspec.cnn(channels=(2, 3, 4), image=6, classes=40, seed=72)
+    x, y = netspec.data(spec, n=4, seed=6)
+    builder = load_builder("keras")
+    model, data = builder.build(spec), builder.make_data(x, y, 4)
+    kw = dict(loss="ce", estimator="ggn-topk", top_classes=2, samples=12, seed=3) if case == "topk-groups" \
+        else dict(loss="ce", estimator="ggn")
+    sessions, blocks = [], []
+    step_bytes, step_fn = keras_session.KerasSession._step_bytes, keras_session.ggn_step_fn
+    monkeypatch.setattr(keras_session.KerasSession, "_step_bytes",
+                        lambda self, block: (sessions.append(self), step_bytes(self, block))[1])
+    monkeypatch.setattr(keras_session, "ggn_step_fn",
+                        lambda *args, **kwargs: (blocks.append(args[4]), step_fn(*args, **kwargs))[1])
+
+    def groups(**extra):
+        problems, _ = keras_backend.layer_problems(model, data, validate_options(progress=False, **kw), **extra)
+        return [p.hessian_diag if p.hessian_diag_samples is None else p.hessian_diag_samples for p in problems]
+
+    whole = groups(memory_budget="1GiB")
+    default = blocks[-1]
+    assert default > 2
+    session = sessions[-1]
+    budget = (sum(session._step_bytes(2)) + sum(session._step_bytes(default))) // 2
+    stepped = groups(memory_budget=budget)
+    assert 1 <= blocks[-1] < default, blocks
+    for got, want in zip(stepped, whole):
+        np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-14 * np.abs(want).max())
+    if case != "topk-groups":
+        for got, want in zip(stepped, reference.ggn_diagonal(spec, x, y, "ce")):
+            np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12 * np.abs(want).max())
+    with pytest.raises(ValueError, match=r"memory_budget=500 bytes .* is too small: one back-propagated GGN "
+                                         r"signal needs \d+ bytes"):
+        groups(memory_budget=500)

@@ -33,7 +33,7 @@ from normflat.backends.keras.hvp import (EXACT_BLOCK, PROBE_BLOCK, has_recurrenc
 from normflat.backends.keras.layers import Entry, fast_kind, final_softmax, walk
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
-from normflat.core.memory import default_budget, training_step_bytes
+from normflat.core.memory import chunk_size_for, default_budget, training_step_bytes
 from normflat.engine import estimators
 from normflat.engine.data import PENDING_CHECKS, Batch, labels_for
 from normflat.engine.estimators import SumState
@@ -686,6 +686,8 @@ class KerasSession:
         # Equal blocks of at most SIGNAL_BLOCK: the last block's padding is back-propagated too
         # (a compiled step has a fixed block), so 20 signals go as 10 + 10, not 16 + 16.
         block = -(-signals // -(-signals // SIGNAL_BLOCK)) if signals else 1
+        if self.config.memory_budget is not None and self.config.chunk_size is None:
+            block = self._budget_block(signals, block)
         sequence = options.sequence_layout(self.tokens)
         key_tokens = (self.tokens, block, options.estimator, sequence)
         if self._step is not None and self._step_tokens != key_tokens:
@@ -707,13 +709,29 @@ class KerasSession:
             if self.config.chunk_size is not None:
                 self.chunk = self.config.chunk_size
             else:
-                linear, quadratic = ggn_bytes(
-                    self.entries, self.dtype, self.input_size, self.num_classes * (self.tokens or 1), block,
-                    token_signal_bytes(options, self.num_classes, self.tokens, compute_dtype(self.dtype).size))
+                linear, quadratic = self._step_bytes(block)
                 budget = None if self.config.memory_budget is not None else self._default_budget(rows)
                 self.chunk = ggn_chunk_size(linear, quadratic, self.config.memory_budget, block, budget)
         self._holder["taps"] = self.taps
         return self._step, signals, block
+
+    def _step_bytes(self, block: int) -> tuple[int, int]:
+        """:func:`~normflat.backends.keras.ggn.ggn_bytes` of a step of ``block`` signals per sample."""
+        return ggn_bytes(self.entries, self.dtype, self.input_size, self.num_classes * (self.tokens or 1), block,
+                         token_signal_bytes(self.options, self.num_classes, self.tokens, compute_dtype(self.dtype).size))
+
+    def _budget_block(self, signals: int, block: int) -> int:
+        """Signals per block under ``memory_budget``: ``block``, or fewer (equal blocks, down to one)
+        when one sample with ``block`` of them does not fit, as the torch and JAX backends step
+        through one sample's signals (method §9, "Memory"); a budget that one signal does not fit
+        is refused."""
+        budget = self.config.memory_budget
+        while block > 1 and sum(self._step_bytes(block)) > budget:
+            most = max(1, block // 2)
+            block = -(-signals // -(-signals // most))
+        if block == 1:
+            chunk_size_for(budget, sum(self._step_bytes(1)), "one back-propagated GGN signal")
+        return block
 
     def _update_ggn(self, x: Any, labels: np.ndarray | None, batch: Batch, state: SumState) -> None:
         step, signals, block = self._ggn_step(batch.n)
