@@ -242,12 +242,13 @@ def test_memory_budget_estimate_grows_with_chunk_on_generic_path(mlp):
         np.testing.assert_allclose(a, b, rtol=1e-12)
 
 
-@pytest.mark.parametrize("case", ["structured-head", "at-the-logits", "topk-groups"])
+@pytest.mark.parametrize("case", ["structured-head", "at-the-logits", "topk-groups", "default-budget"])
 def test_memory_budget_takes_fewer_signals_per_block_when_one_sample_does_not_fit(case, monkeypatch):
     """A budget that one sample with the default block of signals exceeds: smaller blocks (as the
     torch and JAX backends step through one sample's signals; method §9, "Memory"), the same
     numbers as the default blocks and as the brute force, every group of ggn-topk kept apart; a
-    budget that one signal does not fit is refused with the other backends' message."""
+    budget that one signal does not fit is refused with the other backends' message. Without
+    options, the same when the default budget (about twice a training step) is exceeded."""
     from normflat.backends import keras as keras_backend
     from normflat.backends.keras import session as keras_session
     from normflat.engine.options import validate_options
@@ -258,9 +259,9 @@ def test_memory_budget_takes_fewer_signals_per_block_when_one_sample_does_not_fi
         spec = netspec.mlp((5, 6, 20), activation="tanh", seed=71)
     else:
         spec = netspec.cnn(channels=(2, 3, 4), image=6, classes=40, seed=72)
-    x, y = netspec.data(spec, n=4, seed=6)
+    x, y = netspec.data(spec, n=6 if case == "default-budget" else 4, seed=6)
     builder = load_builder("keras")
-    model, data = builder.build(spec), builder.make_data(x, y, 4)
+    model, data = builder.build(spec), builder.make_data(x, y, 4)  # default-budget: batches of 4 and 2
     kw = dict(loss="ce", estimator="ggn-topk", top_classes=2, samples=12, seed=3) if case == "topk-groups" \
         else dict(loss="ce", estimator="ggn")
     sessions, blocks = [], []
@@ -279,7 +280,18 @@ def test_memory_budget_takes_fewer_signals_per_block_when_one_sample_does_not_fi
     assert default > 2
     session = sessions[-1]
     budget = (sum(session._step_bytes(2)) + sum(session._step_bytes(default))) // 2
-    stepped = groups(memory_budget=budget)
+    if case == "default-budget":
+        # The budget of the first batch decides; the smaller last one (a larger budget here) keeps
+        # the block and the compiled step.
+        monkeypatch.setattr(keras_session.KerasSession, "_default_budget",
+                            lambda self, rows: budget if rows == 4 else 2**40)
+        used, ggn_step = [], keras_session.KerasSession._ggn_step
+        monkeypatch.setattr(keras_session.KerasSession, "_ggn_step",
+                            lambda self, rows: (lambda out: (used.append((rows, out[2])), out)[1])(ggn_step(self, rows)))
+        stepped = groups()
+        assert [rows for rows, _ in used] == [4, 2] and used[0][1] == used[1][1] < default, used
+    else:
+        stepped = groups(memory_budget=budget)
     assert 1 <= blocks[-1] < default, blocks
     for got, want in zip(stepped, whole):
         np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-14 * np.abs(want).max())

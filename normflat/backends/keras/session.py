@@ -686,9 +686,14 @@ class KerasSession:
         # Equal blocks of at most SIGNAL_BLOCK: the last block's padding is back-propagated too
         # (a compiled step has a fixed block), so 20 signals go as 10 + 10, not 16 + 16.
         block = -(-signals // -(-signals // SIGNAL_BLOCK)) if signals else 1
-        if self.config.memory_budget is not None and self.config.chunk_size is None:
-            block = self._budget_block(signals, block)
         sequence = options.sequence_layout(self.tokens)
+        if self._step is not None and self._step_tokens[0] == self.tokens \
+                and self._step_tokens[2:] == (options.estimator, sequence):
+            block = self._step_tokens[1]  # chosen with the step (a smaller last batch keeps it)
+        elif self.config.chunk_size is None:
+            explicit = self.config.memory_budget is not None
+            block = self._budget_block(signals, block, self.config.memory_budget if explicit
+                                       else self._default_budget(rows), refuse=explicit)
         key_tokens = (self.tokens, block, options.estimator, sequence)
         if self._step is not None and self._step_tokens != key_tokens:
             self._step = None  # another sequence length: another signal layout
@@ -720,16 +725,15 @@ class KerasSession:
         return ggn_bytes(self.entries, self.dtype, self.input_size, self.num_classes * (self.tokens or 1), block,
                          token_signal_bytes(self.options, self.num_classes, self.tokens, compute_dtype(self.dtype).size))
 
-    def _budget_block(self, signals: int, block: int) -> int:
-        """Signals per block under ``memory_budget``: ``block``, or fewer (equal blocks, down to one)
+    def _budget_block(self, signals: int, block: int, budget: int, refuse: bool) -> int:
+        """Signals per block within ``budget`` bytes: ``block``, or fewer (equal blocks, down to one)
         when one sample with ``block`` of them does not fit, as the torch and JAX backends step
-        through one sample's signals (method §9, "Memory"); a budget that one signal does not fit
-        is refused."""
-        budget = self.config.memory_budget
+        through one sample's signals (method §9, "Memory"). ``refuse`` (the user's
+        ``memory_budget``): a budget that one signal does not fit is an error."""
         while block > 1 and sum(self._step_bytes(block)) > budget:
             most = max(1, block // 2)
             block = -(-signals // -(-signals // most))
-        if block == 1:
+        if block == 1 and refuse:
             chunk_size_for(budget, sum(self._step_bytes(1)), "one back-propagated GGN signal")
         return block
 
