@@ -97,6 +97,16 @@ def worker_devices() -> dict:
     out["diff"]["ggn/devices=1"] = _max_rel(_diag(model, data, estimator="ggn", devices=1), ref)
     out["diff"]["ggn/device_list"] = _max_rel(_diag(model, data, estimator="ggn", devices=jax.local_devices()), ref)
     out["diff"]["ggn/budget"] = _max_rel(_diag(model, data, estimator="ggn", memory_budget="20KB"), ref)
+    # One example's signals a step at a time on the mesh (method §9, "Memory"): a budget of one signal.
+    from normflat.backends.jax import ggn as jax_ggn
+    from normflat.backends.jax import session
+
+    kernel = [k for _, k in session._CACHE._data.values() if isinstance(k, jax_ggn.GGN)][-1]
+    budget = int(kernel._step_base + kernel._step_signal)
+    out["diff"]["ggn/signal_steps"] = _max_rel(_diag(model, data, estimator="ggn", memory_budget=budget), ref)
+    stepped = [k for _, k in session._CACHE._data.values() if isinstance(k, jax_ggn.GGN)][-1]
+    out["signal_steps"] = [stepped.signal_step, stepped.bp * stepped.cols,
+                           [key[0] is not None for key in stepped._compiled]]
     out["diff"]["ggn/one_pair"] = _max_rel(_diag(model, (x, y), estimator="ggn"), ref)
 
     def squared_error(z, labels):
@@ -236,10 +246,12 @@ def results():
 
 def test_sharded_equals_single_device(results):
     diffs = results["devices"]["diff"]
-    assert len(diffs) == 11
+    assert len(diffs) == 12
     for case, diff in diffs.items():
         assert diff < TOL, (case, diff)
     assert results["devices"]["meta"] == {"examples": 13, "batches": 3, "devices": 2, "processes": 1}
+    # the signals one at a time, compiled for the mesh
+    assert results["devices"]["signal_steps"] == [1, 3, [True]], results["devices"]["signal_steps"]
 
 
 @pytest.mark.parametrize("estimator", ["ggn-mc", "hutchinson"])
