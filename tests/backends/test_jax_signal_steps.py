@@ -167,11 +167,13 @@ def test_default_budget_steps_through_one_examples_signals(monkeypatch):
     ("tokens", dict(loss="ce", estimator="ggn-topk", top_classes=2, samples=3, seed=5)),
     ("tied", dict(loss="ce", estimator="ggn", sequence_signals=False)),
     ("tied", dict(loss="nsce", estimator="ggn-mc", samples=3, seed=8)),
-], ids=["tokens-per-token", "tokens-per-sequence", "tied-per-token", "tied-per-sequence"])
+    ("tokens", dict(loss="nsce", estimator="ggn-mc", samples=2, seed=4, sequence_signals=False)),
+], ids=["tokens-per-token", "tokens-per-sequence", "tied-per-token", "tied-per-sequence", "tokens-per-token-mc"])
 def test_token_logits_lookups_and_tied_tables_in_steps(name, kw):
     """Token logits: an embedding lookup, a convolution over the tokens, attention and a dense
     head, or a head tied to the embedding (its per-example gradient formed a step of signals at a
-    time): every group against all signals at once and the brute force of every group."""
+    time): every group against all signals at once and the brute force of every group. Per token
+    each step's signals are formed as it comes from the per-token factor (its draws too)."""
     from tests.backends.test_jax_sequences import MODELS, _data, reference_estimates
 
     make, layers, _ = MODELS[name]

@@ -305,8 +305,9 @@ class GGN(Kernel):
         activations = self._activation_elements()
         item = jnp.dtype(self.dtype).itemsize
         self.need = (per_example + (1 + signals) * activations) * item
-        # Token logits' signals are formed whole (K', M', T, C) before they are stepped through.
-        formed = self.G * self.cols * self.tokens * num_classes if self.tokens is not None else 0
+        # Per-sequence token signals are formed whole (K', M', T, C) before they are stepped through
+        # (few per sequence); per token, a step's are formed as it comes.
+        formed = self.G * self.cols * self.tokens * num_classes if options.sequence_layout(self.tokens) else 0
         # Bytes of one example whose signals go ``s`` at a time, ``_step_base + s · _step_signal``
         # (:meth:`signal_step_for`): also the group sums they add into, and a tied table's
         # per-signal gradients instead of its own steps.
@@ -449,6 +450,14 @@ class GGN(Kernel):
 
                 def signals(columns=None):
                     return self._factor_columns(factor, *columns).dense(_XP).reshape((-1,) + z.shape)
+            elif step is not None and not self.options.sequence_layout(self.tokens):
+                # Per token: each signal is one token's factor signal placed at its token, formed a
+                # step at a time from the per-token factor (token_signals' layout, m·T + t).
+                per_token = None if uniforms is None else u.reshape(self.tokens, -1)[:, :self.options.draws]
+                factor = output_factor(_XP, z, self.options, per_token)  # T rows
+
+                def signals(columns=None):
+                    return self._token_columns(factor, counted, *columns)
             else:
                 if counted is None:
                     sig = output_signals(jnp, z[None], self.options, uniforms)  # (K', M, 1, C)
@@ -548,6 +557,20 @@ class GGN(Kernel):
                 grads = jax.vmap(lambda dd: vjp_w(dd)[0])(d)
                 sums[k] = self._group_sum(grads**2, groups)
         return sums, used
+
+    def _token_columns(self, factor, counted, index, valid):
+        """``(len(index), T, C)``: the per-token signals ``index`` (flat ``group·cols + m·T + t`` of
+        the back-propagated groups, :func:`~normflat.engine.losses.token_signals`' per-token layout)
+        of one example's per-token :class:`~normflat.engine.losses.Factor` (``T`` rows), each its
+        token's signal times whether the token is counted, placed at its token; zero where not
+        ``valid``."""
+        t = index % self.tokens
+        part = self._factor_columns(factor, index, valid)  # (1, s, 1) classes, scales, coefficients
+        rows = Factor(part.index.reshape(1, 1, -1), part.scale.reshape(1, 1, -1),
+                      [jnp.take(v, t, axis=0) for v in factor.vectors], [w.reshape(1, 1, -1) for w in part.coefs])
+        dense = rows.dense(_XP).reshape(index.shape[0], -1) * jnp.take(counted, t)[:, None]  # (s, C)
+        place = (jnp.arange(self.tokens)[None, :] == t[:, None]).astype(dense.dtype)  # (s, T)
+        return dense[:, None, :] * place[:, :, None]
 
     def _factor_columns(self, factor, index, valid):
         """The back-propagated signals ``index`` (flat ``group·cols + member`` of the groups after
