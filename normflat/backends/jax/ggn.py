@@ -406,8 +406,8 @@ class GGN(Kernel):
         ``step``: the example's ``bp·cols`` signals are back-propagated ``step`` at a time (a
         ``lax.scan``; the forward once), their squares added into the group sums, so that one
         example's memory is bounded however many signals it has (:meth:`signal_step_for`); the
-        signals of a step are formed as it comes (of ``(n, C)`` logits from the factor, never all
-        ``C − 1`` at once).
+        signals of a step are formed as it comes (of ``(n, C)`` logits and per token from the
+        factor, never all ``C − 1`` at once; per-sequence signals, a few, are formed first).
         """
         prog, taps, gen = self.prog, self.taps, self.gen
         # An added table is perturbed at its operand of the addition (Program.run), the others at their output.
