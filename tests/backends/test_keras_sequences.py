@@ -253,3 +253,30 @@ def test_sequence_signals_metadata_and_auto():
     meta = normflat.analyze(classifier, (rng.normal(size=(4, 3)), rng.integers(0, C, 4)), loss="ce",
                             estimator="ggn-mc", samples=2, progress=False).metadata
     assert meta["sequence_signals"] is None  # (n, C) logits
+
+
+@pytest.mark.parametrize("kw", [dict(loss="ce", estimator="ggn"), dict(loss="nsce", estimator="ggn-mc", samples=3),
+                                dict(loss="ce", estimator="ggn-topk", top_classes=2, samples=4)],
+                         ids=["ggn", "ggn-mc", "ggn-topk"])
+def test_per_token_block_is_the_block_of_the_whole_signals(kw):
+    """Per token (``sequence_signals=False``) a step forms only its block of signals from the
+    per-token factor (method §9, "Memory"): every block equals the same block of the engine's whole
+    ``token_signals`` tensor (real slots, zero padding past the end), counted tokens and draws
+    included."""
+    from normflat.backends.keras.ggn import _token_block
+
+    options = validate_options(progress=False, sequence_signals=False, seed=3, **kw)
+    n, t, c = 3, 4, 6
+    rng = np.random.default_rng(31)
+    z = rng.normal(size=(n, t, c)) * 2
+    counted = (rng.random((n, t)) > 0.3).astype(np.float64)
+    u = sample_uniforms(3, 0, 0, n, options.uniform_columns(t)) if options.draws else np.zeros((n, 0))
+    index, _ = signal_layout(options, c, t)
+    whole = losses.token_signals(np, z, options, counted, u if options.draws else None)  # (K', M·T, n, T, C)
+    real = whole.reshape(-1, n, t, c)[index]
+    block = 5
+    for start in range(0, len(index), block):
+        got = _token_block(tf.constant(z), tf.constant(u), tf.constant(counted), options, index, tf.constant(start),
+                           block, t)
+        want = np.concatenate([real, np.zeros((block, n, t, c))])[start:start + block]
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-14)

@@ -277,15 +277,15 @@ def signal_layout(options: AnalysisOptions, num_classes: int,
 
 
 def token_signal_bytes(options: AnalysisOptions, num_classes: int, tokens: int | None, item: int) -> int:
-    """Bytes per sample of the whole token-signal tensor a GGN step forms (0 for ``(n, C)`` logits).
+    """Bytes per sample of the whole token-signal tensor a GGN step forms (0 for ``(n, C)`` logits
+    and per-token signals, whose blocks are formed alone: :func:`_token_block`).
 
-    The step forms :func:`~normflat.engine.losses.token_signals`' ``(K', M', n, T, C)``
-    signals of every token at once, then gathers the real ones (a second copy):
-    ``M' = token_signals_per_group(C, T)``, which is ``M·T`` per token (so the tensor
-    grows with ``T²``) and a few per sequence (method §6.3).
+    Per sequence the step forms :func:`~normflat.engine.losses.token_signals`' ``(K', M', n, T, C)``
+    signals at once, then gathers the real ones (a second copy): ``M' =
+    token_signals_per_group(C, T)``, a few per sequence (method §6.3).
     """
-    if tokens is None:
-        return 0
+    if tokens is None or not options.sequence_layout(tokens):
+        return 0  # per token, a block's signals are formed alone (_token_block)
     per_group = options.token_signals_per_group(num_classes, tokens)
     return 2 * options.state_groups * per_group * tokens * num_classes * item
 
@@ -371,6 +371,40 @@ def _dense_block(zc: Any, u: Any, options: AnalysisOptions, index: Any, start: A
     for v, w in zip(vectors, coefs):
         out = out + w[..., None] * v[None]
     return out
+
+
+def _token_block(zc: Any, u: Any, counted: Any, options: AnalysisOptions, index: Any, start: Any, block: int,
+                 tokens: int) -> Any:
+    """``(block, n, T, C)``: a block of per-token signals of token logits, formed alone.
+
+    Per token, signal ``(g·M + m)·T + t`` (:func:`signal_layout`) is the ``m``-th factor
+    signal of token ``t`` of group ``g`` (:func:`~normflat.engine.losses.token_signals`),
+    times whether the token is counted, placed at token ``t``. From the per-token
+    :class:`~normflat.engine.losses.Factor` of the ``n·T`` rows (each token's draws from its
+    own uniform columns) only the block's signals are formed, ``O(T·C)`` each, instead of the
+    whole ``(K', M·T, n, T, C)`` tensor at every block.
+    """
+    c = int(zc.shape[-1])
+    rows = tf.reshape(zc, [-1, c])  # (n·T, C), token-major within each sample
+    per_token = None
+    if options.draws:
+        per_token = tf.reshape(u, [-1, int(u.shape[-1]) // tokens])[:, :options.draws]
+    factor = output_factor(TF, rows, options, per_token)  # (K', M, n·T)
+
+    def by_signal(values):  # (K', M, n·T) -> (K', M, T, n): flat signal (g·M + m)·T + t
+        values = tf.broadcast_to(values, tf.shape(factor.index))
+        k, m = int(factor.index.shape[0]), int(factor.index.shape[1])
+        return tf.transpose(tf.reshape(values, [k, m, -1, tokens]), [0, 1, 3, 2])
+
+    cls = _block_of(by_signal(factor.index), index, start, block)  # (B, n)
+    scale = _block_of(by_signal(factor.scale), index, start, block)
+    where = tf.pad(tf.constant(np.asarray(index) % tokens, tf.int32), [[0, block]])[start:start + block]  # (B,)
+    out = scale[..., None] * tf.one_hot(tf.cast(cls, tf.int32), c, dtype=zc.dtype)  # padding (-1): zeros
+    for v, w in zip(factor.vectors, factor.coefs):
+        at = tf.transpose(tf.gather(tf.reshape(v, [-1, tokens, c]), where, axis=1), [1, 0, 2])  # (B, n, C)
+        out = out + _block_of(by_signal(w), index, start, block)[..., None] * at
+    out = out * tf.transpose(tf.gather(tf.cast(counted, zc.dtype), where, axis=1))[..., None]
+    return out[:, :, None, :] * tf.one_hot(where, tokens, dtype=zc.dtype)[:, None, :, None]
 
 
 def _same_padding(size: int, k: int, s: int, d: int) -> tuple[int, int]:
@@ -703,6 +737,12 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
             # Only the block's signals, O(C) each (many classes: forming all C − 1 at every block
             # would cost O(C²) per sample and block).
             s = tf.cast(_dense_block(zc, u, options, index, start, block), z.dtype)
+            s = tf.ensure_shape(s, [block, None, *rest])
+        elif (generic or (rest_fast and head_input is None)) and tokens is not None \
+                and not options.sequence_layout(tokens):
+            # Per token: only the block's signals, from the per-token factor (the whole tensor,
+            # M·T signals of T·C numbers per sample, grows with T²).
+            s = tf.cast(_token_block(zc, u, counted, options, index, start, block, tokens), z.dtype)
             s = tf.ensure_shape(s, [block, None, *rest])
         elif generic or (rest_fast and head_input is None):
             if tokens is None:
