@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["parse_memory_budget", "chunk_size_for", "format_bytes"]
+__all__ = ["parse_memory_budget", "chunk_size_for", "format_bytes", "equal_step"]
 
 _UNITS = {
     "": 1,
@@ -68,6 +68,16 @@ def parse_memory_budget(value: int | str | None) -> int | None:
     if size < 1:
         raise ValueError(f"memory_budget must be at least 1 byte, got {value!r}.")
     return size
+
+
+def equal_step(total: int, most: int) -> int:
+    """The step that cuts ``total`` items into as few equal steps of at most ``most`` as possible.
+
+    The same number of steps as steps of ``most``, but balanced: 20 items with at most 16
+    per step go as 10 + 10, not 16 + 4 (a compiled step of fixed size pads the last one,
+    and a smaller remainder wastes a pass on little work). ``total`` and ``most`` >= 1.
+    """
+    return -(-int(total) // -(-int(total) // int(most)))
 
 
 def format_bytes(size: float) -> str:

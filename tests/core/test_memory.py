@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from normflat.core.memory import chunk_size_for, format_bytes, parse_memory_budget
+from normflat.core.memory import chunk_size_for, equal_step, format_bytes, parse_memory_budget
 
 
 @pytest.mark.parametrize(
@@ -100,3 +100,13 @@ def test_default_budget_is_twice_a_training_step_less_the_sums():
     # Sums larger than the step (ggn-topk's groups): at least one step, never tiny chunks.
     assert default_budget(step, state_bytes=10 * step) == step
     assert default_budget(1000, 0) == DEFAULT_BUDGET_FLOOR
+
+
+def test_equal_step_balances_the_same_number_of_steps():
+    for total in range(1, 60):
+        for most in range(1, 20):
+            step = equal_step(total, most)
+            assert 1 <= step <= most
+            assert -(-total // step) == -(-total // most)  # as few steps as steps of `most`
+            assert step * -(-total // step) - total < -(-total // step)  # balanced: less than one per step padded
+    assert equal_step(20, 16) == 10 and equal_step(19, 6) == 5

@@ -73,7 +73,7 @@ import numpy as np
 
 from normflat.backends.jax.compat import x64_enabled
 from normflat.backends.jax.kernel import Kernel, Run
-from normflat.core.memory import chunk_size_for, default_budget, training_step_bytes
+from normflat.core.memory import chunk_size_for, default_budget, equal_step, training_step_bytes
 from normflat.engine.losses import (Factor, diagonal_signals, output_factor, output_signals, token_signals,
                                     zero_signals)
 from normflat.engine.random import sample_uniforms
@@ -254,7 +254,7 @@ class GGN(Kernel):
         for k in self.tied:
             total = self.bp * self.cols
             most = min(total, max(1, _TIED_ELEMENTS // max(1, int(np.prod(ws[k].shape)))))
-            self.tied_step[k] = -(-total // -(-total // most))
+            self.tied_step[k] = equal_step(total, most)
         # Per example, in elements: ``base`` whatever the signals, ``per_signal`` for each
         # back-propagated signal (bp·cols of them at once, or a step of them), ``sums`` the
         # group sums a step of signals adds into.
@@ -370,7 +370,7 @@ class GGN(Kernel):
         most = max(1, (int(budget) - self._step_base) // self._step_signal)
         if most >= total:
             return None
-        return -(-total // -(-total // most))
+        return equal_step(total, most)
 
     def variant(self, run: Run) -> dict:
         """The signal step of this run, if any, is compiled into the chunk (:meth:`_chunk`)."""

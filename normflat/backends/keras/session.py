@@ -33,7 +33,7 @@ from normflat.backends.keras.hvp import (EXACT_BLOCK, PROBE_BLOCK, has_recurrenc
 from normflat.backends.keras.layers import Entry, fast_kind, final_softmax, walk
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
-from normflat.core.memory import chunk_size_for, default_budget, training_step_bytes
+from normflat.core.memory import chunk_size_for, default_budget, equal_step, training_step_bytes
 from normflat.engine import estimators
 from normflat.engine.data import PENDING_CHECKS, Batch, labels_for
 from normflat.engine.estimators import SumState
@@ -685,7 +685,7 @@ class KerasSession:
         signals = len(signal_layout(options, self.num_classes, self.tokens)[0])
         # Equal blocks of at most SIGNAL_BLOCK: the last block's padding is back-propagated too
         # (a compiled step has a fixed block), so 20 signals go as 10 + 10, not 16 + 16.
-        block = -(-signals // -(-signals // SIGNAL_BLOCK)) if signals else 1
+        block = equal_step(signals, SIGNAL_BLOCK) if signals else 1
         sequence = options.sequence_layout(self.tokens)
         if self._step is not None and self._step_tokens[0] == self.tokens \
                 and self._step_tokens[2:] == (options.estimator, sequence):
@@ -732,7 +732,7 @@ class KerasSession:
         ``memory_budget``): a budget that one signal does not fit is an error."""
         while block > 1 and sum(self._step_bytes(block)) > budget:
             most = max(1, block // 2)
-            block = -(-signals // -(-signals // most))
+            block = equal_step(signals, most)
         if block == 1 and refuse:
             chunk_size_for(budget, sum(self._step_bytes(1)), "one back-propagated GGN signal")
         return block

@@ -29,6 +29,7 @@ from normflat.backends.torch.data import (ADAPTER, ModelInputs, deferred_inputs_
 from normflat.backends.torch.distributed import TorchComm
 from normflat.backends.torch.layers import TorchLayer, all_finite, collect_layers, unwrap
 from normflat.backends.torch.state import ModelState, claim, release
+from normflat.core.memory import equal_step
 from normflat.engine import estimators, losses
 from normflat.engine import random as nrandom
 from normflat.engine.data import PENDING_CHECKS, Batch, labels_for, non_finite_inputs
@@ -679,8 +680,7 @@ class TorchSession:
         the signals are not stepped."""
         if self.signal_step is None or k * m <= self.signal_step:
             return [(0, m)]
-        step = max(1, self.signal_step // k)
-        step = -(-m // -(-m // step))
+        step = equal_step(m, max(1, self.signal_step // k))
         return [(a, min(m, a + step)) for a in range(0, m, step)]
 
     def _member_steps(self, block: tuple[torch.Tensor, list[int]]) -> Iterator[tuple[torch.Tensor, list[int]]]:
@@ -789,7 +789,7 @@ class TorchSession:
             self._probe(batch, xs)
         step = self.chunk or n
         if step < n:  # equal chunks (64 + 64, not 126 + 2): the same peak, fewer passes wasted on a remainder
-            step = -(-n // -(-n // step))
+            step = equal_step(n, step)
         ids: torch.Tensor | None = None
         terms: int | None = None
         labelled = False
