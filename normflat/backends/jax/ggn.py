@@ -257,8 +257,9 @@ class GGN(Kernel):
             self.tied_step[k] = equal_step(total, most)
         # Per example, in elements: ``base`` whatever the signals, ``per_signal`` for each
         # back-propagated signal (bp·cols of them at once, or a step of them), ``sums`` the
-        # group sums a step of signals adds into.
-        base = per_signal = sums = tied_tables = 0
+        # group sums a step of signals adds into, ``tied_steps`` the tied tables' own steps
+        # (all signals at once) and ``tied_tables`` their per-signal gradients (in steps).
+        base = per_signal = sums = tied_tables = tied_steps = 0
         for k, w in enumerate(ws):
             t = self.taps.get(k)
             size = int(np.prod(w.shape))
@@ -270,7 +271,7 @@ class GGN(Kernel):
                     act_size = math.prod(prog.shapes.get(prog.ops[u.op].ins[1 - u.weight_pos][1], (1,)))
                     per_signal += out_size
                     base += act_size
-                base += 2 * self.tied_step[k] * size
+                tied_steps += 2 * self.tied_step[k] * size
                 tied_tables += size
                 sums += self.bp * size
             elif k in self.heads:
@@ -299,7 +300,7 @@ class GGN(Kernel):
                 per_signal += size
                 sums += self.bp * size
         signals = self.bp * self.cols
-        per_example = base + signals * per_signal
+        per_example = base + tied_steps + signals * per_signal
         # Per example: the signals and squared gradients counted above, plus the forward
         # intermediates kept for the VJP and one back-propagated signal per column.
         activations = self._activation_elements()
@@ -311,8 +312,7 @@ class GGN(Kernel):
         # Bytes of one example whose signals go ``s`` at a time, ``_step_base + s · _step_signal``
         # (:meth:`signal_step_for`): also the group sums they add into, and a tied table's
         # per-signal gradients instead of its own steps.
-        self._step_base = (base - 2 * sum(self.tied_step[k] * int(np.prod(ws[k].shape)) for k in self.tied)
-                           + sums + activations + formed) * item
+        self._step_base = (base + sums + activations + formed) * item
         self._step_signal = (per_signal + 2 * tied_tables + activations) * item
         #: Signals of one example back-propagated at once when they do not all fit (None: all of them).
         self.signal_step = None
