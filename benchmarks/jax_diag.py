@@ -29,12 +29,15 @@ sequence (``auto`` for token logits) with the table on its fast rule (method §6
 3C3D with ``C`` classes on 8 images against a training step (the gradient and a momentum
 update), each in a fresh process after a warm-up run that compiles
 (:func:`many_classes_figures`): one example's ``C − 1`` signals go a few at a time when
-they alone exceed the default budget.
+they alone exceed the default budget. ``--sequence-lm V`` does the same for ``ggn-topk``
+(per sequence) on a small language model with token logits over a vocabulary of ``V``
+(:func:`sequence_lm_figures`), also under two memory budgets.
 
 Run::
 
     python -m benchmarks.jax_diag [--repeats 5] [--no-torch]
     python -m benchmarks.jax_diag --many-classes 1000
+    python -m benchmarks.jax_diag --sequence-lm 8000
     python -m benchmarks.jax_diag --position-table [--repeats 5]
     python -m benchmarks.jax_diag --tied-lm [--repeats 5]
 """
@@ -53,7 +56,7 @@ import normflat
 from benchmarks._common import time_interleaved  # noqa: E402
 
 __all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "make_problem", "jax_figures", "position_table_figures", "tied_lm_figures",
-           "many_classes_figures", "main"]
+           "many_classes_figures", "sequence_lm_figures", "main"]
 
 
 class _MLP(nnx.Module):
@@ -247,7 +250,44 @@ def tied_lm_figures(repeats: int = 5) -> dict[str, float]:
     return {"fast": fast, "generic": generic, "generic_over_fast": generic / fast}
 
 
-def _many_classes_worker(method: str, classes: int, n: int, queue) -> None:
+class _SequenceLM(nnx.Module):
+    """Ids -> an ``Embed`` (``vocabulary`` ids, 64 features) -> a residual MLP block (128 hidden
+    units) -> a dense head: token logits ``(n, T, vocabulary)``."""
+
+    def __init__(self, rngs: nnx.Rngs, vocabulary: int = 8000):
+        self.emb = nnx.Embed(vocabulary, 64, rngs=rngs)
+        self.up = nnx.Linear(64, 128, rngs=rngs)
+        self.down = nnx.Linear(128, 64, rngs=rngs)
+        self.head = nnx.Linear(64, vocabulary, rngs=rngs)
+
+    def __call__(self, ids):
+        h = self.emb(ids)
+        h = h + self.down(nnx.gelu(self.up(h)))
+        return self.head(h)
+
+
+def _peak_problem(problem: str, size: int, n: int):
+    """``(model, x, y, estimator, mean loss)`` of :func:`_peak_worker`'s problems."""
+    if problem == "3c3d":
+        model = cnn_3c3d(0, size)
+        x = jax.random.normal(jax.random.key(1), (n, 32, 32, 3), jnp.float32)
+        y = jax.random.randint(jax.random.key(2), (n,), 0, size)
+
+        def loss(z):
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(z), y[:, None], axis=1))
+        return model, x, y, "ggn", loss
+    model = _SequenceLM(nnx.Rngs(0), size)
+    x = jax.random.randint(jax.random.key(1), (n, 64), 0, size)
+    y = jnp.concatenate([x[:, 1:], jnp.full((n, 1), -100)], axis=1)  # the next token; the last one ignored
+
+    def loss(z):
+        counted = y >= 0
+        picked = jnp.take_along_axis(jax.nn.log_softmax(z), jnp.maximum(y, 0)[..., None], axis=-1)[..., 0]
+        return -jnp.sum(jnp.where(counted, picked, 0.0)) / jnp.sum(counted)
+    return model, x, y, "ggn-topk", loss
+
+
+def _peak_worker(problem: str, method: str, size: int, n: int, budget: str | None, queue) -> None:
     """In a fresh process: peak resident memory (MiB) that two runs of ``method`` add after a
     warm-up run (which compiles), and the seconds of one run."""
     import gc
@@ -255,17 +295,14 @@ def _many_classes_worker(method: str, classes: int, n: int, queue) -> None:
 
     from benchmarks._common import proc_status_kib, reset_peak_kib
 
-    model = cnn_3c3d(0, classes)
-    x = jax.random.normal(jax.random.key(1), (n, 32, 32, 3), jnp.float32)
-    y = jax.random.randint(jax.random.key(2), (n,), 0, classes)
+    model, x, y, estimator, mean_loss = _peak_problem(problem, size, n)
     if method == "training step":  # the gradient and a momentum update of every parameter
         graphdef, params = nnx.split(model)
 
         @jax.jit
         def step(params, momentum):
             def loss(p):
-                z = nnx.merge(graphdef, p)(x)
-                return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(z), y[:, None], axis=1))
+                return mean_loss(nnx.merge(graphdef, p)(x))
 
             grads = jax.grad(loss)(params)
             momentum = jax.tree_util.tree_map(lambda m, g: 0.9 * m + g, momentum, grads)
@@ -276,10 +313,16 @@ def _many_classes_worker(method: str, classes: int, n: int, queue) -> None:
         def run():
             return jax.block_until_ready(step(params, momentum))
     else:
+        extra = {} if budget is None else {"memory_budget": budget}
+
         def run():
-            return jax.block_until_ready(normflat.hessian_diagonal(model, (x, y), loss="ce", estimator=method,
-                                                                   progress=False))
-    run()
+            return jax.block_until_ready(normflat.hessian_diagonal(model, (x, y), loss="ce", estimator=estimator,
+                                                                   progress=False, **extra))
+    try:
+        run()
+    except ValueError as refused:  # a memory_budget too small: reported, not waited for
+        queue.put(str(refused).split(":")[0])
+        return
     gc.collect()
     before = reset_peak_kib()
     start = time.perf_counter()
@@ -289,23 +332,40 @@ def _many_classes_worker(method: str, classes: int, n: int, queue) -> None:
     queue.put(((proc_status_kib("VmHWM") - before) / 1024, seconds))
 
 
-def many_classes_figures(classes: int = 1000, n: int = 8) -> dict[str, tuple[float, float]]:
-    """``{method: (peak MiB, seconds)}`` of a training step and the exact ``ggn`` of 3C3D with
-    ``classes`` outputs on ``n`` images, each in a fresh process (Linux: ``/proc`` peak marks)."""
+def _peak_figures(problem: str, size: int, n: int, budgets: tuple[str | None, ...] = (None,)
+                  ) -> dict[str, tuple[float, float] | str]:
+    """``{method: (peak MiB, seconds)}`` of a training step and normflat (each ``budgets`` entry),
+    each in a fresh process (Linux: ``/proc`` peak marks); a refused budget: its message's start."""
     import multiprocessing as mp
 
     from benchmarks._common import mmap_freed_blocks
 
     out = {}
-    for method in ("training step", "ggn"):
+    runs = [("training step", None)] + [("normflat", budget) for budget in budgets]
+    for method, budget in runs:
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
-        proc = ctx.Process(target=_many_classes_worker, args=(method, classes, n, queue))
+        proc = ctx.Process(target=_peak_worker, args=(problem, method, size, n, budget, queue))
         with mmap_freed_blocks():
             proc.start()
-        out[method] = queue.get(timeout=3600)
+        out[method if budget is None else f"memory_budget={budget}"] = queue.get(timeout=3600)
         proc.join()
     return out
+
+
+def many_classes_figures(classes: int = 1000, n: int = 8) -> dict[str, tuple[float, float]]:
+    """``{method: (peak MiB, seconds)}`` of a training step and the exact ``ggn`` of 3C3D with
+    ``classes`` outputs on ``n`` images, each in a fresh process (Linux: ``/proc`` peak marks)."""
+    figs = _peak_figures("3c3d", classes, n)
+    return {"training step": figs["training step"], "ggn": figs["normflat"]}
+
+
+def sequence_lm_figures(vocabulary: int = 8000, n: int = 4, budgets: tuple[str | None, ...] = (None, "40MB", "16MB")
+                        ) -> dict[str, tuple[float, float] | str]:
+    """``{method: (peak MiB, seconds)}`` of a training step and ``ggn-topk`` (per sequence, the
+    default for token logits) of :class:`_SequenceLM` on ``n`` sequences of 64 tokens, without
+    options and under each ``memory_budget``, each in a fresh process."""
+    return _peak_figures("lm", vocabulary, n, budgets)
 
 
 def format_side_by_side(jax_figs: dict, torch_figs: dict | None) -> str:
@@ -337,7 +397,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--many-classes", type=int, default=None, metavar="C",
                         help="peak memory and time of the exact ggn of 3C3D with C classes (8 images) against a "
                              "training step, in fresh processes")
+    parser.add_argument("--sequence-lm", type=int, default=None, metavar="V",
+                        help="peak memory and time of ggn-topk (per sequence) on a small LM with a vocabulary of V "
+                             "(4 sequences of 64 tokens) against a training step, without options and under "
+                             "memory budgets of 40 and 16 MB, in fresh processes")
     args = parser.parse_args(argv)
+    if args.sequence_lm:
+        f = sequence_lm_figures(args.sequence_lm)
+        step_mib, step_s = f.pop("training step")
+        print(f"jax {jax.__version__}, device {jax.devices()[0]}, LM with a vocabulary of {args.sequence_lm}, "
+              "4 sequences of 64 tokens, ggn-topk per sequence")
+        print(f"  training step: peak {step_mib:.1f} MiB, {step_s:.3f} s")
+        for name, got in f.items():
+            if isinstance(got, str):
+                print(f"  {name + ':':<24} refused ({got})")
+                continue
+            mib, sec = got
+            print(f"  {name + ':':<24} peak {mib:.1f} MiB ({mib / step_mib:.2f}x a training step), {sec:.3f} s")
+        return
     if args.many_classes:
         f = many_classes_figures(args.many_classes)
         step_mib, step_s = f["training step"]

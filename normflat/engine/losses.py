@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -53,6 +53,9 @@ __all__ = [
     "logit_hessian_diagonal",
     "diagonal_signals",
     "token_signals",
+    "SequenceClasses",
+    "sequence_classes",
+    "sequence_dense",
     "pool_signals",
     "zero_signals",
     "logit_stats",
@@ -648,14 +651,28 @@ def token_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, 
     return xp.reshape(placed, (k, m * w, -1, t, c))
 
 
-def _sequence_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, uniforms: Any,
-                      members: tuple[int, int] | None = None) -> Any:
-    """The per-sequence signals ``(K', M', n, T, C)`` of :func:`token_signals` (members
-    ``lo .. hi − 1`` of every group when ``members`` is given).
+class SequenceClasses(NamedTuple):
+    """The per-sequence signals of :func:`token_signals` before they are formed (method §6.3).
 
-    The signs and the counted tokens scale the per-token classes' scales ``(K', M', n·T)``
-    before the dense signals are formed once (the largest array of a language model's
-    analysis: no stacked or signed copies of it).
+    Signal ``(g, m)`` at token row ``r`` (``n·T`` rows, token-major within each sample) is
+    ``scale[g, m, r] · (e_index[g, m, r] − p_r)``, pulled back through the normalization for
+    ``nsce``: the signs and the counted tokens are in ``scale`` (index ``-1`` with scale 0 is a
+    zero, padding signal). ``index`` and ``scale`` are ``(K', M', n·T)``, a few numbers per token
+    and signal: a backend picks any signals from them and forms only those
+    (:func:`sequence_dense`), ``O(T·C)`` each, instead of the whole ``(K', M', n, T, C)`` tensor.
+    """
+
+    p: Any  #: ``(n·T, C)`` softmax probabilities of the (normalized) logits.
+    zhat: Any  #: ``nsce``: ``(n·T, C)`` normalized logits ẑ of :func:`normalize_logits`; else None.
+    sigma: Any  #: ``nsce``: ``(n·T, 1)`` their scales σ; else None.
+    index: Any  #: ``(K', M', n·T)`` the class of each (signal, token) pair, ``-1`` for none.
+    scale: Any  #: ``(K', M', n·T)`` its scale (sign, draw weight and counted-token mask included).
+
+
+def sequence_classes(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, uniforms: Any) -> SequenceClasses:
+    """The :class:`SequenceClasses` of the per-sequence signals of token logits ``(n, T, C)``.
+
+    Args: as :func:`token_signals` (per sequence: :meth:`~normflat.engine.options.AnalysisOptions.sequence_layout`).
     """
     t, c = int(logits.shape[1]), int(logits.shape[2])
     rows = xp.reshape(logits, (-1, c))  # (n·T, C)
@@ -678,12 +695,41 @@ def _sequence_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: A
         body_scale = xp.concat([xp.concat([scale[:1, :top]] * groups, axis=0), scale[1:, :draws]], axis=1) * signs
         index = xp.concat([body_index[:1] * 0 - 1, body_index], axis=0)
         scale = xp.concat([body_scale[:1] * 0, body_scale], axis=0)
+    scale = scale * xp.reshape(counted, (-1,))[None, None, :]  # uncounted tokens: zero signals
+    return SequenceClasses(p, zhat, sigma, index, scale)
+
+
+def sequence_dense(xp: Any, classes: SequenceClasses, options: AnalysisOptions, index: Any = None,
+                   scale: Any = None) -> Any:
+    """``(A, B, n·T, C)`` dense signals of :class:`SequenceClasses` (token rows as rows).
+
+    ``index`` and ``scale``: ``(A, B, n·T)`` picked from ``classes.index`` and
+    ``classes.scale`` (any selection of signals, e.g. a step of them; ``-1`` and 0 for a
+    padding signal), or ``None``: all ``(K', M')`` signals.
+    """
+    if index is None:
+        index, scale = classes.index, classes.scale
+    sig = _class_signals(xp, classes.p, index, scale)
+    if options.loss == "nsce":
+        sig = pull_back(xp, sig, classes.zhat, classes.sigma, options.temperature)
+    return sig
+
+
+def _sequence_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, uniforms: Any,
+                      members: tuple[int, int] | None = None) -> Any:
+    """The per-sequence signals ``(K', M', n, T, C)`` of :func:`token_signals` (members
+    ``lo .. hi − 1`` of every group when ``members`` is given).
+
+    The signs and the counted tokens scale the per-token classes' scales ``(K', M', n·T)``
+    (:func:`sequence_classes`) before the dense signals are formed once (the largest array of
+    a language model's analysis: no stacked or signed copies of it).
+    """
+    t, c = int(logits.shape[1]), int(logits.shape[2])
+    classes = sequence_classes(xp, logits, options, counted, uniforms)
+    index, scale = classes.index, classes.scale
     if members is not None:
         index, scale = index[:, members[0]:members[1]], scale[:, members[0]:members[1]]
-    scale = scale * xp.reshape(counted, (-1,))[None, None, :]  # uncounted tokens: zero signals
-    sig = _class_signals(xp, p, index, scale)
-    if options.loss == "nsce":
-        sig = pull_back(xp, sig, zhat, sigma, options.temperature)
+    sig = sequence_dense(xp, classes, options, index, scale)
     k2, m = int(sig.shape[0]), int(sig.shape[1])
     return xp.reshape(sig, (k2, m, -1, t, c))
 

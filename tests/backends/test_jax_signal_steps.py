@@ -169,17 +169,33 @@ def test_default_budget_steps_through_one_examples_signals(monkeypatch):
     ("tied", dict(loss="nsce", estimator="ggn-mc", samples=3, seed=8)),
     ("tokens", dict(loss="nsce", estimator="ggn-mc", samples=2, seed=4, sequence_signals=False)),
 ], ids=["tokens-per-token", "tokens-per-sequence", "tied-per-token", "tied-per-sequence", "tokens-per-token-mc"])
-def test_token_logits_lookups_and_tied_tables_in_steps(name, kw):
+def test_token_logits_lookups_and_tied_tables_in_steps(name, kw, monkeypatch):
     """Token logits: an embedding lookup, a convolution over the tokens, attention and a dense
     head, or a head tied to the embedding (its per-example gradient formed a step of signals at a
-    time): every group against all signals at once and the brute force of every group. Per token
-    each step's signals are formed as it comes from the per-token factor (its draws too)."""
+    time): every group against all signals at once and the brute force of every group. Each
+    step's signals are formed as it comes, never the example's whole signal tensor: per token
+    from the per-token factor (its draws too), per sequence from the tokens' classes and scales."""
     from tests.backends.test_jax_sequences import MODELS, _data, reference_estimates
 
     make, layers, _ = MODELS[name]
     model, options = make(), validate_options(progress=False, **kw)
-    signals = 1 if options.per_sequence else 5
-    whole, stepped = _stepped(lambda **extra: _groups(model, _data(), options, **extra), signals)
+    signals = 2 if options.per_sequence else 5  # per sequence: 9 and 3 signals, the last step padded
+    whole_tensors = []
+    traced = jax_ggn.token_signals
+
+    def spy(*args, **kwargs):
+        whole_tensors.append(kwargs.get("members"))
+        return traced(*args, **kwargs)
+
+    monkeypatch.setattr(jax_ggn, "token_signals", spy)
+
+    def run(**extra):
+        whole_tensors.clear()
+        got = _groups(model, _data(), options, **extra)
+        assert bool(whole_tensors) == ("memory_budget" not in extra)  # formed whole only with all at once
+        return got
+
+    whole, stepped = _stepped(run, signals)
     _close(stepped, whole, 1e-12)
     want = reference_estimates(name, options)
     for got, layer in zip(stepped, layers):

@@ -280,3 +280,32 @@ def test_per_token_block_is_the_block_of_the_whole_signals(kw):
                            block, t)
         want = np.concatenate([real, np.zeros((block, n, t, c))])[start:start + block]
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("kw", [dict(loss="nsce", estimator="ggn-mc", samples=3),
+                                dict(loss="ce", estimator="ggn-topk", top_classes=2, samples=4)],
+                         ids=["ggn-mc", "ggn-topk"])
+def test_per_sequence_block_is_the_block_of_the_whole_signals(kw):
+    """Per sequence a step forms only its block of signals from the tokens' classes and scales
+    (method §9, "Memory"): every block equals the same block of the engine's whole
+    ``token_signals`` tensor (real slots, the empty group 0 of ``ggn-topk`` left out, zero padding
+    past the end), signs, counted tokens and draws included."""
+    from normflat.backends.keras.ggn import _sequence_block
+
+    options = validate_options(progress=False, seed=3, **kw)
+    n, t, c = 3, 4, 6
+    assert options.sequence_layout(t)
+    rng = np.random.default_rng(32)
+    z = rng.normal(size=(n, t, c)) * 2
+    counted = (rng.random((n, t)) > 0.3).astype(np.float64)
+    u = sample_uniforms(3, 0, 0, n, options.uniform_columns(t))
+    index, _ = signal_layout(options, c, t)
+    whole = losses.token_signals(np, z, options, counted, u)  # (K', M', n, T, C)
+    real = whole.reshape(-1, n, t, c)[index]
+    assert np.any(real)
+    block = next(b for b in range(2, len(index)) if len(index) % b)  # several blocks, the last one padded
+    for start in range(0, len(index), block):
+        got = _sequence_block(tf.constant(z), tf.constant(u), tf.constant(counted), options, index,
+                              tf.constant(start), block)
+        want = np.concatenate([real, np.zeros((block, n, t, c))])[start:start + block]
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-14)

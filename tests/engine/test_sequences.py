@@ -301,6 +301,30 @@ def test_sequence_signals_in_blocks_of_members_are_the_whole(estimator, loss):
                              members=(0, 1))
 
 
+@pytest.mark.parametrize("estimator", ["ggn-topk", "ggn-mc"])
+@pytest.mark.parametrize("loss", ["ce", "nsce"])
+def test_sequence_classes_form_any_signals_alone(estimator, loss):
+    """sequence_classes + sequence_dense: any selection of the (group, member) signals, formed
+    alone from their classes and scales, equals those signals of the whole tensor (a backend
+    forms a step of them at a time, method §9)."""
+    z, counted, opts = _sequence_case(estimator, loss, 7, top=2)
+    n, t, c = z.shape
+    u = RNG.uniform(size=(n, opts.uniform_columns(t)))
+    whole = losses.token_signals(np, z, opts, counted, u)  # (K', M', n, T, C)
+    k2, m = whole.shape[:2]
+    classes = losses.sequence_classes(np, z, opts, counted, u)
+    assert classes.index.shape == classes.scale.shape == (k2, m, n * t)
+    np.testing.assert_array_equal(losses.sequence_dense(np, classes, opts).reshape(whole.shape), whole)
+    flat_index = classes.index.reshape(k2 * m, n * t)
+    flat_scale = classes.scale.reshape(k2 * m, n * t)
+    picked = RNG.permutation(k2 * m)[:3]
+    got = losses.sequence_dense(np, classes, opts, flat_index[picked][None], flat_scale[picked][None])
+    np.testing.assert_array_equal(got.reshape(3, n, t, c), whole.reshape(k2 * m, n, t, c)[picked])
+    # A padding slot (class -1, scale 0) is a zero signal.
+    pad = losses.sequence_dense(np, classes, opts, -np.ones((1, 1, n * t)), np.zeros((1, 1, n * t)))
+    assert not np.any(pad)
+
+
 def test_sequence_signals_need_every_token_at_once():
     z, counted, opts = _sequence_case("ggn-mc", "ce", 2)
     u = RNG.uniform(size=(z.shape[0], opts.uniform_columns(z.shape[1])))

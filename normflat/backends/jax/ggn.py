@@ -74,8 +74,8 @@ import numpy as np
 from normflat.backends.jax.compat import x64_enabled
 from normflat.backends.jax.kernel import Kernel, Run
 from normflat.core.memory import chunk_size_for, default_budget, equal_step, training_step_bytes
-from normflat.engine.losses import (Factor, diagonal_signals, output_factor, output_signals, token_signals,
-                                    zero_signals)
+from normflat.engine.losses import (Factor, diagonal_signals, output_factor, output_signals, sequence_classes,
+                                    sequence_dense, token_signals, zero_signals)
 from normflat.engine.random import sample_uniforms
 
 __all__ = ["GGN", "STRUCTURED_HEAD_CLASSES"]
@@ -306,13 +306,11 @@ class GGN(Kernel):
         activations = self._activation_elements()
         item = jnp.dtype(self.dtype).itemsize
         self.need = (per_example + (1 + signals) * activations) * item
-        # Per-sequence token signals are formed whole (K', M', T, C) before they are stepped through
-        # (few per sequence); per token, a step's are formed as it comes.
-        formed = self.G * self.cols * self.tokens * num_classes if options.sequence_layout(self.tokens) else 0
         # Bytes of one example whose signals go ``s`` at a time, ``_step_base + s · _step_signal``
         # (:meth:`signal_step_for`): also the group sums they add into, and a tied table's
-        # per-signal gradients instead of its own steps.
-        self._step_base = (base + sums + activations + formed) * item
+        # per-signal gradients instead of its own steps. A step's signals at the logits are formed
+        # as it comes (of (n, C) logits and token logits alike), within a signal's activations.
+        self._step_base = (base + sums + activations) * item
         self._step_signal = (per_signal + 2 * tied_tables + activations) * item
         #: Signals of one example back-propagated at once when they do not all fit (None: all of them).
         self.signal_step = None
@@ -407,7 +405,7 @@ class GGN(Kernel):
         ``lax.scan``; the forward once), their squares added into the group sums, so that one
         example's memory is bounded however many signals it has (:meth:`signal_step_for`); the
         signals of a step are formed as it comes (of ``(n, C)`` logits and per token from the
-        factor, never all ``C − 1`` at once; per-sequence signals, a few, are formed first).
+        factor, never all ``C − 1`` at once; per sequence from the tokens' classes and scales).
         """
         prog, taps, gen = self.prog, self.taps, self.gen
         # An added table is perturbed at its operand of the addition (Program.run), the others at their output.
@@ -458,6 +456,13 @@ class GGN(Kernel):
 
                 def signals(columns=None):
                     return self._token_columns(factor, counted, *columns)
+            elif step is not None and counted is not None:
+                # Per sequence: each signal a signed sum over the tokens, formed a step at a time from
+                # the per-token classes and scales (losses.sequence_classes), never all at once.
+                classes = sequence_classes(jnp, z[None], self.options, counted[None], uniforms)
+
+                def signals(columns=None):
+                    return self._sequence_columns(classes, *columns)
             else:
                 if counted is None:
                     sig = output_signals(jnp, z[None], self.options, uniforms)  # (K', M, 1, C)
@@ -571,6 +576,19 @@ class GGN(Kernel):
         dense = rows.dense(_XP).reshape(index.shape[0], -1) * jnp.take(counted, t)[:, None]  # (s, C)
         place = (jnp.arange(self.tokens)[None, :] == t[:, None]).astype(dense.dtype)  # (s, T)
         return dense[:, None, :] * place[:, :, None]
+
+    def _sequence_columns(self, classes, index, valid):
+        """``(len(index), T, C)``: the per-sequence signals ``index`` (flat ``group·cols + member`` of
+        the back-propagated groups, :func:`~normflat.engine.losses.token_signals`' per-sequence
+        layout) of one example's :class:`~normflat.engine.losses.SequenceClasses`, formed alone
+        (``O(T·C)`` each); zero where not ``valid``."""
+        def pick(values, fill):
+            flat = values[self.skip:].reshape(-1, values.shape[-1])  # (bp·cols, T)
+            got = jnp.take(flat, jnp.minimum(index, flat.shape[0] - 1), axis=0)  # (s, T)
+            return jnp.where(valid[:, None], got, jnp.full_like(got, fill))[None]
+
+        sig = sequence_dense(jnp, classes, self.options, pick(classes.index, -1), pick(classes.scale, 0))
+        return sig.reshape((index.shape[0], self.tokens, -1))  # (1, s, T, C) -> (s, T, C)
 
     def _factor_columns(self, factor, index, valid):
         """The back-propagated signals ``index`` (flat ``group·cols + member`` of the groups after

@@ -54,11 +54,11 @@ from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for
 from normflat.engine.losses import (diagonal_signals, logit_stats, output_factor, output_signals,
-                                    signal_slots, token_signals)
+                                    sequence_classes, sequence_dense, signal_slots)
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
 
-__all__ = ["Taps", "ggn_step_fn", "model_logits", "signal_layout", "token_signal_bytes",
+__all__ = ["Taps", "ggn_step_fn", "model_logits", "signal_layout",
            "ggn_bytes", "ggn_chunk_size", "SIGNAL_BLOCK", "compute_dtype", "exact_head", "STRUCTURED_HEAD_CLASSES",
            "CHUNK_BYTES", "MAX_CHUNK"]
 
@@ -276,20 +276,6 @@ def signal_layout(options: AnalysisOptions, num_classes: int,
     return index.reshape(-1), seg
 
 
-def token_signal_bytes(options: AnalysisOptions, num_classes: int, tokens: int | None, item: int) -> int:
-    """Bytes per sample of the whole token-signal tensor a GGN step forms (0 for ``(n, C)`` logits
-    and per-token signals, whose blocks are formed alone: :func:`_token_block`).
-
-    Per sequence the step forms :func:`~normflat.engine.losses.token_signals`' ``(K', M', n, T, C)``
-    signals at once, then gathers the real ones (a second copy): ``M' =
-    token_signals_per_group(C, T)``, a few per sequence (method §6.3).
-    """
-    if tokens is None or not options.sequence_layout(tokens):
-        return 0  # per token, a block's signals are formed alone (_token_block)
-    per_group = options.token_signals_per_group(num_classes, tokens)
-    return 2 * options.state_groups * per_group * tokens * num_classes * item
-
-
 def _head_squares(x: Any, zc: Any, counted: Any, options: AnalysisOptions, tokens: int | None,
                   groups: int) -> Any:
     """``(K', out, in)`` exact squares of a ``Dense`` head whose pre-activation is the logits.
@@ -405,6 +391,23 @@ def _token_block(zc: Any, u: Any, counted: Any, options: AnalysisOptions, index:
         out = out + _block_of(by_signal(w), index, start, block)[..., None] * at
     out = out * tf.transpose(tf.gather(tf.cast(counted, zc.dtype), where, axis=1))[..., None]
     return out[:, :, None, :] * tf.one_hot(where, tokens, dtype=zc.dtype)[:, None, :, None]
+
+
+def _sequence_block(zc: Any, u: Any, counted: Any, options: AnalysisOptions, index: Any, start: Any,
+                    block: int) -> Any:
+    """``(block, n, T, C)``: a block of per-sequence signals of token logits, formed alone.
+
+    Per sequence, signal ``g·M' + m`` (:func:`signal_layout`) is the signed sum over the tokens
+    of one per-token signal each (:func:`~normflat.engine.losses.token_signals`): from the
+    tokens' classes and scales (:func:`~normflat.engine.losses.sequence_classes`, a few numbers
+    per token and signal) only the block's signals are formed, ``O(T·C)`` each, instead of the
+    whole ``(K', M', n, T, C)`` tensor at every block.
+    """
+    n, t, c = tf.shape(zc)[0], int(zc.shape[1]), int(zc.shape[2])
+    classes = sequence_classes(TF, zc, options, tf.cast(counted, zc.dtype), u)  # (K', M', n·T)
+    picked = [_block_of(v, index, start, block)[None] for v in (classes.index, classes.scale)]  # (1, B, n·T)
+    sig = sequence_dense(TF, classes, options, *picked)  # (1, B, n·T, C)
+    return tf.reshape(sig, [block, n, t, c])
 
 
 def _same_padding(size: int, k: int, s: int, d: int) -> tuple[int, int]:
@@ -744,12 +747,12 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
             # M·T signals of T·C numbers per sample, grows with T²).
             s = tf.cast(_token_block(zc, u, counted, options, index, start, block, tokens), z.dtype)
             s = tf.ensure_shape(s, [block, None, *rest])
+        elif (generic or (rest_fast and head_input is None)) and tokens is not None:
+            # Per sequence: only the block's signals, from the tokens' classes and scales.
+            s = tf.cast(_sequence_block(zc, u, counted, options, index, start, block), z.dtype)
+            s = tf.ensure_shape(s, [block, None, *rest])
         elif generic or (rest_fast and head_input is None):
-            if tokens is None:
-                sig = output_signals(TF, zc, options, u)  # (K', M, n, C)
-            else:
-                # (K', M', n, T, C): M' = M·T per token, a few per sequence (all tokens at once).
-                sig = token_signals(TF, zc, options, tf.cast(counted, zc.dtype), u)
+            sig = output_signals(TF, zc, options, u)  # (K', M, n, C)
             s = tf.gather(tf.reshape(sig, [-1, tf.shape(zc)[0], *rest]), index)
             s = tf.cast(s, z.dtype)
             s = tf.pad(s, [[0, block]] + [[0, 0]] * (1 + len(rest)))[start:start + block]
@@ -807,8 +810,7 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
     return step
 
 
-def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: int, block: int,
-              signal_bytes: int = 0) -> tuple[int, int]:
+def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: int, block: int) -> tuple[int, int]:
     """Estimated bytes of one GGN step as ``linear * n + quadratic * n²`` for a chunk of n samples.
 
     Counts the per-sample intermediates that grow with the chunk: the
@@ -820,12 +822,11 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
     pass grow with n² (one signal per sample of the chunk).
 
     Args:
-        num_classes: Logits per sample (``T·C`` for token logits).
-        signal_bytes: Bytes per sample of the signals formed whole before the blocks are
-            taken (token logits: :func:`token_signal_bytes`).
+        num_classes: Logits per sample (``T·C`` for token logits). A block's signals are formed
+            alone (:func:`_dense_block`, :func:`_token_block`, :func:`_sequence_block`).
     """
     item = tf.as_dtype(dtype).size
-    linear = input_size + num_classes * (block + 2) + -(-int(signal_bytes) // item)
+    linear = input_size + num_classes * (block + 2)
     work = 0
     for e in entries:
         if not e.fast:

@@ -27,7 +27,7 @@ from normflat.backends.keras.calls import grouped_conv_call, is_plain_norm, norm
 from normflat.backends.keras.data import ADAPTER, to_tensor
 from normflat.backends.keras.distributed import Replicas
 from normflat.backends.keras.ggn import (SIGNAL_BLOCK, Taps, compute_dtype, ggn_bytes, ggn_chunk_size, ggn_step_fn,
-                                        model_logits, signal_layout, token_signal_bytes)
+                                        model_logits, signal_layout)
 from normflat.backends.keras.hvp import (EXACT_BLOCK, PROBE_BLOCK, has_recurrence, hvp_step_fns, native_positions,
                                         native_probes)
 from normflat.backends.keras.layers import Entry, fast_kind, final_softmax, walk
@@ -722,8 +722,7 @@ class KerasSession:
 
     def _step_bytes(self, block: int) -> tuple[int, int]:
         """:func:`~normflat.backends.keras.ggn.ggn_bytes` of a step of ``block`` signals per sample."""
-        return ggn_bytes(self.entries, self.dtype, self.input_size, self.num_classes * (self.tokens or 1), block,
-                         token_signal_bytes(self.options, self.num_classes, self.tokens, compute_dtype(self.dtype).size))
+        return ggn_bytes(self.entries, self.dtype, self.input_size, self.num_classes * (self.tokens or 1), block)
 
     def _budget_block(self, signals: int, block: int, budget: int, refuse: bool) -> int:
         """Signals per block within ``budget`` bytes: ``block``, or fewer (equal blocks, down to one)

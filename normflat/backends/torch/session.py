@@ -744,9 +744,9 @@ class TorchSession:
         (method §6.3; ignored tokens zero). Per token (the exact ``ggn``, ``diagonal``, or
         ``sequence_signals=False``: each token's factor placed at its own position) they are
         formed a few tokens at a time, so that the placed ``(K, M·T, n, T, C)`` tensor, which
-        grows with ``T²``, never exists whole. Per sequence every signal spans all tokens, so
-        they are formed at once (a few per sequence) and handed on a few members of every
-        group at a time, which bounds the signals back-propagated together.
+        grows with ``T²``, never exists whole. Per sequence every signal spans all tokens; they
+        are formed a few members of every group at a time (the same draws and signs), which
+        bounds the signals formed and back-propagated together.
         """
         z = logits
         if z.dim() == 2:
