@@ -478,6 +478,41 @@ def test_fast_false_takes_the_generic_path_with_the_same_numbers(builder, estima
     _assert_same(generic, got, rtol=1e-10)
 
 
+@pytest.mark.parametrize("estimator", ["ggn-topk", "ggn-mc"])
+def test_hessian_diagonal_keeps_one_pooled_sum_per_weight(builder, estimator, monkeypatch):
+    """``hessian_diagonal`` wants only the mean of the ``K`` group estimates (``options.pooled``):
+    every backend keeps one sum per weight (``ggn-topk``: 1 instead of ``1 + K``), and the diagonal
+    is the mean of ``analyze``'s group estimates (the same draws), on a CNN over two batches."""
+    import importlib
+
+    from normflat.engine import estimators, validate_options
+
+    backend = importlib.import_module(f"normflat.backends.{FRAMEWORK[builder.NAME]}")
+    spec = _cnn(19)
+    x, y = netspec.data(spec, n=6, seed=20)
+    model = builder.build(spec)
+    kw = dict(loss="ce", estimator=estimator, samples=5, seed=3, progress=False,
+              **({"top_classes": 1} if estimator == "ggn-topk" else {}))
+    options = validate_options(**kw)
+    kept = []
+    finalize = estimators.finalize
+
+    def spy(state, *args, **kwargs):
+        kept.append(sorted({int(s.shape[0]) for s in state.sums if s is not None}))
+        return finalize(state, *args, **kwargs)
+
+    monkeypatch.setattr(estimators, "finalize", spy)
+    pooled = backend.hessian_diagonal(model, builder.make_data(x, y, 4), options, **builder.ANALYZE_KWARGS)
+    problems, _ = backend.layer_problems(model, builder.make_data(x, y, 4), options, **builder.ANALYZE_KWARGS)
+    # analyze: K' group sums (the exact head of ggn-topk: its one shared sum).
+    assert kept[0] == [1] and options.state_groups in kept[1], kept
+    assert len(pooled) == len(problems)
+    for value, problem in zip(pooled.values(), problems):
+        assert len(problem.hessian_diag_samples) == options.groups > 1
+        mean = _numpy(problem.hessian_diag)
+        np.testing.assert_allclose(_numpy(value), mean, rtol=1e-10, atol=1e-14 * float(np.abs(mean).max()))
+
+
 # ----------------------------------------------------------------------------- metadata
 
 

@@ -95,6 +95,7 @@ other weight values, does not recompile.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -130,8 +131,12 @@ def layer_problems(model: Any, data: Any, options: AnalysisOptions, **backend_op
 
 
 def hessian_diagonal(model: Any, data: Any, options: AnalysisOptions, **backend_options: Any) -> dict:
-    """``{layer name: diagonal}`` in canonical ``(out, in/groups, *kernel)`` layout, model order."""
-    return _run(driver.hessian_diagonal, model, data, options, backend_options)
+    """``{layer name: diagonal}`` in canonical ``(out, in/groups, *kernel)`` layout, model order.
+
+    Only the mean of the group estimates is wanted: ``ggn-mc`` and ``ggn-topk`` keep one sum
+    per weight for all their groups (``AnalysisOptions.pooled``), as in every backend.
+    """
+    return _run(driver.hessian_diagonal, model, data, replace(options, group_estimates=False), backend_options)
 
 
 def _run(entry, model, data, options: AnalysisOptions, backend_options: dict, host_results: bool = False):

@@ -76,6 +76,7 @@ from normflat.backends.jax.kernel import Kernel, Run
 from normflat.core.memory import chunk_size_for, default_budget, equal_step, training_step_bytes
 from normflat.engine.losses import (Factor, diagonal_signals, output_factor, output_signals, sequence_classes,
                                     sequence_dense, token_signals, zero_signals)
+from normflat.engine.estimators import mean_weights
 from normflat.engine.random import sample_uniforms
 
 __all__ = ["GGN", "STRUCTURED_HEAD_CLASSES"]
@@ -206,6 +207,8 @@ class GGN(Kernel):
         self.draws = options.draws
         # K' sums of M signals each (ggn: diag(p) - p p^T has rank C-1, engine.losses.ggn_factor).
         self.G = options.state_groups
+        #: options.pooled: the weights of the K' sums in their mean, which :meth:`_chunk` returns alone.
+        self.pool = mean_weights(options) if options.pooled else None
         self.M = options.signals_per_group(num_classes)
         # fast=False: no taps, every weight on the generic path (cross-checks, as in torch and Keras).
         taps = self.active_taps = prog.taps if settings["fast"] else []
@@ -338,8 +341,9 @@ class GGN(Kernel):
         memory stays within about twice a training step of the model on the batch
         (:func:`normflat.core.memory.default_budget` of
         :func:`~normflat.core.memory.training_step_bytes` of all parameters and the layer
-        outputs of the batch, less the ``K'`` group sums of every analyzed weight; at least
-        :data:`~normflat.core.memory.DEFAULT_BUDGET_FLOOR`), the torch backend's rule, and
+        outputs of the batch, less the sums the state keeps of every analyzed weight (``K'``, or
+        one pooled); at least :data:`~normflat.core.memory.DEFAULT_BUDGET_FLOOR`), the torch
+        backend's rule, and
         never more than the :data:`_GGN_BUDGET` bound on the intermediates.
         """
         if self.settings.get("chunk_size") or self.settings.get("memory_budget") is not None:
@@ -348,7 +352,7 @@ class GGN(Kernel):
         params = sum(int(np.prod(a.shape, dtype=np.int64)) for a in list(run.ws) + list(run.others)
                      if hasattr(a, "shape") and hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.inexact))
         step = training_step_bytes(params, self.layer_outputs * int(n), item)
-        state = self.G * self.weight_entries * item
+        state = self.options.sum_groups * self.weight_entries * item
         budget = default_budget(step, state)
         by_memory = budget // max(int(self.need), 1)
         if by_memory < 1:
@@ -808,6 +812,12 @@ class GGN(Kernel):
             dw = jax.vmap(lambda v: vjp_layout(v)[0])(dwp)
             # a head's sums are complete (its exact group 0, zeros after); the others' lack the skipped groups
             res.append(dw if k in self.heads else self._pad_groups(dw))
+        if self.pool is not None:
+            # Only the mean of the groups is wanted (options.pooled): one sum per weight, the groups'
+            # sums weighted as the mean weighs them (engine.estimators.mean_weights), as the torch
+            # backend pools its signals; the state keeps 1 sum per weight instead of K'.
+            weights = jnp.asarray(self.pool, res[0].dtype)
+            res = [jnp.tensordot(weights, r, axes=1)[None] for r in res]
         # Padded rows repeat a real example: they change no logit statistic.
         return res, self.stats(z)
 

@@ -264,7 +264,7 @@ class JaxSession:
     def zeros(self, layer: int) -> Any:
         shape = self._canonical_shape(layer) if self.kernel is not None else ()
         zero = jnp.zeros(tuple(shape), self.dtype if self.kernel is not None else jnp.float32)
-        return GroupSums([zero] * self.options.state_groups)
+        return GroupSums([zero] * self.options.sum_groups)
 
     def all_finite(self, array: Any) -> bool:
         # The engine's first call after the data: evaluate the deferred checks first, so that
@@ -375,7 +375,7 @@ class JaxSession:
                 )
         # per_sequence: the same program and estimator back-propagate other signals per token or per sequence.
         key = (prog.text, tuple(str(w.dtype) for w in ws), options.estimator, options.samples,
-               options.top_classes, options.per_sequence,
+               options.top_classes, options.per_sequence, options.pooled,
                options.loss if callable(options.loss) else str(options.loss), options.temperature,
                settings["chunk_size"], settings["memory_budget"], settings["exact_chunk"], settings["probe_chunk"],
                settings["fast"])

@@ -70,6 +70,7 @@ Backend options (keyword arguments of ``normflat.analyze``):
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import keras
@@ -185,7 +186,12 @@ def layer_problems(model: Any, data: Any, options: AnalysisOptions, **backend_op
 
 
 def hessian_diagonal(model: Any, data: Any, options: AnalysisOptions, **backend_options: Any) -> dict[str, Any]:
-    """``{layer name: tf.Tensor}`` of the Hessian (or GGN) diagonal, canonical layout, kernel dtype."""
+    """``{layer name: tf.Tensor}`` of the Hessian (or GGN) diagonal, canonical layout, kernel dtype.
+
+    Only the mean of the group estimates is wanted: ``ggn-mc`` and ``ggn-topk`` keep one sum
+    per weight for all their groups (``AnalysisOptions.pooled``), as in every backend.
+    """
+    options = replace(options, group_estimates=False)
     make_session, comm = _setup(model, options, backend_options, as_tensors=True)
     return driver.hessian_diagonal(make_session, data, options, comm)
 

@@ -55,6 +55,7 @@ from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for
 from normflat.engine.losses import (diagonal_signals, logit_stats, output_factor, output_signals,
                                     sequence_classes, sequence_dense, signal_slots)
+from normflat.engine.estimators import mean_weights
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
 
@@ -672,7 +673,8 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
     """The compiled GGN step of one chunk of samples and one block of signals.
 
     ``step(x, uniforms, counted, start)`` returns the ``(K', *canonical)`` sums per
-    layer (``groups = K'``, :attr:`~normflat.engine.options.AnalysisOptions.state_groups`)
+    layer (``groups = K'``, :attr:`~normflat.engine.options.AnalysisOptions.state_groups`;
+    one sum, their weighted mean, under :attr:`~normflat.engine.options.AnalysisOptions.pooled`)
     and the :func:`~normflat.engine.losses.logit_stats` of the chunk.
     ``uniforms`` are the chunk's ``(n, options.uniform_columns(T))`` uniforms (``ggn-mc``,
     ``ggn-topk``; ``(n, 0)`` for ``ggn``); ``counted`` is the ``(n, T)`` 0/1 mask of the counted
@@ -692,6 +694,7 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
     model_ref = weakref.ref(model)
     index, seg_list = signal_layout(options, num_classes, tokens)
     head_rule = exact_head(options, num_classes)
+    pool = mean_weights(options) if options.pooled else None  # the K' sums' weights in their mean
 
     @tf.function(reduce_retracing=True)
     def step(x, uniforms, counted, start):
@@ -805,7 +808,12 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                 sq = tf.math.unsorted_segment_sum(tf.square(gr), sample_seg, groups)
                 out[e.name] = tf.vectorized_map(e.weight.to_canonical, sq)
         del tape
-        return [out[e.name] for e in entries], stats
+        sums = [out[e.name] for e in entries]
+        if pool is not None:
+            # Only the mean of the groups is wanted (options.pooled): one sum per weight, the groups'
+            # sums weighted as the mean weighs them, as the torch backend pools its signals.
+            sums = [tf.tensordot(tf.constant(pool, v.dtype), v, 1)[None] for v in sums]
+        return sums, stats
 
     return step
 

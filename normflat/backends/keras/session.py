@@ -350,8 +350,8 @@ class KerasSession:
     def zeros(self, layer: int) -> Any:
         shape = self._sum_shape(layer)
         if self.host:
-            return np.zeros((self.options.state_groups, *shape))
-        return tf.zeros((self.options.state_groups, *shape), tf.float64)
+            return np.zeros((self.options.sum_groups, *shape))
+        return tf.zeros((self.options.sum_groups, *shape), tf.float64)
 
     def all_finite(self, array: Any) -> bool:
         # The engine's first call after the data: the deferred checks first, so that bad logits
@@ -663,7 +663,7 @@ class KerasSession:
         A training step of the model on this batch (per replica under a strategy), from
         :func:`~normflat.core.memory.training_step_bytes`: every model variable, and as
         activations the pre-activations of the tapped layers and the logits; less the
-        per-layer sums the estimator holds (``K'`` per analyzed weight entry), at least
+        per-layer sums the estimator holds (``K'`` per analyzed weight entry, one pooled), at least
         :data:`~normflat.core.memory.DEFAULT_BUDGET_FLOOR` (the rule of the torch backend).
         """
         item = self.dtype.size
@@ -699,8 +699,8 @@ class KerasSession:
             self._step = None  # another sequence length: another signal layout
         if self._step is None:
             self._step_tokens = key_tokens
-            key = ("ggn", options.estimator, options.loss, options.temperature, options.samples, options.top_classes,
-                   self.num_classes, self.tokens, sequence, self._probe_key_output(),
+            key = ("ggn", options.estimator, options.pooled, options.loss, options.temperature, options.samples,
+                   options.top_classes, self.num_classes, self.tokens, sequence, self._probe_key_output(),
                    tuple((e.name, e.fast, id(e.variable.value), e.weight.kind) for e in self.entries),
                    None if self.strip is None else (id(self.strip[0]), self.strip[1]),
                    tuple(id(layer) for layer in self.grouped), block)
