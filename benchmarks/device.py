@@ -155,8 +155,9 @@ def host_calls_per_batch(device: str, estimator: str = "ggn") -> dict[str, float
 
 
 def jax_check() -> str:
-    """Every estimator on the MLP, float32 on JAX's default device against float64 on its CPU (the
-    ``dtype`` option), or why it did not run."""
+    """Every estimator on the MLP and the token-logit estimators on a small LM (per sequence, in
+    steps, per token), float32 on JAX's default device against float64 on its CPU (the ``dtype``
+    option), or why it did not run."""
     try:
         import jax
         from flax import nnx
@@ -170,21 +171,38 @@ def jax_check() -> str:
         def __call__(self, x):
             return self.b(nnx.tanh(self.a(x)))
 
+    class LM(nnx.Module):  # token logits (n, T, 50)
+        def __init__(self, rngs):
+            self.emb, self.head = nnx.Embed(50, 8, rngs=rngs), nnx.Linear(8, 50, rngs=rngs)
+
+        def __call__(self, ids):
+            return self.head(nnx.tanh(self.emb(ids)))
+
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(6, 6)).astype(np.float32), rng.integers(0, 5, 6)
+    ids = rng.integers(0, 50, (3, 6))
+    next_ids = np.concatenate([ids[:, 1:], np.full((3, 1), -100)], axis=1)
+    # Every estimator on the MLP; on the LM the per-sequence ggn-topk (auto's), also with one
+    # example's signals in steps (a small memory_budget: the lax.scan path), and the per-token ggn.
+    cases = [("mlp", MLP, (x, y), {"estimator": estimator, **_samples(estimator)}) for estimator in ESTIMATORS]
+    cases += [("lm", LM, (ids, next_ids), options) for options in (
+        {"estimator": "ggn-topk", "loss": "ce"}, {"estimator": "ggn-topk", "loss": "ce", "memory_budget": "64KB"},
+        {"estimator": "ggn", "loss": "ce"})]
     default = jax.devices()[0]
     rows = []
-    for estimator in ESTIMATORS:
-        options = {"estimator": estimator, "progress": False, **_samples(estimator)}
+    for name, make, data, options in cases:
+        options = {"progress": False, **options}
         with jax.default_device(jax.devices("cpu")[0]):
             ref = {k: np.asarray(v, np.float64) for k, v in normflat.hessian_diagonal(
-                MLP(nnx.Rngs(0)), (x, y), dtype="float64", **options).items()}
+                make(nnx.Rngs(0)), data, dtype="float64", **options).items()}
         with jax.default_device(default):
-            got = normflat.hessian_diagonal(MLP(nnx.Rngs(0)), (x, y), **options)
+            got = normflat.hessian_diagonal(make(nnx.Rngs(0)), data, **options)
             on_device = all(d.platform == default.platform for v in got.values() for d in v.devices())
         scale = max(float(np.abs(v).max()) for v in ref.values())
         worst = max(float(np.abs(np.asarray(got[k], np.float64) - ref[k]).max()) for k in ref) / scale
-        rows.append(f"| mlp | {estimator} | {worst:.1e} | {'yes' if on_device else 'NO'} |")
+        label = options["estimator"] + (f", memory_budget={options['memory_budget']}" if "memory_budget" in options
+                                        else "")
+        rows.append(f"| {name} | {label} | {worst:.1e} | {'yes' if on_device else 'NO'} |")
     head = f"JAX {jax.__version__} on {default} (float32) against float64 on its CPU:"
     return "\n".join([head, "| model | estimator | difference | diagonal on the device |", "|---|---|---|---|", *rows])
 
