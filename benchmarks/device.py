@@ -126,7 +126,12 @@ def precision_checks(device: str) -> list[tuple[str, str, float, bool]]:
     return rows
 
 
-class _HostCalls(TorchFunctionMode):
+class HostCalls(TorchFunctionMode):
+    """Counts, by name, the :data:`HOST_CALLS` made while the mode is active.
+
+    Shared with ``tests/backends/test_torch.py::test_no_host_round_trip_per_batch``.
+    """
+
     def __init__(self) -> None:
         super().__init__()
         self.count = collections.Counter()
@@ -147,7 +152,7 @@ def host_calls_per_batch(device: str, estimator: str = "ggn") -> dict[str, float
     batch = _to(make_data(torch.Generator().manual_seed(1)), device)
     totals = {}
     for batches in (2, 4):
-        mode = _HostCalls()
+        mode = HostCalls()
         with mode:
             normflat.hessian_diagonal(model, [batch] * batches, estimator=estimator, progress=False)
         totals[batches] = sum(mode.count.values())
