@@ -29,6 +29,9 @@ Problems:
   §6.3); the "per token" column is ``auto`` with ``sequence_signals=False``, one signal per
   token, and the accuracy table compares the two (no exact reference: the difference over
   the combined standard error).
+* ``gpt2-untied-50000``: the same GPT-2 with a 50000-token vocabulary and its own head (not
+  tied to the token embedding: a dense head whose output is the logits), 2 sequences of 128
+  tokens (no "per token" column).
 
 Run::
 
@@ -88,6 +91,13 @@ def _gpt2(vocab: int) -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
+def _gpt2_untied(vocab: int) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=vocab, n_positions=128, n_embd=64, n_layer=2, n_head=2, tie_word_embeddings=False)
+    return GPT2LMHeadModel(config)
+
+
 #: name -> (factory, classes, input shape with batch axis, BackPACK runs on it, exact ggn is run)
 PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool, bool]] = {
     "mlp-10": (_mlp, 10, (128, 1, 28, 28), True, True),
@@ -97,8 +107,11 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
     "resnet18-1000": (_resnet18, 1000, (16, 3, 32, 32), False, True),
     "vit-1000": (_vit, 1000, (16, 3, 32, 32), False, False),
     "gpt2-5000": (_gpt2, 5000, (4, 32), False, False),
+    "gpt2-untied-50000": (_gpt2_untied, 50000, (2, 128), False, False),
 }
-LANGUAGE_MODELS = ("gpt2-5000",)
+LANGUAGE_MODELS = ("gpt2-5000", "gpt2-untied-50000")
+#: The language models timed with one signal per token too (the "per token" column).
+PER_TOKEN_TIMED = ("gpt2-5000",)
 
 
 def make_problem(name: str, seed: int = 0, device: str = "cpu"
@@ -150,7 +163,7 @@ def _runs(name: str, model: nn.Module, data: Any, loss_of: Callable[[nn.Module],
         def loader_run():
             return normflat.hessian_diagonal(model, [data] * loader_batches, loss="ce", progress=False)
         runs["auto per batch"] = loader_run
-    if name in LANGUAGE_MODELS:
+    if name in PER_TOKEN_TIMED:
         runs["per token"] = normflat_run(sequence_signals=False)
     if PROBLEMS[name][4]:  # too slow for the ViT (999 signals through 12 blocks) and the LM
         runs["ggn"] = normflat_run(estimator="ggn")
@@ -375,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {name} | {np.median(worst):.2%} ({worst.max():.2%}) | {int((worst <= 0.01).sum())} of "
                   f"{len(runs)} | {bias.min():+.2%} to {bias.max():+.2%} | {ratio.min():.2f} to {ratio.max():.2f} |",
                   flush=True)
-    lms = [name for name in args.problems if name in LANGUAGE_MODELS]
+    lms = [name for name in args.problems if name in PER_TOKEN_TIMED]  # against per token: too slow for the 50k LM
     if lms:
         print("\nLanguage models: auto per sequence against auto per token (normalized sharpness per layer)")
         print("| problem | layers | max abs. relative difference | max |difference| / combined SE | "

@@ -56,6 +56,7 @@ __all__ = [
     "SequenceClasses",
     "sequence_classes",
     "sequence_dense",
+    "sequence_factor",
     "pool_signals",
     "zero_signals",
     "logit_stats",
@@ -574,15 +575,39 @@ def output_factor(xp: Any, logits: Any, options: AnalysisOptions, uniforms: Any 
     else:
         index, scale = _sampled_classes(xp, p, options, uniforms)
         vectors, coefs = [p], [-scale]
-    if options.loss == "nsce":
-        a = (options.temperature / sigma)[:, 0]  # (n,)
-        total = scale + sum(w * xp.sum(v, axis=-1)[None, None] for v, w in zip(vectors, coefs))
-        dot = scale * _gather_rows(xp, zhat, index) + sum(
-            w * xp.sum(v * zhat, axis=-1)[None, None] for v, w in zip(vectors, coefs))
-        scale = a * scale
-        coefs = [a * w for w in coefs] + [-a * total / c, -a * dot / c]
-        vectors = vectors + [xp.ones_like(zhat), zhat]
+    return _pulled_back(xp, Factor(index, scale, vectors, coefs), zhat, sigma, options)
+
+
+def _pulled_back(xp: Any, factor: Factor, zhat: Any, sigma: Any, options: AnalysisOptions) -> Factor:
+    """``factor``'s signals in the normalized logits pulled back to the raw ones (``nsce``:
+    :func:`pull_back`, which adds the vectors ``1`` and ``ẑ``); ``ce``: ``factor`` itself."""
+    if options.loss != "nsce":
+        return factor
+    index, scale, vectors, coefs = factor.index, factor.scale, factor.vectors, factor.coefs
+    c = int(zhat.shape[-1])
+    a = (options.temperature / sigma)[:, 0]  # (n,)
+    total = scale + sum(w * xp.sum(v, axis=-1)[None, None] for v, w in zip(vectors, coefs))
+    dot = scale * _gather_rows(xp, zhat, index) + sum(
+        w * xp.sum(v * zhat, axis=-1)[None, None] for v, w in zip(vectors, coefs))
+    scale = a * scale
+    coefs = [a * w for w in coefs] + [-a * total / c, -a * dot / c]
+    vectors = vectors + [xp.ones_like(zhat), zhat]
     return Factor(index, scale, vectors, coefs)
+
+
+def sequence_factor(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, uniforms: Any) -> Factor:
+    """The per-sequence signals of :func:`token_signals` as a :class:`Factor` over the ``n·T``
+    token rows: ``Factor.dense`` reshaped to ``(K', M', n, T, C)`` equals them.
+
+    Every signal of a sequence is, at each token, that token's signed class signal
+    (:func:`sequence_classes`), so through a dense head applied token by token its rows are
+    ``scale · W[index] + Σ_j coefs_j · (vectors_j W)``: ``O(d)`` per signal and token after one
+    ``(n·T, C) × (C, d)`` product per vector, instead of forming the ``(K', M', n, T, C)``
+    signals and pushing them through the head (method §6.2, §6.3).
+    """
+    classes = sequence_classes(xp, logits, options, counted, uniforms)
+    factor = Factor(classes.index, classes.scale, [classes.p], [-classes.scale])
+    return _pulled_back(xp, factor, classes.zhat, classes.sigma, options)
 
 
 def token_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: Any, uniforms: Any = None,

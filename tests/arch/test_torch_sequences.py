@@ -490,6 +490,58 @@ def test_token_signals_equal_brute_force_jacobians(case, estimator, sequence_sig
             assert _relative_error(got[name], value.mean(0)) < 1e-10, name
 
 
+class StructuredHeadTagger(nn.Module):
+    """Embedding, a dense layer per token and a dense head whose output is the token logits: an
+    ``nn.Linear``, or Hugging Face's ``Conv1D`` (its weight stored ``(in, out)``)."""
+
+    def __init__(self, head: str):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.proj = nn.Linear(D, D)
+        if head == "conv1d":
+            from transformers.pytorch_utils import Conv1D
+
+            self.head = Conv1D(C, D)
+        else:
+            self.head = nn.Linear(D, C)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.proj(self.emb(ids))))
+
+
+@pytest.mark.parametrize("head", ["linear", "conv1d"])
+@pytest.mark.parametrize("loss", ["ce", "nsce"])
+def test_sequence_signals_start_at_the_heads_input(head, loss, monkeypatch):
+    """Per-sequence ggn-topk with a dense head whose output is the token logits: the other layers'
+    signals start at the head's input, each token's signed class signal pulled through the head
+    (losses.sequence_factor), and no ``(K', M', n, T, C)`` signals are formed; a member of every
+    group at a time here. Every group estimate equals the brute force's; the head stays exact
+    (method §6.2, §6.3)."""
+    linear = _init(StructuredHeadTagger("linear"), seed=3)
+    model = linear
+    if head == "conv1d":  # the same function: the reference's layers are the nn.Linear model's
+        model = StructuredHeadTagger("conv1d").to(DT).eval()
+        with torch.no_grad():
+            model.emb.weight.copy_(linear.emb.weight), model.proj.weight.copy_(linear.proj.weight)
+            model.proj.bias.copy_(linear.proj.bias), model.head.bias.copy_(linear.head.bias)
+            model.head.weight.copy_(linear.head.weight.t())
+    ids, y = _ids(N, T, seed=21), _labels(N, T, seed=22)
+    y[1, 3] = ref.IGNORE
+    batches = [(ids[:2], y[:2]), (ids[2:], y[2:])]
+    torch.testing.assert_close(model(ids), linear(ids), rtol=1e-14, atol=1e-14)
+    options = _options(loss=loss, estimator="ggn-topk", seed=7, samples=4, top_classes=2)
+    want = _signal_reference(linear, batches, options, False, ("head",), None)
+    formed, dense = [], losses.sequence_dense
+    monkeypatch.setattr(losses, "sequence_dense", lambda *a, **kw: (formed.append(1), dense(*a, **kw))[1])
+    monkeypatch.setattr(torch_session, "SEQUENCE_SIGNAL_ENTRIES", 1)  # one member of every group per block
+    problems, _ = tb.layer_problems(model, batches, options)
+    assert not formed
+    assert {p.details["path"] for p in problems} == {"fast"}
+    assert sorted(p.name for p in problems) == sorted(want)
+    for p in problems:
+        assert _relative_error(p.hessian_diag_samples, want[p.name]) < 1e-10, p.name
+
+
 class MixingTagger(nn.Module):
     """Embedding, a convolution across the tokens (every position's gradient involves its
     neighbours' signals) and a dense head."""

@@ -325,6 +325,24 @@ def test_sequence_classes_form_any_signals_alone(estimator, loss):
     assert not np.any(pad)
 
 
+@pytest.mark.parametrize("estimator", ["ggn-topk", "ggn-mc"])
+@pytest.mark.parametrize("loss", ["ce", "nsce"])
+def test_sequence_factor_is_the_sequence_signals(estimator, loss):
+    """sequence_factor: the per-sequence signals in structured form over the token rows; pulled
+    through a dense head, the signals at its input (method §6.2, §6.3)."""
+    z, counted, opts = _sequence_case(estimator, loss, 7, top=2)
+    n, t, c = z.shape
+    u = np.random.default_rng(35).uniform(size=(n, opts.uniform_columns(t)))
+    whole = losses.token_signals(np, z, opts, counted, u)  # (K', M', n, T, C)
+    factor = losses.sequence_factor(np, z, opts, counted, u)
+    np.testing.assert_allclose(factor.dense(np).reshape(whole.shape), whole, rtol=1e-12, atol=1e-15)
+    weight = np.random.default_rng(36).normal(size=(c, 3))  # a head's (C, d) rows
+    np.testing.assert_allclose(factor.through(np, weight).reshape(*whole.shape[:-1], 3), whole @ weight,
+                               rtol=1e-12, atol=1e-14)
+    part = factor.members(1, 3)
+    np.testing.assert_allclose(part.dense(np).reshape(whole[:, 1:3].shape), whole[:, 1:3], rtol=1e-12, atol=1e-15)
+
+
 def test_sequence_signals_need_every_token_at_once():
     z, counted, opts = _sequence_case("ggn-mc", "ce", 2)
     u = RNG.uniform(size=(z.shape[0], opts.uniform_columns(z.shape[1])))

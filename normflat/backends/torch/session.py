@@ -709,6 +709,20 @@ class TorchSession:
         for a, b in ranges:
             yield factor.members(a, b)
 
+    def _sequence_head_blocks(self, z: torch.Tensor, counted: torch.Tensor, uniforms: torch.Tensor | None,
+                              weight: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Per-sequence signals of token logits ``(n, T, C)`` at the input of a dense head of ``(C, d)``
+        ``weight``, ``(K', M', n, T, d)`` a few members of every group at a time
+        (:func:`~normflat.engine.losses.sequence_factor`: each token's signed class signal pulled
+        through the head, ``O(d)`` per signal and token)."""
+        n, t, _ = z.shape
+        factor = losses.sequence_factor(_XP, z, self.options, counted, uniforms)
+        k, m = int(factor.index.shape[0]), int(factor.index.shape[1])
+        step = _sequence_step(m, k, n, t * int(weight.shape[-1]))
+        for start in range(0, m, step):
+            rows = factor.members(start, min(m, start + step)).through(_XP, weight)  # (K', M', n·T, d)
+            yield rows.reshape(k, rows.shape[1], n, t, -1)
+
     def _first_check(self, logits: torch.Tensor, fast: list[TorchLayer]) -> None:
         """On the first forward: the fast rules need each weight used once, by its own module,
         called once per forward (a substituted one: :meth:`_substitution_checks`); and the graph decides
@@ -767,11 +781,15 @@ class TorchSession:
             # A few members of every group at a time, formed as they are needed: each group's sums
             # add up over the blocks, and the dense signals, the largest arrays of a language model's
             # analysis, never exist whole.
-            step = max(1, min(m, SEQUENCE_SIGNAL_ENTRIES // max(k * n * t * c, 1),
-                              DEFAULT_SIGNAL_ROWS // max(k * n, 1)))
+            step = _sequence_step(m, k, n, t * c)
+            # Each token's classes, scales and probabilities once per chunk (a top-k and a draw over
+            # the vocabulary per token); each block's dense signals from them.
+            classes = losses.sequence_classes(_XP, z, self.options, counted, uniforms)
             for start in range(0, m, step):
-                yield losses.token_signals(_XP, z, self.options, counted, uniforms,
-                                           members=(start, min(m, start + step)))  # (K', M', n, T, C)
+                stop = min(m, start + step)
+                sig = losses.sequence_dense(_XP, classes, self.options, classes.index[:, start:stop],
+                                            classes.scale[:, start:stop])
+                yield sig.reshape(k, stop - start, n, t, c)  # (K', M', n, T, C)
             return
         m = 1 if diagonal else self.options.signals_per_group(c)  # signals per token and group
         per_token = k * m * n * t * c
@@ -843,28 +861,37 @@ class TorchSession:
                     layer.disable_fast("output broadcast over the batch")
             fast = [layer for layer in fast if layer.fast]
             z = logits.detach()
+            sequence = self.options.sequence_layout(int(z.shape[1]) if z.dim() == 3 else None)
             heads = self._heads(logits, fast)
             if heads:
                 # A dense head's squares need only the diagonal of the logit Hessian: exact at the
                 # cost of one signal (method §6.2), with nothing to back-propagate.
-                for sig in self._signal_blocks(z, counted, None, diagonal=True):
-                    self._head_squares(sig, heads, state)
+                if z.dim() == 3:
+                    self._token_head_squares(z, counted, heads, state)
+                else:
+                    for sig in self._signal_blocks(z, counted, None, diagonal=True):
+                        self._head_squares(sig, heads, state)
                 fast = [layer for layer in fast if layer not in heads]
-                if fast and len(heads) == 1 and z.dim() == 2:
+                if fast and len(heads) == 1 and (z.dim() == 2 or sequence):
                     # The other layers' signals start at the head's input, pulled back through the
-                    # head in structured form: O(C·d) per sample, not O(C²·d) (losses.Factor).
+                    # head in structured form: O(C·d) per sample, not O(C²·d) (losses.Factor); per
+                    # sequence, O(d) per signal and token, no (K', M', n, T, C) signals formed.
                     head = heads[0]
                     start = cap.live_inputs[id(head)]
-                    if start.requires_grad:
+                    if start.requires_grad and (z.dim() == 2 or tuple(start.shape[:-1]) == tuple(z.shape[:-1])):
                         weight = head.module.weight.detach()
                         if head.ext.ggn_squares is ggn_kernels.transposed_linear_squares:
                             weight = weight.t()
-                        factor = losses.output_factor(_XP, z, self.options, uniforms)
-                        for members in self._factor_steps(factor):
-                            for block in self._member_steps(self._skipped(members.through(_XP, weight), False)):
-                                self._fast_squares(start, block, fast, state)
+                        if z.dim() == 2:
+                            factor = losses.output_factor(_XP, z, self.options, uniforms)
+                            for members in self._factor_steps(factor):
+                                for block in self._member_steps(self._skipped(members.through(_XP, weight), False)):
+                                    self._fast_squares(start, block, fast, state)
+                        else:
+                            for sig in self._sequence_head_blocks(z, counted, uniforms, weight):
+                                for block in self._member_steps(self._skipped(sig, True)):
+                                    self._fast_squares(start, block, fast, state)
                         fast = []
-            sequence = self.options.sequence_layout(int(z.shape[1]) if z.dim() == 3 else None)
             # Each path forms the signals anew, one block at a time (the same draws, so the same
             # signals), so that no more than one block exists (memory).
             if fast:
@@ -912,20 +939,43 @@ class TorchSession:
         return [layer for layer in fast if not layer.tied
                 and layer.ext.ggn_squares in dense and _is_logits(self.capture.outputs.get(id(layer)), logits)]
 
-    def _head_squares(self, sig: torch.Tensor, heads: list[TorchLayer], state: SumState) -> None:
-        """Squares of the head layers from signals at the logits (their output gradients)."""
+    def _head_squares(self, sig: torch.Tensor, heads: list[TorchLayer], state: SumState,
+                      token_rows: bool = False) -> None:
+        """Squares of the head layers from signals at the logits (their output gradients).
+
+        ``token_rows``: ``sig`` holds one signal per token row ``(·, 1, n·T, C)`` and each head's
+        input is taken as its ``n·T`` token rows (:meth:`_token_head_squares`).
+        """
         assert self.capture is not None
-        k, m = sig.shape[:2]
+        m = sig.shape[1]
         # Only the shared group 0 is non-zero: square it alone, the sampled groups get zeros.
         parts = list(sig[0].unbind(0))
         for layer in heads:
             rule = layer.ext.ggn_squares
             assert rule is not None
-            value = rule(layer.module, self.capture.inputs[id(layer)], ggn_kernels.Deltas(list(parts), 1, m))
-            if k > 1:  # ggn-topk: exact, only the shared sum is kept (no K zero sums)
+            a = self.capture.inputs[id(layer)]
+            if token_rows:
+                a = a.reshape(-1, a.shape[-1])
+            value = rule(layer.module, a, ggn_kernels.Deltas(list(parts), 1, m))
+            if self.options.state_groups > 1:  # ggn-topk: exact, only the shared sum is kept (no K zero sums)
                 state.add_exact(self._index[id(layer)], value.detach(), owned=True)
             else:
                 state.add(self._index[id(layer)], value.detach(), owned=True)
+
+    def _token_head_squares(self, z: torch.Tensor, counted: torch.Tensor, heads: list[TorchLayer],
+                            state: SumState) -> None:
+        """A dense head's exact squares on token logits ``(n, T, C)`` (method §6.3).
+
+        Its output at token ``t`` depends on its input at ``t`` only, so the squares of the
+        per-token diagonal signals, each placed at its token, are those of the ``n·T`` token
+        rows taken as samples: ``Σ_rows diag(H)_row ⊗ x_row²``, one ``(C, n·T) × (n·T, d)``
+        product, where one per-sample gradient per placed signal costs ``O(T²·C·d)`` per
+        sequence. Uncounted tokens add nothing.
+        """
+        c = int(z.shape[-1])
+        root = torch.sqrt(losses.logit_hessian_diagonal(_XP, z.reshape(-1, c), self.options))
+        root = root * counted.reshape(-1, 1)  # (n·T, C)
+        self._head_squares(root[None, None], heads, state, token_rows=True)
 
     def _prepared_blocks(self, z: torch.Tensor, counted: torch.Tensor | None, uniforms: torch.Tensor | None,
                          sequence: bool) -> Iterator[tuple[torch.Tensor, list[int]]]:
@@ -1037,6 +1087,14 @@ class TorchSession:
         value = ggn_kernels.tied_squares(uses, deltas, out=running)
         if running is None:
             state.add(index, value.detach(), owned=True)
+
+
+def _sequence_step(members: int, groups: int, rows: int, width: int) -> int:
+    """Members of every group formed and back-propagated together per sequence: at most
+    :data:`SEQUENCE_SIGNAL_ENTRIES` entries of ``width`` per signal and row, and at most
+    :data:`DEFAULT_SIGNAL_ROWS` signal rows, at least one member."""
+    return max(1, min(members, SEQUENCE_SIGNAL_ENTRIES // max(groups * rows * width, 1),
+                      DEFAULT_SIGNAL_ROWS // max(groups * rows, 1)))
 
 
 def _expanded_what(layer: TorchLayer) -> str:
