@@ -57,6 +57,7 @@ __all__ = [
     "sequence_classes",
     "sequence_dense",
     "sequence_factor",
+    "sequence_members",
     "pool_signals",
     "zero_signals",
     "logit_stats",
@@ -749,14 +750,21 @@ def _sequence_signals(xp: Any, logits: Any, options: AnalysisOptions, counted: A
     (:func:`sequence_classes`) before the dense signals are formed once (the largest array of
     a language model's analysis: no stacked or signed copies of it).
     """
-    t, c = int(logits.shape[1]), int(logits.shape[2])
     classes = sequence_classes(xp, logits, options, counted, uniforms)
+    return sequence_members(xp, classes, options, int(logits.shape[1]), members)
+
+
+def sequence_members(xp: Any, classes: SequenceClasses, options: AnalysisOptions, tokens: int,
+                     members: tuple[int, int] | None = None) -> Any:
+    """``(K', M', n, T, C)``: members ``lo .. hi − 1`` of every group (all when ``members`` is
+    ``None``) of the per-sequence signals of :class:`SequenceClasses` of ``T = tokens`` tokens,
+    dense (a backend that forms a few members at a time finds the classes once)."""
     index, scale = classes.index, classes.scale
     if members is not None:
         index, scale = index[:, members[0]:members[1]], scale[:, members[0]:members[1]]
     sig = sequence_dense(xp, classes, options, index, scale)
     k2, m = int(sig.shape[0]), int(sig.shape[1])
-    return xp.reshape(sig, (k2, m, -1, t, c))
+    return xp.reshape(sig, (k2, m, -1, int(tokens), int(classes.p.shape[-1])))
 
 
 def logit_stats(xp: Any, logits: Any) -> Any:

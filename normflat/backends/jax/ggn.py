@@ -74,9 +74,10 @@ import numpy as np
 from normflat.backends.jax.compat import x64_enabled
 from normflat.backends.jax.kernel import Kernel, Run
 from normflat.core.memory import chunk_size_for, default_budget, equal_step, training_step_bytes
+from normflat.engine import native
+from normflat.engine.estimators import mean_weights
 from normflat.engine.losses import (Factor, diagonal_signals, output_factor, output_signals, sequence_classes,
                                     sequence_dense, token_signals, zero_signals)
-from normflat.engine.estimators import mean_weights
 from normflat.engine.random import sample_uniforms
 
 __all__ = ["GGN", "STRUCTURED_HEAD_CLASSES"]
@@ -816,8 +817,7 @@ class GGN(Kernel):
             # Only the mean of the groups is wanted (options.pooled): one sum per weight, the groups'
             # sums weighted as the mean weighs them (engine.estimators.mean_weights), as the torch
             # backend pools its signals; the state keeps 1 sum per weight instead of K'.
-            weights = jnp.asarray(self.pool, res[0].dtype)
-            res = [jnp.tensordot(weights, r, axes=1)[None] for r in res]
+            res = [native.weighted_sum(r, self.pool)[None] for r in res]
         # Padded rows repeat a real example: they change no logit statistic.
         return res, self.stats(z)
 

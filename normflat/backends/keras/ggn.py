@@ -53,9 +53,10 @@ from normflat.backends.keras.layers import Entry, einsum_fast_axes
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for
+from normflat.engine import native
+from normflat.engine.estimators import mean_weights
 from normflat.engine.losses import (diagonal_signals, logit_stats, output_factor, output_signals,
                                     sequence_classes, sequence_dense, signal_slots)
-from normflat.engine.estimators import mean_weights
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
 
@@ -812,7 +813,7 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
         if pool is not None:
             # Only the mean of the groups is wanted (options.pooled): one sum per weight, the groups'
             # sums weighted as the mean weighs them, as the torch backend pools its signals.
-            sums = [tf.tensordot(tf.constant(pool, v.dtype), v, 1)[None] for v in sums]
+            sums = [native.weighted_sum(v, pool)[None] for v in sums]
         return sums, stats
 
     return step

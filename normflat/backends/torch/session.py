@@ -786,10 +786,7 @@ class TorchSession:
             # the vocabulary per token); each block's dense signals from them.
             classes = losses.sequence_classes(_XP, z, self.options, counted, uniforms)
             for start in range(0, m, step):
-                stop = min(m, start + step)
-                sig = losses.sequence_dense(_XP, classes, self.options, classes.index[:, start:stop],
-                                            classes.scale[:, start:stop])
-                yield sig.reshape(k, stop - start, n, t, c)  # (K', M', n, T, C)
+                yield losses.sequence_members(_XP, classes, self.options, t, (start, min(m, start + step)))
             return
         m = 1 if diagonal else self.options.signals_per_group(c)  # signals per token and group
         per_token = k * m * n * t * c
