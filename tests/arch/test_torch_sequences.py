@@ -542,6 +542,22 @@ def test_sequence_signals_start_at_the_heads_input(head, loss, monkeypatch):
         assert _relative_error(p.hessian_diag_samples, want[p.name]) < 1e-10, p.name
 
 
+@pytest.mark.parametrize("head", ["linear", "conv1d"])
+def test_embedding_feature_rescaling_with_the_head_on_token_logits(head):
+    """The default per-sequence ggn-topk with a dense head on the token logits (its squares from the
+    token rows, the other layers' signals from its input, method §6.3): an embedding feature scaled
+    by c and the next layer's input column by 1/c keep the function, every layer's normalized
+    sharpness and the total; the trace moves."""
+    model = _init(StructuredHeadTagger(head), seed=4)
+    data = [(_ids(N, T, seed=23), _labels(N, T, seed=24))]
+    moved = copy.deepcopy(model)
+    c = _head_factors(D, 10)
+    with torch.no_grad():
+        moved.emb.weight *= c[None, :]
+        moved.proj.weight /= c[None, :]
+    _assert_invariant(model, moved, _Call(data))
+
+
 class MixingTagger(nn.Module):
     """Embedding, a convolution across the tokens (every position's gradient involves its
     neighbours' signals) and a dense head."""
