@@ -27,11 +27,17 @@ causal attention block and one MLP block, 16 sequences of 16 tokens):
 ``ggn-topk`` per sequence (``auto`` for token logits) with the table on its fast
 rule (method §6.1 "Tied weights") and on the generic path (:func:`tied_lm_figures`).
 
+``--sequence-lm V`` times a small language model with its own head (an ``Embedding`` of ``V``
+ids and 64 features, a residual MLP block of 128 hidden units, a ``Dense`` head of ``V``
+token logits, 4 sequences of 64 tokens): ``ggn-topk`` per sequence (``auto`` for token
+logits) against one gradient (:func:`sequence_lm_figures`).
+
 Run::
 
     python -m benchmarks.keras_diag [--repeats 5] [--threads 1] [--no-torch]
     python -m benchmarks.keras_diag --position-table [--repeats 5] [--threads 1]
     python -m benchmarks.keras_diag --tied-lm [--repeats 5] [--threads 1]
+    python -m benchmarks.keras_diag --sequence-lm 8000 [--repeats 5] [--threads 1]
 
 ``--threads N`` limits both frameworks to N CPU threads (TensorFlow intra- and
 inter-op pools, ``torch.set_num_threads``): on a shared machine one thread
@@ -245,6 +251,55 @@ def tied_lm_figures(repeats: int = 5) -> dict[str, float]:
     return {**seconds, "generic_over_fast": seconds["generic"] / seconds["fast"]}
 
 
+def _sequence_lm(vocabulary: int):
+    """Ids (64 tokens) -> an ``Embedding`` (``vocabulary`` ids, 64 features) -> a residual MLP block
+    (128 hidden units) -> a ``Dense`` head: token logits ``(n, 64, vocabulary)``; and 4 sequences
+    with their next-token labels (the last one ignored)."""
+    import keras
+    import tensorflow as tf
+
+    L = keras.layers
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((64,), dtype="int32")
+    h = L.Embedding(vocabulary, 64, name="emb")(ids)
+    h = L.Add()([h, L.Dense(64, name="down")(L.Dense(128, activation="gelu", name="up")(h))])
+    model = keras.Model(ids, L.Dense(vocabulary, name="head")(h))
+    x = np.random.default_rng(0).integers(0, vocabulary, size=(4, 64)).astype("int32")
+    y = np.concatenate([x[:, 1:], np.full((4, 1), -100)], axis=1)
+    return model, (tf.constant(x), tf.constant(y))
+
+
+def _sequence_lm_runs(vocabulary: int) -> dict[str, Callable[[], Any]]:
+    """``gradient`` (of the mean token cross-entropy) and ``normflat`` (``hessian_diagonal``,
+    ``ggn-topk`` per sequence) on :func:`_sequence_lm`."""
+    import keras
+    import tensorflow as tf
+
+    import normflat
+
+    model, (x, y) = _sequence_lm(vocabulary)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-100)
+
+    @tf.function
+    def gradient():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=False))
+        return tape.gradient(loss, model.trainable_variables)
+
+    def normflat_run():
+        return [v.numpy() for v in normflat.hessian_diagonal(model, (x, y), loss="ce", estimator="ggn-topk",
+                                                             progress=False).values()]
+
+    return {"gradient": lambda: [tf.convert_to_tensor(g).numpy() for g in gradient()], "normflat": normflat_run}
+
+
+def sequence_lm_figures(vocabulary: int = 8000, repeats: int = 5) -> dict[str, float]:
+    """Seconds of one gradient and of ``ggn-topk`` per sequence on :func:`_sequence_lm` (median of
+    interleaved rounds)."""
+    runs = _sequence_lm_runs(vocabulary)
+    return time_interleaved({m: runs[m] for m in ("gradient", "normflat")}, repeats)
+
+
 def _device() -> str:
     import tensorflow as tf
 
@@ -261,6 +316,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="time a tiny ViT's position table: fast rule against the generic path")
     parser.add_argument("--tied-lm", action="store_true",
                         help="time a tiny LM's table tied to its head: fast rule against the generic path")
+    parser.add_argument("--sequence-lm", type=int, default=None, metavar="V",
+                        help="time ggn-topk (per sequence) on a small LM with its own head and a vocabulary of V "
+                             "(4 sequences of 64 tokens) against a gradient")
     args = parser.parse_args(argv)
     if args.threads:
         import tensorflow as tf
@@ -274,6 +332,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  position table fast {f['fast']:.4f} s, generic {f['generic']:.4f} s, "
               f"generic / fast {f['generic_over_fast']:.2f}")
         return {"position_table": f}
+    if args.sequence_lm:
+        f = sequence_lm_figures(args.sequence_lm, args.repeats)
+        print(f"LM with its own head (4 sequences of 64 tokens, vocabulary {args.sequence_lm}, d 64), ggn-topk "
+              f"per sequence, device {_device()}, threads {args.threads or 'default'}, median of {args.repeats}")
+        print(f"  gradient {f['gradient']:.4f} s, normflat {f['normflat']:.4f} s "
+              f"({f['normflat'] / f['gradient']:.1f}x a gradient)")
+        return {"sequence_lm": f}
     if args.tied_lm:
         f = tied_lm_figures(args.repeats)
         print(f"tiny tied LM (16 sequences of 16 tokens, vocabulary 1000, d 64), ggn-topk, device {_device()}, "

@@ -529,20 +529,26 @@ class Factor:
             out = out + w[..., None] * v[None, None]
         return out
 
-    def through(self, xp: Any, weight: Any) -> Any:
+    def through(self, xp: Any, weight: Any, projected: list | None = None) -> Any:
         """``(K', M, n, d)``: the signals pulled back through a dense head of ``(C, d)`` weight.
 
         ``weight[c]`` is the row of class ``c`` (torch's ``Linear.weight``; a Keras
-        ``Dense`` kernel is its transpose).
+        ``Dense`` kernel is its transpose). ``projected``: :meth:`projected` of the same
+        weight, computed once for several calls (a backend that takes the signals a few at
+        a time).
         """
         g, m = int(self.index.shape[0]), int(self.index.shape[1])  # the sample axis may be unknown (-1)
         d = int(weight.shape[-1])
         safe = xp.where(self.index >= 0, self.index, xp.zeros_like(self.index))
         rows = xp.take(weight, xp.reshape(xp.astype(safe, xp.int64), (-1,)), axis=0)
         out = self.scale[..., None] * xp.reshape(rows, (g, m, -1, d))
-        for v, w in zip(self.vectors, self.coefs):
-            out = out + w[..., None] * (v @ weight)[None, None]
+        for vw, w in zip(self.projected(xp, weight) if projected is None else projected, self.coefs):
+            out = out + w[..., None] * vw[None, None]
         return out
+
+    def projected(self, xp: Any, weight: Any) -> list:
+        """The shared vectors through the head, ``vectors_j W`` ``(n, d)`` each (:meth:`through`)."""
+        return [v @ weight for v in self.vectors]
 
 
 def _gather_rows(xp: Any, table: Any, index: Any) -> Any:

@@ -24,14 +24,16 @@ import pytest
 
 from tests.builders import require_frameworks, stored_groups
 
-require_frameworks("jax", "flax")
+require_frameworks("jax", "flax", "equinox")
 
+import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import normflat  # noqa: E402
 from normflat.backends import jax as jax_backend  # noqa: E402
+from normflat.backends.jax import ggn as jax_ggn  # noqa: E402
 from normflat.backends.jax import session  # noqa: E402
 from normflat.backends.jax.ggn import GGN  # noqa: E402
 from normflat.engine import losses, validate_options  # noqa: E402
@@ -65,6 +67,27 @@ class NnxTokens(nnx.Module):
         return self.head(jnp.tanh(h + self.attn(h)))
 
 
+class EqxTokens(eqx.Module):
+    """Per sequence: ids (T,) -> a vmapped ``Embedding`` -> a causal mix of the tokens -> a vmapped dense
+    head (``weight @ x`` batched over the tokens: the weight is the left operand of the product and
+    the logits are its transpose)."""
+
+    emb: eqx.nn.Embedding
+    mix: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.emb = eqx.nn.Embedding(V, D, key=k1, dtype=F64)
+        self.mix = eqx.nn.Linear(D, D, key=k2, dtype=F64)
+        self.head = eqx.nn.Linear(D, C, key=k3, dtype=F64)
+
+    def __call__(self, ids):
+        h = jax.vmap(self.emb)(ids)
+        h = jnp.tanh(h + jax.vmap(self.mix)(jnp.cumsum(h, axis=0)))
+        return jax.vmap(self.head)(h)
+
+
 def _attention_layers():
     out = {f"attn/{p}": (f"attn/{p}/kernel", "qkv") for p in ("query", "key", "value")}
     out["attn/out"] = ("attn/out/kernel", "attn_out")
@@ -77,6 +100,8 @@ MODELS = {
                                                 **_attention_layers(), "head": ("head/kernel", "flax")}, "head"),
     "tied": (lambda: NnxLM(nnx.Rngs(4), vocab=V, d=D), {"emb": ("emb/embedding", "flax"), **_attention_layers()},
              None),
+    "eqx": (lambda: EqxTokens(jax.random.key(5)), {"emb": ("emb/weight", "flax"), "mix": ("mix/weight", "eqx"),
+                                                   "head": ("head/weight", "eqx")}, "head"),
 }
 
 
@@ -160,11 +185,32 @@ CASES = [
     ("tokens", dict(loss="ce", estimator="ggn-mc", samples=4, seed=6)),
     ("tied", dict(loss="ce", estimator="ggn-topk", top_classes=1, samples=2, seed=7)),
     ("tied", dict(loss="nsce", estimator="ggn-mc", samples=3, seed=8)),
+    ("eqx", dict(loss="ce", estimator="ggn-topk", top_classes=1, samples=3, seed=9)),
+    ("eqx", dict(loss="nsce", estimator="ggn-topk", top_classes=2, samples=2, seed=10)),
 ]
 
 
+@pytest.fixture
+def signal_forms(monkeypatch):
+    """Fresh kernel caches (so that the kernels are traced here) and the calls, while tracing, of the
+    engine functions that form per-sequence signals: ``{"dense": ..., "structured": ...}``
+    (:func:`~normflat.engine.losses.token_signals` / ``sequence_dense`` at the logits, or
+    :func:`~normflat.engine.losses.sequence_factor` pulled through the head)."""
+    from normflat.backends.jax.cache import LRU
+
+    calls = {"dense": [], "structured": []}
+    for name, form in (("token_signals", "dense"), ("sequence_dense", "dense"), ("sequence_factor", "structured")):
+        def spy(*args, _f=getattr(jax_ggn, name), _form=form, **kwargs):
+            calls[_form].append(1)
+            return _f(*args, **kwargs)
+        monkeypatch.setattr(jax_ggn, name, spy)
+    monkeypatch.setattr(session, "_CACHE", LRU(8))
+    session._TRACES.clear()
+    return calls
+
+
 @pytest.mark.parametrize("name, kw", CASES, ids=[f"{m}-{k['estimator']}-{k['loss']}" for m, k in CASES])
-def test_sequence_signals_equal_the_brute_force(name, kw):
+def test_sequence_signals_equal_the_brute_force(name, kw, signal_forms):
     make, layers, head = MODELS[name]
     model = make()
     options = _options(**kw)
@@ -182,6 +228,10 @@ def test_sequence_signals_equal_the_brute_force(name, kw):
     diag = normflat.hessian_diagonal(model, _data(), progress=False, chunk_size=2, **kw)
     for layer, w in want.items():
         _assert_close(diag[layer], w.mean(axis=0))
+    # Under ggn-topk with a dense head on the logits the other layers' signals start at the head's
+    # input (O(d) per signal and token, method §6.3): no signal is formed at the logits.
+    structured = head is not None and options.estimator == "ggn-topk"
+    assert bool(signal_forms["structured"]) == structured and bool(signal_forms["dense"]) != structured
 
 
 def test_per_token_and_per_sequence_signals_on_one_model():
@@ -231,3 +281,42 @@ def test_auto_counts_signals_per_sequence():
     # the cost: 20 back-propagated signals per sequence (the zero group 0 is not back-propagated)
     kernels = [k for _, k in session._CACHE._data.values() if isinstance(k, GGN) and k.tokens == 32]
     assert kernels and all(k.bp * k.cols == 20 for k in kernels)
+
+
+class EqxMixed(eqx.Module):
+    """Per sequence: ids (T,) -> a vmapped ``Embedding`` -> a linear causal mix of the tokens -> a
+    vmapped dense layer and ``tanh`` -> a vmapped dense head on the token logits."""
+
+    emb: eqx.nn.Embedding
+    mix: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.emb = eqx.nn.Embedding(V, D, key=k1, dtype=F64)
+        self.mix = eqx.nn.Linear(D, D, key=k2, dtype=F64)
+        self.head = eqx.nn.Linear(D, C, key=k3, dtype=F64)
+
+    def __call__(self, ids):
+        h = jnp.cumsum(jax.vmap(self.emb)(ids), axis=0)
+        return jax.vmap(self.head)(jnp.tanh(jax.vmap(self.mix)(h)))
+
+
+def test_embedding_feature_rescaling_with_the_head_on_token_logits():
+    """Per-sequence ggn-topk with a dense head on the token logits (its squares from the token rows,
+    the other layers' signals from its input, method §6.3): an embedding feature scaled by c and
+    the next layer's input column by 1/c keep the function, every layer's normalized sharpness and
+    the total; the trace moves."""
+    model = EqxMixed(jax.random.key(12))
+    c = jnp.asarray(np.random.default_rng(13).uniform(0.3, 3.3, size=D))
+    moved = eqx.tree_at(lambda m: (m.emb.weight, m.mix.weight), model,
+                        (model.emb.weight * c[None, :], model.mix.weight / c[None, :]))
+    np.testing.assert_allclose(jax.vmap(moved)(IDS), jax.vmap(model)(IDS), rtol=1e-12, atol=1e-12)
+    kw = dict(loss="ce", estimator="ggn-topk", top_classes=1, samples=3, seed=14, progress=False)
+    r0, r1 = (normflat.analyze(m, _data(), chunk_size=2, **kw) for m in (model, moved))
+    assert r0.metadata["sequence_signals"] is True
+    assert [layer.name for layer in r0.layers] == [layer.name for layer in r1.layers] == ["emb", "mix", "head"]
+    for l0, l1 in zip(r0.layers, r1.layers):
+        np.testing.assert_allclose(l1.normalized_sharpness, l0.normalized_sharpness, rtol=1e-8, err_msg=l0.name)
+    np.testing.assert_allclose(r1.normalized_sharpness, r0.normalized_sharpness, rtol=1e-8)
+    assert abs(r1.hessian_trace / r0.hessian_trace - 1) > 1e-3

@@ -180,19 +180,26 @@ def test_token_logits_lookups_and_tied_tables_in_steps(name, kw, monkeypatch):
     make, layers, _ = MODELS[name]
     model, options = make(), validate_options(progress=False, **kw)
     signals = 2 if options.per_sequence else 5  # per sequence: 9 and 3 signals, the last step padded
-    whole_tensors = []
-    traced = jax_ggn.token_signals
+    whole_tensors, factors = [], []
+    traced, factor = jax_ggn.token_signals, jax_ggn.sequence_factor
 
     def spy(*args, **kwargs):
         whole_tensors.append(kwargs.get("members"))
         return traced(*args, **kwargs)
 
     monkeypatch.setattr(jax_ggn, "token_signals", spy)
+    monkeypatch.setattr(jax_ggn, "sequence_factor", lambda *a, **k: (factors.append(1), factor(*a, **k))[1])
+    # ggn-topk per sequence with a dense head on the logits: the signals start at the head's input,
+    # from the tokens' classes and scales, a step at a time or all at once (never at the logits).
+    structured = name == "tokens" and options.per_sequence and options.estimator == "ggn-topk"
 
     def run(**extra):
-        whole_tensors.clear()
+        whole_tensors.clear(), factors.clear()
         got = _groups(model, _data(), options, **extra)
-        assert bool(whole_tensors) == ("memory_budget" not in extra)  # formed whole only with all at once
+        if structured:
+            assert factors and not whole_tensors
+        else:  # formed whole only with all at once
+            assert bool(whole_tensors) == ("memory_budget" not in extra) and not factors
         return got
 
     whole, stepped = _stepped(run, signals)

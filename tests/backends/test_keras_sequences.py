@@ -30,6 +30,7 @@ import tensorflow as tf  # noqa: E402
 import normflat  # noqa: E402
 from normflat.backends.keras import layer_problems  # noqa: E402
 from normflat.backends.keras.ggn import signal_layout  # noqa: E402
+from normflat.backends.keras.ops import TF  # noqa: E402
 from normflat.engine import losses, validate_options  # noqa: E402
 from normflat.engine.random import sample_uniforms  # noqa: E402
 
@@ -309,3 +310,118 @@ def test_per_sequence_block_is_the_block_of_the_whole_signals(kw):
                               tf.constant(start), block)
         want = np.concatenate([real, np.zeros((block, n, t, c))])[start:start + block]
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("kw", [dict(loss="nsce", estimator="ggn-mc", samples=3),
+                                dict(loss="ce", estimator="ggn-topk", top_classes=2, samples=4),
+                                dict(loss="nsce", estimator="ggn-topk", top_classes=1, samples=3)],
+                         ids=["ggn-mc-nsce", "ggn-topk-ce", "ggn-topk-nsce"])
+def test_per_sequence_block_at_the_heads_input_is_the_block_of_the_whole_signals_through_it(kw):
+    """Per sequence a step's signals at a ``Dense`` head's input come from the tokens' classes and
+    scales in structured form (:func:`~normflat.engine.losses.sequence_factor`, ``O(d)`` per
+    signal and token, method §6.3): every block equals the same block of the engine's whole
+    ``token_signals`` tensor pulled back through the kernel (real slots, zero padding past the end)."""
+    from normflat.backends.keras.ggn import _head_input_signals
+
+    options = validate_options(progress=False, seed=4, **kw)
+    n, t, c, d = 3, 4, 6, 5
+    rng = np.random.default_rng(33)
+    z = rng.normal(size=(n, t, c)) * 2
+    kernel = rng.normal(size=(d, c))
+    counted = (rng.random((n, t)) > 0.3).astype(np.float64)
+    u = sample_uniforms(4, 0, 0, n, options.uniform_columns(t))
+    index, _ = signal_layout(options, c, t)
+    whole = losses.token_signals(np, z, options, counted, u)  # (K', M', n, T, C)
+    real = np.einsum("bntc,dc->bntd", whole.reshape(-1, n, t, c)[index], kernel)
+    assert np.any(real)
+    factor = losses.sequence_factor(TF, tf.constant(z), options, tf.constant(counted), tf.constant(u))
+    block = next(b for b in range(2, len(index)) if len(index) % b)  # several blocks, the last one padded
+    for start in range(0, len(index), block):
+        got = _head_input_signals(factor, tf.constant(kernel), index, tf.constant(start), block)
+        want = np.concatenate([real, np.zeros((block, n, t, d))])[start:start + block]
+        np.testing.assert_allclose(got.numpy().reshape(block, n, t, d), want, rtol=1e-12, atol=1e-13)
+
+
+#: The layers of :func:`_head_lm`: every one fast.
+HEAD_LAYOUT = {name: LAYOUT[name] for name in ("emb", "mix", "head")}
+
+
+def _head_lm():
+    """Ids -> an Embedding -> a causal convolution -> a Dense head on the token logits ``(n, T, C)``."""
+    keras.utils.set_random_seed(13)
+    rng = np.random.default_rng(13)
+    inp = keras.Input((T,), dtype="int32")
+    e = L.Embedding(VOCAB, 3, dtype=F64, name="emb")(inp)
+    m = L.Conv1D(3, 2, padding="causal", activation="tanh", dtype=F64, name="mix")(e)
+    model = keras.Model(inp, L.Dense(C, dtype=F64, name="head")(m))
+    for v in model.weights:
+        v.assign(rng.normal(size=v.shape) * 0.8)
+    x = rng.integers(0, VOCAB, (4, T)).astype("int32")
+    y = rng.integers(0, C, (4, T))
+    y[1, 2] = y[3, 0] = -100
+    return model, x, y
+
+
+@pytest.mark.parametrize("loss, samples, top", [("ce", 3, 1), ("nsce", 2, 2)])
+def test_sequence_signals_start_at_the_heads_input(loss, samples, top, monkeypatch):
+    """``ggn-topk`` per sequence with a ``Dense`` head on the token logits and no generic layer: the
+    other layers' signals start at the head's input (structured, method §6.3) and no signal is
+    formed at the logits; every group estimate against the per-sequence brute force, two batches
+    in chunks of 2."""
+    from normflat.backends.keras import ggn
+
+    calls = {"structured": [], "dense": []}
+    for name, kind in (("_head_input_signals", "structured"), ("_sequence_block", "dense")):
+        def spy(*args, _f=getattr(ggn, name), _kind=kind, **kwargs):
+            calls[_kind].append(1)
+            return _f(*args, **kwargs)
+        monkeypatch.setattr(ggn, name, spy)
+    model, x, y = _head_lm()
+    kw = dict(loss=loss, estimator="ggn-topk", samples=samples, top_classes=top, seed=7)
+    options = validate_options(progress=False, **kw)
+    jacobians = _jacobians(model, x, [path for path, _ in HEAD_LAYOUT.values()])
+    sums, count = reference(model, jacobians, y, options, exact_head=True, layout=HEAD_LAYOUT)
+    groups = {k: _groups(v, options.shared_group, count) for k, v in sums.items()}
+    data = [(x[:3], y[:3]), (x[3:], y[3:])]
+    problems, meta = layer_problems(model, data, options, chunk_size=2)
+    assert meta["sequence_signals"] is True and meta["loss_terms"] == count
+    assert [(p.name, p.details["path"]) for p in problems] == [(name, "fast") for name in HEAD_LAYOUT]
+    for p in problems:
+        want = stored_groups(groups[p.name], p.hessian_diag_samples.shape)
+        assert_close(np.asarray(p.hessian_diag_samples), want, p.name)
+    assert calls["structured"] and not calls["dense"]
+
+
+def test_embedding_feature_rescaling_with_the_head_on_token_logits():
+    """Per-sequence ggn-topk with a ``Dense`` head on the token logits (its squares from the token
+    rows, the other layers' signals from its input, method §6.3): an embedding feature scaled by c
+    and the next layer's input row by 1/c keep the function, every layer's normalized sharpness and
+    the total; the trace moves."""
+    def build(scales=None):
+        keras.utils.set_random_seed(14)
+        rng = np.random.default_rng(14)
+        inp = keras.Input((T,), dtype="int32")
+        e = L.Embedding(VOCAB, 3, dtype=F64, name="emb")(inp)
+        m = L.Dense(4, activation="tanh", dtype=F64, name="mix")(e)
+        model = keras.Model(inp, L.Dense(C, dtype=F64, name="head")(m))
+        for v in model.weights:
+            v.assign(rng.normal(size=v.shape) * 0.8)
+        if scales is not None:
+            emb, mix = model.get_layer("emb"), model.get_layer("mix")
+            emb.embeddings.assign(emb.embeddings.numpy() * scales[None, :])
+            mix.kernel.assign(mix.kernel.numpy() / scales[:, None])
+        return model
+
+    model, moved = build(), build(np.random.default_rng(15).uniform(0.3, 3.3, size=3))
+    x = np.random.default_rng(16).integers(0, VOCAB, (4, T)).astype("int32")
+    y = np.random.default_rng(17).integers(0, C, (4, T))
+    y[0, 1] = -100
+    np.testing.assert_allclose(moved(x).numpy(), model(x).numpy(), rtol=1e-12, atol=1e-12)
+    kw = dict(loss="ce", estimator="ggn-topk", top_classes=1, samples=3, seed=18, progress=False)
+    r0, r1 = (normflat.analyze(m, [(x[:3], y[:3]), (x[3:], y[3:])], chunk_size=2, **kw) for m in (model, moved))
+    assert r0.metadata["sequence_signals"] is True
+    assert [layer.name for layer in r0.layers] == [layer.name for layer in r1.layers] == ["emb", "mix", "head"]
+    for l0, l1 in zip(r0.layers, r1.layers):
+        np.testing.assert_allclose(l1.normalized_sharpness, l0.normalized_sharpness, rtol=1e-8, err_msg=l0.name)
+    np.testing.assert_allclose(r1.normalized_sharpness, r0.normalized_sharpness, rtol=1e-8)
+    assert abs(r1.hessian_trace / r0.hessian_trace - 1) > 1e-3

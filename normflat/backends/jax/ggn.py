@@ -42,7 +42,11 @@ other layers' signals then start at the head's *input*: the engine's
 the head in structured form (one row of the head's weight per signal and one
 product per shared vector, ``O(C·d)`` per example instead of the ``O(C²·d)`` of
 pushing ``C − 1`` dense signals through it), and the VJP runs from the head's input
-(:class:`_StructuredHead`). Token logits keep the signals at the logits.
+(:class:`_StructuredHead`). Per-sequence signals of token logits (``ggn-topk``, method
+§6.3) do too: at each token a sequence's signal is that token's signed class signal
+(:func:`~normflat.engine.losses.sequence_factor`, a factor over the ``T`` token rows),
+``O(d)`` per signal and token through a head applied token by token. Per token the
+signals stay at the logits.
 
 Token logits ``(n, T, C)`` (method §6.3): the exact ``ggn`` (or
 ``sequence_signals=False``) back-propagates every (token, signal) pair, ``M·T``
@@ -77,7 +81,7 @@ from normflat.core.memory import chunk_size_for, default_budget, equal_step, tra
 from normflat.engine import native
 from normflat.engine.estimators import mean_weights
 from normflat.engine.losses import (Factor, diagonal_signals, output_factor, output_signals, sequence_classes,
-                                    sequence_dense, token_signals, zero_signals)
+                                    sequence_dense, sequence_factor, token_signals, zero_signals)
 from normflat.engine.random import sample_uniforms
 
 __all__ = ["GGN", "STRUCTURED_HEAD_CLASSES"]
@@ -112,12 +116,15 @@ _XP = _Namespace()
 class _StructuredHead:
     """A dense head ``z = P(W a) + b`` seen as a ``(C, D)`` matrix, for :meth:`Factor.through`.
 
-    ``W a`` is the head's ``dot_general`` without batch axes; the activation ``a`` has
-    no free positions of size > 1 (:func:`~normflat.backends.jax.program._dense_head`),
-    so every entry of its output is one row of the weight operand, flattened as
-    ``(free axes of the weight, contracted axes)``; ``P`` (the ops from the tap to the
-    logits: bias additions, casts, layout ops) only permutes entries, and ``perm[c]`` is
-    the output entry that becomes logit ``c``.
+    ``W a`` is the head's ``dot_general`` without batch axes; every entry of its output is
+    one row of the weight operand (flattened as ``(free axes of the weight, contracted
+    axes)``) applied at one position of the activation (its free axes). ``P`` (the ops from
+    the tap to the logits: bias additions, casts, layout ops) only permutes entries: for
+    ``(C,)`` logits the activation has no free positions of size > 1; for ``(T, C)`` token
+    logits its positions are the tokens and the weight's free axis the classes
+    (:func:`~normflat.backends.jax.program._dense_head`), so output entry ``(i, j)`` becomes
+    logit ``(token[i], class[j])`` and the signal at position ``i`` of the activation is
+    ``Wᵀ`` of token ``token[i]``'s signal.
     """
 
     def __init__(self, prog, tap):
@@ -126,24 +133,39 @@ class _StructuredHead:
         self.wc = tuple(int(j) for j in (lc, rc)[tap.weight_pos])
         self.ac = tuple(int(j) for j in (lc, rc)[1 - tap.weight_pos])
         self.a_shape = tuple(prog.shapes[op.ins[1 - tap.weight_pos][1]])
-        self.a_order = self.ac + tuple(j for j in range(len(self.a_shape)) if j not in self.ac)
+        free = tuple(j for j in range(len(self.a_shape)) if j not in self.ac)
+        self.positions = math.prod(self.a_shape[j] for j in free)
+        self.a_order = free + self.ac
         self.a_inverse = tuple(int(j) for j in np.argsort(self.a_order))
         out = prog.out_refs[0][1]
-        c = math.prod(prog.shapes[out])
+        logits = tuple(prog.shapes[out])
+        width = int(logits[-1])  # classes
         # Push the logit numbers back to the tap output: entry o of the output becomes logit pi[o].
-        labels = prog.head_pullback(tap)(np.arange(c, dtype=np.float32).reshape((1,) + tuple(prog.shapes[out])))
-        pi = np.rint(np.asarray(labels, dtype=np.float64)).astype(np.int64).reshape(-1)
-        self.perm = np.argsort(pi)
+        numbers = np.arange(math.prod(logits), dtype=np.int32).reshape((1,) + logits)
+        labels = prog.head_pullback(tap, cast=False)(numbers)
+        pi = np.asarray(labels, dtype=np.int64).reshape(-1)
+        # dot_general's output: the activation's free axes first if it is the left operand.
+        pi = pi.reshape(self.positions, -1) if tap.weight_pos == 1 else pi.reshape(-1, self.positions).T
+        token, cls = pi[:, 0] // width, pi[0] % width
+        assert np.array_equal(pi, token[:, None] * width + cls[None, :]), "not a head applied per token"
+        self.perm = np.argsort(cls)  # row c of the matrix: the weight row of class c
+        self.identity = bool(np.array_equal(self.perm, np.arange(self.perm.size)))
+        #: The token (logit row) of each position of the activation, in its free axes' order (None:
+        #: in the tokens' order already, the rule).
+        self.token = None if np.array_equal(token, np.arange(token.size)) else token
 
     def matrix(self, wp):
         """``(C, D)``: row ``c`` is the head's weight row of logit ``c`` (``∂z_c / ∂a``, flattened)."""
         free = [j for j in range(wp.ndim) if j not in self.wc]
         d = math.prod(wp.shape[j] for j in self.wc)
         rows = jnp.transpose(wp, free + list(self.wc)).reshape(-1, d)
-        return rows[self.perm]
+        return rows if self.identity else rows[self.perm]
 
     def to_activation(self, sig):
-        """``(cols, D)`` signals at the flattened activation -> ``(cols, *a_shape)``."""
+        """``(cols, rows, D)`` signals at the flattened activation, one row per token of the logits
+        (one for ``(C,)`` logits) -> ``(cols, *a_shape)``."""
+        if self.token is not None:
+            sig = jnp.take(sig, jnp.asarray(self.token), axis=1)  # (cols, positions, D)
         shape = tuple(self.a_shape[j] for j in self.a_order)
         sig = sig.reshape((sig.shape[0],) + shape)
         return jnp.transpose(sig, (0,) + tuple(1 + j for j in self.a_inverse))
@@ -229,9 +251,10 @@ class GGN(Kernel):
         else:
             wanted = options.estimator == "ggn-topk"
         self.heads = heads if wanted else set()
-        # (n, C) logits: the other layers' signals start at the head's input (structured).
+        # (n, C) logits, and token logits per sequence: the other layers' signals start at the
+        # head's input (structured).
         self.structured = None
-        if self.heads and self.tokens is None and len(self.heads) == 1:
+        if self.heads and (self.tokens is None or options.sequence_layout(self.tokens)) and len(self.heads) == 1:
             k = next(iter(self.heads))
             if _only_through_input(prog, self.taps[k]):
                 self.structured = (k, _StructuredHead(prog, self.taps[k]))
@@ -439,13 +462,22 @@ class GGN(Kernel):
                 return rec[hop], (z, rec)
 
             _, vjp_fn, (z, rec) = jax.vjp(fwd_input, eps0, [ws[k] for k in gen], has_aux=True)
-            factor = output_factor(_XP, z.reshape(1, -1), self.options, uniforms)
+            if counted is None:
+                factor = output_factor(_XP, z.reshape(1, -1), self.options, uniforms)
+            else:
+                # Per sequence: each token's signed class signal, over the T token rows
+                # (losses.sequence_factor), O(d) per signal and token through the head.
+                factor = sequence_factor(_XP, z[None], self.options, counted[None], uniforms)
             matrix = head.matrix(prog.layout_fn(taps[hk])(ws[hk]))
+            projected = factor.projected(_XP, matrix)  # once, not per step
 
             def signals(columns=None):
-                part = factor if columns is None else self._factor_columns(factor, *columns)
-                through = part.through(_XP, matrix)  # (K', M, 1, D), or (1, step, 1, D)
-                return head.to_activation(through.reshape(-1, through.shape[-1]))
+                if columns is None:
+                    part = self._live(factor)
+                else:
+                    part = self._factor_columns(factor, *columns, rows=int(factor.index.shape[-1]))
+                through = part.through(_XP, matrix, projected)  # (bp, cols, rows, D), or (1, step, rows, D)
+                return head.to_activation(through.reshape((-1,) + through.shape[2:]))
         else:
             z, vjp_fn, rec = jax.vjp(fwd, eps0, [ws[k] for k in gen], has_aux=True)
             if counted is None and step is not None:
@@ -595,17 +627,34 @@ class GGN(Kernel):
         sig = sequence_dense(jnp, classes, self.options, pick(classes.index, -1), pick(classes.scale, 0))
         return sig.reshape((index.shape[0], self.tokens, -1))  # (1, s, T, C) -> (s, T, C)
 
-    def _factor_columns(self, factor, index, valid):
-        """The back-propagated signals ``index`` (flat ``group·cols + member`` of the groups after
-        the skipped ones) of a one-example :class:`~normflat.engine.losses.Factor`, zero where not
-        ``valid``: a ``(1, len(index), 1)`` factor, whose signals cost ``O(C)`` each."""
+    def _factor_columns(self, factor, index, valid, rows=1):
+        """The back-propagated signals ``index`` of a one-example :class:`~normflat.engine.losses.Factor`,
+        zero where not ``valid``: a ``(1, len(index), rows)`` factor, whose signals cost ``O(C)`` per
+        row each.
+
+        ``rows=1``: ``index`` is flat over every entry of the groups after the skipped ones
+        (``group·cols + member`` for ``(n, C)`` logits, ``group·cols + m·T + t`` for the per-token
+        factor of :meth:`_token_columns`); ``rows=T``: over the signals of the per-sequence factor of
+        :func:`~normflat.engine.losses.sequence_factor`, each one row per token.
+        """
         def pick(values, fill):
-            flat = jnp.broadcast_to(values, factor.index.shape)[self.skip:].reshape(-1)
-            got = jnp.take(flat, jnp.minimum(index, flat.shape[0] - 1))
-            return jnp.where(valid, got, jnp.full_like(got, fill))[None, :, None]
+            flat = jnp.broadcast_to(values, factor.index.shape)[self.skip:].reshape(-1, rows)
+            got = jnp.take(flat, jnp.minimum(index, flat.shape[0] - 1), axis=0)
+            return jnp.where(valid[:, None], got, jnp.full_like(got, fill))[None]
 
         return Factor(pick(factor.index, -1), pick(factor.scale, 0), factor.vectors,
                       [pick(w, 0) for w in factor.coefs])
+
+    def _live(self, factor):
+        """A one-example :class:`~normflat.engine.losses.Factor` without its skipped groups (the
+        all-zero shared group of per-sequence ``ggn-topk``, never back-propagated)."""
+        if not self.skip:
+            return factor
+
+        def live(values):
+            return jnp.broadcast_to(values, factor.index.shape)[self.skip:]
+
+        return Factor(live(factor.index), live(factor.scale), factor.vectors, [live(w) for w in factor.coefs])
 
     def _head_signal(self, z, counted=None):
         """``(1, *z.shape)``: each token's (or the sample's) √diag of the logit Hessian, 0 where not counted.

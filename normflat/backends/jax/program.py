@@ -278,12 +278,14 @@ class Program:
             rows = op.prim.bind(table, *index_args, **params)
         return jnp.squeeze(rows, axis=lk.out_feature_axis)
 
-    def head_pullback(self, tap: Tap) -> Callable[[Any], Any]:
+    def head_pullback(self, tap: Tap, cast: bool = True) -> Callable[[Any], Any]:
         """``d -> d'``: signals at the logits ``(cols, *logits)`` to the head tap's output ``(cols, *out)``.
 
         The ops between a head tap and the output (:attr:`Tap.head`) have a Jacobian
         that only permutes entries (bias additions and casts: the identity), so the
         pull-back is the inverse permutation; computed without the ops' other operands.
+        ``cast=False`` keeps ``d``'s dtype (integer labels of the entries: a cast to a
+        low-precision head dtype would round them).
         """
         assert tap.head is not None
         steps, ref = [], self.ops[tap.op].outs[0]
@@ -300,7 +302,7 @@ class Program:
                     d = jnp.transpose(d, (0,) + tuple(1 + int(q) for q in inv))
                 elif name in ("reshape", "squeeze", "expand_dims"):
                     d = d.reshape((d.shape[0],) + tuple(shape))
-                elif name == "convert_element_type" and dtype is not None:
+                elif name == "convert_element_type" and dtype is not None and cast:
                     d = d.astype(dtype)
             return d
 

@@ -29,9 +29,12 @@ layers' signals start at the head's input, pulled back through it in structured
 form (:class:`~normflat.engine.losses.Factor`): ``O(C·d)`` per sample instead of the
 ``O(C²·d)`` of pushing ``C − 1`` dense signals through the head (method §6.1–6.2),
 and where dense signals are still needed (generic layers, no recognized head) only
-the block's are formed, ``O(C)`` each. Token logits keep the head rule only; their
-stochastic estimators back-propagate per-sequence signals (a signed sum over the tokens,
-one back-propagation per signal and sequence, method §6.3) unless ``sequence_signals=False``.
+the block's are formed, ``O(C)`` each. The stochastic estimators of token logits
+back-propagate per-sequence signals (a signed sum over the tokens, one back-propagation
+per signal and sequence, method §6.3) unless ``sequence_signals=False``; under ``ggn-topk``
+those start at a ``Dense`` head's input too (:func:`~normflat.engine.losses.sequence_factor`:
+each token's signed class signal, ``O(d)`` per signal and token through the head), while
+per-token signals keep the head rule only.
 The step returns the ``(K', *canonical)`` sums of one chunk of samples
 (``K' = options.state_groups``); the engine divides.
 """
@@ -55,8 +58,8 @@ from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for
 from normflat.engine import native
 from normflat.engine.estimators import mean_weights
-from normflat.engine.losses import (diagonal_signals, logit_stats, output_factor, output_signals,
-                                    sequence_classes, sequence_dense, signal_slots)
+from normflat.engine.losses import (Factor, diagonal_signals, logit_stats, output_factor, output_signals,
+                                    sequence_classes, sequence_dense, sequence_factor, signal_slots)
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
 
@@ -313,38 +316,39 @@ def _block_of(values: Any, index: Any, start: Any, block: int) -> Any:
     return tf.pad(flat, [[0, block], [0, 0]])[start:start + block]
 
 
-def _factor_block(zc: Any, u: Any, options: AnalysisOptions, index: Any, start: Any,
-                  block: int) -> tuple[Any, Any, list, list]:
-    """A block of the estimator's signals at ``(n, C)`` logits in structured form.
+def _factor_block(factor: Factor, index: Any, start: Any, block: int) -> tuple[Any, Any, list, list]:
+    """A block of the estimator's signals in structured form.
 
-    Signal ``b`` of sample ``i`` is ``scale[b, i] · e_cls[b, i] + Σ_j coefs_j[b, i] · vectors_j[i]``
+    Signal ``b`` of row ``i`` (a sample of ``(n, C)`` logits, a token of per-sequence signals)
+    is ``scale[b, i] · e_cls[b, i] + Σ_j coefs_j[b, i] · vectors_j[i]``
     (:class:`~normflat.engine.losses.Factor`), for the block of the real signals starting at
-    ``start`` (the selection of :func:`_block_of`): ``(B, n)`` classes (float; padding ``-1``
-    or ``0`` with scale and coefficients 0), scales and coefficients, ``(n, C)`` vectors.
-    Only the block's signals are formed, in ``O(C)`` per signal and sample (:meth:`Factor.through
+    ``start`` (the selection of :func:`_block_of`): ``(B, rows)`` classes (float; padding ``-1``
+    or ``0`` with scale and coefficients 0), scales and coefficients, ``(rows, C)`` vectors.
+    Only the block's signals are formed, in ``O(C)`` per signal and row (:meth:`Factor.through
     <normflat.engine.losses.Factor.through>` would form all of them); ``nsce``'s pull-back is the
     engine's, in the factor's coefficients.
     """
-    factor = output_factor(TF, zc, options, u)
     cls = _block_of(factor.index, index, start, block)
     scale = _block_of(factor.scale, index, start, block)
-    coefs = [_block_of(w, index, start, block) for w in factor.coefs]
-    vectors = list(factor.vectors)
-    return cls, scale, vectors, coefs
+    coefs = [_block_of(tf.broadcast_to(w, tf.shape(factor.index)), index, start, block) for w in factor.coefs]
+    return cls, scale, list(factor.vectors), coefs
 
 
-def _head_input_signals(zc: Any, u: Any, kernel: Any, options: AnalysisOptions, index: Any, start: Any,
-                        block: int) -> Any:
-    """``(block, n, d)``: a block of the estimator's signals pulled back through a ``Dense`` head.
+def _head_input_signals(factor: Factor, kernel: Any, index: Any, start: Any, block: int) -> Any:
+    """``(block, rows, d)``: a block of the estimator's signals pulled back through a ``Dense`` head.
 
-    ``kernel`` is the head's ``(d, C)`` kernel, so the signal ``s`` at the logits becomes
-    ``kernel @ s`` at the head's input: with :func:`_factor_block`'s form, one gathered kernel
-    column per signal and one ``(n, C) × (C, d)`` product per vector, ``O(C·d)`` per sample
-    instead of ``O(C²·d)`` (method §6.1); the dense signals are never formed.
+    ``factor`` holds the signals at the logits (:func:`~normflat.engine.losses.output_factor` of
+    ``(n, C)`` logits, rows the samples; :func:`~normflat.engine.losses.sequence_factor` per
+    sequence, rows the ``n·T`` tokens). ``kernel`` is the head's ``(d, C)`` kernel, so the
+    signal ``s`` at the logits becomes ``kernel @ s`` at the head's input: with
+    :func:`_factor_block`'s form, one gathered kernel column per signal and one ``(rows, C) ×
+    (C, d)`` product per vector, ``O(C·d)`` per row instead of ``O(C²·d)`` per sample (method
+    §6.1), ``O(d)`` per signal and token per sequence (method §6.3); the dense signals are never
+    formed.
     """
-    cls, scale, vectors, coefs = _factor_block(zc, u, options, index, start, block)
+    cls, scale, vectors, coefs = _factor_block(factor, index, start, block)
     weight = tf.transpose(kernel)  # (C, d): row c is class c's column of the kernel
-    out = scale[..., None] * tf.gather(weight, tf.cast(tf.maximum(cls, 0), tf.int32))  # (B, n, d)
+    out = scale[..., None] * tf.gather(weight, tf.cast(tf.maximum(cls, 0), tf.int32))  # (B, rows, d)
     for v, w in zip(vectors, coefs):
         out = out + w[..., None] * tf.matmul(v, kernel, transpose_b=True)[None]
     return out
@@ -354,7 +358,7 @@ def _dense_block(zc: Any, u: Any, options: AnalysisOptions, index: Any, start: A
     """``(block, n, C)``: the same block of signals, dense, from :func:`_factor_block`: ``O(C)`` per
     signal, where forming every signal (``ggn``'s ``(n, C, C)`` factor) at each block would cost
     ``O(C²)`` per sample and block."""
-    cls, scale, vectors, coefs = _factor_block(zc, u, options, index, start, block)
+    cls, scale, vectors, coefs = _factor_block(output_factor(TF, zc, options, u), index, start, block)
     out = scale[..., None] * tf.one_hot(tf.cast(cls, tf.int32), int(zc.shape[-1]), dtype=zc.dtype)  # -1: zeros
     for v, w in zip(vectors, coefs):
         out = out + w[..., None] * v[None]
@@ -732,12 +736,14 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                 lambda x_in=x_in, shape=shape: tf.zeros(shape, x_in.dtype))
         rest_fast = [e for e in fast if e not in heads]
         # The other fast layers' signals start at the head's input, pulled back through the head
-        # in structured form: O(C·d) per sample instead of O(C²·d) (method §6.1). (n, C) logits
-        # only; the generic layers keep the signals at the logits, as in the torch backend.
+        # in structured form: O(C·d) per sample instead of O(C²·d) (method §6.1); per sequence
+        # O(d) per signal and token (method §6.3). Not per token (each signal is one token's);
+        # the generic layers keep the signals at the logits, as in the torch backend.
         head_input = None
-        if rest_fast and tokens is None and len(heads) == 1:
+        if rest_fast and len(heads) == 1 and (tokens is None or options.sequence_layout(tokens)):
             x_in = taps.records[heads[0].name][0][0]
-            if len(x_in.shape) == 2 and x_in.dtype.is_floating:
+            rank = 2 if tokens is None else 3
+            if len(x_in.shape) == rank and x_in.shape[1:-1] == z.shape[1:-1] and x_in.dtype.is_floating:
                 head_input = x_in
         s = None
         if (generic or (rest_fast and head_input is None)) and head_rule and tokens is None:
@@ -768,8 +774,13 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
             # One back-propagation per signal, unrolled: much faster on CPU than pfor here.
             if head_input is not None:
                 kernel = tf.cast(tf.stop_gradient(tf.convert_to_tensor(heads[0].variable.value)), zc.dtype)
-                sx = tf.cast(_head_input_signals(zc, u, kernel, options, index, start, block), head_input.dtype)
-                sx = tf.ensure_shape(sx, [block, None, int(head_input.shape[-1])])
+                if tokens is None:
+                    factor = output_factor(TF, zc, options, u)
+                else:  # each token's signed class signal, over the n·T token rows
+                    factor = sequence_factor(TF, zc, options, tf.cast(counted, zc.dtype), u)
+                sx = tf.cast(_head_input_signals(factor, kernel, index, start, block), head_input.dtype)
+                sx = tf.reshape(sx, [block, -1, *head_input.shape[1:]])  # per sequence: (B, n, T, d)
+                sx = tf.ensure_shape(sx, [block, None, *head_input.shape[1:]])
                 back = [tape.gradient(head_input, pre, output_gradients=sx[i]) for i in range(block)]
             else:
                 back = [tape.gradient(z, pre, output_gradients=s[i]) for i in range(block)]
@@ -819,7 +830,8 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
     return step
 
 
-def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: int, block: int) -> tuple[int, int]:
+def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: int, block: int,
+              head: Entry | None = None, groups: int = 1) -> tuple[int, int]:
     """Estimated bytes of one GGN step as ``linear * n + quadratic * n²`` for a chunk of n samples.
 
     Counts the per-sample intermediates that grow with the chunk: the
@@ -833,17 +845,35 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
     Args:
         num_classes: Logits per sample (``T·C`` for token logits). A block's signals are formed
             alone (:func:`_dense_block`, :func:`_token_block`, :func:`_sequence_block`).
+        head: The ``Dense`` head whose input the other layers' signals start at (structured,
+            :func:`_head_input_signals`), if the step takes that path: the block's signals
+            exist at its input, not at the logits (which hold the probabilities and a few
+            vectors of the factor), and nothing is back-propagated to its output.
+        groups: The ``K'`` sums of the step: an embedding's squares are scattered into a
+            ``(K', features, vocabulary)`` table per step (:func:`_embedding_squares`), counted
+            here per sample.
     """
     item = tf.as_dtype(dtype).size
-    linear = input_size + num_classes * (block + 2)
+    structured = head is not None and not any(not e.fast for e in entries)  # generic layers: signals at the logits
+    linear = input_size + num_classes * (6 if structured else block + 2)
     work = 0
     for e in entries:
         if not e.fast:
             continue
         size = int(np.prod(e.variable.shape))
+        if e is head:
+            # its input, the block's signals there, its output; its squares from one signal per row
+            linear += e.in_size * (block + 1) + e.pre_size
+            work = max(work, 2 * e.pre_size + e.in_size)
+            continue
         linear += e.in_size * (block + 1) + e.pre_size * (block + 1)
         if e.fast == "dense" and (e.input_rank == 2 or e.pre_size == int(e.variable.shape[-1])):
             work = max(work, block * e.pre_size)  # one position (rank one): stacked squared signals
+        elif e.fast == "embedding":
+            # The block's signals stacked, summed per (sample, id) pair and squared, then the
+            # (K', features, vocabulary) table they are added into (and its transpose): no
+            # per-signal table (_embedding_squares).
+            work = max(work, 4 * block * e.pre_size + 2 * groups * size)
         elif e.fast == "tied":
             # One signal's per-sample gradients of each use, their sum and its square (_tied_squares),
             # beside the block's signals at both outputs, stacked.

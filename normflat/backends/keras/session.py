@@ -26,8 +26,8 @@ from normflat.backends.keras import compat
 from normflat.backends.keras.calls import grouped_conv_call, is_plain_norm, norm_call
 from normflat.backends.keras.data import ADAPTER, to_tensor
 from normflat.backends.keras.distributed import Replicas
-from normflat.backends.keras.ggn import (SIGNAL_BLOCK, Taps, compute_dtype, ggn_bytes, ggn_chunk_size, ggn_step_fn,
-                                        model_logits, signal_layout)
+from normflat.backends.keras.ggn import (SIGNAL_BLOCK, Taps, compute_dtype, exact_head, ggn_bytes, ggn_chunk_size,
+                                         ggn_step_fn, model_logits, signal_layout)
 from normflat.backends.keras.hvp import (EXACT_BLOCK, PROBE_BLOCK, has_recurrence, hvp_step_fns, native_positions,
                                         native_probes)
 from normflat.backends.keras.layers import Entry, fast_kind, final_softmax, walk
@@ -291,6 +291,7 @@ class KerasSession:
         self.shift = bool(options.shift_labels)
         self._probed_for: Any = None
         self.input_size = 0
+        self._logits_dense: Entry | None = None  # the Dense whose pre-activation is the logits (_probe_eager)
         self.chunk: int | None = None
         self._probed = False
         self._step: Any = None
@@ -455,16 +456,18 @@ class KerasSession:
         key = self._probe_key(x)
         cached = None if self.hvp else _cached(_PROBES, self.model, key, None)
         if cached is not None:
-            self.num_classes, self.tokens, self.input_size, fast = cached
+            self.num_classes, self.tokens, self.input_size, fast, head = cached
             for entry, (f, rank, in_size, pre_size, reason) in zip(self.entries, fast):
                 entry.fast, entry.input_rank, entry.in_size, entry.pre_size, entry.reason = (
                     f, rank, in_size, pre_size, reason)
+            self._logits_dense = None if head is None else self.entries[head]
         else:
             self._probe_eager(x, batch)
             if not self.hvp:
+                head = None if self._logits_dense is None else self.entries.index(self._logits_dense)
                 _store(_PROBES, self.model, key, (self.num_classes, self.tokens, self.input_size,
                                                   [(e.fast, e.input_rank, e.in_size, e.pre_size, e.reason)
-                                                   for e in self.entries]))
+                                                   for e in self.entries], head))
         if not self.hvp:
             for spec, e in zip(self.layers, self.entries):
                 spec.path, spec.reason = ("fast", None) if e.fast else ("generic", e.reason)
@@ -482,6 +485,10 @@ class KerasSession:
         check_logit_stats(logit_stats(TF, zc), self.options, batch.index, self.num_classes,
                           float(np.finfo(zc.dtype.as_numpy_dtype).eps))
         if self.taps is not None:
+            # The one Dense whose pre-activation is the logits themselves (the step's head test).
+            heads = [e for e in self.entries if e.fast == "dense"
+                     and any(r[1] is z for r in self.taps.records.get(e.name, []))]
+            self._logits_dense = heads[0] if len(heads) == 1 else None
             for entry in self.entries:
                 if entry.fast == "tied":
                     self._probe_tied(entry, self.taps.records.get(entry.name, []))
@@ -722,7 +729,23 @@ class KerasSession:
 
     def _step_bytes(self, block: int) -> tuple[int, int]:
         """:func:`~normflat.backends.keras.ggn.ggn_bytes` of a step of ``block`` signals per sample."""
-        return ggn_bytes(self.entries, self.dtype, self.input_size, self.num_classes * (self.tokens or 1), block)
+        return ggn_bytes(self.entries, self.dtype, self.input_size, self.num_classes * (self.tokens or 1), block,
+                         head=self._structured_head(), groups=self.options.state_groups)
+
+    def _structured_head(self) -> Entry | None:
+        """The ``Dense`` head whose input the step starts the other layers' signals at, as
+        :func:`~normflat.backends.keras.ggn.ggn_step_fn` decides it (the first forward's one fast
+        ``Dense`` whose pre-activation is the logits, an exact head rule, ``(n, C)`` logits or
+        per-sequence signals, an input of rank 2 or 3 with the tokens), for the memory estimate."""
+        e = self._logits_dense
+        options = self.options
+        if e is None or e.fast != "dense" or not exact_head(options, self.num_classes):
+            return None
+        if self.tokens is not None and not options.sequence_layout(self.tokens):
+            return None
+        if e.input_rank != (2 if self.tokens is None else 3) or sum(1 for f in self.entries if f.fast) < 2:
+            return None
+        return e
 
     def _budget_block(self, signals: int, block: int, budget: int, refuse: bool) -> int:
         """Signals per block within ``budget`` bytes: ``block``, or fewer (equal blocks, down to one)
