@@ -147,7 +147,9 @@ class _StructuredHead:
         # dot_general's output: the activation's free axes first if it is the left operand.
         pi = pi.reshape(self.positions, -1) if tap.weight_pos == 1 else pi.reshape(-1, self.positions).T
         token, cls = pi[:, 0] // width, pi[0] % width
-        assert np.array_equal(pi, token[:, None] * width + cls[None, :]), "not a head applied per token"
+        #: Whether output entry (i, j) is logit (token[i], class[j]) for every i, j (program._dense_head
+        #: makes it so; otherwise the dense signals at the logits are used).
+        self.valid = bool(np.array_equal(pi, token[:, None] * width + cls[None, :]))
         self.perm = np.argsort(cls)  # row c of the matrix: the weight row of class c
         self.identity = bool(np.array_equal(self.perm, np.arange(self.perm.size)))
         #: The token (logit row) of each position of the activation, in its free axes' order (None:
@@ -257,7 +259,8 @@ class GGN(Kernel):
         if self.heads and (self.tokens is None or options.sequence_layout(self.tokens)) and len(self.heads) == 1:
             k = next(iter(self.heads))
             if _only_through_input(prog, self.taps[k]):
-                self.structured = (k, _StructuredHead(prog, self.taps[k]))
+                head = _StructuredHead(prog, self.taps[k])
+                self.structured = (k, head) if head.valid else None
         # Token logits (method §6.3): per token every (token, signal) pair is its own back-propagated
         # signal (M·T per group), per sequence M' signed sums over the tokens; the counted-token mask of
         # the piece is one more batch input (not a Python branch).

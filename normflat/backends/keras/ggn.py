@@ -303,7 +303,17 @@ def _head_squares(x: Any, zc: Any, counted: Any, options: AnalysisOptions, token
     sq = tf.matmul(d, x2, transpose_a=True)[None]  # (1, out, in)
     if groups == 1:
         return sq
-    return tf.concat([sq, tf.zeros([groups - 1, *sq.shape[1:]], sq.dtype)], axis=0)
+    # Padded from the squares, not a zeros constant (_runtime_zeros).
+    return tf.pad(sq, [[0, groups - 1], [0, 0], [0, 0]])
+
+
+def _runtime_zeros(shape: list[int], dtype: Any, nonnegative: Any) -> Any:
+    """Zeros of a static ``shape`` made at run time: TensorFlow's graph optimizer folds ``tf.zeros``
+    of a static shape into a constant that the compiled step keeps as long as it lives (a
+    language model's head- or table-sized sums, hundreds of MiB held between analyses); filled
+    with a value computed from a run-time integer that is never negative (the step's ``start``,
+    a signal's group: ``min(·, 0) = 0``), it cannot."""
+    return tf.fill(shape, tf.cast(tf.minimum(nonnegative, 0), dtype))
 
 
 def _block_of(values: Any, index: Any, start: Any, block: int) -> Any:
@@ -545,7 +555,7 @@ def _tied_squares(entry: Entry, lookup: list | None, reverse: list | None, seg: 
         square = tf.reduce_sum(tf.square(g), axis=0)  # (V, d)
         return j + 1, tf.tensor_scatter_nd_add(acc, [[seg[j]]], square[None])
 
-    acc = tf.zeros([groups, vocab, dim], dtype)
+    acc = _runtime_zeros([groups, vocab, dim], dtype, seg[0])
     _, acc = tf.while_loop(lambda j, acc: j < b, body, (tf.constant(0), acc), parallel_iterations=1)
     return tf.transpose(acc, [0, 2, 1])  # (K, d, V)
 
@@ -733,7 +743,7 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
             out[e.name] = tf.cond(
                 tf.equal(start, 0),
                 lambda x_in=x_in: _head_squares(x_in, zc, counted, options, tokens, groups),
-                lambda x_in=x_in, shape=shape: tf.zeros(shape, x_in.dtype))
+                lambda x_in=x_in, shape=shape: _runtime_zeros(shape, x_in.dtype, start))
         rest_fast = [e for e in fast if e not in heads]
         # The other fast layers' signals start at the head's input, pulled back through the head
         # in structured form: O(C·d) per sample instead of O(C²·d) (method §6.1); per sequence
