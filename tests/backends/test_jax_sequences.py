@@ -283,19 +283,9 @@ def test_auto_counts_signals_per_sequence():
     assert kernels and all(k.bp * k.cols == 20 for k in kernels)
 
 
-class EqxMixed(eqx.Module):
-    """Per sequence: ids (T,) -> a vmapped ``Embedding`` -> a linear causal mix of the tokens -> a
-    vmapped dense layer and ``tanh`` -> a vmapped dense head on the token logits."""
-
-    emb: eqx.nn.Embedding
-    mix: eqx.nn.Linear
-    head: eqx.nn.Linear
-
-    def __init__(self, key):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.emb = eqx.nn.Embedding(V, D, key=k1, dtype=F64)
-        self.mix = eqx.nn.Linear(D, D, key=k2, dtype=F64)
-        self.head = eqx.nn.Linear(D, C, key=k3, dtype=F64)
+class EqxMixed(EqxTokens):
+    """:class:`EqxTokens`' layers in another order: ids (T,) -> a vmapped ``Embedding`` -> a linear
+    causal mix of the tokens -> a vmapped dense layer and ``tanh`` -> a vmapped dense head."""
 
     def __call__(self, ids):
         h = jnp.cumsum(jax.vmap(self.emb)(ids), axis=0)
