@@ -640,20 +640,19 @@ class GGN(Kernel):
         factor of :meth:`_token_columns`); ``rows=T``: over the signals of the per-sequence factor of
         :func:`~normflat.engine.losses.sequence_factor`, each one row per token.
         """
+        live = self._live(factor)
+
         def pick(values, fill):
-            flat = jnp.broadcast_to(values, factor.index.shape)[self.skip:].reshape(-1, rows)
+            flat = values.reshape(-1, rows)
             got = jnp.take(flat, jnp.minimum(index, flat.shape[0] - 1), axis=0)
             return jnp.where(valid[:, None], got, jnp.full_like(got, fill))[None]
 
-        return Factor(pick(factor.index, -1), pick(factor.scale, 0), factor.vectors,
-                      [pick(w, 0) for w in factor.coefs])
+        return Factor(pick(live.index, -1), pick(live.scale, 0), live.vectors, [pick(w, 0) for w in live.coefs])
 
     def _live(self, factor):
         """A one-example :class:`~normflat.engine.losses.Factor` without its skipped groups (the
-        all-zero shared group of per-sequence ``ggn-topk``, never back-propagated)."""
-        if not self.skip:
-            return factor
-
+        all-zero shared group of per-sequence ``ggn-topk``, never back-propagated), every array of
+        the signals' full ``(groups, members, rows)`` shape."""
         def live(values):
             return jnp.broadcast_to(values, factor.index.shape)[self.skip:]
 

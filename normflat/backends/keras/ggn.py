@@ -64,7 +64,8 @@ from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
 
 __all__ = ["Taps", "ggn_step_fn", "model_logits", "signal_layout",
-           "ggn_bytes", "ggn_chunk_size", "SIGNAL_BLOCK", "compute_dtype", "exact_head", "STRUCTURED_HEAD_CLASSES",
+           "ggn_bytes", "ggn_chunk_size", "SIGNAL_BLOCK", "compute_dtype", "exact_head", "starts_at_head_input",
+           "STRUCTURED_HEAD_CLASSES",
            "CHUNK_BYTES", "MAX_CHUNK"]
 
 #: Most signals back-propagated per compiled step (unrolled in the graph; more are done in equal blocks).
@@ -79,6 +80,16 @@ MAX_CHUNK = 1024
 #: below, pushing the ``C − 1`` dense signals through the head costs less than forming the
 #: structured ones. ``ggn-topk`` always does (its head must be exact, as in every framework).
 STRUCTURED_HEAD_CLASSES = 32
+
+
+def starts_at_head_input(options: AnalysisOptions, tokens: int | None, input_rank: int) -> bool:
+    """Whether the other fast layers' signals start at the input of an exact ``Dense`` head
+    (:func:`exact_head`) whose input has rank ``input_rank``: ``(n, d)`` for ``(n, C)`` logits,
+    ``(n, T, d)`` for token logits with per-sequence signals (method §6.3); per token each signal
+    is one token's, and stays at the logits."""
+    if tokens is not None and not options.sequence_layout(tokens):
+        return False
+    return input_rank == (2 if tokens is None else 3)
 
 
 def exact_head(options: AnalysisOptions, num_classes: int) -> bool:
@@ -356,11 +367,12 @@ def _head_input_signals(factor: Factor, kernel: Any, index: Any, start: Any, blo
     §6.1), ``O(d)`` per signal and token per sequence (method §6.3); the dense signals are never
     formed.
     """
-    cls, scale, vectors, coefs = _factor_block(factor, index, start, block)
+    cls, scale, _, coefs = _factor_block(factor, index, start, block)
+    # Factor.through's sum, written here for a block whose size is not static inside the step.
     weight = tf.transpose(kernel)  # (C, d): row c is class c's column of the kernel
     out = scale[..., None] * tf.gather(weight, tf.cast(tf.maximum(cls, 0), tf.int32))  # (B, rows, d)
-    for v, w in zip(vectors, coefs):
-        out = out + w[..., None] * tf.matmul(v, kernel, transpose_b=True)[None]
+    for vw, w in zip(factor.projected(TF, weight), coefs):
+        out = out + w[..., None] * vw[None]
     return out
 
 
@@ -750,10 +762,10 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
         # O(d) per signal and token (method §6.3). Not per token (each signal is one token's);
         # the generic layers keep the signals at the logits, as in the torch backend.
         head_input = None
-        if rest_fast and len(heads) == 1 and (tokens is None or options.sequence_layout(tokens)):
+        if rest_fast and len(heads) == 1:
             x_in = taps.records[heads[0].name][0][0]
-            rank = 2 if tokens is None else 3
-            if len(x_in.shape) == rank and x_in.shape[1:-1] == z.shape[1:-1] and x_in.dtype.is_floating:
+            if starts_at_head_input(options, tokens, len(x_in.shape)) and x_in.shape[1:-1] == z.shape[1:-1] \
+                    and x_in.dtype.is_floating:
                 head_input = x_in
         s = None
         if (generic or (rest_fast and head_input is None)) and head_rule and tokens is None:

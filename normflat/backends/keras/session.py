@@ -27,7 +27,7 @@ from normflat.backends.keras.calls import grouped_conv_call, is_plain_norm, norm
 from normflat.backends.keras.data import ADAPTER, to_tensor
 from normflat.backends.keras.distributed import Replicas
 from normflat.backends.keras.ggn import (SIGNAL_BLOCK, Taps, compute_dtype, exact_head, ggn_bytes, ggn_chunk_size,
-                                         ggn_step_fn, model_logits, signal_layout)
+                                         ggn_step_fn, model_logits, signal_layout, starts_at_head_input)
 from normflat.backends.keras.hvp import (EXACT_BLOCK, PROBE_BLOCK, has_recurrence, hvp_step_fns, native_positions,
                                         native_probes)
 from normflat.backends.keras.layers import Entry, fast_kind, final_softmax, walk
@@ -738,12 +738,10 @@ class KerasSession:
         ``Dense`` whose pre-activation is the logits, an exact head rule, ``(n, C)`` logits or
         per-sequence signals, an input of rank 2 or 3 with the tokens), for the memory estimate."""
         e = self._logits_dense
-        options = self.options
-        if e is None or e.fast != "dense" or not exact_head(options, self.num_classes):
+        if e is None or e.fast != "dense" or not exact_head(self.options, self.num_classes):
             return None
-        if self.tokens is not None and not options.sequence_layout(self.tokens):
-            return None
-        if e.input_rank != (2 if self.tokens is None else 3) or sum(1 for f in self.entries if f.fast) < 2:
+        others = sum(1 for f in self.entries if f.fast) - 1  # the fast layers whose signals start there
+        if not others or not starts_at_head_input(self.options, self.tokens, e.input_rank):
             return None
         return e
 

@@ -717,10 +717,11 @@ class TorchSession:
         through the head, ``O(d)`` per signal and token)."""
         n, t, _ = z.shape
         factor = losses.sequence_factor(_XP, z, self.options, counted, uniforms)
+        projected = factor.projected(_XP, weight)  # the shared vectors through the head, once per chunk
         k, m = int(factor.index.shape[0]), int(factor.index.shape[1])
         step = _sequence_step(m, k, n, t * int(weight.shape[-1]))
         for start in range(0, m, step):
-            rows = factor.members(start, min(m, start + step)).through(_XP, weight)  # (K', M', n·T, d)
+            rows = factor.members(start, min(m, start + step)).through(_XP, weight, projected)  # (K', M', n·T, d)
             yield rows.reshape(k, rows.shape[1], n, t, -1)
 
     def _first_check(self, logits: torch.Tensor, fast: list[TorchLayer]) -> None:
@@ -881,8 +882,10 @@ class TorchSession:
                             weight = weight.t()
                         if z.dim() == 2:
                             factor = losses.output_factor(_XP, z, self.options, uniforms)
+                            projected = factor.projected(_XP, weight)  # once, not per step
                             for members in self._factor_steps(factor):
-                                for block in self._member_steps(self._skipped(members.through(_XP, weight), False)):
+                                sig = members.through(_XP, weight, projected)
+                                for block in self._member_steps(self._skipped(sig, False)):
                                     self._fast_squares(start, block, fast, state)
                         else:
                             for sig in self._sequence_head_blocks(z, counted, uniforms, weight):
