@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from normflat.engine import native
 from normflat.engine.options import NSCE_EPS, AnalysisOptions
 
 __all__ = [
@@ -66,12 +67,58 @@ __all__ = [
     "check_output_shape",
     "check_loss_value",
     "namespace_check",
+    "LOGIT_BLOCK_ENTRIES",
 ]
 
 #: ``nsce`` refuses rows whose centred logits have an RMS below this: there the ε of
 #: the normalization changes the normalized logits by more than 5e-5 relatively and the
 #: curvature is of order 1/ε (a zero-initialized head gives a Hessian trace of ~1e13).
 CONSTANT_LOGITS_RMS = math.sqrt(1e4 * NSCE_EPS)
+
+
+#: Entries of ``(rows, C)`` logits that the probabilities, the class selection, the
+#: logit-Hessian diagonal and the logit checks take at once where arrays are mutable
+#: (numpy, torch): each of these holds up to about ten temporaries of its input's size, so
+#: the ``n·T`` token rows of a large vocabulary are taken a block of rows at a time and the
+#: temporaries are those of one block (4 MiB each in float32), not of all the rows (method
+#: §9). Compiled code (JAX, TensorFlow) takes the rows whole: its compiler fuses them.
+LOGIT_BLOCK_ENTRIES = 1 << 20
+
+
+def _row_blocks(rows: Any) -> list[tuple[int, int]] | None:
+    """Row ranges ``[lo, hi)`` of ``(n, C)`` ``rows`` of at most :data:`LOGIT_BLOCK_ENTRIES`
+    entries (at least one row each); ``None`` where the rows are taken whole: one block is
+    enough, the arrays are immutable, or the number of rows is not static (tracing)."""
+    if len(rows.shape) != 2 or not native.mutable(rows):
+        return None
+    n, c = rows.shape
+    if n is None or int(n) * int(c) <= LOGIT_BLOCK_ENTRIES:
+        return None
+    step = max(1, LOGIT_BLOCK_ENTRIES // int(c))
+    return [(lo, min(int(n), lo + step)) for lo in range(0, int(n), step)]
+
+
+def _filled(xp: Any, rows: Any, blocks: list[tuple[int, int]], fn: Any, count: int) -> tuple:
+    """``count`` arrays ``fn(rows[lo:hi])`` computed a block of rows at a time and written into
+    arrays of the rows' leading size (each output of ``fn`` is ``(hi − lo, ·)``)."""
+    outs: list[Any] = []
+    for lo, hi in blocks:
+        parts = fn(rows[lo:hi])
+        if not outs:
+            n = int(rows.shape[0])
+            outs = [xp.empty((n, *part.shape[1:]), dtype=part.dtype, device=part.device) for part in parts]
+        for out, part in zip(outs, parts):
+            out[lo:hi] = part
+        del parts
+    return tuple(outs)
+
+
+def _row_dots(xp: Any, a: Any, b: Any) -> Any:
+    """``(n,)`` dot products of the rows of two ``(n, C)`` arrays (a block of rows at a time)."""
+    blocks = _row_blocks(b)
+    if blocks is None:
+        return xp.sum(a * b, axis=-1)
+    return xp.concat([xp.sum(a[lo:hi] * b[lo:hi], axis=-1) for lo, hi in blocks], axis=0)
 
 
 def _permute(xp: Any, x: Any, axes: tuple[int, ...]) -> Any:
@@ -144,7 +191,13 @@ def _softmax(xp: Any, u: Any) -> Any:
 
 def _probabilities(xp: Any, logits: Any, options: AnalysisOptions) -> tuple[Any, Any, Any]:
     """``(p, ẑ, σ)``: the softmax of the (normalized, for ``nsce``) logits; ``ẑ``, ``σ`` of
-    :func:`normalize_logits` for ``nsce``, ``None`` for ``ce``."""
+    :func:`normalize_logits` for ``nsce``, ``None`` for ``ce`` (a block of rows at a time,
+    :data:`LOGIT_BLOCK_ENTRIES`)."""
+    blocks = _row_blocks(logits)
+    if blocks is not None:
+        if options.loss == "nsce":
+            return _filled(xp, logits, blocks, lambda rows: _probabilities(xp, rows, options), 3)
+        return _filled(xp, logits, blocks, lambda rows: _probabilities(xp, rows, options)[:1], 1) + (None, None)
     if options.loss == "nsce":
         u, zhat, sigma = normalize_logits(xp, logits, options.temperature)
         return _softmax(xp, u), zhat, sigma
@@ -385,6 +438,9 @@ def logit_hessian_diagonal(xp: Any, logits: Any, options: AnalysisOptions) -> An
     ``Σ_c J_ic² p_c = a² [p_i − 2 p_i (1 + ẑ_i²)/C + (1 + 2 ẑ_i μ₁ + ẑ_i² μ₂)/C²]``,
     ``Σ_c J_ic p_c = a [p_i − (1 + ẑ_i μ₁)/C]``, ``μ_r = Σ_c p_c ẑ_c^r``.
     """
+    blocks = _row_blocks(logits)
+    if blocks is not None:
+        return _filled(xp, logits, blocks, lambda rows: (logit_hessian_diagonal(xp, rows, options),), 1)[0]
     p, zhat, sigma = _probabilities(xp, logits, options)
     if options.loss != "nsce":
         return p - p * p
@@ -415,9 +471,15 @@ def diagonal_signals(xp: Any, logits: Any, options: AnalysisOptions) -> Any:
 
 
 def _sampled_classes(xp: Any, p: Any, options: AnalysisOptions, uniforms: Any) -> tuple[Any, Any]:
-    """``(K', M, n)`` classes and scales of the ``ggn-topk`` or ``ggn-mc`` signals."""
+    """``(K', M, n)`` classes and scales of the ``ggn-topk`` or ``ggn-mc`` signals (a block of
+    rows at a time, :data:`LOGIT_BLOCK_ENTRIES`: each row's classes depend on its own
+    probabilities and uniforms only)."""
     if uniforms is None:
         raise ValueError(f"{options.estimator} needs the uniforms of normflat.engine.random.sample_uniforms.")
+    blocks = _row_blocks(p)
+    if blocks is not None:
+        parts = [_sampled_classes(xp, p[lo:hi], options, uniforms[lo:hi]) for lo, hi in blocks]
+        return xp.concat([i for i, _ in parts], axis=-1), xp.concat([sc for _, sc in parts], axis=-1)
     if options.estimator == "ggn-topk":
         assert options.top_classes is not None
         return _topk_classes(xp, p, uniforms, options.top_classes, options.groups,
@@ -547,8 +609,10 @@ class Factor:
         return out
 
     def projected(self, xp: Any, weight: Any) -> list:
-        """The shared vectors through the head, ``vectors_j W`` ``(n, d)`` each (:meth:`through`)."""
-        return [v @ weight for v in self.vectors]
+        """The shared vectors through the head, ``vectors_j W`` ``(n, d)`` each (:meth:`through`);
+        a vector that repeats one row (``nsce``'s vector 1) is multiplied once, as one row."""
+        return [xp.broadcast_to(v[:1] @ weight, (int(v.shape[0]), int(weight.shape[-1])))
+                if native.repeats_rows(v) else v @ weight for v in self.vectors]
 
 
 def _gather_rows(xp: Any, table: Any, index: Any) -> Any:
@@ -595,10 +659,14 @@ def _pulled_back(xp: Any, factor: Factor, zhat: Any, sigma: Any, options: Analys
     a = (options.temperature / sigma)[:, 0]  # (n,)
     total = scale + sum(w * xp.sum(v, axis=-1)[None, None] for v, w in zip(vectors, coefs))
     dot = scale * _gather_rows(xp, zhat, index) + sum(
-        w * xp.sum(v * zhat, axis=-1)[None, None] for v, w in zip(vectors, coefs))
+        w * _row_dots(xp, v, zhat)[None, None] for v, w in zip(vectors, coefs))
     scale = a * scale
     coefs = [a * w for w in coefs] + [-a * total / c, -a * dot / c]
-    vectors = vectors + [xp.ones_like(zhat), zhat]
+    # The vector 1: a broadcast view of one row where the library has views (numpy, torch),
+    # not one more array of the logits' size.
+    ones = (xp.broadcast_to(xp.ones_like(zhat[:1]), zhat.shape) if native.mutable(zhat)
+            else xp.ones_like(zhat))
+    vectors = vectors + [ones, zhat]
     return Factor(index, scale, vectors, coefs)
 
 
@@ -778,8 +846,15 @@ def logit_stats(xp: Any, logits: Any) -> Any:
 
     Computable inside compiled code (one small array, checked on the host later):
     ``[all finite, min entry, max |row sum − 1|, min row RMS of the centred logits,
-    max |entry|]``.
+    max |entry|]``. Where arrays are mutable, many rows are summarized a block at a time
+    (:data:`LOGIT_BLOCK_ENTRIES`) and the blocks' numbers combined.
     """
+    rows = xp.reshape(logits, (-1, int(logits.shape[-1]))) if len(logits.shape) > 2 else logits
+    blocks = _row_blocks(rows)
+    if blocks is not None:
+        parts = xp.stack([logit_stats(xp, rows[lo:hi]) for lo, hi in blocks])  # (blocks, 5)
+        low, high = xp.min(parts, axis=0), xp.max(parts, axis=0)
+        return xp.stack([low[0], low[1], high[2], low[3], high[4]])
     finite = xp.astype(xp.all(xp.isfinite(logits)), logits.dtype)
     safe = xp.where(xp.isfinite(logits), logits, xp.zeros_like(logits))
     zc = safe - xp.mean(safe, axis=-1, keepdims=True)

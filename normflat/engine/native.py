@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["library", "mutable", "stack", "concat", "zeros_like", "kernel_sums", "weighted_sum"]
+__all__ = ["library", "mutable", "repeats_rows", "stack", "concat", "zeros_like", "kernel_sums", "weighted_sum"]
 
 #: Per library: (module, stack, concatenate along axis 0, zeros_like).
 _OPERATIONS = {
@@ -31,6 +31,17 @@ def library(array: Any) -> str:
 def mutable(array: Any) -> bool:
     """Whether ``array[i] += x`` writes into ``array`` (numpy and torch; not JAX or TensorFlow)."""
     return library(array) in ("numpy", "torch")
+
+
+def repeats_rows(array: Any) -> bool:
+    """Whether a 2-D array is one row repeated as a view, without copies (a numpy or torch
+    broadcast: stride 0 along its first axis)."""
+    lib = library(array)
+    if lib == "numpy":
+        return array.ndim == 2 and array.shape[0] > 1 and array.strides[0] == 0
+    if lib == "torch":
+        return array.dim() == 2 and array.shape[0] > 1 and array.stride(0) == 0
+    return False
 
 
 def _operation(array: Any, which: int) -> Any:

@@ -973,8 +973,9 @@ class TorchSession:
         sequence. Uncounted tokens add nothing.
         """
         c = int(z.shape[-1])
-        root = torch.sqrt(losses.logit_hessian_diagonal(_XP, z.reshape(-1, c), self.options))
-        root = root * counted.reshape(-1, 1)  # (n·T, C)
+        # In place: one array of the token logits' size, not three.
+        root = losses.logit_hessian_diagonal(_XP, z.reshape(-1, c), self.options).sqrt_()
+        root.mul_(counted.reshape(-1, 1))  # (n·T, C)
         self._head_squares(root[None, None], heads, state, token_rows=True)
 
     def _prepared_blocks(self, z: torch.Tensor, counted: torch.Tensor | None, uniforms: torch.Tensor | None,
