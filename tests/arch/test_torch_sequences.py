@@ -542,6 +542,48 @@ def test_sequence_signals_start_at_the_heads_input(head, loss, monkeypatch):
         assert _relative_error(p.hessian_diag_samples, want[p.name]) < 1e-10, p.name
 
 
+class WideHeadTagger(nn.Module):
+    """A small embedding and dense layer under a dense head of 3000 classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, 4)
+        self.proj = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3000)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.proj(self.emb(ids))))
+
+
+def test_chunk_counts_the_signals_where_they_start(monkeypatch):
+    """The chunk estimate counts per-sequence signals that start at a dense head's input at that
+    input (4 entries per token here), not at the token logits (3000): under a budget the whole
+    batch is one chunk, its signals back-propagated at once, where counting them at the logits
+    took one sequence at a time with its signals in steps (method §9). The same numbers."""
+    model = WideHeadTagger().to(DT).eval()
+    ids = _ids(4, 8, seed=25)
+    labels = torch.randint(0, 3000, (4, 8), generator=torch.Generator().manual_seed(26))
+    options = _options(loss="ce", estimator="ggn-topk", seed=7, samples=10, top_classes=2)
+    chosen, choose = [], torch_session.TorchSession._choose_chunk
+
+    def spy(self, *args, **kwargs):
+        chosen.append((choose(self, *args, **kwargs), self.signal_step))
+        return chosen[-1][0]
+
+    monkeypatch.setattr(torch_session.TorchSession, "_choose_chunk", spy)
+    got, _ = tb.layer_problems(model, [(ids, labels)], options, memory_budget="8MB")
+    assert chosen[0][0] >= 4 and chosen[0][1] is None  # the whole batch of 4 sequences
+    monkeypatch.setattr(torch_session.TorchSession, "_head_input", lambda *args: None)  # counted at the logits
+    chosen.clear()
+    tb.layer_problems(model, [(ids, labels)], options, memory_budget="8MB")
+    assert chosen[0][0] == 1 and chosen[0][1] is not None
+    monkeypatch.undo()
+    want, _ = tb.layer_problems(model, [(ids, labels)], options, chunk_size=1)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(torch.as_tensor(a.hessian_diag_samples), torch.as_tensor(b.hessian_diag_samples),
+                                   rtol=1e-12, atol=1e-18)
+
+
 @pytest.mark.parametrize("head", ["linear", "conv1d"])
 def test_embedding_feature_rescaling_with_the_head_on_token_logits(head):
     """The default per-sequence ggn-topk with a dense head on the token logits (its squares from the

@@ -636,7 +636,16 @@ class TorchSession:
         # intermediates one signal's backward holds while it runs (about as much again; measured on
         # ViT-Tiny, whose retained signals alone under-counted its peak by a fifth).
         graph = 4 * (outs + c * tokens)
-        per_signal = copies * (outs + c * tokens) + weights + backward
+        # The signals at the logits and their gradients at every layer output; where they start
+        # at a dense head's input instead (structured, method §6.2), none at the logits or at the
+        # head's output (the logits again), one at its input.
+        signal = outs + c * tokens
+        fast = [layer for layer in self._layers if layer.fast]
+        heads = self._heads(logits, fast)
+        start = self._head_input(logits, heads, [layer for layer in fast if layer not in heads])
+        if start is not None:
+            signal = outs - c * tokens + start.numel() // rows
+        per_signal = copies * signal + weights + backward
         need = item * (per_sample * per_signal + graph)
         self.signal_step = None
         if self.settings.memory_budget is not None:
@@ -870,28 +879,27 @@ class TorchSession:
                     for sig in self._signal_blocks(z, counted, None, diagonal=True):
                         self._head_squares(sig, heads, state)
                 fast = [layer for layer in fast if layer not in heads]
-                if fast and len(heads) == 1 and (z.dim() == 2 or sequence):
+                start = self._head_input(z, heads, fast)
+                if start is not None:
                     # The other layers' signals start at the head's input, pulled back through the
                     # head in structured form: O(C·d) per sample, not O(C²·d) (losses.Factor); per
                     # sequence, O(d) per signal and token, no (K', M', n, T, C) signals formed.
                     head = heads[0]
-                    start = cap.live_inputs[id(head)]
-                    if start.requires_grad and (z.dim() == 2 or tuple(start.shape[:-1]) == tuple(z.shape[:-1])):
-                        weight = head.module.weight.detach()
-                        if head.ext.ggn_squares is ggn_kernels.transposed_linear_squares:
-                            weight = weight.t()
-                        if z.dim() == 2:
-                            factor = losses.output_factor(_XP, z, self.options, uniforms)
-                            projected = factor.projected(_XP, weight)  # once, not per step
-                            for members in self._factor_steps(factor):
-                                sig = members.through(_XP, weight, projected)
-                                for block in self._member_steps(self._skipped(sig, False)):
-                                    self._fast_squares(start, block, fast, state)
-                        else:
-                            for sig in self._sequence_head_blocks(z, counted, uniforms, weight):
-                                for block in self._member_steps(self._skipped(sig, True)):
-                                    self._fast_squares(start, block, fast, state)
-                        fast = []
+                    weight = head.module.weight.detach()
+                    if head.ext.ggn_squares is ggn_kernels.transposed_linear_squares:
+                        weight = weight.t()
+                    if z.dim() == 2:
+                        factor = losses.output_factor(_XP, z, self.options, uniforms)
+                        projected = factor.projected(_XP, weight)  # once, not per step
+                        for members in self._factor_steps(factor):
+                            sig = members.through(_XP, weight, projected)
+                            for block in self._member_steps(self._skipped(sig, False)):
+                                self._fast_squares(start, block, fast, state)
+                    else:
+                        for sig in self._sequence_head_blocks(z, counted, uniforms, weight):
+                            for block in self._member_steps(self._skipped(sig, True)):
+                                self._fast_squares(start, block, fast, state)
+                    fast = []
             # Each path forms the signals anew, one block at a time (the same draws, so the same
             # signals), so that no more than one block exists (memory).
             if fast:
@@ -938,6 +946,21 @@ class TorchSession:
         dense = (ggn_kernels.linear_squares, ggn_kernels.transposed_linear_squares)
         return [layer for layer in fast if not layer.tied
                 and layer.ext.ggn_squares in dense and _is_logits(self.capture.outputs.get(id(layer)), logits)]
+
+    def _head_input(self, z: torch.Tensor, heads: list[TorchLayer], others: list[TorchLayer]
+                    ) -> torch.Tensor | None:
+        """The input of the one dense head of :meth:`_heads` where the ``others`` layers' signals
+        start (pulled back through the head in structured form, method §6.2): ``(n, C)`` logits,
+        or per-sequence token logits whose head is applied token by token; ``None`` where they
+        start at the logits."""
+        assert self.capture is not None
+        sequence = self.options.sequence_layout(int(z.shape[1]) if z.dim() == 3 else None)
+        if not others or len(heads) != 1 or not (z.dim() == 2 or sequence):
+            return None
+        start = self.capture.live_inputs[id(heads[0])]
+        if start.requires_grad and (z.dim() == 2 or tuple(start.shape[:-1]) == tuple(z.shape[:-1])):
+            return start
+        return None
 
     def _head_squares(self, sig: torch.Tensor, heads: list[TorchLayer], state: SumState,
                       token_rows: bool = False) -> None:
