@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import keras
 import numpy as np
@@ -642,8 +642,13 @@ class KerasSession:
         size = -(-n // count)
         return [(a, min(a + size, n)) for a in range(0, n, size)]
 
-    def _map(self, fn: Callable[..., Any], args: list[tuple], shared: tuple = (), batched: int = 2) -> list[Any]:
+    def _map(self, fn: Callable[..., Any], args: list[tuple], shared: tuple = (), batched: int = 2) -> Iterator[Any]:
         """``fn(*a, *shared)`` for every ``a`` in ``args``: in order on one device, or dealt to the replicas.
+
+        The results come one at a time (one round of the replicas at a time), each computed when
+        the caller asks for it: a caller that adds each into its sums before taking the next holds
+        one piece's weight-sized outputs, not every piece's (a language model's head and
+        embedding: 25 MiB per piece on the 50000-token model of ``benchmarks.keras_diag``).
 
         ``batched``: how many leading arguments of each ``a`` have the batch axis first (traced
         with it open, :class:`OpenBatchTraces`).
@@ -652,15 +657,16 @@ class KerasSession:
             if args:
                 count = len(args[0]) + len(shared)
                 self._open_traces.trace(fn, (*args[0], *shared), [i < batched for i in range(count)])
-            return [fn(*a, *shared) for a in args]
+            return (fn(*a, *shared) for a in args)
+        return self._map_replicas(fn, args, shared)
+
+    def _map_replicas(self, fn: Callable[..., Any], args: list[tuple], shared: tuple) -> Iterator[Any]:
         local = self.replicas.local
-        out: list[Any] = []
         for r in range(0, len(args), local):
             round_args = list(args[r:r + local])
             real = len(round_args)
             round_args += [round_args[0]] * (local - real)  # idle replicas recompute a piece, ignored
-            out.extend(self.replicas.call(fn, round_args, shared)[:real])
-        return out
+            yield from self.replicas.call(fn, round_args, shared)[:real]
 
     # ------------------------------------------------------------------ GGN
 
@@ -783,8 +789,9 @@ class KerasSession:
             for sums, stats in results:
                 if start == 0:
                     self._defer(batch.index, stats, None, eps)
-                for i, v in enumerate(sums):
-                    self._add(state, i, v)
+                for i in range(len(sums)):
+                    self._add(state, i, sums[i])
+                    sums[i] = None  # added: released before the next piece is computed
 
     # ------------------------------------------------------------------ exact / hutchinson
 
