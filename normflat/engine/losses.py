@@ -58,10 +58,12 @@ __all__ = [
     "sequence_classes",
     "sequence_dense",
     "sequence_factor",
+    "classes_factor",
     "sequence_members",
     "pool_signals",
     "zero_signals",
     "logit_stats",
+    "combined_logit_stats",
     "check_logit_stats",
     "CONSTANT_LOGITS_RMS",
     "check_output_shape",
@@ -680,7 +682,13 @@ def sequence_factor(xp: Any, logits: Any, options: AnalysisOptions, counted: Any
     ``(n·T, C) × (C, d)`` product per vector, instead of forming the ``(K', M', n, T, C)``
     signals and pushing them through the head (method §6.2, §6.3).
     """
-    classes = sequence_classes(xp, logits, options, counted, uniforms)
+    return classes_factor(xp, sequence_classes(xp, logits, options, counted, uniforms), options)
+
+
+def classes_factor(xp: Any, classes: "SequenceClasses", options: AnalysisOptions) -> Factor:
+    """The per-sequence signals of :class:`SequenceClasses` as a :class:`Factor` (those of
+    :func:`sequence_factor`, from classes found in any way: a backend may find them a block of
+    tokens at a time)."""
     factor = Factor(classes.index, classes.scale, [classes.p], [-classes.scale])
     return _pulled_back(xp, factor, classes.zhat, classes.sigma, options)
 
@@ -852,9 +860,7 @@ def logit_stats(xp: Any, logits: Any) -> Any:
     rows = xp.reshape(logits, (-1, int(logits.shape[-1]))) if len(logits.shape) > 2 else logits
     blocks = _row_blocks(rows)
     if blocks is not None:
-        parts = xp.stack([logit_stats(xp, rows[lo:hi]) for lo, hi in blocks])  # (blocks, 5)
-        low, high = xp.min(parts, axis=0), xp.max(parts, axis=0)
-        return xp.stack([low[0], low[1], high[2], low[3], high[4]])
+        return combined_logit_stats(xp, [logit_stats(xp, rows[lo:hi]) for lo, hi in blocks])
     finite = xp.astype(xp.all(xp.isfinite(logits)), logits.dtype)
     safe = xp.where(xp.isfinite(logits), logits, xp.zeros_like(logits))
     zc = safe - xp.mean(safe, axis=-1, keepdims=True)
@@ -869,6 +875,14 @@ def logit_stats(xp: Any, logits: Any) -> Any:
         xp.min(rms),
         xp.max(xp.abs(safe)),
     ])
+
+
+def combined_logit_stats(xp: Any, parts: list) -> Any:
+    """The :func:`logit_stats` of rows taken in blocks, from each block's: the least of the
+    finite flags, minima and RMS, the largest of the row-sum and magnitude maxima."""
+    stacked = xp.stack(parts)  # (blocks, 5)
+    low, high = xp.min(stacked, axis=0), xp.max(stacked, axis=0)
+    return xp.stack([low[0], low[1], high[2], low[3], high[4]])
 
 
 def check_logit_stats(stats: Any, options: AnalysisOptions, index: int, num_classes: int,

@@ -363,14 +363,21 @@ def _head_lm():
     return model, x, y
 
 
+@pytest.mark.parametrize("blocks", [False, True], ids=["whole", "token-blocks"])
 @pytest.mark.parametrize("loss, samples, top", [("ce", 3, 1), ("nsce", 2, 2)])
-def test_sequence_signals_start_at_the_heads_input(loss, samples, top, monkeypatch):
+def test_sequence_signals_start_at_the_heads_input(loss, samples, top, blocks, monkeypatch):
     """``ggn-topk`` per sequence with a ``Dense`` head on the token logits and no generic layer: the
     other layers' signals start at the head's input (structured, method §6.3) and no signal is
     formed at the logits; every group estimate against the per-sequence brute force, two batches
-    in chunks of 2."""
+    in chunks of 2. ``token-blocks``: the work at the logits (the checks, the head's squares, the
+    tokens' classes) one token at a time (``ggn.token_blocks``), the same numbers."""
     from normflat.backends.keras import ggn
 
+    taken = []
+    if blocks:
+        monkeypatch.setattr(ggn, "LOGIT_BLOCK_ENTRIES", C)  # one token of a sequence per block
+        real = ggn.token_blocks
+        monkeypatch.setattr(ggn, "token_blocks", lambda *a: (taken.append(real(*a)), taken[-1])[1])
     calls = {"structured": [], "dense": []}
     for name, kind in (("_head_input_signals", "structured"), ("_sequence_block", "dense")):
         def spy(*args, _f=getattr(ggn, name), _kind=kind, **kwargs):
@@ -391,6 +398,46 @@ def test_sequence_signals_start_at_the_heads_input(loss, samples, top, monkeypat
         want = stored_groups(groups[p.name], p.hessian_diag_samples.shape)
         assert_close(np.asarray(p.hessian_diag_samples), want, p.name)
     assert calls["structured"] and not calls["dense"]
+    assert not blocks or (taken and all(b == [(t, t + 1) for t in range(T)] for b in taken))
+
+
+@pytest.mark.parametrize("loss", ["ce", "nsce"])
+def test_token_blocks_give_the_whole_logits_numbers(loss, monkeypatch):
+    """The step's work at token logits a block of tokens at a time (``ggn.token_blocks``, method §9):
+    the logit checks, a head's exact squares and the per-sequence factor (and its signals through
+    the head) equal those of the whole logits, in graph mode, blocks of one and of three tokens."""
+    from normflat.backends.keras import ggn
+
+    rng = np.random.default_rng(5)
+    n, t, c, d = 3, 7, 5, 4
+    z = tf.constant(rng.normal(size=(n, t, c)) * 2)
+    z = tf.tensor_scatter_nd_update(z, [[1, 4]], tf.fill([1, c], tf.constant(0.5, tf.float64)))  # a constant row
+    counted = np.ones((n, t))
+    counted[2, 5] = 0.0
+    counted = tf.constant(counted)
+    x = tf.constant(rng.normal(size=(n, t, d)))
+    kernel = tf.constant(rng.normal(size=(d, c)))
+    options = validate_options(progress=False, loss=loss, estimator="ggn-topk", samples=3, top_classes=2, seed=3)
+    u = tf.constant(rng.uniform(size=(n, options.uniform_columns(t))))
+    layout = signal_layout(options, c, t)[0]
+
+    @tf.function
+    def run(z, counted, u, x):
+        blocks = ggn.token_blocks(t, c)
+        factor = ggn._blocked_sequence_factor(z, options, counted, u, blocks)
+        through = ggn._head_input_signals(factor, kernel, tf.constant(layout, tf.int32), tf.constant(0), len(layout))
+        return (ggn._blocked_logit_stats(z, blocks), ggn._head_squares(x, z, counted, options, t, 1),
+                factor.dense(TF), through)
+
+    whole = [v.numpy() for v in run(z, counted, u, x)]
+    for per_block in (1, 3):
+        monkeypatch.setattr(ggn, "LOGIT_BLOCK_ENTRIES", per_block * c)
+        assert ggn.token_blocks(t, c)[:2] == [(0, per_block), (per_block, 2 * per_block)]
+        run = tf.function(run.python_function)  # a fresh trace with these blocks
+        for got, want in zip(run(z, counted, u, x), whole):
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-13, atol=1e-15)
+    assert whole[0][3] == 0  # the constant row's RMS, found in its block
+    assert ggn.token_blocks(None, c) is None  # (n, C) logits: rows whole
 
 
 def test_embedding_feature_rescaling_with_the_head_on_token_logits():

@@ -58,8 +58,9 @@ from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for
 from normflat.engine import native
 from normflat.engine.estimators import mean_weights
-from normflat.engine.losses import (Factor, diagonal_signals, logit_stats, output_factor, output_signals,
-                                    sequence_classes, sequence_dense, sequence_factor, signal_slots)
+from normflat.engine.losses import (LOGIT_BLOCK_ENTRIES, Factor, SequenceClasses, classes_factor,
+                                    combined_logit_stats, diagonal_signals, logit_stats, output_factor, output_signals, sequence_classes,
+                                    sequence_dense, sequence_factor, signal_slots)
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
 
@@ -306,16 +307,99 @@ def _head_squares(x: Any, zc: Any, counted: Any, options: AnalysisOptions, token
     are never placed at their tokens.
     """
     c = int(zc.shape[-1])
-    root = diagonal_signals(TF, tf.reshape(zc, [-1, c]), options)[0, 0]  # (rows, C): group 0
-    if tokens is not None:
-        root = root * tf.reshape(tf.cast(counted, root.dtype), [-1, 1])  # ignored tokens: no curvature
-    d = tf.square(tf.cast(root, x.dtype))  # in the layer's dtype, as its back-propagated signals
-    x2 = tf.square(tf.reshape(x, [-1, int(x.shape[-1])]))
-    sq = tf.matmul(d, x2, transpose_a=True)[None]  # (1, out, in)
+    blocks = token_blocks(tokens, c)
+
+    def squares(zc: Any, counted: Any, x: Any) -> Any:
+        root = diagonal_signals(TF, tf.reshape(zc, [-1, c]), options)[0, 0]  # (rows, C): group 0
+        if tokens is not None:
+            root = root * tf.reshape(tf.cast(counted, root.dtype), [-1, 1])  # ignored tokens: no curvature
+        d = tf.square(tf.cast(root, x.dtype))  # in the layer's dtype, as its back-propagated signals
+        x2 = tf.square(tf.reshape(x, [-1, int(x.shape[-1])]))
+        return tf.matmul(d, x2, transpose_a=True)  # (out, in)
+
+    if blocks is None:
+        sq = squares(zc, counted, x)[None]  # (1, out, in)
+    else:  # a block of tokens at a time (token_blocks): the same sum over the token rows
+        sq = tf.add_n(_in_order(blocks, lambda a, b, deps: squares(_after(deps, zc[:, a:b]), counted[:, a:b],
+                                                                     x[:, a:b])))[None]
     if groups == 1:
         return sq
     # Padded from the squares, not a zeros constant (_runtime_zeros).
     return tf.pad(sq, [[0, groups - 1], [0, 0], [0, 0]])
+
+
+def token_blocks(tokens: int | None, num_classes: int) -> list[tuple[int, int]] | None:
+    """Token ranges ``[a, b)`` in which the step takes the work at token logits ``(n, T, C)``: at
+    most :data:`~normflat.engine.losses.LOGIT_BLOCK_ENTRIES` entries of one sequence each (at least
+    one token); ``None`` for ``(n, C)`` logits, or when one block holds every token.
+
+    The probabilities, each token's classes and draws, the head's logit-Hessian diagonal and the
+    logit checks each hold up to about ten temporaries of their input's size; a block of tokens at
+    a time (:func:`_in_order`) they are those of one block of every sequence of the chunk, not of
+    all its token logits (method §9), as the numpy and torch code takes rows in blocks."""
+    if tokens is None or tokens * num_classes <= LOGIT_BLOCK_ENTRIES:
+        return None
+    step = max(1, LOGIT_BLOCK_ENTRIES // num_classes)
+    return [(a, min(tokens, a + step)) for a in range(0, tokens, step)]
+
+
+def _in_order(blocks: list[tuple[int, int]], fn: Callable[[int, int, list], Any]) -> list[Any]:
+    """``fn(a, b, deps)`` for each block, each starting after the previous one's results exist
+    (``deps``: those results, for ``tf.control_dependencies`` on the block's first operation):
+    the graph's executor would otherwise run the independent blocks in any order, their
+    temporaries alive together."""
+    out: list[Any] = []
+    for a, b in blocks:
+        out.append(fn(a, b, tf.nest.flatten(out[-1]) if out else []))
+    return out
+
+
+def _after(deps: list, x: Any) -> Any:
+    """``x`` read once ``deps`` exist (an identity under control dependencies)."""
+    if not deps:
+        return x
+    with tf.control_dependencies(deps):
+        return tf.identity(x)
+
+
+def _blocked_logit_stats(zc: Any, blocks: list[tuple[int, int]] | None) -> Any:
+    """:func:`~normflat.engine.losses.logit_stats` of ``(n, T, C)`` token logits, a block of tokens
+    at a time (:func:`token_blocks`)."""
+    c = int(zc.shape[-1])
+    if blocks is None:
+        return logit_stats(TF, tf.reshape(zc, [-1, c]))
+    parts = _in_order(blocks, lambda a, b, deps: logit_stats(TF, tf.reshape(_after(deps, zc[:, a:b]), [-1, c])))
+    return combined_logit_stats(TF, parts)
+
+
+def _blocked_sequence_factor(zc: Any, options: AnalysisOptions, counted: Any, u: Any,
+                             blocks: list[tuple[int, int]] | None) -> Factor:
+    """:func:`~normflat.engine.losses.sequence_factor` of ``(n, T, C)`` token logits, its classes
+    found a block of tokens at a time (:func:`token_blocks`; each token's classes depend on its own
+    logits and uniform columns only) and assembled in the engine's token-major row order."""
+    if blocks is None:
+        return sequence_factor(TF, zc, options, counted, u)
+    tokens, c = int(zc.shape[1]), int(zc.shape[2])
+    columns = int(u.shape[-1]) // tokens  # token t's uniforms: columns t·D .. (t+1)·D − 1
+
+    def part(a, b, deps):
+        found = sequence_classes(TF, _after(deps, zc[:, a:b]), options, counted[:, a:b], u[:, a * columns:b * columns])
+        return [x for x in found if x is not None]
+
+    parts = _in_order(blocks, part)
+
+    def rows(i: int, width: int) -> Any:  # (n·t, width) blocks -> (n·T, width), token-major per sample
+        return tf.reshape(tf.concat([tf.reshape(q[i], [-1, b - a, width]) for q, (a, b) in zip(parts, blocks)],
+                                    axis=1), [-1, width])
+
+    def per_signal(i: int) -> Any:  # (K', M', n·t) blocks -> (K', M', n·T)
+        k, m = int(parts[0][i].shape[0]), int(parts[0][i].shape[1])
+        return tf.reshape(tf.concat([tf.reshape(q[i], [k, m, -1, b - a]) for q, (a, b) in zip(parts, blocks)],
+                                    axis=3), [k, m, -1])
+
+    nsce = options.loss == "nsce"
+    return classes_factor(TF, SequenceClasses(rows(0, c), rows(1, c) if nsce else None, rows(2, 1) if nsce else None,
+                                              per_signal(3 if nsce else 1), per_signal(4 if nsce else 2)), options)
 
 
 def _runtime_zeros(shape: list[int], dtype: Any, nonnegative: Any) -> Any:
@@ -736,10 +820,11 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
         taps.tape = None
         zc = tf.cast(tf.stop_gradient(z), compute_dtype(z.dtype))
         c = int(z.shape[-1])
-        stats = logit_stats(TF, tf.reshape(zc, [-1, c]))
-        u = tf.cast(uniforms, zc.dtype)
         if tokens is not None:
             zc = tf.ensure_shape(zc, [None, tokens, c])
+        blocks = token_blocks(tokens, c)
+        stats = _blocked_logit_stats(zc, blocks)
+        u = tf.cast(uniforms, zc.dtype)
         rest = [c] if tokens is None else [tokens, c]
         seg = tf.constant(seg_list, tf.int32)
         # A fixed-size block of signals; past the end, zero (padding) signals add nothing.
@@ -799,7 +884,7 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                 if tokens is None:
                     factor = output_factor(TF, zc, options, u)
                 else:  # each token's signed class signal, over the n·T token rows
-                    factor = sequence_factor(TF, zc, options, tf.cast(counted, zc.dtype), u)
+                    factor = _blocked_sequence_factor(zc, options, tf.cast(counted, zc.dtype), u, blocks)
                 sx = tf.cast(_head_input_signals(factor, kernel, index, start, block), head_input.dtype)
                 sx = tf.reshape(sx, [block, -1, *head_input.shape[1:]])  # per sequence: (B, n, T, d)
                 sx = tf.ensure_shape(sx, [block, None, *head_input.shape[1:]])
