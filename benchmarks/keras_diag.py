@@ -30,14 +30,16 @@ rule (method §6.1 "Tied weights") and on the generic path (:func:`tied_lm_figur
 ``--sequence-lm V`` times a small language model with its own head (an ``Embedding`` of ``V``
 ids and 64 features, a residual MLP block of 128 hidden units, a ``Dense`` head of ``V``
 token logits, 4 sequences of 64 tokens): ``ggn-topk`` per sequence (``auto`` for token
-logits) against one gradient (:func:`sequence_lm_figures`).
+logits) against one gradient (:func:`sequence_lm_figures`); with ``--memory`` also the peak of
+TensorFlow's CPU allocations of a training step, ``hessian_diagonal`` and ``analyze``, each in a
+fresh process (:func:`sequence_lm_memory`).
 
 Run::
 
     python -m benchmarks.keras_diag [--repeats 5] [--threads 1] [--no-torch]
     python -m benchmarks.keras_diag --position-table [--repeats 5] [--threads 1]
     python -m benchmarks.keras_diag --tied-lm [--repeats 5] [--threads 1]
-    python -m benchmarks.keras_diag --sequence-lm 8000 [--repeats 5] [--threads 1]
+    python -m benchmarks.keras_diag --sequence-lm 8000 [--repeats 5] [--threads 1] [--memory]
 
 ``--threads N`` limits both frameworks to N CPU threads (TensorFlow intra- and
 inter-op pools, ``torch.set_num_threads``): on a shared machine one thread
@@ -300,6 +302,57 @@ def sequence_lm_figures(vocabulary: int = 8000, repeats: int = 5) -> dict[str, f
     return time_interleaved({m: runs[m] for m in ("gradient", "normflat")}, repeats)
 
 
+def _sequence_lm_peak_worker(vocabulary: int, method: str, threads: int | None, queue) -> None:
+    """Peak MiB of TensorFlow's CPU allocations that a second run of ``method`` adds (``training
+    step``: a gradient and an SGD step with momentum, its slots created by the first run;
+    ``hessian_diagonal``; ``analyze``), in this fresh process."""
+    import os
+
+    # TensorFlow's CPU memory is visible only through its BFC allocator's statistics (the resident
+    # set keeps what its default allocator freed); read when TensorFlow starts.
+    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+    import keras
+    import tensorflow as tf
+
+    import normflat
+
+    if threads:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    model, (x, y) = _sequence_lm(vocabulary)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-100)
+    optimizer = keras.optimizers.SGD(1e-3, momentum=0.9)
+
+    @tf.function
+    def train_step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=False))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    runs = {
+        "training step": train_step,
+        "hessian_diagonal": lambda: normflat.hessian_diagonal(model, (x, y), loss="ce", estimator="ggn-topk",
+                                                              progress=False),
+        "analyze": lambda: normflat.analyze(model, (x, y), loss="ce", estimator="ggn-topk", progress=False),
+    }
+    runs[method]()  # compilation, the optimizer's slots, normflat's compiled steps
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    base = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    runs[method]()
+    queue.put((tf.config.experimental.get_memory_info("CPU:0")["peak"] - base) / 2**20)
+
+
+def sequence_lm_memory(vocabulary: int = 8000, threads: int | None = None) -> dict[str, float]:
+    """Peak MiB of a training step, ``hessian_diagonal`` and ``analyze`` (``ggn-topk`` per sequence)
+    on :func:`_sequence_lm`, each in a fresh process (:func:`_sequence_lm_peak_worker`). normflat's
+    numpy sums on the host are not TensorFlow's and are not counted (one or ``1 + K`` float64
+    arrays of each analyzed weight)."""
+    from benchmarks._common import value_from_fresh_process
+
+    return {m: value_from_fresh_process(_sequence_lm_peak_worker, (vocabulary, m, threads))
+            for m in ("training step", "hessian_diagonal", "analyze")}
+
+
 def _device() -> str:
     import tensorflow as tf
 
@@ -319,6 +372,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sequence-lm", type=int, default=None, metavar="V",
                         help="time ggn-topk (per sequence) on a small LM with its own head and a vocabulary of V "
                              "(4 sequences of 64 tokens) against a gradient")
+    parser.add_argument("--memory", action="store_true",
+                        help="with --sequence-lm: also the peak of TensorFlow's CPU allocations against a training step")
     args = parser.parse_args(argv)
     if args.threads:
         import tensorflow as tf
@@ -338,6 +393,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"per sequence, device {_device()}, threads {args.threads or 'default'}, median of {args.repeats}")
         print(f"  gradient {f['gradient']:.4f} s, normflat {f['normflat']:.4f} s "
               f"({f['normflat'] / f['gradient']:.1f}x a gradient)")
+        if args.memory:
+            mem = sequence_lm_memory(args.sequence_lm, args.threads)
+            step = mem["training step"]
+            print(f"  peak MiB (TensorFlow's CPU allocations): training step {step:.1f}, hessian_diagonal "
+                  f"{mem['hessian_diagonal']:.1f} ({mem['hessian_diagonal'] / step:.1f}x), analyze "
+                  f"{mem['analyze']:.1f} ({mem['analyze'] / step:.1f}x)")
+            f = {**f, "peak_mib": mem}
         return {"sequence_lm": f}
     if args.tied_lm:
         f = tied_lm_figures(args.repeats)

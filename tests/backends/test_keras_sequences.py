@@ -426,7 +426,7 @@ def test_token_blocks_give_the_whole_logits_numbers(loss, monkeypatch):
         blocks = ggn.token_blocks(t, c)
         factor = ggn._blocked_sequence_factor(z, options, counted, u, blocks)
         through = ggn._head_input_signals(factor, kernel, tf.constant(layout, tf.int32), tf.constant(0), len(layout))
-        return (ggn._blocked_logit_stats(z, blocks), ggn._head_squares(x, z, counted, options, t, 1),
+        return (ggn._blocked_logit_stats(z, blocks), ggn._head_squares(x, z, counted, options, t),
                 factor.dense(TF), through)
 
     whole = [v.numpy() for v in run(z, counted, u, x)]
@@ -438,6 +438,33 @@ def test_token_blocks_give_the_whole_logits_numbers(loss, monkeypatch):
             np.testing.assert_allclose(got.numpy(), want, rtol=1e-13, atol=1e-15)
     assert whole[0][3] == 0  # the constant row's RMS, found in its block
     assert ggn.token_blocks(None, c) is None  # (n, C) logits: rows whole
+
+
+def test_steps_return_one_sum_when_pooled_and_for_an_exact_head(monkeypatch):
+    """The compiled step returns, per layer, what the state keeps: one sum when only the groups'
+    mean is wanted (``hessian_diagonal``: each signal weighted in the step, not ``K'`` sums of every
+    layer then their weighted sum, an embedding's vocabulary-sized ones included), and one shared
+    sum for an exact ``Dense`` head beside the others' ``K'`` (``analyze``); the same numbers."""
+    from normflat.backends.keras import session as keras_session
+
+    model, x, y = _head_lm()
+    options = validate_options(progress=False, loss="ce", estimator="ggn-topk", samples=4, top_classes=1, seed=5)
+    seen = []
+    add = keras_session.KerasSession._add
+    monkeypatch.setattr(keras_session.KerasSession, "_add",
+                        lambda self, state, layer, value: (seen.append((self.entries[layer].name, int(value.shape[0]))),
+                                                           add(self, state, layer, value))[1])
+    pooled = normflat.hessian_diagonal(model, (x, y), **{k: getattr(options, k) for k in
+                                                          ("loss", "estimator", "samples", "top_classes", "seed")},
+                                       progress=False)
+    assert seen and {count for _, count in seen} == {1}, seen
+    seen.clear()
+    problems, _ = layer_problems(model, (x, y), options)
+    assert {name: count for name, count in seen} == {"emb": options.state_groups, "mix": options.state_groups,
+                                                      "head": 1}
+    for p in problems:
+        np.testing.assert_allclose(np.asarray(pooled[p.name]), np.asarray(p.hessian_diag), rtol=1e-11,
+                                   atol=1e-14 * float(np.abs(p.hessian_diag).max()))
 
 
 def test_embedding_feature_rescaling_with_the_head_on_token_logits():

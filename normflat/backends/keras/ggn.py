@@ -56,7 +56,6 @@ from normflat.backends.keras.layers import Entry, einsum_fast_axes
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for
-from normflat.engine import native
 from normflat.engine.estimators import mean_weights
 from normflat.engine.losses import (LOGIT_BLOCK_ENTRIES, Factor, SequenceClasses, classes_factor,
                                     combined_logit_stats, diagonal_signals, logit_stats, output_factor, output_signals, sequence_classes,
@@ -293,15 +292,16 @@ def signal_layout(options: AnalysisOptions, num_classes: int,
     return index.reshape(-1), seg
 
 
-def _head_squares(x: Any, zc: Any, counted: Any, options: AnalysisOptions, tokens: int | None,
-                  groups: int) -> Any:
-    """``(K', out, in)`` exact squares of a ``Dense`` head whose pre-activation is the logits.
+def _head_squares(x: Any, zc: Any, counted: Any, options: AnalysisOptions, tokens: int | None) -> Any:
+    """``(1, out, in)`` exact squares of a ``Dense`` head whose pre-activation is the logits.
 
     For such a layer only ``Σ_m s_m²`` per output unit enters the per-sample squares,
     which is the logit-Hessian diagonal: the one-signal
     :func:`~normflat.engine.losses.diagonal_signals` give its exact GGN diagonal
-    (``ggn-topk``, and ``ggn`` with many classes: :func:`exact_head`; method §6.2), in the
-    shared group 0 (the sampled groups get zeros).
+    (``ggn-topk``, and ``ggn`` with many classes: :func:`exact_head`; method §6.2): the shared
+    group 0 alone, which the session adds as an exact layer's only sum
+    (:meth:`~normflat.engine.estimators.SumState.add_exact`), not ``K'`` head-sized sums of
+    which ``K' − 1`` are zero.
     Each (token, signal) pair of token logits is its own per-sample gradient (method §6.3),
     so token rows are simply more rows: ``Σ_rows d ⊗ x²`` is one matmul, and the signals
     are never placed at their tokens.
@@ -318,14 +318,10 @@ def _head_squares(x: Any, zc: Any, counted: Any, options: AnalysisOptions, token
         return tf.matmul(d, x2, transpose_a=True)  # (out, in)
 
     if blocks is None:
-        sq = squares(zc, counted, x)[None]  # (1, out, in)
-    else:  # a block of tokens at a time (token_blocks): the same sum over the token rows
-        sq = tf.add_n(_in_order(blocks, lambda a, b, deps: squares(_after(deps, zc[:, a:b]), counted[:, a:b],
-                                                                     x[:, a:b])))[None]
-    if groups == 1:
-        return sq
-    # Padded from the squares, not a zeros constant (_runtime_zeros).
-    return tf.pad(sq, [[0, groups - 1], [0, 0], [0, 0]])
+        return squares(zc, counted, x)[None]  # (1, out, in)
+    # A block of tokens at a time (token_blocks): the same sum over the token rows.
+    return tf.add_n(_in_order(blocks, lambda a, b, deps: squares(_after(deps, zc[:, a:b]), counted[:, a:b],
+                                                                   x[:, a:b])))[None]
 
 
 def token_blocks(tokens: int | None, num_classes: int) -> list[tuple[int, int]] | None:
@@ -829,6 +825,16 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
         seg = tf.constant(seg_list, tf.int32)
         # A fixed-size block of signals; past the end, zero (padding) signals add nothing.
         seg = tf.pad(seg, [[0, block]])[start:start + block]
+        sums_per_layer = groups
+        root_weight = None
+        if pool is not None:
+            # Only the groups' weighted mean is wanted (options.pooled): each signal scaled by the
+            # square root of its group's weight in the mean and one sum for all (as the torch backend
+            # pools its signals, losses.pool_signals), not K' sums of every layer per step (an
+            # embedding's or a head's K' vocabulary-sized sums, then their weighted sum).
+            root_weight = tf.gather(tf.constant(np.sqrt(pool)), seg)  # (block,)
+            seg = tf.zeros_like(seg)
+            sums_per_layer = 1
         out = {}
         # A Dense head whose pre-activation is the logits themselves (ggn-topk; ggn above
         # STRUCTURED_HEAD_CLASSES classes) gets its exact squares from the logit-Hessian diagonal,
@@ -836,10 +842,10 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
         heads = [e for e in fast if head_rule and e.fast == "dense" and taps.records[e.name][0][1] is z]
         for e in heads:
             x_in = taps.records[e.name][0][0]
-            shape = [groups, c, int(x_in.shape[-1])]
+            shape = [1, c, int(x_in.shape[-1])]  # the shared group only (exact)
             out[e.name] = tf.cond(
                 tf.equal(start, 0),
-                lambda x_in=x_in: _head_squares(x_in, zc, counted, options, tokens, groups),
+                lambda x_in=x_in: _head_squares(x_in, zc, counted, options, tokens),
                 lambda x_in=x_in, shape=shape: _runtime_zeros(shape, x_in.dtype, start))
         rest_fast = [e for e in fast if e not in heads]
         # The other fast layers' signals start at the head's input, pulled back through the head
@@ -874,6 +880,8 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
             s = tf.cast(s, z.dtype)
             s = tf.pad(s, [[0, block]] + [[0, 0]] * (1 + len(rest)))[start:start + block]
             s = tf.ensure_shape(s, [block, None, *rest])
+        if s is not None and root_weight is not None:
+            s = s * tf.reshape(tf.cast(root_weight, s.dtype), [block] + [1] * (len(s.shape) - 1))
         if rest_fast:
             # The records whose outputs get the signals: one per layer, a tied table's every call.
             records = [taps.records[e.name] if e.fast == "tied" else taps.records[e.name][:1] for e in rest_fast]
@@ -888,6 +896,8 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                 sx = tf.cast(_head_input_signals(factor, kernel, index, start, block), head_input.dtype)
                 sx = tf.reshape(sx, [block, -1, *head_input.shape[1:]])  # per sequence: (B, n, T, d)
                 sx = tf.ensure_shape(sx, [block, None, *head_input.shape[1:]])
+                if root_weight is not None:
+                    sx = sx * tf.reshape(tf.cast(root_weight, sx.dtype), [block] + [1] * (len(sx.shape) - 1))
                 back = [tape.gradient(head_input, pre, output_gradients=sx[i]) for i in range(block)]
             else:
                 back = [tape.gradient(z, pre, output_gradients=s[i]) for i in range(block)]
@@ -899,9 +909,9 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                     # An output the logits do not reach gets no signal: zeros.
                     uses = {r[2]: [r[0], [tf.zeros_like(r[1]) if g is None else g for g in gs]]
                             for r, gs in zip(rec, per_call)}
-                    out[e.name] = _tied_squares(e, uses.get(False), uses.get(True), seg, groups)
+                    out[e.name] = _tied_squares(e, uses.get(False), uses.get(True), seg, sums_per_layer)
                 else:
-                    out[e.name] = _fast_squares(e, rec[0][0], per_call[0], seg, groups)
+                    out[e.name] = _fast_squares(e, rec[0][0], per_call[0], seg, sums_per_layer)
         if generic:
             n = tf.shape(z)[0]
             # One signal per (signal, sample): per-sample gradients through the whole model.
@@ -924,15 +934,12 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                 grads = tf.vectorized_map(per_sample, og)
             sample_seg = tf.repeat(seg, n)
             for e, gr in zip(generic, grads):
-                sq = tf.math.unsorted_segment_sum(tf.square(gr), sample_seg, groups)
+                sq = tf.math.unsorted_segment_sum(tf.square(gr), sample_seg, sums_per_layer)
                 out[e.name] = tf.vectorized_map(e.weight.to_canonical, sq)
         del tape
-        sums = [out[e.name] for e in entries]
-        if pool is not None:
-            # Only the mean of the groups is wanted (options.pooled): one sum per weight, the groups'
-            # sums weighted as the mean weighs them, as the torch backend pools its signals.
-            sums = [native.weighted_sum(v, pool)[None] for v in sums]
-        return sums, stats
+        # Pooled (options.pooled): one sum per weight, its signals weighted above; an exact head's
+        # one shared sum has weight 1 in the mean (estimators.mean_weights).
+        return [out[e.name] for e in entries], stats
 
     return step
 
@@ -956,9 +963,9 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
             :func:`_head_input_signals`), if the step takes that path: the block's signals
             exist at its input, not at the logits (which hold the probabilities and a few
             vectors of the factor), and nothing is back-propagated to its output.
-        groups: The ``K'`` sums of the step: an embedding's squares are scattered into a
-            ``(K', features, vocabulary)`` table per step (:func:`_embedding_squares`), counted
-            here per sample.
+        groups: The sums per layer of the step (``K'``, one when pooled): an embedding's squares
+            are scattered into a ``(groups, features, vocabulary)`` table per step
+            (:func:`_embedding_squares`), counted here per sample.
     """
     item = tf.as_dtype(dtype).size
     structured = head is not None and not any(not e.fast for e in entries)  # generic layers: signals at the logits

@@ -382,11 +382,13 @@ class KerasSession:
         then only divided by its size, correctly rounded, instead of being cast
         back and forth. On an accelerator the sums stay on the device, in float64.
         """
+        # An exact head's one shared sum (ggn._head_squares) where the others have K' sums.
+        add = state.add_exact if int(value.shape[0]) == 1 and self.options.sum_groups > 1 else state.add
         if self.host:
             arr = np.asarray(value)
-            state.add(layer, arr if state.sums[layer] is None else arr.astype(np.float64))
+            add(layer, arr if state.sums[layer] is None else arr.astype(np.float64))
         else:
-            state.add(layer, tf.cast(value, tf.float64))
+            add(layer, tf.cast(value, tf.float64))
 
     def weight(self, layer: int) -> Any:
         if self.as_tensors:
@@ -736,7 +738,7 @@ class KerasSession:
     def _step_bytes(self, block: int) -> tuple[int, int]:
         """:func:`~normflat.backends.keras.ggn.ggn_bytes` of a step of ``block`` signals per sample."""
         return ggn_bytes(self.entries, self.dtype, self.input_size, self.num_classes * (self.tokens or 1), block,
-                         head=self._structured_head(), groups=self.options.state_groups)
+                         head=self._structured_head(), groups=self.options.sum_groups)
 
     def _structured_head(self) -> Entry | None:
         """The ``Dense`` head whose input the step starts the other layers' signals at, as
