@@ -443,28 +443,52 @@ def test_token_blocks_give_the_whole_logits_numbers(loss, monkeypatch):
 def test_steps_return_one_sum_when_pooled_and_for_an_exact_head(monkeypatch):
     """The compiled step returns, per layer, what the state keeps: one sum when only the groups'
     mean is wanted (``hessian_diagonal``: each signal weighted in the step, not ``K'`` sums of every
-    layer then their weighted sum, an embedding's vocabulary-sized ones included), and one shared
-    sum for an exact ``Dense`` head beside the others' ``K'`` (``analyze``); the same numbers."""
+    layer then their weighted sum), one shared sum for an exact ``Dense`` head beside the others'
+    ``K'`` (``analyze``), and an embedding's squares on the rows the piece read only
+    (``ggn.TableRows``), never a table of the vocabulary; the same numbers."""
+    from normflat.backends.keras import ggn
     from normflat.backends.keras import session as keras_session
 
     model, x, y = _head_lm()
     options = validate_options(progress=False, loss="ce", estimator="ggn-topk", samples=4, top_classes=1, seed=5)
     seen = []
     add = keras_session.KerasSession._add
-    monkeypatch.setattr(keras_session.KerasSession, "_add",
-                        lambda self, state, layer, value: (seen.append((self.entries[layer].name, int(value.shape[0]))),
-                                                           add(self, state, layer, value))[1])
+
+    def spy(self, state, layer, value):
+        name = self.entries[layer].name
+        if isinstance(value, ggn.TableRows):
+            seen.append((name, int(value.values.shape[0]), sorted(np.asarray(value.rows).tolist())))
+        else:
+            seen.append((name, int(value.shape[0]), None))
+        return add(self, state, layer, value)
+
+    monkeypatch.setattr(keras_session.KerasSession, "_add", spy)
     pooled = normflat.hessian_diagonal(model, (x, y), **{k: getattr(options, k) for k in
                                                           ("loss", "estimator", "samples", "top_classes", "seed")},
                                        progress=False)
-    assert seen and {count for _, count in seen} == {1}, seen
+    assert seen and {count for _, count, _ in seen} == {1}, seen
+    read = sorted(set(x.reshape(-1).tolist()))
+    assert [rows for name, _, rows in seen if name == "emb"] == [read]  # one piece: the ids it reads
     seen.clear()
     problems, _ = layer_problems(model, (x, y), options)
-    assert {name: count for name, count in seen} == {"emb": options.state_groups, "mix": options.state_groups,
-                                                      "head": 1}
+    assert {name: count for name, count, _ in seen} == {"emb": options.state_groups, "mix": options.state_groups,
+                                                         "head": 1}
     for p in problems:
         np.testing.assert_allclose(np.asarray(pooled[p.name]), np.asarray(p.hessian_diag), rtol=1e-11,
                                    atol=1e-14 * float(np.abs(p.hessian_diag).max()))
+
+
+def test_table_rows_dense():
+    """``TableRows.dense`` (the device path's addition): the rows read at their place in the
+    ``(K, features, vocabulary)`` table, zero elsewhere, as the host adds them in place."""
+    from normflat.backends.keras import ggn
+
+    values = np.arange(2 * 3 * 4, dtype=np.float64).reshape(2, 3, 4) + 1
+    rows = np.array([5, 0, 7, 2])
+    dense = ggn.TableRows(tf.constant(values), tf.constant(rows, tf.int64)).dense(9).numpy()
+    want = np.zeros((2, 3, 9))
+    want[:, :, rows] += values
+    np.testing.assert_array_equal(dense, want)
 
 
 def test_embedding_feature_rescaling_with_the_head_on_token_logits():

@@ -45,7 +45,7 @@ import contextlib
 import itertools
 import math
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import keras
 import numpy as np
@@ -565,13 +565,30 @@ def _per_sample_squares(a: Any, g: Any, seg: Any, groups: int) -> Any:
     return tf.math.unsorted_segment_sum(tf.reshape(sq, [b, o, k]), seg, groups)
 
 
-def _embedding_squares(ids: Any, gs: list[Any], seg: Any, groups: int, vocabulary: int) -> Any:
-    """``(K, features, vocabulary)`` per-sample squares of an embedding table (method §3, Embeddings).
+class TableRows(NamedTuple):
+    """An embedding's per-sample squares on the rows a step reads: ``values`` ``(K, features, U)``
+    for the table rows ``rows`` ``(U,)`` (distinct), zero elsewhere. The session adds them into the
+    running ``(K, features, vocabulary)`` sums (:meth:`dense` where those are not writable): a
+    step never forms ``K`` tables of the vocabulary for the few hundred rows a batch reads."""
+
+    values: Any
+    rows: Any
+
+    def dense(self, vocabulary: int) -> Any:
+        """``(K, features, vocabulary)``: the squares with the rows not read at zero."""
+        table = tf.scatter_nd(self.rows[:, None], tf.transpose(self.values, [2, 0, 1]),
+                              tf.cast(tf.stack([vocabulary, *tf.unstack(tf.shape(self.values)[:2])]), tf.int64))
+        return tf.transpose(table, [1, 2, 0])
+
+
+def _embedding_squares(ids: Any, gs: list[Any], seg: Any, groups: int, vocabulary: int) -> TableRows:
+    """Per-sample squares of an embedding table (method §3, Embeddings) on the rows the chunk reads
+    (:class:`TableRows`; canonical layout ``(K, features, vocabulary)`` once added).
 
     The per-sample gradient of row ``v`` is the sum of the output signals at the
     positions of sample ``n`` that look up ``v``: a scatter of the signals per
-    (sample, id) pair, squared, then added into the vocabulary. Only the pairs that
-    occur are formed (at most ``n·T`` of them), never an ``(n, vocabulary)`` array.
+    (sample, id) pair, squared, then summed per row. Only the pairs that occur are
+    formed (at most ``n·T`` of them), never an ``(n, vocabulary)`` array.
     """
     b = len(gs)
     d = int(gs[0].shape[-1])
@@ -584,9 +601,9 @@ def _embedding_squares(ids: Any, gs: list[Any], seg: Any, groups: int, vocabular
     per_pair = tf.math.unsorted_segment_sum(g, slot, tf.shape(keys)[0])  # (U, B·d)
     sq = tf.transpose(tf.reshape(tf.square(per_pair), [-1, b, d]), [1, 0, 2])  # (B, U, d)
     sq = tf.math.unsorted_segment_sum(sq, seg, groups)  # (K, U, d)
-    rows = tf.math.floormod(keys, vocabulary)
-    table = tf.math.unsorted_segment_sum(tf.transpose(sq, [1, 0, 2]), rows, vocabulary)  # (V, K, d)
-    return tf.transpose(table, [1, 2, 0])  # (K, d, V)
+    rows, at = tf.unique(tf.math.floormod(keys, vocabulary))  # the distinct table rows read
+    per_row = tf.math.unsorted_segment_sum(tf.transpose(sq, [1, 0, 2]), at, tf.shape(rows)[0])  # (R, K, d)
+    return TableRows(tf.transpose(per_row, [1, 2, 0]), rows)  # (K, d, R)
 
 
 def _table_rows(ids: Any, vocabulary: int) -> Any:
@@ -845,7 +862,7 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
             shape = [1, c, int(x_in.shape[-1])]  # the shared group only (exact)
             out[e.name] = tf.cond(
                 tf.equal(start, 0),
-                lambda x_in=x_in: _head_squares(x_in, zc, counted, options, tokens),
+                lambda x_in=x_in: _head_squares(x_in, _after([stats], zc), counted, options, tokens),
                 lambda x_in=x_in, shape=shape: _runtime_zeros(shape, x_in.dtype, start))
         rest_fast = [e for e in fast if e not in heads]
         # The other fast layers' signals start at the head's input, pulled back through the head
@@ -892,7 +909,8 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                 if tokens is None:
                     factor = output_factor(TF, zc, options, u)
                 else:  # each token's signed class signal, over the n·T token rows
-                    factor = _blocked_sequence_factor(zc, options, tf.cast(counted, zc.dtype), u, blocks)
+                    factor = _blocked_sequence_factor(_after([stats] + [out[h.name] for h in heads], zc), options,
+                                                      tf.cast(counted, zc.dtype), u, blocks)
                 sx = tf.cast(_head_input_signals(factor, kernel, index, start, block), head_input.dtype)
                 sx = tf.reshape(sx, [block, -1, *head_input.shape[1:]])  # per sequence: (B, n, T, d)
                 sx = tf.ensure_shape(sx, [block, None, *head_input.shape[1:]])
@@ -964,8 +982,7 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
             exist at its input, not at the logits (which hold the probabilities and a few
             vectors of the factor), and nothing is back-propagated to its output.
         groups: The sums per layer of the step (``K'``, one when pooled): an embedding's squares
-            are scattered into a ``(groups, features, vocabulary)`` table per step
-            (:func:`_embedding_squares`), counted here per sample.
+            per row read (:func:`_embedding_squares`), counted here per sample.
     """
     item = tf.as_dtype(dtype).size
     structured = head is not None and not any(not e.fast for e in entries)  # generic layers: signals at the logits
@@ -984,10 +1001,9 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
         if e.fast == "dense" and (e.input_rank == 2 or e.pre_size == int(e.variable.shape[-1])):
             work = max(work, block * e.pre_size)  # one position (rank one): stacked squared signals
         elif e.fast == "embedding":
-            # The block's signals stacked, summed per (sample, id) pair and squared, then the
-            # (K', features, vocabulary) table they are added into (and its transpose): no
-            # per-signal table (_embedding_squares).
-            work = max(work, 4 * block * e.pre_size + 2 * groups * size)
+            # The block's signals stacked, summed per (sample, id) pair and squared, then per row
+            # read (_embedding_squares): no table of the vocabulary in the step.
+            work = max(work, 4 * block * e.pre_size + 2 * groups * e.pre_size)
         elif e.fast == "tied":
             # One signal's per-sample gradients of each use, their sum and its square (_tied_squares),
             # beside the block's signals at both outputs, stacked.

@@ -26,8 +26,9 @@ from normflat.backends.keras import compat
 from normflat.backends.keras.calls import grouped_conv_call, is_plain_norm, norm_call
 from normflat.backends.keras.data import ADAPTER, to_tensor
 from normflat.backends.keras.distributed import Replicas
-from normflat.backends.keras.ggn import (SIGNAL_BLOCK, Taps, compute_dtype, exact_head, ggn_bytes, ggn_chunk_size,
-                                         ggn_step_fn, model_logits, signal_layout, starts_at_head_input)
+from normflat.backends.keras.ggn import (SIGNAL_BLOCK, TableRows, Taps, compute_dtype, exact_head, ggn_bytes,
+                                         ggn_chunk_size, ggn_step_fn, model_logits, signal_layout,
+                                         starts_at_head_input)
 from normflat.backends.keras.hvp import (EXACT_BLOCK, PROBE_BLOCK, has_recurrence, hvp_step_fns, native_positions,
                                         native_probes)
 from normflat.backends.keras.layers import Entry, fast_kind, final_softmax, walk
@@ -382,6 +383,9 @@ class KerasSession:
         then only divided by its size, correctly rounded, instead of being cast
         back and forth. On an accelerator the sums stay on the device, in float64.
         """
+        if isinstance(value, TableRows):
+            self._add_rows(state, layer, value)
+            return
         # An exact head's one shared sum (ggn._head_squares) where the others have K' sums.
         add = state.add_exact if int(value.shape[0]) == 1 and self.options.sum_groups > 1 else state.add
         if self.host:
@@ -389,6 +393,21 @@ class KerasSession:
             add(layer, arr if state.sums[layer] is None else arr.astype(np.float64))
         else:
             add(layer, tf.cast(value, tf.float64))
+
+    def _add_rows(self, state: SumState, layer: int, value: TableRows) -> None:
+        """Add an embedding's squares on the rows a step read (:class:`~normflat.backends.keras.ggn.
+        TableRows`) into its running ``(K, features, vocabulary)`` sums, in place on the host (float64
+        zeros at the first contribution); on a device, or into sums the state may not write, as the
+        dense table."""
+        vocabulary = int(self.entries[layer].variable.shape[0])
+        if self.host:
+            if state.sums[layer] is None:
+                state.add(layer, np.zeros((int(value.values.shape[0]), *self._sum_shape(layer))), owned=True)
+            sums = state.accumulator(layer)
+            if sums is not None:
+                sums[:, :, np.asarray(value.rows)] += np.asarray(value.values)  # distinct rows
+                return
+        self._add(state, layer, value.dense(vocabulary))
 
     def weight(self, layer: int) -> Any:
         if self.as_tensors:
