@@ -83,7 +83,8 @@ CONSTANT_LOGITS_RMS = math.sqrt(1e4 * NSCE_EPS)
 #: (numpy, torch): each of these holds up to about ten temporaries of its input's size, so
 #: the ``n·T`` token rows of a large vocabulary are taken a block of rows at a time and the
 #: temporaries are those of one block (4 MiB each in float32), not of all the rows (method
-#: §9). Compiled code (JAX, TensorFlow) takes the rows whole: its compiler fuses them.
+#: §9). Inside compiled code the rows are taken whole (JAX: XLA fuses the temporaries); the
+#: Keras step blocks token logits by tokens itself (``backends.keras.ggn.token_blocks``).
 LOGIT_BLOCK_ENTRIES = 1 << 20
 
 
