@@ -373,7 +373,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="time ggn-topk (per sequence) on a small LM with its own head and a vocabulary of V "
                              "(4 sequences of 64 tokens) against a gradient")
     parser.add_argument("--memory", action="store_true",
-                        help="with --sequence-lm: also the peak of TensorFlow's CPU allocations against a training step")
+                        help="with --sequence-lm: also the peak of TensorFlow's CPU allocations against a "
+                             "training step")
     args = parser.parse_args(argv)
     if args.threads:
         import tensorflow as tf

@@ -58,8 +58,8 @@ from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for
 from normflat.engine.estimators import mean_weights
 from normflat.engine.losses import (LOGIT_BLOCK_ENTRIES, Factor, SequenceClasses, classes_factor,
-                                    combined_logit_stats, diagonal_signals, logit_stats, output_factor, output_signals, sequence_classes,
-                                    sequence_dense, sequence_factor, signal_slots)
+                                    combined_logit_stats, diagonal_signals, logit_stats, output_factor, output_signals,
+                                    sequence_classes, sequence_dense, sequence_factor, signal_slots)
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
 
@@ -379,7 +379,8 @@ def _blocked_sequence_factor(zc: Any, options: AnalysisOptions, counted: Any, u:
     columns = int(u.shape[-1]) // tokens  # token t's uniforms: columns t·D .. (t+1)·D − 1
 
     def part(a, b, deps):
-        found = sequence_classes(TF, _after(deps, zc[:, a:b]), options, counted[:, a:b], u[:, a * columns:b * columns])
+        found = sequence_classes(TF, _after(deps, zc[:, a:b]), options, counted[:, a:b],
+                                 u[:, a * columns:b * columns])
         return [x for x in found if x is not None]
 
     parts = _in_order(blocks, part)

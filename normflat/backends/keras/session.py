@@ -386,7 +386,8 @@ class KerasSession:
         if isinstance(value, TableRows):
             self._add_rows(state, layer, value)
             return
-        # An exact head's one shared sum (ggn._head_squares) where the others have K' sums.
+        # One sum where the others have K': only an exact Dense head's step returns that, its shared
+        # sum (ggn._head_squares), kept as an exact layer's only sum.
         add = state.add_exact if int(value.shape[0]) == 1 and self.options.sum_groups > 1 else state.add
         if self.host:
             arr = np.asarray(value)
