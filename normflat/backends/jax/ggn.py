@@ -854,15 +854,15 @@ class GGN(Kernel):
                 f = self.prog.tap_fn(t)
                 # sum_n,c (delta_nc^2)(a_n^2)^T: the tap's own weight VJP applied to squares.
                 _, vjp_sq = jax.vjp(lambda w_: jax.vmap(lambda a: f(a, w_))(a2), wp)
+                # A head's curvature is exact, all of it in the shared group 0: its one sum, kept as an
+                # exact layer's only sum (SumState.add_exact), not K' head-sized sums of which K' - 1
+                # are zero.
                 dwp = jax.vmap(lambda d: vjp_sq(d)[0], in_axes=1)(d2)
-                if k in self.heads and self.G > 1:
-                    # a head's curvature is exact: all of it in the shared group 0, none sampled
-                    dwp = jnp.concatenate([dwp, jnp.zeros((self.G - 1,) + dwp.shape[1:], dwp.dtype)])
             else:
                 dwp = masked_sum(outs[k])
             _, vjp_layout = jax.vjp(layout, w)
             dw = jax.vmap(lambda v: vjp_layout(v)[0])(dwp)
-            # a head's sums are complete (its exact group 0, zeros after); the others' lack the skipped groups
+            # a head's one sum is complete (its exact group 0); the others' lack the skipped groups
             res.append(dw if k in self.heads else self._pad_groups(dw))
         if self.pool is not None:
             # Only the mean of the groups is wanted (options.pooled): one sum per weight, the groups'
