@@ -35,8 +35,9 @@ a dense *head* tap (a layer whose output is the logits,
 :attr:`~normflat.backends.jax.program.Tap.head`) takes its squares from the
 engine's :func:`~normflat.engine.losses.diagonal_signals` instead: one signal per
 sample (per token), whose square is the logit-Hessian diagonal, which gives that
-layer its exact GGN diagonal in the shared group 0 and zeros in the sampled ones,
-as the torch and Keras backends do (method §6.1–6.2). For ``(n, C)`` logits the
+layer its exact GGN diagonal in the shared group 0, returned as that one sum (the
+state keeps an exact layer's only sum, ``SumState.add_exact``; no zero sums of the
+sampled groups), as the torch and Keras backends do (method §6.1–6.2). For ``(n, C)`` logits the
 other layers' signals then start at the head's *input*: the engine's
 :class:`~normflat.engine.losses.Factor` pulls the estimator's signals back through
 the head in structured form (one row of the head's weight per signal and one
