@@ -174,6 +174,13 @@ def worker_process(pid: int, port: int, fail: bool) -> dict:
         out["diag"][est] = {k: v.tolist() for k, v in mine.items()}
     out["ggn-mc"] = _report(model, shard, estimator="ggn-mc", samples=4, seed=3)
     out["meta"] = _report(model, shard, estimator="ggn")["meta"]
+    # ggn-topk: the dense head is exact, one shared sum per process (SumState.add_exact) brought to the
+    # full form before the sums are reduced; its diagonal is the single process's whatever the draws.
+    topk = dict(estimator="ggn-topk", samples=4, top_classes=1, seed=3)
+    mine, single = _diag(model, shard, **topk), _diag(model, full, distributed=False, **topk)
+    head = [k for k in mine if "dense" in k]
+    out["topk_head"] = _max_rel({k: mine[k] for k in head}, {k: single[k] for k in head}) if head else None
+    out["topk"] = _report(model, shard, **topk)
     return out
 
 
@@ -282,6 +289,8 @@ def test_two_processes_equal_single_process_and_each_other(results):
         assert a["diag"][est] == b["diag"][est]
     assert a["meta"] == b["meta"] == {"examples": 13, "batches": 3, "devices": 2, "processes": 2}
     assert a["ggn-mc"] == b["ggn-mc"] and a["ggn-mc"]["se"] is not None
+    assert a["topk"] == b["topk"] and a["topk"]["se"] is not None
+    assert a["topk_head"] is not None and a["topk_head"] < TOL and b["topk_head"] < TOL
 
 
 def test_failing_process_raises_on_every_process(results):
