@@ -127,7 +127,8 @@ def main(out_path: str) -> None:
             result["cases"][f"{name}/{est}"] = case
 
     # Stochastic estimators: run distributed (twice: reproducible), report standard errors.
-    for est, samples in (("ggn-mc", 4), ("hutchinson", 8)):
+    # ggn-topk: the Dense head's exact squares are one shared sum per replica (SumState.add_exact).
+    for est, samples in (("ggn-mc", 4), ("hutchinson", 8), ("ggn-topk", 4)):
         rep = normflat.analyze(mlp, batches(x, y, 5), estimator=est, samples=samples, progress=False)
         again = normflat.analyze(mlp, batches(x, y, 5), estimator=est, samples=samples, progress=False)
         single = normflat.analyze(mlp_single, batches(x, y, 5), estimator=est, samples=samples, progress=False)

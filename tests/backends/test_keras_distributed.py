@@ -116,7 +116,7 @@ def test_distributed_hessian_diagonal_and_opt_out(mirrored):
     assert result["opt_out_report"] <= TOL
 
 
-@pytest.mark.parametrize("est", ["ggn-mc", "hutchinson"])
+@pytest.mark.parametrize("est", ["ggn-mc", "hutchinson", "ggn-topk"])
 def test_distributed_stochastic_estimators(mirrored, est):
     result = mirrored["cases"][f"stochastic/{est}"]
     assert result["replicas"] == 2

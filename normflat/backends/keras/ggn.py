@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import threading
 import weakref
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -117,6 +118,15 @@ def model_logits(model: Any, x: Any, options: AnalysisOptions) -> Any:
     return select_output(model(x, training=False), options.output, _is_tensor)
 
 
+class _ThreadTaps(threading.local):
+    """:class:`Taps`' per-thread state (each thread starts with none)."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, list] = {}
+        self.tape: tf.GradientTape | None = None
+        self.checking = False
+
+
 class Taps:
     """Records each tapped layer's input and pre-activation during a forward pass.
 
@@ -131,18 +141,41 @@ class Taps:
     """
 
     def __init__(self, state: ModelState, tapped: list[Entry]) -> None:
-        self.records: dict[str, list] = {}
-        self.tape: tf.GradientTape | None = None
+        # The records, the tape and the checking flag belong to the thread that runs the forward: a
+        # MirroredStrategy traces the step in one thread per replica at once, and shared records let
+        # one replica's trace clear or read the other's (its head not found: sampled, not exact).
+        self._mine = _ThreadTaps()
         #: Loose position tables: no call of their own, :meth:`expanded` substitutes them.
         self.tables = [entry for entry in tapped if entry.fast == "table"]
-        #: The first forward's checks (``KerasSession._first_checks``): every tapped layer reads
-        #: its weight without a gradient (any gradient that still reaches the variable comes from
-        #: another use, which its fast rule would miss), and a ``PositionEmbedding`` also records
-        #: which feature each output entry reads.
-        self.checking = False
         for entry in tapped:
             if entry.fast != "table":
                 self._tap(state, entry)
+
+    @property
+    def records(self) -> dict[str, list]:
+        """This thread's records of the tapped calls (see the class docstring)."""
+        return self._mine.records
+
+    @property
+    def tape(self) -> tf.GradientTape | None:
+        """The tape this thread's forward records on (``None``: none)."""
+        return self._mine.tape
+
+    @tape.setter
+    def tape(self, tape: tf.GradientTape | None) -> None:
+        self._mine.tape = tape
+
+    @property
+    def checking(self) -> bool:
+        """The first forward's checks (``KerasSession._first_checks``) run in this thread: every
+        tapped layer reads its weight without a gradient (any gradient that still reaches the
+        variable comes from another use, which its fast rule would miss), and a
+        ``PositionEmbedding`` also records which feature each output entry reads."""
+        return self._mine.checking
+
+    @checking.setter
+    def checking(self, value: bool) -> None:
+        self._mine.checking = value
 
     def _tap(self, state: ModelState, entry: Entry) -> None:
         layer, name = entry.layer, entry.name

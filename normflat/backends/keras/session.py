@@ -463,10 +463,12 @@ class KerasSession:
         return tuple((tuple(t.shape[1:]), t.dtype.name) for t in tf.nest.flatten(x))
 
     def _probe_key(self, x: Any) -> Any:
+        # Inside a strategy's scope the first forward's checks cannot read a mirrored variable on
+        # the host and refuse every fast rule; that outcome must not be reused outside the scope.
         return (self._signature(x), self._probe_key_output(),
                 tuple((e.name, id(e.variable.value), e.fast) for e in self.entries),
                 None if self.strip is None else id(self.strip[0]), tuple(id(l) for l in self.grouped),
-                callable(self.options.loss), self.hvp)
+                callable(self.options.loss), self.hvp, tf.distribute.has_strategy())
 
     def _probe(self, x: Any, batch: Batch) -> None:
         """The first forward: number of classes, logits checks, which taps really fired.
