@@ -89,6 +89,16 @@ class SumState:
             return None
         return sums
 
+    def add_sums(self, layer: int, value: Any, sums: int, owned: bool = False) -> None:
+        """Add a backend's contribution where it keeps ``sums`` per layer
+        (:attr:`AnalysisOptions.sum_groups`): ``(sums, ...)`` as :meth:`add`, or, where ``sums > 1``,
+        an exact layer's one shared sum ``(1, ...)`` as :meth:`add_exact` (a ``ggn-topk`` head whose
+        kernel returns only its exact group 0)."""
+        if int(value.shape[0]) == 1 and sums > 1:
+            self.add_exact(layer, value, owned)
+        else:
+            self.add(layer, value, owned)
+
     def add_exact(self, layer: int, value: Any, owned: bool = False) -> None:
         """Add an exact contribution ``(1, *shape)`` to the shared sum 0 of a ``ggn-topk``
         layer (its sampled sums get nothing)."""

@@ -101,8 +101,8 @@ def _row_blocks(rows: Any) -> list[tuple[int, int]] | None:
     return [(lo, min(int(n), lo + step)) for lo in range(0, int(n), step)]
 
 
-def _filled(xp: Any, rows: Any, blocks: list[tuple[int, int]], fn: Any, count: int) -> tuple:
-    """``count`` arrays ``fn(rows[lo:hi])`` computed a block of rows at a time and written into
+def _filled(xp: Any, rows: Any, blocks: list[tuple[int, int]], fn: Any) -> tuple:
+    """The arrays of ``fn(rows[lo:hi])`` (a tuple) computed a block of rows at a time and written into
     arrays of the rows' leading size (each output of ``fn`` is ``(hi − lo, ·)``)."""
     outs: list[Any] = []
     for lo, hi in blocks:
@@ -199,8 +199,8 @@ def _probabilities(xp: Any, logits: Any, options: AnalysisOptions) -> tuple[Any,
     blocks = _row_blocks(logits)
     if blocks is not None:
         if options.loss == "nsce":
-            return _filled(xp, logits, blocks, lambda rows: _probabilities(xp, rows, options), 3)
-        return _filled(xp, logits, blocks, lambda rows: _probabilities(xp, rows, options)[:1], 1) + (None, None)
+            return _filled(xp, logits, blocks, lambda rows: _probabilities(xp, rows, options))
+        return _filled(xp, logits, blocks, lambda rows: _probabilities(xp, rows, options)[:1]) + (None, None)
     if options.loss == "nsce":
         u, zhat, sigma = normalize_logits(xp, logits, options.temperature)
         return _softmax(xp, u), zhat, sigma
@@ -443,7 +443,7 @@ def logit_hessian_diagonal(xp: Any, logits: Any, options: AnalysisOptions) -> An
     """
     blocks = _row_blocks(logits)
     if blocks is not None:
-        return _filled(xp, logits, blocks, lambda rows: (logit_hessian_diagonal(xp, rows, options),), 1)[0]
+        return _filled(xp, logits, blocks, lambda rows: (logit_hessian_diagonal(xp, rows, options),))[0]
     p, zhat, sigma = _probabilities(xp, logits, options)
     if options.loss != "nsce":
         return p - p * p

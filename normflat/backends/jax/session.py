@@ -254,10 +254,7 @@ class JaxSession:
             # The layers are known from the first batch on (tracing needs an input).
             state.sums.extend([None] * (len(self.layers) - len(state.sums)))
         for i, v in enumerate(vals):
-            if len(v) == 1 and options.sum_groups > 1:  # an exact head's one shared sum (GGN kernel)
-                state.add_exact(i, v)
-            else:
-                state.add(i, v)
+            state.add_sums(i, v, options.sum_groups)  # an exact head: its one shared sum (GGN kernel)
         self._pending.append((index, stats, inputs_ok))
         self._updates += 1
         if self.comm is not None or len(self._pending) >= PENDING_CHECKS:

@@ -386,21 +386,18 @@ class KerasSession:
         if isinstance(value, TableRows):
             self._add_rows(state, layer, value)
             return
-        # One sum where the others have K': only an exact Dense head's step returns that, its shared
-        # sum (ggn._head_squares), kept as an exact layer's only sum.
-        add = state.add_exact if int(value.shape[0]) == 1 and self.options.sum_groups > 1 else state.add
+        # An exact Dense head's step returns its one shared sum (ggn._head_squares): SumState.add_sums.
         if self.host:
             arr = np.asarray(value)
-            add(layer, arr if state.sums[layer] is None else arr.astype(np.float64))
+            state.add_sums(layer, arr if state.sums[layer] is None else arr.astype(np.float64), self.options.sum_groups)
         else:
-            add(layer, tf.cast(value, tf.float64))
+            state.add_sums(layer, tf.cast(value, tf.float64), self.options.sum_groups)
 
     def _add_rows(self, state: SumState, layer: int, value: TableRows) -> None:
         """Add an embedding's squares on the rows a step read (:class:`~normflat.backends.keras.ggn.
         TableRows`) into its running ``(K, features, vocabulary)`` sums, in place on the host (float64
         zeros at the first contribution); on a device, or into sums the state may not write, as the
         dense table."""
-        vocabulary = int(self.entries[layer].variable.shape[0])
         if self.host:
             if state.sums[layer] is None:
                 state.add(layer, np.zeros((int(value.values.shape[0]), *self._sum_shape(layer))), owned=True)
@@ -408,7 +405,7 @@ class KerasSession:
             if sums is not None:
                 sums[:, :, np.asarray(value.rows)] += np.asarray(value.values)  # distinct rows
                 return
-        self._add(state, layer, value.dense(vocabulary))
+        self._add(state, layer, value.dense(int(self.entries[layer].variable.shape[0])))
 
     def weight(self, layer: int) -> Any:
         if self.as_tensors:
