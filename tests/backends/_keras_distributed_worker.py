@@ -117,6 +117,8 @@ def main(out_path: str) -> None:
                 "batches": [dist_report.metadata["batches"], ref_report.metadata["batches"]],
                 "replicas": dist_report.metadata["backend"].get("replicas"),
                 "ref_replicas": ref_report.metadata["backend"].get("replicas"),
+                "paths": [layer.details["path"] for layer in dist_report.layers],
+                "ref_paths": [layer.details["path"] for layer in ref_report.layers],
             }
             if name == "mlp_b5" and est == "ggn":
                 ref = diagonals(single, data, estimator=est, **kw)
@@ -139,6 +141,28 @@ def main(out_path: str) -> None:
             "replicas": rep.metadata["backend"].get("replicas"),
             # The draws are keyed on sample positions and the probes fixed: the same numbers as on one device.
             "single_device": report_diff(rep, single),
+        }
+
+    # The first forward's checks inside the scope (a cross-replica context, where a mirrored variable
+    # cannot be watched): the same paths and reasons as on one device, fast where that is fast, and
+    # the same diagonal; a table read twice and a kernel read by another layer are still refused.
+    from tests.arch.test_keras_layers import position_model
+    from tests.backends.test_keras import _weight_read_twice
+
+    with strategy.scope():
+        table, xt, yt = position_model("alias")
+        read_twice = _weight_read_twice("dense")[0]
+    for name, model, data in [("table_alias", table, (xt, yt)),
+                              ("read_twice", read_twice, (rng.normal(size=(5, 4)), rng.integers(0, 3, 5)))]:
+        with strategy.scope():
+            inside = normflat.analyze(model, data, progress=False)
+            diag = diagonals(model, data)
+        single = normflat.analyze(model, data, progress=False, distributed=False)
+        result["cases"][f"checks_in_scope/{name}"] = {
+            "replicas": inside.metadata["backend"].get("replicas"),
+            "details": [[layer.details["path"], layer.details.get("generic_reason")] for layer in inside.layers],
+            "ref_details": [[layer.details["path"], layer.details.get("generic_reason")] for layer in single.layers],
+            "diag": max_rel_diff(diag, diagonals(model, data, distributed=False)),
         }
 
     # A failure inside replica 1 only (its batch holds a value > 100): raises, no hang.

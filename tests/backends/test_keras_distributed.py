@@ -103,6 +103,11 @@ def test_distributed_report_equals_single_device(mirrored, case):
     assert result["replicas"] == 2  # really distributed
     assert result["ref_replicas"] is None  # the reference really on one device
     assert result["report"] <= TOL
+    # The first forward's checks ran inside the scope too: the single device's paths (the GGN's
+    # fast rules unless fast=False; Hessian-vector products for exact), not the generic path everywhere.
+    assert result["paths"] == result["ref_paths"]
+    expected = {"mlp_generic_chunked/ggn": "generic"}.get(case, "hvp" if case.endswith("/exact") else "fast")
+    assert set(result["paths"]) == {expected}
     # Uneven shards: every sample and batch counted once, whichever replica had it.
     assert result["examples"][0] == result["examples"][1]
     assert result["batches"][0] == result["batches"][1]
@@ -114,6 +119,21 @@ def test_distributed_hessian_diagonal_and_opt_out(mirrored):
     # distributed=False on the mirrored model: the single-device path (no replicas), same report.
     assert result["opt_out_replicas"] == 1
     assert result["opt_out_report"] <= TOL
+
+
+@pytest.mark.parametrize("case", ["table_alias", "read_twice"])
+def test_first_forward_checks_inside_the_scope(mirrored, case):
+    """Inside ``strategy.scope()`` a mirrored variable cannot be watched by a tape; the checks watch
+    its per-device copies: the same paths and reasons as on one device (a position table read twice,
+    a kernel read by another layer: refused; the other layers fast), the same diagonal."""
+    result = mirrored["cases"][f"checks_in_scope/{case}"]
+    assert result["replicas"] == 2
+    assert result["details"] == result["ref_details"]
+    refused = {"table_alias": "also used outside its layer attribute",
+               "read_twice": "also used outside its layer's call"}[case]
+    assert [path for path, _ in result["details"]].count("generic") == 1
+    assert any(reason and refused in reason for _, reason in result["details"])
+    assert result["diag"] <= TOL
 
 
 @pytest.mark.parametrize("est", ["ggn-mc", "hutchinson", "ggn-topk"])

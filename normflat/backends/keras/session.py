@@ -136,6 +136,19 @@ def _slice(x: Any, a: int, b: int) -> Any:
     return tf.nest.map_structure(lambda t: t[a:b], x)
 
 
+def _readable(variable: Any) -> list[Any]:
+    """The variables a forward run here reads for ``variable``, for a tape to watch.
+
+    Inside a strategy's scope (a cross-replica context) a mirrored variable cannot be watched
+    (its ``handle`` exists only in a replica context) and a forward reads one of its per-device
+    copies: those copies, from ``experimental_local_results``. Anywhere else, the variable itself
+    (a variable that is not mirrored is its own only local result).
+    """
+    if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+        return list(tf.distribute.get_strategy().experimental_local_results(variable))
+    return [variable]
+
+
 #: The largest integer up to which every integer is exact in each floating dtype.
 _EXACT_INTEGERS = {"float16": 2**11, "bfloat16": 2**8, "float32": 2**24, "float64": 2**53}
 
@@ -460,12 +473,10 @@ class KerasSession:
         return tuple((tuple(t.shape[1:]), t.dtype.name) for t in tf.nest.flatten(x))
 
     def _probe_key(self, x: Any) -> Any:
-        # Inside a strategy's scope the first forward's checks cannot read a mirrored variable on
-        # the host and refuse every fast rule; that outcome must not be reused outside the scope.
         return (self._signature(x), self._probe_key_output(),
                 tuple((e.name, id(e.variable.value), e.fast) for e in self.entries),
                 None if self.strip is None else id(self.strip[0]), tuple(id(l) for l in self.grouped),
-                callable(self.options.loss), self.hvp, tf.distribute.has_strategy())
+                callable(self.options.loss), self.hvp)
 
     def _probe(self, x: Any, batch: Batch) -> None:
         """The first forward: number of classes, logits checks, which taps really fired.
@@ -596,8 +607,9 @@ class KerasSession:
                 try:
                     with tf.GradientTape(persistent=True) as tape:
                         taps.tape = tape
-                        for e in checked:
-                            tape.watch(e.variable.value)
+                        watched = [_readable(e.variable.value) for e in checked]
+                        for variables in watched:
+                            tape.watch(variables)
                         with taps.expanded(x2):
                             expanded = model_logits(self.model, x2, options)
                     break
@@ -610,8 +622,8 @@ class KerasSession:
                     refuse(loose, f"the forward fails with the position table expanded over the batch {what}")
                 finally:
                     taps.tape = None
-            for e, g in zip(checked, tape.gradient(expanded, [e.variable.value for e in checked])):
-                if g is None:
+            for e, grads in zip(checked, tape.gradient(expanded, watched)):
+                if all(g is None for g in grads):
                     continue
                 if e.fast == "table":
                     refuse([e], "the position table is also used outside its layer attribute")
