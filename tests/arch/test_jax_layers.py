@@ -651,3 +651,52 @@ def test_invariance_nnx_simple_cell_relu_hidden_units():
             dense.bias[...] = dense.bias[...] * c
     other.head.kernel[...] = other.head.kernel[...] / c[:, None]
     _assert_invariant(model, other, (CELL_X, jnp.asarray([0, 1, 2])), model, other)
+
+
+class NnxWindowed(nnx.Module):
+    """Dense -> the batch folded into windows (``layout`` as in the torch and Keras tests: in blocks
+    per sample, window-major, or in blocks plus a dense layer on a batch-independent coordinate
+    table) -> a dense layer per window -> merged -> mean -> head."""
+
+    def __init__(self, layout, rngs):
+        self.layout = layout
+        self.embed = nnx.Linear(3, 6, param_dtype=F64, rngs=rngs)
+        self.windowed = nnx.Linear(6, 6, param_dtype=F64, rngs=rngs)
+        self.coords_mlp = nnx.Linear(2, 6, param_dtype=F64, rngs=rngs) if layout == "shared" else None
+        self.head = nnx.Linear(6, 3, param_dtype=F64, rngs=rngs)
+
+    def __call__(self, x):
+        h = jnp.tanh(self.embed(x))
+        n = h.shape[0]
+        if self.layout == "window-major":
+            w = h.reshape(n, 2, 2, 6).transpose(1, 0, 2, 3).reshape(2 * n, 2, 6)
+        else:
+            w = h.reshape(2 * n, 2, 6)
+        w = jnp.tanh(self.windowed(w))
+        if self.layout == "window-major":
+            h = w.reshape(2, n, 2, 6).transpose(1, 0, 2, 3).reshape(n, 4, 6)
+        else:
+            h = w.reshape(n, 4, 6)
+        if self.coords_mlp is not None:
+            h = h + jnp.tanh(self.coords_mlp(jnp.linspace(-1.0, 1.0, 8, dtype=F64).reshape(4, 2)))
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("layout", ["blocks", "window-major", "shared"])
+def test_dense_layer_on_a_batch_folded_into_windows(layout):
+    """The JAX backend forms each example's squares from its own forward (a batch of one), so a
+    batch folded into the windows' leading axis, in any order, keeps the fast rule; a layer on a
+    batch-independent table (a kernel use without the example axis) takes the generic path; all
+    equal brute force, with batches of 5 and 1 and chunks of 2 (as in the torch and Keras tests)."""
+    model = NnxWindowed(layout, nnx.Rngs(5))
+    x, y = RNG.normal(size=(5, 4, 3)), RNG.integers(0, 3, 5)
+    rep = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    paths = {layer.name: layer.details["path"] for layer in rep.layers}
+    assert paths == {"embed": "fast", "windowed": "fast", "head": "fast",
+                     **({"coords_mlp": "generic"} if layout == "shared" else {})}
+    expected = {name: (f"{name}/kernel", "flax") for name in ("embed", "windowed", "head")}
+    if layout == "shared":
+        expected["coords_mlp"] = ("coords_mlp/kernel", "flax")
+    for n, kw in ((5, {}), (1, {}), (5, {"chunk_size": 2})):
+        check(_hd(model, (x[:n], y[:n]), estimator="ggn", loss="ce", **kw), ref_ggn(model, x[:n], y[:n], "ce"),
+              expected)

@@ -721,3 +721,76 @@ def test_bad_token_labels_give_the_engine_messages(token_model):
         normflat.analyze(model, (x, np.where(y < 0, 9, y)), progress=False)
     with pytest.raises(ValueError, match="No token of the data is counted"):
         normflat.analyze(model, (x, np.full_like(y, -100)), progress=False)
+
+
+class _Windows(L.Layer):
+    """``(n, 4, d)`` -> ``(2n, 2, d)`` windows (``inverse``: back), in blocks per sample or window-major."""
+
+    def __init__(self, layout, inverse=False, **kwargs):
+        super().__init__(**kwargs)
+        self.layout, self.inverse = layout, inverse
+
+    def call(self, h):
+        d = h.shape[-1]
+        if self.layout != "window-major":
+            return keras.ops.reshape(h, (-1, 4, d) if self.inverse else (-1, 2, d))
+        if self.inverse:  # (2n, 2, d) -> (2, n, 2, d) -> (n, 2, 2, d)
+            return keras.ops.reshape(keras.ops.transpose(keras.ops.reshape(h, (2, -1, 2, d)), (1, 0, 2, 3)), (-1, 4, d))
+        return keras.ops.reshape(keras.ops.transpose(keras.ops.reshape(h, (-1, 2, 2, d)), (1, 0, 2, 3)), (-1, 2, d))
+
+
+class _CoordinateBias(L.Layer):
+    """Adds ``tanh(Dense(coordinates))`` of a batch-independent ``(4, 2)`` table to every sample."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.mlp = L.Dense(6, dtype=F64, name="coords_mlp")
+
+    def call(self, h):
+        coords = keras.ops.reshape(keras.ops.linspace(-1.0, 1.0, 8, dtype=F64), (4, 2))
+        return h + keras.ops.tanh(self.mlp(coords))
+
+
+def windowed_model(layout, kind):
+    """Dense -> the batch folded into windows -> ``Dense`` or ``EinsumDense`` per window -> merged
+    -> mean -> head; ``"shared"``: windows in blocks plus :class:`_CoordinateBias`."""
+    rng = _rng(21)
+    inp = keras.Input((4, 3), dtype=F64)
+    h = L.Dense(6, activation="tanh", dtype=F64, name="embed")(inp)
+    h = _Windows(layout, dtype=F64)(h)
+    if kind == "dense":
+        h = L.Dense(6, activation="tanh", dtype=F64, name="windowed")(h)
+    else:
+        h = L.EinsumDense("abc,cd->abd", output_shape=(2, 6), bias_axes="d", activation="tanh", dtype=F64,
+                          name="windowed")(h)
+    h = _Windows(layout, inverse=True, dtype=F64)(h)
+    if layout == "shared":
+        h = _CoordinateBias(dtype=F64, name="bias")(h)
+    model = keras.Model(inp, L.Dense(3, dtype=F64, name="head")(L.GlobalAveragePooling1D(dtype=F64)(h)))
+    _randomize(model, rng)
+    return model, rng.normal(size=(5, 4, 3)), rng.integers(0, 3, 5)
+
+
+@pytest.mark.parametrize("layout, generic", [
+    ("blocks", {}),
+    ("window-major", {"windowed": "not one block of rows per sample"}),
+    ("shared", {"bias/coords_mlp": "not one block of rows per sample"}),
+])
+@pytest.mark.parametrize("kind", ["dense", "einsum"])
+def test_dense_layer_on_a_batch_folded_into_windows(layout, generic, kind):
+    """A ``Dense``/``EinsumDense`` whose input holds a block of rows per sample (attention windows)
+    keeps its fast rule, each sample's gradient summed over its block (method §6.1), checked by a
+    signal at one sample of the first forward; rows of several samples in another order, and a
+    layer on a batch-independent table, take the generic path. Against brute force with batches of
+    5 and 1 and chunks of 2 (before, every window was read as a sample: 320 % off)."""
+    model, x, y = windowed_model(layout, kind)
+    rep = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    for layer in rep.layers:
+        details = layer.details
+        if layer.name in generic:
+            assert details["path"] == "generic" and generic[layer.name] in details["generic_reason"], details
+        else:
+            assert details["path"] == "fast", (layer.name, details)
+    expected = {layer.name: (layer.details["param"], _transposed) for layer in rep.layers}  # (in, out) kernels
+    for n, kw in ((5, {}), (1, {}), (5, {"chunk_size": 2})):
+        check_against(model, x[:n], y[:n], expected, loss="ce", **kw)

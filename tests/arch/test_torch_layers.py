@@ -602,3 +602,68 @@ def test_subclass_with_its_own_forward_takes_the_exact_generic_path():
     ref = normflat.analyze(model, (x, y), progress=False, fast=False)
     for a, b in zip(rep.layers, ref.layers):
         assert a.hessian_trace == pytest.approx(b.hessian_trace, rel=1e-12)
+
+
+class Windowed(nn.Module):
+    """Dense -> the batch folded into windows -> a dense layer per window -> merged -> mean -> head.
+
+    ``layout``: ``"blocks"`` (each sample's two windows one after the other, as Swin's and
+    MaxViT's window partitions), ``"window-major"`` (all samples' first windows, then their
+    second ones), or ``"shared"`` (the windows in blocks, plus a dense layer on a batch-independent
+    ``(4, 2)`` coordinate table, a relative-position MLP, added to every sample).
+    """
+
+    def __init__(self, layout):
+        super().__init__()
+        self.layout = layout
+        self.embed = nn.Linear(3, D)
+        self.windowed = nn.Linear(D, D)
+        self.coords_mlp = nn.Linear(2, D) if layout == "shared" else None
+        self.register_buffer("coords", torch.linspace(-1, 1, 8, dtype=DT).reshape(4, 2))
+        self.head = nn.Linear(D, C)
+
+    def forward(self, x):  # (n, 4, 3)
+        h = torch.tanh(self.embed(x))
+        n = h.shape[0]
+        if self.layout == "window-major":
+            w = h.reshape(n, 2, 2, D).transpose(0, 1).reshape(2 * n, 2, D)
+        else:
+            w = h.reshape(2 * n, 2, D)
+        w = torch.tanh(self.windowed(w))
+        if self.layout == "window-major":
+            h = w.reshape(2, n, 2, D).transpose(0, 1).reshape(n, 4, D)
+        else:
+            h = w.reshape(n, 4, D)
+        if self.coords_mlp is not None:
+            h = h + torch.tanh(self.coords_mlp(self.coords))  # (4, D), the same for every sample
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("layout, generic", [
+    ("blocks", {}),
+    ("window-major", {"windowed": "not one block of rows per sample"}),
+    ("shared", {"coords_mlp": "leading axis"}),
+])
+@pytest.mark.parametrize("batches, kw", [((1, 4), {}), ((5,), {"chunk_size": 2}), ((3,), {"chunk_size": 1})])
+def test_dense_layer_on_a_batch_folded_into_windows(layout, generic, batches, kw):
+    """A dense layer whose input holds a block of rows per sample (attention windows) keeps its fast
+    rule, each sample's gradient summed over its block (method §6.1), checked by a signal at one
+    sample on the first chunk of two samples or more; rows of several samples in another order,
+    and a layer on a batch-independent table (here of as many rows as a batch of 4), take the
+    generic path. Against brute force with a first batch of one sample, chunks of two and of one
+    (before, a chunk of one sample read the windows as samples: 60 % off on Swin's layers)."""
+    model = _init(Windowed(layout), seed=3)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(sum(batches), 4, 3, generator=g, dtype=DT)
+    y = _labels(sum(batches))
+    bounds = [0, *torch.tensor(batches).cumsum(0).tolist()]
+    data = [(x[a:b], y[a:b]) for a, b in zip(bounds, bounds[1:])]
+    rep = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False, **kw)
+    several = kw.get("chunk_size") != 1  # a chunk of several samples (one sample owns every row)
+    for layer in rep.layers:
+        if layer.name in generic and several:
+            assert layer.details["path"] == "generic", layer.name
+            assert generic[layer.name] in layer.details["generic_reason"], layer.details
+        else:
+            assert layer.details["path"] == "fast", layer.details
+    _check_ggn(model, data, loss="ce", **kw)

@@ -717,7 +717,8 @@ def _table_squares(entry: Entry, view: Any, gs: list[Any], seg: Any, groups: int
     return tf.vectorized_map(entry.weight.to_canonical, sq)
 
 
-def _einsum_squares(equation: str, x: Any, gs: list[Any], seg: Any, groups: int) -> Any:
+def _einsum_squares(equation: str, x: Any, gs: list[Any], seg: Any, groups: int, samples: Any = None,
+                    fold: int = 1) -> Any:
     """``(K, ∏ output-only, ∏ contracted)`` per-sample squares of an ``EinsumDense`` kernel.
 
     The pre-activation is linear in the kernel: per sample it is the dense map from
@@ -741,16 +742,31 @@ def _einsum_squares(equation: str, x: Any, gs: list[Any], seg: Any, groups: int)
     out_size = int(np.prod([int(g.shape[2 + len(shared) + i]) for i in range(len(outputs))]))
     g = tf.reshape(g, [n, b, -1, out_size])
     gf = tf.transpose(g, [0, 2, 1, 3])  # (n, P, B, O)
+    if samples is not None:
+        xf, gf = _blocks_per_sample(xf, gf, samples, fold)
     return _per_sample_squares(xf, gf, seg, groups)
 
 
-def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int) -> Any:
+def _blocks_per_sample(xf: Any, gf: Any, samples: Any, fold: int) -> tuple[Any, Any]:
+    """``(n·f, P, in)`` inputs and ``(n·f, P, B, O)`` signals of a batch folded into the leading
+    axis (each sample's ``f`` rows one after the other, :attr:`Entry.fold`) as ``n`` samples of
+    ``f·P`` positions: the per-sample gradient sums the sample's block."""
+    tf.debugging.assert_equal(tf.shape(xf)[0], samples * fold, message=(
+        f"normflat: a layer's leading axis does not hold {fold} rows per sample in this chunk, as it did on "
+        "the first batch; pass fast=False"))
+    return (tf.reshape(xf, [samples, -1, int(xf.shape[-1])]),
+            tf.reshape(gf, [samples, -1, int(gf.shape[-2]), int(gf.shape[-1])]))
+
+
+def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int, samples: Any) -> Any:
     """Per-group sums over samples and signals of squared per-sample gradients, canonical layout.
 
-    ``x``: the layer input (n, ...); ``gs``: the B back-propagated signals at
-    the pre-activation, each shaped like it. Grouped convolutions give
+    ``x``: the layer input (n, ...), or ``(n·f, ...)`` for a ``Dense``/``EinsumDense`` on a batch
+    folded into the leading axis (:attr:`Entry.fold`); ``gs``: the B back-propagated signals at
+    the pre-activation, each shaped like it; ``samples``: ``n``. Grouped convolutions give
     ``(K, out, in/groups, *k)``: each output channel's own input channels only.
     """
+    folded = samples if entry.fold > 1 else None
     layer = entry.layer
     b = len(gs)
     if entry.fast == "embedding":
@@ -763,9 +779,9 @@ def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int) ->
     if entry.fast == "table":
         return _table_squares(entry, x, gs, seg, groups)
     if entry.fast == "einsum":
-        return _einsum_squares(layer.equation, x, gs, seg, groups)
+        return _einsum_squares(layer.equation, x, gs, seg, groups, folded, entry.fold)
     if entry.fast == "dense":
-        if len(x.shape) == 2 or all(int(d or 0) == 1 for d in x.shape[1:-1]):
+        if folded is None and (len(x.shape) == 2 or all(int(d or 0) == 1 for d in x.shape[1:-1])):
             # One position (also (n, 1, 1, in) after a global pooling): the per-sample gradient
             # x ⊗ g is rank one, its square x² ⊗ g², summed over n by a matmul.
             x2 = tf.square(tf.reshape(x, [-1, int(x.shape[-1])]))
@@ -775,6 +791,8 @@ def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int) ->
         n = tf.shape(x)[0]
         xf = tf.reshape(x, [n, -1, int(x.shape[-1])])
         gf = tf.reshape(tf.stack(gs, axis=-2), [n, -1, b, int(gs[0].shape[-1])])
+        if folded is not None:
+            xf, gf = _blocks_per_sample(xf, gf, folded, entry.fold)
         return _per_sample_squares(xf, gf, seg, groups)
     return _conv_squares(layer, x, gs, seg, groups, int(entry.weight.groups))
 
@@ -963,7 +981,7 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                             for r, gs in zip(rec, per_call)}
                     out[e.name] = _tied_squares(e, uses.get(False), uses.get(True), seg, sums_per_layer)
                 else:
-                    out[e.name] = _fast_squares(e, rec[0][0], per_call[0], seg, sums_per_layer)
+                    out[e.name] = _fast_squares(e, rec[0][0], per_call[0], seg, sums_per_layer, tf.shape(z)[0])
         if generic:
             n = tf.shape(z)[0]
             # One signal per (signal, sample): per-sample gradients through the whole model.

@@ -353,6 +353,9 @@ class Entry:
         input_rank: Rank of the tapped input (seen by the probe).
         in_size: Per-sample elements of the tapped input (memory estimate).
         pre_size: Per-sample elements of the tapped pre-activation (memory estimate).
+        fold: Rows of the tapped input and pre-activation per sample (``Dense``, ``EinsumDense``
+            on a batch folded into the leading axis, e.g. attention windows; checked by the first
+            forward), 1 otherwise.
         attr: For a loose position table, the attribute of :attr:`layer` holding its variable,
             which the GGN step sets to the table expanded over the batch (method §6.1,
             "Position tables"); ``None`` otherwise.
@@ -368,6 +371,7 @@ class Entry:
     input_rank: int | None = None
     in_size: int = 0
     pre_size: int = 0
+    fold: int = 1
     attr: str | None = None
     shared_with: list[str] = field(default_factory=list)
 

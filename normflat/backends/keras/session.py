@@ -489,16 +489,16 @@ class KerasSession:
         cached = None if self.hvp else _cached(_PROBES, self.model, key, None)
         if cached is not None:
             self.num_classes, self.tokens, self.input_size, fast, head = cached
-            for entry, (f, rank, in_size, pre_size, reason) in zip(self.entries, fast):
-                entry.fast, entry.input_rank, entry.in_size, entry.pre_size, entry.reason = (
-                    f, rank, in_size, pre_size, reason)
+            for entry, (f, rank, in_size, pre_size, fold, reason) in zip(self.entries, fast):
+                entry.fast, entry.input_rank, entry.in_size, entry.pre_size, entry.fold, entry.reason = (
+                    f, rank, in_size, pre_size, fold, reason)
             self._logits_dense = None if head is None else self.entries[head]
         else:
             self._probe_eager(x, batch)
             if not self.hvp:
                 head = None if self._logits_dense is None else self.entries.index(self._logits_dense)
                 _store(_PROBES, self.model, key, (self.num_classes, self.tokens, self.input_size,
-                                                  [(e.fast, e.input_rank, e.in_size, e.pre_size, e.reason)
+                                                  [(e.fast, e.input_rank, e.in_size, e.pre_size, e.fold, e.reason)
                                                    for e in self.entries], head))
         if not self.hvp:
             for spec, e in zip(self.layers, self.entries):
@@ -631,6 +631,10 @@ class KerasSession:
                     refuse([e], "the position table is also used outside its PositionEmbedding layer")
                 else:
                     refuse([e], "its weight is also used outside its layer's call (another layer or op reads it)")
+            probe = np.zeros(tuple(expanded.shape), np.float64)
+            probe[-1] = np.linspace(1.0, 2.0, probe[-1].size).reshape(probe[-1].shape)
+            probe = tf.constant(probe, expanded.dtype)
+            self._check_rows(tape, expanded, probe, [e for e in checked if e.fast])
             tables = [e for e in checked if e.fast in ("table", "position")]
             if not tables:
                 return
@@ -641,9 +645,6 @@ class KerasSession:
                 refuse([e for e in tables if e.fast == "table"],
                        "the model computes other logits with the position table expanded over the batch")
             tables = [e for e in tables if e.fast]
-            probe = np.zeros(tuple(expanded.shape), np.float64)
-            probe[-1] = np.linspace(1.0, 2.0, probe[-1].size).reshape(probe[-1].shape)
-            probe = tf.constant(probe, expanded.dtype)
             records = [taps.records.get(e.name, [[None, None]])[0] for e in tables]
             views = [r[1] for r in records]
             grads = tape.gradient(expanded, views, output_gradients=probe) if tables else []
@@ -664,6 +665,44 @@ class KerasSession:
         finally:
             taps.checking = False
             taps.records.clear()
+
+    def _check_rows(self, tape: Any, expanded: Any, probe: Any, entries: list[Entry]) -> None:
+        """Which rows of each fast layer's tapped tensors belong to which of the two checked samples.
+
+        The fast rules take the leading axis for the samples. A ``Dense`` or ``EinsumDense`` may
+        see the batch folded into it instead (``(n·f, ...)``: attention windows, each sample's
+        ``f`` windows one after the other): its per-sample gradient sums the sample's block of
+        rows (:attr:`Entry.fold`), accepted when a signal at the last sample's logits (``probe``)
+        reaches only the last block of its pre-activation. Any other leading axis takes the
+        generic path, which is exact.
+        """
+        folded = []
+        for e in entries:
+            if e.fast in ("table", "position"):
+                continue  # their own checks (one view row per sample)
+            records = self.taps.records.get(e.name, [])
+            sizes = {int(t.shape[0]) if t is not None and len(t.shape) else -1 for r in records for t in r[:2]}
+            e.fold = 1
+            if sizes == {2}:
+                continue
+            size = sizes.pop() if len(sizes) == 1 else -1
+            if e.fast not in ("dense", "einsum") or size < 2 or size % 2:
+                e.fast, e.reason = None, (
+                    f"its input or output's leading axis ({size if size > 0 else 'varies'}) is not one row (or, for a "
+                    "dense layer, one block of rows) per sample")
+                continue
+            folded.append((e, size // 2, records[0][1]))
+        if not folded:
+            return
+        grads = tape.gradient(expanded, [pre for _, _, pre in folded], output_gradients=probe)
+        for (e, fold, _), g in zip(folded, grads):
+            if g is not None and float(tf.reduce_max(tf.abs(tf.convert_to_tensor(g)[:-fold]))) > 0:
+                e.fast, e.reason = None, (
+                    f"its input's leading axis has {fold} rows per sample, but not one block of rows per sample "
+                    "(one sample's signal reaches other samples' rows)")
+                continue
+            e.fold = fold
+            e.in_size, e.pre_size = e.in_size * fold, e.pre_size * fold  # per sample: the whole block
 
     # ------------------------------------------------------------------ chunks and replicas
 
@@ -747,7 +786,7 @@ class KerasSession:
             self._step_tokens = key_tokens
             key = ("ggn", options.estimator, options.pooled, options.loss, options.temperature, options.samples,
                    options.top_classes, self.num_classes, self.tokens, sequence, self._probe_key_output(),
-                   tuple((e.name, e.fast, id(e.variable.value), e.weight.kind) for e in self.entries),
+                   tuple((e.name, e.fast, id(e.variable.value), e.weight.kind, e.fold) for e in self.entries),
                    None if self.strip is None else (id(self.strip[0]), self.strip[1]),
                    tuple(id(layer) for layer in self.grouped), block)
 

@@ -201,6 +201,12 @@ def transposed_linear_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas
     return _dense_squares(a, deltas, out_f, in_f, None if out is None else out.transpose(1, 2)).transpose(1, 2)
 
 
+#: The rules whose per-sample gradient sums over every axis between the samples and the features,
+#: so that a sample's block of rows (a batch folded into the leading axis) can be given as
+#: positions: ``(n·f, *, in)`` viewed as ``(n, f, *, in)``.
+FOLDABLE = (linear_squares, transposed_linear_squares)
+
+
 def _conv_pads(module: nn.Module) -> list[int]:
     """``F.pad`` amounts (last axis first), as the module's forward pads."""
     k, dil = module.kernel_size, module.dilation

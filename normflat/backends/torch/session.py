@@ -158,6 +158,11 @@ class TorchSession:
         # The layers whose substitution (_forward) passed its first checks, and its per-sample one.
         self._seen: set[int] = set()
         self._probed: set[int] = set()
+        # Dense layers whose output holds a block of rows per sample (a batch folded into the
+        # leading axis, e.g. attention windows): id -> the rows per sample, checked once on a
+        # chunk of two samples or more (_rows_per_sample); and this chunk's rows per sample.
+        self._folds: dict[int, int] = {}
+        self._chunk_folds: dict[int, int] = {}
         # The layers whose weights were checked to be swappable by functional_call (_check_swappable).
         self._swappable: set[int] = set()
         self.batched = False
@@ -463,6 +468,7 @@ class TorchSession:
         if self._settle(logits, c, xp):  # a substitution was refused: the forward as the model computes it
             self.capture.reset()
             logits = self._pick(self._forward(xp))
+        self._rows_per_sample([layer for layer in self._layers if layer.fast], logits, PROBE_ROWS)
         self.chunk = self._choose_chunk(logits, PROBE_ROWS, c, batch_rows=batch.n)
         self.capture.reset()
 
@@ -862,10 +868,7 @@ class TorchSession:
                 if any(cap.calls.get(id(use), 0) != 1 or cap.modified(id(use)) for use in layer.uses):
                     # Dynamic models: re-checked on every chunk; earlier chunks' sums stay valid.
                     layer.disable_fast("layer not called exactly once, or its input modified in place")
-                elif rows > 1 and any(cap.outputs[id(use)].shape[0] != rows for use in layer.uses):
-                    # An output broadcast over the batch (position ids of shape (1, T)): the signals
-                    # of all samples would be summed before squaring; the generic path is exact.
-                    layer.disable_fast("output broadcast over the batch")
+            self._rows_per_sample([layer for layer in fast if layer.fast], logits, rows)
             fast = [layer for layer in fast if layer.fast]
             z = logits.detach()
             sequence = self.options.sequence_layout(int(z.shape[1]) if z.dim() == 3 else None)
@@ -918,6 +921,69 @@ class TorchSession:
                 finally:
                     cap.active = True
         return terms
+
+    def _rows_per_sample(self, fast: list[TorchLayer], logits: torch.Tensor, rows: int) -> None:
+        """Which rows of each fast layer's output belong to which of the chunk's ``rows`` samples.
+
+        The fast rules take the output's leading axis for the samples. That is checked once per
+        layer, on the first forward of two samples or more (the probe's, cheap), by a signal at
+        the last sample's logits, which must reach only that sample's rows: an output of the same
+        length as the batch by chance (a layer on a batch-independent table of as many rows)
+        fails it. A dense layer may see the batch folded into the leading axis (``(n·f, ...)``:
+        Swin's or MaxViT's attention windows, each sample's ``f`` windows one after the other):
+        its per-sample gradient sums the sample's block of rows (:meth:`_fast_squares`). A chunk
+        of one sample owns every row. Anything else (an output broadcast over the batch, a
+        folded convolution, a factor that changes) takes the generic path, which is exact.
+        """
+        assert self.capture is not None
+        cap = self.capture
+        self._chunk_folds = {}
+        unchecked: list[tuple[TorchLayer, int]] = []
+        for layer in fast:
+            if layer.table:
+                continue  # a position table's view: _substitution_checks
+            sizes = {int(cap.outputs[id(use)].shape[0]) if cap.outputs[id(use)].dim() else -1 for use in layer.uses}
+            size = sizes.pop() if len(sizes) == 1 else -1
+            dense = (not layer.tied and layer.ext.ggn_squares in ggn_kernels.FOLDABLE and size > 0
+                     and cap.inputs[id(layer)].dim() > 0 and int(cap.inputs[id(layer)].shape[0]) == size)
+            if size == rows and rows == 1:
+                continue
+            if rows == 1 and dense:
+                self._chunk_folds[id(layer)] = size
+                continue
+            if size < 1 or size % rows or (size != rows and not dense):
+                # An output broadcast over the batch (position ids of shape (1, T)): the signals
+                # of all samples would be summed before squaring.
+                layer.disable_fast("output broadcast over the batch" if size == 1 else
+                                   f"its output's leading axis ({size}) is not one row (or, for a dense layer, "
+                                   f"one block of rows) per sample ({rows})")
+                continue
+            fold = size // rows
+            known = self._folds.get(id(layer))
+            if known is None:
+                unchecked.append((layer, fold))
+            elif known != fold:
+                layer.disable_fast(f"its output has {known} rows per sample in one chunk and {fold} in another")
+            elif fold > 1:
+                self._chunk_folds[id(layer)] = fold
+        if not unchecked:
+            return
+        probe = torch.zeros_like(logits)
+        last = probe[-1]
+        last.copy_(torch.linspace(1.0, 2.0, last.numel(), dtype=probe.dtype, device=probe.device).reshape(last.shape))
+        outputs = [cap.outputs[id(use)] for layer, _ in unchecked for use in layer.uses]
+        grads = iter(torch.autograd.grad(logits, outputs, grad_outputs=probe, retain_graph=True, allow_unused=True))
+        for layer, fold in unchecked:
+            mixed = [g is not None and bool(g[:-fold].abs().amax() > 0) for g in [next(grads) for _ in layer.uses]]
+            if any(mixed):
+                layer.disable_fast("its output's leading axis is not the batch (one sample's signal reaches other "
+                                   "samples' rows)" if fold == 1 else
+                                   f"its output's leading axis has {fold} rows per sample, but not one block of rows "
+                                   "per sample (one sample's signal reaches other samples' rows)")
+                continue
+            self._folds[id(layer)] = fold
+            if fold > 1:
+                self._chunk_folds[id(layer)] = fold
 
     def _check_swappable(self, xs: ModelInputs, layers: list[TorchLayer]) -> None:
         """Refuse, once per layer, a weight the model reaches without its module attribute: the
@@ -1070,6 +1136,12 @@ class TorchSession:
             del mine
             if parts is None:  # the layer does not influence the logits
                 continue
+            inputs = cap.inputs[id(layer)]
+            fold = self._chunk_folds.get(id(layer))
+            if fold is not None:
+                # A block of rows per sample (_rows_per_sample): the sample's rows become positions.
+                inputs = inputs.unflatten(0, (-1, fold))
+                parts = [None if p is None else p.unflatten(0, (-1, fold)) for p in parts]
             deltas = ggn_kernels.Deltas(parts, k, m)
             del parts
             rule = layer.ext.ggn_squares
@@ -1083,9 +1155,9 @@ class TorchSession:
             try:
                 arg = deltas if builtin else deltas.stacked()
                 if ggn_kernels.wants_call(rule):
-                    value = rule(layer.module, cap.inputs[id(layer)], arg, *cap.extras[id(layer)], **extra)
+                    value = rule(layer.module, inputs, arg, *cap.extras[id(layer)], **extra)
                 else:
-                    value = rule(layer.module, cap.inputs[id(layer)], arg, **extra)
+                    value = rule(layer.module, inputs, arg, **extra)
             except ggn_kernels.NoFastPath as why:  # handled by the generic path, this chunk included
                 layer.disable_fast(str(why))
                 continue
