@@ -138,6 +138,23 @@ def test_timm_swin_window_attention_matches_the_brute_force_reference():
         assert_close({k: got[k] for k in want}, want)
 
 
+def test_timm_linear_takes_the_linear_fast_rule():
+    """timm's ``Linear`` (MobileNetV3's and GhostNet's classifier) overrides ``forward`` only to cast
+    its weight under TorchScript: ``nn.Linear``'s fast rule, against per-sample Jacobians (the
+    classifier and the convolution before it)."""
+    torch.manual_seed(0)
+    model = timm.create_model("mobilenetv3_small_050", pretrained=False, num_classes=3).double()
+    assert type(model.classifier).__module__ == "timm.layers.linear"
+    x, y = _images(3, 32, 3, seed=3)
+    rep = normflat.analyze(model, [(x, y)], loss="ce", estimator="ggn", progress=False)
+    assert {layer.details["path"] for layer in rep.layers} == {"fast"}
+    got = normflat.hessian_diagonal(model, [(x, y)], loss="ce", estimator="ggn", progress=False)
+    want = reference_ggn(model, [{"x": x, "labels": y}], ["classifier.weight", "conv_head.weight"], loss="ce",
+                         logits_of=_call)
+    assert_close({"classifier": got["classifier"], "conv_head": got["conv_head"]},
+                 {"classifier": want["classifier.weight"], "conv_head": want["conv_head.weight"]})
+
+
 def test_timm_padded_and_standardized_convolutions_take_the_generic_path():
     """``Conv2dSame`` pads in its forward and ``StdConv2d`` standardizes its weight first: the
     parameter is a kernel, but the built-in fast rule would compute the wrong gradient."""

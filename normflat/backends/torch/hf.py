@@ -78,9 +78,15 @@ def _groups_of(module: nn.Module) -> int:
 
 
 def _register_timm() -> None:
+    from normflat.backends.torch.ggn import linear_squares
     from normflat.backends.torch.layers import register_layer, registered_layers
 
     known = registered_layers()
+    linear = _loaded_class("timm.layers.linear", "Linear")
+    if linear is not None and issubclass(linear, nn.Linear) and linear not in known:
+        # nn.Linear with its own forward only to cast the weight to the input's dtype under
+        # TorchScript (MobileNetV3's and GhostNet's classifiers): F.linear otherwise, the same map.
+        register_layer(linear, kind="dense", ggn_squares=linear_squares)
     for module_name, entries in _TIMM_GENERIC_CONVS.items():
         mod = sys.modules.get(module_name)
         if mod is None:
@@ -101,7 +107,8 @@ def register_known_layers() -> None:
     a dense layer stored ``(in, out)``, canonical transposed (method §3), with
     ``nn.Linear``'s fast GGN rule on the transposed layout
     (:func:`~normflat.backends.torch.ggn.transposed_linear_squares`; inputs may
-    have sequence axes). timm: ``Conv2dSame`` and the weight-standardized
+    have sequence axes). timm: ``Linear`` (an ``nn.Linear`` whose forward casts the weight
+    only under TorchScript) takes ``nn.Linear``'s rule; ``Conv2dSame`` and the weight-standardized
     convolutions are convolutions on the generic path; ``CondConv2d`` is refused
     with its reason. Idempotent, never imports a library, and never replaces an
     entry the user registered (``normflat.backends.torch.register_layer``).
