@@ -794,3 +794,65 @@ def test_dense_layer_on_a_batch_folded_into_windows(layout, generic, kind):
     expected = {layer.name: (layer.details["param"], _transposed) for layer in rep.layers}  # (in, out) kernels
     for n, kw in ((5, {}), (1, {}), (5, {"chunk_size": 2})):
         check_against(model, x[:n], y[:n], expected, loss="ce", **kw)
+
+
+class PositionIds(L.Layer):
+    """Adds an ``Embedding`` of the position ids ``(1, N)`` to its input, broadcast over the batch
+    (keras-hub's ``ViTPatchingAndEmbedding`` does so).
+
+    ``use``: ``add``; ``first`` takes the lookup's row 0 (with the ids looked up per sample it reads
+    sample 0's row: the samples' gradients would mix); ``reshaped`` reshapes it without its batch
+    axis (the forward fails with one lookup per sample); ``summed`` sums its leading axis (the logits
+    change).
+    """
+
+    def __init__(self, positions, use="add", **kwargs):
+        super().__init__(**kwargs)
+        self.use = use
+        self.table = L.Embedding(positions, 4, dtype=F64, name="positions")
+
+    def call(self, x):
+        pos = self.table(keras.ops.arange(x.shape[1])[None, :])  # (1, N, d)
+        if self.use == "first":
+            return x + pos[0]
+        if self.use == "reshaped":
+            return x + keras.ops.reshape(pos, (x.shape[1], -1))
+        if self.use == "summed":
+            return x + keras.ops.sum(pos, axis=0)
+        return x + pos
+
+
+def position_ids_model(use):
+    rng = _rng(23)
+    inp = keras.Input((3, 2), dtype=F64)
+    h = PositionIds(3, use=use, dtype=F64, name="vit")(L.Dense(4, dtype=F64, name="patch")(inp))
+    h = L.Dense(6, activation="tanh", dtype=F64, name="mix")(h)
+    model = keras.Model(inp, L.Dense(3, dtype=F64, name="head")(L.GlobalAveragePooling1D(dtype=F64)(h)))
+    _randomize(model, rng)
+    return model, rng.normal(size=(4, 3, 2)), rng.integers(0, 3, 4)
+
+
+@pytest.mark.parametrize("use, reason", [
+    ("add", None),
+    ("first", "not added to each sample's own activations"),
+    ("reshaped", "the forward fails with its one row of ids looked up per sample"),
+    ("summed", "computes other logits with its one row of ids looked up per sample"),
+])
+def test_embedding_of_position_ids_broadcast_over_the_batch(use, reason):
+    """An ``Embedding`` of one row of position ids ``(1, N)``, broadcast over the batch when added: the
+    lookup runs once per sample in the GGN step (a view of the ids), so the signal at each row of its
+    output is that sample's (method §6.1, "Position tables"), checked by the first forward; read
+    otherwise (row 0 taken, a reshape without the batch axis, a sum over it), the generic path with
+    the reason. Against brute force with batches of 4 and 1 and chunks of 3 (before, the one row was
+    read as one sample: 83 % off on keras-hub's ViT)."""
+    model, x, y = position_ids_model(use)
+    rep = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    details = rep.layer("vit/positions").details
+    if reason is None:
+        assert details["path"] == "fast", details
+    else:
+        assert details["path"] == "generic" and reason in details["generic_reason"], details
+    assert {rep.layer(name).details["path"] for name in ("patch", "mix", "head")} == {"fast"}
+    expected = {layer.name: (layer.details["param"], _transposed) for layer in rep.layers}
+    for n, kw in ((4, {}), (1, {}), (4, {"chunk_size": 3})):
+        check_against(model, x[:n], y[:n], expected, loss="ce", **kw)

@@ -223,6 +223,28 @@ def test_keras_hub_position_embedding_used_twice_is_generic_and_exact():
     check_against(model, ids, y, TAGGER_LAYERS, loss="nsce")
 
 
+def test_keras_hub_vit_position_ids_fast_rule():
+    """keras-hub's ViT looks its position table up with one row of position ids ``(1, N)`` and adds
+    the rows to every image: the lookup runs once per image in the GGN step, so the position
+    embedding keeps its fast rule (method §6.1, "Position tables"), equal to the generic path in
+    float64 for every layer (before, the one row was read as one image: 83 % off)."""
+    keras.utils.set_random_seed(6)
+    backbone = keras_hub.models.ViTBackbone(image_shape=(8, 8, 3), patch_size=4, num_layers=1, num_heads=2,
+                                            hidden_dim=8, mlp_dim=16, dtype="float64")
+    model = keras_hub.models.ViTImageClassifier(backbone, num_classes=3, preprocessor=None, dtype="float64")
+    rng = np.random.default_rng(6)
+    x, y = rng.normal(size=(3, 8, 8, 3)), rng.integers(0, 3, 3)
+    rep = normflat.analyze(model, (x, y), loss="ce", progress=False)
+    assert {layer.details["path"] for layer in rep.layers} == {"fast"}, [
+        (layer.name, layer.details) for layer in rep.layers if layer.details["path"] != "fast"]
+    assert any(layer.name.endswith("position_embedding") for layer in rep.layers)
+    fast = normflat.hessian_diagonal(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    generic = normflat.hessian_diagonal(model, (x, y), loss="ce", estimator="ggn", progress=False, fast=False)
+    for k in fast:
+        np.testing.assert_allclose(np.asarray(fast[k]), np.asarray(generic[k]), rtol=RTOL,
+                                   atol=1e-14 * float(np.abs(np.asarray(generic[k])).max()), err_msg=k)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["MobileNetV2", "ResNet50"])
 def test_keras_applications(name):

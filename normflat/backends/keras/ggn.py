@@ -125,6 +125,8 @@ class _ThreadTaps(threading.local):
         self.records: dict[str, list] = {}
         self.tape: tf.GradientTape | None = None
         self.checking = False
+        self.samples: Any = None  # the batch size while Taps.expanded holds (a (1,) tensor)
+        self.broadcast: set[str] = set()  # the lookups expanded over the batch (Taps.expanded)
 
 
 class Taps:
@@ -183,6 +185,14 @@ class Taps:
         if entry.fast == "embedding":
             # A lookup has no activation: its output is what the signals are pulled back to.
             def lookup(inputs, *args, **kwargs):
+                samples = self._mine.samples
+                if samples is not None and entry.fast == "embedding" and _is_tensor(inputs) \
+                        and len(inputs.shape) and inputs.shape[0] == 1:
+                    # One row of ids for the whole batch (position ids (1, N)), its output broadcast
+                    # later: looked up once per sample, so that the signal at each row is that
+                    # sample's (method §6.1, "Position tables"); checked by the first forward.
+                    inputs = tf.broadcast_to(inputs, tf.concat([samples, tf.shape(inputs)[1:]], 0))
+                    self._mine.broadcast.add(name)
                 with self.own_read(entry):
                     out = original_call(inputs, *args, **kwargs)
                 if self.tape is not None:
@@ -264,6 +274,11 @@ class Taps:
         with quiet, keras.StatelessScope(state_mapping=[(variable, code)]):
             return call(inputs, *args, **kwargs)
 
+    @property
+    def broadcast(self) -> set[str]:
+        """The lookups this thread's last forward under :meth:`expanded` expanded over the batch."""
+        return self._mine.broadcast
+
     @contextlib.contextmanager
     def expanded(self, x: Any) -> Iterator[None]:
         """Run the model with every loose position table expanded over the batch of ``x``.
@@ -272,10 +287,14 @@ class Taps:
         a view ``(n, *table)`` (``(n, N, d)`` for a ``(1, N, d)`` table) of the table's value
         without a gradient, watched by :attr:`tape`: the gradient at the view is each sample's
         gradient of the table (method §6.1 "Position tables"). The variable is put back on exit.
+        A fast ``Embedding`` called on one row of ids (position ids ``(1, N)``) looks them up
+        once per sample (:attr:`broadcast`).
         """
         tables = [e for e in self.tables if e.fast == "table"]
         n = tf.shape(tf.nest.flatten(x)[0])[:1]
         saved = []
+        self._mine.samples = n
+        self._mine.broadcast = set()
         try:
             for e in tables:
                 value = tf.stop_gradient(tf.convert_to_tensor(e.variable.value))
@@ -289,6 +308,7 @@ class Taps:
                 self.records[e.name] = [[view, view]]
             yield
         finally:
+            self._mine.samples = None
             for layer, attr, old in reversed(saved):
                 compat.del_instance_attr(layer, attr, old)
 

@@ -615,11 +615,13 @@ class KerasSession:
                     break
                 except Exception as why:  # noqa: BLE001 - any failure of the checking forward
                     loose = [e for e in checked if e.fast == "table"]
+                    looked_up = [e for e in checked if e.name in taps.broadcast]
                     what = f"({type(why).__name__}: {str(why)[:200]})"
-                    if not loose:
+                    if not loose and not looked_up:
                         refuse(checked, f"the first forward's check of its layer fails {what}")
                         return
                     refuse(loose, f"the forward fails with the position table expanded over the batch {what}")
+                    refuse(looked_up, f"the forward fails with its one row of ids looked up per sample {what}")
                 finally:
                     taps.tape = None
             for e, grads in zip(checked, tape.gradient(expanded, watched)):
@@ -631,6 +633,16 @@ class KerasSession:
                     refuse([e], "the position table is also used outside its PositionEmbedding layer")
                 else:
                     refuse([e], "its weight is also used outside its layer's call (another layer or op reads it)")
+            substituted = [e for e in checked if e.fast == "table" or (e.fast and e.name in taps.broadcast)]
+            if substituted:
+                zc = tf.cast(z, tf.float64)
+                tol = 64 * float(np.finfo(z.dtype.as_numpy_dtype).eps) * (float(tf.reduce_max(tf.abs(zc))) + 1.0)
+                if tuple(expanded.shape) != tuple(z.shape) or \
+                        float(tf.reduce_max(tf.abs(tf.cast(expanded, tf.float64) - zc))) > tol:
+                    refuse([e for e in substituted if e.fast == "table"],
+                           "the model computes other logits with the position table expanded over the batch")
+                    refuse([e for e in substituted if e.fast == "embedding"],
+                           "the model computes other logits with its one row of ids looked up per sample")
             probe = np.zeros(tuple(expanded.shape), np.float64)
             probe[-1] = np.linspace(1.0, 2.0, probe[-1].size).reshape(probe[-1].shape)
             probe = tf.constant(probe, expanded.dtype)
@@ -638,13 +650,6 @@ class KerasSession:
             tables = [e for e in checked if e.fast in ("table", "position")]
             if not tables:
                 return
-            zc = tf.cast(z, tf.float64)
-            tol = 64 * float(np.finfo(z.dtype.as_numpy_dtype).eps) * (float(tf.reduce_max(tf.abs(zc))) + 1.0)
-            if tuple(expanded.shape) != tuple(z.shape) or \
-                    float(tf.reduce_max(tf.abs(tf.cast(expanded, tf.float64) - zc))) > tol:
-                refuse([e for e in tables if e.fast == "table"],
-                       "the model computes other logits with the position table expanded over the batch")
-            tables = [e for e in tables if e.fast]
             records = [taps.records.get(e.name, [[None, None]])[0] for e in tables]
             views = [r[1] for r in records]
             grads = tape.gradient(expanded, views, output_gradients=probe) if tables else []
@@ -673,8 +678,9 @@ class KerasSession:
         see the batch folded into it instead (``(n·f, ...)``: attention windows, each sample's
         ``f`` windows one after the other): its per-sample gradient sums the sample's block of
         rows (:attr:`Entry.fold`), accepted when a signal at the last sample's logits (``probe``)
-        reaches only the last block of its pre-activation. Any other leading axis takes the
-        generic path, which is exact.
+        reaches only the last block of its pre-activation; a lookup of one row of ids looked up
+        per sample (:attr:`~normflat.backends.keras.ggn.Taps.broadcast`) when it reaches only the
+        last row. Any other leading axis takes the generic path, which is exact.
         """
         folded = []
         for e in entries:
@@ -683,6 +689,9 @@ class KerasSession:
             records = self.taps.records.get(e.name, [])
             sizes = {int(t.shape[0]) if t is not None and len(t.shape) else -1 for r in records for t in r[:2]}
             e.fold = 1
+            if sizes == {2} and e.name in self.taps.broadcast:
+                folded.append((e, 1, records[0][1]))
+                continue
             if sizes == {2}:
                 continue
             size = sizes.pop() if len(sizes) == 1 else -1
@@ -698,6 +707,8 @@ class KerasSession:
         for (e, fold, _), g in zip(folded, grads):
             if g is not None and float(tf.reduce_max(tf.abs(tf.convert_to_tensor(g)[:-fold]))) > 0:
                 e.fast, e.reason = None, (
+                    "its one row of ids looked up per sample is not added to each sample's own activations (one "
+                    "sample's signal reaches the other samples' rows)" if fold == 1 else
                     f"its input's leading axis has {fold} rows per sample, but not one block of rows per sample "
                     "(one sample's signal reaches other samples' rows)")
                 continue
