@@ -740,15 +740,18 @@ class _Windows(L.Layer):
 
 
 class _CoordinateBias(L.Layer):
-    """Adds ``tanh(Dense(coordinates))`` of a batch-independent ``(4, 2)`` table to every sample."""
+    """Adds ``tanh(Dense(coordinates))`` of a batch-independent ``(4, 2)`` table to every sample
+    (``rows=2``: of a ``(2, 2)`` table, averaged, as many rows as the first forward's check has samples)."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, rows=4, **kwargs):
         super().__init__(**kwargs)
+        self.rows = rows
         self.mlp = L.Dense(6, dtype=F64, name="coords_mlp")
 
     def call(self, h):
-        coords = keras.ops.reshape(keras.ops.linspace(-1.0, 1.0, 8, dtype=F64), (4, 2))
-        return h + keras.ops.tanh(self.mlp(coords))
+        coords = keras.ops.reshape(keras.ops.linspace(-1.0, 1.0, 2 * self.rows, dtype=F64), (self.rows, 2))
+        bias = keras.ops.tanh(self.mlp(coords))
+        return h + (bias if self.rows == 4 else keras.ops.mean(bias, axis=0))
 
 
 def windowed_model(layout, kind):
@@ -764,8 +767,8 @@ def windowed_model(layout, kind):
         h = L.EinsumDense("abc,cd->abd", output_shape=(2, 6), bias_axes="d", activation="tanh", dtype=F64,
                           name="windowed")(h)
     h = _Windows(layout, inverse=True, dtype=F64)(h)
-    if layout == "shared":
-        h = _CoordinateBias(dtype=F64, name="bias")(h)
+    if layout.startswith("shared"):
+        h = _CoordinateBias(2 if layout == "shared-two-rows" else 4, dtype=F64, name="bias")(h)
     model = keras.Model(inp, L.Dense(3, dtype=F64, name="head")(L.GlobalAveragePooling1D(dtype=F64)(h)))
     _randomize(model, rng)
     return model, rng.normal(size=(5, 4, 3)), rng.integers(0, 3, 5)
@@ -775,13 +778,15 @@ def windowed_model(layout, kind):
     ("blocks", {}),
     ("window-major", {"windowed": "not one block of rows per sample"}),
     ("shared", {"bias/coords_mlp": "not one block of rows per sample"}),
+    ("shared-two-rows", {"bias/coords_mlp": "its output's leading axis is not the batch"}),
 ])
 @pytest.mark.parametrize("kind", ["dense", "einsum"])
 def test_dense_layer_on_a_batch_folded_into_windows(layout, generic, kind):
     """A ``Dense``/``EinsumDense`` whose input holds a block of rows per sample (attention windows)
     keeps its fast rule, each sample's gradient summed over its block (method §6.1), checked by a
     signal at one sample of the first forward; rows of several samples in another order, and a
-    layer on a batch-independent table, take the generic path. Against brute force with batches of
+    layer on a batch-independent table (also one of two rows, as many as the check's samples), take
+    the generic path. Against brute force with batches of
     5 and 1 and chunks of 2 (before, every window was read as a sample: 320 % off)."""
     model, x, y = windowed_model(layout, kind)
     rep = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)

@@ -674,43 +674,43 @@ class KerasSession:
     def _check_rows(self, tape: Any, expanded: Any, probe: Any, entries: list[Entry]) -> None:
         """Which rows of each fast layer's tapped tensors belong to which of the two checked samples.
 
-        The fast rules take the leading axis for the samples. A ``Dense`` or ``EinsumDense`` may
-        see the batch folded into it instead (``(n·f, ...)``: attention windows, each sample's
-        ``f`` windows one after the other): its per-sample gradient sums the sample's block of
-        rows (:attr:`Entry.fold`), accepted when a signal at the last sample's logits (``probe``)
-        reaches only the last block of its pre-activation; a lookup of one row of ids looked up
-        per sample (:attr:`~normflat.backends.keras.ggn.Taps.broadcast`) when it reaches only the
-        last row. Any other leading axis takes the generic path, which is exact.
+        The fast rules take the leading axis for the samples: a signal at the last sample's
+        logits (``probe``) must reach only the last row of each layer's tapped output (which
+        catches a layer on a batch-independent table that happens to have two rows). A ``Dense``
+        or ``EinsumDense`` may see the batch folded into that axis instead (``(n·f, ...)``:
+        attention windows, each sample's ``f`` windows one after the other): its per-sample
+        gradient sums the sample's block of rows (:attr:`Entry.fold`), accepted when the signal
+        reaches only the last block. A lookup of one row of ids looked up per sample
+        (:attr:`~normflat.backends.keras.ggn.Taps.broadcast`) is checked the same way. Any other
+        leading axis takes the generic path, which is exact.
         """
-        folded = []
+        checks = []
         for e in entries:
             if e.fast in ("table", "position"):
                 continue  # their own checks (one view row per sample)
             records = self.taps.records.get(e.name, [])
             sizes = {int(t.shape[0]) if t is not None and len(t.shape) else -1 for r in records for t in r[:2]}
             e.fold = 1
-            if sizes == {2} and e.name in self.taps.broadcast:
-                folded.append((e, 1, records[0][1]))
-                continue
-            if sizes == {2}:
-                continue
             size = sizes.pop() if len(sizes) == 1 else -1
-            if e.fast not in ("dense", "einsum") or size < 2 or size % 2:
+            if size != 2 and (e.fast not in ("dense", "einsum") or size < 2 or size % 2):
                 e.fast, e.reason = None, (
                     f"its input or output's leading axis ({size if size > 0 else 'varies'}) is not one row (or, for a "
                     "dense layer, one block of rows) per sample")
                 continue
-            folded.append((e, size // 2, records[0][1]))
-        if not folded:
+            checks.append((e, size // 2, [r[1] for r in records]))
+        if not checks:
             return
-        grads = tape.gradient(expanded, [pre for _, _, pre in folded], output_gradients=probe)
-        for (e, fold, _), g in zip(folded, grads):
-            if g is not None and float(tf.reduce_max(tf.abs(tf.convert_to_tensor(g)[:-fold]))) > 0:
-                e.fast, e.reason = None, (
-                    "its one row of ids looked up per sample is not added to each sample's own activations (one "
-                    "sample's signal reaches the other samples' rows)" if fold == 1 else
-                    f"its input's leading axis has {fold} rows per sample, but not one block of rows per sample "
-                    "(one sample's signal reaches other samples' rows)")
+        grads = iter(tape.gradient(expanded, [out for _, _, outs in checks for out in outs], output_gradients=probe))
+        for e, fold, outs in checks:
+            reached = [g for g in (next(grads) for _ in outs) if g is not None]
+            if any(float(tf.reduce_max(tf.abs(tf.convert_to_tensor(g)[:-fold]))) > 0 for g in reached):
+                if e.name in self.taps.broadcast:
+                    why = "its one row of ids looked up per sample is not added to each sample's own activations"
+                elif fold == 1:
+                    why = "its output's leading axis is not the batch"
+                else:
+                    why = f"its input's leading axis has {fold} rows per sample, but not one block of rows per sample"
+                e.fast, e.reason = None, f"{why} (one sample's signal reaches other samples' rows)"
                 continue
             e.fold = fold
             e.in_size, e.pre_size = e.in_size * fold, e.pre_size * fold  # per sample: the whole block
