@@ -34,12 +34,17 @@ logits) against one gradient (:func:`sequence_lm_figures`); with ``--memory`` al
 TensorFlow's CPU allocations of a training step, ``hessian_diagonal`` and ``analyze``, each in a
 fresh process (:func:`sequence_lm_memory`).
 
+``--separable`` times Keras' Xception (``keras.applications``, ``weights=None``, 71×71 inputs,
+10 classes, 8 images), whose blocks are ``SeparableConv2D`` layers: ``ggn`` against one gradient
+(:func:`separable_figures`).
+
 Run::
 
     python -m benchmarks.keras_diag [--repeats 5] [--threads 1] [--no-torch]
     python -m benchmarks.keras_diag --position-table [--repeats 5] [--threads 1]
     python -m benchmarks.keras_diag --tied-lm [--repeats 5] [--threads 1]
     python -m benchmarks.keras_diag --sequence-lm 8000 [--repeats 5] [--threads 1] [--memory]
+    python -m benchmarks.keras_diag --separable [--repeats 5] [--threads 1]
 
 ``--threads N`` limits both frameworks to N CPU threads (TensorFlow intra- and
 inter-op pools, ``torch.set_num_threads``): on a shared machine one thread
@@ -62,7 +67,7 @@ import numpy as np  # noqa: E402
 from benchmarks._common import time_interleaved  # noqa: E402
 
 __all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "METHODS", "make_problem", "keras_figures", "position_table_figures",
-           "tied_lm_figures", "main"]
+           "tied_lm_figures", "separable_figures", "main"]
 
 METHODS = ("gradient", "normflat_ggn", "normflat_ggn_mc")
 
@@ -353,6 +358,20 @@ def sequence_lm_memory(vocabulary: int = 8000, threads: int | None = None) -> di
             for m in ("training step", "hessian_diagonal", "analyze")}
 
 
+def separable_figures(repeats: int = 5) -> dict[str, float]:
+    """Xception (71×71, 10 classes, 8 images): ``{"gradient": s, "normflat": s}`` (``ggn``, medians)."""
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    model = keras.applications.Xception(weights=None, input_shape=(71, 71, 3), classes=10)
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(8, 71, 71, 3)).astype("float32"))
+    y = tf.constant(rng.integers(0, 10, size=8))
+    runs = {"gradient": _runner("gradient", model, x, y), "normflat": _runner("normflat_ggn", model, x, y)}
+    return time_interleaved(runs, repeats)
+
+
 def _device() -> str:
     import tensorflow as tf
 
@@ -375,12 +394,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--memory", action="store_true",
                         help="with --sequence-lm: also the peak of TensorFlow's CPU allocations against a "
                              "training step")
+    parser.add_argument("--separable", action="store_true",
+                        help="time ggn on Keras' Xception (SeparableConv2D blocks) against a gradient")
     args = parser.parse_args(argv)
     if args.threads:
         import tensorflow as tf
 
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    if args.separable:
+        f = separable_figures(args.repeats)
+        print(f"Xception (keras.applications, 71x71, 10 classes, 8 images), ggn, device {_device()}, "
+              f"threads {args.threads or 'default'}, median of {args.repeats}")
+        print(f"  gradient {f['gradient']:.4f} s, normflat {f['normflat']:.4f} s "
+              f"({f['normflat'] / f['gradient']:.1f}x a gradient)")
+        return {"separable": f}
     if args.position_table:
         f = position_table_figures(args.repeats)
         print(f"tiny ViT (batch 32, 17 tokens, d 64), ggn, device {_device()}, threads {args.threads or 'default'}, "

@@ -265,3 +265,90 @@ def test_analysis_leaves_the_grouped_layers_untouched():
     normflat.analyze(model, (x, y), loss="ce", progress=False)
     assert state() == saved
     np.testing.assert_array_equal(model(x).numpy(), before)
+
+
+# ----------------------------------------------------------------------------- separable convolutions
+
+
+def separable_net(seed=2):
+    """``SeparableConv2D`` (strided, "same", depth multiplier 2) and ``SeparableConv1D`` (dilated)."""
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((7, 7, 3), dtype=F64)
+    h = L.SeparableConv2D(4, 3, strides=2, padding="same", depth_multiplier=2, activation="relu", dtype=F64,
+                          name="sep2d")(inp)  # 4×4
+    h = L.Reshape((16, 4), dtype=F64)(h)
+    h = L.SeparableConv1D(5, 2, dilation_rate=2, activation="tanh", dtype=F64, name="sep1d")(h)
+    return keras.Model(inp, L.Dense(3, dtype=F64, name="head")(L.Flatten(dtype=F64)(h)), name="separable_net")
+
+
+def _separable_reference(model, x):
+    """Brute-force GGN diagonal (full per-sample Jacobians) of every kernel, canonical layout: a depthwise
+    kernel ``(*k, in, m)`` as ``(in·m, 1, *k)``, a pointwise or dense one ``(*k, in, out)`` as ``(out, in, *k)``."""
+    kernels = {}
+    for layer in model.layers:
+        if isinstance(layer, (L.SeparableConv1D, L.SeparableConv2D)):
+            kernels[f"{layer.name}/depthwise"] = layer.depthwise_kernel
+            kernels[f"{layer.name}/pointwise"] = layer.pointwise_kernel
+        elif isinstance(layer, L.Dense):
+            kernels[layer.name] = layer.kernel
+    with tf.GradientTape() as tape:
+        z = model(x, training=False)
+    jacobians = tape.jacobian(z, [v.value for v in kernels.values()])
+    p = tf.nn.softmax(z).numpy()
+    hess = np.einsum("na,ab->nab", p, np.eye(p.shape[1])) - np.einsum("na,nb->nab", p, p)
+    out = {}
+    for (name, v), j in zip(kernels.items(), jacobians):
+        j = j.numpy().reshape(p.shape[0], p.shape[1], -1)
+        d = np.einsum("nai,nab,nbi->i", j, hess, j).reshape(v.shape) / p.shape[0]
+        r = d.ndim - 2
+        if name.endswith("/depthwise"):
+            t = d.transpose((r, r + 1) + tuple(range(r)))
+            out[name] = t.reshape(t.shape[0] * t.shape[1], 1, *t.shape[2:])
+        else:
+            out[name] = d.transpose((r + 1, r) + tuple(range(r)))
+    return out
+
+
+def test_separable_convolutions_fast_rule_equals_brute_force():
+    """``SeparableConv1D/2D`` run as their depthwise then pointwise convolution, each kernel on its
+    fast rule (the depthwise one's, a 1×1 convolution's): against brute force on batches of 3 and 2,
+    and against the generic path."""
+    model = separable_net()
+    x, y = _data(model, 5)
+    report = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert {l.name: l.details["path"] for l in report.layers} == {
+        "sep2d/depthwise": "fast", "sep2d/pointwise": "fast", "sep1d/depthwise": "fast", "sep1d/pointwise": "fast",
+        "head": "fast"}
+    ref = _separable_reference(model, x)
+    _assert_close(_diag(model, [(x[:3], y[:3]), (x[3:], y[3:])]), ref)
+    _assert_close(_diag(model, (x, y), fast=False), ref)
+
+
+def test_separable_convolution_rescaling_invariance():
+    """The depthwise output channels of a ``SeparableConv2D`` times positive factors and the pointwise
+    kernel's matching input channels divided by them (nothing between the two: the function is
+    unchanged), then its output channels against the next one's inputs through the relu: the
+    normalized sharpness of every layer stays, the traces of the rescaled kernels move (method §8)."""
+    model = separable_net(seed=4)
+    rng = np.random.default_rng(7)
+    inner = np.exp(rng.uniform(-1.5, 1.5, size=6))  # 3 input channels × depth multiplier 2
+    outer = np.exp(rng.uniform(-1.5, 1.5, size=4))
+    other = keras.models.clone_model(model)
+    other.set_weights(model.get_weights())
+    sep, nxt = other.get_layer("sep2d"), other.get_layer("sep1d")
+    sep.depthwise_kernel.assign(sep.depthwise_kernel.numpy() * inner.reshape(3, 2))  # (k, k, in, m): channel c·m + j
+    point = sep.pointwise_kernel.numpy() / inner[:, None] * outer  # (1, 1, in·m, out)
+    sep.pointwise_kernel.assign(point)
+    sep.bias.assign(sep.bias.numpy() * outer)  # relu(f·u) = f·relu(u), f > 0
+    # sep1d's depthwise kernel reads each input channel on its own: its input channel c divided by outer[c].
+    nxt.depthwise_kernel.assign(nxt.depthwise_kernel.numpy() / outer[:, None])
+    x, y = _data(model, 6, seed=5)
+    np.testing.assert_allclose(other(x).numpy(), model(x).numpy(), rtol=1e-11, atol=1e-13)
+    before = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    after = normflat.analyze(other, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert {l.details["path"] for l in before.layers} == {"fast"}
+    for lb, la in zip(before.layers, after.layers):
+        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8, abs=1e-12), lb.name
+    for name in ("sep2d/depthwise", "sep2d/pointwise", "sep1d/depthwise"):
+        assert abs(after.layer(name).hessian_trace - before.layer(name).hessian_trace) > \
+            1e-3 * abs(before.layer(name).hessian_trace), name

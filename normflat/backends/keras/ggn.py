@@ -53,7 +53,7 @@ import numpy as np
 import tensorflow as tf
 
 from normflat.backends.keras import compat
-from normflat.backends.keras.layers import Entry, einsum_fast_axes
+from normflat.backends.keras.layers import SEPARABLE_KINDS, Entry, einsum_fast_axes
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for
@@ -149,9 +149,14 @@ class Taps:
         self._mine = _ThreadTaps()
         #: Loose position tables: no call of their own, :meth:`expanded` substitutes them.
         self.tables = [entry for entry in tapped if entry.fast == "table"]
+        separable: dict[int, list[Entry]] = {}
         for entry in tapped:
-            if entry.fast != "table":
+            if entry.fast in SEPARABLE_KINDS:
+                separable.setdefault(id(entry.layer), []).append(entry)
+            elif entry.fast != "table":
                 self._tap(state, entry)
+        for pair in separable.values():
+            self._tap_separable(state, pair[0].layer, pair)
 
     @property
     def records(self) -> dict[str, list]:
@@ -250,15 +255,45 @@ class Taps:
         state.set(layer, "call", call)
         state.set(layer, "activation", activation)
 
-    def own_read(self, entry: Entry) -> Any:
+    def _tap_separable(self, state: ModelState, layer: Any, entries: list[Entry]) -> None:
+        """A ``SeparableConv1D/2D`` runs its depthwise and pointwise (1×1) convolutions one after the
+        other (TensorFlow's own separable convolution does the same two), so that each kernel's
+        input and output are recorded: ``[input, depthwise output]`` for the depthwise kernel,
+        ``[depthwise output, pre-activation]`` for the pointwise one."""
+        names = {entry.fast: entry.name for entry in entries}
+        rank = int(layer.rank)
+
+        def separable(inputs, *args, **kwargs):
+            with self.own_read(*entries):
+                middle = keras.ops.depthwise_conv(inputs, layer.depthwise_kernel, strides=layer.strides,
+                                                  padding=layer.padding, data_format=layer.data_format,
+                                                  dilation_rate=layer.dilation_rate)
+                if self.tape is not None:
+                    self.tape.watch(middle)
+                y = keras.ops.conv(middle, layer.pointwise_kernel, strides=1, padding="valid",
+                                   data_format=layer.data_format)
+                if layer.use_bias:
+                    shape = ((1,) * (rank + 1) + (layer.filters,) if layer.data_format == "channels_last"
+                             else (1, layer.filters) + (1,) * rank)
+                    y = keras.ops.add(y, keras.ops.reshape(layer.bias, shape))
+            if self.tape is not None:
+                self.tape.watch(y)
+            for kind, record in (("separable_depthwise", [inputs, middle]), ("separable_pointwise", [middle, y])):
+                if kind in names:
+                    self.records.setdefault(names[kind], []).append(record)
+            return layer.activation(y) if layer.activation is not None else y
+
+        state.set(layer, "call", separable)
+
+    def own_read(self, *entries: Entry) -> Any:
         """While :attr:`checking`: the layer's call reads its weight as a value without a gradient
         (a ``StatelessScope`` holding it), so a gradient that still reaches the variable comes from
         another use (a layer or an op reading ``layer.kernel`` too), which the fast rule, built on
         this call's input and pre-activation alone, would miss."""
         if not self.checking:
             return contextlib.nullcontext()
-        frozen = tf.stop_gradient(tf.convert_to_tensor(entry.variable.value))
-        return keras.StatelessScope(state_mapping=[(entry.variable, frozen)])
+        return keras.StatelessScope(state_mapping=[
+            (entry.variable, tf.stop_gradient(tf.convert_to_tensor(entry.variable.value))) for entry in entries])
 
     def rows(self, call: Callable[..., Any], variable: Any, axis: int, inputs: Any, args: tuple,
              kwargs: dict) -> Any:
@@ -800,6 +835,8 @@ def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int, sa
         return _table_squares(entry, x, gs, seg, groups)
     if entry.fast == "einsum":
         return _einsum_squares(layer.equation, x, gs, seg, groups, folded, entry.fold)
+    if entry.fast == "separable_pointwise":
+        return _conv_squares(_Pointwise(layer), x, gs, seg, groups, 1)
     if entry.fast == "dense":
         if folded is None and (len(x.shape) == 2 or all(int(d or 0) == 1 for d in x.shape[1:-1])):
             # One position (also (n, 1, 1, in) after a global pooling): the per-sample gradient
@@ -815,6 +852,15 @@ def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int, sa
             xf, gf = _blocks_per_sample(xf, gf, folded, entry.fold)
         return _per_sample_squares(xf, gf, seg, groups)
     return _conv_squares(layer, x, gs, seg, groups, int(entry.weight.groups))
+
+
+class _Pointwise:
+    """The pointwise (1×1, stride 1) convolution of a ``SeparableConv1D/2D`` as
+    :func:`_conv_squares` reads a layer (the depthwise one is the layer's own attributes)."""
+
+    def __init__(self, layer: Any) -> None:
+        self.rank, self.data_format, self.padding = int(layer.rank), layer.data_format, "valid"
+        self.kernel_size = self.strides = self.dilation_rate = (1,) * self.rank
 
 
 def _conv_squares(layer: Any, x: Any, gs: list[Any], seg: Any, groups: int, conv_groups: int) -> Any:
@@ -1080,11 +1126,12 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
             # One signal's per-sample gradients of each use, their sum and its square (_tied_squares),
             # beside the block's signals at both outputs, stacked.
             work = max(work, 3 * size + block * e.pre_size)
-        elif e.fast in ("conv", "depthwise"):
+        elif e.fast in ("conv", "depthwise", *SEPARABLE_KINDS):
             shape = [int(d) for d in e.variable.shape]  # (*k, in/groups, out) or (*k, in, multiplier)
             koff = int(np.prod(shape[:-2]))
-            cin = shape[-2] * (int(e.weight.groups) if e.fast == "conv" else 1)
-            cout = shape[-1] if e.fast == "conv" else shape[-2] * shape[-1]
+            dense_kernel = e.fast in ("conv", "separable_pointwise")
+            cin = shape[-2] * (int(e.weight.groups) if dense_kernel else 1)
+            cout = shape[-1] if dense_kernel else shape[-2] * shape[-1]
             positions = e.pre_size // max(1, cout)
             patches = positions * koff * cin
             # Patches and signals, each also regrouped (one copy); per-sample gradients and their

@@ -414,7 +414,25 @@ def fast_kind(layer: Any) -> str | None:
         and int(layer.rank) in (1, 2)
     ):
         return "depthwise"
+    separable = _base_separable_class()
+    if separable is not None and isinstance(layer, separable) and cls.call is separable.call \
+            and int(layer.rank) in (1, 2):
+        return "separable"
     return None
+
+
+#: The fast kinds of a ``SeparableConv1D/2D``'s two weights: its call runs as a depthwise then a
+#: pointwise (1×1) convolution, each tapped (:class:`~normflat.backends.keras.ggn.Taps`).
+SEPARABLE_KINDS = ("separable_depthwise", "separable_pointwise")
+
+
+def _base_separable_class() -> type | None:
+    """Keras' internal ``BaseSeparableConv`` (``SeparableConv1D/2D``)."""
+    try:
+        from keras.src.layers.convolutional.base_separable_conv import BaseSeparableConv
+    except ImportError:  # pragma: no cover - other Keras layouts: the generic path
+        return None
+    return BaseSeparableConv
 
 
 def _reversible_embedding() -> type | None:
@@ -583,12 +601,15 @@ def walk(model: Any, on_unsupported: str,
                     continue
                 kind = fast_kind(child)
                 fast = kind if len(weights) == 1 else None
+                separable = kind == "separable" and len(weights) == 2
                 reversible = _reversible_embedding()
-                reason = None if fast else (
+                reason = None if fast or separable else (
                     "several weight tensors in one layer" if kind else
                     tied_reversible_reason(child) if reversible is not None and isinstance(child, reversible) else
                     f"{type(child).__name__} has no fast path (not Keras' own Dense/Conv call)")
-                for w in weights:
+                for j, w in enumerate(weights):
+                    if separable:
+                        fast = SEPARABLE_KINDS[j]  # the depthwise kernel, then the pointwise one
                     first = by_variable.get(id(w.variable))
                     if first is not None:  # shared with an earlier layer: analyzed there, as torch does
                         first.shared_with.append(name + w.suffix)
