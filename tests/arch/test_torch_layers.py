@@ -609,8 +609,10 @@ class Windowed(nn.Module):
 
     ``layout``: ``"blocks"`` (each sample's two windows one after the other, as Swin's and
     MaxViT's window partitions), ``"window-major"`` (all samples' first windows, then their
-    second ones), or ``"shared"`` (the windows in blocks, plus a dense layer on a batch-independent
-    ``(4, 2)`` coordinate table, a relative-position MLP, added to every sample).
+    second ones), ``"time-major"`` (the dense layer on ``(positions, samples, d)``, a sequence-first
+    layout: four rows, as many as a batch of four), or ``"shared"`` (the windows in blocks, plus a
+    dense layer on a batch-independent ``(4, 2)`` coordinate table, a relative-position MLP, added
+    to every sample).
     """
 
     def __init__(self, layout):
@@ -627,11 +629,15 @@ class Windowed(nn.Module):
         n = h.shape[0]
         if self.layout == "window-major":
             w = h.reshape(n, 2, 2, D).transpose(0, 1).reshape(2 * n, 2, D)
+        elif self.layout == "time-major":
+            w = h.transpose(0, 1)  # (4, n, D): as many rows as a batch of 4
         else:
             w = h.reshape(2 * n, 2, D)
         w = torch.tanh(self.windowed(w))
         if self.layout == "window-major":
             h = w.reshape(2, n, 2, D).transpose(0, 1).reshape(n, 4, D)
+        elif self.layout == "time-major":
+            h = w.transpose(0, 1)
         else:
             h = w.reshape(n, 4, D)
         if self.coords_mlp is not None:
@@ -643,6 +649,7 @@ class Windowed(nn.Module):
     ("blocks", {}),
     ("window-major", {"windowed": "not one block of rows per sample"}),
     ("shared", {"coords_mlp": "leading axis"}),
+    ("time-major", {"windowed": "leading axis"}),
 ])
 @pytest.mark.parametrize("batches, kw", [((1, 4), {}), ((5,), {"chunk_size": 2}), ((3,), {"chunk_size": 1})])
 def test_dense_layer_on_a_batch_folded_into_windows(layout, generic, batches, kw):
