@@ -273,6 +273,15 @@ def _position_embedding_weights(layer: Any) -> list[KerasWeight]:
     return [KerasWeight(table, _transpose_fn((1, 0)), "position_embedding")]
 
 
+def _relative_embedding_weights(layer: Any) -> list[KerasWeight]:
+    """keras-hub's DeBERTa-v3 ``RelativeEmbedding``: the table ``(2·buckets, features)`` is the embedding
+    of the relative-position buckets (as Hugging Face's ``rel_embeddings``, an ``nn.Embedding``)."""
+    table = getattr(layer, "rel_embeddings", None)
+    if table is None:
+        raise UnsupportedLayer("RelativeEmbedding without its rel_embeddings table")
+    return [KerasWeight(table, _transpose_fn((1, 0)), "position_embedding")]
+
+
 #: Keras gate order of the recurrent cells' packed kernels (columns of ``kernel``/``recurrent_kernel``).
 _GATES = {"LSTMCell": ("i", "f", "c", "o"), "GRUCell": ("z", "r", "h"), "SimpleRNNCell": ()}
 
@@ -308,6 +317,12 @@ def _register_keras_hub() -> None:
     cls = getattr(hub_layers, "PositionEmbedding", None)
     if isinstance(cls, type) and cls not in REGISTRY.entries():  # a user's own entry wins
         register_layer(cls, _position_embedding_weights)
+    # DeBERTa-v3's table of relative positions (not exported; loaded with keras_hub): the embedding
+    # of the relative-position buckets, read whole and layer-normalized (the generic path).
+    relative = getattr(sys.modules.get("keras_hub.src.models.deberta_v3.relative_embedding"), "RelativeEmbedding",
+                       None)
+    if isinstance(relative, type) and relative not in REGISTRY.entries():
+        register_layer(relative, _relative_embedding_weights)
 
 
 def _register_builtins() -> None:
