@@ -408,6 +408,47 @@ def test_gpt2_token_logits_shift_ignore_index_and_tied_weights():
     assert unshifted.metadata["loss_terms"] == sum(len(t.split()) for t in TEXTS)
 
 
+def tiny_scaled_embedding_lm(family: str, seed: int = 0) -> torch.nn.Module:
+    """A causal LM whose token embedding is a Hugging Face ``*ScaledWordEmbedding`` (the lookup times
+    ``embed_scale``): Gemma (√hidden, a float32 buffer; the table tied to the head) or BART's decoder
+    with ``scale_embedding=True`` (a float; an untied head)."""
+    torch.manual_seed(seed)
+    if family == "gemma":
+        config = transformers.GemmaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=16,
+                                          num_hidden_layers=1, num_attention_heads=HEADS, num_key_value_heads=1,
+                                          head_dim=HIDDEN // HEADS, max_position_embeddings=8, bos_token_id=1,
+                                          eos_token_id=1, pad_token_id=0)
+        return transformers.GemmaForCausalLM(config).double()
+    config = transformers.BartConfig(vocab_size=VOCAB, d_model=HIDDEN, decoder_layers=1, decoder_attention_heads=HEADS,
+                                     decoder_ffn_dim=16, max_position_embeddings=8, scale_embedding=True,
+                                     bos_token_id=1, eos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    return transformers.BartForCausalLM(config).double()
+
+
+@pytest.mark.parametrize("family", ["gemma", "bart"])
+def test_scaled_word_embedding_takes_the_embedding_fast_rule(family):
+    """A scaled word embedding takes ``nn.Embedding``'s fast rule with the signals times its scale (its
+    own ``forward``, recognized as exactly the scaled lookup, had sent it, and Gemma's tied head with
+    it, to the generic path): the generic path's diagonal, and for BART per-sample Jacobians' (Gemma's
+    RMSNorm computes in float32 also in a float64 model: no brute force at 1e-10)."""
+    model = tiny_scaled_embedding_lm(family)
+    embedding = "model.embed_tokens" if family == "gemma" else "model.decoder.embed_tokens"
+    assert type(dict(model.named_modules())[embedding]).__name__.endswith("ScaledWordEmbedding")
+    report = analyze_quietly(model, lm_loader(), loss="ce", estimator="ggn")
+    details = report.layer(embedding).details
+    assert details["path"] == "fast", details
+    if family == "gemma":
+        assert details["shared_with"] == ["lm_head"]
+    got = normflat.hessian_diagonal(model, lm_loader(), loss="ce", estimator="ggn", progress=False)
+    generic = normflat.hessian_diagonal(model, lm_loader(), loss="ce", estimator="ggn", progress=False, fast=False)
+    assert_close(got, generic)
+    if family == "bart":
+        names = [embedding, "lm_head"]
+        want = canonical_reference(model, reference_ggn(model, lm_loader(), [param_of(model, n) for n in names],
+                                                        loss="ce", shift=True), names)
+        assert_close({k: got[k] for k in names}, want)
+
+
 def test_llama_style_model_is_covered_and_shifted():
     """Grouped-query attention, RMSNorm, gated MLP: every matrix analyzed, the norms excluded.
     (No brute-force comparison at 1e-10: Llama's RMSNorm computes in float32 also in a float64 model.)"""
@@ -514,3 +555,28 @@ def test_hooks_are_lazy_idempotent_and_restore_the_config():
             assert model.transformer.h[0].attn.config._attn_implementation == "sdpa"
             raise RuntimeError("inside")
     assert model.config._attn_implementation == "flex_attention"
+
+
+class _ExactScaledWordEmbedding(torch.nn.Embedding):
+    def __init__(self, *args, embed_scale=2.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.embed_scale = embed_scale
+
+    def forward(self, input_ids: torch.Tensor):
+        """The lookup times the scale."""
+        return super().forward(input_ids) * self.embed_scale
+
+
+class _SpecialRowScaledWordEmbedding(_ExactScaledWordEmbedding):
+    def forward(self, input_ids: torch.Tensor):
+        out = super().forward(input_ids) * self.embed_scale
+        out[input_ids == 0] = 0.0  # a special token's rows overwritten: not the scaled lookup
+        return out
+
+
+def test_scaled_word_embedding_is_recognized_by_its_whole_forward():
+    """Only a forward that is exactly the scaled lookup takes the scaled rule; one that also overwrites
+    rows (as one Hugging Face class does for a special token) is not recognized."""
+    assert hf._scaled_word_embedding(_ExactScaledWordEmbedding)
+    assert not hf._scaled_word_embedding(_SpecialRowScaledWordEmbedding)
+    assert not hf._scaled_word_embedding(torch.nn.Embedding)  # no forward of its own

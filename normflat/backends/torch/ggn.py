@@ -467,12 +467,39 @@ def _embedding_gradients(module: nn.Module, ids: torch.Tensor, d: torch.Tensor) 
     return d.new_zeros(n * vocab, dim).index_add_(0, rows, signal).reshape(n, vocab, dim)
 
 
+def _embed_scale(module: nn.Module, like: torch.Tensor) -> torch.Tensor:
+    """The factor a scaled word embedding multiplies its rows by, as its forward applies it (a
+    float, or a 0-d buffer cast to the weight's dtype, then to the signals')."""
+    scale = module.embed_scale
+    if isinstance(scale, torch.Tensor):
+        return scale.to(module.weight.dtype).to(like.dtype)
+    return torch.tensor(float(scale), dtype=like.dtype, device=like.device)
+
+
+@_builtin
+def scaled_embedding_squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas, out: torch.Tensor | None = None
+                             ) -> torch.Tensor:
+    """Fast GGN rule of a scaled word embedding (Hugging Face's ``*ScaledWordEmbedding``: Gemma,
+    BART, Pegasus-X, ...; ``embedding(ids) · embed_scale``): ``nn.Embedding``'s rule on the
+    signals times the scale."""
+    like = next((p for p in deltas.parts if p is not None), None)
+    if like is not None:
+        scale = _embed_scale(module, like)
+        deltas.parts[:] = [None if p is None else p * scale for p in deltas.parts]
+    return embedding_squares(module, ids, deltas, out)
+
+
+def _scaled_embedding_gradients(module: nn.Module, ids: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    return _embedding_gradients(module, ids, d * _embed_scale(module, d))
+
+
 #: Per-sample weight gradients ``(module, layer input, one signal at its output) -> (n, *weight
 #: shape)`` of the layers whose fast rule is the key: a weight used by several such modules (an
 #: output layer tied to the token embedding) sums its uses' gradients before squaring.
 PER_SAMPLE_GRADIENTS: dict[Any, Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]] = {
     linear_squares: _linear_gradients,
     embedding_squares: _embedding_gradients,
+    scaled_embedding_squares: _scaled_embedding_gradients,
 }
 
 

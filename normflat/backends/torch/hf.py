@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import threading
 from typing import Any, Iterator
@@ -44,14 +45,51 @@ def _conv1d_canonical(module: nn.Module, t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1)
 
 
-def _register_transformers() -> None:
-    from normflat.backends.torch.ggn import transposed_linear_squares
-    from normflat.backends.torch.layers import register_layer, registered_layers
+#: The whole body of a Hugging Face scaled word embedding's ``forward`` (Gemma, BART, Pegasus-X,
+#: M2M-100, ...): the lookup times ``embed_scale``. A class whose forward does anything else (one
+#: also overwrites the rows of a special token) keeps the generic path.
+_SCALED_EMBEDDING_BODIES = (
+    "return super().forward(input_ids) * self.embed_scale",
+    "return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)",
+)
 
+
+def _scaled_word_embedding(cls: Any) -> bool:
+    """Whether ``cls`` is an ``nn.Embedding`` whose forward is exactly a body of
+    :data:`_SCALED_EMBEDDING_BODIES` (read from its source; none readable: no)."""
+    if not (isinstance(cls, type) and issubclass(cls, nn.Embedding) and "forward" in vars(cls)):
+        return False
+    try:
+        lines = inspect.getsource(cls.forward).splitlines()
+    except (OSError, TypeError):
+        return False
+    body = [line.strip() for line in lines[1:] if line.strip() and not line.strip().startswith("#")]
+    if body and body[0].startswith(('"""', "'''")):  # a docstring, on one or several lines
+        quote = body[0][:3]
+        end = next((i for i, line in enumerate(body) if (line.endswith(quote) and (i or len(line) > 3))), None)
+        body = [] if end is None else body[end + 1:]
+    return lines[0].strip().startswith("def forward(self, input_ids") and len(body) == 1 and \
+        body[0] in _SCALED_EMBEDDING_BODIES
+
+
+def _register_transformers() -> None:
+    from normflat.backends.torch.ggn import scaled_embedding_squares, transposed_linear_squares
+    from normflat.backends.torch.layers import check_embedding, register_layer, registered_layers
+
+    known = registered_layers()
     conv1d = _loaded_class("transformers.pytorch_utils", "Conv1D")
-    if conv1d is not None and conv1d not in registered_layers():  # a user's own entry wins
+    if conv1d is not None and conv1d not in known:  # a user's own entry wins
         # y = x W + b on the last axis (any leading axes): nn.Linear's rule on the transposed layout.
         register_layer(conv1d, kind="dense", to_canonical=_conv1d_canonical, ggn_squares=transposed_linear_squares)
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformers.models.") or module is None:
+            continue
+        for attr, cls in list(vars(module).items()):
+            if attr.endswith("ScaledWordEmbedding") and cls not in known and getattr(cls, "__module__", None) == name \
+                    and _scaled_word_embedding(cls):
+                # nn.Embedding's rule with the signals times embed_scale; tied to the head too.
+                register_layer(cls, kind="embedding", to_canonical=_conv1d_canonical,
+                               ggn_squares=scaled_embedding_squares, check=check_embedding)
 
 
 # ============================================================================ timm

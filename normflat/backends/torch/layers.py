@@ -209,7 +209,8 @@ def _recurrent_weights(module: nn.Module) -> list[ModuleWeight]:
     return out
 
 
-def _check_embedding(module: nn.Module) -> str | None:
+def check_embedding(module: nn.Module) -> str | None:
+    """Why an ``nn.Embedding`` (or a subclass registered as one) cannot be analyzed as it is, or ``None``."""
     if module.max_norm is not None:
         return ("max_norm is set: torch renormalizes the table rows in place during every forward, "
                 "which would change the model's weights; normflat never changes the model. Analyze a "
@@ -237,9 +238,9 @@ def _register_builtins() -> None:
                    generic_reason="nn.MultiheadAttention applies its weights functionally")
     # A lookup of row v is E^T times the one-hot vector of v: canonical (features, vocabulary).
     register_layer(nn.Embedding, kind="embedding", to_canonical=_transposed, ggn_squares=embedding_squares,
-                   check=_check_embedding)
+                   check=check_embedding)
     register_layer(nn.EmbeddingBag, kind="embedding_bag", to_canonical=_transposed,
-                   ggn_squares=embedding_bag_squares, check=_check_embedding)
+                   ggn_squares=embedding_bag_squares, check=check_embedding)
     for cls, kind in ((nn.LSTM, "lstm"), (nn.GRU, "gru"), (nn.RNN, "rnn")):
         register_layer(cls, kind=kind, weights=_recurrent_weights,
                        generic_reason="recurrent layers take the generic path")
