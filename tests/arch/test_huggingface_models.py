@@ -580,3 +580,41 @@ def test_scaled_word_embedding_is_recognized_by_its_whole_forward():
     assert hf._scaled_word_embedding(_ExactScaledWordEmbedding)
     assert not hf._scaled_word_embedding(_SpecialRowScaledWordEmbedding)
     assert not hf._scaled_word_embedding(torch.nn.Embedding)  # no forward of its own
+
+
+def test_falcon_linear_takes_the_linear_fast_rule():
+    """Falcon's ``FalconLinear`` writes ``nn.Linear``'s map out in its own forward (recognized from its
+    source): ``nn.Linear``'s fast rule, the generic path's diagonal."""
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1,
+                                       num_attention_heads=HEADS, bos_token_id=1, eos_token_id=1, pad_token_id=0)
+    model = transformers.FalconForCausalLM(config).double()
+    report = analyze_quietly(model, lm_loader(), loss="ce", estimator="ggn")
+    assert all(layer.details["path"] == "fast" for layer in report.layers), [
+        (layer.name, layer.details) for layer in report.layers if layer.details["path"] != "fast"]
+    got = normflat.hessian_diagonal(model, lm_loader(), loss="ce", estimator="ggn", progress=False)
+    assert_close(got, normflat.hessian_diagonal(model, lm_loader(), loss="ce", estimator="ggn", progress=False,
+                                                fast=False))
+
+
+def test_encoder_decoder_batch_of_input_ids_and_labels():
+    """A T5 batch of ``input_ids`` and ``labels`` only (as a seq2seq data collator without the model
+    makes it): the decoder gets the labels shifted right, as the model's own forward makes them when
+    given ``labels`` (the batch failed inside T5's decoder before), and the report equals that of the
+    batch with those ``decoder_input_ids`` given; the counted terms are the non-padding labels."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=16, num_layers=1,
+                                   num_heads=HEADS, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    model = transformers.T5ForConditionalGeneration(config).double()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, VOCAB, (3, 6), generator=g)
+    labels = torch.randint(2, VOCAB, (3, 4), generator=g)
+    labels[0, 3] = -100  # padding: not counted
+    implicit = normflat.analyze(model, {"input_ids": ids, "labels": labels}, loss="ce", estimator="ggn",
+                                progress=False)
+    decoder = model.prepare_decoder_input_ids_from_labels(labels=labels)
+    assert decoder[0, 0] == 0 and torch.equal(decoder[:, 1:], labels[:, :-1].clamp_min(0))
+    explicit = normflat.analyze(model, {"input_ids": ids, "decoder_input_ids": decoder, "labels": labels}, loss="ce",
+                                estimator="ggn", progress=False)
+    assert implicit.metadata["loss_terms"] == explicit.metadata["loss_terms"] == 11
+    assert [layer.hessian_trace for layer in implicit.layers] == [layer.hessian_trace for layer in explicit.layers]

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-__all__ = ["register_known_layers", "packed_blocks", "is_causal_lm", "analysis_mode"]
+__all__ = ["register_known_layers", "packed_blocks", "is_causal_lm", "analysis_mode", "with_decoder_inputs"]
 
 _REGISTER_LOCK = threading.Lock()
 
@@ -49,31 +49,42 @@ def _conv1d_canonical(module: nn.Module, t: torch.Tensor) -> torch.Tensor:
 #: M2M-100, ...): the lookup times ``embed_scale``. A class whose forward does anything else (one
 #: also overwrites the rows of a special token) keeps the generic path.
 _SCALED_EMBEDDING_BODIES = (
-    "return super().forward(input_ids) * self.embed_scale",
-    "return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)",
+    ("return super().forward(input_ids) * self.embed_scale",),
+    ("return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)",),
 )
+
+#: The whole body of Falcon's ``FalconLinear.forward``: ``nn.Linear``'s map written out.
+_LINEAR_BODIES = (
+    ("hidden_states = input @ self.weight.T", "if self.bias is None:", "return hidden_states",
+     "return hidden_states + self.bias"),
+)
+
+
+def _forward_body(cls: Any) -> tuple[str, ...] | None:
+    """The statements of ``cls.forward`` (stripped lines, without its docstring and comments), or
+    ``None`` when the class has no forward of its own or its source cannot be read."""
+    if not (isinstance(cls, type) and "forward" in vars(cls)):
+        return None
+    try:
+        lines = inspect.getsource(cls.forward).splitlines()
+    except (OSError, TypeError):
+        return None
+    body = [line.strip() for line in lines[1:] if line.strip() and not line.strip().startswith("#")]
+    if body and body[0].startswith(('"""', "'''")):  # a docstring, on one or several lines
+        quote = body[0][:3]
+        end = next((i for i, line in enumerate(body) if line.endswith(quote) and (i or len(line) > 3)), None)
+        body = [] if end is None else body[end + 1:]
+    return tuple(body)
 
 
 def _scaled_word_embedding(cls: Any) -> bool:
     """Whether ``cls`` is an ``nn.Embedding`` whose forward is exactly a body of
     :data:`_SCALED_EMBEDDING_BODIES` (read from its source; none readable: no)."""
-    if not (isinstance(cls, type) and issubclass(cls, nn.Embedding) and "forward" in vars(cls)):
-        return False
-    try:
-        lines = inspect.getsource(cls.forward).splitlines()
-    except (OSError, TypeError):
-        return False
-    body = [line.strip() for line in lines[1:] if line.strip() and not line.strip().startswith("#")]
-    if body and body[0].startswith(('"""', "'''")):  # a docstring, on one or several lines
-        quote = body[0][:3]
-        end = next((i for i, line in enumerate(body) if (line.endswith(quote) and (i or len(line) > 3))), None)
-        body = [] if end is None else body[end + 1:]
-    return lines[0].strip().startswith("def forward(self, input_ids") and len(body) == 1 and \
-        body[0] in _SCALED_EMBEDDING_BODIES
+    return isinstance(cls, type) and issubclass(cls, nn.Embedding) and _forward_body(cls) in _SCALED_EMBEDDING_BODIES
 
 
 def _register_transformers() -> None:
-    from normflat.backends.torch.ggn import scaled_embedding_squares, transposed_linear_squares
+    from normflat.backends.torch.ggn import linear_squares, scaled_embedding_squares, transposed_linear_squares
     from normflat.backends.torch.layers import check_embedding, register_layer, registered_layers
 
     known = registered_layers()
@@ -81,6 +92,10 @@ def _register_transformers() -> None:
     if conv1d is not None and conv1d not in known:  # a user's own entry wins
         # y = x W + b on the last axis (any leading axes): nn.Linear's rule on the transposed layout.
         register_layer(conv1d, kind="dense", to_canonical=_conv1d_canonical, ggn_squares=transposed_linear_squares)
+    falcon = _loaded_class("transformers.models.falcon.modeling_falcon", "FalconLinear")
+    if falcon is not None and falcon not in known and issubclass(falcon, nn.Linear) \
+            and _forward_body(falcon) in _LINEAR_BODIES:
+        register_layer(falcon, kind="dense", ggn_squares=linear_squares)  # F.linear written out
     for name, module in list(sys.modules.items()):
         if not name.startswith("transformers.models.") or module is None:
             continue
@@ -276,6 +291,28 @@ def is_causal_lm(model: Any) -> bool:
     if base is None or not isinstance(model, base):
         return False
     return _causal_lm_class(type(model))
+
+
+def with_decoder_inputs(model: Any, kwargs: dict, labels: Any, device: torch.device) -> dict:
+    """The keyword inputs of a Hugging Face encoder-decoder (T5, BART, Marian, ...) with the decoder's
+    inputs made from the labels, as the model's own forward does when it is given ``labels``.
+
+    normflat takes the labels out of a mapping batch (they are the targets, not an input), so a
+    batch of ``input_ids`` and ``labels`` alone would leave the decoder without inputs. Unless the
+    batch has ``decoder_input_ids`` or ``decoder_inputs_embeds`` of its own, they are the labels
+    shifted right (``prepare_decoder_input_ids_from_labels``: the start token first, ``-100`` as
+    the padding token), and the logits at ``t`` are scored against ``labels[:, t]``, unshifted.
+    Anything else: ``kwargs`` as they are.
+    """
+    model = _hf_model(model)
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if (labels is None or prepare is None or not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+            or "decoder_input_ids" in kwargs or "decoder_inputs_embeds" in kwargs):
+        return kwargs
+    ids = torch.as_tensor(labels, device=device)
+    if ids.dtype.is_floating_point or ids.dim() != 2:
+        return kwargs  # not token labels: the model's own error, on the labels it was given
+    return {**kwargs, "decoder_input_ids": prepare(labels=ids.long())}
 
 
 # ============================================================================ analysis mode

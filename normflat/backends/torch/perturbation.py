@@ -295,6 +295,8 @@ class TorchPerturbationModel:
         source, _ = batches(self.data, ADAPTER, self.options)
         for batch in source:
             xs = inputs_to_model(batch.x, batch.index, self.device, self.dtype, batch.n, batch.keywords)
+            if batch.keywords:
+                xs.kwargs = hf.with_decoder_inputs(self.model, xs.kwargs, batch.y, self.device)
             if not self._inputs_checked:
                 # Inputs on an accelerator: the adapter leaves their check to the caller. Once, on
                 # the first pass over the data (the measures make several).

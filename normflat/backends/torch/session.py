@@ -217,6 +217,8 @@ class TorchSession:
         # (both are thread-local switches).
         with torch.inference_mode(False), torch.enable_grad(), self._analysis_mode():
             xs = inputs_to_model(batch.x, batch.index, self.device, self.dtype, batch.n, batch.keywords)
+            if batch.keywords:
+                xs.kwargs = hf.with_decoder_inputs(self.model, xs.kwargs, batch.y, self.device)
             inputs_ok = deferred_inputs_finite(batch.x)
             if inputs_ok is not None:
                 self._pending.append((batch.index, "inputs", inputs_ok, None))
