@@ -40,8 +40,9 @@ _REGISTER_LOCK = threading.Lock()
 # ============================================================================ Hugging Face Conv1D
 
 
-def _conv1d_canonical(module: nn.Module, t: torch.Tensor) -> torch.Tensor:
-    # Conv1D stores (in, out) and computes x @ W: canonical (out, in) is the transpose (method §3).
+def _transposed(module: nn.Module, t: torch.Tensor) -> torch.Tensor:
+    # Conv1D stores (in, out) and computes x @ W: canonical (out, in) is the transpose; a table
+    # (vocabulary, features) is the embedding's (features, vocabulary) transposed (method §3).
     return t.transpose(0, 1)
 
 
@@ -91,7 +92,7 @@ def _register_transformers() -> None:
     conv1d = _loaded_class("transformers.pytorch_utils", "Conv1D")
     if conv1d is not None and conv1d not in known:  # a user's own entry wins
         # y = x W + b on the last axis (any leading axes): nn.Linear's rule on the transposed layout.
-        register_layer(conv1d, kind="dense", to_canonical=_conv1d_canonical, ggn_squares=transposed_linear_squares)
+        register_layer(conv1d, kind="dense", to_canonical=_transposed, ggn_squares=transposed_linear_squares)
     falcon = _loaded_class("transformers.models.falcon.modeling_falcon", "FalconLinear")
     if falcon is not None and falcon not in known and issubclass(falcon, nn.Linear) \
             and _forward_body(falcon) in _LINEAR_BODIES:
@@ -103,7 +104,7 @@ def _register_transformers() -> None:
             if attr.endswith("ScaledWordEmbedding") and cls not in known and getattr(cls, "__module__", None) == name \
                     and _scaled_word_embedding(cls):
                 # nn.Embedding's rule with the signals times embed_scale; tied to the head too.
-                register_layer(cls, kind="embedding", to_canonical=_conv1d_canonical,
+                register_layer(cls, kind="embedding", to_canonical=_transposed,
                                ggn_squares=scaled_embedding_squares, check=check_embedding)
 
 
