@@ -1,0 +1,189 @@
+"""Model zoo: which weights of real architectures normflat analyzes, and on which path.
+
+Builds each architecture from a small config with random weights (no downloads): timm vision
+models at 64×64 (their own size where they need it), Hugging Face transformers from tiny configs.
+For each, ``normflat.analyze`` with the defaults on two batches (of 2 and 3 samples), then prints
+the analyzed fraction of the weight matrices (``coverage``), the layer classes skipped for want of
+an extractor (with a warning), the layers on the fast and the generic path with the generic paths'
+reasons, and, with ``--check``, the largest difference between the
+fast and the generic path's GGN diagonal with chunks of one sample (relative to the largest entry;
+float32, so about 1e-6 is agreement). Models whose random-init logits are (nearly) equal across
+classes are analyzed with ``loss="ce"`` (``nsce`` refuses them, as it should).
+
+Run::
+
+    python -m benchmarks.zoo [--family timm hf] [--check] [--threads 1]
+
+A table, not a timing: the seconds are one analysis on two small batches, for orientation only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+import warnings
+from typing import Any, Callable
+
+__all__ = ["TIMM", "hf_models", "survey", "main"]
+
+#: timm architectures (``timm.create_model`` names): CNNs, ViTs, windowed and hybrid attention.
+TIMM = (
+    "resnet50", "efficientnet_b0", "mobilenetv3_small_100", "regnety_002", "densenet121", "convnext_nano",
+    "vit_small_patch16_224", "deit_tiny_patch16_224", "swin_tiny_patch4_window7_224", "beit_base_patch16_224",
+    "mixer_b16_224", "resmlp_12_224", "poolformer_s12", "levit_128s", "efficientformer_l1", "mobilevit_xxs",
+    "coatnet_nano_rw_224", "maxvit_nano_rw_256", "cait_xxs24_224", "xcit_nano_12_p16_224", "ghostnet_100", "dla34",
+    "inception_v3", "pvt_v2_b0", "twins_svt_small", "focalnet_tiny_srf", "nest_tiny", "gcvit_xxtiny",
+    "edgenext_xx_small", "davit_tiny", "fastvit_t8", "repvit_m1", "tiny_vit_5m_224", "hgnet_tiny",
+    "lambda_resnet26t", "botnet26t_256", "volo_d1_224", "coat_lite_tiny", "pit_ti_224", "tnt_s_patch16_224",
+    "visformer_tiny", "swinv2_cr_tiny_224", "eva02_tiny_patch14_224",
+)
+
+
+def _timm(name: str) -> tuple[Any, Callable[[int], Any]]:
+    import timm
+    import torch
+
+    kwargs = dict(pretrained=False, num_classes=5)
+    try:
+        model = timm.create_model(name, img_size=64, **kwargs)
+        size = 64
+    except TypeError:  # no img_size argument: its own input size
+        model = timm.create_model(name, **kwargs)
+        size = model.pretrained_cfg.get("input_size", (3, 224, 224))[-1]
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, 3, size, size))
+    except Exception:  # noqa: BLE001 - a model built for 64 that needs its own size
+        size = model.pretrained_cfg.get("input_size", (3, 224, 224))[-1]
+    g = torch.Generator().manual_seed(0)
+    return model, lambda n: (torch.randn(n, 3, size, size, generator=g), torch.randint(0, 5, (n,), generator=g))
+
+
+def hf_models() -> dict[str, Callable[[], tuple[Any, Callable[[int], Any]]]]:
+    """Hugging Face architectures from tiny configs: ``name -> () -> (model, n -> batch)``."""
+    import torch
+    import transformers as T
+
+    g = torch.Generator().manual_seed(0)
+    small = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, vocab_size=101,
+                 max_position_embeddings=32)
+
+    def ids(n: int) -> Any:
+        return torch.randint(1, 100, (n, 8), generator=g)
+
+    def classify(n: int) -> dict:
+        return {"input_ids": ids(n), "labels": torch.randint(0, 3, (n,), generator=g)}
+
+    def causal(n: int) -> dict:
+        x = ids(n)
+        return {"input_ids": x, "labels": x.clone()}
+
+    def images(n: int) -> dict:
+        return {"pixel_values": torch.randn(n, 3, 32, 32, generator=g), "labels": torch.randint(0, 3, (n,), generator=g)}
+
+    vit = dict(image_size=32, patch_size=8, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+               intermediate_size=32, num_labels=3)
+    return {
+        "bert": lambda: (T.BertForSequenceClassification(T.BertConfig(**small, num_labels=3)), classify),
+        "roberta": lambda: (T.RobertaForSequenceClassification(T.RobertaConfig(**small, num_labels=3, pad_token_id=0)),
+                            classify),
+        "albert": lambda: (T.AlbertForSequenceClassification(T.AlbertConfig(**small, embedding_size=8, num_labels=3)),
+                           classify),
+        "deberta-v2": lambda: (T.DebertaV2ForSequenceClassification(T.DebertaV2Config(**small, num_labels=3)),
+                               classify),
+        "gpt2": lambda: (T.GPT2LMHeadModel(T.GPT2Config(vocab_size=101, n_positions=32, n_embd=16, n_layer=2,
+                                                        n_head=2)), causal),
+        "llama": lambda: (T.LlamaForCausalLM(T.LlamaConfig(**small, num_key_value_heads=1)), causal),
+        "qwen2": lambda: (T.Qwen2ForCausalLM(T.Qwen2Config(**small, num_key_value_heads=1)), causal),
+        "gemma": lambda: (T.GemmaForCausalLM(T.GemmaConfig(**small, head_dim=8, num_key_value_heads=1)), causal),
+        "phi": lambda: (T.PhiForCausalLM(T.PhiConfig(**small)), causal),
+        "falcon": lambda: (T.FalconForCausalLM(T.FalconConfig(**small)), causal),
+        "opt": lambda: (T.OPTForCausalLM(T.OPTConfig(vocab_size=101, hidden_size=16, num_hidden_layers=2,
+                                                     num_attention_heads=2, ffn_dim=32, max_position_embeddings=32,
+                                                     word_embed_proj_dim=16)), causal),
+        "mbart": lambda: (T.MBartForCausalLM(T.MBartConfig(vocab_size=101, d_model=16, decoder_layers=1,
+                                                           decoder_attention_heads=2, decoder_ffn_dim=32,
+                                                           max_position_embeddings=32, scale_embedding=True)), causal),
+        "t5": lambda: (T.T5ForConditionalGeneration(T.T5Config(vocab_size=101, d_model=16, d_kv=8, d_ff=32,
+                                                               num_layers=1, num_heads=2, decoder_start_token_id=0)),
+                       lambda n: {"input_ids": ids(n), "labels": torch.randint(1, 100, (n, 5), generator=g)}),
+        "mixtral": lambda: (T.MixtralForCausalLM(T.MixtralConfig(**small, num_key_value_heads=1, num_local_experts=4,
+                                                                 num_experts_per_tok=2)), causal),
+        "vit": lambda: (T.ViTForImageClassification(T.ViTConfig(**vit)), images),
+        "swin": lambda: (T.SwinForImageClassification(T.SwinConfig(image_size=32, patch_size=2, embed_dim=8,
+                                                                   depths=[1, 1], num_heads=[1, 1], window_size=4,
+                                                                   num_labels=3)), images),
+        "resnet": lambda: (T.ResNetForImageClassification(T.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16],
+                                                                         depths=[1, 1], num_labels=3)), images),
+        "segformer": lambda: (T.SegformerForImageClassification(T.SegformerConfig(
+            num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16], num_attention_heads=[1, 2],
+            patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2], decoder_hidden_size=16, num_labels=3)), images),
+    }
+
+
+def survey(name: str, build: Callable[[], tuple[Any, Callable[[int], Any]]], check: bool) -> str:
+    """One table row for the model ``build()`` makes (its errors, too: the row says what failed)."""
+    import normflat
+
+    start = time.perf_counter()
+    try:
+        model, batch = build()
+        data = [batch(2), batch(3)]
+        loss = "nsce"
+        try:
+            report = normflat.analyze(model, data, progress=False)
+        except ValueError as err:
+            if "nearly) equal across classes" not in str(err):
+                raise
+            loss = "ce"
+            report = normflat.analyze(model, data, progress=False, loss=loss)
+        seconds = time.perf_counter() - start
+        generic = [layer.details.get("generic_reason") for layer in report.layers if layer.details["path"] == "generic"]
+        reasons = "; ".join(sorted({str(r)[:120] for r in generic}))
+        skipped = sorted({m.group(1) for m in (re.search(r"\((\w+) has", str(u)) for u in report.metadata["unsupported"])
+                          if m})
+        agreement = "—"
+        if check:
+            fast = normflat.hessian_diagonal(model, data, progress=False, loss="ce", estimator="ggn", chunk_size=1)
+            slow = normflat.hessian_diagonal(model, data, progress=False, loss="ce", estimator="ggn", chunk_size=1,
+                                             fast=False)
+            top = max(float(v.abs().max()) for v in slow.values())
+            agreement = f"{max(float((fast[k] - slow[k]).abs().max()) for k in fast) / max(top, 1e-300):.0e}"
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        return (f"| {name} | {params:.2f}M | {loss} | {len(report.layers)} | {report.metadata['coverage']:.2f} | "
+                f"{', '.join(skipped) or '—'} | {len(report.layers) - len(generic)} | {len(generic)} | "
+                f"{reasons or '—'} | {agreement} | {seconds:.1f} |")
+    except Exception as err:  # noqa: BLE001 - the row reports the failure
+        return f"| {name} | — | — | — | — | — | — | — | failed: {type(err).__name__}: {str(err)[:120]} | — | — |"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", nargs="*", default=["timm", "hf"], choices=["timm", "hf"])
+    parser.add_argument("--check", action="store_true", help="fast against generic path with chunks of one sample")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    print("| model | parameters | loss | layers | coverage | skipped (no extractor) | fast | generic | generic reasons | "
+          "fast vs generic | seconds |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    if "timm" in args.family:
+        for name in TIMM:
+            torch.manual_seed(0)
+            print(survey(name, lambda name=name: _timm(name), args.check), flush=True)
+    if "hf" in args.family:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        for name, build in hf_models().items():
+            torch.manual_seed(0)
+            print(survey(f"HF {name}", build, args.check), flush=True)
+
+
+if __name__ == "__main__":
+    main()
