@@ -155,9 +155,8 @@ class TorchSession:
         self.signal_step: int | None = None
         self.checked = False
         self._broadcast: list[TorchLayer] = []  # the layers the capture may expand (_forward)
-        # The layers whose substitution (_forward) passed its first checks, and its per-sample one.
+        # The layers whose substitution (_forward) passed its first checks (_substitution_checks).
         self._seen: set[int] = set()
-        self._probed: set[int] = set()
         # Dense layers whose output holds a block of rows per sample (a batch folded into the
         # leading axis, e.g. attention windows): id -> the rows per sample, checked once on a
         # chunk of two samples or more (_rows_per_sample); and this chunk's rows per sample.
@@ -530,20 +529,17 @@ class TorchSession:
 
         The first time a layer is substituted: no use of a table left outside its view (the
         graph reaches the parameter itself), and the model's logits unchanged (one plain
-        forward without gradients). On its first chunk of two rows or more: a signal at the
-        last sample's logits reaches only that sample's row of the view (a model indexing the
-        leading axis, ``P[0]``, would mix the samples).
+        forward without gradients). That a signal at the last sample's logits reaches only that
+        sample's row of the view (a model indexing the leading axis, ``P[0]``, would mix the
+        samples) is :meth:`_rows_per_sample`'s check of every fast layer.
 
         Returns:
             Whether the logits changed: the caller runs the forward again without the refused
             substitutions.
         """
-        assert self.capture is not None
-        cap = self.capture
-        new = [layer for layer in self._substituted() if id(layer) not in self._probed]
-        if not new:
+        unseen = [layer for layer in self._substituted() if id(layer) not in self._seen]
+        if not unseen:
             return False
-        unseen = [layer for layer in new if id(layer) not in self._seen]
         self._seen.update(id(layer) for layer in unseen)
         tables = [layer for layer in unseen if layer.table]
         if tables:
@@ -557,19 +553,6 @@ class TorchSession:
                 layer.disable_fast(f"the model computes other logits with {_expanded_what(layer)} expanded "
                                    "over the batch")
             return True
-        new = [layer for layer in new if layer.fast]
-        if not new or logits.shape[0] < 2:
-            return False
-        self._probed.update(id(layer) for layer in new)
-        probe = torch.zeros_like(logits)
-        last = probe[-1]
-        last.copy_(torch.linspace(1.0, 2.0, last.numel(), dtype=probe.dtype, device=probe.device).reshape(last.shape))
-        grads = torch.autograd.grad(logits, [cap.outputs[id(layer)] for layer in new], grad_outputs=probe,
-                                    retain_graph=True, allow_unused=True)
-        for layer, g in zip(new, grads):
-            if g is not None and bool(g[:-1].abs().amax() > 0):
-                layer.disable_fast(f"{_expanded_what(layer)} is not added to each sample's own activations "
-                                   "(one sample's signal reaches the other samples' rows)")
         return False
 
     def _substituted(self) -> list[TorchLayer]:
@@ -935,15 +918,15 @@ class TorchSession:
         Swin's or MaxViT's attention windows, each sample's ``f`` windows one after the other):
         its per-sample gradient sums the sample's block of rows (:meth:`_fast_squares`). A chunk
         of one sample owns every row. Anything else (an output broadcast over the batch, a
-        folded convolution, a factor that changes) takes the generic path, which is exact.
+        folded convolution, a factor that changes) takes the generic path, which is exact. A
+        substituted layer (:meth:`_forward`: a position table's view, a one-row output expanded)
+        has one row per sample by construction; the check finds a forward that mixes them.
         """
         assert self.capture is not None
         cap = self.capture
         self._chunk_folds = {}
         unchecked: list[tuple[TorchLayer, int]] = []
         for layer in fast:
-            if layer.table:
-                continue  # a position table's view: _substitution_checks
             sizes = {int(cap.outputs[id(use)].shape[0]) if cap.outputs[id(use)].dim() else -1 for use in layer.uses}
             size = sizes.pop() if len(sizes) == 1 else -1
             dense = (not layer.tied and layer.ext.ggn_squares in ggn_kernels.FOLDABLE and size > 0
@@ -978,10 +961,13 @@ class TorchSession:
         for layer, fold in unchecked:
             mixed = [g is not None and bool(g[:-fold].abs().amax() > 0) for g in [next(grads) for _ in layer.uses]]
             if any(mixed):
-                layer.disable_fast("its output's leading axis is not the batch (one sample's signal reaches other "
-                                   "samples' rows)" if fold == 1 else
-                                   f"its output's leading axis has {fold} rows per sample, but not one block of rows "
-                                   "per sample (one sample's signal reaches other samples' rows)")
+                if layer.table or id(layer) in cap.expanded:
+                    why = f"{_expanded_what(layer)} is not added to each sample's own activations"
+                elif fold == 1:
+                    why = "its output's leading axis is not the batch"
+                else:
+                    why = f"its output's leading axis has {fold} rows per sample, but not one block of rows per sample"
+                layer.disable_fast(f"{why} (one sample's signal reaches the other samples' rows)")
                 continue
             self._folds[id(layer)] = fold
             if fold > 1:
