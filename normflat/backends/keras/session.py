@@ -643,52 +643,44 @@ class KerasSession:
                            "the model computes other logits with the position table expanded over the batch")
                     refuse([e for e in substituted if e.fast == "embedding"],
                            "the model computes other logits with its one row of ids looked up per sample")
-            probe = np.zeros(tuple(expanded.shape), np.float64)
-            probe[-1] = np.linspace(1.0, 2.0, probe[-1].size).reshape(probe[-1].shape)
-            probe = tf.constant(probe, expanded.dtype)
-            self._check_rows(tape, expanded, probe, [e for e in checked if e.fast])
-            tables = [e for e in checked if e.fast in ("table", "position")]
-            if not tables:
-                return
-            records = [taps.records.get(e.name, [[None, None]])[0] for e in tables]
-            views = [r[1] for r in records]
-            grads = tape.gradient(expanded, views, output_gradients=probe) if tables else []
+            self._check_rows(tape, expanded, [e for e in checked if e.fast])
             del tape
-            for e, record, view, g in zip(tables, records, views, grads):
-                if view is None or int(view.shape[0]) != 2:
-                    refuse([e], "its output is not one row per sample")
-                    continue
-                if g is not None and float(tf.reduce_max(tf.abs(tf.convert_to_tensor(g)[:-1]))) > 0:
-                    refuse([e], "the position table is not added to each sample's own activations (one sample's "
-                                "signal reaches the other samples' rows)")
-                    continue
+            for e in [e for e in checked if e.fast in ("table", "position")]:
+                record = taps.records[e.name][0]
                 if e.fast == "position" and not _whole_rows(e, *record):
                     refuse([e], "its output is not whole rows of its table, one per position")
                     continue
+                view = record[1]
                 e.input_rank, e.pre_size = len(view.shape), _per_sample_elements(view)
                 e.in_size = 0 if e.fast == "table" else _per_sample_elements(record[0])  # rows: like the output
         finally:
             taps.checking = False
             taps.records.clear()
 
-    def _check_rows(self, tape: Any, expanded: Any, probe: Any, entries: list[Entry]) -> None:
+    def _check_rows(self, tape: Any, expanded: Any, entries: list[Entry]) -> None:
         """Which rows of each fast layer's tapped tensors belong to which of the two checked samples.
 
         The fast rules take the leading axis for the samples: a signal at the last sample's
-        logits (``probe``) must reach only the last row of each layer's tapped output (which
+        logits ``expanded`` (recorded on ``tape``) must reach only the last row of each layer's tapped output (which
         catches a layer on a batch-independent table that happens to have two rows). A ``Dense``
         or ``EinsumDense`` may see the batch folded into that axis instead (``(n·f, ...)``:
         attention windows, each sample's ``f`` windows one after the other): its per-sample
         gradient sums the sample's block of rows (:attr:`Entry.fold`), accepted when the signal
         reaches only the last block. A lookup of one row of ids looked up per sample
-        (:attr:`~normflat.backends.keras.ggn.Taps.broadcast`) is checked the same way. Any other
-        leading axis takes the generic path, which is exact.
+        (:attr:`~normflat.backends.keras.ggn.Taps.broadcast`) and a position table's output (a loose
+        table's view, a ``PositionEmbedding``'s rows) are checked the same way, one row per sample.
+        Any other leading axis takes the generic path, which is exact.
         """
         checks = []
         for e in entries:
-            if e.fast in ("table", "position"):
-                continue  # their own checks (one view row per sample)
             records = self.taps.records.get(e.name, [])
+            if e.fast in ("table", "position"):
+                view = records[0][1] if records else None
+                if view is None or int(view.shape[0]) != 2:
+                    e.fast, e.reason = None, "its output is not one row per sample"
+                else:
+                    checks.append((e, 1, [view]))
+                continue
             sizes = {int(t.shape[0]) if t is not None and len(t.shape) else -1 for r in records for t in r[:2]}
             e.fold = 1
             size = sizes.pop() if len(sizes) == 1 else -1
@@ -700,17 +692,22 @@ class KerasSession:
             checks.append((e, size // 2, [r[1] for r in records]))
         if not checks:
             return
+        probe = np.zeros(tuple(expanded.shape), np.float64)
+        probe[-1] = np.linspace(1.0, 2.0, probe[-1].size).reshape(probe[-1].shape)
+        probe = tf.constant(probe, expanded.dtype)
         grads = iter(tape.gradient(expanded, [out for _, _, outs in checks for out in outs], output_gradients=probe))
         for e, fold, outs in checks:
             reached = [g for g in (next(grads) for _ in outs) if g is not None]
             if any(float(tf.reduce_max(tf.abs(tf.convert_to_tensor(g)[:-fold]))) > 0 for g in reached):
-                if e.name in self.taps.broadcast:
+                if e.fast in ("table", "position"):
+                    why = "the position table is not added to each sample's own activations"
+                elif e.name in self.taps.broadcast:
                     why = "its one row of ids looked up per sample is not added to each sample's own activations"
                 elif fold == 1:
                     why = "its output's leading axis is not the batch"
                 else:
                     why = f"its input's leading axis has {fold} rows per sample, but not one block of rows per sample"
-                e.fast, e.reason = None, f"{why} (one sample's signal reaches other samples' rows)"
+                e.fast, e.reason = None, f"{why} (one sample's signal reaches the other samples' rows)"
                 continue
             e.fold = fold
             e.in_size, e.pre_size = e.in_size * fold, e.pre_size * fold  # per sample: the whole block
