@@ -372,6 +372,13 @@ def separable_figures(repeats: int = 5) -> dict[str, float]:
     return time_interleaved(runs, repeats)
 
 
+def _print_against_gradient(what: str, f: dict[str, float], args: argparse.Namespace) -> None:
+    """The figures of a problem timed against one gradient (``f``: ``gradient`` and ``normflat`` seconds)."""
+    print(f"{what}, device {_device()}, threads {args.threads or 'default'}, median of {args.repeats}")
+    print(f"  gradient {f['gradient']:.4f} s, normflat {f['normflat']:.4f} s "
+          f"({f['normflat'] / f['gradient']:.1f}x a gradient)")
+
+
 def _device() -> str:
     import tensorflow as tf
 
@@ -404,10 +411,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     if args.separable:
         f = separable_figures(args.repeats)
-        print(f"Xception (keras.applications, 71x71, 10 classes, 8 images), ggn, device {_device()}, "
-              f"threads {args.threads or 'default'}, median of {args.repeats}")
-        print(f"  gradient {f['gradient']:.4f} s, normflat {f['normflat']:.4f} s "
-              f"({f['normflat'] / f['gradient']:.1f}x a gradient)")
+        _print_against_gradient("Xception (keras.applications, 71x71, 10 classes, 8 images), ggn", f, args)
         return {"separable": f}
     if args.position_table:
         f = position_table_figures(args.repeats)
@@ -418,10 +422,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {"position_table": f}
     if args.sequence_lm:
         f = sequence_lm_figures(args.sequence_lm, args.repeats)
-        print(f"LM with its own head (4 sequences of 64 tokens, vocabulary {args.sequence_lm}, d 64), ggn-topk "
-              f"per sequence, device {_device()}, threads {args.threads or 'default'}, median of {args.repeats}")
-        print(f"  gradient {f['gradient']:.4f} s, normflat {f['normflat']:.4f} s "
-              f"({f['normflat'] / f['gradient']:.1f}x a gradient)")
+        _print_against_gradient(f"LM with its own head (4 sequences of 64 tokens, vocabulary {args.sequence_lm}, "
+                                "d 64), ggn-topk per sequence", f, args)
         if args.memory:
             mem = sequence_lm_memory(args.sequence_lm, args.threads)
             step = mem["training step"]

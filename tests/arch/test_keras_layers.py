@@ -256,16 +256,21 @@ class PatchPositions(L.Layer):
         return x + self.pos_embed[:, :t]
 
 
-def position_model(use="add", seed=12):
-    """Patches ``(3, 2)`` -> Dense -> the position table (5 positions, sliced to 3) -> a tanh mixer
-    -> average over the tokens -> head: one logit row per sample."""
+def _patch_model(positions: L.Layer, seed: int, samples: int):
+    """Patches ``(3, 2)`` -> Dense -> ``positions`` (named ``vit``) -> a tanh mixer -> average over
+    the tokens -> head: one logit row per sample; random weights, ``samples`` inputs and labels."""
     rng = _rng(seed)
     inp = keras.Input((3, 2), dtype=F64)
-    h = PatchPositions(5, use=use, dtype=F64, name="vit")(L.Dense(4, dtype=F64, name="patch")(inp))
+    h = positions(L.Dense(4, dtype=F64, name="patch")(inp))
     h = L.Dense(6, activation="tanh", dtype=F64, name="mix")(h)
     model = keras.Model(inp, L.Dense(3, dtype=F64, name="head")(L.GlobalAveragePooling1D(dtype=F64)(h)))
     _randomize(model, rng)
-    return model, rng.normal(size=(3, 3, 2)), rng.integers(0, 3, 3)
+    return model, rng.normal(size=(samples, 3, 2)), rng.integers(0, 3, samples)
+
+
+def position_model(use="add", seed=12):
+    """:func:`_patch_model` with the position table (5 positions, sliced to 3)."""
+    return _patch_model(PatchPositions(5, use=use, dtype=F64, name="vit"), seed, 3)
 
 
 def _positions(k):  # a (1, N, d) table -> (features, positions)
@@ -829,13 +834,8 @@ class PositionIds(L.Layer):
 
 
 def position_ids_model(use):
-    rng = _rng(23)
-    inp = keras.Input((3, 2), dtype=F64)
-    h = PositionIds(3, use=use, dtype=F64, name="vit")(L.Dense(4, dtype=F64, name="patch")(inp))
-    h = L.Dense(6, activation="tanh", dtype=F64, name="mix")(h)
-    model = keras.Model(inp, L.Dense(3, dtype=F64, name="head")(L.GlobalAveragePooling1D(dtype=F64)(h)))
-    _randomize(model, rng)
-    return model, rng.normal(size=(4, 3, 2)), rng.integers(0, 3, 4)
+    """:func:`_patch_model` with the embedding of position ids ``(1, 3)``."""
+    return _patch_model(PositionIds(3, use=use, dtype=F64, name="vit"), 23, 4)
 
 
 @pytest.mark.parametrize("use, reason", [

@@ -61,9 +61,11 @@ _LINEAR_BODIES = (
 )
 
 
+@functools.lru_cache(maxsize=None)
 def _forward_body(cls: Any) -> tuple[str, ...] | None:
     """The statements of ``cls.forward`` (stripped lines, without its docstring and comments), or
-    ``None`` when the class has no forward of its own or its source cannot be read."""
+    ``None`` when the class has no forward of its own or its source cannot be read. Read once per
+    class: every analysis looks again at the loaded classes not registered (those refused too)."""
     if not (isinstance(cls, type) and "forward" in vars(cls)):
         return None
     try:
