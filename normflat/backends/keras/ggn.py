@@ -439,7 +439,9 @@ def _in_order(blocks: list[tuple[int, int]], fn: Callable[[int, int, list], Any]
 
 
 def _after(deps: list, x: Any) -> Any:
-    """``x`` read once ``deps`` exist (an identity under control dependencies)."""
+    """``x`` read once ``deps`` exist (an identity under control dependencies; ``None`` entries,
+    absent fields of a result, are no dependency)."""
+    deps = [d for d in deps if d is not None]
     if not deps:
         return x
     with tf.control_dependencies(deps):
@@ -463,28 +465,24 @@ def _blocked_sequence_factor(zc: Any, options: AnalysisOptions, counted: Any, u:
     logits and uniform columns only) and assembled in the engine's token-major row order."""
     if blocks is None:
         return sequence_factor(TF, zc, options, counted, u)
-    tokens, c = int(zc.shape[1]), int(zc.shape[2])
+    tokens = int(zc.shape[1])
     columns = int(u.shape[-1]) // tokens  # token t's uniforms: columns t·D .. (t+1)·D − 1
 
-    def part(a, b, deps):
-        found = sequence_classes(TF, _after(deps, zc[:, a:b]), options, counted[:, a:b],
-                                 u[:, a * columns:b * columns])
-        return [x for x in found if x is not None]
+    parts = _in_order(blocks, lambda a, b, deps: sequence_classes(
+        TF, _after(deps, zc[:, a:b]), options, counted[:, a:b], u[:, a * columns:b * columns]))
 
-    parts = _in_order(blocks, part)
+    def joined(field: str) -> Any:
+        first = getattr(parts[0], field)
+        if first is None:  # zhat, sigma: nsce only
+            return None
+        pieces = [(getattr(q, field), b - a) for q, (a, b) in zip(parts, blocks)]
+        if field in ("index", "scale"):  # (K', M', n·t) blocks -> (K', M', n·T)
+            k, m = int(first.shape[0]), int(first.shape[1])
+            return tf.reshape(tf.concat([tf.reshape(v, [k, m, -1, t]) for v, t in pieces], axis=3), [k, m, -1])
+        width = int(first.shape[-1])  # (n·t, width) blocks -> (n·T, width), token-major per sample
+        return tf.reshape(tf.concat([tf.reshape(v, [-1, t, width]) for v, t in pieces], axis=1), [-1, width])
 
-    def rows(i: int, width: int) -> Any:  # (n·t, width) blocks -> (n·T, width), token-major per sample
-        return tf.reshape(tf.concat([tf.reshape(q[i], [-1, b - a, width]) for q, (a, b) in zip(parts, blocks)],
-                                    axis=1), [-1, width])
-
-    def per_signal(i: int) -> Any:  # (K', M', n·t) blocks -> (K', M', n·T)
-        k, m = int(parts[0][i].shape[0]), int(parts[0][i].shape[1])
-        return tf.reshape(tf.concat([tf.reshape(q[i], [k, m, -1, b - a]) for q, (a, b) in zip(parts, blocks)],
-                                    axis=3), [k, m, -1])
-
-    nsce = options.loss == "nsce"
-    return classes_factor(TF, SequenceClasses(rows(0, c), rows(1, c) if nsce else None, rows(2, 1) if nsce else None,
-                                              per_signal(3 if nsce else 1), per_signal(4 if nsce else 2)), options)
+    return classes_factor(TF, SequenceClasses(*[joined(field) for field in SequenceClasses._fields]), options)
 
 
 def _runtime_zeros(shape: list[int], dtype: Any, nonnegative: Any) -> Any:
