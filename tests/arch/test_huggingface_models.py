@@ -618,3 +618,55 @@ def test_encoder_decoder_batch_of_input_ids_and_labels():
                                 estimator="ggn", progress=False)
     assert implicit.metadata["loss_terms"] == explicit.metadata["loss_terms"] == 11
     assert [layer.hessian_trace for layer in implicit.layers] == [layer.hessian_trace for layer in explicit.layers]
+
+
+def _assert_rescaling_invariant(model, other, data, moved):
+    """``other`` computes ``model``'s function; every layer's normalized sharpness is the same, the
+    traces of the layers ``moved`` are not (method §8); every layer on its fast rule."""
+    x, y = data
+    torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-13)
+    before = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False)
+    after = normflat.analyze(other, data, loss="ce", estimator="ggn", progress=False)
+    assert {layer.details["path"] for layer in before.layers} == {"fast"}
+    for lb, la in zip(before.layers, after.layers):
+        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), lb.name
+    for name in moved:
+        assert abs(after.layer(name).hessian_trace - before.layer(name).hessian_trace) > \
+            1e-3 * abs(before.layer(name).hessian_trace), name
+
+
+class _ScaledBagOfWords(torch.nn.Module):
+    """BART's scaled word embedding (``embed_scale`` 2) -> mean over the tokens -> FalconLinear -> relu
+    -> FalconLinear: the scaled lookup's and Falcon's dense fast rules."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers.models.bart.modeling_bart import BartScaledWordEmbedding
+        from transformers.models.falcon.modeling_falcon import FalconLinear
+
+        self.emb = BartScaledWordEmbedding(VOCAB, HIDDEN, padding_idx=0, embed_scale=2.0)
+        self.hidden = FalconLinear(HIDDEN, 6)
+        self.head = FalconLinear(6, 3)
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.hidden(self.emb(ids).mean(1))))
+
+
+def test_scaled_embedding_and_falcon_linear_rescaling_invariance():
+    """Feature j of the scaled word embedding times a positive factor and the next FalconLinear's
+    input j divided by it; that layer's output units times factors (relu after it) and the head's
+    inputs divided by them: the function is unchanged, every normalized sharpness stays, the
+    rescaled layers' traces move."""
+    torch.manual_seed(0)
+    model = _ScaledBagOfWords().double()
+    other = copy.deepcopy(model)
+    features = torch.exp(torch.linspace(-1.0, 1.0, HIDDEN, dtype=torch.float64))
+    units = torch.exp(torch.linspace(1.0, -1.0, 6, dtype=torch.float64))
+    with torch.no_grad():
+        other.emb.weight.mul_(features)
+        other.hidden.weight.div_(features).mul_(units[:, None])
+        other.hidden.bias.mul_(units)
+        other.head.weight.div_(units)
+    g = torch.Generator().manual_seed(2)
+    data = (torch.randint(1, VOCAB, (5, 6), generator=g), torch.randint(0, 3, (5,), generator=g))
+    _assert_rescaling_invariant(model, other, data, ("emb", "hidden", "head"))

@@ -759,17 +759,17 @@ class _CoordinateBias(L.Layer):
         return h + (bias if self.rows == 4 else keras.ops.mean(bias, axis=0))
 
 
-def windowed_model(layout, kind):
-    """Dense -> the batch folded into windows -> ``Dense`` or ``EinsumDense`` per window -> merged
-    -> mean -> head; ``"shared"``: windows in blocks plus :class:`_CoordinateBias`."""
+def windowed_model(layout, kind, activation="tanh"):
+    """Dense -> the batch folded into windows -> ``Dense`` or ``EinsumDense`` per window (then
+    ``activation``) -> merged -> mean -> head; ``"shared"``: windows in blocks plus :class:`_CoordinateBias`."""
     rng = _rng(21)
     inp = keras.Input((4, 3), dtype=F64)
     h = L.Dense(6, activation="tanh", dtype=F64, name="embed")(inp)
     h = _Windows(layout, dtype=F64)(h)
     if kind == "dense":
-        h = L.Dense(6, activation="tanh", dtype=F64, name="windowed")(h)
+        h = L.Dense(6, activation=activation, dtype=F64, name="windowed")(h)
     else:
-        h = L.EinsumDense("abc,cd->abd", output_shape=(2, 6), bias_axes="d", activation="tanh", dtype=F64,
+        h = L.EinsumDense("abc,cd->abd", output_shape=(2, 6), bias_axes="d", activation=activation, dtype=F64,
                           name="windowed")(h)
     h = _Windows(layout, inverse=True, dtype=F64)(h)
     if layout.startswith("shared"):
@@ -862,3 +862,52 @@ def test_embedding_of_position_ids_broadcast_over_the_batch(use, reason):
     expected = {layer.name: (layer.details["param"], _transposed) for layer in rep.layers}
     for n, kw in ((4, {}), (1, {}), (4, {"chunk_size": 3})):
         check_against(model, x[:n], y[:n], expected, loss="ce", **kw)
+
+
+def _assert_rescaling_invariant(model, other, x, y, moved):
+    """``other`` computes ``model``'s function; every layer's normalized sharpness is the same, the
+    traces of the layers ``moved`` are not (method §8); every layer on its fast rule."""
+    np.testing.assert_allclose(other(x).numpy(), model(x).numpy(), rtol=1e-11, atol=1e-13)
+    before = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    after = normflat.analyze(other, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert {layer.details["path"] for layer in before.layers} == {"fast"}
+    for lb, la in zip(before.layers, after.layers):
+        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), lb.name
+    for name in moved:
+        assert abs(after.layer(name).hessian_trace - before.layer(name).hessian_trace) > \
+            1e-3 * abs(before.layer(name).hessian_trace), name
+
+
+def _copy(model):
+    other = keras.models.clone_model(model)
+    other.set_weights(model.get_weights())
+    return other
+
+
+@pytest.mark.parametrize("kind", ["dense", "einsum"])
+def test_folded_dense_layer_rescaling_invariance(kind):
+    """The windowed layer's output units times positive factors (a relu after it), the head's
+    matching input rows divided by them, the windowed layer on its folded fast rule."""
+    model, x, y = windowed_model("blocks", kind, activation="relu")
+    other = _copy(model)
+    factors = np.exp(np.linspace(-1.0, 1.0, 6))
+    windowed, head = other.get_layer("windowed"), other.get_layer("head")
+    windowed.kernel.assign(windowed.kernel.numpy() * factors)  # (in, out): output units on the last axis
+    windowed.bias.assign(windowed.bias.numpy() * factors)
+    head.kernel.assign(head.kernel.numpy() / factors[:, None])
+    _assert_rescaling_invariant(model, other, x, y, ("windowed", "head"))
+
+
+def test_position_ids_embedding_rescaling_invariance():
+    """Feature j of the patches and of the position-id embedding (the two added) times a positive
+    factor, the mixer's input j divided by it, the embedding on its per-sample lookup."""
+    model, x, y = position_ids_model("add")
+    other = _copy(model)
+    factors = np.exp(np.linspace(-1.0, 1.0, 4))
+    patch, mix = other.get_layer("patch"), other.get_layer("mix")
+    table = other.get_layer("vit").table
+    patch.kernel.assign(patch.kernel.numpy() * factors)
+    patch.bias.assign(patch.bias.numpy() * factors)
+    table.embeddings.assign(table.embeddings.numpy() * factors)
+    mix.kernel.assign(mix.kernel.numpy() / factors[:, None])
+    _assert_rescaling_invariant(model, other, x, y, ("patch", "vit/positions", "mix"))

@@ -195,3 +195,29 @@ def test_timm_condconv_is_reported_unsupported_with_its_reason():
         report = normflat.analyze(model, [(x, y)], progress=False)
     assert [layer.name for layer in report.layers] == ["route", "head"]
     assert report.metadata["unsupported"] and report.metadata["coverage"] < 1
+
+
+def test_timm_linear_rescaling_invariance():
+    """Two timm ``Linear`` layers with a relu between them: the first's output units times positive
+    factors, the second's inputs divided by them; the function is unchanged, both normalized
+    sharpnesses stay, both traces move (on ``nn.Linear``'s fast rule)."""
+    from timm.layers.linear import Linear
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Linear(4, 6), torch.nn.ReLU(), Linear(6, 3)).double()
+    other = torch.nn.Sequential(Linear(4, 6), torch.nn.ReLU(), Linear(6, 3)).double()
+    other.load_state_dict(model.state_dict())
+    units = torch.exp(torch.linspace(-1.0, 1.0, 6, dtype=torch.float64))
+    with torch.no_grad():
+        other[0].weight.mul_(units[:, None])
+        other[0].bias.mul_(units)
+        other[2].weight.div_(units)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (5,), generator=g)
+    torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-13)
+    before = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    after = normflat.analyze(other, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert {layer.details["path"] for layer in before.layers} == {"fast"}
+    for lb, la in zip(before.layers, after.layers):
+        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), lb.name
+        assert abs(la.hessian_trace - lb.hessian_trace) > 1e-3 * abs(lb.hessian_trace), lb.name

@@ -8,6 +8,8 @@ in the canonical layouts of method §3.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -615,9 +617,9 @@ class Windowed(nn.Module):
     to every sample).
     """
 
-    def __init__(self, layout):
+    def __init__(self, layout, activation=torch.tanh):
         super().__init__()
-        self.layout = layout
+        self.layout, self.activation = layout, activation
         self.embed = nn.Linear(3, D)
         self.windowed = nn.Linear(D, D)
         self.coords_mlp = nn.Linear(2, D) if layout == "shared" else None
@@ -633,7 +635,7 @@ class Windowed(nn.Module):
             w = h.transpose(0, 1)  # (4, n, D): as many rows as a batch of 4
         else:
             w = h.reshape(2 * n, 2, D)
-        w = torch.tanh(self.windowed(w))
+        w = self.activation(self.windowed(w))
         if self.layout == "window-major":
             h = w.reshape(2, n, 2, D).transpose(0, 1).reshape(n, 4, D)
         elif self.layout == "time-major":
@@ -674,3 +676,28 @@ def test_dense_layer_on_a_batch_folded_into_windows(layout, generic, batches, kw
         else:
             assert layer.details["path"] == "fast", layer.details
     _check_ggn(model, data, loss="ce", **kw)
+
+
+def test_folded_dense_layer_rescaling_invariance():
+    """The windowed layer's output units times positive factors (a relu after it: positively
+    homogeneous), the head's matching input columns divided by them: the function is unchanged,
+    every layer's normalized sharpness stays, the rescaled layers' traces move (method §8), with
+    the windowed layer on its folded fast rule."""
+    model = _init(Windowed("blocks", activation=torch.relu), seed=5)
+    other = copy.deepcopy(model)
+    factors = torch.exp(torch.linspace(-1.0, 1.0, D, dtype=DT))
+    with torch.no_grad():
+        other.windowed.weight.mul_(factors[:, None])
+        other.windowed.bias.mul_(factors)
+        other.head.weight.div_(factors[None, :])
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randn(4, 4, 3, generator=g, dtype=DT), _labels(4)
+    torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-13)
+    before = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    after = normflat.analyze(other, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert {layer.details["path"] for layer in before.layers} == {"fast"}
+    for lb, la in zip(before.layers, after.layers):
+        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), lb.name
+    for name in ("windowed", "head"):
+        assert abs(after.layer(name).hessian_trace - before.layer(name).hessian_trace) > \
+            1e-3 * abs(before.layer(name).hessian_trace), name
