@@ -14,7 +14,12 @@ it and no hook imports a library the user has not loaded. The session calls:
 * :func:`analysis_mode` around every forward of the analysis: Hugging Face
   attention that does not go through ``F.scaled_dot_product_attention`` (flash,
   flex) runs as ``"sdpa"``, which the session can differentiate as every
-  estimator needs; restored on exit.
+  estimator needs, and fused mixture-of-experts kernels run as the loop over the
+  experts; restored on exit;
+* ``expert_weights`` / ``check_experts`` and ``check_router`` (registered by
+  :func:`register_known_layers`): one problem per expert and linear map of a
+  transformers experts module, and the router's matrix (method §3,
+  "Mixture-of-experts layers").
 
 Which library layer maps to which canonical matrix is listed in
 ``docs/guide/huggingface.md`` and ``docs/guide/timm.md``.
@@ -25,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import re
 import sys
 import threading
 from typing import Any, Iterator
@@ -108,6 +114,133 @@ def _register_transformers() -> None:
                 # nn.Embedding's rule with the signals times embed_scale; tied to the head too.
                 register_layer(cls, kind="embedding", to_canonical=_transposed,
                                ggn_squares=scaled_embedding_squares, check=check_embedding)
+            elif (_experts_class(cls) or (name, attr) in _UNDECORATED_EXPERTS) and cls not in known \
+                    and getattr(cls, "__module__", None) == name:
+                register_layer(cls, kind="expert", weights=expert_weights, check=check_experts,
+                               generic_reason=_EXPERTS_REASON)
+            elif attr.lower().endswith("router") and cls not in known and getattr(cls, "__module__", None) == name \
+                    and isinstance(cls, type) and issubclass(cls, nn.Module) and _linear_router(cls):
+                register_layer(cls, kind="router", check=check_router, generic_reason=_ROUTER_REASON)
+
+
+# ============================================================================ mixture-of-experts layers
+
+
+def _experts_class(cls: Any) -> bool:
+    """Whether ``cls`` is a transformers experts module: a class decorated with
+    ``use_experts_implementation`` (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/3, GPT-OSS, ...), whose
+    forward dispatches on ``config._experts_implementation``. Its wrapper is defined in
+    ``transformers.integrations.moe``; every implementation computes the same function."""
+    forward = vars(cls).get("forward") if isinstance(cls, type) else None
+    return (forward is not None and issubclass(cls, nn.Module)
+            and getattr(forward, "__globals__", {}).get("__name__") == "transformers.integrations.moe")
+
+
+#: Experts classes that predate ``use_experts_implementation``: their layout
+#: ``(gated, transposed, interleaved)``. Llama 4 stores ``(experts, in, out)`` and runs every expert
+#: on every token, the tokens' routing scores applied to its input.
+_UNDECORATED_EXPERTS = {
+    ("transformers.models.llama4.modeling_llama4", "Llama4TextExperts"): (True, True, False),
+}
+
+
+def _expert_layout(module: nn.Module) -> tuple[bool, bool, bool]:
+    """``(gated, transposed, interleaved)`` of an experts module: the flags
+    ``use_experts_implementation`` sets on it (``has_gate``, ``is_transposed``,
+    ``is_concatenated``), or the known layout of an older class."""
+    for cls in type(module).__mro__:
+        known = _UNDECORATED_EXPERTS.get((cls.__module__, cls.__name__))
+        if known is not None:
+            return known
+    gated = bool(getattr(module, "has_gate", True))
+    return gated, bool(getattr(module, "is_transposed", False)), gated and not getattr(module, "is_concatenated", True)
+
+
+def check_experts(module: nn.Module) -> str | None:
+    """Why an experts module cannot be read as one matrix per expert and map, or ``None``."""
+    gated, transposed, _ = _expert_layout(module)
+    first = getattr(module, "gate_up_proj" if gated else "up_proj", None)
+    down = getattr(module, "down_proj", None)
+    if not (isinstance(first, nn.Parameter) and isinstance(down, nn.Parameter) and first.ndim == 3
+            and down.ndim == 3 and first.shape[0] == down.shape[0]):
+        return ("its experts' weights are not two (experts, out, in) parameters gate_up_proj (or up_proj) "
+                "and down_proj; register the class with normflat.backends.torch.register_layer")
+    rows = first.shape[2 if transposed else 1]
+    if gated and rows % 2:
+        return f"gate_up_proj packs {rows} rows per expert, not a gate and an up projection of equal size"
+    return None
+
+
+def _expert_canonical(transposed: bool, interleaved: bool):
+    """``(experts, out, in)`` (``(experts, in, out)`` stored transposed) to the canonical
+    ``(experts·out, in)``: expert after expert, each expert's gate rows before its up rows
+    (an interleaved ``[gate₀, up₀, gate₁, ...]`` layout is de-interleaved)."""
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if transposed:
+            t = t.transpose(-1, -2)
+        experts, rows, cols = t.shape
+        if interleaved:
+            t = t.reshape(experts, rows // 2, 2, cols).transpose(1, 2)
+        return t.reshape(experts * rows, cols)
+    return convert
+
+
+def expert_weights(module: nn.Module) -> list[Any]:
+    """The weights of a transformers experts module (:func:`_experts_class`) as one problem per
+    expert and linear map (method §3, "Mixture-of-experts layers"): ``{e}.gate_proj`` and
+    ``{e}.up_proj`` (the halves of ``gate_up_proj``; ``up_proj`` alone for experts without a
+    gate) and ``{e}.down_proj``, each the ``(out, in)`` matrix expert ``e`` applies to the tokens
+    routed to it. Biases do not enter the measures."""
+    from normflat.backends.torch.layers import ModuleWeight
+
+    gated, transposed, interleaved = _expert_layout(module)
+    first = module.gate_up_proj if gated else module.up_proj
+    down = module.down_proj
+    experts = int(first.shape[0])
+    rows = int(first.shape[2 if transposed else 1])
+    width = int(down.shape[2 if transposed else 1])
+    if gated:
+        half = rows // 2
+        first_blocks = [block for e in range(experts) for block in (
+            (f"{e}.gate_proj", e * rows, e * rows + half), (f"{e}.up_proj", e * rows + half, (e + 1) * rows))]
+    else:
+        first_blocks = [(f"{e}.up_proj", e * rows, (e + 1) * rows) for e in range(experts)]
+    return [
+        ModuleWeight(None, first, to_canonical=_expert_canonical(transposed, interleaved), blocks=first_blocks),
+        ModuleWeight(None, down, to_canonical=_expert_canonical(transposed, False),
+                     blocks=[(f"{e}.down_proj", e * width, (e + 1) * width) for e in range(experts)]),
+    ]
+
+
+_ROUTER_READ = re.compile(r"linear\(\s*[^,()]+(?:\([^()]*\))?\s*,\s*self\.weight")
+_ROUTER_ALSO = re.compile(r"self\.weight\.(?:t\(\)|dtype)")
+
+
+@functools.lru_cache(maxsize=None)
+def _linear_router(cls: Any) -> bool:
+    """Whether ``cls`` is a transformers router whose forward reads its ``(experts, features)``
+    ``weight`` only as ``F.linear(hidden_states, self.weight)`` (cast or not; also ``mm`` with
+    ``self.weight.t()``): the router logits are that linear map of the tokens (read from the
+    forward's source)."""
+    body = _forward_body(cls)
+    if not body:
+        return False
+    text = " ".join(body)
+    rest, reads = _ROUTER_READ.subn("", text)
+    return reads > 0 and "self.weight" not in _ROUTER_ALSO.sub("", rest)
+
+
+def check_router(module: nn.Module) -> str | None:
+    """Why a router cannot be read as its ``(experts, features)`` matrix, or ``None``."""
+    w = getattr(module, "weight", None)
+    if not (isinstance(w, nn.Parameter) and w.ndim == 2):
+        return "its weight is not an (experts, features) parameter; register the class with register_layer"
+    return None
+
+
+#: Why experts and routers take the generic path.
+_EXPERTS_REASON = "the experts' matrices are applied to the tokens routed to each expert (no fast rule)"
+_ROUTER_REASON = "the router's output is the tokens' routing (softmax and top-k of its linear map), not the map"
 
 
 # ============================================================================ timm
@@ -350,6 +483,26 @@ def _hf_configs(model: nn.Module) -> list[tuple[Any, str]]:
     return list(seen.values())
 
 
+#: Hugging Face experts implementations that compute with plain tensor operations, differentiable
+#: twice and under ``vmap`` in any dtype: the loop over the experts (``"eager"``, the reference) and
+#: the gather of each token's expert matrices (``"batched_mm"``). The fused kernels
+#: (``"grouped_mm"``, the default where it dispatches; ``"deepgemm"``, ``"sonicmoe"``) have no
+#: ``vmap`` batching rule, and ``grouped_mm`` no float64.
+_VMAP_EXPERTS = ("eager", "batched_mm")
+
+
+def _experts_configs(model: nn.Module) -> list[Any]:
+    """The distinct configs whose ``_experts_implementation`` the experts modules of ``model`` read."""
+    found: dict[int, Any] = {}
+    for m in model.modules():
+        forward = getattr(type(m), "forward", None)
+        if getattr(forward, "__globals__", {}).get("__name__") == "transformers.integrations.moe":
+            config = getattr(m, "config", None)
+            if config is not None:
+                found.setdefault(id(config), config)
+    return list(found.values())
+
+
 #: Hugging Face attention implementations that run through ``F.scaled_dot_product_attention``
 #: (or are its explicit form). The session runs SDPA on its math kernel wherever an estimator
 #: needs more than one backward (:class:`~normflat.backends.torch.compat.FunctionalKernels`).
@@ -369,7 +522,10 @@ def analysis_mode(model: Any, options: Any) -> Iterator[None]:
     through it (``flash_attention_2``, ``flex_attention``, hub kernels, paged
     attention) is set to ``"sdpa"`` (``"eager"`` for a model without SDPA
     support) on each config the model reads, for the analysis only: the same
-    function, restored on exit, also after an error. That change is visible to
+    function, restored on exit, also after an error. Mixture-of-experts layers on a
+    fused experts kernel (``"grouped_mm"``, transformers' default where it
+    dispatches, ``"deepgemm"``, ``"sonicmoe"``) run as ``"eager"``, the loop over the
+    experts, the same way and for the same reasons. These changes are visible to
     another thread running the same model meanwhile (which then computes the same
     function another way); the session refuses two analyses of one model at a time.
     Nothing is changed for models without such configs.
@@ -379,6 +535,7 @@ def analysis_mode(model: Any, options: Any) -> Iterator[None]:
         options: The analysis options (every estimator runs the same attention).
     """
     changed: list[tuple[Any, Any]] = []
+    experts: list[tuple[Any, Any]] = []
     try:
         if isinstance(model, nn.Module) and "transformers" in sys.modules:
             for config, target in _hf_configs(model):
@@ -388,7 +545,14 @@ def analysis_mode(model: Any, options: Any) -> Iterator[None]:
                     # The internal attribute: the public setter would recurse into the sub-configs,
                     # which are handled (and restored) one by one here.
                     config._attn_implementation_internal = target
+            for config in _experts_configs(model):
+                current = config.__dict__.get("_experts_implementation_internal")
+                if isinstance(current, str) and current not in _VMAP_EXPERTS:
+                    experts.append((config, current))
+                    config._experts_implementation_internal = "eager"
         yield
     finally:
         for config, value in reversed(changed):
             config._attn_implementation_internal = value
+        for config, value in reversed(experts):
+            config._experts_implementation_internal = value
