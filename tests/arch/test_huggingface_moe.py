@@ -134,6 +134,9 @@ def test_each_expert_layout_matches_the_brute_force_ggn(kind):
     assert [layer.name for layer in report.layers] == ["embed", "router", *experts, "head"]
     assert report.metadata["coverage"] == 1.0
     assert {layer.kind for layer in report.layers if layer.name.startswith("experts.")} == {"expert"}
+    # The fast rule recomputes use_experts_implementation's classes; Llama 4's older one is generic.
+    assert {layer.details["path"] for layer in report.layers if layer.name.startswith("experts.")} == \
+        {"generic" if kind == "llama4" else "fast"}
     assert report.layer("experts.0.down_proj").shape == (HIDDEN, INTER)
     first = "experts.up_proj" if kind == "nemotron" else "experts.gate_up_proj"
     per_param = reference_ggn(model, [batch], [first, "experts.down_proj"], loss="nsce",
@@ -173,14 +176,17 @@ def test_mixtral_is_covered_and_matches_the_brute_force_ggn():
     assert [layer.name for layer in report.layers] == MIXTRAL_LAYERS
     assert report.metadata["coverage"] == 1.0
     gate = report.layer("model.layers.0.mlp.gate")
-    assert gate.kind == "router" and gate.shape == (EXPERTS, 8) and gate.details["path"] == "generic"
-    got = normflat.hessian_diagonal(model, lm_loader(), estimator="ggn", loss="ce", progress=False)
+    assert gate.kind == "router" and gate.shape == (EXPERTS, 8)
+    assert {layer.details["path"] for layer in report.layers} == {"fast"}
     mlp = "model.layers.0.mlp"
     params = [f"{mlp}.gate.weight", f"{mlp}.experts.gate_up_proj", f"{mlp}.experts.down_proj"]
     per_param = reference_ggn(model, lm_loader(), params, loss="ce", shift=True)
     blocks = _expert_blocks("mixtral", {k.removeprefix(f"{mlp}."): v for k, v in per_param.items()})
     want = {f"{mlp}.gate": per_param[f"{mlp}.gate.weight"], **{f"{mlp}.{k}": v for k, v in blocks.items()}}
-    assert_close({name: got[name] for name in want}, want, rtol=1e-6)
+    # Chunks of one sample too: the experts' and router's rows are then all that sample's tokens.
+    for options in ({}, {"chunk_size": 1}, {"fast": False}):
+        got = normflat.hessian_diagonal(model, lm_loader(), estimator="ggn", loss="ce", progress=False, **options)
+        assert_close({name: got[name] for name in want}, want, rtol=1e-6)
 
 
 def test_fused_experts_kernel_runs_as_the_expert_loop_and_is_restored():
@@ -234,6 +240,68 @@ def test_mixtral_rescaling_invariance():
     for name in ["model.layers.0.mlp.gate", *(n for n in MIXTRAL_LAYERS if ".experts." in n)]:
         assert abs(after.layer(name).hessian_trace - before.layer(name).hessian_trace) > \
             1e-2 * abs(before.layer(name).hessian_trace), name
+
+
+class _OtherGateExperts(MixtralExperts):
+    """Its ``_apply_gate`` (what the fast rule recomputes) is not what its eager forward computes."""
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return gate * up
+
+
+class _DownUsedOutside(_RoutedClassifier):
+    """The experts' ``down_proj`` also read outside the experts module."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 0.1 * self.experts.down_proj[0, :CLASSES, 0]
+
+
+@pytest.mark.parametrize("case", ["gate", "outside"])
+def test_expert_fast_rule_checks_what_it_assumes(case):
+    """An experts forward that is not the gated MLP the rule recomputes (checked once against the
+    module's own forward), or a stacked weight also used outside the module: the generic path with
+    the reason, and still the brute-force diagonal."""
+    torch.manual_seed(0)
+    experts = _experts("mixtral")
+    if case == "gate":
+        experts.__class__ = _OtherGateExperts
+        model = _RoutedClassifier(experts).double()
+    else:
+        model = _DownUsedOutside(experts).double()
+    batch = _tokens()
+    data = [(batch["x"], batch["labels"])]
+    report = analyze_quietly(model, data, estimator="ggn")
+    reasons = {layer.details.get("generic_reason") for layer in report.layers if layer.name.startswith("experts.")}
+    if case == "gate":
+        assert reasons == {"the experts' forward does not compute the routed gated MLP the fast rule assumes"}
+    else:  # gate_up_proj is read only inside the module: still fast
+        down = {layer.details.get("generic_reason") for layer in report.layers if "down_proj" in layer.name}
+        assert len(down) == 1 and down.pop().startswith("weight used "), reasons
+        assert {layer.details["path"] for layer in report.layers if "up_proj" in layer.name} == {"fast"}
+    per_param = reference_ggn(model, [batch], ["experts.gate_up_proj", "experts.down_proj"], loss="nsce",
+                              logits_of=_classifier_logits)
+    want = _expert_blocks("mixtral", per_param)
+    got = normflat.hessian_diagonal(model, data, estimator="ggn", progress=False)
+    assert_close({name: got[name] for name in want}, want)
+
+
+def test_router_not_returning_its_logits_first_takes_the_generic_path():
+    """GPT-OSS's router returns its top-k scores first, not its logits: the check on the first call
+    sends it to the generic path, whose diagonal the fast path of every other layer matches."""
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=8, intermediate_size=6, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, num_local_experts=EXPERTS,
+                                       num_experts_per_tok=TOP_K, head_dim=4, pad_token_id=0, bos_token_id=1,
+                                       eos_token_id=1, experts_implementation="eager")
+    model = transformers.GptOssForCausalLM(config).double()
+    report = analyze_quietly(model, lm_loader(), estimator="ggn", loss="ce")
+    assert report.layer("model.layers.0.mlp.router").details["generic_reason"] == \
+        "the router does not return F.linear(hidden_states, weight) first"
+    assert {layer.details["path"] for layer in report.layers if ".experts." in layer.name} == {"fast"}
+    got = normflat.hessian_diagonal(model, lm_loader(), estimator="ggn", loss="ce", progress=False)
+    want = normflat.hessian_diagonal(model, lm_loader(), estimator="ggn", loss="ce", progress=False, fast=False)
+    assert_close(got, {name: v.numpy() for name, v in want.items()}, rtol=1e-9)
 
 
 class _RouterLike(torch.nn.Module):

@@ -131,6 +131,29 @@ def _with_call(rule):
     return rule
 
 
+def _first_of_tuple(rule):
+    rule._normflat_first_of_tuple = True  # the module returns (its map's output, ...)
+    return rule
+
+
+def first_of_tuple(rule: Any) -> bool:
+    """Whether a fast rule's module returns a tuple whose first element is its weight's map of the
+    input (a router's logits; the rest computed from them inside the module): the signals are taken
+    there, where they include every use of those logits, inside the module and after it."""
+    return bool(getattr(rule, "_normflat_first_of_tuple", False))
+
+
+def _inner_uses(rule):
+    rule._normflat_inner_uses = True  # the module reads its weight several times (once per expert)
+    return rule
+
+
+def inner_uses(rule: Any) -> bool:
+    """Whether a fast rule's module reads its weight more than once in its own forward (an experts
+    module: once per expert), which the rule accounts for; uses outside the module it cannot."""
+    return bool(getattr(rule, "_normflat_inner_uses", False))
+
+
 def wants_call(rule: Any) -> bool:
     """Whether a fast rule takes the module's other inputs ``(args[1:], kwargs)`` too."""
     return bool(getattr(rule, "_normflat_call", False))
@@ -201,10 +224,20 @@ def transposed_linear_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas
     return _dense_squares(a, deltas, out_f, in_f, None if out is None else out.transpose(1, 2)).transpose(1, 2)
 
 
-#: The rules whose per-sample gradient sums over every axis between the samples and the features,
-#: so that a sample's block of rows (a batch folded into the leading axis) can be given as
-#: positions: ``(n·f, *, in)`` viewed as ``(n, f, *, in)``.
-FOLDABLE = (linear_squares, transposed_linear_squares)
+def _foldable(rule):
+    rule._normflat_foldable = True
+    return rule
+
+
+def foldable(rule: Any) -> bool:
+    """Whether a fast rule's per-sample gradient sums over every axis between the samples and the
+    features, so that a sample's block of rows (a batch folded into the leading axis) can be given
+    as positions: ``(n·f, *, in)`` viewed as ``(n, f, *, in)`` (the dense rules; the experts')."""
+    return bool(getattr(rule, "_normflat_foldable", False))
+
+
+_foldable(linear_squares)
+_foldable(transposed_linear_squares)
 
 
 def _conv_pads(module: nn.Module) -> list[int]:
@@ -545,10 +578,13 @@ class Capture:
     the same modules meanwhile) and only while :attr:`active`.
     """
 
-    def __init__(self, layers: list[Any], broadcast: Iterable[int] = ()) -> None:
+    def __init__(self, layers: list[Any], broadcast: Iterable[int] = (), tuples: Iterable[int] = ()) -> None:
         #: The keys whose output, broadcast over the batch (leading axis 1 from an input with a
         #: leading axis 1, e.g. position ids of shape ``(1, T)``), is expanded to :attr:`rows`.
         self.broadcast = set(broadcast)
+        #: The keys whose module returns a tuple led by the output of its weight's map (a router's
+        #: logits before its softmax and top-k: :func:`first_of_tuple`).
+        self.tuples = set(tuples)
         self.rows: int | None = None  # the samples of the forward (set by the session)
         self.expanded: set[int] = set()  # the keys expanded in this forward
         self.inputs: dict[int, torch.Tensor] = {}
@@ -567,6 +603,13 @@ class Capture:
             if not self.active or threading.get_ident() != self._thread:
                 return None
             self.calls[key] = self.calls.get(key, 0) + 1
+            rest = None
+            if key in self.tuples and isinstance(output, tuple) and output and type(output) is tuple:
+                output, rest = output[0], output[1:]
+                if (isinstance(output, torch.Tensor) and args and isinstance(args[0], torch.Tensor)
+                        and args[0].dim() > 2 and output.dim() == 2 and args[0].shape[:-1].numel() == output.shape[0]):
+                    # A router given (n, T, d) returns (n·T, experts): its input as the rows it maps.
+                    args = (args[0].reshape(-1, args[0].shape[-1]), *args[1:])
             if not args or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
                 return None
             live = args[0]
@@ -588,7 +631,7 @@ class Capture:
             self.extras[key] = (tuple(args[1:]), dict(kwargs))
             # Downstream sees a copy, so an in-place op after the layer (ReLU(inplace=True))
             # cannot rebase the tensor whose gradient we ask for.
-            return output.clone()
+            return output.clone() if rest is None else (output.clone(), *rest)
 
         return hook
 
@@ -608,8 +651,9 @@ class Capture:
         self._handles.clear()
 
 
-def inspect_graph(root: Any, weights: dict[int, Any], outputs: list[torch.Tensor]) -> tuple[dict[int, int], bool]:
-    """Walk the autograd graph of the logits once.
+def inspect_graph(root: Any, weights: dict[int, Any], outputs: list[torch.Tensor],
+                  stop: Iterable[Any] = ()) -> tuple[dict[int, int], bool]:
+    """Walk the autograd graph of the logits once (not below the nodes ``stop``).
 
     Returns:
         ``(uses, batched)``: how many graph edges lead to each weight (more than one:
@@ -620,7 +664,7 @@ def inspect_graph(root: Any, weights: dict[int, Any], outputs: list[torch.Tensor
     uses = {key: 0 for key in weights}
     targets = {o.grad_fn for o in outputs if o.grad_fn is not None}
     children: dict[Any, list[Any]] = {}
-    todo, seen = [root], set()
+    todo, seen = [root], set(stop)
     while todo:
         fn = todo.pop()
         if fn is None or fn in seen:
@@ -644,7 +688,7 @@ def inspect_graph(root: Any, weights: dict[int, Any], outputs: list[torch.Tensor
     stack: list[tuple[Any, int]] = [(root, 0)] if root is not None else []
     while stack:
         fn, i = stack.pop()
-        kids = children[fn]
+        kids = children.get(fn, [])
         if i < len(kids):
             stack.append((fn, i + 1))
             if kids[i] not in leads:

@@ -33,10 +33,15 @@ import inspect
 import re
 import sys
 import threading
+import weakref
 from typing import Any, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from normflat.backends.torch.ggn import (Deltas, NoFastPath, _builtin, _dense_squares, _first_of_tuple, _foldable,
+                                         _inner_uses, _with_call)
 
 __all__ = ["register_known_layers", "packed_blocks", "is_causal_lm", "analysis_mode", "with_decoder_inputs"]
 
@@ -120,7 +125,7 @@ def _register_transformers() -> None:
                                generic_reason=_EXPERTS_REASON)
             elif attr.lower().endswith("router") and cls not in known and getattr(cls, "__module__", None) == name \
                     and isinstance(cls, type) and issubclass(cls, nn.Module) and _linear_router(cls):
-                register_layer(cls, kind="router", check=check_router, generic_reason=_ROUTER_REASON)
+                register_layer(cls, kind="router", check=check_router, ggn_squares=router_squares)
 
 
 # ============================================================================ mixture-of-experts layers
@@ -154,6 +159,12 @@ def _expert_layout(module: nn.Module) -> tuple[bool, bool, bool]:
             return known
     gated = bool(getattr(module, "has_gate", True))
     return gated, bool(getattr(module, "is_transposed", False)), gated and not getattr(module, "is_concatenated", True)
+
+
+def _dispatches_experts(cls: type) -> bool:
+    """Whether ``cls``'s forward (its own or inherited) is ``use_experts_implementation``'s dispatch."""
+    forward = getattr(cls, "forward", None)
+    return getattr(forward, "__globals__", {}).get("__name__") == "transformers.integrations.moe"
 
 
 def check_experts(module: nn.Module) -> str | None:
@@ -205,11 +216,186 @@ def expert_weights(module: nn.Module) -> list[Any]:
             (f"{e}.gate_proj", e * rows, e * rows + half), (f"{e}.up_proj", e * rows + half, (e + 1) * rows))]
     else:
         first_blocks = [(f"{e}.up_proj", e * rows, (e + 1) * rows) for e in range(experts)]
+    # The fast rules recompute the routed experts as use_experts_implementation's classes define
+    # them; an older class (Llama 4's: every expert on every token) and a norm after each expert
+    # take the generic path.
+    ruled = _dispatches_experts(type(module)) and not getattr(module, "has_post_expert_norm", False)
     return [
-        ModuleWeight(None, first, to_canonical=_expert_canonical(transposed, interleaved), blocks=first_blocks),
+        ModuleWeight(None, first, to_canonical=_expert_canonical(transposed, interleaved), blocks=first_blocks,
+                     ggn_squares=expert_first_squares if ruled else None),
         ModuleWeight(None, down, to_canonical=_expert_canonical(transposed, False),
-                     blocks=[(f"{e}.down_proj", e * width, (e + 1) * width) for e in range(experts)]),
+                     blocks=[(f"{e}.down_proj", e * width, (e + 1) * width) for e in range(experts)],
+                     ggn_squares=expert_down_squares if ruled else None),
     ]
+
+
+def _expert_routing(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(top_k_index, top_k_weights)`` of an experts call ``(hidden_states, index, weights)``."""
+    index = args[0] if len(args) > 0 else next(
+        (kwargs[k] for k in ("top_k_index", "router_indices", "selected_experts") if k in kwargs), None)
+    weights = args[1] if len(args) > 1 else next(
+        (kwargs[k] for k in ("top_k_weights", "routing_weights") if k in kwargs), None)
+    if not (isinstance(index, torch.Tensor) and isinstance(weights, torch.Tensor)):
+        raise NoFastPath("the experts are not called as (hidden_states, top_k_index, top_k_weights)")
+    return index, weights
+
+
+class _RoutedExperts:
+    """One call of a transformers experts module, recomputed expert by expert for the fast rules.
+
+    Expert ``e`` maps each token ``x`` routed to it (slot ``s`` of its top-k, routing weight
+    ``w``) to ``w · (W_down (g(W_gu x + b_gu)) + b_down)``, ``g`` the module's own ``_apply_gate``
+    (``act_fn`` without a gate), in the stored row order; the module's output is the sum over a
+    token's slots. The rules back-propagate the signals at that output through this map, one
+    expert at a time, and sum each sample's per-token gradients (method §6.1, "Mixture-of-experts
+    layers")."""
+
+    def __init__(self, module: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict) -> None:
+        if getattr(module, "has_post_expert_norm", False):
+            raise NoFastPath("a normalization after each expert")
+        self.module = module
+        self.gated, self.transposed, _ = _expert_layout(module)
+        index, weights = _expert_routing(args, kwargs)
+        # A folded (n, f, H) input: f tokens per sample (the session's rows per sample).
+        self.rows_per_sample = int(x.shape[1]) if x.dim() == 3 else 1
+        self.x = x.reshape(-1, x.shape[-1])
+        tokens = self.x.shape[0]
+        if x.dim() not in (2, 3) or index.shape[0] != tokens or weights.shape[0] != tokens:
+            raise NoFastPath("the experts' tokens are not one row of (hidden_states, top_k_index, top_k_weights)")
+        self.index = index.detach().reshape(tokens, -1)
+        self.weights = weights.detach().reshape(tokens, -1).to(self.x.dtype)
+        self.first = module.gate_up_proj if self.gated else module.up_proj
+        self.down = module.down_proj
+        bias = getattr(module, "has_bias", False)
+        self.first_bias = getattr(module, "gate_up_proj_bias" if self.gated else "up_proj_bias", None) if bias else None
+        self.down_bias = getattr(module, "down_proj_bias", None) if bias else None
+
+    def matrix(self, p: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert ``e``'s ``(out, in)`` matrix of the stacked parameter ``p`` (stored row order)."""
+        w = p[e].detach()
+        return w.transpose(0, 1) if self.transposed else w
+
+    def gate(self, u: torch.Tensor) -> torch.Tensor:
+        return self.module._apply_gate(u) if self.gated else self.module.act_fn(u)
+
+    def experts(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per expert hit: ``(e, tokens, routing weights, pre-activations u = W_gu x + b)``."""
+        for e in range(int(self.first.shape[0])):
+            tok, slot = torch.where(self.index == e)
+            if tok.numel() == 0:
+                continue
+            u = self.x[tok] @ self.matrix(self.first, e).transpose(0, 1)
+            if self.first_bias is not None:
+                u = u + self.first_bias[e].detach()
+            yield e, tok, self.weights[tok, slot], u
+
+    def output(self) -> torch.Tensor:
+        """The module's output recomputed (to check it against the module's own forward)."""
+        out = torch.zeros_like(self.x)
+        for e, tok, w, u in self.experts():
+            y = self.gate(u) @ self.matrix(self.down, e).transpose(0, 1)
+            if self.down_bias is not None:
+                y = y + self.down_bias[e].detach()
+            out.index_add_(0, tok, w[:, None] * y)
+        return out
+
+    def padded(self, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Each sample's routed tokens in rows of their own: ``(row, position)`` per token of
+        ``tok`` (ascending) in an ``(samples hit, most tokens of one sample)`` grid."""
+        sample = torch.div(tok, self.rows_per_sample, rounding_mode="floor")
+        _, row, counts = torch.unique_consecutive(sample, return_inverse=True, return_counts=True)
+        starts = torch.cumsum(counts, 0) - counts
+        position = torch.arange(tok.numel(), device=tok.device) - torch.repeat_interleave(starts, counts)
+        return row, position, int(counts.shape[0])
+
+
+def _grid(values: torch.Tensor, row: torch.Tensor, position: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """``values`` ``(tokens, d)`` placed at ``(row, position)`` of zeros ``(rows, width, d)``
+    (``(rows, d)`` for one position: the rank-one sums of a dense layer)."""
+    if width == 1:
+        return values.new_zeros((rows, values.shape[-1])).index_copy_(0, row, values)
+    grid = values.new_zeros((rows, width, values.shape[-1]))
+    grid[row, position] = values
+    return grid
+
+
+def _expert_squares(module: nn.Module, x: torch.Tensor, deltas: Any, args: tuple, kwargs: dict | None,
+                    out: torch.Tensor | None, which: str) -> torch.Tensor:
+    """Sums of squared per-sample gradients of one stacked experts parameter, ``(K, *shape)``:
+    per expert, the dense rule on the tokens routed to it, each sample's tokens its positions."""
+    call = _RoutedExperts(module, x, args, kwargs or {})
+    _check_experts_forward(call)
+    param = call.first if which == "first" else call.down
+    k, m = deltas.k, deltas.m
+    res = out if out is not None else param.new_zeros((k, *param.shape))
+    flat = [None if p is None else p.reshape(-1, p.shape[-1]) for p in deltas.parts]
+    live = [j for j, p in enumerate(flat) if p is not None]
+    for e, tok, w, u in call.experts():
+        row, position, rows = call.padded(tok)
+        width = int(position.max()) + 1
+        down = call.matrix(call.down, e)  # (H, I)
+        # The signals at expert e's output for its tokens: the routing weight times the module's.
+        at_output = torch.stack([w[:, None] * flat[j][tok] for j in live])  # (S, tokens, H)
+        if which == "down":
+            a = call.gate(u)
+            signals = at_output
+        else:
+            a = call.x[tok]
+            at_gate = at_output @ down  # (S, tokens, I): at the gate's output
+            # The gate acts on each row's last axis: one backward for every signal at once.
+            stacked = u.detach().expand(at_gate.shape[0], *u.shape).clone().requires_grad_(True)
+            with torch.enable_grad():
+                signals = torch.autograd.grad(call.gate(stacked), stacked, at_gate)[0]  # (S, tokens, rows)
+        parts: list[torch.Tensor | None] = [None] * (k * m)
+        for j, sig in zip(live, signals):
+            parts[j] = _grid(sig, row, position, rows, width)
+        target = res[:, e].transpose(1, 2) if call.transposed else res[:, e]
+        _dense_squares(_grid(a, row, position, rows, width), Deltas(parts, k, m), int(target.shape[1]),
+                       int(target.shape[2]), target)
+    return res
+
+
+#: Experts modules whose forward was checked against :meth:`_RoutedExperts.output` (by identity).
+_CHECKED_EXPERTS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def _check_experts_forward(call: _RoutedExperts) -> None:
+    """Once per module: its own forward (hooks bypassed) on a few of the call's tokens computes what
+    the rules assume; otherwise the generic path, which differentiates the forward itself."""
+    module = call.module
+    ok = _CHECKED_EXPERTS.get(module)
+    if ok is None:
+        few = slice(0, min(64, call.x.shape[0]))
+        sub = _RoutedExperts(module, call.x[few], (call.index[few], call.weights[few]), {})
+        with torch.no_grad():
+            want = type(module).forward(module, call.x[few], call.index[few], call.weights[few].to(call.x.dtype))
+            got = sub.output()
+        scale = float(want.abs().max()) if want.numel() else 0.0
+        tol = 1e3 * torch.finfo(want.dtype).eps * max(scale, 1e-30)
+        ok = isinstance(want, torch.Tensor) and want.shape == got.shape and bool((want - got).abs().max() <= tol)
+        _CHECKED_EXPERTS[module] = ok
+    if not ok:
+        raise NoFastPath("the experts' forward does not compute the routed gated MLP the fast rule assumes")
+
+
+@_inner_uses
+@_foldable
+@_with_call
+@_builtin
+def expert_first_squares(module: nn.Module, x: torch.Tensor, deltas: Any, args: tuple = (),
+                         kwargs: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Fast GGN rule of a transformers experts module's ``gate_up_proj`` (``up_proj``), ``(K, *shape)``."""
+    return _expert_squares(module, x, deltas, args, kwargs, out, "first")
+
+
+@_inner_uses
+@_foldable
+@_with_call
+@_builtin
+def expert_down_squares(module: nn.Module, x: torch.Tensor, deltas: Any, args: tuple = (),
+                        kwargs: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Fast GGN rule of a transformers experts module's ``down_proj``, ``(K, *shape)``."""
+    return _expert_squares(module, x, deltas, args, kwargs, out, "down")
 
 
 _ROUTER_READ = re.compile(r"linear\(\s*[^,()]+(?:\([^()]*\))?\s*,\s*self\.weight")
@@ -220,14 +406,55 @@ _ROUTER_ALSO = re.compile(r"self\.weight\.(?:t\(\)|dtype)")
 def _linear_router(cls: Any) -> bool:
     """Whether ``cls`` is a transformers router whose forward reads its ``(experts, features)``
     ``weight`` only as ``F.linear(hidden_states, self.weight)`` (cast or not; also ``mm`` with
-    ``self.weight.t()``): the router logits are that linear map of the tokens (read from the
-    forward's source)."""
+    ``self.weight.t()``; an ``nn.Linear`` subclass by ``super().forward``): the router logits are
+    that linear map of the tokens (read from the forward's source)."""
     body = _forward_body(cls)
     if not body:
         return False
     text = " ".join(body)
     rest, reads = _ROUTER_READ.subn("", text)
+    if issubclass(cls, nn.Linear):  # PhiMoE's, Llama 4's: nn.Linear's own map, then the routing
+        rest, more = re.subn(r"super\(\)\.forward\(", "", rest)
+        reads += more
     return reads > 0 and "self.weight" not in _ROUTER_ALSO.sub("", rest)
+
+
+#: Routers whose forward was checked to return their linear map's output first (by identity).
+_CHECKED_ROUTERS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+@_first_of_tuple
+@_foldable
+@_builtin
+def router_squares(module: nn.Module, x: torch.Tensor, deltas: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Fast GGN rule of a router (:func:`_linear_router`): ``nn.Linear``'s, with the signals taken at
+    the router logits it returns first (the session's capture), which are ``F.linear(x, weight)``,
+    cast or not. The router's softmax and top-k inside it lie between those logits and the model's,
+    so the signals there carry them. Checked once per module on a few tokens: otherwise the generic
+    path."""
+    weight = module.weight
+    like = next(p for p in deltas.parts if p is not None)
+    rows = x.reshape(-1, x.shape[-1])
+    ok = _CHECKED_ROUTERS.get(module)
+    if ok is None:
+        few = rows[:64]
+        with torch.no_grad():
+            returned = type(module).forward(module, few)
+            first = returned[0] if isinstance(returned, tuple) and returned else None
+            want = F.linear(few.to(like.dtype), weight.detach().to(like.dtype))
+        ok = (isinstance(first, torch.Tensor) and first.shape == want.shape
+              and bool((first.to(want.dtype) - want).abs().max()
+                       <= 1e3 * torch.finfo(want.dtype).eps * max(float(want.abs().max()), 1e-30)))
+        _CHECKED_ROUTERS[module] = ok
+    if not ok:
+        raise NoFastPath("the router does not return F.linear(hidden_states, weight) first")
+    experts, features = weight.shape
+    # The logits' dtype (a router may compute in float32); the sums in the weight's.
+    a = x.to(like.dtype).reshape(*x.shape[:-1], features)
+    if out is not None and out.dtype == like.dtype:
+        return _dense_squares(a, deltas, experts, features, out)
+    res = _dense_squares(a, deltas, experts, features).to(weight.dtype)
+    return res if out is None else out.add_(res)
 
 
 def check_router(module: nn.Module) -> str | None:
@@ -238,9 +465,8 @@ def check_router(module: nn.Module) -> str | None:
     return None
 
 
-#: Why experts and routers take the generic path.
-_EXPERTS_REASON = "the experts' matrices are applied to the tokens routed to each expert (no fast rule)"
-_ROUTER_REASON = "the router's output is the tokens' routing (softmax and top-k of its linear map), not the map"
+#: Why an experts module without a fast rule takes the generic path.
+_EXPERTS_REASON = "experts of a class the fast rule does not know (every expert on every token, or a norm after each)"
 
 
 # ============================================================================ timm
@@ -495,8 +721,7 @@ def _experts_configs(model: nn.Module) -> list[Any]:
     """The distinct configs whose ``_experts_implementation`` the experts modules of ``model`` read."""
     found: dict[int, Any] = {}
     for m in model.modules():
-        forward = getattr(type(m), "forward", None)
-        if getattr(forward, "__globals__", {}).get("__name__") == "transformers.integrations.moe":
+        if _dispatches_experts(type(m)):
             config = getattr(m, "config", None)
             if config is not None:
                 found.setdefault(id(config), config)

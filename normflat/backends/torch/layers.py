@@ -12,7 +12,7 @@ subclasses of a registered type match too.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -54,6 +54,8 @@ class ModuleWeight:
         blocks: ``[(suffix, start, stop), ...]``: canonical row blocks that are separate
             linear maps (method §3, "Packed maps are split"); ``None``: one map.
         kind: The report kind; ``None``: the extractor's.
+        ggn_squares: This weight's fast GGN rule (as :class:`LayerExtractor`'s, for this
+            parameter); ``None``: the generic path.
     """
 
     suffix: str | None
@@ -61,6 +63,7 @@ class ModuleWeight:
     to_canonical: Callable[[torch.Tensor], torch.Tensor] | None = None
     blocks: list[tuple[str, int, int]] | None = None
     kind: str | None = None
+    ggn_squares: Callable[..., torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,8 @@ class LayerExtractor:
             Default: one problem.
         weights: ``module -> [ModuleWeight, ...]`` for a module with several weight
             matrices; replaces ``weight``/``to_canonical``/``blocks``. Such weights use
-            the generic GGN path (``generic_reason`` says why).
+            their :attr:`ModuleWeight.ggn_squares`, or the generic GGN path
+            (``generic_reason`` says why).
         generic_reason: Why a layer without a fast rule takes the generic path
             (recorded in the details as ``generic_reason``). Default: ``"no fast rule"``.
         check: ``module -> str | None``: a reason to refuse this module configuration
@@ -540,8 +544,9 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
                 sub = label if mw.suffix is None else f"{label}.{mw.suffix}"
                 # convert=identity keeps a module-level to_canonical from applying to every weight.
                 convert = mw.to_canonical or (_identity if ext.to_canonical is not None else None)
-                walk.add(sub, module, mw.param, ext, kind=mw.kind, convert=convert,
-                         blocks=mw.blocks, rule=False)
+                own = ext if mw.ggn_squares is None else replace(ext, ggn_squares=mw.ggn_squares)
+                walk.add(sub, module, mw.param, own, kind=mw.kind, convert=convert,
+                         blocks=mw.blocks, rule=mw.ggn_squares is not None)
         else:
             w = ext.weight(module)
             if w is not None:

@@ -191,7 +191,9 @@ class TorchSession:
                                    and ggn_kernels.wants_deltas(layer.ext.ggn_squares)
                                    and not ggn_kernels.wants_call(layer.ext.ggn_squares)]
                 self.capture = ggn_kernels.Capture([use for layer in fast if not layer.table for use in layer.uses],
-                                                   [id(layer) for layer in self._broadcast])
+                                                   [id(layer) for layer in self._broadcast],
+                                                   [id(layer) for layer in fast
+                                                    if ggn_kernels.first_of_tuple(layer.ext.ggn_squares)])
                 for layer in fast:
                     layer.param.requires_grad_(True)  # so the layer outputs carry gradients for the signals
         except BaseException:
@@ -739,13 +741,25 @@ class TorchSession:
             calls = [cap.calls.get(id(use), 0) for use in layer.uses]
             if any(count != 1 for count in calls):
                 layer.disable_fast(f"module called {next(c for c in calls if c != 1)} times per forward")
-            elif uses[id(layer.param)] != 1 + len(layer.tied):
+            elif uses[id(layer.param)] != self._uses_inside(layer):
                 layer.disable_fast(f"weight used {uses[id(layer.param)]} times in the graph" if not layer.tied else
                                    f"tied weight used {uses[id(layer.param)]} times in the graph, not once per "
                                    f"module ({1 + len(layer.tied)})")
             elif any(id(use) not in cap.outputs for use in layer.uses):
                 layer.disable_fast("module input or output is not a single tensor")
         self.checked = True
+
+    def _uses_inside(self, layer: TorchLayer) -> int:
+        """The graph edges to a fast layer's weight its rule accounts for: one per module using it,
+        or, for a module that reads it once per expert (:func:`~normflat.backends.torch.ggn.inner_uses`),
+        those between its output and its input; any other use leaves the fast path."""
+        if layer.tied or not ggn_kernels.inner_uses(layer.ext.ggn_squares):
+            return 1 + len(layer.tied)
+        assert self.capture is not None
+        out, given = self.capture.outputs[id(layer)], self.capture.live_inputs[id(layer)]
+        inside, _ = ggn_kernels.inspect_graph(out.grad_fn, {id(layer.param): layer}, [],
+                                              stop=[given.grad_fn] if given.grad_fn is not None else [])
+        return max(inside[id(layer.param)], 1)
 
     def _signal_blocks(self, logits: torch.Tensor, counted: torch.Tensor | None,
                        uniforms: torch.Tensor | None, diagonal: bool = False) -> Iterator[torch.Tensor]:
@@ -929,7 +943,7 @@ class TorchSession:
         for layer in fast:
             sizes = {int(cap.outputs[id(use)].shape[0]) if cap.outputs[id(use)].dim() else -1 for use in layer.uses}
             size = sizes.pop() if len(sizes) == 1 else -1
-            dense = (not layer.tied and layer.ext.ggn_squares in ggn_kernels.FOLDABLE and size > 0
+            dense = (not layer.tied and ggn_kernels.foldable(layer.ext.ggn_squares) and size > 0
                      and cap.inputs[id(layer)].dim() > 0 and int(cap.inputs[id(layer)].shape[0]) == size)
             if size == rows and rows == 1:
                 continue
