@@ -304,6 +304,66 @@ def _recurrent_weights(gates: tuple[str, ...], kind: str) -> Callable[[Any], lis
     return extract
 
 
+def _experts_canonical(interleaved: bool) -> Callable[[Any], Any]:
+    """keras-hub's stacked experts kernel ``(experts, in, out)`` to the canonical ``(experts·out, in)``:
+    expert after expert, each expert's gate rows before its up rows (de-interleaved if packed
+    ``[gate₀, up₀, gate₁, ...]``)."""
+    def convert(t: Any) -> Any:
+        t = tf.transpose(t, (0, 2, 1))
+        experts, rows, cols = int(t.shape[0]), int(t.shape[1]), int(t.shape[2])
+        if interleaved:
+            t = tf.transpose(tf.reshape(t, (experts, rows // 2, 2, cols)), (0, 2, 1, 3))
+        return tf.reshape(t, (experts * rows, cols))
+    return convert
+
+
+#: keras-hub's experts layers (every expert on every token, weighted by the routing): per class,
+#: its stacked kernels ``(attribute, map)``, each ``(experts, in, out)``; ``"gate_up"`` packs the
+#: gate then the up map along its output axis, ``"gate_up_interleaved"`` alternates them.
+_HUB_EXPERTS = {
+    ("keras_hub.src.models.mixtral.mixtral_decoder", "MixtralMoeExperts"): (
+        ("_expert_feedforward_gate_dense", "gate"), ("_expert_feedforward_intermediate_dense", "up"),
+        ("_expert_feedforward_output_dense", "down")),
+    ("keras_hub.src.models.qwen_moe.qwen_moe_decoder", "QwenMoeExperts"): (
+        ("_expert_feedforward_gate_dense", "gate_up"), ("_expert_feedforward_output_dense", "down")),
+    ("keras_hub.src.models.qwen3_moe.qwen3_moe_decoder", "Qwen3MoeExperts"): (
+        ("_expert_feedforward_gate_dense", "gate_up"), ("_expert_feedforward_output_dense", "down")),
+    ("keras_hub.src.models.qwen3_5_moe.qwen3_5_moe_decoder", "Qwen3_5MoeExperts"): (
+        ("_expert_feedforward_gate_dense", "gate_up"), ("_expert_feedforward_output_dense", "down")),
+    ("keras_hub.src.models.gpt_oss.gpt_oss_decoder", "GptOssExperts"): (
+        ("gate_up_proj", "gate_up_interleaved"), ("down_proj", "down")),
+    ("keras_hub.src.models.gemma4.gemma4_moe", "Gemma4MoEBlock"): (
+        ("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")),
+}
+
+
+def _hub_experts_weights(kernels: tuple[tuple[str, str], ...]) -> Callable[[Any], list[KerasWeight]]:
+    """The stacked kernels of a keras-hub experts layer as one problem per expert and linear map
+    (method §3, "Mixture-of-experts layers"): ``<layer>/gate.<e>``, ``/up.<e>``, ``/down.<e>``, and
+    ``/gate_up.<e>.gate`` and ``.<e>.up`` for a kernel packing both."""
+
+    def extract(layer: Any) -> list[KerasWeight]:
+        out = []
+        for attr, maps in kernels:
+            v = getattr(layer, attr, None)
+            shape = _shape(v) if v is not None else ()
+            packed = maps.startswith("gate_up")
+            if len(shape) != 3 or (packed and shape[2] % 2):
+                raise UnsupportedLayer(f"{type(layer).__name__}.{attr} is not an (experts, in, out) kernel")
+            experts, rows = shape[0], shape[2]
+            if packed:
+                half = rows // 2
+                blocks = tuple(b for e in range(experts) for b in (
+                    (f"{e}.gate", e * rows, e * rows + half), (f"{e}.up", e * rows + half, (e + 1) * rows)))
+            else:
+                blocks = tuple((f"{e}", e * rows, (e + 1) * rows) for e in range(experts))
+            out.append(KerasWeight(v, _experts_canonical(maps == "gate_up_interleaved"), "expert",
+                                   "/gate_up" if packed else f"/{maps}", blocks=blocks))
+        return out
+
+    return extract
+
+
 _KERAS_HUB_REGISTERED = False
 
 
@@ -323,6 +383,10 @@ def _register_keras_hub() -> None:
                        None)
     if isinstance(relative, type) and relative not in REGISTRY.entries():
         register_layer(relative, _relative_embedding_weights)
+    for (module_name, cls_name), kernels in _HUB_EXPERTS.items():
+        experts = getattr(sys.modules.get(module_name), cls_name, None)
+        if isinstance(experts, type) and experts not in REGISTRY.entries():
+            register_layer(experts, _hub_experts_weights(kernels))
 
 
 def _register_builtins() -> None:
