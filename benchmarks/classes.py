@@ -32,6 +32,10 @@ Problems:
 * ``gpt2-untied-50000``: the same GPT-2 with a 50000-token vocabulary and its own head (not
   tied to the token embedding: a dense head whose output is the logits), 2 sequences of 128
   tokens (no "per token" column).
+* ``llama-5000`` / ``mixtral-5000``: a 2-layer Llama (width 64, MLP 256) and a 2-layer Mixtral
+  (width 64, 8 experts of 128 units, two per token: the same active width) with a 5000-token
+  vocabulary, 4 sequences of 32 tokens: the cost of the mixture-of-experts layers' rules
+  against the dense MLP's.
 
 Run::
 
@@ -98,6 +102,24 @@ def _gpt2_untied(vocab: int) -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
+def _llama(vocab: int) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    return LlamaForCausalLM(config)
+
+
+def _mixtral(vocab: int) -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    # Two of 8 experts of 128 units per token: the same active width as _llama's 256.
+    config = MixtralConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                           num_local_experts=8, num_experts_per_tok=2)
+    return MixtralForCausalLM(config)
+
+
 #: name -> (factory, classes, input shape with batch axis, BackPACK runs on it, exact ggn is run)
 PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool, bool]] = {
     "mlp-10": (_mlp, 10, (128, 1, 28, 28), True, True),
@@ -108,8 +130,10 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
     "vit-1000": (_vit, 1000, (16, 3, 32, 32), False, False),
     "gpt2-5000": (_gpt2, 5000, (4, 32), False, False),
     "gpt2-untied-50000": (_gpt2_untied, 50000, (2, 128), False, False),
+    "llama-5000": (_llama, 5000, (4, 32), False, False),
+    "mixtral-5000": (_mixtral, 5000, (4, 32), False, False),
 }
-LANGUAGE_MODELS = ("gpt2-5000", "gpt2-untied-50000")
+LANGUAGE_MODELS = ("gpt2-5000", "gpt2-untied-50000", "llama-5000", "mixtral-5000")
 #: The language models timed with one signal per token too (the "per token" column).
 PER_TOKEN_TIMED = ("gpt2-5000",)
 
