@@ -355,15 +355,19 @@ def _expert_squares(module: nn.Module, x: torch.Tensor, deltas: Any, args: tuple
     return res
 
 
-#: Experts modules whose forward was checked against :meth:`_RoutedExperts.output` (by identity).
+#: Experts modules whose forward was checked against :meth:`_RoutedExperts.output` (by identity),
+#: and routers checked by :func:`router_squares`; written under :data:`_CHECKED_LOCK` (analyses in
+#: threads).
 _CHECKED_EXPERTS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+_CHECKED_LOCK = threading.Lock()
 
 
 def _check_experts_forward(call: _RoutedExperts) -> None:
     """Once per module: its own forward (hooks bypassed) on a few of the call's tokens computes what
     the rules assume; otherwise the generic path, which differentiates the forward itself."""
     module = call.module
-    ok = _CHECKED_EXPERTS.get(module)
+    with _CHECKED_LOCK:
+        ok = _CHECKED_EXPERTS.get(module)
     if ok is None:
         few = slice(0, min(64, call.x.shape[0]))
         sub = _RoutedExperts(module, call.x[few], (call.index[few], call.weights[few]), {})
@@ -373,7 +377,8 @@ def _check_experts_forward(call: _RoutedExperts) -> None:
         scale = float(want.abs().max()) if want.numel() else 0.0
         tol = 1e3 * torch.finfo(want.dtype).eps * max(scale, 1e-30)
         ok = isinstance(want, torch.Tensor) and want.shape == got.shape and bool((want - got).abs().max() <= tol)
-        _CHECKED_EXPERTS[module] = ok
+        with _CHECKED_LOCK:
+            _CHECKED_EXPERTS[module] = ok
     if not ok:
         raise NoFastPath("the experts' forward does not compute the routed gated MLP the fast rule assumes")
 
@@ -435,7 +440,8 @@ def router_squares(module: nn.Module, x: torch.Tensor, deltas: Any, out: torch.T
     weight = module.weight
     like = next(p for p in deltas.parts if p is not None)
     rows = x.reshape(-1, x.shape[-1])
-    ok = _CHECKED_ROUTERS.get(module)
+    with _CHECKED_LOCK:
+        ok = _CHECKED_ROUTERS.get(module)
     if ok is None:
         few = rows[:64]
         with torch.no_grad():
@@ -445,7 +451,8 @@ def router_squares(module: nn.Module, x: torch.Tensor, deltas: Any, out: torch.T
         ok = (isinstance(first, torch.Tensor) and first.shape == want.shape
               and bool((first.to(want.dtype) - want).abs().max()
                        <= 1e3 * torch.finfo(want.dtype).eps * max(float(want.abs().max()), 1e-30)))
-        _CHECKED_ROUTERS[module] = ok
+        with _CHECKED_LOCK:
+            _CHECKED_ROUTERS[module] = ok
     if not ok:
         raise NoFastPath("the router does not return F.linear(hidden_states, weight) first")
     experts, features = weight.shape
