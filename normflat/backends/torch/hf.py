@@ -97,6 +97,11 @@ def _scaled_word_embedding(cls: Any) -> bool:
     return isinstance(cls, type) and issubclass(cls, nn.Embedding) and _forward_body(cls) in _SCALED_EMBEDDING_BODIES
 
 
+#: ``(len(sys.modules), [(name, module), ...])``: the loaded transformers model modules when
+#: :func:`_register_transformers` last looked (looked for again when a module was loaded since).
+_MODEL_MODULES: tuple[int, list[tuple[str, Any]]] = (-1, [])
+
+
 def _register_transformers() -> None:
     from normflat.backends.torch.ggn import linear_squares, scaled_embedding_squares, transposed_linear_squares
     from normflat.backends.torch.layers import check_embedding, register_layer, registered_layers
@@ -110,22 +115,46 @@ def _register_transformers() -> None:
     if falcon is not None and falcon not in known and issubclass(falcon, nn.Linear) \
             and _forward_body(falcon) in _LINEAR_BODIES:
         register_layer(falcon, kind="dense", ggn_squares=linear_squares)  # F.linear written out
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("transformers.models.") or module is None:
-            continue
-        for attr, cls in list(vars(module).items()):
-            if attr.endswith("ScaledWordEmbedding") and cls not in known and getattr(cls, "__module__", None) == name \
-                    and _scaled_word_embedding(cls):
+    global _MODEL_MODULES
+    if _MODEL_MODULES[0] != len(sys.modules):  # a module loaded since the last look (3000+ of them to scan)
+        _MODEL_MODULES = (len(sys.modules), [(name, module) for name, module in list(sys.modules.items())
+                                             if name.startswith("transformers.models.") and module is not None])
+    for name, module in _MODEL_MODULES[1]:
+        for role, cls in _model_classes(name, module):
+            if cls in known:  # a user's own entry wins
+                continue
+            if role == "scaled_embedding":
                 # nn.Embedding's rule with the signals times embed_scale; tied to the head too.
                 register_layer(cls, kind="embedding", to_canonical=_transposed,
                                ggn_squares=scaled_embedding_squares, check=check_embedding)
-            elif (_experts_class(cls) or (name, attr) in _UNDECORATED_EXPERTS) and cls not in known \
-                    and getattr(cls, "__module__", None) == name:
+            elif role == "experts":
                 register_layer(cls, kind="expert", weights=expert_weights, check=check_experts,
                                generic_reason=_EXPERTS_REASON)
-            elif attr.lower().endswith("router") and cls not in known and getattr(cls, "__module__", None) == name \
-                    and isinstance(cls, type) and issubclass(cls, nn.Module) and _linear_router(cls):
+            else:
                 register_layer(cls, kind="router", check=check_router, ggn_squares=router_squares)
+
+
+@functools.lru_cache(maxsize=None)
+def _classes_of(name: str, module_id: int) -> tuple[tuple[str, type], ...]:
+    """The classes a transformers model module defines that normflat registers, with their role:
+    scaled word embeddings, experts and linear routers (read once per loaded module: every analysis
+    looks the loaded modules through again)."""
+    module = sys.modules[name]
+    found: list[tuple[str, type]] = []
+    for attr, cls in list(vars(module).items()):
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module) and cls.__module__ == name):
+            continue
+        if attr.endswith("ScaledWordEmbedding") and _scaled_word_embedding(cls):
+            found.append(("scaled_embedding", cls))
+        elif _experts_class(cls) or (name, attr) in _UNDECORATED_EXPERTS:
+            found.append(("experts", cls))
+        elif attr.lower().endswith("router") and _linear_router(cls):
+            found.append(("router", cls))
+    return tuple(found)
+
+
+def _model_classes(name: str, module: Any) -> tuple[tuple[str, type], ...]:
+    return _classes_of(name, id(module))
 
 
 # ============================================================================ mixture-of-experts layers
