@@ -142,9 +142,38 @@ def test_each_expert_layout_matches_the_brute_force_ggn(kind):
     per_param = reference_ggn(model, [batch], [first, "experts.down_proj"], loss="nsce",
                               logits_of=_classifier_logits)
     want = _expert_blocks(kind, per_param)
+    assert all(np.abs(w).max() > 0 for w in want.values())  # every expert hit by some token
     for fast in (True, False):
         got = normflat.hessian_diagonal(model, data, estimator="ggn", progress=False, fast=fast)
         assert_close({name: got[name] for name in want}, want)
+
+
+def _hessian_diagonal(model, batch, name):
+    """The diagonal of the autodiff Hessian of the mean ``nsce`` loss in the parameter ``name``."""
+    values = {n: p.detach() for n, p in model.named_parameters()}
+    x, y = batch["x"], batch["labels"]
+
+    def loss(flat):
+        z = torch.func.functional_call(model, {**values, name: flat.reshape(values[name].shape)}, (x,))
+        centred = z - z.mean(-1, keepdim=True)
+        u = centred / torch.sqrt(centred.square().mean(-1, keepdim=True) + 1e-12)
+        return torch.nn.functional.cross_entropy(u, y)
+
+    h = torch.autograd.functional.hessian(loss, values[name].reshape(-1), vectorize=True)
+    return torch.diagonal(h).reshape(values[name].shape).numpy()
+
+
+def test_exact_matches_the_autodiff_hessian():
+    """``exact`` (Hessian-vector products through the experts) on GPT-OSS's layout, transposed and
+    interleaved, laid out per expert and map as the GGN is: the autodiff Hessian's diagonal."""
+    torch.manual_seed(0)
+    model = _RoutedClassifier(_experts("gpt_oss")).double()
+    batch = _tokens()
+    got = normflat.hessian_diagonal(model, [(batch["x"], batch["labels"])], estimator="exact", progress=False)
+    want = _expert_blocks("gpt_oss", {n: _hessian_diagonal(model, batch, n)
+                                      for n in ("experts.gate_up_proj", "experts.down_proj")})
+    assert all(np.abs(w).max() > 0 for w in want.values())
+    assert_close({name: got[name] for name in want}, want)
 
 
 # ============================================================================ a Mixtral language model
