@@ -685,6 +685,8 @@ def walk(model: Any, on_unsupported: str,
                 reason = None if fast or separable else (
                     "several weight tensors in one layer" if kind else
                     tied_reversible_reason(child) if reversible is not None and isinstance(child, reversible) else
+                    f"{type(child).__name__}: keras-hub experts (every expert on every token) have no fast rule"
+                    if weights and all(w.kind == "expert" for w in weights) else
                     f"{type(child).__name__} has no fast path (not Keras' own Dense/Conv call)")
                 for j, w in enumerate(weights):
                     if separable:
