@@ -61,6 +61,7 @@ __all__ = [
     "classes_factor",
     "sequence_members",
     "pool_signals",
+    "padding_signals",
     "zero_signals",
     "logit_stats",
     "combined_logit_stats",
@@ -509,7 +510,8 @@ def output_signals(xp: Any, logits: Any, options: AnalysisOptions, uniforms: Any
     return sig
 
 
-def pool_signals(xp: Any, signals: Any, options: AnalysisOptions, sequence: bool = False) -> tuple[Any, list[int]]:
+def pool_signals(xp: Any, signals: Any, options: AnalysisOptions, sequence: bool = False,
+                 padding: Any = ()) -> tuple[Any, list[int]]:
     """The signals of :attr:`AnalysisOptions.pooled` sums: one group ``(1, M', ...)``.
 
     The ``K`` sampled groups ``(K, M, ...)`` become ``K·M`` signals, each scaled by
@@ -525,19 +527,66 @@ def pool_signals(xp: Any, signals: Any, options: AnalysisOptions, sequence: bool
         sequence: The signals are :func:`token_signals`' per-sequence ones
             (:meth:`~normflat.engine.options.AnalysisOptions.sequence_layout`), whose
             shared group 0 is all zeros (:func:`zero_signals`): it is left out.
+        padding: The flat indices ``g·M + j`` of ``signals`` known to be zero
+            (:func:`padding_signals`).
 
     Returns:
         ``(signals, padding)``: the pooled signals and the flat indices of those known to be
-        zero (none: the empty shared group is not included).
+        zero among them (the empty shared group is not included).
     """
     k = options.groups
     offset = 1 if options.shared_group else 0
     m = int(signals.shape[1])
     rest = tuple(int(d) for d in signals.shape[2:])
     sampled = xp.reshape(signals[offset:], (1, k * m, *rest)) / math.sqrt(k)
-    if not offset or zero_signals(options, m, sequence):
-        return sampled, []
-    return xp.concat([signals[:1], sampled], axis=1), []
+    # Pooling keeps the flat order g·M + j (group 0's members first), less the dropped group 0.
+    if not offset:
+        return sampled, sorted(int(i) for i in padding)
+    if zero_signals(options, m, sequence):
+        return sampled, sorted(int(i) - m for i in padding if i >= m)
+    return xp.concat([signals[:1], sampled], axis=1), sorted(int(i) for i in padding)
+
+
+def padding_signals(options: AnalysisOptions, num_classes: int, members: tuple[int, int] | None = None,
+                    tokens: int = 1, sequence: bool = False) -> list[int]:
+    """Flat indices of a block of ``(K', M'', ...)`` signals known to be zero before they are formed.
+
+    The ``(K', M)`` layout is rectangular, its groups are not: ``ggn-topk``'s shared group 0
+    holds ``min(k, C)`` exact signals, each sampled group its own draws (``⌈S/K⌉`` or one
+    fewer), and a shorter group is padded with zero signals up to ``M``; per-sequence token
+    signals also have an all-zero group 0 (:func:`zero_signals`). The real slots are
+    :func:`signal_slots`'; the others cost a back-propagation each and add nothing, so a
+    backend leaves them out (``top_classes=10`` with the default ``samples=10`` and ``K = 5``
+    has ``M = 10``: 20 real signals of 60).
+
+    Args:
+        options: The analysis options.
+        num_classes: ``C``.
+        members: ``(lo, hi)``: the block holds members ``lo .. hi − 1`` of every group
+            (:meth:`Factor.members`, ``token_signals(..., members=...)``); ``None``: all ``M``
+            (``M'`` of :meth:`~normflat.engine.options.AnalysisOptions.token_signals_per_group`
+            per sequence).
+        tokens: Per-token signals of a window of ``W = tokens`` tokens
+            (:func:`token_signals`): member ``m`` of token ``t`` is signal ``m·W + t``.
+        sequence: Per-sequence token signals (``signal_slots(..., sequence=True)``).
+
+    Returns:
+        The sorted flat indices ``g·M'' + j`` (``M'' = (hi − lo)·W``) of the block's padding.
+    """
+    if options.estimator not in ("ggn-mc", "ggn-topk"):
+        return []  # the exact ggn and the diagonal signals have no padding
+    if sequence:
+        full = options.token_signals_per_group(num_classes, 1)  # independent of the tokens
+    else:
+        full = options.signals_per_group(num_classes)
+    lo, hi = members if members is not None else (0, full)
+    width = (hi - lo) * tokens
+    real = np.zeros((options.state_groups, hi - lo), dtype=bool)
+    for g, j in signal_slots(options, num_classes, sequence=sequence):
+        if lo <= j < hi:
+            real[g, j - lo] = True
+    pad = np.repeat(~real, tokens, axis=1)  # (K', (hi − lo)·W): member m of token t at m·W + t
+    return [int(i) for i in np.flatnonzero(pad.reshape(options.state_groups, width))]
 
 
 def zero_signals(options: AnalysisOptions, members: int, sequence: bool = False) -> list[int]:

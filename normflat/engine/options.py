@@ -388,8 +388,10 @@ def resolve_estimator(options: AnalysisOptions, num_classes: int, tokens: int | 
     """The concrete estimator of ``estimator="auto"`` for a model with ``num_classes`` classes.
 
     ``auto`` is the exact ``ggn`` when its ``C − 1`` signals are at most twice the
-    ``K'·M`` signals of ``ggn-topk`` (which also forms ``K'`` sums of squares per layer
-    instead of one; with the defaults, ``C <= 25``), and ``ggn-topk`` otherwise, whose
+    ``min(k, C) + S`` signals ``ggn-topk`` back-propagates (the padding of its ``(K', M)``
+    layout is not, :func:`normflat.engine.losses.padding_signals`; it also forms ``K'`` sums
+    of squares per layer instead of one; with the defaults, ``C <= 25``), and ``ggn-topk``
+    otherwise, whose
     cost does not grow with ``C`` and whose standard errors are reported (method §6.2).
     Token logits (``tokens`` given, method §6.3): ``ggn-topk`` with signals per sequence
     (:attr:`~AnalysisOptions.per_sequence`), ``K · (min(k, C) + ⌈S/K⌉)`` back-propagations per
@@ -404,7 +406,7 @@ def resolve_estimator(options: AnalysisOptions, num_classes: int, tokens: int | 
     topk = adopt_estimator(options, "ggn-topk")
     if tokens is not None and topk.per_sequence:
         return topk
-    if num_classes - 1 <= 2 * topk.state_groups * topk.signals_per_group(num_classes):
+    if num_classes - 1 <= 2 * (min(topk.top_classes, num_classes) + topk.samples):
         return adopt_estimator(options, "ggn")
     return topk
 

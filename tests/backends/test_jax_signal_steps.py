@@ -69,7 +69,7 @@ def _stepped(run, signals):
     whole, budget = _budget(run, signals)
     stepped = run(memory_budget=int(budget))
     kernel = _kernel()
-    total = kernel.bp * kernel.cols
+    total = kernel.total  # the real signals (a padded layout's padding is never back-propagated)
     step = -(-total // -(-total // signals))  # equal steps of at most that many
     assert kernel.signal_step == step < total, (kernel.signal_step, step, total)
     assert kernel.max_block == 1 and [key[1] for key in kernel._compiled] == [(("step", step),)]
@@ -168,7 +168,9 @@ def test_default_budget_steps_through_one_examples_signals(monkeypatch):
     ("tied", dict(loss="ce", estimator="ggn", sequence_signals=False)),
     ("tied", dict(loss="nsce", estimator="ggn-mc", samples=3, seed=8)),
     ("tokens", dict(loss="nsce", estimator="ggn-mc", samples=2, seed=4, sequence_signals=False)),
-], ids=["tokens-per-token", "tokens-per-sequence", "tied-per-token", "tied-per-sequence", "tokens-per-token-mc"])
+    ("tied", dict(loss="ce", estimator="ggn-topk", top_classes=1, samples=7, seed=9)),
+], ids=["tokens-per-token", "tokens-per-sequence", "tied-per-token", "tied-per-sequence", "tokens-per-token-mc",
+        "tied-per-sequence-padded"])
 def test_token_logits_lookups_and_tied_tables_in_steps(name, kw, monkeypatch):
     """Token logits: an embedding lookup, a convolution over the tokens, attention and a dense
     head, or a head tied to the embedding (its per-example gradient formed a step of signals at a
@@ -179,7 +181,9 @@ def test_token_logits_lookups_and_tied_tables_in_steps(name, kw, monkeypatch):
 
     make, layers, _ = MODELS[name]
     model, options = make(), validate_options(progress=False, **kw)
-    signals = 2 if options.per_sequence else 5  # per sequence: 9 and 3 signals, the last step padded
+    # per sequence: 9, 3 and 12 signals (7 draws in 5 groups of 2: 3 of the 15 slots are padding,
+    # never back-propagated), the last step padded
+    signals = 2 if options.per_sequence else 5
     whole_tensors, factors = [], []
     traced, factor = jax_ggn.token_signals, jax_ggn.sequence_factor
 
@@ -223,3 +227,53 @@ def test_position_table_in_steps():
     for key in whole:
         _close([stepped[key]], [whole[key]], 1e-12)
     _close([stepped[name]], [_table(ref(*data, "nsce")[name])], 1e-10)
+
+
+# ----------------------------------------------------------------------------- padding
+
+
+_TOPK, _MC = ("ggn-topk", dict(top_classes=4, samples=7)), ("ggn-mc", dict(samples=13))
+
+
+@pytest.mark.parametrize("case, estimator, kw, stepped", [
+    ("structured-head", *_TOPK, False), ("structured-head", *_MC, True), ("at-the-logits", *_MC, False),
+    ("at-the-logits", *_TOPK, True), ("tokens", *_TOPK, True), ("tokens", *_MC, False),
+    ("per token", *_TOPK, False), ("per token", *_MC, True)])
+def test_padding_signals_are_not_back_propagated(monkeypatch, case, estimator, kw, stepped):
+    """Groups shorter than the (K', M) layout (ggn-topk's 4 exact classes against 2 draws per
+    group, 7 draws in 5 groups; ggn-mc's 13 draws in 10) are padded with zero signals: only the
+    real ones are back-propagated (losses.padding_signals), all at once or in steps, and every
+    group's sums are those of the padded layout."""
+    from tests.backends.test_jax_topk import _token_data, _token_model
+
+    if case in ("tokens", "per token"):
+        model, extra = _token_model("flax_nnx")
+        x, y = _token_data()
+        data = [(jnp.asarray(x[:3]), jnp.asarray(y[:3])), (jnp.asarray(x[3:]), jnp.asarray(y[3:]))]
+        if case == "per token":
+            kw = dict(kw, sequence_signals=False)
+    else:
+        spec = (netspec.cnn(channels=(2, 3, 4), image=6, classes=12, seed=64) if case == "structured-head"
+                else netspec.mlp((5, 6, 12), activation="tanh", seed=65))
+        x, y = netspec.data(spec, n=5, seed=3)
+        builder = load_builder("flax_nnx")
+        model, data, extra = builder.build(spec), builder.make_data(x, y, 3), {}
+    options = validate_options(loss="ce", estimator=estimator, seed=3, progress=False, **kw)
+
+    def run(**more):
+        return _groups(model, data, options, **extra, **more), _diag(model, data, loss="ce", estimator=estimator,
+                                                                     seed=3, **kw, **extra, **more)
+
+    budget = {}
+    if stepped:  # a budget of 3 signals per step
+        _, budget["memory_budget"] = _budget(lambda **more: run(**more)[0], 3)
+    groups, pooled = run(**budget)
+    kernels = [k for _, k in session._CACHE._data.values() if isinstance(k, jax_ggn.GGN)]
+    assert len(kernels) == 2 and all(k.real is not None and k.total < k.bp * k.cols for k in kernels)
+    assert all((k.signal_step is not None) == stepped for k in kernels)
+    session._CACHE.clear()
+    monkeypatch.setattr(jax_ggn, "padding_signals", lambda *a, **k: [])
+    padded_groups, padded_pooled = run(**budget)
+    assert all(k.real is None for _, k in session._CACHE._data.values() if isinstance(k, jax_ggn.GGN))
+    _close(groups, padded_groups, 1e-12)
+    _close(pooled, padded_pooled, 1e-12)

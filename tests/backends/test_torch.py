@@ -6,6 +6,7 @@ import copy
 import math
 import warnings
 
+import numpy as np
 import pytest
 
 from tests.builders import require_frameworks
@@ -1214,6 +1215,73 @@ def test_hessian_diagonal_pools_the_group_sums_to_their_mean(case, estimator):
         torch.testing.assert_close(summed, groups.mean(0), rtol=1e-10, atol=1e-15)
         torch.testing.assert_close(value, torch.as_tensor(problem.hessian_diag), rtol=1e-10, atol=1e-15)
     assert distinct >= 2
+
+
+@pytest.mark.parametrize("case", ["cnn_relu", "tokens", "per token", "signal steps"])
+@pytest.mark.parametrize("estimator, options", [
+    ("ggn-topk", dict(samples=7, top_classes=4)), ("ggn-mc", dict(samples=13)),
+])
+def test_padding_signals_are_not_back_propagated(monkeypatch, case, estimator, options):
+    """Groups shorter than the (K', M) layout are padded with zero signals (ggn-topk's 4 exact
+    classes against 2 draws per group, 7 draws in 5 groups; ggn-mc's 13 draws in 10): only the real ones are
+    back-propagated (losses.padding_signals), pooled or not, and every sum is the one the padded
+    layout gives."""
+    from normflat.engine import losses
+    from normflat.engine.options import validate_options
+
+    backend: dict = {}
+    if case in ("tokens", "per token"):
+        torch.manual_seed(1)
+        model = _TokenModel().to(DT)
+        x, y = torch.randint(0, 30, (5, 7)), torch.randint(0, 30, (5, 7))
+        y[0, :3] = -100
+        if case == "per token":
+            options = dict(options, sequence_signals=False)
+    else:
+        model, x, _ = make("cnn_relu", n=9)
+        y = torch.randint(0, 3, (9,))
+        if case == "signal steps":  # one sample at a time, its signals a few members at a time
+            backend = {"memory_budget": 20_000 if estimator == "ggn-topk" else 24_000}
+    kw = dict(loss="ce", estimator=estimator, progress=False, seed=3, **options, **backend)
+    validated = validate_options(**{k: v for k, v in kw.items() if k != "memory_budget"})
+    seen: list[int] = []
+    original = ggn_kernels.backprop_signals
+
+    def counting(logits, outs, sig, batched):
+        seen.append(int(sig.shape[0]))
+        return original(logits, outs, sig, batched)
+
+    monkeypatch.setattr(ggn_kernels, "backprop_signals", counting)
+    results = {}
+    for padded in (False, True):
+        if padded:
+            monkeypatch.setattr(losses, "padding_signals", lambda *a, **k: [])
+        seen.clear()
+        pooled = normflat.hessian_diagonal(model, (x, y), **kw)
+        counts = {"pooled": sum(seen)}
+        if case == "signal steps":
+            assert len(seen) > x.shape[0]  # more than one back-propagation per sample
+        seen.clear()
+        problems, _ = tb.layer_problems(model, (x, y), validated, **backend)
+        counts["groups"] = sum(seen)
+        results[padded] = (pooled, problems, counts)
+    (pooled, problems, counts), (pooled_all, problems_all, counts_all) = results[False], results[True]
+    c = 30 if case in ("tokens", "per token") else 3
+    per_sequence = case == "tokens"
+    real = len(losses.signal_slots(validated, c, sequence=per_sequence))
+    layout = validated.state_groups * (validated.token_signals_per_group(c, 1) if per_sequence
+                                       else validated.signals_per_group(c))
+    assert real < layout - (validated.token_signals_per_group(c, 1) if per_sequence and validated.shared_group else 0)
+    for key in ("pooled", "groups"):
+        assert counts[key] < counts_all[key], (key, counts, counts_all)
+        if case == "cnn_relu":  # one block of every signal per chunk
+            assert counts[key] % real == 0 and counts_all[key] % layout == 0
+            assert counts[key] // real == counts_all[key] // layout
+    for name in pooled:
+        torch.testing.assert_close(pooled[name], pooled_all[name], rtol=1e-12, atol=1e-16)
+    for p, q in zip(problems, problems_all):
+        np.testing.assert_allclose(np.asarray(p.hessian_diag_samples), np.asarray(q.hessian_diag_samples),
+                                   rtol=1e-12, atol=1e-16)
 
 
 @pytest.mark.parametrize("estimator, options", [

@@ -259,8 +259,11 @@ def test_sequence_topk_slots_zero_group_and_pooling():
             if (g, j) not in real:
                 assert np.all(sig[g, j] == 0)
     assert losses.zero_signals(opts, sig.shape[1], sequence=True) == list(range(sig.shape[1]))
+    assert losses.padding_signals(opts, c, sequence=True) == list(range(sig.shape[1]))  # group 0 only
+    assert losses.padding_signals(opts, c, members=(1, 3), sequence=True) == [0, 1]
     # Pooled (only the mean wanted): one group, the empty shared group left out, no padding.
-    pooled, padding = losses.pool_signals(np, sig, opts, sequence=True)
+    pooled, padding = losses.pool_signals(np, sig, opts, sequence=True,
+                                          padding=losses.padding_signals(opts, c, sequence=True))
     assert pooled.shape == (1, 5 * sig.shape[1], n, t, c) and padding == []
     np.testing.assert_allclose(np.einsum("gm...,gm...->g...", pooled, pooled)[0],
                                np.einsum("gm...,gm...->...", sig[1:], sig[1:]) / 5, rtol=1e-13)
@@ -271,12 +274,17 @@ def test_pooled_signals_square_to_the_mean_of_the_group_sums():
     (shared + sampled) squares, for ggn-topk (shared group unscaled) and ggn-mc."""
     from normflat.engine.options import validate_options
 
-    for estimator, extra in (("ggn-topk", {"top_classes": 2}), ("ggn-mc", {})):
-        opts = validate_options(loss="ce", estimator=estimator, samples=9, progress=False, **extra)
+    for estimator, extra in (("ggn-topk", {"top_classes": 3}), ("ggn-mc", {})):
+        opts = validate_options(loss="ce", estimator=estimator, samples=14, progress=False, **extra)
         offset = 1 if opts.shared_group else 0
-        sig = RNG.normal(size=(offset + opts.groups, 3, 4, 6))
-        pooled, padding = losses.pool_signals(np, sig, opts)
-        assert pooled.shape[0] == 1 and padding == []
+        m = opts.signals_per_group(6)  # 3 (topk: 3 exact, 3 draws in 4 of 5 groups) or 2 (mc: 14 in 10)
+        padding = losses.padding_signals(opts, 6)
+        assert padding == ([5 * m + 2] if offset else [g * m + 1 for g in range(4, 10)])
+        sig = RNG.normal(size=(offset + opts.groups, m, 4, 6))
+        sig.reshape(-1, 4, 6)[padding] = 0.0  # the padding the engine's signals have
+        pooled, pooled_padding = losses.pool_signals(np, sig, opts, padding=padding)
+        assert pooled.shape[0] == 1 and pooled_padding == padding  # the same flat order
+        np.testing.assert_array_equal(pooled[0][pooled_padding], 0.0)
         squares = np.einsum("gmnc,gmnc->gnc", sig, sig)
         groups = squares[offset:] + (squares[0] if offset else 0)
         np.testing.assert_allclose(np.einsum("mnc,mnc->nc", pooled[0], pooled[0]), groups.mean(0), rtol=1e-13)

@@ -8,6 +8,8 @@ plain matrix products for the signals through a dense head.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -175,6 +177,40 @@ def test_signal_slots():
     assert losses.signal_slots(_opts(estimator="ggn"), 4) == [(0, 0), (0, 1), (0, 2)]
 
 
+@pytest.mark.parametrize("estimator, kw", [
+    ("ggn-topk", dict(top_classes=4, samples=7)), ("ggn-topk", dict(top_classes=2, samples=14)),
+    ("ggn-topk", dict(top_classes=2, samples=10)), ("ggn-mc", dict(samples=13)), ("ggn", {}),
+])
+def test_padding_signals_are_the_zero_signals(estimator, kw):
+    """padding_signals names exactly the signals of the layout that are zero for any logits: of the
+    whole block, of a block of members, and of per-token windows (member m of token t at m·W + t)."""
+    options = _opts(estimator=estimator, **kw)
+    c, n = 9, 5
+    z = RNG.normal(size=(n, c))
+    u = RNG.uniform(size=(n, options.draws)) if options.draws else None
+    sig = losses.output_signals(np, z, options, u)  # (K', M, n, C)
+    flat = sig.reshape(-1, n * c)
+    zero = [i for i in range(flat.shape[0]) if not np.any(flat[i])]
+    assert losses.padding_signals(options, c) == zero
+    expected = {"ggn-topk": 13 if kw.get("samples") == 7 else (2 if kw.get("samples") == 14 else 0),
+                "ggn-mc": 7, "ggn": 0}[estimator]
+    assert len(zero) == expected
+    m = sig.shape[1]
+    for lo, hi in ((0, 1), (1, m), (m - 1, m)):
+        part = sig[:, lo:hi].reshape(-1, n * c)
+        assert losses.padding_signals(options, c, members=(lo, hi)) == [
+            i for i in range(part.shape[0]) if not np.any(part[i])]
+    # Per token: a window of W tokens, each token's signals placed at its own position.
+    t, w = 4, 3
+    counted = np.ones((n, t))
+    zt = RNG.normal(size=(n, t, c))
+    ut = RNG.uniform(size=(n, t * options.draws)) if options.draws else None
+    tok = losses.token_signals(np, zt, replace(options, sequence_signals=False) if options.draws else options,
+                               counted, ut, tokens=(1, 1 + w))  # (K', M·W, n, T, C)
+    flat = tok.reshape(tok.shape[0] * tok.shape[1], -1)
+    assert losses.padding_signals(options, c, tokens=w) == [i for i in range(flat.shape[0]) if not np.any(flat[i])]
+
+
 def test_options_of_topk_and_auto():
     o = _opts(estimator="ggn-topk")
     assert (o.samples, o.top_classes, o.groups, o.state_groups, o.draws) == (10, 2, 5, 6, 10)
@@ -187,6 +223,10 @@ def test_options_of_topk_and_auto():
     assert (big.estimator, big.samples, big.top_classes) == ("ggn-topk", 10, 2)
     assert resolve_estimator(_opts(estimator="ggn-mc"), 1000).estimator == "ggn-mc"
     assert adopt_estimator(auto, "ggn-topk") == big
+    # The rule counts the signals ggn-topk back-propagates, k + S, not its padded (K', M) layout:
+    # top_classes=10 with 10 draws is 20 signals (60 slots), so the exact ggn up to 41 classes.
+    wide = _opts(top_classes=10)
+    assert resolve_estimator(wide, 41).estimator == "ggn" and resolve_estimator(wide, 42).estimator == "ggn-topk"
     with pytest.raises(ValueError, match="top_classes=3 has no meaning for estimator='ggn'"):
         _opts(estimator="ggn", top_classes=3)
     with pytest.raises(ValueError, match="top_classes must be >= 1"):

@@ -10,9 +10,10 @@ uniforms come from :func:`normflat.engine.random.sample_uniforms` keyed on the
 sample's position in the data stream, so the draws do not depend on the batch
 split. The signals are pulled back through the normalization for ``nsce``; they
 are laid out ``(K', M)`` per example (``K' = options.state_groups`` sums, ``M =
-options.signals_per_group(C)`` signals each, zero padding included). One VJP per
-signal gives the signals at every tap and the per-example gradients of the other
-weights at once. Taps then
+options.signals_per_group(C)`` signals each, zero padding included); the padding of
+the groups shorter than ``M`` is never back-propagated
+(:func:`~normflat.engine.losses.padding_signals`). One VJP per real signal gives the
+signals at every tap and the per-example gradients of the other weights at once. Taps then
 form the per-example squares from their inputs: a dense layer as one contraction
 of squared inputs with squared signals, a convolution from per-example gradients
 of that layer only (input patches and one batched matmul), an embedding lookup
@@ -81,8 +82,8 @@ from normflat.backends.jax.kernel import Kernel, Run
 from normflat.core.memory import chunk_size_for, default_budget, equal_step, training_step_bytes
 from normflat.engine import native
 from normflat.engine.estimators import mean_weights
-from normflat.engine.losses import (Factor, diagonal_signals, output_factor, output_signals, sequence_classes,
-                                    sequence_dense, sequence_factor, token_signals, zero_signals)
+from normflat.engine.losses import (Factor, diagonal_signals, output_factor, output_signals, padding_signals,
+                                    sequence_classes, sequence_dense, sequence_factor, token_signals, zero_signals)
 from normflat.engine.random import sample_uniforms
 
 __all__ = ["GGN", "STRUCTURED_HEAD_CLASSES"]
@@ -272,6 +273,19 @@ class GGN(Kernel):
         assert zero == set(range(len(zero))) and len(zero) % self.cols == 0
         self.skip = len(zero) // self.cols
         self.bp = self.G - self.skip  # groups back-propagated
+        # The real signals of those groups (flat g·cols + member after the skipped groups): a group
+        # shorter than M (ggn-topk's exact classes against its draws per group, draws that do not
+        # divide into K groups) is padded with zero signals, never back-propagated
+        # (losses.padding_signals). None: every one is real, and the groups are contiguous runs.
+        sequence = options.sequence_layout(self.tokens)
+        padding = padding_signals(options, num_classes, sequence=sequence,
+                                  tokens=1 if self.tokens is None or sequence else self.tokens)
+        live = np.setdiff1d(np.arange(self.skip * self.cols, self.G * self.cols),
+                            np.asarray(padding, dtype=np.int64)) - self.skip * self.cols
+        assert live.size
+        #: Back-propagated signals per example.
+        self.total = int(live.size)
+        self.real = None if self.total == self.bp * self.cols else live.astype(np.int32)
         if self.tokens is not None:
             self.batch_args = (2, 3, 4, 5)
         self.paths = ["generic" if k in self.gen else "fast" for k in range(len(ws))]
@@ -283,9 +297,8 @@ class GGN(Kernel):
         #: equal steps (20 signals in steps of at most 16 go as 10 + 10, not 16 + 16 padded).
         self.tied_step = {}
         for k in self.tied:
-            total = self.bp * self.cols
-            most = min(total, max(1, _TIED_ELEMENTS // max(1, int(np.prod(ws[k].shape)))))
-            self.tied_step[k] = equal_step(total, most)
+            most = min(self.total, max(1, _TIED_ELEMENTS // max(1, int(np.prod(ws[k].shape)))))
+            self.tied_step[k] = equal_step(self.total, most)
         # Per example, in elements: ``base`` whatever the signals, ``per_signal`` for each
         # back-propagated signal (bp·cols of them at once, or a step of them), ``sums`` the
         # group sums a step of signals adds into, ``tied_steps`` the tied tables' own steps
@@ -330,7 +343,7 @@ class GGN(Kernel):
             else:
                 per_signal += size
                 sums += self.bp * size
-        signals = self.bp * self.cols
+        signals = self.total
         per_example = base + tied_steps + signals * per_signal
         # Per example: the signals and squared gradients counted above, plus the forward
         # intermediates kept for the VJP and one back-propagated signal per column.
@@ -396,7 +409,7 @@ class GGN(Kernel):
         (the user's ``memory_budget``); otherwise one signal at a time."""
         if refuse:
             chunk_size_for(budget, self._step_base + self._step_signal, "one back-propagated GGN signal")
-        total = self.bp * self.cols
+        total = self.total
         most = max(1, (int(budget) - self._step_base) // self._step_signal)
         if most >= total:
             return None
@@ -415,12 +428,26 @@ class GGN(Kernel):
     def _group_sum(self, v, groups=None):
         """Squares of back-propagated signals ``(signals, ...)`` -> their ``(bp, ...)`` group sums.
 
-        ``groups`` None: all ``bp·cols`` signals, in order. Otherwise a step of them
-        (:meth:`_per_example`), ``groups`` the group of each (a padded signal is zero).
+        ``groups`` None: all ``bp·cols`` signals, in order. Otherwise the group of each
+        (:meth:`_groups_of`: the real signals of a padded layout, or a step of them,
+        :meth:`_per_example`; a step's padding is zero).
         """
         if groups is None:
             return v.reshape((self.bp, self.cols) + v.shape[1:]).sum(axis=1)
         return jax.ops.segment_sum(v, groups, num_segments=self.bp)
+
+    def _real_index(self, index):
+        """Flat positions ``g·cols + member`` of the back-propagated signals numbered ``index``
+        (``0 .. total − 1``; clipped: the caller masks those past the end)."""
+        index = jnp.minimum(index, self.total - 1)
+        return index if self.real is None else jnp.take(jnp.asarray(self.real), index)
+
+    def _groups_of(self, flat=None):
+        """The group of each signal at the flat positions ``flat`` (``None``: every real signal; then
+        ``None`` where they are all of them, in order: :meth:`_group_sum` reshapes)."""
+        if flat is None:
+            return None if self.real is None else jnp.asarray(self.real // self.cols)
+        return jnp.minimum(flat // self.cols, self.bp - 1)
 
     def _pad_groups(self, v):
         """``(bp, ...)`` group sums -> ``(G, ...)``: zeros for the groups not back-propagated."""
@@ -453,7 +480,7 @@ class GGN(Kernel):
             return z, rec
 
         uniforms = u[None] if self.draws else None
-        total = self.bp * self.cols
+        total = self.total
         if self.structured is not None:
             # The signals start at the head's input, pulled back through the head in structured
             # form (losses.Factor): O(C·d) per example, not O(C²·d). Every other weight reaches
@@ -478,6 +505,9 @@ class GGN(Kernel):
             def signals(columns=None):
                 if columns is None:
                     part = self._live(factor)
+                    if self.real is not None:  # the real signals only, before they go through the head
+                        part = self._factor_columns(factor, jnp.asarray(self.real), jnp.ones(self.total, bool),
+                                                    rows=int(factor.index.shape[-1]))
                 else:
                     part = self._factor_columns(factor, *columns, rows=int(factor.index.shape[-1]))
                 through = part.through(_XP, matrix, projected)  # (bp, cols, rows, D), or (1, step, rows, D)
@@ -509,26 +539,27 @@ class GGN(Kernel):
                     sig = output_signals(jnp, z[None], self.options, uniforms)  # (K', M, 1, C)
                 else:  # (K', M', 1, T, C): per token placed at their token, or per sequence (method §6.3)
                     sig = token_signals(jnp, z[None], self.options, counted[None], uniforms)
-                cols = sig[self.skip:].reshape((total,) + z.shape)  # the zero groups: no VJP
+                cols = sig[self.skip:].reshape((self.bp * self.cols,) + z.shape)  # the zero groups: no VJP
 
                 def signals(columns=None):
                     if columns is None:
-                        return cols
+                        return cols if self.real is None else jnp.take(cols, jnp.asarray(self.real), axis=0)
                     index, valid = columns
-                    picked = jnp.take(cols, jnp.minimum(index, total - 1), axis=0)
+                    picked = jnp.take(cols, index, axis=0)
                     return jnp.where(valid.reshape((-1,) + (1,) * z.ndim), picked, jnp.zeros_like(picked))
         lookups = {k: self._lookup_segments(t, rec[t.op]) for k, t in taps.items()
                    if t.lookup is not None and k not in self.heads}
         if step is None:
             d_eps, d_wg = jax.vmap(vjp_fn)(signals())
-            sums, scales = self._signal_squares(ws, rec, lookups, d_eps, d_wg)
+            sums, scales = self._signal_squares(ws, rec, lookups, d_eps, d_wg, self._groups_of())
         else:
             def one_step(i, scales):
                 index = i * step + jnp.arange(step)
                 valid = index < total
-                d_eps, d_wg = jax.vmap(vjp_fn)(signals((index, valid)))
-                return self._signal_squares(ws, rec, lookups, d_eps, d_wg, jnp.minimum(index // self.cols, self.bp - 1),
-                                            scales)
+                flat = self._real_index(index)  # the step's signals' positions in the (bp, cols) layout
+                d_eps, d_wg = jax.vmap(vjp_fn)(signals((flat, valid)))
+                return self._signal_squares(ws, rec, lookups, d_eps, d_wg, self._groups_of(flat), scales,
+                                            stepped=True)
 
             # The first step outside the scan: it fixes the dense taps' balancing scales and the
             # sums' shapes; the others add into them.
@@ -560,15 +591,15 @@ class GGN(Kernel):
                 out[k] = (a * a, sums[k])
         return out, z
 
-    def _signal_squares(self, ws, rec, lookups, d_eps, d_wg, groups=None, scales=None):
+    def _signal_squares(self, ws, rec, lookups, d_eps, d_wg, groups=None, scales=None, stepped=False):
         """The group sums of the squares of some back-propagated signals, per weight.
 
         ``d_eps``, ``d_wg``: the signals at the taps and the per-signal gradients of the generic
-        weights (all ``bp·cols`` signals, or a step of them whose groups are ``groups``).
-        A dense tap's sums are of its squared signals (the squared activations are the
-        example's, :meth:`_per_example`), balanced by a power of 2 (:func:`_balance`): ``scales``
-        given (a step after the first), those of the first step. A tied table's, without
-        ``groups``: its signals at each use, squared in :meth:`_tied_squares`.
+        weights (all real signals, or a ``stepped`` step of them), whose groups are ``groups``
+        (:meth:`_group_sum`). A dense tap's sums are of its squared signals (the squared
+        activations are the example's, :meth:`_per_example`), balanced by a power of 2
+        (:func:`_balance`): ``scales`` given (a step after the first), those of the first step.
+        A tied table's, not ``stepped``: its signals at each use, squared in :meth:`_tied_squares`.
 
         Returns:
             ``(sums, scales)``: per weight index its sums, and the balancing scales used.
@@ -578,7 +609,7 @@ class GGN(Kernel):
         for j, k in enumerate(self.gen):
             sums[k] = self._group_sum(d_wg[j] ** 2, groups)
         for k, uses in self.tied.items():
-            if groups is None:
+            if not stepped:
                 sums[k] = [d_eps[u.op] for u in uses]
             else:  # this example's gradients of the table for the step's signals, summed over the uses
                 grads = jax.vmap(self._tied_gradient(k, ws[k]), in_axes=(None, 0))(
@@ -761,11 +792,11 @@ class GGN(Kernel):
             k: The table's weight index.
             w: The table, in the weight's own layout.
             records: Per use, its recorded operand, ``(n, ...)`` (a lookup's index operands).
-            signals: Per use, the ``(n, bp·cols, *output)`` signals at its output.
+            signals: Per use, the ``(n, total, *output)`` signals at its output (the real ones).
             mask: ``(n,)`` weights of the examples (0 for padding).
         """
         per_example = jax.vmap(jax.vmap(self._tied_gradient(k, w), in_axes=(None, 0)), in_axes=(0, 0))
-        total, step = self.bp * self.cols, self.tied_step[k]
+        total, step = self.total, self.tied_step[k]
         steps = -(-total // step)
         pad = steps * step - total  # zero signals: zero gradients, added to the last group
 
@@ -773,7 +804,7 @@ class GGN(Kernel):
             s = jnp.pad(s, [(0, 0), (0, pad)] + [(0, 0)] * (s.ndim - 2))
             return jnp.moveaxis(s.reshape((s.shape[0], steps, step) + s.shape[2:]), 1, 0)
 
-        group = jnp.minimum(jnp.arange(steps * step) // self.cols, self.bp - 1).reshape(steps, step)
+        group = self._groups_of(self._real_index(jnp.arange(steps * step))).reshape(steps, step)
 
         def body(acc, xs):
             sigs, grp = xs

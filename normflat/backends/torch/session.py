@@ -447,16 +447,19 @@ class TorchSession:
     # ------------------------------------------------------------------ ggn, ggn-topk, ggn-mc
 
     def _signals_per_sample(self, c: int, tokens: int | None) -> int:
-        """Back-propagated signals per sample, padding included: ``K' · M`` for ``(n, C)``
-        logits; for token logits of ``tokens`` tokens ``K' · M'`` (``M'`` of
+        """Back-propagated signals per sample: ``K' · M`` for ``(n, C)`` logits; for token
+        logits of ``tokens`` tokens ``K' · M'`` (``M'`` of
         :meth:`~normflat.engine.options.AnalysisOptions.token_signals_per_group`: ``M · T``
-        per token, a few per sequence, method §6.3) less the ones known to be zero (the empty
-        shared group of per-sequence ``ggn-topk``, never back-propagated)."""
+        per token, a few per sequence, method §6.3); less the ones known to be zero, never
+        back-propagated (:func:`~normflat.engine.losses.padding_signals`: the padding of the
+        groups shorter than ``M``, the empty shared group of per-sequence ``ggn-topk``)."""
         o = self.options
         if tokens is None:
-            return o.state_groups * o.signals_per_group(c)
+            return o.state_groups * o.signals_per_group(c) - len(losses.padding_signals(o, c))
         m = o.token_signals_per_group(c, tokens)
-        return o.state_groups * m - len(losses.zero_signals(o, m, sequence=o.sequence_layout(tokens)))
+        if o.sequence_layout(tokens):
+            return o.state_groups * m - len(losses.padding_signals(o, c, sequence=True))
+        return o.state_groups * m - len(losses.padding_signals(o, c)) * int(tokens)
 
     def _probe(self, batch: Batch, xs: ModelInputs) -> None:
         """The first batch's checks and chunk size from a forward of its first :data:`PROBE_ROWS`
@@ -699,32 +702,36 @@ class TorchSession:
         for a, b in ranges:
             yield sig[:, a:b], [g * (b - a) + j - a for g in range(k) for j in range(a, b) if g * m + j in skipped]
 
-    def _factor_steps(self, factor: losses.Factor) -> Iterator[losses.Factor]:
+    def _factor_steps(self, factor: losses.Factor) -> Iterator[tuple[losses.Factor, tuple[int, int]]]:
         """The members of a :class:`~normflat.engine.losses.Factor` in the steps of
-        :meth:`_member_ranges`: the dense or pulled-back signals of one step are formed only when
-        they are wanted, so that the ``C − 1`` signals of the exact ``ggn`` (``C²`` numbers a
-        sample) never exist whole."""
-        ranges = self._member_ranges(int(factor.index.shape[0]), int(factor.index.shape[1]))
+        :meth:`_member_ranges`, each with its member range ``(lo, hi)``: the dense or pulled-back
+        signals of one step are formed only when they are wanted, so that the ``C − 1`` signals
+        of the exact ``ggn`` (``C²`` numbers a sample) never exist whole."""
+        m = int(factor.index.shape[1])
+        ranges = self._member_ranges(int(factor.index.shape[0]), m)
         if len(ranges) == 1:
-            yield factor
+            yield factor, (0, m)
             return
         for a, b in ranges:
-            yield factor.members(a, b)
+            yield factor.members(a, b), (a, b)
 
     def _sequence_head_blocks(self, z: torch.Tensor, counted: torch.Tensor, uniforms: torch.Tensor | None,
-                              weight: torch.Tensor) -> Iterator[torch.Tensor]:
+                              weight: torch.Tensor) -> Iterator[tuple[torch.Tensor, list[int]]]:
         """Per-sequence signals of token logits ``(n, T, C)`` at the input of a dense head of ``(C, d)``
         ``weight``, ``(K', M', n, T, d)`` a few members of every group at a time
         (:func:`~normflat.engine.losses.sequence_factor`: each token's signed class signal pulled
-        through the head, ``O(d)`` per signal and token)."""
+        through the head, ``O(d)`` per signal and token), each block with its padding
+        (:func:`~normflat.engine.losses.padding_signals`)."""
         n, t, _ = z.shape
         factor = losses.sequence_factor(_XP, z, self.options, counted, uniforms)
         projected = factor.projected(_XP, weight)  # the shared vectors through the head, once per chunk
         k, m = int(factor.index.shape[0]), int(factor.index.shape[1])
         step = _sequence_step(m, k, n, t * int(weight.shape[-1]))
         for start in range(0, m, step):
-            rows = factor.members(start, min(m, start + step)).through(_XP, weight, projected)  # (K', M', n·T, d)
-            yield rows.reshape(k, rows.shape[1], n, t, -1)
+            members = (start, min(m, start + step))
+            rows = factor.members(*members).through(_XP, weight, projected)  # (K', M', n·T, d)
+            yield (rows.reshape(k, rows.shape[1], n, t, -1),
+                   losses.padding_signals(self.options, int(z.shape[-1]), members, sequence=True))
 
     def _first_check(self, logits: torch.Tensor, fast: list[TorchLayer]) -> None:
         """On the first forward: the fast rules need each weight used once, by its own module,
@@ -762,8 +769,11 @@ class TorchSession:
         return max(inside[id(layer.param)], 1)
 
     def _signal_blocks(self, logits: torch.Tensor, counted: torch.Tensor | None,
-                       uniforms: torch.Tensor | None, diagonal: bool = False) -> Iterator[torch.Tensor]:
-        """The GGN signals of a chunk, in blocks ``(K, M', rows, *logits.shape[1:])``.
+                       uniforms: torch.Tensor | None, diagonal: bool = False
+                       ) -> Iterator[tuple[torch.Tensor, list[int]]]:
+        """The GGN signals of a chunk, in blocks ``(K, M', rows, *logits.shape[1:])``, each with the
+        flat indices of its padding (:func:`~normflat.engine.losses.padding_signals`: the zero
+        signals that fill the groups shorter than ``M``, never back-propagated).
 
         ``diagonal``: the one-signal :func:`~normflat.engine.losses.diagonal_signals` of a
         dense head whose output is the logits, instead of the estimator's signals.
@@ -778,15 +788,17 @@ class TorchSession:
         bounds the signals formed and back-propagated together.
         """
         z = logits
+        c = int(z.shape[-1])
         if z.dim() == 2:
             if diagonal:
-                yield losses.diagonal_signals(_XP, z, self.options)  # (K', 1, rows, C)
+                yield losses.diagonal_signals(_XP, z, self.options), []  # (K', 1, rows, C)
             elif self.signal_step is None:
-                yield losses.output_signals(_XP, z, self.options, uniforms)  # (K', M, rows, C)
+                yield (losses.output_signals(_XP, z, self.options, uniforms),  # (K', M, rows, C)
+                       losses.padding_signals(self.options, c))
             else:  # one sample's signals in steps: formed a step at a time, never (K', C − 1, 1, C) at once
                 factor = losses.output_factor(_XP, z, self.options, uniforms)
-                for members in self._factor_steps(factor):
-                    yield members.dense(_XP)  # (K', M', rows, C)
+                for members, span in self._factor_steps(factor):
+                    yield members.dense(_XP), losses.padding_signals(self.options, c, span)  # (K', M', rows, C)
             return
         assert counted is not None
         n, t, c = z.shape
@@ -801,15 +813,19 @@ class TorchSession:
             # the vocabulary per token); each block's dense signals from them.
             classes = losses.sequence_classes(_XP, z, self.options, counted, uniforms)
             for start in range(0, m, step):
-                yield losses.sequence_members(_XP, classes, self.options, t, (start, min(m, start + step)))
+                span = (start, min(m, start + step))
+                yield (losses.sequence_members(_XP, classes, self.options, t, span),
+                       losses.padding_signals(self.options, c, span, sequence=True))
             return
         m = 1 if diagonal else self.options.signals_per_group(c)  # signals per token and group
         per_token = k * m * n * t * c
         step = max(1, min(t, TOKEN_SIGNAL_ENTRIES // max(per_token, 1),
                           DEFAULT_SIGNAL_ROWS // max(m * n, 1)))
         for start in range(0, t, step):
-            yield losses.token_signals(_XP, z, self.options, counted, uniforms,
-                                       tokens=(start, min(t, start + step)), diagonal=diagonal)
+            window = min(t, start + step) - start
+            yield (losses.token_signals(_XP, z, self.options, counted, uniforms,
+                                        tokens=(start, start + window), diagonal=diagonal),
+                   [] if diagonal else losses.padding_signals(self.options, c, tokens=window))
 
     def _ggn_update(self, batch: Batch, xs: ModelInputs, state: SumState) -> int | None:
         n = batch.n
@@ -878,7 +894,7 @@ class TorchSession:
                 if z.dim() == 3:
                     self._token_head_squares(z, counted, heads, state)
                 else:
-                    for sig in self._signal_blocks(z, counted, None, diagonal=True):
+                    for sig, _ in self._signal_blocks(z, counted, None, diagonal=True):
                         self._head_squares(sig, heads, state)
                 fast = [layer for layer in fast if layer not in heads]
                 start = self._head_input(z, heads, fast)
@@ -893,13 +909,15 @@ class TorchSession:
                     if z.dim() == 2:
                         factor = losses.output_factor(_XP, z, self.options, uniforms)
                         projected = factor.projected(_XP, weight)  # once, not per step
-                        for members in self._factor_steps(factor):
+                        c = int(z.shape[-1])
+                        for members, span in self._factor_steps(factor):
                             sig = members.through(_XP, weight, projected)
-                            for block in self._member_steps(self._skipped(sig, False)):
+                            padding = losses.padding_signals(self.options, c, span)
+                            for block in self._member_steps(self._skipped(sig, False, padding)):
                                 self._fast_squares(start, block, fast, state)
                     else:
-                        for sig in self._sequence_head_blocks(z, counted, uniforms, weight):
-                            for block in self._member_steps(self._skipped(sig, True)):
+                        for sig, padding in self._sequence_head_blocks(z, counted, uniforms, weight):
+                            for block in self._member_steps(self._skipped(sig, True, padding)):
                                 self._fast_squares(start, block, fast, state)
                     fast = []
             # Each path forms the signals anew, one block at a time (the same draws, so the same
@@ -1072,16 +1090,17 @@ class TorchSession:
     def _prepared_blocks(self, z: torch.Tensor, counted: torch.Tensor | None, uniforms: torch.Tensor | None,
                          sequence: bool) -> Iterator[tuple[torch.Tensor, list[int]]]:
         """:meth:`_signal_blocks` as :meth:`_skipped` hands them to the kernels."""
-        for sig in self._signal_blocks(z, counted, uniforms):
-            yield from self._member_steps(self._skipped(sig, sequence))
+        for sig, padding in self._signal_blocks(z, counted, uniforms):
+            yield from self._member_steps(self._skipped(sig, sequence, padding))
 
-    def _skipped(self, sig: torch.Tensor, sequence: bool) -> tuple[torch.Tensor, list[int]]:
+    def _skipped(self, sig: torch.Tensor, sequence: bool, padding: list[int]) -> tuple[torch.Tensor, list[int]]:
         """The signals to square, pooled if only the mean is wanted, and the flat indices
-        ``g·M + j`` of those known to be zero (padding, and the empty shared group 0 of
-        per-sequence ``ggn-topk``, method §6.3), which need no back-propagation."""
+        ``g·M + j`` of those known to be zero (``padding``: the groups' padding and the empty
+        shared group 0 of per-sequence ``ggn-topk``, method §6.3), which need no
+        back-propagation."""
         if self.options.pooled:  # only the mean is wanted: one sum for every group
-            return losses.pool_signals(_XP, sig, self.options, sequence=sequence)
-        return sig, losses.zero_signals(self.options, int(sig.shape[1]), sequence=sequence)
+            return losses.pool_signals(_XP, sig, self.options, sequence=sequence, padding=padding)
+        return sig, padding
 
     def _generic_squares(self, xc: ModelInputs, block: tuple[torch.Tensor, list[int]], generic: list[TorchLayer],
                          state: SumState) -> None:
