@@ -915,7 +915,7 @@ class Branchy(nn.Module):
         return self.b(h)
 
 
-def test_fallbacks_without_vmap():
+def test_fallbacks_without_vmap(monkeypatch):
     torch.manual_seed(2)
     model = Branchy().to(DT).eval()
     x, y = torch.randn(1, 4, dtype=DT), torch.randint(0, 3, (1,))
@@ -925,6 +925,33 @@ def test_fallbacks_without_vmap():
     assert_diag_close(nf(model, (x, y), estimator="ggn", loss="ce", fast=False), brute_ggn_diag(model, x, y),
                       model)
     assert_diag_close(nf(model, (x, y), estimator="ggn", loss="ce"), brute_ggn_diag(model, x, y), model)
+    # The one-sample loop with the real signals of a padded ggn-topk layout (2 exact classes, one
+    # draw in each of 3 groups): every group's sums, as the fast path's.
+    from normflat.engine.options import validate_options
+
+    options = validate_options(loss="ce", estimator="ggn-topk", top_classes=2, samples=3, seed=4, progress=False)
+    generic, _ = tb.layer_problems(model, (x, y), options, fast=False)
+    fast, _ = tb.layer_problems(model, (x, y), options)
+    for g, f in zip(generic, fast):
+        assert g.details["path"] == "generic" and f.details["path"] == "fast"
+        np.testing.assert_allclose(g.hessian_diag_samples, f.hessian_diag_samples, rtol=1e-12, atol=1e-16)
+    # and plain autograd, one signal at a time, where not even one sample's vjp runs under torch.func
+    loops = []
+    original = ggn_kernels._per_sample_loop
+
+    def failing_vjp(*args, **kwargs):
+        raise RuntimeError("no torch.func here")
+
+    def counted(*args):
+        loops.append(args[5])  # the group of each real signal
+        return original(*args)
+
+    monkeypatch.setattr(ggn_kernels, "vjp", failing_vjp)
+    monkeypatch.setattr(ggn_kernels, "_per_sample_loop", counted)
+    looped, _ = tb.layer_problems(model, (x, y), options, fast=False)
+    assert loops == [[0, 0, 1, 2, 3]]
+    for g, f in zip(looped, fast):
+        np.testing.assert_allclose(g.hessian_diag_samples, f.hessian_diag_samples, rtol=1e-12, atol=1e-16)
 
 
 def test_conv_transpose_canonical_layout():
@@ -1217,7 +1244,7 @@ def test_hessian_diagonal_pools_the_group_sums_to_their_mean(case, estimator):
     assert distinct >= 2
 
 
-@pytest.mark.parametrize("case", ["cnn_relu", "tokens", "per token", "signal steps"])
+@pytest.mark.parametrize("case", ["cnn_relu", "tokens", "per token", "signal steps", "generic"])
 @pytest.mark.parametrize("estimator, options", [
     ("ggn-topk", dict(samples=7, top_classes=4)), ("ggn-mc", dict(samples=13)),
 ])
@@ -1242,8 +1269,10 @@ def test_padding_signals_are_not_back_propagated(monkeypatch, case, estimator, o
         y = torch.randint(0, 3, (9,))
         if case == "signal steps":  # one sample at a time, its signals a few members at a time
             backend = {"memory_budget": 20_000 if estimator == "ggn-topk" else 24_000}
+        if case == "generic":  # vmap over the per-sample vjp: the real signals in groups of unequal sizes
+            backend = {"fast": False}
     kw = dict(loss="ce", estimator=estimator, progress=False, seed=3, **options, **backend)
-    validated = validate_options(**{k: v for k, v in kw.items() if k != "memory_budget"})
+    validated = validate_options(**{k: v for k, v in kw.items() if k not in backend})
     seen: list[int] = []
     original = ggn_kernels.backprop_signals
 
@@ -1252,6 +1281,13 @@ def test_padding_signals_are_not_back_propagated(monkeypatch, case, estimator, o
         return original(logits, outs, sig, batched)
 
     monkeypatch.setattr(ggn_kernels, "backprop_signals", counting)
+    generic = ggn_kernels.generic_ggn
+
+    def counting_generic(model, inputs, sig, layers, pick, counts=None):
+        seen.append(int(sig.shape[0]) if counts is not None else int(sig.shape[0] * sig.shape[1]))
+        return generic(model, inputs, sig, layers, pick, counts=counts)
+
+    monkeypatch.setattr(ggn_kernels, "generic_ggn", counting_generic)
     results = {}
     for padded in (False, True):
         if padded:
@@ -1274,7 +1310,7 @@ def test_padding_signals_are_not_back_propagated(monkeypatch, case, estimator, o
     assert real < layout - (validated.token_signals_per_group(c, 1) if per_sequence and validated.shared_group else 0)
     for key in ("pooled", "groups"):
         assert counts[key] < counts_all[key], (key, counts, counts_all)
-        if case == "cnn_relu":  # one block of every signal per chunk
+        if case in ("cnn_relu", "generic"):  # one block of every signal per chunk
             assert counts[key] % real == 0 and counts_all[key] % layout == 0
             assert counts[key] // real == counts_all[key] // layout
     for name in pooled:

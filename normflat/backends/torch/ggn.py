@@ -763,23 +763,38 @@ def unswapped_error(names: list[str]) -> ValueError:
 
 
 def generic_ggn(model: nn.Module, inputs: Any, sig: torch.Tensor, layers: list[Any],
-                pick: Callable[[Any], torch.Tensor]) -> dict[str, torch.Tensor]:
+                pick: Callable[[Any], torch.Tensor], counts: list[int] | None = None) -> dict[str, torch.Tensor]:
     """Per-sample, per-signal weight gradients by ``vmap`` over a per-sample ``vjp``.
 
     Args:
         model: The module.
         inputs: The :class:`~normflat.backends.torch.data.ModelInputs` of a chunk of ``n`` samples.
-        sig: ``(K, M, n, *out)`` output signals (``out`` is ``(C,)`` or ``(T, C)``).
+        sig: ``(K, M, n, *out)`` output signals (``out`` is ``(C,)`` or ``(T, C)``), or with
+            ``counts`` ``(R, n, *out)``: groups of unequal sizes one after the other.
         layers: The layers on the generic path.
         pick: The logits inside the model's output (the ``output`` option).
+        counts: The signals of each of the ``K`` groups in ``sig`` (``R = sum(counts)``): the
+            real signals of a padded layout (:func:`~normflat.engine.losses.padding_signals`).
 
     Returns:
         ``{param name: (K, *shape)}`` sums of squares over samples and signals.
     """
-    k, m, n = sig.shape[:3]
+    if counts is None:
+        k, m, n = sig.shape[:3]
+        s = sig.movedim(2, 0).reshape(n, k * m, *sig.shape[3:])
+        owner = [j // m for j in range(k * m)]
+    else:
+        k, n = len(counts), sig.shape[1]
+        assert sum(counts) == sig.shape[0]
+        s = sig.movedim(1, 0)
+        owner = [g for g, c in enumerate(counts) for _ in range(c)]
     ws = {layer.param_name: layer.param.detach() for layer in layers}
-    s = sig.movedim(2, 0).reshape(n, k * m, *sig.shape[3:])
     args, batched, const = inputs.args, inputs.batched_kwargs(), inputs.constant_kwargs()
+
+    def group_sums(squares: torch.Tensor) -> torch.Tensor:
+        if counts is None:
+            return squares.reshape(k, m, *squares.shape[1:]).sum(1)
+        return torch.stack([part.sum(0) for part in squares.split(counts)])
 
     def per_sample(s_n, args_n, kw_n):
         def f(w):
@@ -788,7 +803,7 @@ def generic_ggn(model: nn.Module, inputs: Any, sig: torch.Tensor, layers: list[A
             return pick(out).squeeze(0)
         _, pullback = vjp(f, ws)
         g = vmap(pullback)(s_n)[0]
-        return {name: v.square().reshape(k, m, *v.shape[1:]).sum(1) for name, v in g.items()}
+        return {name: group_sums(v.square()) for name, v in g.items()}
 
     try:
         res = vmap(per_sample)(s, args, batched)
@@ -802,13 +817,13 @@ def generic_ggn(model: nn.Module, inputs: Any, sig: torch.Tensor, layers: list[A
         try:
             r = per_sample(s[i], args_i, kw_i)
         except _VMAP_ERRORS:
-            r = _per_sample_loop(model, inputs.rows(slice(i, i + 1)), s[i], layers, k, m, pick)
+            r = _per_sample_loop(model, inputs.rows(slice(i, i + 1)), s[i], layers, k, owner, pick)
         total = r if total is None else {name: total[name] + r[name] for name in r}
     assert total is not None
     return total
 
 
-def _per_sample_loop(model, x_n, s_n, layers, k, m, pick):
+def _per_sample_loop(model, x_n, s_n, layers, k, owner, pick):
     # Plain autograd on detached copies of the weights swapped in by functional_call: the
     # user's parameters (their requires_grad flags) are never touched.
     ws = {layer.param_name: layer.param.detach().requires_grad_(True) for layer in layers}
@@ -816,9 +831,9 @@ def _per_sample_loop(model, x_n, s_n, layers, k, m, pick):
         out = pick(functional_call(model, ws, x_n.args, x_n.kwargs, strict=False))[0]
         total = {name: torch.zeros((k, *w.shape), dtype=w.dtype, device=w.device) for name, w in ws.items()}
         params = list(ws.values())
-        for j in range(k * m):
+        for j, group in enumerate(owner):  # owner: the group of each signal
             gs = torch.autograd.grad(out, params, grad_outputs=s_n[j], retain_graph=True, allow_unused=True)
             for name, g in zip(ws, gs):
                 if g is not None:
-                    total[name][j // m] += g.square()
+                    total[name][group] += g.square()
     return total

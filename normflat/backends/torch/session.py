@@ -1104,15 +1104,21 @@ class TorchSession:
 
     def _generic_squares(self, xc: ModelInputs, block: tuple[torch.Tensor, list[int]], generic: list[TorchLayer],
                          state: SumState) -> None:
-        """The generic path's sums of one block of :meth:`_skipped` signals; groups that are all
-        zero are not run."""
+        """The generic path's sums of one block of :meth:`_skipped` signals: the known zeros (the
+        groups' padding, an empty group) are not back-propagated."""
         sig, zero = block
         k, m = int(sig.shape[0]), int(sig.shape[1])
         skipped = set(zero)
-        live = [g for g in range(k) if any(g * m + j not in skipped for j in range(m))]
+        real = [j for j in range(k * m) if j not in skipped]  # in group order
+        counts = [sum(1 for j in range(g * m, (g + 1) * m) if j not in skipped) for g in range(k)]
+        live = [g for g in range(k) if counts[g]]
         # The math attention kernel has vmap batching rules; the fused one does not.
         with compat.FunctionalKernels(attention=True):
-            res = ggn_kernels.generic_ggn(self.model, xc, sig[live] if len(live) < k else sig, generic, self._pick)
+            if len(real) < k * m:
+                res = ggn_kernels.generic_ggn(self.model, xc, sig.reshape(k * m, *sig.shape[2:])[real], generic,
+                                              self._pick, counts=[counts[g] for g in live])
+            else:
+                res = ggn_kernels.generic_ggn(self.model, xc, sig, generic, self._pick)
         for layer in generic:
             value = res[layer.param_name].detach()
             if len(live) < k:
