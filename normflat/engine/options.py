@@ -209,11 +209,12 @@ class AnalysisOptions:
         return int(tokens) * (self.draws + self.sign_draws)
 
     def signals_per_group(self, num_classes: int) -> int:
-        """``M``: back-propagated signals per sum group (per token), padding included.
+        """``M``: signals per sum group (per token) of the ``(K', M)`` layout, padding included.
 
         ``ggn``: ``C − 1``; ``ggn-mc``: ``⌈S/K⌉``; ``ggn-topk``: ``max(min(k, C), ⌈S/K⌉)``
         (group 0 holds the ``min(k, C)`` exact signals, groups ``1..K`` the draws; shorter
-        groups are padded with zero signals, see :func:`normflat.engine.losses.signal_slots`).
+        groups are padded with zero signals, :func:`normflat.engine.losses.signal_slots`, which
+        the backends do not back-propagate, :func:`normflat.engine.losses.padding_signals`).
         """
         if self.estimator == "ggn":
             return max(num_classes - 1, 1)
