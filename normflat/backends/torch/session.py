@@ -702,18 +702,20 @@ class TorchSession:
         for a, b in ranges:
             yield sig[:, a:b], [g * (b - a) + j - a for g in range(k) for j in range(a, b) if g * m + j in skipped]
 
-    def _factor_steps(self, factor: losses.Factor) -> Iterator[tuple[losses.Factor, tuple[int, int]]]:
-        """The members of a :class:`~normflat.engine.losses.Factor` in the steps of
-        :meth:`_member_ranges`, each with its member range ``(lo, hi)``: the dense or pulled-back
-        signals of one step are formed only when they are wanted, so that the ``C − 1`` signals
-        of the exact ``ggn`` (``C²`` numbers a sample) never exist whole."""
+    def _factor_steps(self, factor: losses.Factor, num_classes: int
+                      ) -> Iterator[tuple[losses.Factor, list[int]]]:
+        """The members of a :class:`~normflat.engine.losses.Factor` of ``num_classes`` logits in the
+        steps of :meth:`_member_ranges`, each with the flat indices of its padding
+        (:func:`~normflat.engine.losses.padding_signals`): the dense or pulled-back signals of one
+        step are formed only when they are wanted, so that the ``C − 1`` signals of the exact
+        ``ggn`` (``C²`` numbers a sample) never exist whole."""
         m = int(factor.index.shape[1])
         ranges = self._member_ranges(int(factor.index.shape[0]), m)
         if len(ranges) == 1:
-            yield factor, (0, m)
+            yield factor, losses.padding_signals(self.options, num_classes, (0, m))
             return
         for a, b in ranges:
-            yield factor.members(a, b), (a, b)
+            yield factor.members(a, b), losses.padding_signals(self.options, num_classes, (a, b))
 
     def _sequence_head_blocks(self, z: torch.Tensor, counted: torch.Tensor, uniforms: torch.Tensor | None,
                               weight: torch.Tensor) -> Iterator[tuple[torch.Tensor, list[int]]]:
@@ -797,8 +799,8 @@ class TorchSession:
                        losses.padding_signals(self.options, c))
             else:  # one sample's signals in steps: formed a step at a time, never (K', C − 1, 1, C) at once
                 factor = losses.output_factor(_XP, z, self.options, uniforms)
-                for members, span in self._factor_steps(factor):
-                    yield members.dense(_XP), losses.padding_signals(self.options, c, span)  # (K', M', rows, C)
+                for members, padding in self._factor_steps(factor, c):
+                    yield members.dense(_XP), padding  # (K', M', rows, C)
             return
         assert counted is not None
         n, t, c = z.shape
@@ -909,10 +911,8 @@ class TorchSession:
                     if z.dim() == 2:
                         factor = losses.output_factor(_XP, z, self.options, uniforms)
                         projected = factor.projected(_XP, weight)  # once, not per step
-                        c = int(z.shape[-1])
-                        for members, span in self._factor_steps(factor):
+                        for members, padding in self._factor_steps(factor, int(z.shape[-1])):
                             sig = members.through(_XP, weight, projected)
-                            padding = losses.padding_signals(self.options, c, span)
                             for block in self._member_steps(self._skipped(sig, False, padding)):
                                 self._fast_squares(start, block, fast, state)
                     else:
