@@ -62,6 +62,7 @@ __all__ = [
     "sequence_members",
     "pool_signals",
     "padding_signals",
+    "real_signals",
     "zero_signals",
     "logit_stats",
     "combined_logit_stats",
@@ -575,18 +576,29 @@ def padding_signals(options: AnalysisOptions, num_classes: int, members: tuple[i
     """
     if options.estimator not in ("ggn-mc", "ggn-topk"):
         return []  # the exact ggn and the diagonal signals have no padding
+    return [int(i) for i in np.flatnonzero(~_real_mask(options, num_classes, members, tokens, sequence))]
+
+
+def real_signals(options: AnalysisOptions, num_classes: int, tokens: int = 1, sequence: bool = False) -> np.ndarray:
+    """The sorted flat indices of the ``(K', M·W)`` signals that are not padding
+    (:func:`padding_signals`' complement over the whole layout; ``tokens`` and ``sequence`` as
+    there): what a backend that gathers the signals it back-propagates takes."""
+    return np.flatnonzero(_real_mask(options, num_classes, None, tokens, sequence))
+
+
+def _real_mask(options: AnalysisOptions, num_classes: int, members: tuple[int, int] | None, tokens: int,
+               sequence: bool) -> np.ndarray:
+    """``(K'·M''·W,)`` flags of a block's real signals, flat ``g·M''·W + (m − lo)·W + t``."""
     if sequence:
         full = options.token_signals_per_group(num_classes, 1)  # independent of the tokens
     else:
         full = options.signals_per_group(num_classes)
     lo, hi = members if members is not None else (0, full)
-    width = (hi - lo) * tokens
     real = np.zeros((options.state_groups, hi - lo), dtype=bool)
     for g, j in signal_slots(options, num_classes, sequence=sequence):
         if lo <= j < hi:
             real[g, j - lo] = True
-    pad = np.repeat(~real, tokens, axis=1)  # (K', (hi − lo)·W): member m of token t at m·W + t
-    return [int(i) for i in np.flatnonzero(pad.reshape(options.state_groups, width))]
+    return np.repeat(real, tokens, axis=1).reshape(-1)  # member m of token t at m·W + t
 
 
 def zero_signals(options: AnalysisOptions, members: int, sequence: bool = False) -> list[int]:

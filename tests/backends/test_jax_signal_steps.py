@@ -241,7 +241,7 @@ _TOPK, _MC = ("ggn-topk", dict(top_classes=4, samples=7)), ("ggn-mc", dict(sampl
 def test_padding_signals_are_not_back_propagated(monkeypatch, case, estimator, kw, stepped, pooled):
     """Groups shorter than the (K', M) layout (ggn-topk's 4 exact classes against 2 draws per
     group, 7 draws in 5 groups; ggn-mc's 13 draws in 10) are padded with zero signals: only the
-    real ones are back-propagated (losses.padding_signals), all at once or in steps, and every
+    real ones are back-propagated (losses.real_signals), all at once or in steps, and every
     group's sums (and, pooled, their mean) are those of the padded layout."""
     from tests.backends.test_jax_topk import _token_data, _token_model
 
@@ -273,7 +273,16 @@ def test_padding_signals_are_not_back_propagated(monkeypatch, case, estimator, k
     assert len(kernels) == len(real) and all(k.real is not None and k.total < k.bp * k.cols for k in kernels)
     assert all((k.signal_step is not None) == stepped for k in kernels)
     session._CACHE.clear()
-    monkeypatch.setattr(jax_ggn, "padding_signals", lambda *a, **k: [])
+    real_signals = jax_ggn.real_signals
+
+    def padded_layout(options, c, tokens=1, sequence=False):
+        """Every signal of the groups back-propagated, padding included (the leading all-zero
+        groups of per-sequence ggn-topk still skipped)."""
+        width = (options.token_signals_per_group(c, 1) if sequence else options.signals_per_group(c)) * tokens
+        first = real_signals(options, c, tokens=tokens, sequence=sequence)[0] // width
+        return np.arange(first * width, options.state_groups * width)
+
+    monkeypatch.setattr(jax_ggn, "real_signals", padded_layout)
     padded = run(**budget)
     assert all(k.real is None for _, k in session._CACHE._data.values() if isinstance(k, jax_ggn.GGN))
     for got, want in zip(real, padded):

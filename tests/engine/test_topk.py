@@ -192,6 +192,7 @@ def test_padding_signals_are_the_zero_signals(estimator, kw):
     flat = sig.reshape(-1, n * c)
     zero = [i for i in range(flat.shape[0]) if not np.any(flat[i])]
     assert losses.padding_signals(options, c) == zero
+    np.testing.assert_array_equal(losses.real_signals(options, c), [i for i in range(flat.shape[0]) if i not in zero])
     expected = {"ggn-topk": 13 if kw.get("samples") == 7 else (2 if kw.get("samples") == 14 else 0),
                 "ggn-mc": 7, "ggn": 0}[estimator]
     assert len(zero) == expected
@@ -209,6 +210,8 @@ def test_padding_signals_are_the_zero_signals(estimator, kw):
                                counted, ut, tokens=(1, 1 + w))  # (K', M·W, n, T, C)
     flat = tok.reshape(tok.shape[0] * tok.shape[1], -1)
     assert losses.padding_signals(options, c, tokens=w) == [i for i in range(flat.shape[0]) if not np.any(flat[i])]
+    np.testing.assert_array_equal(losses.real_signals(options, c, tokens=w),
+                                  [i for i in range(flat.shape[0]) if np.any(flat[i])])
 
 
 def test_options_of_topk_and_auto():

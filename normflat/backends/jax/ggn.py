@@ -12,7 +12,7 @@ split. The signals are pulled back through the normalization for ``nsce``; they
 are laid out ``(K', M)`` per example (``K' = options.state_groups`` sums, ``M =
 options.signals_per_group(C)`` signals each, zero padding included); the padding of
 the groups shorter than ``M`` is never back-propagated
-(:func:`~normflat.engine.losses.padding_signals`). One VJP per real signal gives the
+(:func:`~normflat.engine.losses.real_signals`). One VJP per real signal gives the
 signals at every tap and the per-example gradients of the other weights at once. Taps then
 form the per-example squares from their inputs: a dense layer as one contraction
 of squared inputs with squared signals, a convolution from per-example gradients
@@ -82,7 +82,7 @@ from normflat.backends.jax.kernel import Kernel, Run
 from normflat.core.memory import chunk_size_for, default_budget, equal_step, training_step_bytes
 from normflat.engine import native
 from normflat.engine.estimators import mean_weights
-from normflat.engine.losses import (Factor, diagonal_signals, output_factor, output_signals, padding_signals,
+from normflat.engine.losses import (Factor, diagonal_signals, output_factor, output_signals, real_signals,
                                     sequence_classes, sequence_dense, sequence_factor, token_signals, zero_signals)
 from normflat.engine.random import sample_uniforms
 
@@ -276,13 +276,11 @@ class GGN(Kernel):
         # The real signals of those groups (flat g·cols + member after the skipped groups): a group
         # shorter than M (ggn-topk's exact classes against its draws per group, draws that do not
         # divide into K groups) is padded with zero signals, never back-propagated
-        # (losses.padding_signals). None: every one is real, and the groups are contiguous runs.
+        # (losses.real_signals). None: every one is real, and the groups are contiguous runs.
         sequence = options.sequence_layout(self.tokens)
-        padding = padding_signals(options, num_classes, sequence=sequence,
-                                  tokens=1 if self.tokens is None or sequence else self.tokens)
-        live = np.setdiff1d(np.arange(self.skip * self.cols, self.G * self.cols),
-                            np.asarray(padding, dtype=np.int64)) - self.skip * self.cols
-        assert live.size
+        live = real_signals(options, num_classes, sequence=sequence,
+                            tokens=1 if self.tokens is None or sequence else self.tokens) - self.skip * self.cols
+        assert live.size and live[0] >= 0  # the skipped groups hold no real signal
         #: Back-propagated signals per example.
         self.total = int(live.size)
         self.real = None if self.total == self.bp * self.cols else live.astype(np.int32)
