@@ -80,6 +80,30 @@ def test_finalize_deterministic_single_group():
     assert diag2.shape == SHAPES[1] and not np.any(diag2)
 
 
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+@pytest.mark.parametrize("pooled", [False, True])
+def test_one_sum_is_divided_in_the_states_memory_and_never_in_the_callers(library, pooled):
+    """A layer's one sum (one group, or every group pooled) becomes its mean in the state's own
+    memory when the state owns it, and never writes into a caller's array it was handed."""
+    xp = pytest.importorskip(library)
+    options = validate_options(estimator="ggn-mc" if pooled else "ggn", samples=4 if pooled else None)
+    if pooled:  # hessian_diagonal's options: the groups' sums pooled into one
+        options = dataclasses.replace(options, group_estimates=False)
+        assert options.pooled
+    state = estimators.init(1, options)
+    given = xp.asarray(np.arange(6.0).reshape(1, 3, 2))
+    state.add(0, given)  # not owned: the caller's array
+    (diag, _), = estimators.finalize(state, options, 2, None, lambda a: True, ["fc"], with_groups=False)
+    np.testing.assert_allclose(np.asarray(diag), np.arange(6.0).reshape(3, 2) / 2, rtol=1e-15)
+    np.testing.assert_array_equal(np.asarray(given), np.arange(6.0).reshape(1, 3, 2))
+    state = estimators.init(1, options)
+    fresh = xp.asarray(np.arange(6.0).reshape(1, 3, 2))
+    state.add(0, fresh, owned=True)
+    (diag, _), = estimators.finalize(state, options, 2, None, lambda a: True, ["fc"], with_groups=False)
+    np.testing.assert_allclose(np.asarray(diag), np.arange(6.0).reshape(3, 2) / 2, rtol=1e-15)
+    np.testing.assert_array_equal(np.asarray(fresh[0]), np.asarray(diag))  # no new weight-sized array
+
+
 def test_finalize_ggn_mc_groups():
     options = validate_options(estimator="ggn-mc", samples=3)
     state = estimators.init(2, options)
