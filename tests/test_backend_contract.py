@@ -635,6 +635,46 @@ def test_model_untouched_after_success(builder, estimator):
     np.testing.assert_array_equal(builder.predict(model, x), pred)
 
 
+def test_the_warning_filters_are_never_touched(builder, monkeypatch):
+    """normflat never changes the process's warning filters, not even for a moment: a
+    ``warnings.catch_warnings`` block is not thread-safe (two analyses in threads could leave the
+    user's process with an "ignore" of the other thread). The frameworks' own blocks are theirs."""
+    import os
+    import sys
+    import warnings
+
+    package = os.path.dirname(normflat.__file__) + os.sep
+    calls = []
+
+    def watched(original):
+        def call(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(package):
+                calls.append((original.__name__, caller))
+            return original(*args, **kwargs)
+        return call
+
+    class WatchedBlock(warnings.catch_warnings):
+        def __init__(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(package):
+                calls.append(("catch_warnings", caller))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(warnings, "catch_warnings", WatchedBlock)
+    for name in ("simplefilter", "filterwarnings", "resetwarnings"):
+        monkeypatch.setattr(warnings, name, watched(getattr(warnings, name)))
+    spec = _cnn(6)
+    x, y = netspec.data(spec, n=6, seed=22)
+    x = x.astype(np.float32)
+    model = builder.build(spec, dtype="float32")  # the core promotes each layer to float64 for the solve
+    for estimator, samples in (("ggn", None), ("ggn-mc", 2), ("hutchinson", 2), ("exact", None)):
+        report = normflat.analyze(model, _batches(builder, x, y, 3), **_kw(builder, estimator=estimator,
+                                                                          samples=samples))
+        assert np.isfinite(report.normalized_sharpness)
+    assert not calls, calls
+
+
 def test_model_untouched_after_an_error_mid_pass(builder):
     spec = _cnn(4)
     x, y = netspec.data(spec, n=8, seed=20)

@@ -7,7 +7,6 @@ small per-layer results are exported to numpy for reporting.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import array_api_compat
@@ -43,11 +42,25 @@ def as_float64(x: Any, xp: Any) -> tuple[Any, Any]:
 
 
 def holds_float64(xp: Any) -> bool:
-    """Whether the namespace ``xp`` can hold float64 arrays (not jax without ``jax_enable_x64``)."""
-    # jax without x64 "truncates" float64 requests to float32 with a warning.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    """Whether the namespace ``xp`` can hold float64 arrays (not jax without ``jax_enable_x64``).
+
+    Decided without creating an array and without touching the warning filters: a
+    ``warnings.catch_warnings`` block is not thread-safe (two analyses in threads could leave
+    the user's process with the other thread's filters, an "ignore" among them).
+    """
+    if array_api_compat.is_numpy_namespace(xp) or array_api_compat.is_torch_namespace(xp) \
+            or array_api_compat.is_cupy_namespace(xp):
+        return True
+    if array_api_compat.is_jax_namespace(xp):
+        import jax  # already imported: xp is jax.numpy
+
+        # jax maps a float64 request to float32 when x64 is off, globally or in this thread's
+        # context (jax.enable_x64); canonicalize_dtype answers the same, without a warning.
+        return jax.dtypes.canonicalize_dtype(np.float64) == np.dtype(np.float64)
+    try:  # another array-API library: one that lacks float64 refuses it or gives another dtype
         return xp.asarray(0.0, dtype=xp.float64).dtype == xp.float64
+    except (AttributeError, TypeError, ValueError, RuntimeError):
+        return False
 
 
 def to_numpy(x: Any) -> np.ndarray:

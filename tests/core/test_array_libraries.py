@@ -63,3 +63,45 @@ def test_float32_numpy(layer):
     W, H, ref = layer
     res = normflat.normalized_sharpness(W.astype(np.float32), H.astype(np.float32))
     assert res.value == pytest.approx(ref.value, rel=1e-5)
+
+
+def test_float64_support_is_read_without_a_warning_or_a_filter():
+    """Which libraries hold float64, told without creating an array and without touching the
+    warning filters, in two threads at once (a ``catch_warnings`` block in each thread could
+    leave one thread's "ignore" installed for good)."""
+    import sys
+    import threading
+    import warnings
+
+    import array_api_compat
+    import array_api_strict as xps
+    import torch
+
+    from normflat.core._arrays import holds_float64
+
+    require_frameworks("jax", "torch", "array_api_strict")
+    import jax
+    import jax.numpy as jnp
+
+    namespaces = [array_api_compat.array_namespace(a)
+                  for a in (np.empty(0), torch.empty(0), jnp.empty(0), xps.asarray([0.0]))]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert [holds_float64(xp) for xp in namespaces] == [True, True, bool(jax.config.jax_enable_x64), True]
+        with jax.enable_x64(True):
+            assert holds_float64(namespaces[2])
+        with jax.enable_x64(False):
+            assert not holds_float64(namespaces[2])
+    assert not seen  # jax's "float64 is not available" warning is never triggered
+    filters, interval = list(warnings.filters), sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        threads = [threading.Thread(target=lambda: [holds_float64(xp) for _ in range(3000) for xp in namespaces])
+                   for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert list(warnings.filters) == filters
