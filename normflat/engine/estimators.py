@@ -89,6 +89,14 @@ class SumState:
             return None
         return sums
 
+    def kernel_accumulator(self, layer: int) -> tuple[Any, Any] | None:
+        """A kernel-summed layer's running ``(numerator, kernel sums)`` (:attr:`means`,
+        :attr:`sums`) when a kernel may add into them in place (the state owns them, numpy or
+        torch), else ``None``: its first contribution goes through :meth:`add`."""
+        if layer not in self.means or layer not in self.owned or not native.mutable(self.means[layer]):
+            return None
+        return self.means[layer], self.sums[layer]
+
     def add_sums(self, layer: int, value: Any, sums: int, owned: bool = False) -> None:
         """Add a backend's contribution where it keeps ``sums`` per layer
         (:attr:`AnalysisOptions.sum_groups`): ``(sums, ...)`` as :meth:`add`, or, where ``sums > 1``,
@@ -189,7 +197,8 @@ def state_entries(options: AnalysisOptions, layers: list[tuple[int, int]]) -> in
     ``options.sum_groups`` sums per weight; where the group estimates are wanted, a layer
     whose kernel size is above 1 and whose backend reports its kernel axes holds one
     full-size numerator and ``K'`` kernel sums instead, plus, while one contribution is added,
-    its ``K'`` full-size squares (those of one layer at a time).
+    its ``K'`` full-size squares (those of one layer at a time; an upper bound where the
+    backend's rule adds one group's squares at a time, as torch's convolutions do).
     """
     s = options.sum_groups
     if not (options.group_estimates and options.groups > 1):

@@ -1120,19 +1120,28 @@ def test_conv_squares_by_pairs_of_positions_match_brute_force(positions, by_pair
 
 def test_conv_squares_by_pairs_keep_every_group_apart(monkeypatch):
     """ggn-topk's shared and sampled groups summed by pairs equal the per-sample gradients' groups
-    (the signals are summed within a group, never across), chunked or not."""
+    (the signals are summed within a group, never across), chunked or not, and both equal the
+    generic path's (per-sample gradients of the whole model, its K' full-size sums reduced by the
+    state): the rule adds each group's squares into the kernel sums and the numerator itself
+    (ggn.KernelSums), from the second chunk on into the state's own."""
     from normflat.engine.options import validate_options
 
     model, x, y = _pair_model(2)
-    runs = {}
+    runs, diags = {}, {}
+    options = validate_options(loss="ce", estimator="ggn-topk", top_classes=2, samples=6, progress=False)
     for by_pairs in (True, False):
         for chunk in (None, 4):
             monkeypatch.setattr(ggn_kernels, "squares_by_pairs", lambda *shape, on=by_pairs: on)
-            options = validate_options(loss="ce", estimator="ggn-topk", top_classes=2, samples=6, progress=False)
             backend = {} if chunk is None else {"chunk_size": chunk}
             problems, _ = tb.layer_problems(model, (x, y), options, **backend)
-            runs[by_pairs, chunk] = [p.hessian_diag_samples for p in problems]
-    reference = runs[False, None]
+            runs[by_pairs, chunk] = [p.hessian_diag_samples for p in problems[:2]]
+            diags[by_pairs, chunk] = [p.hessian_diag for p in problems[:2]]
+    # The convolutions (the dense head is exact on the fast path, sampled on the generic one).
+    problems, _ = tb.layer_problems(model, (x, y), options, fast=False)
+    reference = [p.hessian_diag_samples for p in problems[:2]]
+    for key, means in diags.items():
+        for got, want in zip(means, [p.hessian_diag for p in problems[:2]]):
+            torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want), rtol=1e-10, atol=1e-14)
     for key, groups in runs.items():
         for got, want in zip(groups, reference):
             torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want), rtol=1e-10, atol=1e-14)

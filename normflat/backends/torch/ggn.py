@@ -164,6 +164,61 @@ def wants_deltas(rule: Any) -> bool:
     return bool(getattr(rule, "_normflat_deltas", False))
 
 
+def _takes_kernel_sums(rule):
+    rule._normflat_kernel_sums = True  # also adds into a KernelSums, one group's squares at a time
+    return rule
+
+
+def takes_kernel_sums(rule: Any) -> bool:
+    """Whether a fast rule adds one group's squares at a time into a :class:`KernelSums`."""
+    return bool(getattr(rule, "_normflat_kernel_sums", False))
+
+
+class KernelSums:
+    """The running sums of a kernel-summed layer (``SumState.kernel_axes``, method §6.2), which a
+    rule adds each group's squares into as soon as they are formed: the weighted numerator of
+    the diagonal, ``Σ_k c_k · squares_k`` (``c`` :func:`~normflat.engine.estimators.mean_weights`),
+    and the group's kernel sums. The ``K'`` full-size group sums of the layer are never held at
+    once (on resnet18 with 1000 classes, ``analyze`` held six arrays of 2.4M weights per
+    convolution, and their zeroing alone took a tenth of its estimator's time).
+
+    ``mean`` and ``sums`` are the state's own running arrays (added into in place) or ``None``
+    on a layer's first contribution (formed here, then handed to the state through
+    :meth:`compact`).
+    """
+
+    def __init__(self, weights: Any, axes: tuple[int, ...], shape: tuple[int, ...], like: torch.Tensor,
+                 mean: torch.Tensor | None = None, sums: torch.Tensor | None = None):
+        self.weights = [float(w) for w in weights]
+        self.axes = tuple(axes)
+        self.shape = (len(self.weights), *shape)
+        self.like = like
+        self.mean, self.sums = mean, sums
+
+    def add(self, k: int, squares: torch.Tensor) -> None:
+        """Add group ``k``'s squares (any shape of the layer's size; read, not kept)."""
+        squares = squares.reshape(self.shape[1:])
+        reduced = squares.sum(dim=self.axes, keepdim=True)
+        if self.sums is None:
+            self.sums = reduced.new_zeros((self.shape[0], *reduced.shape))
+        self.sums[k] += reduced
+        weight = self.weights[k]
+        if self.mean is None:
+            self.mean = squares * weight
+        else:
+            self.mean.add_(squares, alpha=weight)
+
+    def compact(self, weights: Any, axes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(numerator, kernel sums)`` for ``SumState`` (the weights and axes it was made with)."""
+        assert list(map(float, weights)) == self.weights and tuple(axes) == self.axes
+        if self.mean is None:  # no group had a signal
+            self.mean = self.like.new_zeros(self.shape[1:])
+        if self.sums is None:
+            reduced = [1 if a in self.axes else size for a, size in enumerate(self.shape[1:])]
+            self.sums = self.like.new_zeros((self.shape[0], *reduced))
+        return self.mean, self.sums
+
+
 def _accumulator(out: torch.Tensor | None, *shape: int, like: torch.Tensor) -> torch.Tensor:
     """The sums to add into: ``out`` viewed as ``shape`` (the state's own sums, so that a
     second chunk or batch allocates nothing), or fresh zeros."""
@@ -295,11 +350,13 @@ def _pair_products(x: torch.Tensor, pairs: torch.Tensor, doubled: torch.Tensor |
     return out
 
 
+@_takes_kernel_sums
 @_builtin
-def conv_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas, out: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+def conv_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas,
+                 out: torch.Tensor | KernelSums | None = None) -> torch.Tensor | KernelSums:
     """Fast GGN rule of ``nn.ConvNd``: per-sample gradients ``δ Uᵀ`` of the unfolded input ``U``,
-    group by group, squared and summed."""
+    group by group, squared and summed; into ``out`` (the running ``(K, *weight)`` sums, or a
+    :class:`KernelSums` that takes each group's squares as they are done) when given."""
     K, M = deltas.k, deltas.m
     n = a.shape[0]
     cout, cin_g, *k = module.weight.shape
@@ -308,7 +365,9 @@ def conv_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas, out: torch.
     unf = _unfold(module, a)  # (n, g·cin_g·∏k, L)
     L = unf.shape[-1]
     unf = unf.reshape(n, g, kk, L)
-    res = _accumulator(out, K, g, cout_g, kk, like=a)
+    sink = out if isinstance(out, KernelSums) else None
+    # The groups' sums: the running ones, or fresh ones; with a sink, one group's at a time.
+    res = None if sink is not None else _accumulator(out, K, g, cout_g, kk, like=a)
     if squares_by_pairs(L, M, g * cout_g * kk):
         # A per-sample gradient Σ_l δ_l u_lᵀ has the square Σ_{l,l'} (δ_l ⊙ δ_l') (u_l ⊙ u_l')ᵀ:
         # over the pairs l <= l' (off-diagonal ones twice), and the products of the signals of
@@ -331,20 +390,28 @@ def conv_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas, out: torch.
                 if d2 is None:
                     continue
                 d2 = d2.transpose(0, 1).reshape(g, c * P, cout_g)
-                res[group].baddbmm_(d2.transpose(1, 2), u2)
+                if sink is None:
+                    res[group].baddbmm_(d2.transpose(1, 2), u2)
+                else:
+                    sink.add(group, torch.bmm(d2.transpose(1, 2), u2))
         deltas.parts.clear()
-        return res.reshape(K, cout, cin_g, *k)
+        return sink if sink is not None else res.reshape(K, cout, cin_g, *k)
     # One signal at a time: no stacked copy of the signals, and each chunk of per-sample
     # gradients stays in cache while it is squared and summed.
-    for j in range(len(deltas.parts)):
-        if deltas.parts[j] is None:
-            continue
-        d, deltas.parts[j] = deltas.parts[j].reshape(n, g, cout_g, L), None
-        for sl in _chunks(n, g * cout_g * kk):
-            ps = torch.matmul(d[sl], unf[sl].transpose(-1, -2))  # per-sample gradients (c, g, cout_g, kk)
-            res[j // M] += ps.square_().sum(0)
-        del d
-    return res.reshape(K, cout, cin_g, *k)
+    for group in range(K):
+        total = res[group] if sink is None else None
+        for j in range(group * M, (group + 1) * M):
+            if deltas.parts[j] is None:
+                continue
+            d, deltas.parts[j] = deltas.parts[j].reshape(n, g, cout_g, L), None
+            for sl in _chunks(n, g * cout_g * kk):
+                ps = torch.matmul(d[sl], unf[sl].transpose(-1, -2))  # per-sample gradients (c, g, cout_g, kk)
+                squares = ps.square_().sum(0)
+                total = squares if total is None else total.add_(squares)
+            del d
+        if sink is not None and total is not None:
+            sink.add(group, total)
+    return sink if sink is not None else res.reshape(K, cout, cin_g, *k)
 
 
 @_builtin

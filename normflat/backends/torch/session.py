@@ -1179,6 +1179,15 @@ class TorchSession:
             # return fresh ones the first time, which the state keeps and adds into later.
             running = state.accumulator(index) if builtin else None
             extra = {} if running is None else {"out": running}
+            sink = None
+            if ggn_kernels.takes_kernel_sums(rule) and state.axes(index) and index not in state.exact:
+                # Kernel-summed groups: the rule adds each group's squares into the numerator and
+                # the kernel sums (the state's own after the first contribution).
+                kept = state.kernel_accumulator(index)
+                mean, sums = kept if kept is not None else (None, None)
+                sink = ggn_kernels.KernelSums(state.weights(), state.axes(index), tuple(layer.param.shape),
+                                              like=layer.param.detach(), mean=mean, sums=sums)
+                running, extra = kept, {"out": sink}
             try:
                 arg = deltas if builtin else deltas.stacked()
                 if ggn_kernels.wants_call(rule):
@@ -1189,10 +1198,10 @@ class TorchSession:
                 layer.disable_fast(str(why))
                 continue
             if running is None:
-                state.add(index, value.detach(), owned=builtin)
+                state.add(index, value if sink is not None else value.detach(), owned=builtin)
             # A kernel-summed layer's full (K', ...) squares are garbage once added: free them
             # before the next layer's.
-            del value
+            del value, sink
 
     def _tied_squares(self, layer: TorchLayer, parts: list[list[torch.Tensor | None] | None], k: int, m: int,
                       state: SumState) -> None:
