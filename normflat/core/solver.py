@@ -504,6 +504,40 @@ class _Kernel:
         return total / self.scale
 
 
+def _one_pass_sweep(K_A: _Kernel, K_B: _Kernel, eb: Any, emb: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """A sweep's four products over two :class:`DerivedEntries` kernels with each block of rows
+    formed once: the block's row sums ``K_A e^b``, ``K_B e^{-b}``, its row step ``a`` (which
+    depends on its own rows only), then its share of the column products ``e^aᵀ K_A`` and
+    ``e^{-a}ᵀ K_B`` (without the factors ``e^{±b}``), in the block order of
+    :meth:`_Kernel.times_left`: the numbers of the four products in turn, with half the float64
+    blocks formed.
+
+    The column products are formed before the caller's checks of the row sums and the row step;
+    if those fail, the caller discards them (overflows or logarithms of zero there are harmless,
+    and numpy is told so in this thread).
+
+    Returns:
+        ``(row_a, row_b, a, col_a, col_b)``.
+    """
+    assert K_A.entries is not None and K_B.entries is not None
+    xp = K_A.entries.xp
+    rows_a, rows_b, steps = [], [], []
+    col_a = col_b = None
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        for block_a, block_b in zip(K_A.entries.blocks(), K_B.entries.blocks()):
+            row_a = (block_a @ eb) / K_A.scale
+            row_b = (block_b @ emb) / K_B.scale
+            a = 0.5 * (xp.log(row_b) - xp.log(row_a))
+            ea = xp.exp(a)
+            part_a, part_b = ea @ block_a, (1.0 / ea) @ block_b
+            col_a = part_a if col_a is None else col_a + part_a
+            col_b = part_b if col_b is None else col_b + part_b
+            rows_a.append(row_a)
+            rows_b.append(row_b)
+            steps.append(a)
+    return (xp.concat(rows_a), xp.concat(rows_b), xp.concat(steps), col_a / K_A.scale, col_b / K_B.scale)
+
+
 class _Iteration:
     """Alternating exact block minimization on blocks whose minimum is attained.
 
@@ -608,23 +642,32 @@ class _Iteration:
             if absorptions > 2:  # a common scale cannot hold these totals
                 return self._run_log(*self._point(a, b), iterations, tol, max_iter)
             eb, emb = xp.exp(b), xp.exp(-b)
-            row_a, row_b = self.K_A.times(eb), self.K_B.times(emb)
+            # Float32 layers' kernels form their float64 blocks on the fly: once per sweep, not
+            # once per product (_one_pass_sweep); others take the four products in turn.
+            one_pass = self.K_A.entries is not None and self.K_B.entries is not None
+            if one_pass:
+                row_a, row_b, step, col_a, col_b = _one_pass_sweep(self.K_A, self.K_B, eb, emb)
+            else:
+                row_a, row_b = self.K_A.times(eb), self.K_B.times(emb)
             if not self._safe(row_a, row_b):
                 if fresh:
                     return self._run_log(*self._point(a, b), iterations, tol, max_iter)
                 self._absorb(*self._point(a, b))
                 a, b, fresh, absorptions = self._zeros(self.m), self._zeros(self.n), True, absorptions + 1
                 continue
-            a = 0.5 * (xp.log(row_b) - xp.log(row_a))
+            a = step if one_pass else 0.5 * (xp.log(row_b) - xp.log(row_a))
             if to_float(xp.max(xp.abs(a))) > _ABSORB_LIMIT:
                 # Rows far from balance (e.g. the first sweep on a badly scaled
                 # matrix): absorb the exact row step so that exp(a) stays moderate.
                 self._absorb(*self._point(a, b))
                 a, b, fresh, absorptions = self._zeros(self.m), self._zeros(self.n), True, absorptions + 1
                 continue
-            ea = xp.exp(a)
-            col_a = self.K_A.times_left(ea) * eb
-            col_b = self.K_B.times_left(1.0 / ea) * emb
+            if one_pass:
+                col_a, col_b = col_a * eb, col_b * emb
+            else:
+                ea = xp.exp(a)
+                col_a = self.K_A.times_left(ea) * eb
+                col_b = self.K_B.times_left(1.0 / ea) * emb
             if not self._safe(col_a, col_b):
                 if fresh:
                     return self._run_log(*self._point(a, b), iterations, tol, max_iter)
