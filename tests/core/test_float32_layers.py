@@ -118,6 +118,54 @@ def test_float32_extremes_absorbed_into_the_kernels(small_blocks, monkeypatch):
     _assert_same(got, ref)
 
 
+@pytest.mark.parametrize("extremes", [False, True])
+def test_one_pass_sweeps_give_the_four_products_numbers(small_blocks, monkeypatch, extremes):
+    """A sweep over float32 kernels forms each block once (solver._one_pass_sweep): row sums, row
+    step and column sums of a block together. Its results are those of the four products in
+    turn, also where a sweep's rows fail their checks and its column sums are thrown away (the
+    extremes: the first row step is absorbed)."""
+    rng = np.random.default_rng(4)
+    W, H = rng.normal(size=(23, 11)), rng.random((23, 11))
+    if extremes:
+        W[0] *= 1e-40
+        H[0] *= 1e37
+        W[1] *= 1e36
+        H[1] *= 1e-40
+    W, H = _float32(W, H)
+    passes = []
+    one_pass = solver._one_pass_sweep
+
+    def counted(*args):
+        passes.append(True)
+        return one_pass(*args)
+
+    def four_products(K_A, K_B, eb, emb):
+        xp = K_A.entries.xp
+        row_a, row_b = K_A.times(eb), K_B.times(emb)
+        a = 0.5 * (xp.log(row_b) - xp.log(row_a))
+        ea = xp.exp(a)
+        return row_a, row_b, a, K_A.times_left(ea), K_B.times_left(1.0 / ea)
+
+    absorbed = []
+    absorb = solver._Iteration._absorb
+
+    def counting(self, *point):
+        absorbed.append(True)
+        return absorb(self, *point)
+
+    monkeypatch.setattr(solver._Iteration, "_absorb", counting)
+    monkeypatch.setattr(solver, "_one_pass_sweep", counted)
+    got = evaluate_layer(LayerProblem("fc", W, H))
+    assert passes and bool(absorbed) == extremes
+    monkeypatch.setattr(solver, "_one_pass_sweep", four_products)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        ref = evaluate_layer(LayerProblem("fc", W, H))
+    for m in normflat.MEASURES:
+        assert getattr(got, m) == pytest.approx(getattr(ref, m), rel=1e-14, abs=0.0), m
+    np.testing.assert_allclose(got.row_sigma, ref.row_sigma, rtol=1e-13)
+    assert got.iterations == ref.iterations
+
+
 def test_grouped_pointwise_convolution(small_blocks):
     """A 1×1 grouped convolution has no kernel axes to sum either: each group's rows are its block."""
     rng = np.random.default_rng(4)
