@@ -36,6 +36,33 @@ def test_layer_problem_rejects_bad_input(weight, hdiag, exc, match):
         normflat.LayerProblem("L", weight, hdiag)
 
 
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_finite_check_from_the_sum_and_exactly_where_it_overflows(library, dtype):
+    """The finiteness check reads a finite sum as all finite; a non-finite one (a NaN, an
+    infinity, opposite infinities, or finite entries whose sum overflows) takes the exact check,
+    without a warning."""
+    import warnings
+
+    xp = pytest.importorskip(library)
+    big = float(np.finfo(dtype).max) / 2
+
+    def array(values):
+        return xp.asarray(np.array(values, dtype=dtype).reshape(2, 2))
+
+    ones = array([1.0] * 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        normflat.LayerProblem("L", array([big] * 4), ones)  # the sum overflows: exact, finite
+        normflat.LayerProblem("L", array([big, big, -big, -big]), ones)
+        for bad in ([1.0, np.nan, 1.0, 1.0], [1.0, np.inf, 1.0, 1.0], [np.inf, -np.inf, 1.0, 1.0],
+                    [big, big, np.nan, 1.0]):
+            with pytest.raises(ValueError, match="'L'.*weight contains NaN or infinite"):
+                normflat.LayerProblem("L", array(bad), ones)
+            with pytest.raises(ValueError, match="samples contains NaN or infinite"):
+                normflat.LayerProblem("L", ones, ones, hessian_diag_samples=xp.stack([array(bad), ones]))
+
+
 def test_layer_problem_rejects_bad_samples():
     with pytest.raises(ValueError, match=r"hessian_diag_samples has shape \(1, 2, 2\)"):
         normflat.LayerProblem("L", np.ones((2, 2)), np.ones((2, 2)), hessian_diag_samples=np.ones((1, 2, 2)))
