@@ -1148,6 +1148,30 @@ def test_conv_squares_by_pairs_keep_every_group_apart(monkeypatch):
     assert not torch.equal(torch.as_tensor(reference[1][0]), torch.as_tensor(reference[1][1]))  # groups differ
 
 
+@pytest.mark.parametrize("name", ["cnn_relu", "conv1d", "conv3d", "conv_transpose"])
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_kernel_summed_groups_equal_the_generic_paths(name, chunk):
+    """Under analyze a convolution's groups are kernel sums beside one full-size numerator
+    (method §6.2): the convolution rules (ConvNd, ConvTransposeNd) add each group's squares into
+    them as they go (ggn.KernelSums, into the state's own arrays from the second chunk on). Both
+    equal the generic path's, whose K' full-size sums the state reduces."""
+    from normflat.engine.options import validate_options
+
+    model, x, y = make(name, n=7)
+    options = validate_options(loss="ce", estimator="ggn-mc", samples=4, progress=False)
+    backend = {} if chunk is None else {"chunk_size": chunk}
+    fast, _ = tb.layer_problems(model, (x, y), options, **backend)
+    generic, _ = tb.layer_problems(model, (x, y), options, fast=False)
+    kernels = 0
+    for got, want in zip(fast, generic):
+        samples = torch.as_tensor(got.hessian_diag_samples)
+        kernels += samples.dim() > 2 and samples.shape[2:] != torch.as_tensor(got.hessian_diag).shape[1:]
+        torch.testing.assert_close(samples, torch.as_tensor(want.hessian_diag_samples), rtol=1e-10, atol=1e-15)
+        torch.testing.assert_close(torch.as_tensor(got.hessian_diag), torch.as_tensor(want.hessian_diag),
+                                   rtol=1e-10, atol=1e-15)
+    assert kernels >= 1  # some layer's groups were kept as kernel sums
+
+
 def test_squares_by_pairs_cost_rule():
     """The measured cost rule: small maps of big layers by pairs, large maps per sample."""
     assert ggn_kernels.squares_by_pairs(1, 2, 512 * 4608)

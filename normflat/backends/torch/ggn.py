@@ -414,12 +414,14 @@ def conv_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas,
     return sink if sink is not None else res.reshape(K, cout, cin_g, *k)
 
 
+@_takes_kernel_sums
 @_builtin
 def conv_transpose_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | KernelSums | None = None) -> torch.Tensor | KernelSums:
     """ConvTranspose is the adjoint of the convolution with the same weight, so its
     per-sample weight gradient is the conv weight gradient with the roles of the
-    input and the output signal swapped: patches of the signal times the input."""
+    input and the output signal swapped: patches of the signal times the input. Into a
+    :class:`KernelSums` ``out``, one group's squares at a time."""
     if isinstance(module.padding, str) or module.padding_mode != "zeros":
         raise NoFastPath("ConvTranspose with string padding or non-zero padding mode")
     K, M = deltas.k, deltas.m
@@ -432,6 +434,15 @@ def conv_transpose_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas,
     L = unf.shape[-1]
     unf = unf.reshape(K * M, n, g, kk, L).permute(1, 2, 0, 3, 4)  # (n, g, KM, kk, L)
     x = a.reshape(n, g, 1, cin_g, L)
+    if isinstance(out, KernelSums):
+        for group in range(K):
+            signals_k = unf[:, :, group * M:(group + 1) * M]  # (n, g, M, kk, L)
+            squares = a.new_zeros(g, cin_g, kk)
+            for sl in _chunks(n, g * M * cin_g * kk):
+                ps = torch.matmul(x[sl], signals_k[sl].transpose(-1, -2))  # (c, g, M, cin_g, kk)
+                squares += ps.square_().sum((0, 2))
+            out.add(group, squares.reshape(cin, cout_g, *k))
+        return out
     res = a.new_zeros(g, K, cin_g, kk)
     for sl in _chunks(n, g * K * M * cin_g * kk):
         ps = torch.matmul(x[sl], unf[sl].transpose(-1, -2))  # (c, g, KM, cin_g, kk)
