@@ -198,7 +198,16 @@ class KernelSums:
     def add(self, k: int, squares: torch.Tensor) -> None:
         """Add group ``k``'s squares (any shape of the layer's size; read, not kept)."""
         squares = squares.reshape(self.shape[1:])
-        reduced = squares.sum(dim=self.axes, keepdim=True)
+        ndim = len(self.shape) - 1
+        if self.axes == tuple(range(ndim - len(self.axes), ndim)):
+            # Trailing kernel axes (every convolution layout): a matrix-vector product with ones,
+            # twice as fast as torch's reduction over a few contiguous entries (3×3: 0.66 against
+            # 1.3 ms on 512×512).
+            kernel = math.prod(self.shape[1 + ndim - len(self.axes):])
+            reduced = (squares.reshape(-1, kernel) @ squares.new_ones(kernel)).reshape(
+                *self.shape[1:1 + ndim - len(self.axes)], *([1] * len(self.axes)))
+        else:
+            reduced = squares.sum(dim=self.axes, keepdim=True)
         if self.sums is None:
             self.sums = reduced.new_zeros((self.shape[0], *reduced.shape))
         self.sums[k] += reduced
