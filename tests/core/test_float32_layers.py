@@ -122,7 +122,7 @@ def test_float32_extremes_absorbed_into_the_kernels(small_blocks, monkeypatch):
 def test_one_pass_sweeps_give_the_four_products_numbers(small_blocks, monkeypatch, extremes):
     """A sweep over float32 kernels forms each block once (solver._one_pass_sweep): row sums, row
     step and column sums of a block together. Its results are those of the four products in
-    turn, also where a sweep's rows fail their checks and its column sums are thrown away (the
+    turn up to the order of the additions, also where a sweep's rows fail their checks and its column sums are thrown away (the
     extremes: the first row step is absorbed)."""
     rng = np.random.default_rng(4)
     W, H = rng.normal(size=(23, 11)), rng.random((23, 11))
