@@ -191,25 +191,23 @@ class KernelSums:
                  mean: torch.Tensor | None = None, sums: torch.Tensor | None = None):
         self.weights = [float(w) for w in weights]
         self.axes = tuple(axes)
+        lead = len(shape) - len(self.axes)
+        # The kernel axes of torch's layouts are the trailing ones (TorchLayer.kernel_axes).
+        assert self.axes == tuple(range(lead, len(shape))), (axes, shape)
         self.shape = (len(self.weights), *shape)
+        self.kernel = math.prod(shape[lead:])
+        self.reduced = (*shape[:lead], *([1] * len(self.axes)))  # one group's kernel sums
         self.like = like
         self.mean, self.sums = mean, sums
 
     def add(self, k: int, squares: torch.Tensor) -> None:
         """Add group ``k``'s squares (any shape of the layer's size; read, not kept)."""
         squares = squares.reshape(self.shape[1:])
-        ndim = len(self.shape) - 1
-        if self.axes == tuple(range(ndim - len(self.axes), ndim)):
-            # Trailing kernel axes (every convolution layout): a matrix-vector product with ones,
-            # twice as fast as torch's reduction over a few contiguous entries (3×3: 0.66 against
-            # 1.3 ms on 512×512).
-            kernel = math.prod(self.shape[1 + ndim - len(self.axes):])
-            reduced = (squares.reshape(-1, kernel) @ squares.new_ones(kernel)).reshape(
-                *self.shape[1:1 + ndim - len(self.axes)], *([1] * len(self.axes)))
-        else:
-            reduced = squares.sum(dim=self.axes, keepdim=True)
+        # The kernel sums by a matrix-vector product with ones: twice as fast as torch's
+        # reduction over a few contiguous entries (3×3: 0.66 against 1.3 ms on 512×512).
+        reduced = (squares.reshape(-1, self.kernel) @ squares.new_ones(self.kernel)).reshape(self.reduced)
         if self.sums is None:
-            self.sums = reduced.new_zeros((self.shape[0], *reduced.shape))
+            self.sums = reduced.new_zeros((self.shape[0], *self.reduced))
         self.sums[k] += reduced
         weight = self.weights[k]
         if self.mean is None:
@@ -223,8 +221,7 @@ class KernelSums:
         if self.mean is None:  # no group had a signal
             self.mean = self.like.new_zeros(self.shape[1:])
         if self.sums is None:
-            reduced = [1 if a in self.axes else size for a, size in enumerate(self.shape[1:])]
-            self.sums = self.like.new_zeros((self.shape[0], *reduced))
+            self.sums = self.like.new_zeros((self.shape[0], *self.reduced))
         return self.mean, self.sums
 
 
