@@ -440,19 +440,19 @@ def conv_transpose_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas,
     L = unf.shape[-1]
     unf = unf.reshape(K * M, n, g, kk, L).permute(1, 2, 0, 3, 4)  # (n, g, KM, kk, L)
     x = a.reshape(n, g, 1, cin_g, L)
-    if isinstance(out, KernelSums):
-        for group in range(K):
-            signals_k = unf[:, :, group * M:(group + 1) * M]  # (n, g, M, kk, L)
-            squares = a.new_zeros(g, cin_g, kk)
-            for sl in _chunks(n, g * M * cin_g * kk):
-                ps = torch.matmul(x[sl], signals_k[sl].transpose(-1, -2))  # (c, g, M, cin_g, kk)
-                squares += ps.square_().sum((0, 2))
-            out.add(group, squares.reshape(cin, cout_g, *k))
-        return out
-    res = a.new_zeros(g, K, cin_g, kk)
-    for sl in _chunks(n, g * K * M * cin_g * kk):
-        ps = torch.matmul(x[sl], unf[sl].transpose(-1, -2))  # (c, g, KM, cin_g, kk)
-        res += ps.square_().reshape(-1, g, K, M, cin_g, kk).sum((0, 3))
+    sink = out if isinstance(out, KernelSums) else None
+    # One group at a time: into the sink as soon as it is done, or into its slot of the K sums.
+    res = None if sink is not None else a.new_zeros(g, K, cin_g, kk)
+    for group in range(K):
+        signals_k = unf[:, :, group * M:(group + 1) * M]  # (n, g, M, kk, L)
+        squares = a.new_zeros(g, cin_g, kk) if sink is not None else res[:, group]
+        for sl in _chunks(n, g * M * cin_g * kk):
+            ps = torch.matmul(x[sl], signals_k[sl].transpose(-1, -2))  # (c, g, M, cin_g, kk)
+            squares += ps.square_().sum((0, 2))
+        if sink is not None:
+            sink.add(group, squares.reshape(cin, cout_g, *k))
+    if sink is not None:
+        return sink
     res = res.permute(1, 0, 2, 3).reshape(K, cin, cout_g, *k)
     return res if out is None else out.add_(res)
 
