@@ -504,12 +504,15 @@ class _Kernel:
         return total / self.scale
 
 
-def _one_pass_sweep(K_A: _Kernel, K_B: _Kernel, eb: Any, emb: Any) -> tuple[Any, Any, Any, Any, Any]:
-    """A sweep's four products over two :class:`DerivedEntries` kernels with each block of rows
-    formed once: the block's row sums ``K_A e^b``, ``K_B e^{-b}``, its row step ``a`` (which
-    depends on its own rows only), then its share of the column products ``e^aᵀ K_A`` and
-    ``e^{-a}ᵀ K_B`` (without the factors ``e^{±b}``): the numbers of the four products in turn
-    up to the order of the additions, with half the float64 blocks formed.
+def _sweep_products(K_A: _Kernel, K_B: _Kernel, eb: Any, emb: Any, xp: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """A sweep's four products: the row sums ``K_A e^b``, ``K_B e^{-b}``, the row step ``a``,
+    and the column products ``e^aᵀ K_A``, ``e^{-a}ᵀ K_B`` (without the factors ``e^{±b}``).
+
+    Over two :class:`DerivedEntries` kernels each block of rows is formed once: a block's row
+    step depends on its own rows only, so its row sums, row step and share of the column
+    products are taken in one pass (the numbers of the four products in turn up to the order
+    of the additions, with half the float64 blocks formed). Plain matrices take the four
+    products in turn.
 
     The column products are formed before the caller's checks of the row sums and the row step;
     if those fail, the caller discards them (overflows or logarithms of zero there are harmless,
@@ -518,8 +521,12 @@ def _one_pass_sweep(K_A: _Kernel, K_B: _Kernel, eb: Any, emb: Any) -> tuple[Any,
     Returns:
         ``(row_a, row_b, a, col_a, col_b)``.
     """
-    assert K_A.entries is not None and K_B.entries is not None
-    xp = K_A.entries.xp
+    if K_A.entries is None or K_B.entries is None:
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            row_a, row_b = K_A.times(eb), K_B.times(emb)
+            a = 0.5 * (xp.log(row_b) - xp.log(row_a))
+            ea = xp.exp(a)
+            return row_a, row_b, a, K_A.times_left(ea), K_B.times_left(1.0 / ea)
     rows_a, rows_b, steps = [], [], []
     col_a = col_b = None
     # Two blocks at once, each half the size of a product's: the same float64 memory as before
@@ -644,32 +651,21 @@ class _Iteration:
             if absorptions > 2:  # a common scale cannot hold these totals
                 return self._run_log(*self._point(a, b), iterations, tol, max_iter)
             eb, emb = xp.exp(b), xp.exp(-b)
-            # Float32 layers' kernels form their float64 blocks on the fly: once per sweep, not
-            # once per product (_one_pass_sweep); others take the four products in turn.
-            one_pass = self.K_A.entries is not None and self.K_B.entries is not None
-            if one_pass:
-                row_a, row_b, step, col_a, col_b = _one_pass_sweep(self.K_A, self.K_B, eb, emb)
-            else:
-                row_a, row_b = self.K_A.times(eb), self.K_B.times(emb)
+            row_a, row_b, step, col_a, col_b = _sweep_products(self.K_A, self.K_B, eb, emb, xp)
             if not self._safe(row_a, row_b):
                 if fresh:
                     return self._run_log(*self._point(a, b), iterations, tol, max_iter)
                 self._absorb(*self._point(a, b))
                 a, b, fresh, absorptions = self._zeros(self.m), self._zeros(self.n), True, absorptions + 1
                 continue
-            a = step if one_pass else 0.5 * (xp.log(row_b) - xp.log(row_a))
+            a = step
             if to_float(xp.max(xp.abs(a))) > _ABSORB_LIMIT:
                 # Rows far from balance (e.g. the first sweep on a badly scaled
                 # matrix): absorb the exact row step so that exp(a) stays moderate.
                 self._absorb(*self._point(a, b))
                 a, b, fresh, absorptions = self._zeros(self.m), self._zeros(self.n), True, absorptions + 1
                 continue
-            if one_pass:
-                col_a, col_b = col_a * eb, col_b * emb
-            else:
-                ea = xp.exp(a)
-                col_a = self.K_A.times_left(ea) * eb
-                col_b = self.K_B.times_left(1.0 / ea) * emb
+            col_a, col_b = col_a * eb, col_b * emb
             if not self._safe(col_a, col_b):
                 if fresh:
                     return self._run_log(*self._point(a, b), iterations, tol, max_iter)

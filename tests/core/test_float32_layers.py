@@ -94,16 +94,18 @@ def test_sparse_pattern_with_vanishing_terms(small_blocks):
     _assert_same(got, ref)
 
 
-def test_float32_extremes_absorbed_into_the_kernels(small_blocks, monkeypatch):
-    """Rows of huge curvature and tiny weights next to the opposite: the iteration absorbs its
-    working point into the kernels (formed from the entries' logarithms), on the derived entries too."""
-    rng = np.random.default_rng(3)
-    W, H = rng.normal(size=(12, 9)), rng.random((12, 9))
+def _with_extremes(W, H):
+    """Rows of huge curvature and tiny weights next to the opposite (the iteration's first row
+    step is absorbed into the kernels)."""
     W[0] *= 1e-40
     H[0] *= 1e37
     W[1] *= 1e36
     H[1] *= 1e-40
-    W, H = _float32(W, H)
+    return W, H
+
+
+def _count_absorptions(monkeypatch) -> list:
+    """A list that gets an entry whenever the iteration absorbs its working point."""
     absorbed = []
     original = solver._Iteration._absorb
 
@@ -112,6 +114,15 @@ def test_float32_extremes_absorbed_into_the_kernels(small_blocks, monkeypatch):
         return original(self, *point)
 
     monkeypatch.setattr(solver._Iteration, "_absorb", counting)
+    return absorbed
+
+
+def test_float32_extremes_absorbed_into_the_kernels(small_blocks, monkeypatch):
+    """Rows of huge curvature and tiny weights next to the opposite: the iteration absorbs its
+    working point into the kernels (formed from the entries' logarithms), on the derived entries too."""
+    rng = np.random.default_rng(3)
+    W, H = _float32(*_with_extremes(rng.normal(size=(12, 9)), rng.random((12, 9))))
+    absorbed = _count_absorptions(monkeypatch)
     got = evaluate_layer(LayerProblem("fc", W, H))
     assert absorbed
     ref = evaluate_layer(LayerProblem("fc", W.astype(np.float64), H.astype(np.float64)))
@@ -120,44 +131,33 @@ def test_float32_extremes_absorbed_into_the_kernels(small_blocks, monkeypatch):
 
 @pytest.mark.parametrize("extremes", [False, True])
 def test_one_pass_sweeps_give_the_four_products_numbers(small_blocks, monkeypatch, extremes):
-    """A sweep over float32 kernels forms each block once (solver._one_pass_sweep): row sums, row
+    """A sweep over float32 kernels forms each block once (solver._sweep_products): row sums, row
     step and column sums of a block together. Its results are those of the four products in
-    turn up to the order of the additions, also where a sweep's rows fail their checks and its column sums are thrown away (the
-    extremes: the first row step is absorbed)."""
+    turn up to the order of the additions, also where a sweep's rows fail their checks and its
+    column sums are thrown away (the extremes: the first row step is absorbed)."""
     rng = np.random.default_rng(4)
     W, H = rng.normal(size=(23, 11)), rng.random((23, 11))
     if extremes:
-        W[0] *= 1e-40
-        H[0] *= 1e37
-        W[1] *= 1e36
-        H[1] *= 1e-40
+        W, H = _with_extremes(W, H)
     W, H = _float32(W, H)
-    passes = []
-    one_pass = solver._one_pass_sweep
+    one_pass = []
+    sweep = solver._sweep_products
 
-    def counted(*args):
-        passes.append(True)
-        return one_pass(*args)
+    def counted(K_A, K_B, *args):
+        one_pass.append(K_A.entries is not None and K_B.entries is not None)
+        return sweep(K_A, K_B, *args)
 
-    def four_products(K_A, K_B, eb, emb):
-        xp = K_A.entries.xp
+    def four_products(K_A, K_B, eb, emb, xp):
         row_a, row_b = K_A.times(eb), K_B.times(emb)
         a = 0.5 * (xp.log(row_b) - xp.log(row_a))
         ea = xp.exp(a)
         return row_a, row_b, a, K_A.times_left(ea), K_B.times_left(1.0 / ea)
 
-    absorbed = []
-    absorb = solver._Iteration._absorb
-
-    def counting(self, *point):
-        absorbed.append(True)
-        return absorb(self, *point)
-
-    monkeypatch.setattr(solver._Iteration, "_absorb", counting)
-    monkeypatch.setattr(solver, "_one_pass_sweep", counted)
+    absorbed = _count_absorptions(monkeypatch)
+    monkeypatch.setattr(solver, "_sweep_products", counted)
     got = evaluate_layer(LayerProblem("fc", W, H))
-    assert passes and bool(absorbed) == extremes
-    monkeypatch.setattr(solver, "_one_pass_sweep", four_products)
+    assert any(one_pass) and bool(absorbed) == extremes
+    monkeypatch.setattr(solver, "_sweep_products", four_products)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         ref = evaluate_layer(LayerProblem("fc", W, H))
     for m in normflat.MEASURES:
