@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from normflat.backends.torch.layers import all_finite
 from normflat.engine.data import input_leaves
 
 __all__ = ["TorchAdapter", "ADAPTER", "to_model", "inputs_to_model", "ModelInputs", "deferred_inputs_finite",
@@ -59,9 +60,7 @@ class TorchAdapter:
             return True
         if not a.is_floating_point():
             return True
-        # One reduction decides the common case; the element-wise test runs only if the
-        # sum is not finite (it can overflow for huge finite values).
-        return bool(torch.isfinite(a.sum())) or bool(torch.isfinite(a).all())
+        return all_finite(a)
 
     def cardinality(self, data: Any) -> Any:
         try:
