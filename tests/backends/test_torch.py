@@ -1172,6 +1172,41 @@ def test_kernel_summed_groups_equal_the_generic_paths(name, chunk):
     assert kernels >= 1  # some layer's groups were kept as kernel sums
 
 
+@pytest.mark.parametrize("estimator, options", [("exact", {}), ("ggn", {}), ("ggn-mc", {"samples": 4})])
+def test_conv_transpose_channel_rescaling_invariance(estimator, options):
+    """Method §8 for ConvTransposeNd, whose weight is (in, out/groups, *k): scaling the grouped
+    first layer's output channel o by α_o (its weight slice [group of o, o within it] and bias)
+    and the second layer's input channel o (weight[o]) by 1/α_o, and the second layer's output
+    channel p by β_p against the head's columns of p, leaves the function (ReLU between) and
+    every layer's normalized sharpness unchanged and moves the traces. ggn-mc keeps its groups
+    as kernel sums (ggn.KernelSums)."""
+    model, x, y = make("conv_transpose", n=9)
+    first, second, head = model[0], model[2], model[5]
+    alpha = torch.tensor([0.5, 3.0, 1.7, 0.25], dtype=DT)
+    beta = torch.tensor([2.5, 0.4], dtype=DT)
+    positions = head.in_features // second.out_channels
+    scaled = copy.deepcopy(model)
+    with torch.no_grad():
+        cout_g = first.out_channels // first.groups
+        for o in range(first.out_channels):
+            group, j = divmod(o, cout_g)
+            cin_g = first.in_channels // first.groups
+            scaled[0].weight[group * cin_g:(group + 1) * cin_g, j] *= alpha[o]
+        scaled[0].bias *= alpha
+        scaled[2].weight /= alpha[:, None, None, None]
+        scaled[2].weight *= beta[None, :, None, None]
+        scaled[2].bias *= beta
+        scaled[5].weight /= beta.repeat_interleave(positions)[None, :]
+    torch.testing.assert_close(scaled(x), model(x), rtol=1e-12, atol=1e-12)
+    before = normflat.analyze(model, (x, y), estimator=estimator, progress=False, seed=5, **options)
+    after = normflat.analyze(scaled, (x, y), estimator=estimator, progress=False, seed=5, **options)
+    for a, b in zip(before.layers, after.layers):
+        assert b.normalized_sharpness == pytest.approx(a.normalized_sharpness, rel=1e-8), a.name
+    assert after.normalized_sharpness == pytest.approx(before.normalized_sharpness, rel=1e-8)
+    for i in (0, 1, 2):  # every layer's curvature moves with its weights
+        assert not math.isclose(after.layers[i].hessian_trace, before.layers[i].hessian_trace, rel_tol=1e-3)
+
+
 def test_squares_by_pairs_cost_rule():
     """The measured cost rule: small maps of big layers by pairs, large maps per sample."""
     assert ggn_kernels.squares_by_pairs(1, 2, 512 * 4608)
