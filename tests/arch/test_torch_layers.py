@@ -9,6 +9,7 @@ in the canonical layouts of method §3.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -409,6 +410,131 @@ def test_recurrent_layers(cell, kw):
         assert f"rnn.weight_ih_l0.{g}" in got and f"rnn.weight_hh_l0.{g}" in got
     if kw.get("bidirectional"):
         assert any(k.startswith("rnn.weight_ih_l1_reverse") for k in got)
+
+
+@pytest.mark.parametrize("cell, kw", [
+    (nn.RNN, dict(nonlinearity="tanh", num_layers=2, bidirectional=True)),
+    (nn.RNN, dict(nonlinearity="relu", bias=False)),
+    (nn.LSTM, dict(num_layers=2, bidirectional=True, proj_size=2)),
+    (nn.LSTM, dict(bias=False)),
+    (nn.GRU, dict(num_layers=2, bidirectional=True)),
+])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_recurrent_fast_rules_equal_the_generic_path(cell, kw, batch_first):
+    """Every recurrent weight takes its fast rule (the plain recurrence records what it multiplies
+    at each step and a tap at its product, method §6.1, "Recurrent weights"), and every estimator's
+    report equals the generic path's: the diagonals, the measures, the standard errors; the
+    model's function is unchanged by the recording (the logits equal torch's fused kernel's)."""
+
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, D)
+            self.rnn = cell(D, 3, batch_first=batch_first, **kw)
+            out = (kw.get("proj_size") or 3) * (2 if kw.get("bidirectional") else 1)
+            self.head = nn.Linear(out, C)
+
+        def forward(self, ids, h0):
+            x = self.emb(ids)
+            if not batch_first:
+                x = x.transpose(0, 1)
+            state = (h0, torch.ones_like(h0[..., :1]).expand(*h0.shape[:-1], 3).contiguous()) \
+                if cell is nn.LSTM else h0
+            out, _ = self.rnn(x, state)
+            if not batch_first:
+                out = out.transpose(0, 1)
+            return self.head(out)  # token logits
+
+    model = _init(Tagger())
+    layers = kw.get("num_layers", 1) * (2 if kw.get("bidirectional") else 1)
+    g = torch.Generator().manual_seed(3)
+    h0 = torch.randn(N, layers, kw.get("proj_size") or 3, dtype=DT, generator=g)
+
+    class Wrapped(nn.Module):  # the initial state per sample, batch-first, as data
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids, h):
+            return self.inner(ids, h.transpose(0, 1).contiguous())
+
+    wrapped = Wrapped(model)
+    data = [((_ids(N, T), h0), _labels(N, T)), ((_ids(2, T, seed=5), h0[:2] * 0.5), _labels(2, T, seed=6))]
+    logits = wrapped(*data[0][0]).detach().clone()
+    for estimator, extra in (("ggn", {}), ("ggn-mc", {"samples": 4}), ("ggn-topk", {"top_classes": 2})):
+        fast = normflat.analyze(wrapped, data, estimator=estimator, progress=False, seed=3, **extra)
+        generic = normflat.analyze(wrapped, data, estimator=estimator, progress=False, seed=3, fast=False, **extra)
+        names = [layer.name for layer in fast.layers]
+        assert [layer.name for layer in generic.layers] == names
+        for lf, lg in zip(fast.layers, generic.layers):
+            if lf.name.startswith("inner.rnn."):
+                assert lf.details["path"] == "fast", (lf.name, lf.details)
+            assert lg.details["path"] == "generic"
+            if estimator == "ggn-topk" and lf.name == "inner.head":
+                continue  # ggn-topk's fast dense head is exact (method §6.2); the generic path samples it
+            for field in ("normalized_sharpness", "hessian_trace", "matrix_normalized_sharpness"):
+                assert math.isclose(getattr(lf, field), getattr(lg, field), rel_tol=1e-10, abs_tol=1e-14), \
+                    (estimator, lf.name, field)
+            assert (lf.standard_error is None) == (lg.standard_error is None)
+            for key, value in (lf.standard_error or {}).items():
+                assert math.isclose(value, lg.standard_error[key], rel_tol=1e-8, abs_tol=1e-14), (lf.name, key)
+        sampled = [layer for layer in fast.layers if layer.name.startswith("inner.rnn.") and layer.standard_error]
+        assert bool(sampled) == (estimator != "ggn")  # the sampled estimators' errors compared too
+        want = normflat.hessian_diagonal(wrapped, data, estimator=estimator, progress=False, seed=3, fast=False,
+                                         **extra)
+        got = normflat.hessian_diagonal(wrapped, data, estimator=estimator, progress=False, seed=3, **extra)
+        if estimator == "ggn-topk":
+            del got["inner.head"], want["inner.head"]
+        _close(got, want)
+    assert torch.equal(wrapped(*data[0][0]), logits)
+    with torch.no_grad():
+        state = (h0.transpose(0, 1).contiguous(), torch.ones(layers, N, 3, dtype=DT)) if cell is nn.LSTM \
+            else h0.transpose(0, 1).contiguous()
+        x = model.emb(data[0][0][0])
+        fused, _ = model.rnn(x if batch_first else x.transpose(0, 1), state)
+        plain = compat_recurrence_output(model.rnn, x if batch_first else x.transpose(0, 1), state)
+    assert torch.allclose(plain, fused, rtol=1e-12, atol=1e-14)
+
+
+def compat_recurrence_output(rnn, x, state):
+    """The recorded recurrence's output (taps on every weight) for the fused kernel's input."""
+    from normflat.backends.torch import compat
+
+    seen = {}
+    record = {id(p): (lambda name: lambda a, out, uses: seen.setdefault(name, uses))(n)
+              for n, p in rnn.named_parameters() if n.startswith("weight_")}
+    with compat.FunctionalKernels(attention=False), compat.recurrent_taps(record):
+        out, _ = rnn(x, state)
+    steps = x.shape[1] if rnn.batch_first else x.shape[0]
+    assert all(uses == (1 if n.startswith("weight_ih") else steps) for n, uses in seen.items()), seen
+    assert set(seen) == {n for n, _ in rnn.named_parameters() if n.startswith("weight_")}
+    return out
+
+
+def test_a_packed_sequence_takes_the_generic_path_with_its_reason():
+    """torch's fused kernel runs a packed sequence: its steps cannot be recorded, so the recurrent
+    weights take the exact generic path and say why."""
+
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, D)
+            self.lstm = nn.LSTM(D, 3, batch_first=True)
+            self.head = nn.Linear(3, C)
+
+        def forward(self, ids):
+            packed = nn.utils.rnn.pack_padded_sequence(self.emb(ids), [T] * ids.shape[0], batch_first=True)
+            _, (h, _) = self.lstm(packed)
+            return self.head(h[-1])
+
+    model = _init(Packed())
+    data = [(_ids(N, T), _labels(N))]
+    report = normflat.analyze(model, data, estimator="ggn", progress=False)
+    for layer in report.layers:
+        if layer.name.startswith("lstm."):
+            assert layer.details["path"] == "generic"
+            assert "fused kernel" in layer.details["generic_reason"]
+    _check_ggn(model, data)
 
 
 def test_recurrent_with_initial_state():

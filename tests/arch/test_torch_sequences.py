@@ -151,6 +151,28 @@ def test_gated_input_column_scaling_against_a_scaled_embedding(cell):
     _assert_invariant(model, moved, _Call(data))
 
 
+def test_lstm_projection_rescaling():
+    """An LSTM with ``proj_size``: unit k of the projected state times c_k scales row k of the
+    projection ``weight_hr``, and takes 1/c_k on column k of the recurrent ``weight_hh`` and of the
+    head (the state is the next step's recurrent input and the layer's output). Every recurrent
+    weight is on its fast path (method §6.1, "Recurrent weights")."""
+    model = _init(RecurrentTagger(nn.LSTM, proj_size=3))
+    model.head = nn.Linear(3, C).to(DT)
+    _init(model, seed=5)
+    data = [(_ids(N, T), _labels(N, T))]
+    moved = copy.deepcopy(model)
+    c = _head_factors(3, 11)
+    with torch.no_grad():
+        r = moved.rnn
+        r.weight_hr_l0 *= c[:, None]
+        r.weight_hh_l0 /= c[None, :]
+        moved.head.weight /= c[None, :]
+    report = _analyze(model, data)
+    assert {layer.details["path"] for layer in report.layers if layer.name.startswith("rnn.")} == {"fast"}
+    assert "rnn.weight_hr_l0" in [layer.name for layer in report.layers]
+    _assert_invariant(model, moved, _Call(data))
+
+
 class TiedMixer(nn.Module):
     """Token LM whose head is tied to its embedding, with two dense layers between them."""
 
@@ -292,6 +314,46 @@ def test_the_model_is_untouched_and_analyses_run_in_threads():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     for k in results["main"]:
         assert torch.equal(torch.as_tensor(results[0][k]), torch.as_tensor(results["main"][k]))
+
+
+def test_recurrent_fast_rules_in_two_threads():
+    """The recurrence records into the capture of the analysis running in its own thread: two
+    analyses of one LSTM architecture at once, while a third thread runs the model outside any
+    analysis, give the sequential numbers, and leave no recording behind."""
+    from normflat.backends.torch import compat
+
+    model = _init(RecurrentTagger(nn.LSTM, num_layers=2))
+    data = [(_ids(N, T), _labels(N, T))]
+    want = normflat.hessian_diagonal(model, data, estimator="ggn", progress=False)
+    results, errors = {}, []
+    stop = threading.Event()
+
+    def analyze(key, m):
+        try:
+            results[key] = normflat.hessian_diagonal(m, data, estimator="ggn", progress=False)
+        except BaseException as why:  # noqa: BLE001 - reported by the main thread
+            errors.append(why)
+
+    def plain(m):
+        with torch.no_grad(), compat.FunctionalKernels(attention=False):
+            while not stop.is_set():
+                m(data[0][0])
+
+    threads = [threading.Thread(target=analyze, args=(i, copy.deepcopy(model))) for i in range(2)]
+    other = threading.Thread(target=plain, args=(copy.deepcopy(model),))
+    other.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    other.join()
+    assert not errors, errors
+    for key in (0, 1):
+        assert set(results[key]) == set(want)
+        for name in want:
+            assert torch.equal(torch.as_tensor(results[key][name]), torch.as_tensor(want[name])), name
+    assert getattr(compat._TAPS, "record", None) is None
 
 
 # ----------------------------------------------------------------------------- errors

@@ -6,6 +6,9 @@ that breaks one of them breaks it here, visibly, and nowhere else.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -13,6 +16,8 @@ from torch import nn
 
 __all__ = [
     "FunctionalKernels",
+    "recurrent_taps",
+    "RecurrentTanh",
     "MathAttention",
     "NORM_BASE",
     "tensor_version",
@@ -138,16 +143,84 @@ def _padded_call(mode: str, args: tuple) -> bool:
 _RECURRENT_KERNELS = {torch.lstm: "LSTM", torch.gru: "GRU", torch.rnn_tanh: "RNN_TANH", torch.rnn_relu: "RNN_RELU"}
 
 
+#: This thread's recorder of the recurrent weights' inputs and outputs (:func:`recurrent_taps`).
+_TAPS = threading.local()
+
+
+@contextlib.contextmanager
+def recurrent_taps(record: dict[int, Callable[[torch.Tensor, torch.Tensor, int], None]] | None
+                   ) -> Iterator[None]:
+    """Let the plain recurrence (:func:`_recurrence`) show the fast GGN rule each recurrent weight's
+    map, in this thread, for the ``with`` block.
+
+    ``record`` maps ``id(weight)`` to ``callback(input, output, uses)``: ``input`` ``(B, T, in)`` is
+    what the weight multiplies at every step, ``output`` ``(B, T, out)`` a tensor of the graph whose
+    gradient is, at every step, the gradient of the weight's product ``W input_t`` (so that a
+    sample's gradient of ``W`` is ``Σ_t output_grad_t input_tᵀ``, a dense layer over the steps),
+    ``uses`` the graph edges to the weight (``T`` for a weight applied once per step). The input
+    weights' product over all steps is computed at once and is that output; a weight applied
+    inside the loop gets a tap: a zero tensor added to its product at every step, whose gradient is
+    the product's (``x + 0`` is ``x``: the function is unchanged). Torch's fused kernels are
+    opaque: the fast rule needs this recurrence (:class:`FunctionalKernels`).
+    """
+    before = getattr(_TAPS, "record", None)
+    _TAPS.record = record
+    try:
+        yield
+    finally:
+        _TAPS.record = before
+
+
+class RecurrentTanh(torch.autograd.Function):
+    """``tanh`` whose backward, ``g − g·y²``, is made of operations ``vmap`` batches: torch's own
+    ``tanh_backward`` has no batching rule, and one such node in a recurrence makes the batched
+    backward of many signals (``is_grads_batched``) loop op by op. Differentiable again (its
+    backward is plain operations) and usable under ``torch.func`` (``generate_vmap_rule``); used
+    only by the recurrence the fast GGN rule records (:func:`recurrent_taps`)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        return g - g * y * y
+
+
+def _tap(record: dict | None, w: torch.Tensor | None, like: torch.Tensor, width: int) -> torch.Tensor | None:
+    """A zero ``(B, T, width)`` tap for a weight applied once per step, when ``record`` wants it."""
+    if record is None or w is None or id(w) not in record:
+        return None
+    # A view of a zero leaf: a node of the graph, as the recorded outputs of the other layers are.
+    return torch.zeros((like.shape[0], like.shape[1], width), dtype=like.dtype, device=like.device,
+                       requires_grad=True).view(like.shape[0], like.shape[1], width)
+
+
 def _recurrence(mode: str, x: torch.Tensor, hx: Any, params: list, has_biases: bool, num_layers: int,
                 bidirectional: bool, batch_first: bool) -> tuple:
     """``torch.lstm``/``gru``/``rnn_*`` (padded input) in plain tensor operations, torch's gate order.
 
+    The input weights' products are formed for every step at once (one matrix product instead of
+    ``T``); the recurrent and projection weights' step by step. Under :func:`recurrent_taps`, the
+    weights it names are recorded.
+
     Returns what the fused kernel returns: ``(output, h_n, c_n)`` for the LSTM,
     ``(output, h_n)`` otherwise.
     """
+    record = getattr(_TAPS, "record", None)
+    # Recorded: the signals of the fast rule go back through the steps in one batched backward.
+    tanh = torch.tanh if record is None else RecurrentTanh.apply
     dirs = 2 if bidirectional else 1
     per = len(params) // (num_layers * dirs)  # w_ih, w_hh[, b_ih, b_hh][, w_hr]
-    seq = x.transpose(0, 1) if batch_first else x  # (T, B, features)
+    seq = x if batch_first else x.transpose(0, 1)  # (B, T, features)
+    steps_total = seq.shape[1]
     h0 = hx[0] if mode == "LSTM" else hx
     c0 = hx[1] if mode == "LSTM" else None
     hs, cs = [], []
@@ -159,41 +232,68 @@ def _recurrence(mode: str, x: torch.Tensor, hx: Any, params: list, has_biases: b
             w_ih, w_hh = group[0], group[1]
             b_ih, b_hh = (group[2], group[3]) if has_biases else (None, None)
             w_hr = group[-1] if per in (3, 5) else None
+            gi = torch.nn.functional.linear(seq, w_ih, b_ih)  # (B, T, gates·hidden), every step at once
+            tap_hh = _tap(record, w_hh, seq, int(w_hh.shape[0]))
+            tap_hr = _tap(record, w_hr, seq, int(w_hr.shape[0])) if w_hr is not None else None
             h, c = h0[i], (c0[i] if c0 is not None else None)
-            steps = range(seq.shape[0] - 1, -1, -1) if d == 1 else range(seq.shape[0])
-            out = [None] * seq.shape[0]
+            steps = range(steps_total - 1, -1, -1) if d == 1 else range(steps_total)
+            out: list[Any] = [None] * steps_total
+            before: list[Any] = [None] * steps_total  # what w_hh multiplies at each step
+            inner: list[Any] = [None] * steps_total  # what w_hr multiplies at each step
+            # Unbound once: one backward node for all steps, where an index per step would add a
+            # zero-padded full-size gradient per step (T² numbers).
+            gi_t = gi.unbind(1)
+            hh_t = tap_hh.unbind(1) if tap_hh is not None else [None] * steps_total
+            hr_t = tap_hr.unbind(1) if tap_hr is not None else [None] * steps_total
             for t in steps:
-                h, c = _cell(mode, seq[t], h, c, w_ih, w_hh, b_ih, b_hh, w_hr)
-                out[t] = h
-            outs.append(torch.stack(out))
+                before[t] = h
+                h, c, m = _cell(mode, gi_t[t], h, c, w_hh, b_hh, w_hr, hh_t[t], hr_t[t], tanh)
+                out[t], inner[t] = h, m
+            outs.append(torch.stack(out, 1))
             hs.append(h)
             if c is not None:
                 cs.append(c)
+            if record is not None:
+                if id(w_ih) in record:
+                    record[id(w_ih)](seq.detach(), gi, 1)
+                if tap_hh is not None:
+                    record[id(w_hh)](torch.stack(before, 1).detach(), tap_hh, steps_total)
+                if tap_hr is not None:
+                    record[id(w_hr)](torch.stack(inner, 1).detach(), tap_hr, steps_total)
         seq = torch.cat(outs, -1) if dirs == 2 else outs[0]
-    output = seq.transpose(0, 1) if batch_first else seq
+    output = seq if batch_first else seq.transpose(0, 1)
     if mode == "LSTM":
         return output, torch.stack(hs), torch.stack(cs)
     return output, torch.stack(hs)
 
 
-def _cell(mode, x, h, c, w_ih, w_hh, b_ih, b_hh, w_hr):
-    gi = torch.nn.functional.linear(x, w_ih, b_ih)
+def _cell(mode, gi, h, c, w_hh, b_hh, w_hr, tap_hh=None, tap_hr=None, tanh=torch.tanh):
+    """One step from the input weights' product ``gi``: ``(h, c, m)``, ``m`` what the LSTM's
+    projection multiplies (``None`` without one); a tap is added to its weight's product."""
     gh = torch.nn.functional.linear(h, w_hh, b_hh)
+    if tap_hh is not None:
+        gh = gh + tap_hh
     if mode == "LSTM":
         i, f, g, o = (gi + gh).chunk(4, -1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        h = torch.sigmoid(o) * torch.tanh(c)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * tanh(g)
+        h = torch.sigmoid(o) * tanh(c)
+        m = None
         if w_hr is not None:
+            m = h
             h = torch.nn.functional.linear(h, w_hr)
-        return h, c
+            if tap_hr is not None:
+                h = h + tap_hr
+        return h, c, m
     if mode == "GRU":
         ir, iz, in_ = gi.chunk(3, -1)
         hr, hz, hn = gh.chunk(3, -1)
         r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
-        n = torch.tanh(in_ + r * hn)
-        return (1 - z) * n + z * h, None
-    act = torch.tanh if mode == "RNN_TANH" else torch.relu
-    return act(gi + gh), None
+        n = tanh(in_ + r * hn)
+        return (1 - z) * n + z * h, None, None
+    act = tanh if mode == "RNN_TANH" else torch.relu
+    return act(gi + gh), None, None
+
+
 def _sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False):
     if attn_mask is not None and attn_mask.dtype == torch.bool:

@@ -32,6 +32,7 @@ __all__ = [
     "Deltas",
     "linear_squares",
     "transposed_linear_squares",
+    "recurrent_squares",
     "conv_squares",
     "conv_transpose_squares",
     "embedding_squares",
@@ -65,7 +66,8 @@ BATCHED_BACKWARD_OPS = frozenset({
     "SqueezeBackward1", "UnsqueezeBackward0", "MeanBackward0", "MeanBackward1", "SumBackward0",
     "SumBackward1", "SigmoidBackward0", "CatBackward0", "StackBackward0", "SliceBackward0",
     "SelectBackward0", "ExpBackward0", "LogBackward0", "PowBackward0", "SqrtBackward0", "AbsBackward0",
-    "AmaxBackward0",
+    "AmaxBackward0", "SplitBackward0", "UnbindBackward0", "RsubBackward1",
+    "RecurrentTanhBackward",  # compat.RecurrentTanh: tanh in the recorded recurrence
 })
 
 
@@ -285,6 +287,30 @@ def transposed_linear_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas
     return _dense_squares(a, deltas, out_f, in_f, None if out is None else out.transpose(1, 2)).transpose(1, 2)
 
 
+def _recorded_inside(rule):
+    rule._normflat_recorded = True  # its map runs inside a recurrence, which records it (compat.recurrent_taps)
+    return rule
+
+
+def recorded_inside(rule: Any) -> bool:
+    """Whether a fast rule's weight is applied inside the plain recurrence, which records its input
+    and output (:func:`~normflat.backends.torch.compat.recurrent_taps`) where a forward hook
+    would see only the module's own input and output."""
+    return bool(getattr(rule, "_normflat_recorded", False))
+
+
+@_builtin
+@_recorded_inside
+def recurrent_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas, out: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """Fast GGN rule of a recurrent weight (``nn.RNN``/``nn.LSTM``/``nn.GRU``): ``(K, out, in)`` sums of
+    squared per-sample gradients. The recurrence records what the weight multiplies at every step,
+    ``a`` ``(n, T, in)``, and the signals at its product, ``(n, T, out)``: a sample's gradient is
+    ``Σ_t δ_t a_tᵀ``, a dense layer's over positions (method §6.1, "Recurrent weights")."""
+    like = next(d for d in deltas.parts if d is not None)
+    return _dense_squares(a, deltas, int(like.shape[-1]), int(a.shape[-1]), out)
+
+
 def _foldable(rule):
     rule._normflat_foldable = True
     return rule
@@ -299,6 +325,7 @@ def foldable(rule: Any) -> bool:
 
 _foldable(linear_squares)
 _foldable(transposed_linear_squares)
+_foldable(recurrent_squares)
 
 
 def _conv_pads(module: nn.Module) -> list[int]:
@@ -678,9 +705,31 @@ class Capture:
         self.extras: dict[int, tuple[tuple, dict]] = {}
         self.calls: dict[int, int] = {}
         self.active = True  # off while the generic path runs the model
+        #: Graph edges to the weight that a recorded layer's rule accounts for (one per step).
+        self.weight_uses: dict[int, int] = {}
         self._thread = threading.get_ident()
+        inside = [layer for layer in layers if recorded_inside(getattr(layer.ext, "ggn_squares", None))]
+        #: ``id(weight) -> key`` of the layers recorded inside a recurrence (no hook of their own).
+        self._recorded = {id(layer.param): id(layer) for layer in inside}
         self._handles = [layer.module.register_forward_hook(self._hook(id(layer)), with_kwargs=True)
-                         for layer in layers]
+                         for layer in layers if id(layer) not in {id(x) for x in inside}]
+
+    def taps(self) -> dict[int, Callable[[torch.Tensor, torch.Tensor, int], None]] | None:
+        """What :func:`~normflat.backends.torch.compat.recurrent_taps` records into this capture:
+        ``None`` when no layer is recorded inside a recurrence or the capture is off."""
+        if not self._recorded or not self.active or threading.get_ident() != self._thread:
+            return None
+        return {weight: self._recorder(key) for weight, key in self._recorded.items()}
+
+    def _recorder(self, key: int) -> Callable[[torch.Tensor, torch.Tensor, int], None]:
+        def record(a: torch.Tensor, output: torch.Tensor, uses: int) -> None:
+            self.calls[key] = self.calls.get(key, 0) + 1
+            self.inputs[key] = self.live_inputs[key] = a
+            self.versions[key] = compat.tensor_version(a)
+            self.outputs[key] = output
+            self.extras[key] = ((), {})
+            self.weight_uses[key] = uses
+        return record
 
     def _hook(self, key: int):
         def hook(module, args, kwargs, output):
@@ -728,6 +777,7 @@ class Capture:
         self.inputs.clear(), self.versions.clear(), self.outputs.clear(), self.calls.clear()
         self.live_inputs.clear()
         self.extras.clear()
+        self.weight_uses.clear()
 
     def remove(self) -> None:
         for h in self._handles:

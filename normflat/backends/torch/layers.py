@@ -21,7 +21,7 @@ from torch import nn
 from normflat.backends.torch import compat
 from normflat.backends.torch.ggn import (
     PER_SAMPLE_GRADIENTS, conv_squares, conv_transpose_squares, embedding_bag_squares, embedding_squares,
-    linear_squares, position_table_squares)
+    linear_squares, position_table_squares, recurrent_squares)
 from normflat.engine.options import GGN_ESTIMATORS, AnalysisOptions
 from normflat.engine.problems import LayerSpec, ParameterStatus
 from normflat.engine.registry import IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table
@@ -199,7 +199,8 @@ _GATES = {"LSTM": ("i", "f", "g", "o"), "GRU": ("r", "z", "n"), "RNN_TANH": None
 
 def _recurrent_weights(module: nn.Module) -> list[ModuleWeight]:
     """``nn.RNN``/``nn.LSTM``/``nn.GRU``: input, recurrent (and projection) weights of every
-    layer and direction, each ``(gates · hidden, in)`` split per gate (method §3)."""
+    layer and direction, each ``(gates · hidden, in)`` split per gate (method §3), each with the
+    fast rule the plain recurrence records it for (:func:`~normflat.backends.torch.ggn.recurrent_squares`)."""
     gates = _GATES.get(module.mode)
     h = module.hidden_size
     out: list[ModuleWeight] = []
@@ -209,7 +210,7 @@ def _recurrent_weights(module: nn.Module) -> list[ModuleWeight]:
         blocks = None
         if gates is not None and not name.startswith("weight_hr"):
             blocks = [(g, i * h, (i + 1) * h) for i, g in enumerate(gates)]
-        out.append(ModuleWeight(name, p, blocks=blocks))
+        out.append(ModuleWeight(name, p, blocks=blocks, ggn_squares=recurrent_squares))
     return out
 
 
@@ -246,8 +247,7 @@ def _register_builtins() -> None:
     register_layer(nn.EmbeddingBag, kind="embedding_bag", to_canonical=_transposed,
                    ggn_squares=embedding_bag_squares, check=check_embedding)
     for cls, kind in ((nn.LSTM, "lstm"), (nn.GRU, "gru"), (nn.RNN, "rnn")):
-        register_layer(cls, kind=kind, weights=_recurrent_weights,
-                       generic_reason="recurrent layers take the generic path")
+        register_layer(cls, kind=kind, weights=_recurrent_weights)
     register_layer(nn.RNNBase, unsupported="a recurrent layer type other than nn.RNN, nn.LSTM and nn.GRU")
     # Normalization and activation parameters never enter the measures (method §9).
     ignored = [compat.NORM_BASE, nn.LayerNorm, nn.GroupNorm, nn.PReLU]

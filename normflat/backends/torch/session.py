@@ -505,11 +505,13 @@ class TorchSession:
             shape = p.shape[1:] if p.shape[0] == 1 else p.shape
             views[layer.param_name] = (layer, p.expand(xc.n, *shape))
         try:
-            if views:
-                out = functional_call(self.model, {name: v for name, (_, v) in views.items()}, xc.args, xc.kwargs,
-                                      strict=False)
-            else:
-                out = xc.call(self.model)
+            # The recurrent weights' maps are recorded inside the plain recurrence (no hook sees them).
+            with compat.recurrent_taps(cap.taps()):
+                if views:
+                    out = functional_call(self.model, {name: v for name, (_, v) in views.items()}, xc.args,
+                                          xc.kwargs, strict=False)
+                else:
+                    out = xc.call(self.model)
         except Exception as why:  # noqa: BLE001 - a failure with a new substitution: drop it, run again
             fresh = [layer for layer in self._substituted() if id(layer) not in self._seen]
             if not fresh:
@@ -748,7 +750,10 @@ class TorchSession:
             if layer.table:
                 continue
             calls = [cap.calls.get(id(use), 0) for use in layer.uses]
-            if any(count != 1 for count in calls):
+            if calls == [0] and ggn_kernels.recorded_inside(layer.ext.ggn_squares):
+                layer.disable_fast("its recurrence ran on torch's fused kernel (a packed sequence), whose "
+                                   "steps cannot be observed")
+            elif any(count != 1 for count in calls):
                 layer.disable_fast(f"module called {next(c for c in calls if c != 1)} times per forward")
             elif uses[id(layer.param)] != self._uses_inside(layer):
                 layer.disable_fast(f"weight used {uses[id(layer.param)]} times in the graph" if not layer.tied else
@@ -762,9 +767,11 @@ class TorchSession:
         """The graph edges to a fast layer's weight its rule accounts for: one per module using it,
         or, for a module that reads it once per expert (:func:`~normflat.backends.torch.ggn.inner_uses`),
         those between its output and its input; any other use leaves the fast path."""
+        assert self.capture is not None
+        if ggn_kernels.recorded_inside(layer.ext.ggn_squares):
+            return self.capture.weight_uses.get(id(layer), 1)  # one per step for a weight applied in the loop
         if layer.tied or not ggn_kernels.inner_uses(layer.ext.ggn_squares):
             return 1 + len(layer.tied)
-        assert self.capture is not None
         out, given = self.capture.outputs[id(layer)], self.capture.live_inputs[id(layer)]
         inside, _ = ggn_kernels.inspect_graph(out.grad_fn, {id(layer.param): layer}, [],
                                               stop=[given.grad_fn] if given.grad_fn is not None else [])
