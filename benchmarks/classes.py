@@ -32,6 +32,10 @@ Problems:
 * ``gpt2-untied-50000``: the same GPT-2 with a 50000-token vocabulary and its own head (not
   tied to the token embedding: a dense head whose output is the logits), 2 sequences of 128
   tokens (no "per token" column).
+* ``lstm-10`` / ``gru-10``: a sequence classifier (a 2000-token embedding of width 64, one
+  ``nn.LSTM`` / ``nn.GRU`` layer of 128 units, the last step's state into a 10-class head), 32
+  sequences of 32 tokens; the "generic path" column is the exact ``ggn`` with ``fast=False``,
+  the recurrent weights' only path before their fast rules (method §6.1, "Recurrent weights").
 * ``llama-5000`` / ``mixtral-5000``: a 2-layer Llama (width 64, MLP 256) and a 2-layer Mixtral
   (width 64, 8 experts of 128 units, two per token: the same active width) with a 5000-token
   vocabulary, 4 sequences of 32 tokens: the cost of the mixture-of-experts layers' rules
@@ -88,6 +92,29 @@ def _vit(classes: int) -> nn.Module:
                              num_classes=classes)
 
 
+class _RecurrentClassifier(nn.Module):
+    """Token ids -> embedding (2000 × 64) -> one recurrent layer of 128 units -> the last step's
+    state -> dense head."""
+
+    def __init__(self, cell: type, classes: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(SEQUENCE_VOCABULARY, 64)
+        self.rnn = cell(64, 128, batch_first=True)
+        self.head = nn.Linear(128, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.embed(ids))
+        return self.head(out[:, -1])
+
+
+def _lstm(classes: int) -> nn.Module:
+    return _RecurrentClassifier(nn.LSTM, classes)
+
+
+def _gru(classes: int) -> nn.Module:
+    return _RecurrentClassifier(nn.GRU, classes)
+
+
 def _gpt2(vocab: int) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -132,7 +159,12 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
     "gpt2-untied-50000": (_gpt2_untied, 50000, (2, 128), False, False),
     "llama-5000": (_llama, 5000, (4, 32), False, False),
     "mixtral-5000": (_mixtral, 5000, (4, 32), False, False),
+    "lstm-10": (_lstm, 10, (32, 32), False, True),
+    "gru-10": (_gru, 10, (32, 32), False, True),
 }
+#: The sequence classifiers (token ids in, one label per sequence) and their vocabulary.
+SEQUENCE_CLASSIFIERS = ("lstm-10", "gru-10")
+SEQUENCE_VOCABULARY = 2000
 LANGUAGE_MODELS = ("gpt2-5000", "gpt2-untied-50000", "llama-5000", "mixtral-5000")
 #: The language models timed with one signal per token too (the "per token" column).
 PER_TOKEN_TIMED = ("gpt2-5000",)
@@ -147,7 +179,10 @@ def make_problem(name: str, seed: int = 0, device: str = "cpu"
     if name in LANGUAGE_MODELS:  # a causal LM fed labels = input_ids (Hugging Face shifts them), every token counted
         ids = torch.randint(0, classes, shape).to(device)
         return model, {"input_ids": ids, "labels": ids}, lambda m: m(input_ids=ids, labels=ids).loss
-    x = torch.randn(*shape).to(device)
+    if name in SEQUENCE_CLASSIFIERS:
+        x = torch.randint(0, SEQUENCE_VOCABULARY, shape).to(device)
+    else:
+        x = torch.randn(*shape).to(device)
     y = torch.randint(0, classes, (shape[0],)).to(device)
     return model, (x, y), lambda m: nn.functional.cross_entropy(m(x), y)
 
@@ -192,6 +227,8 @@ def _runs(name: str, model: nn.Module, data: Any, loss_of: Callable[[nn.Module],
     if PROBLEMS[name][4]:  # too slow for the ViT (999 signals through 12 blocks) and the LM
         runs["ggn"] = normflat_run(estimator="ggn")
     runs["ggn-mc"] = normflat_run(estimator="ggn-mc")
+    if name in SEQUENCE_CLASSIFIERS:  # the recurrent weights' generic path, their only path before their rules
+        runs["ggn generic"] = normflat_run(estimator="ggn", fast=False)
     if PROBLEMS[name][3]:
         try:
             import backpack  # noqa: F401
@@ -350,8 +387,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.no_timing:
         args.problems = [] if args.no_accuracy else args.problems
     print("| problem | auto | auto per batch of a loader | analyze | ggn (exact) | ggn-mc (1 draw) | BackPACK exact | "
-          "BackPACK MC (1 draw) | auto per token | gradient (s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "BackPACK MC (1 draw) | auto per token | ggn, generic path | gradient (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in ([] if args.no_timing else args.problems):
         runs = _synced(_runs(name, *make_problem(name, device=args.device), loader_batches=args.loader_batches),
                        args.device)
@@ -365,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"| {name} | {cell('auto')} | {cell('auto per batch')} | {cell('analyze')} | {cell('ggn')} | "
               f"{cell('ggn-mc')} | {cell('backpack')} "
-              f"| {cell('backpack mc')} | {cell('per token')} | {g:.4f} |",
+              f"| {cell('backpack mc')} | {cell('per token')} | {cell('ggn generic')} | {g:.4f} |",
               flush=True)
     if args.no_accuracy:
         return
