@@ -395,6 +395,88 @@ def test_one_row_output_read_otherwise_takes_the_exact_generic_path(use, reason)
     assert set(got) == {"emb", "pos", "mix", "head"}
 
 
+class MaskPositions(nn.Embedding):
+    """OPT's learned positions: ids from the attention mask's running count, offset by 2, then
+    ``nn.Embedding``'s lookup (``super().forward``). ``how``: ``super`` (that, its output then
+    doubled in place), ``broadcast``
+    (mBART's given position ids: one ``(1, T)`` row for the batch), ``twice`` (two lookups),
+    ``index`` (``self.weight[ids]``, no ``F.embedding``), ``max_norm`` (a lookup renormalizing rows)."""
+
+    def __init__(self, how="super"):
+        super().__init__(T + 2, D)
+        self.how = how
+
+    def forward(self, mask):
+        ids = (torch.cumsum(mask, dim=1) * mask - 1).long() + 2
+        if self.how == "broadcast":
+            return super().forward(torch.arange(mask.shape[1])[None] + 2)
+        if self.how == "twice":
+            return super().forward(ids) + super().forward(ids.flip(1))
+        if self.how == "index":
+            return self.weight[ids]
+        if self.how == "max_norm":
+            return nn.functional.embedding(ids, self.weight, max_norm=1e9)
+        # An in-place operation on the lookup's output: the recorded output must stay apart.
+        return super().forward(ids).mul_(2.0)
+
+
+class MaskedTagger(nn.Module):
+    def __init__(self, how="super"):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.pos = MaskPositions(how)
+        self.mix = nn.Linear(D, 6)
+        self.head = nn.Linear(6, C)
+
+    def forward(self, ids, mask):
+        h = self.emb(ids) + self.pos(mask)
+        return self.head(torch.tanh(self.mix(h)))
+
+
+def _mask(n, t, seed):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(n, t, dtype=torch.long)
+    for i in range(n):
+        mask[i, :int(torch.randint(0, 2, (1,), generator=g))] = 0  # some left padding
+    return mask
+
+
+@pytest.mark.parametrize("how", ["super", "broadcast"])
+def test_embedding_with_its_own_forward_takes_the_recorded_lookup(how):
+    """An ``nn.Embedding`` subclass computing its ids inside (OPT's and mBART's learned positions)
+    takes ``nn.Embedding``'s fast rule on the ids and output of its one ``F.embedding`` lookup,
+    recorded where it happens (method §6.1, "Embeddings with their own forward"): the same
+    diagonal as brute force and as the generic path, for the exact and the sampled estimators."""
+    model = _init(MaskedTagger(how))
+    data = [((_ids(N, T), _mask(N, T, 1)), _labels(N, T)), ((_ids(2, T, seed=5), _mask(2, T, 2)), _labels(2, T, seed=6))]
+    got = _check_ggn(model, data)
+    assert set(got) == {"emb", "pos", "mix", "head"}
+    report = normflat.analyze(model, data, progress=False, estimator="ggn")
+    assert report.layer("pos").details["path"] == "fast", report.layer("pos").details
+    for estimator, extra in (("ggn", {}), ("ggn-mc", {"samples": 4})):
+        fast = normflat.hessian_diagonal(model, data, estimator=estimator, progress=False, seed=2, **extra)
+        generic = normflat.hessian_diagonal(model, data, estimator=estimator, progress=False, seed=2, fast=False,
+                                            **extra)
+        _close(fast, generic)
+
+
+@pytest.mark.parametrize("how, reason", [
+    ("twice", "module called 2 times per forward"),
+    ("index", "does not look its weight up once with F.embedding"),
+    ("max_norm", "does not look its weight up once with F.embedding"),
+])
+def test_embedding_with_its_own_forward_otherwise_takes_the_generic_path(how, reason):
+    """Two lookups, a table read by indexing, or a lookup that renormalizes rows: not the lookup
+    ``nn.Embedding``'s rule assumes, so the exact generic path, with the reason."""
+    model = _init(MaskedTagger(how))
+    data = [((_ids(N, T), _mask(N, T, 1)), _labels(N, T))]
+    report = normflat.analyze(model, data, progress=False, estimator="ggn")
+    details = report.layer("pos").details
+    assert details["path"] == "generic" and reason in details["generic_reason"], details
+    if how != "max_norm":  # a max_norm far above the rows' norms renormalizes nothing: brute force agrees
+        _check_ggn(model, data)
+
+
 @pytest.mark.parametrize("cell, kw", [
     (nn.RNN, dict(nonlinearity="tanh", num_layers=2, bidirectional=True)),
     (nn.RNN, dict(nonlinearity="relu")),

@@ -151,6 +151,24 @@ def test_gated_input_column_scaling_against_a_scaled_embedding(cell):
     _assert_invariant(model, moved, _Call(data))
 
 
+def test_feature_scaling_of_an_embedding_with_its_own_forward():
+    """OPT-style learned positions (an ``nn.Embedding`` subclass computing its ids from the mask,
+    on its recorded lookup, method §6.1): feature j of both tables times c_j, column j of the
+    next dense layer times 1/c_j."""
+    from tests.arch.test_torch_layers import MaskedTagger, _mask
+
+    model = _init(MaskedTagger())
+    data = [((_ids(N, T), _mask(N, T, 1)), _labels(N, T))]
+    assert _analyze(model, data).layer("pos").details["path"] == "fast"
+    moved = copy.deepcopy(model)
+    c = _head_factors(D, 12)
+    with torch.no_grad():
+        moved.emb.weight *= c[None, :]
+        moved.pos.weight *= c[None, :]
+        moved.mix.weight /= c[None, :]
+    _assert_invariant(model, moved, _Call(data))
+
+
 def test_lstm_projection_rescaling():
     """An LSTM with ``proj_size``: unit k of the projected state times c_k scales row k of the
     projection ``weight_hr``, and takes 1/c_k on column k of the recurrent ``weight_hh`` and of the
@@ -316,14 +334,21 @@ def test_the_model_is_untouched_and_analyses_run_in_threads():
         assert torch.equal(torch.as_tensor(results[0][k]), torch.as_tensor(results["main"][k]))
 
 
-def test_recurrent_fast_rules_in_two_threads():
-    """The recurrence records into the capture of the analysis running in its own thread: two
-    analyses of one LSTM architecture at once, while a third thread runs the model outside any
-    analysis, give the sequential numbers, and leave no recording behind."""
+@pytest.mark.parametrize("kind", ["recurrence", "lookup"])
+def test_recorded_fast_rules_in_two_threads(kind):
+    """The recurrence and the lookup of an embedding with its own forward record into the capture
+    of the analysis running in their own thread: two analyses of one architecture at once, while
+    a third thread runs the model outside any analysis, give the sequential numbers, and leave no
+    recording behind."""
     from normflat.backends.torch import compat
+    from tests.arch.test_torch_layers import MaskedTagger, _mask
 
-    model = _init(RecurrentTagger(nn.LSTM, num_layers=2))
-    data = [(_ids(N, T), _labels(N, T))]
+    if kind == "recurrence":
+        model = _init(RecurrentTagger(nn.LSTM, num_layers=2))
+        data = [(_ids(N, T), _labels(N, T))]
+    else:
+        model = _init(MaskedTagger())
+        data = [((_ids(N, T), _mask(N, T, 1)), _labels(N, T))]
     want = normflat.hessian_diagonal(model, data, estimator="ggn", progress=False)
     results, errors = {}, []
     stop = threading.Event()
@@ -337,7 +362,7 @@ def test_recurrent_fast_rules_in_two_threads():
     def plain(m):
         with torch.no_grad(), compat.FunctionalKernels(attention=False):
             while not stop.is_set():
-                m(data[0][0])
+                _Call(data)(m)
 
     threads = [threading.Thread(target=analyze, args=(i, copy.deepcopy(model))) for i in range(2)]
     other = threading.Thread(target=plain, args=(copy.deepcopy(model),))

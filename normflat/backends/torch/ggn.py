@@ -16,9 +16,10 @@ per-sample, per-signal weight gradients ``(J_nᵀ s)²``:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,8 @@ __all__ = [
     "conv_transpose_squares",
     "embedding_squares",
     "embedding_bag_squares",
+    "recorded_lookup_squares",
+    "LookupTaps",
     "position_table_squares",
     "PER_SAMPLE_GRADIENTS",
     "tied_squares",
@@ -530,6 +533,17 @@ def embedding_squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas, out:
     return _scatter_squares(module.weight, sample * vocab + flat, None, entry_rows, deltas, out)
 
 
+@_builtin
+@_recorded_inside
+def recorded_lookup_squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas, out: torch.Tensor | None = None
+                            ) -> torch.Tensor:
+    """Fast GGN rule of an ``nn.Embedding`` subclass with its own ``forward`` (OPT's and mBART's
+    learned positions: ids computed inside, then ``nn.Embedding``'s lookup): ``nn.Embedding``'s rule
+    on the ids and the signals of the one ``F.embedding`` call on its weight, which
+    :class:`LookupTaps` records (method §6.1, "Embeddings with their own forward")."""
+    return embedding_squares(module, ids, deltas, out)
+
+
 @_with_call
 @_builtin
 def embedding_bag_squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas, args: tuple = (),
@@ -711,6 +725,9 @@ class Capture:
         inside = [layer for layer in layers if recorded_inside(getattr(layer.ext, "ggn_squares", None))]
         #: ``id(weight) -> key`` of the layers recorded inside a recurrence (no hook of their own).
         self._recorded = {id(layer.param): id(layer) for layer in inside}
+        #: The weights among them looked up by an embedding with its own forward (:class:`LookupTaps`).
+        self._lookups = {id(layer.param): layer.module.padding_idx for layer in inside
+                         if layer.ext.ggn_squares is recorded_lookup_squares}
         self._handles = [layer.module.register_forward_hook(self._hook(id(layer)), with_kwargs=True)
                          for layer in layers if id(layer) not in {id(x) for x in inside}]
 
@@ -721,15 +738,39 @@ class Capture:
             return None
         return {weight: self._recorder(key) for weight, key in self._recorded.items()}
 
-    def _recorder(self, key: int) -> Callable[[torch.Tensor, torch.Tensor, int], None]:
-        def record(a: torch.Tensor, output: torch.Tensor, uses: int) -> None:
+    def _recorder(self, key: int) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
+        def record(a: torch.Tensor, output: torch.Tensor, uses: int) -> torch.Tensor:
+            """Record one call; return the output the model goes on with (expanded over the batch
+            where one row serves every sample, as :meth:`_hook` does)."""
             self.calls[key] = self.calls.get(key, 0) + 1
-            self.inputs[key] = self.live_inputs[key] = a
-            self.versions[key] = compat.tensor_version(a)
+            rows = self.rows or 0
+            if (key in self.broadcast and rows > 1 and output.dim() > 0 and a.dim() > 0
+                    and output.shape[0] == 1 and a.shape[0] == 1):
+                a = a.expand(rows, *a.shape[1:])
+                output = output.expand(rows, *output.shape[1:])
+                self.expanded.add(key)
+            self.inputs[key] = self.live_inputs[key] = a.detach()
+            self.versions[key] = compat.tensor_version(self.inputs[key])
             self.outputs[key] = output
             self.extras[key] = ((), {})
             self.weight_uses[key] = uses
+            return output
         return record
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """The forward's recorders of the layers without a hook of their own: the plain
+        recurrence's (:func:`~normflat.backends.torch.compat.recurrent_taps`) and the lookups of
+        embeddings with their own forward (:class:`LookupTaps`); nothing when there are none."""
+        taps = self.taps()
+        if taps is None:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(compat.recurrent_taps(taps))
+            if self._lookups:
+                stack.enter_context(LookupTaps({w: taps[w] for w in self._lookups}, self._lookups))
+            yield
 
     def _hook(self, key: int):
         def hook(module, args, kwargs, output):
@@ -783,6 +824,51 @@ class Capture:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+class LookupTaps(torch.overrides.TorchFunctionMode):
+    """Records the ``F.embedding`` lookups of the given weights, in this thread, for the ``with``
+    block: an ``nn.Embedding`` subclass with its own ``forward`` computes its ids inside (OPT's
+    positions from the attention mask), so a hook on the module sees neither the ids nor the
+    lookup's output. ``record`` maps ``id(weight)`` to ``callback(ids, output, uses)``, which
+    returns the output the model goes on with; the model gets a copy of it, so that an in-place
+    operation after the lookup cannot rebase the tensor whose gradient the signals are taken at.
+    A lookup with options that change the gradient or the table (``max_norm``,
+    ``scale_grad_by_freq``, ``sparse``, or another ``padding_idx`` than the module's) is not
+    recorded, and its layer then takes the generic path. A thread-local torch function mode:
+    nothing is patched, and it ends with the block."""
+
+    def __init__(self, record: dict[int, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]],
+                 padding: dict[int, int | None]) -> None:
+        super().__init__()
+        self.record, self.padding = record, padding
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.embedding:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            callback = self.record.get(id(weight))
+            if callback is not None and _plain_lookup(args, kwargs, self.padding[id(weight)], int(weight.shape[0])):
+                ids = args[0] if args else kwargs["input"]
+                return callback(ids, func(*args, **kwargs), 1).clone()
+        return func(*args, **kwargs)
+
+
+#: ``F.embedding``'s parameters after ``input`` and ``weight``, in order.
+_LOOKUP_OPTIONS = ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+
+
+def _plain_lookup(args: tuple, kwargs: dict, padding_idx: int | None, rows: int) -> bool:
+    """Whether an ``F.embedding`` call is the lookup ``nn.Embedding``'s rule assumes: the module's
+    ``padding_idx`` (the row without gradient), no ``max_norm``, no ``scale_grad_by_freq``, not
+    ``sparse``."""
+    given = dict(zip(_LOOKUP_OPTIONS, args[2:]))
+    given.update({k: v for k, v in kwargs.items() if k in _LOOKUP_OPTIONS})
+    pad = given.get("padding_idx")
+    if pad is not None and pad < 0:
+        pad += rows  # F.embedding counts a negative padding_idx from the end, as nn.Embedding stores it
+    return (pad == padding_idx and given.get("max_norm") is None and not given.get("scale_grad_by_freq")
+            and not given.get("sparse"))
 
 
 def inspect_graph(root: Any, weights: dict[int, Any], outputs: list[torch.Tensor],

@@ -21,7 +21,7 @@ from torch import nn
 from normflat.backends.torch import compat
 from normflat.backends.torch.ggn import (
     PER_SAMPLE_GRADIENTS, conv_squares, conv_transpose_squares, embedding_bag_squares, embedding_squares,
-    linear_squares, position_table_squares, recurrent_squares)
+    linear_squares, position_table_squares, recorded_lookup_squares, recurrent_squares)
 from normflat.engine.options import GGN_ESTIMATORS, AnalysisOptions
 from normflat.engine.problems import LayerSpec, ParameterStatus
 from normflat.engine.registry import IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table
@@ -442,7 +442,12 @@ class _Walk:
         fast = self.ggn and self.use_fast and rule and ext.ggn_squares is not None
         owner = REGISTRY.lookup_class(module)
         overridden = owner is not None and type(module).forward is not owner.forward
-        if fast and overridden:
+        if fast and overridden and ext.ggn_squares is embedding_squares:
+            # An embedding computing its ids inside (OPT's positions): its lookup is recorded where
+            # it happens, and checked on the first forward (ggn.LookupTaps).
+            ext = replace(ext, ggn_squares=recorded_lookup_squares)
+            reason = None
+        elif fast and overridden:
             # A subclass with its own forward (padding, weight standardization, adapters) may not
             # compute what the registered class's fast rule assumes: the generic path is exact.
             fast = False

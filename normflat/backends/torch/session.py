@@ -505,8 +505,9 @@ class TorchSession:
             shape = p.shape[1:] if p.shape[0] == 1 else p.shape
             views[layer.param_name] = (layer, p.expand(xc.n, *shape))
         try:
-            # The recurrent weights' maps are recorded inside the plain recurrence (no hook sees them).
-            with compat.recurrent_taps(cap.taps()):
+            # Recorded where no hook sees them: the recurrent weights' maps inside the plain
+            # recurrence, the lookups of embeddings with their own forward.
+            with cap.recording():
                 if views:
                     out = functional_call(self.model, {name: v for name, (_, v) in views.items()}, xc.args,
                                           xc.kwargs, strict=False)
@@ -750,7 +751,10 @@ class TorchSession:
             if layer.table:
                 continue
             calls = [cap.calls.get(id(use), 0) for use in layer.uses]
-            if calls == [0] and ggn_kernels.recorded_inside(layer.ext.ggn_squares):
+            if calls == [0] and layer.ext.ggn_squares is ggn_kernels.recorded_lookup_squares:
+                layer.disable_fast(f"{type(layer.module).__name__} overrides the forward of Embedding and does not "
+                                   "look its weight up once with F.embedding as nn.Embedding does")
+            elif calls == [0] and ggn_kernels.recorded_inside(layer.ext.ggn_squares):
                 layer.disable_fast("its recurrence ran on torch's fused kernel (a packed sequence), whose "
                                    "steps cannot be observed")
             elif any(count != 1 for count in calls):
