@@ -36,6 +36,10 @@ Problems:
   ``nn.LSTM`` / ``nn.GRU`` layer of 128 units, the last step's state into a 10-class head), 32
   sequences of 32 tokens; the "generic path" column is the exact ``ggn`` with ``fast=False``,
   the recurrent weights' only path before their fast rules (method §6.1, "Recurrent weights").
+* ``albert-10``: Hugging Face ALBERT (a 2000-token vocabulary, width 128, 4 layers that are one
+  shared layer called 4 times, 10 classes), 16 sequences of 32 tokens; its "generic path" column
+  is the path of the shared layer's weights before their calls were recorded one by one (method
+  §6.1, "Tied weights").
 * ``llama-5000`` / ``mixtral-5000``: a 2-layer Llama (width 64, MLP 256) and a 2-layer Mixtral
   (width 64, 8 experts of 128 units, two per token: the same active width) with a 5000-token
   vocabulary, 4 sequences of 32 tokens: the cost of the mixture-of-experts layers' rules
@@ -115,6 +119,22 @@ def _gru(classes: int) -> nn.Module:
     return _RecurrentClassifier(nn.GRU, classes)
 
 
+class _Albert(nn.Module):
+    """Hugging Face ALBERT for sequence classification (its 4 layers one shared layer, called
+    4 times per forward), the logits of token ids."""
+
+    def __init__(self, classes: int) -> None:
+        super().__init__()
+        from transformers import AlbertConfig, AlbertForSequenceClassification
+        config = AlbertConfig(vocab_size=SEQUENCE_VOCABULARY, embedding_size=64, hidden_size=128, num_hidden_layers=4,
+                              num_attention_heads=2, intermediate_size=256, max_position_embeddings=64,
+                              num_labels=classes)
+        self.inner = AlbertForSequenceClassification(config)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids=ids).logits
+
+
 def _gpt2(vocab: int) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -161,9 +181,10 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
     "mixtral-5000": (_mixtral, 5000, (4, 32), False, False),
     "lstm-10": (_lstm, 10, (32, 32), False, True),
     "gru-10": (_gru, 10, (32, 32), False, True),
+    "albert-10": (_Albert, 10, (16, 32), False, True),
 }
 #: The sequence classifiers (token ids in, one label per sequence) and their vocabulary.
-SEQUENCE_CLASSIFIERS = ("lstm-10", "gru-10")
+SEQUENCE_CLASSIFIERS = ("lstm-10", "gru-10", "albert-10")
 SEQUENCE_VOCABULARY = 2000
 LANGUAGE_MODELS = ("gpt2-5000", "gpt2-untied-50000", "llama-5000", "mixtral-5000")
 #: The language models timed with one signal per token too (the "per token" column).
@@ -227,7 +248,7 @@ def _runs(name: str, model: nn.Module, data: Any, loss_of: Callable[[nn.Module],
     if PROBLEMS[name][4]:  # too slow for the ViT (999 signals through 12 blocks) and the LM
         runs["ggn"] = normflat_run(estimator="ggn")
     runs["ggn-mc"] = normflat_run(estimator="ggn-mc")
-    if name in SEQUENCE_CLASSIFIERS:  # the recurrent weights' generic path, their only path before their rules
+    if name in SEQUENCE_CLASSIFIERS:  # the generic path: the recurrent or shared weights' only one before their rules
         runs["ggn generic"] = normflat_run(estimator="ggn", fast=False)
     if PROBLEMS[name][3]:
         try:

@@ -647,15 +647,31 @@ def scaled_embedding_squares(module: nn.Module, ids: torch.Tensor, deltas: Delta
     return embedding_squares(module, ids, deltas, out)
 
 
+def _conv_gradients(module: nn.Module, a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``(n, out, in/groups, *k)`` per-sample gradients of a convolution's weight for one signal ``d``
+    ``(n, out, *positions)`` at its output: per group, the signal at every output position times
+    the input patch there, summed over the positions (the unfolded input, channel-major as the
+    flattened weight, so a group's channels are one block of its rows)."""
+    n, groups = a.shape[0], module.groups
+    weight = module.weight
+    patches = _unfold(module, a)  # (n, in·∏k, L)
+    positions = patches.shape[-1]
+    patches = patches.reshape(n, groups, -1, positions)
+    signal = d.reshape(n, groups, weight.shape[0] // groups, positions)
+    return torch.matmul(signal, patches.transpose(-1, -2)).reshape(n, *weight.shape)
+
+
 def _scaled_embedding_gradients(module: nn.Module, ids: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return _embedding_gradients(module, ids, d * _embed_scale(module, d))
 
 
 #: Per-sample weight gradients ``(module, layer input, one signal at its output) -> (n, *weight
 #: shape)`` of the layers whose fast rule is the key: a weight used by several such modules (an
-#: output layer tied to the token embedding) sums its uses' gradients before squaring.
+#: output layer tied to the token embedding), or by several calls of one module (ALBERT's shared
+#: layers, a siamese encoder), sums its uses' gradients before squaring.
 PER_SAMPLE_GRADIENTS: dict[Any, Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]] = {
     linear_squares: _linear_gradients,
+    conv_squares: _conv_gradients,
     embedding_squares: _embedding_gradients,
     scaled_embedding_squares: _scaled_embedding_gradients,
 }
@@ -721,6 +737,10 @@ class Capture:
         self.active = True  # off while the generic path runs the model
         #: Graph edges to the weight that a recorded layer's rule accounts for (one per step).
         self.weight_uses: dict[int, int] = {}
+        #: A module called several times per forward: the keys its 2nd, 3rd, ... calls are recorded
+        #: under (:meth:`repeat`), and the calls seen in this forward.
+        self.repeats: dict[int, list[int]] = {}
+        self._seen: dict[int, int] = {}
         self._thread = threading.get_ident()
         inside = [layer for layer in layers if recorded_inside(getattr(layer.ext, "ggn_squares", None))]
         #: ``id(weight) -> key`` of the layers recorded inside a recurrence (no hook of their own).
@@ -772,10 +792,23 @@ class Capture:
                 stack.enter_context(LookupTaps({w: taps[w] for w in self._lookups}, self._lookups))
             yield
 
-    def _hook(self, key: int):
+    def repeat(self, key: int, keys: list[int]) -> None:
+        """Record the 2nd, 3rd, ... call of the module of ``key`` in each forward under ``keys``
+        (a weight shared by the calls of one module: its per-sample gradients summed over them,
+        method §6.1, "Tied weights"); a call beyond them counts as a second call of ``key``."""
+        self.repeats[key] = list(keys)
+
+    def _route(self, main: int) -> int:
+        """The key this call of the module of ``main`` is recorded under (:meth:`repeat`)."""
+        seen = self._seen[main] = self._seen.get(main, 0) + 1
+        later = self.repeats.get(main)
+        return later[seen - 2] if later and 2 <= seen <= len(later) + 1 else main
+
+    def _hook(self, main: int):
         def hook(module, args, kwargs, output):
             if not self.active or threading.get_ident() != self._thread:
                 return None
+            key = self._route(main)
             self.calls[key] = self.calls.get(key, 0) + 1
             rest = None
             if key in self.tuples and isinstance(output, tuple) and output and type(output) is tuple:
@@ -819,6 +852,7 @@ class Capture:
         self.live_inputs.clear()
         self.extras.clear()
         self.weight_uses.clear()
+        self._seen.clear()
 
     def remove(self) -> None:
         for h in self._handles:

@@ -27,7 +27,7 @@ from normflat.backends.torch import ggn as ggn_kernels
 from normflat.backends.torch.data import (ADAPTER, ModelInputs, deferred_inputs_finite, host_to_device,
                                           inputs_to_model, to_model)
 from normflat.backends.torch.distributed import TorchComm
-from normflat.backends.torch.layers import TorchLayer, all_finite, collect_layers, unwrap
+from normflat.backends.torch.layers import TiedUse, TorchLayer, all_finite, collect_layers, unwrap
 from normflat.backends.torch.state import ModelState, claim, release
 from normflat.core.memory import equal_step
 from normflat.engine import estimators, losses
@@ -471,7 +471,7 @@ class TorchSession:
         xp = xs.rows(rows)
         logits = self._pick(self._forward(xp))
         c = self._check_logits(logits, batch, PROBE_ROWS, defer=False)
-        if self._settle(logits, c, xp):  # a substitution was refused: the forward as the model computes it
+        while self._settle(logits, c, xp):  # a substitution refused, or calls to record one by one: again
             self.capture.reset()
             logits = self._pick(self._forward(xp))
         self._rows_per_sample([layer for layer in self._layers if layer.fast], logits, PROBE_ROWS)
@@ -497,7 +497,7 @@ class TorchSession:
         assert self.capture is not None
         cap = self.capture
         cap.rows = xc.n
-        cap.broadcast = {id(layer) for layer in self._broadcast if layer.fast}
+        cap.broadcast = {id(layer) for layer in self._broadcast if layer.fast and not layer.tied}
         tables = [layer for layer in self._layers if layer.fast and layer.table]
         views = {}
         for layer in tables:
@@ -592,15 +592,16 @@ class TorchSession:
         (:meth:`_substitution_checks`).
 
         Returns:
-            Whether the forward must run again (a substitution changed the logits).
+            Whether the forward must run again (a substitution changed the logits, or a module's
+            calls are now recorded one by one). Each happens once per layer, so the caller's loop
+            of forwards ends.
         """
         if self.options.estimator == "auto":
             self.options = resolve_estimator(self.options, c,
                                              tokens=int(logits.shape[1]) if logits.dim() == 3 else None)
         fast = [layer for layer in self._layers if layer.fast]
-        if not self.checked and fast:
-            self._first_check(logits, fast)
-        return self._substitution_checks(logits, xc)
+        again = bool(not self.checked and fast and self._first_check(logits, fast))
+        return self._substitution_checks(logits, xc) or again
 
     def _choose_chunk(self, logits: torch.Tensor, rows: int, c: int, batch_rows: int | None = None) -> int:
         """Samples per GGN step: bound the signal rows back-propagated at once.
@@ -738,15 +739,26 @@ class TorchSession:
             yield (rows.reshape(k, rows.shape[1], n, t, -1),
                    losses.padding_signals(self.options, int(z.shape[-1]), members, sequence=True))
 
-    def _first_check(self, logits: torch.Tensor, fast: list[TorchLayer]) -> None:
+    def _first_check(self, logits: torch.Tensor, fast: list[TorchLayer]) -> bool:
         """On the first forward: the fast rules need each weight used once, by its own module,
         called once per forward (a substituted one: :meth:`_substitution_checks`); and the graph decides
-        batched vs looped backward."""
+        batched vs looped backward.
+
+        A dense layer or embedding whose module is called ``k`` times per forward (ALBERT's shared
+        layers, a siamese network), its weight used once per call, is a weight with ``k`` uses: each
+        call is recorded on its own (:meth:`~normflat.backends.torch.ggn.Capture.repeat`) and the
+        per-sample gradients of the calls are summed before they are squared (method §6.1, "Tied
+        weights"). The calls are told apart from the next forward on, which is checked anew.
+
+        Returns:
+            Whether the forward must run again (calls to record one by one).
+        """
         assert self.capture is not None
         cap = self.capture
         outs = [cap.outputs[id(use)] for layer in fast for use in layer.uses if id(use) in cap.outputs]
         uses, self.batched = ggn_kernels.inspect_graph(logits.grad_fn, {id(layer.param): layer for layer in fast},
                                                        outs)
+        repeated = False
         for layer in fast:
             if layer.table:
                 continue
@@ -757,15 +769,26 @@ class TorchSession:
             elif calls == [0] and ggn_kernels.recorded_inside(layer.ext.ggn_squares):
                 layer.disable_fast("its recurrence ran on torch's fused kernel (a packed sequence), whose "
                                    "steps cannot be observed")
+            elif (len(calls) == 1 and calls[0] > 1 and uses[id(layer.param)] == calls[0]
+                  and id(layer) in cap.outputs and _repeatable(layer)):
+                calls_after = [TiedUse(layer.module, layer.ext) for _ in range(calls[0] - 1)]
+                layer.tied.extend(calls_after)
+                cap.repeat(id(layer), [id(use) for use in calls_after])
+                repeated = True
             elif any(count != 1 for count in calls):
-                layer.disable_fast(f"module called {next(c for c in calls if c != 1)} times per forward")
+                extra = (f" and its weight used {uses[id(layer.param)]} times in the graph"
+                         if len(calls) == 1 and calls[0] > 1 and uses[id(layer.param)] != calls[0] else "")
+                layer.disable_fast(f"module called {next(c for c in calls if c != 1)} times per forward{extra}")
             elif uses[id(layer.param)] != self._uses_inside(layer):
                 layer.disable_fast(f"weight used {uses[id(layer.param)]} times in the graph" if not layer.tied else
                                    f"tied weight used {uses[id(layer.param)]} times in the graph, not once per "
                                    f"module ({1 + len(layer.tied)})")
             elif any(id(use) not in cap.outputs for use in layer.uses):
                 layer.disable_fast("module input or output is not a single tensor")
-        self.checked = True
+        # With calls newly told apart, the next forward is checked again: its graph decides the
+        # backward with every call's output among the targets.
+        self.checked = not repeated
+        return repeated
 
     def _uses_inside(self, layer: TorchLayer) -> int:
         """The graph edges to a fast layer's weight its rule accounts for: one per module using it,
@@ -859,7 +882,7 @@ class TorchSession:
             cap.reset()
             logits = self._pick(self._forward(xc))
             c = self._check_logits(logits, batch, rows, defer=self.batches_seen > 0)
-            if self._settle(logits, c, xc):  # a substitution was refused: the forward as the model computes it
+            while self._settle(logits, c, xc):  # a substitution refused, or calls to record one by one: again
                 cap.reset()
                 logits = self._pick(self._forward(xc))
             if not labelled:
@@ -1230,6 +1253,14 @@ class TorchSession:
         value = ggn_kernels.tied_squares(uses, deltas, out=running)
         if running is None:
             state.add(index, value.detach(), owned=True)
+
+
+def _repeatable(layer: TorchLayer) -> bool:
+    """Whether a fast layer whose module is called several times per forward can sum its calls'
+    per-sample gradients (:data:`~normflat.backends.torch.ggn.PER_SAMPLE_GRADIENTS`: dense layers and
+    embeddings, in the weight's own layout, not split into blocks, not tied to another module)."""
+    return (not layer.tied and not layer.table and layer.convert is None and not layer.spec.blocks
+            and layer.ext.ggn_squares in ggn_kernels.PER_SAMPLE_GRADIENTS)
 
 
 def _sequence_step(members: int, groups: int, rows: int, width: int) -> int:
