@@ -148,7 +148,7 @@ _TAPS = threading.local()
 
 
 @contextlib.contextmanager
-def recurrent_taps(record: dict[int, Callable[[torch.Tensor, torch.Tensor, int], None]] | None
+def recurrent_taps(record: dict[int, Callable[[torch.Tensor, torch.Tensor, int], Any]] | None
                    ) -> Iterator[None]:
     """Let the plain recurrence (:func:`_recurrence`) show the fast GGN rule each recurrent weight's
     map, in this thread, for the ``with`` block.

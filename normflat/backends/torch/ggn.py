@@ -743,17 +743,20 @@ class Capture:
         self._seen: dict[int, int] = {}
         self._thread = threading.get_ident()
         inside = [layer for layer in layers if recorded_inside(getattr(layer.ext, "ggn_squares", None))]
-        #: ``id(weight) -> key`` of the layers recorded inside a recurrence (no hook of their own).
+        #: ``id(weight) -> key`` of the layers recorded where their weight is applied (inside a
+        #: recurrence, an embedding's own lookup): no hook of their own.
         self._recorded = {id(layer.param): id(layer) for layer in inside}
-        #: The weights among them looked up by an embedding with its own forward (:class:`LookupTaps`).
+        #: The weights among them looked up by an embedding with its own forward (:class:`LookupTaps`),
+        #: with the module's ``padding_idx``.
         self._lookups = {id(layer.param): layer.module.padding_idx for layer in inside
                          if layer.ext.ggn_squares is recorded_lookup_squares}
+        unhooked = {id(layer) for layer in inside}
         self._handles = [layer.module.register_forward_hook(self._hook(id(layer)), with_kwargs=True)
-                         for layer in layers if id(layer) not in {id(x) for x in inside}]
+                         for layer in layers if id(layer) not in unhooked]
 
-    def taps(self) -> dict[int, Callable[[torch.Tensor, torch.Tensor, int], None]] | None:
-        """What :func:`~normflat.backends.torch.compat.recurrent_taps` records into this capture:
-        ``None`` when no layer is recorded inside a recurrence or the capture is off."""
+    def taps(self) -> dict[int, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]] | None:
+        """The recorders of the layers recorded where their weight is applied, by ``id(weight)``
+        (:meth:`recording`): ``None`` when there are none or the capture is off."""
         if not self._recorded or not self.active or threading.get_ident() != self._thread:
             return None
         return {weight: self._recorder(key) for weight, key in self._recorded.items()}
