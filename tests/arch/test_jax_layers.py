@@ -700,3 +700,96 @@ def test_dense_layer_on_a_batch_folded_into_windows(layout):
     for n, kw in ((5, {}), (1, {}), (5, {"chunk_size": 2})):
         check(_hd(model, (x[:n], y[:n]), estimator="ggn", loss="ce", **kw), ref_ggn(model, x[:n], y[:n], "ce"),
               expected)
+
+
+# ----------------------------------------------------------------------------- layers called several times
+
+
+class NnxShared(nnx.Module):
+    """A grouped convolution called twice and a dense layer called three times (a module shared
+    across depth, as ALBERT's layers), ReLU between: every weight used once per call."""
+
+    def __init__(self, rngs):
+        self.conv = nnx.Conv(4, 4, (3,), padding="SAME", feature_group_count=2, param_dtype=F64, rngs=rngs)
+        self.inp = nnx.Linear(2, 4, param_dtype=F64, rngs=rngs)
+        self.shared = nnx.Linear(4, 4, param_dtype=F64, rngs=rngs)
+        self.head = nnx.Linear(4, 3, param_dtype=F64, rngs=rngs)
+
+    def __call__(self, x):  # x: (n, T, 2)
+        h = jax.nn.relu(self.inp(x))
+        for _ in range(3):
+            h = jax.nn.relu(self.shared(h))
+        h = self.conv(jax.nn.relu(self.conv(h)))
+        return self.head(h.mean(-2))
+
+
+def _shared_data():
+    g = np.random.default_rng(11)
+    return jnp.asarray(g.normal(size=(5, 6, 2))), jnp.asarray(g.integers(0, 3, size=5))
+
+
+def test_layers_called_several_times_fast_equals_generic_and_brute_force():
+    """A weight used by several products with the activations (a module called several times per
+    forward) has one tap per use, and its per-example gradient is the sum of the uses' before the
+    square (method §6.1, "Tied weights"): the dense layer's and the grouped convolution's
+    diagonals equal brute force and the generic path (the same program traced without such taps),
+    for ``ggn`` and ``ggn-mc``, in chunks of 2."""
+    from normflat.backends.jax import program, session
+
+    model = NnxShared(nnx.Rngs(3))
+    x, y = _shared_data()
+    report = normflat.analyze(model, (x, y), estimator="ggn", progress=False)
+    assert {layer.name: layer.details["path"] for layer in report.layers} == {
+        "conv": "fast", "inp": "fast", "shared": "fast", "head": "fast"}
+    runs = [dict(estimator="ggn"), dict(estimator="ggn-mc", samples=3, seed=2)]
+    fast = [normflat.hessian_diagonal(model, (x, y), progress=False, chunk_size=2, **r) for r in runs]
+    session._TRACES.clear()
+    session._CACHE.clear()
+    saved = program._TIED_USES
+    program._TIED_USES = frozenset()
+    try:
+        generic_report = normflat.analyze(model, (x, y), estimator="ggn", progress=False)
+        generic = [normflat.hessian_diagonal(model, (x, y), progress=False, chunk_size=2, **r) for r in runs]
+    finally:
+        program._TIED_USES = saved
+        session._TRACES.clear()
+        session._CACHE.clear()
+    assert generic_report.layer("shared").details["path"] == generic_report.layer("conv").details["path"] == "generic"
+    want = ref_ggn(model, x, y, "nsce")
+    brute = {"shared": canon(want["shared/kernel"], "flax"), "inp": canon(want["inp/kernel"], "flax"),
+             "head": canon(want["head/kernel"], "flax"),
+             "conv": np.asarray(want["conv/kernel"]).transpose(2, 1, 0)}  # (k, in/g, out) -> (out, in/g, k)
+    for name, value in brute.items():
+        assert_close(fast[0][name], value)
+        assert_close(generic[0][name], value)
+    for f, g in zip(fast, generic):
+        for name in f:
+            assert_close(f[name], g[name])
+
+
+def test_invariance_nnx_shared_layers_conjugated():
+    """Hidden unit k times c_k throughout the shared layers: the layer before's column k (kernel
+    (in, out)) times c_k, the shared dense kernel ``K -> D⁻¹ K D`` in flax's ``(in, out)`` layout,
+    the grouped convolution's ``K[t, j, o] -> K[t, j, o] · c_o / c_i`` (input channel ``i`` of
+    output ``o``'s group), the head's row k times 1/c_k: the function and every normalized
+    sharpness unchanged, the traces moved."""
+    model = NnxShared(nnx.Rngs(3))
+    model.shared.bias[...] = jnp.asarray(RNG.normal(size=4)) * 0.3
+    model.conv.bias[...] = jnp.asarray(RNG.normal(size=4)) * 0.3
+    other = nnx.clone(model)
+    c = jnp.asarray([2.0, 0.5, 3.0, 0.25])
+    other.inp.kernel[...] = other.inp.kernel[...] * c
+    other.inp.bias[...] = other.inp.bias[...] * c
+    other.shared.kernel[...] = other.shared.kernel[...] / c[:, None] * c
+    other.shared.bias[...] = other.shared.bias[...] * c
+    per_group = other.conv.kernel.shape[1]
+    inputs = jnp.stack([c[(o // per_group) * per_group + jnp.arange(per_group)] for o in range(4)], axis=1)
+    other.conv.kernel[...] = other.conv.kernel[...] * c / inputs[None]
+    other.conv.bias[...] = other.conv.bias[...] * c
+    other.head.kernel[...] = other.head.kernel[...] / c[:, None]
+    x, y = _shared_data()
+    before, after = _assert_invariant(model, other, (x, y), model, other)
+    for name in ("shared", "conv"):
+        assert before.layer(name).details["path"] == after.layer(name).details["path"] == "fast"
+        assert abs(before.layer(name).hessian_trace - after.layer(name).hessian_trace) > 1e-3 * abs(
+            before.layer(name).hessian_trace)

@@ -61,9 +61,10 @@ _LAYOUT = {"transpose", "reshape", "convert_element_type", "copy", "copy_p", "sq
 _TAP_PRIMS = {"dot_general", "conv_general_dilated"}
 # Row lookups of a table: the per-example gradient is a scatter of the output signals into the rows.
 _LOOKUP_PRIMS = {"gather", "dynamic_slice"}
-# The other uses a tied table (one with row lookups) may have on its fast rule: products with the
-# activations, whose per-example gradient is the signal at their output times the activation.
-_TIED_USES = {"dot_general"}
+# The uses beside row lookups that a weight used several times (a tied table, a layer called twice)
+# may have on its fast rule: products with the activations, whose per-example gradient is the VJP
+# of the signal at their output (the signal times the activation, or its input patches).
+_TIED_USES = {"dot_general", "conv_general_dilated"}
 # A table added to the activations (a position table): its per-example gradient is the signal at
 # its operand of the addition, pulled back through the ops that bring the table there.
 _TABLE_ADD = {"add"}
@@ -545,16 +546,15 @@ def _analyse(prog: Program, n_weights: int) -> None:
 
 
 def _tied_taps(prog: Program, k: int, cands: list, derived: dict, uses: dict) -> list[Tap]:
-    """One :attr:`Tap.tied` tap per use of weight ``k`` if it is a tied table, else none.
+    """One :attr:`Tap.tied` tap per use of weight ``k`` if it is a tied weight, else none.
 
-    A tied table: at least one use is a whole-row lookup, every other use a
-    :data:`_TIED_USES` product with the activations (``cands``, all reached through layout
-    ops only), and the table and its layout results are used by nothing else (the program's
-    output included). Its per-example gradient is then exactly the sum of each use's
-    gradient from the signal at that use's output.
+    A tied weight: every use is a whole-row lookup or a :data:`_TIED_USES` product with the
+    activations (``cands``, all reached through layout ops only): a language model's table
+    and its tied head, or a layer called several times (a module shared by two branches or
+    applied in a loop written out); and the weight and its layout results are used by nothing
+    else (the program's output included). Its per-example gradient is then exactly the sum of
+    each use's gradient from the signal at that use's output.
     """
-    if not any(lookup is not None for _, _, _, lookup in cands):
-        return []
     if any(lookup is None and prog.ops[i].prim.name not in _TIED_USES for i, _, _, lookup in cands):
         return []
     refs = [r for r, (owner, _) in derived.items() if owner == k]
@@ -625,7 +625,9 @@ def _generic_reason(prog: Program, ends: list) -> str:
                     "every use is a row lookup or a product with the activations (dot_general)")
         if any(n in _TABLE_ADD for n in names):
             return f"also used outside its addition to the activations ({len(names)} uses: {listed})"
-        return f"used {len(names)} times in the forward pass ({listed}): no fast rule for a weight used twice"
+        return (f"used {len(names)} times in the forward pass ({listed}): a weight used several times is fast "
+                "only when every use is a product with the activations (dot_general, conv_general_dilated) or a "
+                "row lookup")
     return f"its use in the forward pass ({names[0]}) has no fast rule"
 
 
