@@ -911,3 +911,62 @@ def test_position_ids_embedding_rescaling_invariance():
     table.embeddings.assign(table.embeddings.numpy() * factors)
     mix.kernel.assign(mix.kernel.numpy() / factors[:, None])
     _assert_rescaling_invariant(model, other, x, y, ("patch", "vit/positions", "mix"))
+
+
+# ----------------------------------------------------------------------------- a layer called several times
+
+
+def _shared_model(rng):
+    """A ReLU ``Dense`` applied three times (one layer shared across depth, as ALBERT's), between
+    an input ``Dense`` and a head, on sequences of 3 steps."""
+    inp = keras.Input((3, 2), dtype=F64)
+    h = L.Dense(4, activation="relu", dtype=F64, name="inp")(inp)
+    shared = L.Dense(4, activation="relu", dtype=F64, name="shared")
+    for _ in range(3):
+        h = shared(h)
+    model = keras.Model(inp, L.Dense(3, dtype=F64, name="head")(L.GlobalAveragePooling1D(dtype=F64)(h)))
+    _randomize(model, rng, scale=0.6)
+    return model
+
+
+def test_dense_called_several_times_sums_its_calls():
+    """Every call of a ``Dense`` called several times per forward is recorded, and the calls'
+    per-sample gradients are summed before they are squared (their positions concatenated, method
+    §6.1 "Tied weights"): the fast path, brute force for ``ggn``, the generic path for ``ggn-mc``,
+    in chunks of 2 too."""
+    rng = _rng(21)
+    model = _shared_model(rng)
+    x, y = rng.normal(size=(5, 3, 2)), rng.integers(0, 3, 5)
+    report = normflat.analyze(model, (x, y), loss="nsce", estimator="ggn", progress=False)
+    assert {layer.name: layer.details["path"] for layer in report.layers} == {
+        "inp": "fast", "shared": "fast", "head": "fast"}
+    expected = {name: (f"{name}/kernel", _transposed) for name in ("inp", "shared", "head")}
+    check_against(model, x, y, expected, loss="nsce")
+    check_against(model, x, y, expected, loss="nsce", chunk_size=2)
+    for kw in (dict(estimator="ggn-mc", samples=3, seed=2), dict(estimator="ggn", chunk_size=2)):
+        fast = normflat.hessian_diagonal(model, (x, y), loss="nsce", progress=False, **kw)
+        generic = normflat.hessian_diagonal(model, (x, y), loss="nsce", progress=False, fast=False, **kw)
+        for name in fast:
+            np.testing.assert_allclose(np.asarray(fast[name]), np.asarray(generic[name]), rtol=RTOL,
+                                       atol=1e-14 * np.abs(np.asarray(generic[name])).max(), err_msg=name)
+
+
+def test_dense_called_several_times_conjugation_is_invariant():
+    """Hidden unit k times c_k throughout the shared ReLU layer: the input layer's column k (kernel
+    (in, out)) and bias times c_k, the shared kernel ``K -> D⁻¹ K D`` and its bias times c_k, the
+    head's row k times 1/c_k: the function and every normalized sharpness unchanged, the trace moved."""
+    rng = _rng(22)
+    model = _shared_model(rng)
+    x, y = rng.normal(size=(5, 3, 2)), rng.integers(0, 3, 5)
+    twin = _clone(model)
+    c = np.array([2.0, 0.5, 3.0, 0.25])
+    inp, shared, head = twin.get_layer("inp"), twin.get_layer("shared"), twin.get_layer("head")
+    inp.kernel.assign(inp.kernel.numpy() * c[None, :])
+    inp.bias.assign(inp.bias.numpy() * c)
+    shared.kernel.assign(shared.kernel.numpy() / c[:, None] * c[None, :])
+    shared.bias.assign(shared.bias.numpy() * c)
+    head.kernel.assign(head.kernel.numpy() / c[:, None])
+    np.testing.assert_allclose(twin(x).numpy(), model(x).numpy(), rtol=1e-12)
+    before, after = _analyze(model, x, y), _analyze(twin, x, y)
+    assert before.layer("shared").details["path"] == after.layer("shared").details["path"] == "fast"
+    _assert_invariant(before, after)

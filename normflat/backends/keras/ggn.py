@@ -811,6 +811,24 @@ def _blocks_per_sample(xf: Any, gf: Any, samples: Any, fold: int) -> tuple[Any, 
             tf.reshape(gf, [samples, -1, int(gf.shape[-2]), int(gf.shape[-1])]))
 
 
+def _repeated_dense_squares(records: list, per_call: list[list[Any]], seg: Any, groups: int) -> Any:
+    """``(K, out, in)`` squares of a ``Dense`` kernel used by several calls per forward: a sample's
+    gradient is the sum over the calls and their positions of the signal times the input, so the
+    calls' positions are concatenated and the dense rule applied once (method §6.1, "Tied weights").
+
+    ``records``: per call ``[input, pre-activation]``; ``per_call``: per call, the B signals at its
+    pre-activation (``None`` where the logits do not reach it)."""
+    n = tf.shape(records[0][0])[0]
+    b = len(per_call[0])
+    in_f, out_f = int(records[0][0].shape[-1]), int(records[0][1].shape[-1])
+    xs, gs = [], []
+    for (x, pre), signals in zip(records, per_call):
+        signals = [tf.zeros_like(pre) if g is None else g for g in signals]
+        xs.append(tf.reshape(x, [n, -1, in_f]))
+        gs.append(tf.reshape(tf.stack(signals, axis=-2), [n, -1, b, out_f]))
+    return _per_sample_squares(tf.concat(xs, 1), tf.concat(gs, 1), seg, groups)
+
+
 def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int, samples: Any) -> Any:
     """Per-group sums over samples and signals of squared per-sample gradients, canonical layout.
 
@@ -972,7 +990,7 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
         # A Dense head whose pre-activation is the logits themselves (ggn-topk; ggn above
         # STRUCTURED_HEAD_CLASSES classes) gets its exact squares from the logit-Hessian diagonal,
         # once per chunk (the first block), and nothing is back-propagated to it (method §6.1-6.2).
-        heads = [e for e in fast if head_rule and e.fast == "dense" and taps.records[e.name][0][1] is z]
+        heads = [e for e in fast if head_rule and e.fast == "dense" and e.calls == 1 and taps.records[e.name][0][1] is z]
         for e in heads:
             x_in = taps.records[e.name][0][0]
             shape = [1, c, int(x_in.shape[-1])]  # the shared group only (exact)
@@ -1016,8 +1034,8 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
         if s is not None and root_weight is not None:
             s = s * tf.reshape(tf.cast(root_weight, s.dtype), [block] + [1] * (len(s.shape) - 1))
         if rest_fast:
-            # The records whose outputs get the signals: one per layer, a tied table's every call.
-            records = [taps.records[e.name] if e.fast == "tied" else taps.records[e.name][:1] for e in rest_fast]
+            # The records whose outputs get the signals: one per call (a tied table's, a shared Dense's).
+            records = [taps.records[e.name] if e.fast == "tied" else taps.records[e.name][:e.calls] for e in rest_fast]
             pre = [r[1] for rec in records for r in rec]
             # One back-propagation per signal, unrolled: much faster on CPU than pfor here.
             if head_input is not None:
@@ -1044,6 +1062,8 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                     uses = {r[2]: [r[0], [tf.zeros_like(r[1]) if g is None else g for g in gs]]
                             for r, gs in zip(rec, per_call)}
                     out[e.name] = _tied_squares(e, uses.get(False), uses.get(True), seg, sums_per_layer)
+                elif e.calls > 1:
+                    out[e.name] = _repeated_dense_squares(rec, per_call, seg, sums_per_layer)
                 else:
                     out[e.name] = _fast_squares(e, rec[0][0], per_call[0], seg, sums_per_layer, tf.shape(z)[0])
         if generic:

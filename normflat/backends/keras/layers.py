@@ -435,6 +435,8 @@ class Entry:
         fold: Rows of the tapped input and pre-activation per sample (``Dense``, ``EinsumDense``
             on a batch folded into the leading axis, e.g. attention windows; checked by the first
             forward), 1 otherwise.
+        calls: Calls of a ``Dense`` layer per forward (a layer shared by branches or applied in a
+            loop): its per-sample gradient sums the calls' (method §6.1, "Tied weights"); 1 otherwise.
         attr: For a loose position table, the attribute of :attr:`layer` holding its variable,
             which the GGN step sets to the table expanded over the batch (method §6.1,
             "Position tables"); ``None`` otherwise.
@@ -451,6 +453,7 @@ class Entry:
     in_size: int = 0
     pre_size: int = 0
     fold: int = 1
+    calls: int = 1
     attr: str | None = None
     shared_with: list[str] = field(default_factory=list)
 

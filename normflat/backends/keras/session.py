@@ -489,17 +489,17 @@ class KerasSession:
         cached = None if self.hvp else _cached(_PROBES, self.model, key, None)
         if cached is not None:
             self.num_classes, self.tokens, self.input_size, fast, head = cached
-            for entry, (f, rank, in_size, pre_size, fold, reason) in zip(self.entries, fast):
-                entry.fast, entry.input_rank, entry.in_size, entry.pre_size, entry.fold, entry.reason = (
-                    f, rank, in_size, pre_size, fold, reason)
+            for entry, (f, rank, in_size, pre_size, fold, calls, reason) in zip(self.entries, fast):
+                entry.fast, entry.input_rank, entry.in_size, entry.pre_size, entry.fold, entry.calls, entry.reason = (
+                    f, rank, in_size, pre_size, fold, calls, reason)
             self._logits_dense = None if head is None else self.entries[head]
         else:
             self._probe_eager(x, batch)
             if not self.hvp:
                 head = None if self._logits_dense is None else self.entries.index(self._logits_dense)
                 _store(_PROBES, self.model, key, (self.num_classes, self.tokens, self.input_size,
-                                                  [(e.fast, e.input_rank, e.in_size, e.pre_size, e.fold, e.reason)
-                                                   for e in self.entries], head))
+                                                  [(e.fast, e.input_rank, e.in_size, e.pre_size, e.fold, e.calls,
+                                                    e.reason) for e in self.entries], head))
         if not self.hvp:
             for spec, e in zip(self.layers, self.entries):
                 spec.path, spec.reason = ("fast", None) if e.fast else ("generic", e.reason)
@@ -526,7 +526,16 @@ class KerasSession:
                     self._probe_tied(entry, self.taps.records.get(entry.name, []))
                 elif entry.fast and entry.fast != "table":  # a loose table has no call: _first_checks
                     recs = self.taps.records.get(entry.name, [])
-                    if len(recs) != 1 or recs[0][1] is None:
+                    entry.calls = 1
+                    if (entry.fast == "dense" and len(recs) > 1 and all(r[1] is not None for r in recs)
+                            and entry is not self._logits_dense):
+                        # A Dense called several times per forward (shared by branches, applied in a
+                        # loop): every call is recorded, their per-sample gradients summed (the step).
+                        entry.calls = len(recs)
+                        entry.input_rank = len(recs[0][0].shape)
+                        entry.in_size = sum(_per_sample_elements(r[0]) for r in recs)
+                        entry.pre_size = sum(_per_sample_elements(r[1]) for r in recs)
+                    elif len(recs) != 1 or recs[0][1] is None:
                         # A shared or bypassed layer: its one input/pre-activation is not the whole story.
                         entry.fast, entry.reason = None, "called more than once per forward, or bypassed"
                     else:
@@ -684,6 +693,11 @@ class KerasSession:
             sizes = {int(t.shape[0]) if t is not None and len(t.shape) else -1 for r in records for t in r[:2]}
             e.fold = 1
             size = sizes.pop() if len(sizes) == 1 else -1
+            if size != 2 and e.calls > 1:
+                e.fast, e.reason = None, (
+                    f"called {e.calls} times per forward with a leading axis ({size if size > 0 else 'varies'}) "
+                    "that is not one row per sample")
+                continue
             if size != 2 and (e.fast not in ("dense", "einsum") or size < 2 or size % 2):
                 e.fast, e.reason = None, (
                     f"its input or output's leading axis ({size if size > 0 else 'varies'}) is not one row (or, for a "
