@@ -229,6 +229,69 @@ def test_tied_embedding_feature_scaling_against_both_of_its_uses(padding_idx):
     assert wte.details["shared_with"] == ["lm_head"] and wte.details["path"] == "fast"
 
 
+class SharedTable(nn.Module):
+    """BART's layout: ``shared``, a table the model never looks up itself, tied to the encoder's and
+    decoder's embeddings and the head. ``wake``: from the second forward on the model also looks
+    ``shared`` up (a use the first forward did not see)."""
+
+    def __init__(self, wake=False):
+        super().__init__()
+        self.shared = nn.Embedding(V, D)
+        self.enc = nn.Embedding(V, D)
+        self.dec = nn.Embedding(V, D)
+        self.enc.weight = self.dec.weight = self.shared.weight
+        self.mix_in = nn.Linear(D, 6)
+        self.mix_out = nn.Linear(6, D)
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.shared.weight
+        self.wake, self.forwards = wake, 0
+
+    def forward(self, ids):
+        self.forwards += 1
+        h = self.mix_out(torch.tanh(self.mix_in(self.enc(ids) + self.dec(ids.flip(1)))))
+        if self.wake and self.forwards > 1:
+            h = h + self.shared(ids)
+        return self.head(h)
+
+
+def test_tied_table_whose_own_module_never_runs():
+    """The uses that run are the tied weight's uses (method §6.1, "Tied weights"): the fast path
+    with the three of them, the same diagonal as brute force and the generic path, and the
+    feature-rescaling invariance through all three."""
+    model = _init(SharedTable())
+    data = [(_ids(N, T), _ids(N, T, seed=4))]
+    report = _analyze(model, data)
+    shared = report.layer("shared")
+    assert shared.details["path"] == "fast" and shared.details["shared_with"] == ["enc", "dec", "head"]
+    want = ref.problems(model, ref.ggn_diagonal(model, data, "nsce"))
+    got = normflat.hessian_diagonal(model, data, estimator="ggn", progress=False)
+    generic = normflat.hessian_diagonal(model, data, estimator="ggn", progress=False, fast=False)
+    assert set(got) == set(want) == set(generic) == {"shared", "mix_in", "mix_out"}
+    for name in want:
+        torch.testing.assert_close(got[name], torch.as_tensor(want[name]), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(got[name], generic[name], rtol=1e-10, atol=1e-14)
+    moved = copy.deepcopy(model)
+    c = _head_factors(D, 13)
+    with torch.no_grad():
+        moved.shared.weight *= c[None, :]  # every use's weight: one tensor
+        moved.mix_in.weight /= c[None, :]
+        moved.mix_out.weight /= c[:, None]
+        moved.mix_out.bias /= c
+    _assert_invariant(model, moved, _Call(data))
+    assert _analyze(moved, data).layer("shared").details["path"] == "fast"
+
+
+def test_tied_table_whose_idle_module_wakes_up_takes_the_generic_path():
+    """A use the first forward did not run, running later, would miss its share of the gradient:
+    the chunk that sees it sends the weight to the generic path (earlier chunks' sums stay
+    valid), with its reason; the numbers are the generic path's."""
+    model = _init(SharedTable(wake=True))
+    data = [(_ids(2, T), _ids(2, T, seed=4)), (_ids(2, T, seed=5), _ids(2, T, seed=6))]
+    report = normflat.analyze(model, data, estimator="ggn", progress=False, chunk_size=2)
+    shared = report.layer("shared")
+    assert shared.details["path"] == "generic" and "not called exactly once" in shared.details["generic_reason"]
+
+
 def test_position_table_feature_scaling_with_the_embedding():
     """Feature j of the token embedding and of the position table (rows j of both canonical
     ``(features, ·)`` matrices) times c_j, the next layer's input column j times 1/c_j: the same

@@ -283,11 +283,16 @@ class TorchLayer:
     #: has a per-sample gradient rule (:data:`~normflat.backends.torch.ggn.PER_SAMPLE_GRADIENTS`):
     #: the fast path sums the uses' per-sample gradients before squaring (method §6.1).
     tied: list["TiedUse"] = field(default_factory=list)
+    #: The modules sharing this weight that the first forward never ran (BART's ``model.shared``,
+    #: whose table only the encoder's and decoder's embeddings and the head use): not among the
+    #: :attr:`uses`; the session checks that they stay idle.
+    idle: list["TorchLayer | TiedUse"] = field(default_factory=list)
 
     @property
     def uses(self) -> list["TorchLayer | TiedUse"]:
-        """The modules using this weight: the layer itself, then its :attr:`tied` uses."""
-        return [self, *self.tied]
+        """The modules using this weight: the layer itself, then its :attr:`tied` uses (less the
+        :attr:`idle` ones)."""
+        return [use for use in (self, *self.tied) if not any(use is quiet for quiet in self.idle)]
 
     @property
     def name(self) -> str:

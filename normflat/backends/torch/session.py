@@ -763,6 +763,12 @@ class TorchSession:
             if layer.table:
                 continue
             calls = [cap.calls.get(id(use), 0) for use in layer.uses]
+            if layer.tied and 0 in calls and any(calls):
+                # A tied weight whose own module (or another user) never runs: the uses that run are
+                # all there is (BART's model.shared, used by its embeddings and its head only). Every
+                # chunk checks that the idle ones stay so.
+                layer.idle = [use for use, count in zip(layer.uses, calls) if not count]
+                calls = [cap.calls.get(id(use), 0) for use in layer.uses]
             if calls == [0] and layer.ext.ggn_squares is ggn_kernels.recorded_lookup_squares:
                 layer.disable_fast(f"{type(layer.module).__name__} overrides the forward of Embedding and does not "
                                    "look its weight up once with F.embedding as nn.Embedding does")
@@ -782,7 +788,7 @@ class TorchSession:
             elif uses[id(layer.param)] != self._uses_inside(layer):
                 layer.disable_fast(f"weight used {uses[id(layer.param)]} times in the graph" if not layer.tied else
                                    f"tied weight used {uses[id(layer.param)]} times in the graph, not once per "
-                                   f"module ({1 + len(layer.tied)})")
+                                   f"module ({len(layer.uses)})")
             elif any(id(use) not in cap.outputs for use in layer.uses):
                 layer.disable_fast("module input or output is not a single tensor")
         # With calls newly told apart, the next forward is checked again: its graph decides the
@@ -798,7 +804,7 @@ class TorchSession:
         if ggn_kernels.recorded_inside(layer.ext.ggn_squares):
             return self.capture.weight_uses.get(id(layer), 1)  # one per step for a weight applied in the loop
         if layer.tied or not ggn_kernels.inner_uses(layer.ext.ggn_squares):
-            return 1 + len(layer.tied)
+            return len(layer.uses)
         out, given = self.capture.outputs[id(layer)], self.capture.live_inputs[id(layer)]
         inside, _ = ggn_kernels.inspect_graph(out.grad_fn, {id(layer.param): layer}, [],
                                               stop=[given.grad_fn] if given.grad_fn is not None else [])
@@ -916,7 +922,8 @@ class TorchSession:
                 u = nrandom.sample_uniforms(self.options.seed, self.rank, batch.offset + start, rows, columns)
                 uniforms = host_to_device(u, logits.device).to(logits.dtype)
             for layer in fast:
-                if any(cap.calls.get(id(use), 0) != 1 or cap.modified(id(use)) for use in layer.uses):
+                if (any(cap.calls.get(id(use), 0) != 1 or cap.modified(id(use)) for use in layer.uses)
+                        or any(cap.calls.get(id(use), 0) for use in layer.idle)):
                     # Dynamic models: re-checked on every chunk; earlier chunks' sums stay valid.
                     layer.disable_fast("layer not called exactly once, or its input modified in place")
             self._rows_per_sample([layer for layer in fast if layer.fast], logits, rows)
