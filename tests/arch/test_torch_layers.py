@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import normflat
 from tests.arch import _torch_reference as ref
@@ -458,6 +459,64 @@ def test_embedding_with_its_own_forward_takes_the_recorded_lookup(how):
         generic = normflat.hessian_diagonal(model, data, estimator=estimator, progress=False, seed=2, fast=False,
                                             **extra)
         _close(fast, generic)
+
+
+class FunctionalQKV(nn.Module):
+    """timm's BEiT attention: the packed projection's module is never called; its weight enters
+    through ``F.linear`` with a bias put together from separate query and value biases. ``how``:
+    ``keyword`` (``weight=`` given by name, as timm does), ``positional``, ``matmul`` (``x @ W.T``:
+    no ``F.linear`` to record), ``twice`` (two ``F.linear`` calls on the weight)."""
+
+    def __init__(self, how="keyword"):
+        super().__init__()
+        self.how = how
+        self.emb = nn.Embedding(V, D)
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+        self.q_bias = nn.Parameter(torch.zeros(D))
+        self.v_bias = nn.Parameter(torch.zeros(D))
+        self.head = nn.Linear(D, C)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        bias = torch.cat((self.q_bias, torch.zeros_like(self.v_bias), self.v_bias))
+        if self.how == "keyword":
+            qkv = F.linear(x, weight=self.qkv.weight, bias=bias)
+        elif self.how == "positional":
+            qkv = F.linear(x, self.qkv.weight, bias)
+        elif self.how == "matmul":
+            qkv = x @ self.qkv.weight.T + bias
+        else:
+            qkv = F.linear(x, self.qkv.weight, bias) + F.linear(x.flip(1), self.qkv.weight)
+        q, k, v = qkv.chunk(3, -1)
+        att = torch.softmax(q @ k.transpose(1, 2) / D ** 0.5, -1)
+        return self.head(torch.tanh(att @ v))
+
+
+@pytest.mark.parametrize("how", ["keyword", "positional"])
+def test_dense_weight_applied_through_f_linear_is_recorded_there(how):
+    """A dense layer whose module the model never calls, its weight applied by one ``F.linear``
+    call (timm's BEiT and EVA attention): recorded at that call, ``nn.Linear``'s rule; the same
+    diagonal as brute force and the generic path."""
+    model = _init(FunctionalQKV(how))
+    data = [(_ids(N, T), _labels(N, T)), (_ids(2, T, seed=5), _labels(2, T, seed=6))]
+    report = normflat.analyze(model, data, progress=False, estimator="ggn")
+    assert report.layer("qkv").details["path"] == "fast", report.layer("qkv").details
+    got = _check_ggn(model, data)
+    generic = normflat.hessian_diagonal(model, data, estimator="ggn", progress=False, fast=False)
+    _close(got, generic)
+
+
+@pytest.mark.parametrize("how, reason", [
+    ("matmul", "not used through one F.linear call"),
+    ("twice", "module called 0 times per forward"),  # its weight used twice: never recorded
+])
+def test_dense_weight_applied_otherwise_takes_the_generic_path(how, reason):
+    """``x @ W.T`` (no ``F.linear`` to record) or two ``F.linear`` calls: the generic path, exact."""
+    model = _init(FunctionalQKV(how))
+    data = [(_ids(N, T), _labels(N, T))]
+    details = normflat.analyze(model, data, progress=False, estimator="ggn").layer("qkv").details
+    assert details["path"] == "generic" and reason in details["generic_reason"], details
+    _check_ggn(model, data)
 
 
 @pytest.mark.parametrize("how, reason", [

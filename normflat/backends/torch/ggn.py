@@ -39,7 +39,7 @@ __all__ = [
     "embedding_squares",
     "embedding_bag_squares",
     "recorded_lookup_squares",
-    "LookupTaps",
+    "FunctionalTaps",
     "position_table_squares",
     "PER_SAMPLE_GRADIENTS",
     "tied_squares",
@@ -540,7 +540,7 @@ def recorded_lookup_squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas
     """Fast GGN rule of an ``nn.Embedding`` subclass with its own ``forward`` (OPT's and mBART's
     learned positions: ids computed inside, then ``nn.Embedding``'s lookup): ``nn.Embedding``'s rule
     on the ids and the signals of the one ``F.embedding`` call on its weight, which
-    :class:`LookupTaps` records (method §6.1, "Embeddings with their own forward")."""
+    :class:`FunctionalTaps` records (method §6.1, "Embeddings with their own forward")."""
     return embedding_squares(module, ids, deltas, out)
 
 
@@ -746,10 +746,13 @@ class Capture:
         #: ``id(weight) -> key`` of the layers recorded where their weight is applied (inside a
         #: recurrence, an embedding's own lookup): no hook of their own.
         self._recorded = {id(layer.param): id(layer) for layer in inside}
-        #: The weights among them looked up by an embedding with its own forward (:class:`LookupTaps`),
+        #: The weights among them looked up by an embedding with its own forward (:class:`FunctionalTaps`),
         #: with the module's ``padding_idx``.
         self._lookups = {id(layer.param): layer.module.padding_idx for layer in inside
                          if layer.ext.ggn_squares is recorded_lookup_squares}
+        #: ``id(weight) -> key`` of the dense layers whose module the model never calls, recorded at
+        #: their weight's ``F.linear`` call (:meth:`watch_linear`, :class:`FunctionalTaps`).
+        self._linears: dict[int, int] = {}
         unhooked = {id(layer) for layer in inside}
         self._handles = [layer.module.register_forward_hook(self._hook(id(layer)), with_kwargs=True)
                          for layer in layers if id(layer) not in unhooked]
@@ -757,9 +760,18 @@ class Capture:
     def taps(self) -> dict[int, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]] | None:
         """The recorders of the layers recorded where their weight is applied, by ``id(weight)``
         (:meth:`recording`): ``None`` when there are none or the capture is off."""
-        if not self._recorded or not self.active or threading.get_ident() != self._thread:
+        if not (self._recorded or self._linears) or not self.active or threading.get_ident() != self._thread:
             return None
-        return {weight: self._recorder(key) for weight, key in self._recorded.items()}
+        return {weight: self._recorder(key) for weight, key in (*self._recorded.items(), *self._linears.items())}
+
+    def watch_linear(self, layer: Any) -> None:
+        """Record a dense layer at its weight's ``F.linear`` call from the next forward on (its module
+        is never called: the model applies the weight functionally)."""
+        self._linears[id(layer.param)] = id(layer)
+
+    def watches(self, layer: Any) -> bool:
+        """Whether :meth:`watch_linear` was called for ``layer``."""
+        return id(layer.param) in self._linears
 
     def _recorder(self, key: int) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
         def record(a: torch.Tensor, output: torch.Tensor, uses: int) -> torch.Tensor:
@@ -782,17 +794,20 @@ class Capture:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
-        """The forward's recorders of the layers without a hook of their own: the plain
-        recurrence's (:func:`~normflat.backends.torch.compat.recurrent_taps`) and the lookups of
-        embeddings with their own forward (:class:`LookupTaps`); nothing when there are none."""
+        """The forward's recorders of the layers whose hook does not see them: the plain
+        recurrence's (:func:`~normflat.backends.torch.compat.recurrent_taps`), the lookups of
+        embeddings with their own forward and the functional ``F.linear`` calls
+        (:class:`FunctionalTaps`); nothing when there are none."""
         taps = self.taps()
         if taps is None:
             yield
             return
         with contextlib.ExitStack() as stack:
-            stack.enter_context(compat.recurrent_taps(taps))
-            if self._lookups:
-                stack.enter_context(LookupTaps({w: taps[w] for w in self._lookups}, self._lookups))
+            if self._recorded:
+                stack.enter_context(compat.recurrent_taps(taps))
+            if self._lookups or self._linears:
+                stack.enter_context(FunctionalTaps({w: taps[w] for w in self._lookups}, self._lookups,
+                                                   {w: taps[w] for w in self._linears}))
             yield
 
     def repeat(self, key: int, keys: list[int]) -> None:
@@ -863,31 +878,44 @@ class Capture:
         self._handles.clear()
 
 
-class LookupTaps(torch.overrides.TorchFunctionMode):
-    """Records the ``F.embedding`` lookups of the given weights, in this thread, for the ``with``
-    block: an ``nn.Embedding`` subclass with its own ``forward`` computes its ids inside (OPT's
-    positions from the attention mask), so a hook on the module sees neither the ids nor the
-    lookup's output. ``record`` maps ``id(weight)`` to ``callback(ids, output, uses)``, which
-    returns the output the model goes on with; the model gets a copy of it, so that an in-place
-    operation after the lookup cannot rebase the tensor whose gradient the signals are taken at.
-    A lookup with options that change the gradient or the table (``max_norm``,
-    ``scale_grad_by_freq``, ``sparse``, or another ``padding_idx`` than the module's) is not
-    recorded, and its layer then takes the generic path. A thread-local torch function mode:
-    nothing is patched, and it ends with the block."""
+class FunctionalTaps(torch.overrides.TorchFunctionMode):
+    """Records, in this thread and for the ``with`` block, the functional calls through which some
+    weights enter the model, where no hook on their module sees them:
 
-    def __init__(self, record: dict[int, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]],
-                 padding: dict[int, int | None]) -> None:
+    * the ``F.embedding`` lookup of an ``nn.Embedding`` subclass with its own ``forward``, which
+      computes its ids inside (OPT's positions from the attention mask): ``lookups``;
+    * the ``F.linear`` call on the weight of an ``nn.Linear`` the model never calls, using the
+      weight itself (timm's BEiT and EVA attention: ``F.linear(x, weight=self.qkv.weight,
+      bias=torch.cat(...))``): ``linears``.
+
+    Each maps ``id(weight)`` to ``callback(input, output, uses)``, which returns the output the
+    model goes on with; the model gets a copy of it, so that an in-place operation after the call
+    cannot rebase the tensor whose gradient the signals are taken at. A lookup with options that
+    change the gradient or the table (``max_norm``, ``scale_grad_by_freq``, ``sparse``, or another
+    ``padding_idx`` than the module's, given in ``padding``) is not recorded, and its layer then
+    takes the generic path. A thread-local torch function mode: nothing is patched, and it ends
+    with the block."""
+
+    def __init__(self, lookups: dict[int, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]],
+                 padding: dict[int, int | None],
+                 linears: dict[int, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]]) -> None:
         super().__init__()
-        self.record, self.padding = record, padding
+        self.lookups, self.padding, self.linears = lookups, padding, linears
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.embedding:
+        if func is F.embedding and self.lookups:
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            callback = self.record.get(id(weight))
+            callback = self.lookups.get(id(weight))
             if callback is not None and _plain_lookup(args, kwargs, self.padding[id(weight)], int(weight.shape[0])):
                 ids = args[0] if args else kwargs["input"]
                 return callback(ids, func(*args, **kwargs), 1).clone()
+        elif func is F.linear and self.linears:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            callback = self.linears.get(id(weight))
+            if callback is not None:
+                x = args[0] if args else kwargs["input"]
+                return callback(x, func(*args, **kwargs), 1).clone()
         return func(*args, **kwargs)
 
 

@@ -449,7 +449,7 @@ class _Walk:
         overridden = owner is not None and type(module).forward is not owner.forward
         if fast and overridden and ext.ggn_squares is embedding_squares:
             # An embedding computing its ids inside (OPT's positions): its lookup is recorded where
-            # it happens, and checked on the first forward (ggn.LookupTaps).
+            # it happens, and checked on the first forward (ggn.FunctionalTaps).
             ext = replace(ext, ggn_squares=recorded_lookup_squares)
             reason = None
         elif fast and overridden:

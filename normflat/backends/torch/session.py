@@ -748,17 +748,20 @@ class TorchSession:
         layers, a siamese network), its weight used once per call, is a weight with ``k`` uses: each
         call is recorded on its own (:meth:`~normflat.backends.torch.ggn.Capture.repeat`) and the
         per-sample gradients of the calls are summed before they are squared (method §6.1, "Tied
-        weights"). The calls are told apart from the next forward on, which is checked anew.
+        weights"). The calls are told apart from the next forward on, which is checked anew. So is a
+        dense layer whose module is never called but whose weight the graph uses once (timm's BEiT
+        attention: ``F.linear(x, weight=self.qkv.weight, bias=...)``): it is recorded at that
+        ``F.linear`` call (:class:`~normflat.backends.torch.ggn.FunctionalTaps`).
 
         Returns:
-            Whether the forward must run again (calls to record one by one).
+            Whether the forward must run again (calls to record one by one, or functional calls).
         """
         assert self.capture is not None
         cap = self.capture
         outs = [cap.outputs[id(use)] for layer in fast for use in layer.uses if id(use) in cap.outputs]
         uses, self.batched = ggn_kernels.inspect_graph(logits.grad_fn, {id(layer.param): layer for layer in fast},
                                                        outs)
-        repeated = False
+        again = False
         for layer in fast:
             if layer.table:
                 continue
@@ -769,18 +772,28 @@ class TorchSession:
                 # chunk checks that the idle ones stay so.
                 layer.idle = [use for use, count in zip(layer.uses, calls) if not count]
                 calls = [cap.calls.get(id(use), 0) for use in layer.uses]
-            if calls == [0] and layer.ext.ggn_squares is ggn_kernels.recorded_lookup_squares:
+            if (calls == [0] and not layer.tied and layer.ext.ggn_squares is ggn_kernels.linear_squares
+                    and uses[id(layer.param)] == 1 and not cap.watches(layer)):
+                # A dense weight the model applies functionally, its module never called (timm's BEiT:
+                # F.linear(x, weight=self.qkv.weight, bias=...)): recorded at that call from the next
+                # forward on, which is checked again.
+                cap.watch_linear(layer)
+                again = True
+            elif calls == [0] and cap.watches(layer):
+                layer.disable_fast("module called 0 times per forward, and its weight is not used through one "
+                                   "F.linear call")
+            elif calls == [0] and layer.ext.ggn_squares is ggn_kernels.recorded_lookup_squares:
                 layer.disable_fast(f"{type(layer.module).__name__} overrides the forward of Embedding and does not "
                                    "look its weight up once with F.embedding as nn.Embedding does")
             elif calls == [0] and ggn_kernels.recorded_inside(layer.ext.ggn_squares):
                 layer.disable_fast("its recurrence ran on torch's fused kernel (a packed sequence), whose "
                                    "steps cannot be observed")
             elif (len(calls) == 1 and calls[0] > 1 and uses[id(layer.param)] == calls[0]
-                  and id(layer) in cap.outputs and _repeatable(layer)):
+                  and id(layer) in cap.outputs and _repeatable(layer) and not cap.watches(layer)):
                 calls_after = [TiedUse(layer.module, layer.ext) for _ in range(calls[0] - 1)]
                 layer.tied.extend(calls_after)
                 cap.repeat(id(layer), [id(use) for use in calls_after])
-                repeated = True
+                again = True
             elif any(count != 1 for count in calls):
                 extra = (f" and its weight used {uses[id(layer.param)]} times in the graph"
                          if len(calls) == 1 and calls[0] > 1 and uses[id(layer.param)] != calls[0] else "")
@@ -791,10 +804,10 @@ class TorchSession:
                                    f"module ({len(layer.uses)})")
             elif any(id(use) not in cap.outputs for use in layer.uses):
                 layer.disable_fast("module input or output is not a single tensor")
-        # With calls newly told apart, the next forward is checked again: its graph decides the
-        # backward with every call's output among the targets.
-        self.checked = not repeated
-        return repeated
+        # With calls newly told apart or recorded, the next forward is checked again: its graph
+        # decides the backward with every call's output among the targets.
+        self.checked = not again
+        return again
 
     def _uses_inside(self, layer: TorchLayer) -> int:
         """The graph edges to a fast layer's weight its rule accounts for: one per module using it,
