@@ -917,30 +917,34 @@ def test_position_ids_embedding_rescaling_invariance():
 
 
 def _shared_model(rng):
-    """A ReLU ``Dense`` applied three times (one layer shared across depth, as ALBERT's), between
-    an input ``Dense`` and a head, on sequences of 3 steps."""
+    """A ReLU ``Dense`` applied three times (one layer shared across depth, as ALBERT's) and a
+    grouped ReLU ``Conv1D`` applied twice, between an input ``Dense`` and a head, on sequences of
+    3 steps."""
     inp = keras.Input((3, 2), dtype=F64)
     h = L.Dense(4, activation="relu", dtype=F64, name="inp")(inp)
     shared = L.Dense(4, activation="relu", dtype=F64, name="shared")
     for _ in range(3):
         h = shared(h)
+    conv = L.Conv1D(4, 3, padding="same", groups=2, activation="relu", dtype=F64, name="conv")
+    h = conv(conv(h))
     model = keras.Model(inp, L.Dense(3, dtype=F64, name="head")(L.GlobalAveragePooling1D(dtype=F64)(h)))
     _randomize(model, rng, scale=0.6)
     return model
 
 
 def test_dense_called_several_times_sums_its_calls():
-    """Every call of a ``Dense`` called several times per forward is recorded, and the calls'
-    per-sample gradients are summed before they are squared (their positions concatenated, method
-    §6.1 "Tied weights"): the fast path, brute force for ``ggn``, the generic path for ``ggn-mc``,
-    in chunks of 2 too."""
+    """Every call of a ``Dense`` or a (grouped) convolution called several times per forward is
+    recorded, and the calls' per-sample gradients are summed before they are squared (their
+    positions concatenated, method §6.1 "Tied weights"): the fast path, brute force for ``ggn``,
+    the generic path for ``ggn-mc``, in chunks of 2 too."""
     rng = _rng(21)
     model = _shared_model(rng)
     x, y = rng.normal(size=(5, 3, 2)), rng.integers(0, 3, 5)
     report = normflat.analyze(model, (x, y), loss="nsce", estimator="ggn", progress=False)
     assert {layer.name: layer.details["path"] for layer in report.layers} == {
-        "inp": "fast", "shared": "fast", "head": "fast"}
+        "inp": "fast", "shared": "fast", "conv": "fast", "head": "fast"}
     expected = {name: (f"{name}/kernel", _transposed) for name in ("inp", "shared", "head")}
+    expected["conv"] = ("conv/kernel", _conv1d)
     check_against(model, x, y, expected, loss="nsce")
     check_against(model, x, y, expected, loss="nsce", chunk_size=2)
     for kw in (dict(estimator="ggn-mc", samples=3, seed=2), dict(estimator="ggn", chunk_size=2)):
@@ -952,9 +956,11 @@ def test_dense_called_several_times_sums_its_calls():
 
 
 def test_dense_called_several_times_conjugation_is_invariant():
-    """Hidden unit k times c_k throughout the shared ReLU layer: the input layer's column k (kernel
+    """Hidden unit k times c_k throughout the shared ReLU layers: the input layer's column k (kernel
     (in, out)) and bias times c_k, the shared kernel ``K -> D⁻¹ K D`` and its bias times c_k, the
-    head's row k times 1/c_k: the function and every normalized sharpness unchanged, the trace moved."""
+    grouped convolution's ``K[t, j, o] -> K[t, j, o] · c_o / c_i`` (input channel ``i`` of output
+    ``o``'s group) and its bias times c_k, the head's row k times 1/c_k: the function and every
+    normalized sharpness unchanged, the traces moved."""
     rng = _rng(22)
     model = _shared_model(rng)
     x, y = rng.normal(size=(5, 3, 2)), rng.integers(0, 3, 5)
@@ -965,8 +971,15 @@ def test_dense_called_several_times_conjugation_is_invariant():
     inp.bias.assign(inp.bias.numpy() * c)
     shared.kernel.assign(shared.kernel.numpy() / c[:, None] * c[None, :])
     shared.bias.assign(shared.bias.numpy() * c)
+    conv = twin.get_layer("conv")
+    per_group = conv.kernel.shape[1]
+    inputs = np.stack([c[(o // per_group) * per_group + np.arange(per_group)] for o in range(4)], axis=1)
+    conv.kernel.assign(conv.kernel.numpy() * c[None, None, :] / inputs[None])
+    conv.bias.assign(conv.bias.numpy() * c)
     head.kernel.assign(head.kernel.numpy() / c[:, None])
     np.testing.assert_allclose(twin(x).numpy(), model(x).numpy(), rtol=1e-12)
     before, after = _analyze(model, x, y), _analyze(twin, x, y)
-    assert before.layer("shared").details["path"] == after.layer("shared").details["path"] == "fast"
+    for name in ("shared", "conv"):
+        assert before.layer(name).details["path"] == after.layer(name).details["path"] == "fast"
+        assert abs(after.layer(name).hessian_trace / before.layer(name).hessian_trace - 1) > 1e-3
     _assert_invariant(before, after)

@@ -879,8 +879,12 @@ class _Pointwise:
         self.kernel_size = self.strides = self.dilation_rate = (1,) * self.rank
 
 
-def _conv_squares(layer: Any, x: Any, gs: list[Any], seg: Any, groups: int, conv_groups: int) -> Any:
+def _conv_squares(layer: Any, x: Any, gs: list[Any], seg: Any, groups: int, conv_groups: int,
+                  more: list[tuple[Any, list[Any]]] = ()) -> Any:
     """``(K, out, in/groups, *k)`` per-sample squares of a (grouped, depthwise) convolution kernel.
+
+    ``more``: the ``(input, signals)`` of the layer's further calls in the forward (a layer shared
+    by branches): a sample's gradient sums every call's, so their positions join the first call's.
 
     The per-sample gradient of output channel ``o`` (group ``k``) and signal ``b``
     is ``Σ_positions g[b, o] ⊗ patch[group k's input channels]``: with the groups
@@ -893,18 +897,23 @@ def _conv_squares(layer: Any, x: Any, gs: list[Any], seg: Any, groups: int, conv
     """
     b = len(gs)
     r = layer.rank
-    if layer.data_format == "channels_first":
-        x = tf.transpose(x, [0] + list(range(2, r + 2)) + [1])
-        gs = [tf.transpose(g, [0] + list(range(2, r + 2)) + [1]) for g in gs]
-    patches = _patches(x, layer)  # (n, P, koff, cin)
-    n = tf.shape(patches)[0]
-    npos, koff, cin = int(patches.shape[1]), int(patches.shape[2]), int(patches.shape[3])
-    cout = int(gs[0].shape[-1])
-    cin_g, cout_g = cin // conv_groups, cout // conv_groups
+    a_parts, g_parts = [], []
+    for x, gs in [(x, gs), *more]:
+        if layer.data_format == "channels_first":
+            x = tf.transpose(x, [0] + list(range(2, r + 2)) + [1])
+            gs = [tf.transpose(g, [0] + list(range(2, r + 2)) + [1]) for g in gs]
+        patches = _patches(x, layer)  # (n, P, koff, cin)
+        n = tf.shape(patches)[0]
+        npos, koff, cin = int(patches.shape[1]), int(patches.shape[2]), int(patches.shape[3])
+        cout = int(gs[0].shape[-1])
+        cin_g, cout_g = cin // conv_groups, cout // conv_groups
+        # Group k's input channels k·cin_g ... and output channels k·cout_g ... (method §3, grouped layout).
+        a_parts.append(tf.reshape(patches, [n, npos, koff, conv_groups, cin_g]))
+        g_parts.append(tf.reshape(tf.stack(gs, axis=-2), [n, npos, b, conv_groups, cout_g]))
+    a = a_parts[0] if len(a_parts) == 1 else tf.concat(a_parts, 1)
+    g = g_parts[0] if len(g_parts) == 1 else tf.concat(g_parts, 1)
+    npos = int(a.shape[1])
     width = koff * cin_g
-    # Group k's input channels k·cin_g ... and output channels k·cout_g ... (method §3, grouped layout).
-    a = tf.reshape(patches, [n, npos, koff, conv_groups, cin_g])
-    g = tf.reshape(tf.stack(gs, axis=-2), [n, npos, b, conv_groups, cout_g])
     if npos == 1:
         a2 = tf.reshape(tf.transpose(tf.square(a), [3, 0, 1, 2, 4]), [conv_groups, n, width])
         g2 = tf.reshape(tf.transpose(tf.square(g), [3, 0, 1, 2, 4]), [conv_groups, n, b * cout_g])
@@ -1062,8 +1071,12 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                     uses = {r[2]: [r[0], [tf.zeros_like(r[1]) if g is None else g for g in gs]]
                             for r, gs in zip(rec, per_call)}
                     out[e.name] = _tied_squares(e, uses.get(False), uses.get(True), seg, sums_per_layer)
-                elif e.calls > 1:
+                elif e.calls > 1 and e.fast == "dense":
                     out[e.name] = _repeated_dense_squares(rec, per_call, seg, sums_per_layer)
+                elif e.calls > 1:  # a convolution called several times: every call's positions
+                    signals = [[tf.zeros_like(r[1]) if g is None else g for g in gl] for r, gl in zip(rec, per_call)]
+                    out[e.name] = _conv_squares(e.layer, rec[0][0], signals[0], seg, sums_per_layer,
+                                                int(e.weight.groups), [(r[0], sl) for r, sl in zip(rec[1:], signals[1:])])
                 else:
                     out[e.name] = _fast_squares(e, rec[0][0], per_call[0], seg, sums_per_layer, tf.shape(z)[0])
         if generic:

@@ -435,8 +435,9 @@ class Entry:
         fold: Rows of the tapped input and pre-activation per sample (``Dense``, ``EinsumDense``
             on a batch folded into the leading axis, e.g. attention windows; checked by the first
             forward), 1 otherwise.
-        calls: Calls of a ``Dense`` layer per forward (a layer shared by branches or applied in a
-            loop): its per-sample gradient sums the calls' (method §6.1, "Tied weights"); 1 otherwise.
+        calls: Calls of a ``Dense`` or convolution layer per forward (a layer shared by branches or
+            applied in a loop): its per-sample gradient sums the calls' (method §6.1, "Tied
+            weights"); 1 otherwise.
         attr: For a loose position table, the attribute of :attr:`layer` holding its variable,
             which the GGN step sets to the table expanded over the batch (method §6.1,
             "Position tables"); ``None`` otherwise.
