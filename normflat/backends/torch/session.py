@@ -770,7 +770,7 @@ class TorchSession:
                 # A tied weight whose own module (or another user) never runs: the uses that run are
                 # all there is (BART's model.shared, used by its embeddings and its head only). Every
                 # chunk checks that the idle ones stay so.
-                layer.idle = [use for use, count in zip(layer.uses, calls) if not count]
+                layer.idle = [*layer.idle, *(use for use, count in zip(layer.uses, calls) if not count)]
                 calls = [cap.calls.get(id(use), 0) for use in layer.uses]
             if (calls == [0] and not layer.tied and layer.ext.ggn_squares is ggn_kernels.linear_squares
                     and uses[id(layer.param)] == 1 and not cap.watches(layer)):
