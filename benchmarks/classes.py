@@ -40,6 +40,10 @@ Problems:
   shared layer called 4 times, 10 classes), 16 sequences of 32 tokens; its "generic path" column
   is the path of the shared layer's weights before their calls were recorded one by one (method
   §6.1, "Tied weights").
+* ``bart-5000``: a BART encoder-decoder (2 + 2 layers, width 64) with a 5000-token vocabulary,
+  4 sequences of 32 tokens fed ``labels = input_ids`` (the decoder reads them shifted right): its
+  table is held by ``model.shared``, which never runs, and used by the encoder's and decoder's
+  embeddings and the tied head.
 * ``llama-5000`` / ``mixtral-5000``: a 2-layer Llama (width 64, MLP 256) and a 2-layer Mixtral
   (width 64, 8 experts of 128 units, two per token: the same active width) with a 5000-token
   vocabulary, 4 sequences of 32 tokens: the cost of the mixture-of-experts layers' rules
@@ -149,6 +153,14 @@ def _gpt2_untied(vocab: int) -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
+def _bart(vocab: int) -> nn.Module:
+    from transformers import BartConfig, BartForConditionalGeneration
+    config = BartConfig(vocab_size=vocab, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                        max_position_embeddings=64)
+    return BartForConditionalGeneration(config)
+
+
 def _llama(vocab: int) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -179,6 +191,7 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
     "gpt2-untied-50000": (_gpt2_untied, 50000, (2, 128), False, False),
     "llama-5000": (_llama, 5000, (4, 32), False, False),
     "mixtral-5000": (_mixtral, 5000, (4, 32), False, False),
+    "bart-5000": (_bart, 5000, (4, 32), False, False),
     "lstm-10": (_lstm, 10, (32, 32), False, True),
     "gru-10": (_gru, 10, (32, 32), False, True),
     "albert-10": (_Albert, 10, (16, 32), False, True),
@@ -186,7 +199,7 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
 #: The sequence classifiers (token ids in, one label per sequence) and their vocabulary.
 SEQUENCE_CLASSIFIERS = ("lstm-10", "gru-10", "albert-10")
 SEQUENCE_VOCABULARY = 2000
-LANGUAGE_MODELS = ("gpt2-5000", "gpt2-untied-50000", "llama-5000", "mixtral-5000")
+LANGUAGE_MODELS = ("gpt2-5000", "gpt2-untied-50000", "llama-5000", "mixtral-5000", "bart-5000")
 #: The language models timed with one signal per token too (the "per token" column).
 PER_TOKEN_TIMED = ("gpt2-5000",)
 

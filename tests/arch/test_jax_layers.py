@@ -367,14 +367,14 @@ class NnxSharedKernel(nnx.Module):
 
 def test_nnx_kernel_shared_between_two_modules():
     """A variable shared by two modules is one parameter leaf, under its first path: one problem, no
-    ``shared_with`` (there is no second name), the generic path naming both uses, the diagonal
-    covering both (method §6.1 "Embeddings")."""
+    ``shared_with`` (there is no second name), on the fast path with one tied tap per use (method
+    §6.1 "Tied weights"), the diagonal covering both uses."""
     model = NnxSharedKernel(nnx.Rngs(7))
     x, y = jnp.asarray(RNG.normal(size=(6, 4))), np.array([0, 1, 2, 2, 1, 0])
     report = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
     assert [layer.name for layer in report.layers] == ["first", "head"]
     first = report.layer("first").details
-    assert first["path"] == "generic" and "used 2 times" in first["generic_reason"] and "shared_with" not in first
+    assert first["path"] == "fast" and "shared_with" not in first
     check(_hd(model, (x, y), loss="ce", estimator="ggn"), ref_ggn(model, x, y, "ce"),
           {"first": ("first/kernel", "flax"), "head": ("head/kernel", "flax")})
 

@@ -100,8 +100,9 @@ def test_apply_fn_with_declared_layout_and_variables_collections():
         normflat.hessian_diagonal((apply, params), (x, y), progress=False, layouts={"first/W": "out,in"})
 
 
-def test_tied_weight_uses_generic_path_and_stays_exact():
-    """A weight used twice is not a plain layer: the generic per-example VJP path handles it."""
+def test_weight_used_twice_sums_its_uses_and_stays_exact():
+    """A weight used by two products with the activations: one tied tap per use, the uses'
+    per-example gradients summed before the square (method §6.1, "Tied weights"); brute force."""
     w1 = jnp.asarray(np.random.default_rng(0).normal(size=(5, 5)) / 2)
     w2 = jnp.asarray(np.random.default_rng(1).normal(size=(5, 3)))
     params = {"a": {"kernel": w1}, "out": {"kernel": w2}}
@@ -113,7 +114,7 @@ def test_tied_weight_uses_generic_path_and_stays_exact():
 
     x, y = _data()
     report = normflat.analyze((apply, params), (x, y), loss="nsce", progress=False)
-    assert [l.details["path"] for l in report.layers] == ["generic", "fast"]
+    assert [l.details["path"] for l in report.layers] == ["fast", "fast"]
 
     flat0 = jnp.concatenate([w1.ravel(), w2.ravel()])
 

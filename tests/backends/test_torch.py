@@ -263,8 +263,8 @@ def test_ggn_differs_from_hessian_on_smooth_net():
 
 class SharedAndFunctional(nn.Module):
     """Weight reuse: a module called twice (its calls recorded one by one, their per-sample
-    gradients summed), a weight used functionally (the hooks cannot see it), a Linear applied to a
-    sequence (per-sample gradients sum over positions)."""
+    gradients summed), a weight used functionally by one ``F.linear`` call (recorded at that call),
+    a Linear applied to a sequence (per-sample gradients sum over positions)."""
 
     def __init__(self):
         super().__init__()
@@ -288,7 +288,10 @@ def test_ggn_generic_path_for_shared_and_functional_weights():
     x, y = torch.randn(6, 5, 3, dtype=DT), torch.randint(0, 3, (6,))
     report = normflat.analyze(model, (x, y), loss="nsce", estimator="ggn", progress=False)
     paths = {layer.name: layer.details["path"] for layer in report.layers}
-    assert paths == {"inp": "fast", "twice": "fast", "seq": "fast", "head": "fast", "extra": "generic"}
+    assert paths == {"inp": "fast", "twice": "fast", "seq": "fast", "head": "fast", "extra": "fast"}
+    generic = nf(model, (x, y), loss="nsce", estimator="ggn", fast=False)
+    for name, value in nf(model, (x, y), loss="nsce", estimator="ggn").items():
+        torch.testing.assert_close(value, generic[name], rtol=1e-10, atol=1e-14)
     assert_diag_close(nf(model, (x, y), loss="nsce", estimator="ggn"), brute_ggn_diag(model, x, y, "nsce"), model)
 
 
@@ -1574,10 +1577,17 @@ def test_weight_held_in_a_plain_list_is_refused_not_zero(estimator):
                 p.copy_(q)
     data = _held_data()
     flags = [p.requires_grad for p in listed.parameters()]
+    # The GGN's fast path records the weight at its F.linear call and swaps nothing: the right
+    # numbers. The generic path (and the Hessian-vector products) would read zero: refused.
     with pytest.raises(ValueError, match=r"'a\.weight' through a reference other than their module attribute"
                                          r".*functional_call.*nn\.ParameterList"):
-        normflat.hessian_diagonal(listed, data, estimator=estimator, progress=False)
+        normflat.hessian_diagonal(listed, data, estimator=estimator, progress=False,
+                                  **({"fast": False} if estimator.startswith("ggn") else {}))
     assert [p.requires_grad for p in listed.parameters()] == flags
+    if estimator.startswith("ggn"):
+        seen = normflat.hessian_diagonal(listed, data, estimator=estimator, progress=False)
+        want = normflat.hessian_diagonal(plain, data, estimator=estimator, progress=False)
+        assert set(seen) == set(want) and all(torch.allclose(seen[k], want[k], rtol=1e-12, atol=0) for k in want)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the list's entry is the layer's weight, not a skipped parameter
         got = normflat.hessian_diagonal(fixed, data, estimator=estimator, progress=False)
