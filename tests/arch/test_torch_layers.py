@@ -136,6 +136,18 @@ class Recurrent(nn.Module):
         return self.head(out.mean(1))  # every step of both directions reaches the loss
 
 
+class StateFirst(nn.Module):
+    """A recurrent model's initial state given per sample, batch-first, as data: ``(n, layers, h)``
+    moved to the ``(layers, n, h)`` torch's recurrent layers take."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids, h):
+        return self.inner(ids, h.transpose(0, 1).contiguous())
+
+
 def _init(model, seed=0):
     torch.manual_seed(seed)
     model = model.to(DT).eval()
@@ -591,15 +603,7 @@ def test_recurrent_fast_rules_equal_the_generic_path(cell, kw, batch_first):
     g = torch.Generator().manual_seed(3)
     h0 = torch.randn(N, layers, kw.get("proj_size") or 3, dtype=DT, generator=g)
 
-    class Wrapped(nn.Module):  # the initial state per sample, batch-first, as data
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, ids, h):
-            return self.inner(ids, h.transpose(0, 1).contiguous())
-
-    wrapped = Wrapped(model)
+    wrapped = StateFirst(model)
     data = [((_ids(N, T), h0), _labels(N, T)), ((_ids(2, T, seed=5), h0[:2] * 0.5), _labels(2, T, seed=6))]
     logits = wrapped(*data[0][0]).detach().clone()
     for estimator, extra in (("ggn", {}), ("ggn-mc", {"samples": 4}), ("ggn-topk", {"top_classes": 2})):
@@ -682,16 +686,7 @@ def test_recurrent_with_initial_state():
     model = _init(Recurrent(nn.GRU))
     h0 = torch.randn(1, N, 3, dtype=DT, generator=torch.Generator().manual_seed(4))
     # h0 is per sample along axis 1: give it batch-first, the model moves the axis.
-
-    class WithState(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, ids, h):
-            return self.inner(ids, h.transpose(0, 1).contiguous())
-
-    wrapped = WithState(model)
+    wrapped = StateFirst(model)
     data = [((_ids(N, 4), h0.transpose(0, 1).contiguous()), _labels(N))]
     _check_ggn(wrapped, data)
 

@@ -151,24 +151,6 @@ def test_gated_input_column_scaling_against_a_scaled_embedding(cell):
     _assert_invariant(model, moved, _Call(data))
 
 
-def test_feature_scaling_of_an_embedding_with_its_own_forward():
-    """OPT-style learned positions (an ``nn.Embedding`` subclass computing its ids from the mask,
-    on its recorded lookup, method §6.1): feature j of both tables times c_j, column j of the
-    next dense layer times 1/c_j."""
-    from tests.arch.test_torch_layers import MaskedTagger, _mask
-
-    model = _init(MaskedTagger())
-    data = [((_ids(N, T), _mask(N, T, 1)), _labels(N, T))]
-    assert _analyze(model, data).layer("pos").details["path"] == "fast"
-    moved = copy.deepcopy(model)
-    c = _head_factors(D, 12)
-    with torch.no_grad():
-        moved.emb.weight *= c[None, :]
-        moved.pos.weight *= c[None, :]
-        moved.mix.weight /= c[None, :]
-    _assert_invariant(model, moved, _Call(data))
-
-
 def test_lstm_projection_rescaling():
     """An LSTM with ``proj_size``: unit k of the projected state times c_k scales row k of the
     projection ``weight_hr``, and takes 1/c_k on column k of the recurrent ``weight_hh`` and of the
@@ -309,11 +291,19 @@ def test_position_table_feature_scaling_with_the_embedding():
     assert _analyze(moved, data).layer("pos_embed").details["path"] == "fast"
 
 
-def test_position_ids_embedding_feature_scaling_with_the_token_embedding():
-    """The same feature scaling through an embedding of ``(1, T)`` position ids (one output row,
-    broadcast over the batch, on its fast rule with the row expanded to the samples)."""
-    model = _init(PositionIds())
-    data = [(_ids(N, T), _labels(N))]
+@pytest.mark.parametrize("kind", ["position ids", "own forward"])
+def test_position_lookup_feature_scaling_with_the_token_embedding(kind):
+    """The same feature scaling (feature j of both tables times c_j, column j of the next dense
+    layer times 1/c_j) through an embedding of ``(1, T)`` position ids (one output row, broadcast
+    over the batch, on its fast rule with the row expanded to the samples), and through OPT-style
+    learned positions (an ``nn.Embedding`` subclass computing its ids from the mask, on its
+    recorded lookup, method §6.1 "Embeddings with their own forward")."""
+    from tests.arch.test_torch_layers import MaskedTagger, _mask
+
+    if kind == "position ids":
+        model, data = _init(PositionIds()), [(_ids(N, T), _labels(N))]
+    else:
+        model, data = _init(MaskedTagger()), [((_ids(N, T), _mask(N, T, 1)), _labels(N, T))]
     moved = copy.deepcopy(model)
     c = _head_factors(D, 12)
     with torch.no_grad():

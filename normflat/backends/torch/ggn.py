@@ -778,19 +778,33 @@ class Capture:
             """Record one call; return the output the model goes on with (expanded over the batch
             where one row serves every sample, as :meth:`_hook` does)."""
             self.calls[key] = self.calls.get(key, 0) + 1
-            rows = self.rows or 0
-            if (key in self.broadcast and rows > 1 and output.dim() > 0 and a.dim() > 0
-                    and output.shape[0] == 1 and a.shape[0] == 1):
-                a = a.expand(rows, *a.shape[1:])
-                output = output.expand(rows, *output.shape[1:])
-                self.expanded.add(key)
-            self.inputs[key] = self.live_inputs[key] = a.detach()
-            self.versions[key] = compat.tensor_version(self.inputs[key])
-            self.outputs[key] = output
-            self.extras[key] = ((), {})
             self.weight_uses[key] = uses
-            return output
+            return self._store(key, a, output, ((), {}))[1]
         return record
+
+    def _store(self, key: int, live: torch.Tensor, output: torch.Tensor, extras: tuple[tuple, dict]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep one call's input (detached, with its version), output and other arguments under
+        ``key``; returns the input and output as kept.
+
+        One row for the whole batch (a ``key`` in :attr:`broadcast`, input and output with a leading
+        axis of 1), broadcast later: both become as many rows as samples (views, the same numbers),
+        so that the gradient at the output is each sample's own and the layer's fast rule applies;
+        the session checks the model's logits unchanged and the samples kept apart (method §6.1,
+        "Position tables")."""
+        rows = self.rows or 0
+        if (key in self.broadcast and rows > 1 and output.dim() > 0 and live.dim() > 0
+                and output.shape[0] == 1 and live.shape[0] == 1):
+            live = live.expand(rows, *live.shape[1:])
+            output = output.expand(rows, *output.shape[1:])
+            self.expanded.add(key)
+        a = live.detach()
+        self.inputs[key] = a
+        self.live_inputs[key] = live
+        self.versions[key] = compat.tensor_version(a)
+        self.outputs[key] = output
+        self.extras[key] = extras
+        return live, output
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -837,23 +851,7 @@ class Capture:
                     args = (args[0].reshape(-1, args[0].shape[-1]), *args[1:])
             if not args or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
                 return None
-            live = args[0]
-            rows = self.rows or 0
-            if (key in self.broadcast and rows > 1 and output.dim() > 0 and live.dim() > 0
-                    and output.shape[0] == 1 and live.shape[0] == 1):
-                # One row for the whole batch, broadcast later: as many rows as samples (views,
-                # the same numbers), so that the gradient at the output is each sample's own and
-                # the layer's fast rule applies; the session checks the model's logits unchanged
-                # and the samples kept apart (method §6.1, "Position tables").
-                live = live.expand(rows, *live.shape[1:])
-                output = output.expand(rows, *output.shape[1:])
-                self.expanded.add(key)
-            a = live.detach()
-            self.inputs[key] = a
-            self.live_inputs[key] = live
-            self.versions[key] = compat.tensor_version(a)
-            self.outputs[key] = output
-            self.extras[key] = (tuple(args[1:]), dict(kwargs))
+            _, output = self._store(key, args[0], output, (tuple(args[1:]), dict(kwargs)))
             # Downstream sees a copy, so an in-place op after the layer (ReLU(inplace=True))
             # cannot rebase the tensor whose gradient we ask for.
             return output.clone() if rest is None else (output.clone(), *rest)
