@@ -38,8 +38,8 @@ Problems:
   the recurrent weights' only path before their fast rules (method §6.1, "Recurrent weights").
 * ``albert-10``: Hugging Face ALBERT (a 2000-token vocabulary, width 128, 4 layers that are one
   shared layer called 4 times, 10 classes), 16 sequences of 32 tokens; its "generic path" column
-  is the path of the shared layer's weights before their calls were recorded one by one (method
-  §6.1, "Tied weights").
+  (``fast=False``) stands for the path the shared layer's weights took before their calls were
+  recorded one by one (method §6.1, "Tied weights").
 * ``bart-5000``: a BART encoder-decoder (2 + 2 layers, width 64) with a 5000-token vocabulary,
   4 sequences of 32 tokens fed ``labels = input_ids`` (the decoder reads them shifted right): its
   table is held by ``model.shared``, which never runs, and used by the encoder's and decoder's
