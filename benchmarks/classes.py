@@ -44,6 +44,9 @@ Problems:
   4 sequences of 32 tokens fed ``labels = input_ids`` (the decoder reads them shifted right): its
   table is held by ``model.shared``, which never runs, and used by the encoder's and decoder's
   embeddings and the tied head.
+* ``opt-5000``: a 2-layer OPT (width 64, MLP 256) with a 5000-token vocabulary, 4 sequences of
+  32 tokens: its learned positions are an ``nn.Embedding`` subclass computing its ids from the
+  attention mask (method §6.1, "Embeddings with their own forward").
 * ``llama-5000`` / ``mixtral-5000``: a 2-layer Llama (width 64, MLP 256) and a 2-layer Mixtral
   (width 64, 8 experts of 128 units, two per token: the same active width) with a 5000-token
   vocabulary, 4 sequences of 32 tokens: the cost of the mixture-of-experts layers' rules
@@ -161,6 +164,13 @@ def _bart(vocab: int) -> nn.Module:
     return BartForConditionalGeneration(config)
 
 
+def _opt(vocab: int) -> nn.Module:
+    from transformers import OPTConfig, OPTForCausalLM
+    config = OPTConfig(vocab_size=vocab, hidden_size=64, ffn_dim=256, num_hidden_layers=2, num_attention_heads=2,
+                       max_position_embeddings=64, word_embed_proj_dim=64)
+    return OPTForCausalLM(config)
+
+
 def _llama(vocab: int) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -192,6 +202,7 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
     "llama-5000": (_llama, 5000, (4, 32), False, False),
     "mixtral-5000": (_mixtral, 5000, (4, 32), False, False),
     "bart-5000": (_bart, 5000, (4, 32), False, False),
+    "opt-5000": (_opt, 5000, (4, 32), False, False),
     "lstm-10": (_lstm, 10, (32, 32), False, True),
     "gru-10": (_gru, 10, (32, 32), False, True),
     "albert-10": (_Albert, 10, (16, 32), False, True),
@@ -199,7 +210,7 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
 #: The sequence classifiers (token ids in, one label per sequence) and their vocabulary.
 SEQUENCE_CLASSIFIERS = ("lstm-10", "gru-10", "albert-10")
 SEQUENCE_VOCABULARY = 2000
-LANGUAGE_MODELS = ("gpt2-5000", "gpt2-untied-50000", "llama-5000", "mixtral-5000", "bart-5000")
+LANGUAGE_MODELS = ("gpt2-5000", "gpt2-untied-50000", "llama-5000", "mixtral-5000", "bart-5000", "opt-5000")
 #: The language models timed with one signal per token too (the "per token" column).
 PER_TOKEN_TIMED = ("gpt2-5000",)
 
