@@ -811,21 +811,21 @@ def _blocks_per_sample(xf: Any, gf: Any, samples: Any, fold: int) -> tuple[Any, 
             tf.reshape(gf, [samples, -1, int(gf.shape[-2]), int(gf.shape[-1])]))
 
 
-def _repeated_dense_squares(records: list, per_call: list[list[Any]], seg: Any, groups: int) -> Any:
-    """``(K, out, in)`` squares of a ``Dense`` kernel used by several calls per forward: a sample's
-    gradient is the sum over the calls and their positions of the signal times the input, so the
-    calls' positions are concatenated and the dense rule applied once (method §6.1, "Tied weights").
+def _dense_positions(x: Any, gs: list[Any]) -> tuple[Any, Any]:
+    """A ``Dense`` input ``(n, ..., in)`` and its B signals ``(n, ..., out)`` as ``(n, P, in)`` and
+    ``(n, P, B, out)``: the positions :func:`_per_sample_squares` sums each sample's gradient over."""
+    n = tf.shape(x)[0]
+    xf = tf.reshape(x, [n, -1, int(x.shape[-1])])
+    gf = tf.reshape(tf.stack(gs, axis=-2), [n, -1, len(gs), int(gs[0].shape[-1])])
+    return xf, gf
 
-    ``records``: per call ``[input, pre-activation]``; ``per_call``: per call, the B signals at its
-    pre-activation (``None`` where the logits do not reach it)."""
-    n = tf.shape(records[0][0])[0]
-    b = len(per_call[0])
-    in_f, out_f = int(records[0][0].shape[-1]), int(records[0][1].shape[-1])
-    xs, gs = [], []
-    for (x, pre), signals in zip(records, per_call):
-        signals = [tf.zeros_like(pre) if g is None else g for g in signals]
-        xs.append(tf.reshape(x, [n, -1, in_f]))
-        gs.append(tf.reshape(tf.stack(signals, axis=-2), [n, -1, b, out_f]))
+
+def _repeated_dense_squares(calls: list[tuple[Any, list[Any]]], seg: Any, groups: int) -> Any:
+    """``(K, out, in)`` squares of a ``Dense`` kernel used by several calls per forward, each
+    ``(input, its B signals at the pre-activation)``: a sample's gradient is the sum over the calls
+    and their positions of the signal times the input, so the calls' positions are concatenated
+    and the dense rule applied once (method §6.1, "Tied weights")."""
+    xs, gs = zip(*(_dense_positions(x, signals) for x, signals in calls))
     return _per_sample_squares(tf.concat(xs, 1), tf.concat(gs, 1), seg, groups)
 
 
@@ -861,9 +861,7 @@ def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int, sa
             g2 = tf.square(tf.reshape(tf.stack(gs), [b, -1, int(gs[0].shape[-1])]))
             g2 = tf.math.unsorted_segment_sum(g2, seg, groups)  # (K, n, out)
             return tf.matmul(g2, x2[None], transpose_a=True)  # (K, out, in)
-        n = tf.shape(x)[0]
-        xf = tf.reshape(x, [n, -1, int(x.shape[-1])])
-        gf = tf.reshape(tf.stack(gs, axis=-2), [n, -1, b, int(gs[0].shape[-1])])
+        xf, gf = _dense_positions(x, gs)
         if folded is not None:
             xf, gf = _blocks_per_sample(xf, gf, folded, entry.fold)
         return _per_sample_squares(xf, gf, seg, groups)
@@ -1071,12 +1069,10 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                     uses = {r[2]: [r[0], [tf.zeros_like(r[1]) if g is None else g for g in gs]]
                             for r, gs in zip(rec, per_call)}
                     out[e.name] = _tied_squares(e, uses.get(False), uses.get(True), seg, sums_per_layer)
-                elif e.calls > 1 and e.fast == "dense":
-                    out[e.name] = _repeated_dense_squares(rec, per_call, seg, sums_per_layer)
-                elif e.calls > 1:  # a convolution called several times: every call's positions
-                    signals = [[tf.zeros_like(r[1]) if g is None else g for g in gl] for r, gl in zip(rec, per_call)]
-                    out[e.name] = _conv_squares(e.layer, rec[0][0], signals[0], seg, sums_per_layer,
-                                                int(e.weight.groups), [(r[0], sl) for r, sl in zip(rec[1:], signals[1:])])
+                elif e.calls > 1:  # every call's positions: an output the logits do not reach gets zeros
+                    calls = [(r[0], [tf.zeros_like(r[1]) if g is None else g for g in gs]) for r, gs in zip(rec, per_call)]
+                    out[e.name] = (_repeated_dense_squares(calls, seg, sums_per_layer) if e.fast == "dense" else
+                                   _conv_squares(e.layer, *calls[0], seg, sums_per_layer, int(e.weight.groups), calls[1:]))
                 else:
                     out[e.name] = _fast_squares(e, rec[0][0], per_call[0], seg, sums_per_layer, tf.shape(z)[0])
         if generic:

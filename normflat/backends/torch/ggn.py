@@ -291,14 +291,15 @@ def transposed_linear_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas
 
 
 def _recorded_inside(rule):
-    rule._normflat_recorded = True  # its map runs inside a recurrence, which records it (compat.recurrent_taps)
+    rule._normflat_recorded = True  # its weight's map is recorded where it is applied (recorded_inside)
     return rule
 
 
 def recorded_inside(rule: Any) -> bool:
-    """Whether a fast rule's weight is applied inside the plain recurrence, which records its input
-    and output (:func:`~normflat.backends.torch.compat.recurrent_taps`) where a forward hook
-    would see only the module's own input and output."""
+    """Whether a fast rule's weight is applied where a forward hook on its module cannot see it,
+    and is recorded there instead: inside the plain recurrence
+    (:func:`~normflat.backends.torch.compat.recurrent_taps`), or at an embedding's own lookup
+    (:class:`FunctionalTaps`)."""
     return bool(getattr(rule, "_normflat_recorded", False))
 
 
@@ -369,6 +370,13 @@ def _unfold(module: nn.Module, a: torch.Tensor) -> torch.Tensor:
     return view.reshape(n, c * math.prod(k), math.prod(out))
 
 
+def _conv_patches(module: nn.Module, a: torch.Tensor) -> torch.Tensor:
+    """A convolution's unfolded input by group, ``(n, groups, in/groups·∏k, L)``: channel-major as
+    the flattened weight, so a group's channels are one block of the rows."""
+    unf = _unfold(module, a)
+    return unf.reshape(a.shape[0], module.groups, -1, unf.shape[-1])
+
+
 def _pair_products(x: torch.Tensor, pairs: torch.Tensor, doubled: torch.Tensor | None = None) -> torch.Tensor:
     """``(c, g, P, d)`` products ``x_l ⊙ x_l'`` over the ``P`` pairs ``l <= l'`` of the last axis
     of ``x`` ``(c, g, d, L)`` (``pairs``: their flat indices ``l·L + l'``).
@@ -398,9 +406,8 @@ def conv_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas,
     cout, cin_g, *k = module.weight.shape
     g = module.groups
     cout_g, kk = cout // g, cin_g * math.prod(k)
-    unf = _unfold(module, a)  # (n, g·cin_g·∏k, L)
+    unf = _conv_patches(module, a)  # (n, g, cin_g·∏k, L)
     L = unf.shape[-1]
-    unf = unf.reshape(n, g, kk, L)
     sink = out if isinstance(out, KernelSums) else None
     # The groups' sums: the running ones, or fresh ones; with a sink, one group's at a time.
     res = None if sink is not None else _accumulator(out, K, g, cout_g, kk, like=a)
@@ -647,16 +654,12 @@ def scaled_embedding_squares(module: nn.Module, ids: torch.Tensor, deltas: Delta
     return embedding_squares(module, ids, deltas, out)
 
 
-def _conv_gradients(module: nn.Module, a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def _conv_gradients(module: nn.Module, patches: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """``(n, out, in/groups, *k)`` per-sample gradients of a convolution's weight for one signal ``d``
-    ``(n, out, *positions)`` at its output: per group, the signal at every output position times
-    the input patch there, summed over the positions (the unfolded input, channel-major as the
-    flattened weight, so a group's channels are one block of its rows)."""
-    n, groups = a.shape[0], module.groups
+    ``(n, out, *positions)`` at its output, from its input's :func:`_conv_patches`: per group, the
+    signal at every output position times the input patch there, summed over the positions."""
+    n, groups, _, positions = patches.shape
     weight = module.weight
-    patches = _unfold(module, a)  # (n, in·∏k, L)
-    positions = patches.shape[-1]
-    patches = patches.reshape(n, groups, -1, positions)
     signal = d.reshape(n, groups, weight.shape[0] // groups, positions)
     return torch.matmul(signal, patches.transpose(-1, -2)).reshape(n, *weight.shape)
 
@@ -668,13 +671,17 @@ def _scaled_embedding_gradients(module: nn.Module, ids: torch.Tensor, d: torch.T
 #: Per-sample weight gradients ``(module, layer input, one signal at its output) -> (n, *weight
 #: shape)`` of the layers whose fast rule is the key: a weight used by several such modules (an
 #: output layer tied to the token embedding), or by several calls of one module (ALBERT's shared
-#: layers, a siamese encoder), sums its uses' gradients before squaring.
+#: layers, a siamese encoder), sums its uses' gradients before squaring. The layer input is as
+#: :data:`USE_INPUTS` prepares it.
 PER_SAMPLE_GRADIENTS: dict[Any, Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]] = {
     linear_squares: _linear_gradients,
     conv_squares: _conv_gradients,
     embedding_squares: _embedding_gradients,
     scaled_embedding_squares: _scaled_embedding_gradients,
 }
+#: ``(module, captured input) -> input`` of :data:`PER_SAMPLE_GRADIENTS` where a use's input is
+#: prepared once for all its signals (a convolution's patches); the others take it as captured.
+USE_INPUTS: dict[Any, Callable[[nn.Module, torch.Tensor], torch.Tensor]] = {conv_squares: _conv_patches}
 
 
 def tied_squares(uses: list[tuple[nn.Module, Any, torch.Tensor]], deltas: list[Deltas],
@@ -693,9 +700,11 @@ def tied_squares(uses: list[tuple[nn.Module, Any, torch.Tensor]], deltas: list[D
     weight = uses[0][0].weight
     res = _accumulator(out, k, *weight.shape, like=weight.detach())
     n = uses[0][2].shape[0]
+    # Each use's input prepared once, not once per signal (a convolution's unfolded patches).
+    inputs = [USE_INPUTS[rule](module, a) if rule in USE_INPUTS else a for module, rule, a in uses]
     for j in range(k * m):
-        parts = [(module, PER_SAMPLE_GRADIENTS[rule], a, d.parts[j]) for (module, rule, a), d in zip(uses, deltas)
-                 if d.parts[j] is not None]
+        parts = [(module, PER_SAMPLE_GRADIENTS[rule], a, d.parts[j])
+                 for (module, rule, _), a, d in zip(uses, inputs, deltas) if d.parts[j] is not None]
         if not parts:
             continue
         for sl in _chunks(n, weight.numel()):

@@ -302,6 +302,14 @@ class TorchLayer:
     def param_name(self) -> str:
         return self.spec.param
 
+    @property
+    def sums_uses(self) -> bool:
+        """Whether this weight's per-sample gradient is a sum of its uses' (a weight tied to other
+        modules, or a module called several times): its rule has one
+        (:data:`~normflat.backends.torch.ggn.PER_SAMPLE_GRADIENTS`) in the weight's own layout, and the
+        weight is not split into blocks."""
+        return self.convert is None and not self.spec.blocks and self.ext.ggn_squares in PER_SAMPLE_GRADIENTS
+
     def _moves(self) -> bool:
         return self.convert is not None or self.ext.to_canonical is not None
 
@@ -406,8 +414,7 @@ def _tied_fast(first: TorchLayer, module: nn.Module, ext: LayerExtractor, rule: 
     class's own forward) keeps the fast path: both uses have a per-sample gradient rule in the
     weight's own layout and ``module`` does not override its class's forward."""
     owner = REGISTRY.lookup_class(module)
-    return (rule and first.convert is None and not first.spec.blocks
-            and ext.ggn_squares in PER_SAMPLE_GRADIENTS and first.ext.ggn_squares in PER_SAMPLE_GRADIENTS
+    return (rule and first.sums_uses and ext.ggn_squares in PER_SAMPLE_GRADIENTS
             and owner is not None and type(module).forward is owner.forward)
 
 

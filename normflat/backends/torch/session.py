@@ -789,7 +789,7 @@ class TorchSession:
                 layer.disable_fast("its recurrence ran on torch's fused kernel (a packed sequence), whose "
                                    "steps cannot be observed")
             elif (len(calls) == 1 and calls[0] > 1 and uses[id(layer.param)] == calls[0]
-                  and id(layer) in cap.outputs and _repeatable(layer) and not cap.watches(layer)):
+                  and id(layer) in cap.outputs and not layer.tied and layer.sums_uses and not cap.watches(layer)):
                 calls_after = [TiedUse(layer.module, layer.ext) for _ in range(calls[0] - 1)]
                 layer.tied.extend(calls_after)
                 cap.repeat(id(layer), [id(use) for use in calls_after])
@@ -1273,14 +1273,6 @@ class TorchSession:
         value = ggn_kernels.tied_squares(uses, deltas, out=running)
         if running is None:
             state.add(index, value.detach(), owned=True)
-
-
-def _repeatable(layer: TorchLayer) -> bool:
-    """Whether a fast layer whose module is called several times per forward can sum its calls'
-    per-sample gradients (:data:`~normflat.backends.torch.ggn.PER_SAMPLE_GRADIENTS`: dense layers and
-    embeddings, in the weight's own layout, not split into blocks, not tied to another module)."""
-    return (not layer.tied and not layer.table and layer.convert is None and not layer.spec.blocks
-            and layer.ext.ggn_squares in ggn_kernels.PER_SAMPLE_GRADIENTS)
 
 
 def _sequence_step(members: int, groups: int, rows: int, width: int) -> int:
