@@ -151,6 +151,23 @@ def test_gated_input_column_scaling_against_a_scaled_embedding(cell):
     _assert_invariant(model, moved, _Call(data))
 
 
+def test_dense_weight_applied_through_f_linear_feature_scaling():
+    """timm BEiT-style attention (the packed projection's module never called, its weight applied
+    by one ``F.linear`` call, recorded there, method §6.1): feature j of the token embedding times
+    c_j, input column j of the packed projection times 1/c_j; the projection on its fast path."""
+    from tests.arch.test_torch_layers import FunctionalQKV
+
+    model = _init(FunctionalQKV())
+    data = [(_ids(N, T), _labels(N, T))]
+    moved = copy.deepcopy(model)
+    c = _head_factors(D, 14)
+    with torch.no_grad():
+        moved.emb.weight *= c[None, :]
+        moved.qkv.weight /= c[None, :]
+    _assert_invariant(model, moved, _Call(data))
+    assert _analyze(moved, data).layer("qkv").details["path"] == "fast"
+
+
 def test_lstm_projection_rescaling():
     """An LSTM with ``proj_size``: unit k of the projected state times c_k scales row k of the
     projection ``weight_hr``, and takes 1/c_k on column k of the recurrent ``weight_hh`` and of the
