@@ -917,9 +917,9 @@ def test_position_ids_embedding_rescaling_invariance():
 
 
 def _shared_model(rng):
-    """A ReLU ``Dense`` applied three times (one layer shared across depth, as ALBERT's) and a
-    grouped ReLU ``Conv1D`` applied twice, between an input ``Dense`` and a head, on sequences of
-    3 steps."""
+    """A ReLU ``Dense`` applied three times (one layer shared across depth, as ALBERT's), a grouped
+    ReLU ``Conv1D`` and a ReLU ``DepthwiseConv1D`` applied twice each, between an input ``Dense``
+    and a head, on sequences of 3 steps."""
     inp = keras.Input((3, 2), dtype=F64)
     h = L.Dense(4, activation="relu", dtype=F64, name="inp")(inp)
     shared = L.Dense(4, activation="relu", dtype=F64, name="shared")
@@ -927,6 +927,8 @@ def _shared_model(rng):
         h = shared(h)
     conv = L.Conv1D(4, 3, padding="same", groups=2, activation="relu", dtype=F64, name="conv")
     h = conv(conv(h))
+    depthwise = L.DepthwiseConv1D(3, padding="same", activation="relu", dtype=F64, name="depthwise")
+    h = depthwise(depthwise(h))
     model = keras.Model(inp, L.Dense(3, dtype=F64, name="head")(L.GlobalAveragePooling1D(dtype=F64)(h)))
     _randomize(model, rng, scale=0.6)
     return model
@@ -942,9 +944,10 @@ def test_dense_called_several_times_sums_its_calls():
     x, y = rng.normal(size=(5, 3, 2)), rng.integers(0, 3, 5)
     report = normflat.analyze(model, (x, y), loss="nsce", estimator="ggn", progress=False)
     assert {layer.name: layer.details["path"] for layer in report.layers} == {
-        "inp": "fast", "shared": "fast", "conv": "fast", "head": "fast"}
+        "inp": "fast", "shared": "fast", "conv": "fast", "depthwise": "fast", "head": "fast"}
     expected = {name: (f"{name}/kernel", _transposed) for name in ("inp", "shared", "head")}
     expected["conv"] = ("conv/kernel", _conv1d)
+    expected["depthwise"] = ("depthwise/kernel", lambda k: k.transpose(1, 2, 0))  # (k, C, 1) -> (C, 1, k)
     check_against(model, x, y, expected, loss="nsce")
     check_against(model, x, y, expected, loss="nsce", chunk_size=2)
     for kw in (dict(estimator="ggn-mc", samples=3, seed=2), dict(estimator="ggn", chunk_size=2)):
@@ -959,8 +962,9 @@ def test_dense_called_several_times_conjugation_is_invariant():
     """Hidden unit k times c_k throughout the shared ReLU layers: the input layer's column k (kernel
     (in, out)) and bias times c_k, the shared kernel ``K -> D⁻¹ K D`` and its bias times c_k, the
     grouped convolution's ``K[t, j, o] -> K[t, j, o] · c_o / c_i`` (input channel ``i`` of output
-    ``o``'s group) and its bias times c_k, the head's row k times 1/c_k: the function and every
-    normalized sharpness unchanged, the traces moved."""
+    ``o``'s group) and its bias times c_k, the depthwise convolution's bias times c_k (its kernel
+    maps channel k to channel k and stays), the head's row k times 1/c_k: the function and every
+    normalized sharpness unchanged, the dense and grouped convolution's traces moved."""
     rng = _rng(22)
     model = _shared_model(rng)
     x, y = rng.normal(size=(5, 3, 2)), rng.integers(0, 3, 5)
@@ -976,10 +980,15 @@ def test_dense_called_several_times_conjugation_is_invariant():
     inputs = np.stack([c[(o // per_group) * per_group + np.arange(per_group)] for o in range(4)], axis=1)
     conv.kernel.assign(conv.kernel.numpy() * c[None, None, :] / inputs[None])
     conv.bias.assign(conv.bias.numpy() * c)
+    depthwise = twin.get_layer("depthwise")  # channel k in, channel k out: its kernel stays, its bias scales
+    depthwise.bias.assign(depthwise.bias.numpy() * c)
     head.kernel.assign(head.kernel.numpy() / c[:, None])
     np.testing.assert_allclose(twin(x).numpy(), model(x).numpy(), rtol=1e-12)
     before, after = _analyze(model, x, y), _analyze(twin, x, y)
-    for name in ("shared", "conv"):
+    for name in ("shared", "conv", "depthwise"):
         assert before.layer(name).details["path"] == after.layer(name).details["path"] == "fast"
+    # The depthwise kernel maps channel k to channel k, so the channel scaling passes through it
+    # and leaves its curvature as it is; the other shared layers' traces move.
+    for name in ("shared", "conv"):
         assert abs(after.layer(name).hessian_trace / before.layer(name).hessian_trace - 1) > 1e-3
     _assert_invariant(before, after)
