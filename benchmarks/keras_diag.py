@@ -34,6 +34,14 @@ logits) against one gradient (:func:`sequence_lm_figures`); with ``--memory`` al
 TensorFlow's CPU allocations of a training step, ``hessian_diagonal`` and ``analyze``, each in a
 fresh process (:func:`sequence_lm_memory`).
 
+``--recurrent`` times three sequence classifiers (a 2000-token ``Embedding`` of width 64, one
+``LSTM``, ``GRU`` or ``SimpleRNN`` of 128 units, the last step's state into a 10-class head; 32
+sequences of 32 tokens), the problems of ``benchmarks.classes``' ``lstm-10``/``gru-10``: ``ggn``
+(the recurrent weights on their fast rule, method §6.1 "Recurrent weights"), ``ggn-mc`` and
+``ggn`` with ``fast=False`` (every weight on the generic path) against one gradient
+(:func:`recurrent_figures`); with ``--memory`` also the peaks of a training step,
+``hessian_diagonal`` and ``analyze`` (:func:`recurrent_memory`).
+
 ``--separable`` times Keras' Xception (``keras.applications``, ``weights=None``, 71×71 inputs,
 10 classes, 8 images), whose blocks are ``SeparableConv2D`` layers: ``ggn`` against one gradient
 (:func:`separable_figures`).
@@ -45,6 +53,7 @@ Run::
     python -m benchmarks.keras_diag --tied-lm [--repeats 5] [--threads 1]
     python -m benchmarks.keras_diag --sequence-lm 8000 [--repeats 5] [--threads 1] [--memory]
     python -m benchmarks.keras_diag --separable [--repeats 5] [--threads 1]
+    python -m benchmarks.keras_diag --recurrent [--repeats 5] [--threads 1] [--memory]
 
 ``--threads N`` limits both frameworks to N CPU threads (TensorFlow intra- and
 inter-op pools, ``torch.set_num_threads``): on a shared machine one thread
@@ -67,7 +76,7 @@ import numpy as np  # noqa: E402
 from benchmarks._common import time_interleaved  # noqa: E402
 
 __all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "METHODS", "make_problem", "keras_figures", "position_table_figures",
-           "tied_lm_figures", "separable_figures", "main"]
+           "tied_lm_figures", "separable_figures", "recurrent_figures", "recurrent_memory", "main"]
 
 METHODS = ("gradient", "normflat_ggn", "normflat_ggn_mc")
 
@@ -307,10 +316,11 @@ def sequence_lm_figures(vocabulary: int = 8000, repeats: int = 5) -> dict[str, f
     return time_interleaved({m: runs[m] for m in ("gradient", "normflat")}, repeats)
 
 
-def _sequence_lm_peak_worker(vocabulary: int, method: str, threads: int | None, queue) -> None:
+def _peak_worker(problem: str, arg: Any, method: str, threads: int | None, queue) -> None:
     """Peak MiB of TensorFlow's CPU allocations that a second run of ``method`` adds (``training
     step``: a gradient and an SGD step with momentum, its slots created by the first run;
-    ``hessian_diagonal``; ``analyze``), in this fresh process."""
+    ``hessian_diagonal``; ``analyze``), in this fresh process; ``problem``: ``"sequence_lm"``
+    (``arg`` the vocabulary, ``ggn-topk``) or ``"recurrent"`` (``arg`` the layer, ``ggn``)."""
     import os
 
     # TensorFlow's CPU memory is visible only through its BFC allocator's statistics (the resident
@@ -324,7 +334,12 @@ def _sequence_lm_peak_worker(vocabulary: int, method: str, threads: int | None, 
     if threads:
         tf.config.threading.set_intra_op_parallelism_threads(threads)
         tf.config.threading.set_inter_op_parallelism_threads(threads)
-    model, (x, y) = _sequence_lm(vocabulary)
+    if problem == "sequence_lm":
+        model, (x, y) = _sequence_lm(arg)
+        estimator = "ggn-topk"
+    else:
+        model, x, y = _recurrent_classifier(arg)
+        estimator = "ggn"
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-100)
     optimizer = keras.optimizers.SGD(1e-3, momentum=0.9)
 
@@ -336,9 +351,9 @@ def _sequence_lm_peak_worker(vocabulary: int, method: str, threads: int | None, 
 
     runs = {
         "training step": train_step,
-        "hessian_diagonal": lambda: normflat.hessian_diagonal(model, (x, y), loss="ce", estimator="ggn-topk",
+        "hessian_diagonal": lambda: normflat.hessian_diagonal(model, (x, y), loss="ce", estimator=estimator,
                                                               progress=False),
-        "analyze": lambda: normflat.analyze(model, (x, y), loss="ce", estimator="ggn-topk", progress=False),
+        "analyze": lambda: normflat.analyze(model, (x, y), loss="ce", estimator=estimator, progress=False),
     }
     runs[method]()  # compilation, the optimizer's slots, normflat's compiled steps
     tf.config.experimental.reset_memory_stats("CPU:0")
@@ -349,13 +364,66 @@ def _sequence_lm_peak_worker(vocabulary: int, method: str, threads: int | None, 
 
 def sequence_lm_memory(vocabulary: int = 8000, threads: int | None = None) -> dict[str, float]:
     """Peak MiB of a training step, ``hessian_diagonal`` and ``analyze`` (``ggn-topk`` per sequence)
-    on :func:`_sequence_lm`, each in a fresh process (:func:`_sequence_lm_peak_worker`). normflat's
+    on :func:`_sequence_lm`, each in a fresh process (:func:`_peak_worker`). normflat's
     numpy sums on the host are not TensorFlow's and are not counted (one or ``1 + K`` float64
     arrays of each analyzed weight)."""
     from benchmarks._common import value_from_fresh_process
 
-    return {m: value_from_fresh_process(_sequence_lm_peak_worker, (vocabulary, m, threads))
+    return {m: value_from_fresh_process(_peak_worker, ("sequence_lm", vocabulary, m, threads))
             for m in ("training step", "hessian_diagonal", "analyze")}
+
+
+#: The recurrent layers of ``--recurrent``.
+RECURRENT_LAYERS = ("LSTM", "GRU", "SimpleRNN")
+
+
+def _recurrent_classifier(layer: str):
+    """Ids (32 tokens) -> an ``Embedding`` (2000 ids, 64 features) -> one ``layer`` (``LSTM``, ``GRU``,
+    ``SimpleRNN``) of 128 units -> a 10-class ``Dense`` head on the last step's state; 32 sequences
+    and their labels (``benchmarks.classes``' ``lstm-10``/``gru-10`` in Keras)."""
+    import keras
+    import tensorflow as tf
+
+    L = keras.layers
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((32,), dtype="int32"), L.Embedding(2000, 64, name="emb"),
+                              getattr(L, layer)(128, name="rnn"), L.Dense(10, name="head")])
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.integers(0, 2000, size=(32, 32)).astype("int32"))
+    return model, x, tf.constant(rng.integers(0, 10, size=32))
+
+
+def recurrent_figures(repeats: int = 5) -> dict[str, dict[str, float]]:
+    """``{layer: {method: seconds}}`` on :func:`_recurrent_classifier`: one gradient, ``ggn`` (the
+    recurrent weights on their fast rule), ``ggn-mc`` and ``ggn`` with ``fast=False`` (every weight on
+    the generic path), medians of interleaved rounds."""
+    import normflat
+
+    out = {}
+    for layer in RECURRENT_LAYERS:
+        model, x, y = _recurrent_classifier(layer)
+        report = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+        assert all(r.details["path"] == "fast" for r in report.layers), [r.details for r in report.layers]
+
+        def diagonal(model=model, x=x, y=y, **kw):
+            return [v.numpy() for v in normflat.hessian_diagonal(model, (x, y), loss="ce", progress=False,
+                                                                 **kw).values()]
+
+        runs = {"gradient": _runner("gradient", model, x, y),
+                "ggn": lambda d=diagonal: d(estimator="ggn"),
+                "ggn-mc": lambda d=diagonal: d(estimator="ggn-mc"),
+                "ggn generic": lambda d=diagonal: d(estimator="ggn", fast=False)}
+        out[layer] = time_interleaved(runs, repeats)
+    return out
+
+
+def recurrent_memory(threads: int | None = None) -> dict[str, dict[str, float]]:
+    """``{layer: peak MiB}`` of a training step, ``hessian_diagonal`` and ``analyze`` (``ggn``) on
+    :func:`_recurrent_classifier`, each in a fresh process (:func:`_peak_worker`)."""
+    from benchmarks._common import value_from_fresh_process
+
+    return {layer: {m: value_from_fresh_process(_peak_worker, ("recurrent", layer, m, threads))
+                    for m in ("training step", "hessian_diagonal", "analyze")} for layer in RECURRENT_LAYERS}
 
 
 def separable_figures(repeats: int = 5) -> dict[str, float]:
@@ -398,9 +466,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sequence-lm", type=int, default=None, metavar="V",
                         help="time ggn-topk (per sequence) on a small LM with its own head and a vocabulary of V "
                              "(4 sequences of 64 tokens) against a gradient")
+    parser.add_argument("--recurrent", action="store_true",
+                        help="time ggn on LSTM, GRU and SimpleRNN sequence classifiers: fast rule, generic path, "
+                             "one gradient")
     parser.add_argument("--memory", action="store_true",
-                        help="with --sequence-lm: also the peak of TensorFlow's CPU allocations against a "
-                             "training step")
+                        help="with --sequence-lm or --recurrent: also the peak of TensorFlow's CPU allocations "
+                             "against a training step")
     parser.add_argument("--separable", action="store_true",
                         help="time ggn on Keras' Xception (SeparableConv2D blocks) against a gradient")
     args = parser.parse_args(argv)
@@ -409,6 +480,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    if args.recurrent:
+        f = recurrent_figures(args.repeats)
+        print(f"sequence classifiers (32 sequences of 32 tokens, vocabulary 2000, d 64, 128 units, 10 classes), "
+              f"device {_device()}, threads {args.threads or 'default'}, median of {args.repeats}; multiples of "
+              "one gradient")
+        mem = recurrent_memory(args.threads) if args.memory else None
+        for layer, seconds in f.items():
+            line = (f"  {layer:9} gradient {seconds['gradient'] * 1e3:6.1f} ms; " + ", ".join(
+                f"{m} {seconds[m] / seconds['gradient']:.1f}x" for m in ("ggn", "ggn-mc", "ggn generic")))
+            if mem:
+                step = mem[layer]["training step"]
+                line += (f"; peak MiB training step {step:.1f}, hessian_diagonal {mem[layer]['hessian_diagonal']:.1f}"
+                         f" ({mem[layer]['hessian_diagonal'] / step:.1f}x), analyze {mem[layer]['analyze']:.1f}"
+                         f" ({mem[layer]['analyze'] / step:.1f}x)")
+            print(line)
+        return {"recurrent": f, "peak_mib": mem}
     if args.separable:
         f = separable_figures(args.repeats)
         _print_against_gradient("Xception (keras.applications, 71x71, 10 classes, 8 images), ggn", f, args)

@@ -11,6 +11,9 @@
   plain, twice-differentiable variance. They are set on the layer *instance*
   (:class:`~normflat.backends.keras.state.ModelState`), so no module function
   is swapped and other threads and models are unaffected.
+* Recurrent layers (``LSTM``, ``GRU``, ``SimpleRNN`` on their own cells): the GGN
+  step runs their loop as a recurrence that forms each weight's product where its
+  signals can be taken (:func:`recorded_inner_loop`, method §6.1 "Recurrent weights").
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import tensorflow as tf
 
 from normflat.backends.keras import compat
 
-__all__ = ["grouped_conv_call", "uses_depthwise_form", "norm_call", "is_plain_norm"]
+__all__ = ["grouped_conv_call", "uses_depthwise_form", "norm_call", "is_plain_norm", "recurrent_cell",
+           "state_blocks", "recorded_inner_loop"]
 
 
 #: A grouped convolution with at least this many groups per input channel of a group runs as one
@@ -187,3 +191,142 @@ def norm_call(layer: Any) -> Callable[..., Any]:
     if group is not None and isinstance(layer, group):
         return _group_norm_call(layer)
     return _layer_norm_call(layer)
+
+
+#: The recurrent cells whose step :func:`recorded_inner_loop` computes: class name, kind.
+_CELLS = (("LSTMCell", "lstm"), ("GRUCell", "gru"), ("SimpleRNNCell", "simple_rnn"))
+
+
+def recurrent_cell(cell: Any) -> str | None:
+    """``"lstm"``, ``"gru"`` or ``"simple_rnn"`` for a Keras cell that runs Keras' own ``call``, else ``None``."""
+    for name, kind in _CELLS:
+        cls = getattr(keras.layers, name, None)
+        if isinstance(cls, type) and isinstance(cell, cls) and type(cell).call is cls.call:
+            return kind
+    return None
+
+
+def state_blocks(cell: Any) -> list[tuple[int, int]]:
+    """The column ranges of a cell's ``recurrent_kernel`` that multiply one tensor each per step.
+
+    A GRU with ``reset_after=False`` multiplies its candidate columns by ``r ⊙ h_{t-1}`` and its
+    update and reset columns by ``h_{t-1}``; every other cell multiplies all columns by ``h_{t-1}``.
+    """
+    units, width = int(cell.units), int(cell.recurrent_kernel.shape[-1])
+    if recurrent_cell(cell) == "gru" and not cell.reset_after:
+        return [(0, 2 * units), (2 * units, width)]
+    return [(0, width)]
+
+
+def recorded_inner_loop(layer: Any, original: Callable[..., Any], read: Callable[[], Any],
+                        watch: Callable[[Any], None], record: Callable[[int, Any, Any], None],
+                        active: Callable[[], bool]) -> Callable[..., Any]:
+    """``RNN.inner_loop`` of ``layer`` (an ``LSTM``, ``GRU`` or ``SimpleRNN`` on its own cell) run as a
+    recurrence whose weight products can be tapped (method §6.1, "Recurrent weights").
+
+    Keras' cells multiply ``x_t`` by ``kernel`` and ``h_{t-1}`` by ``recurrent_kernel`` inside a
+    ``tf.while_loop``, where no gradient can be taken. Here ``x_t W`` is formed for every step at
+    once, before the loop (``record(0, sequences, product)``: that tensor's gradient is the signal of
+    every step), and to each step's ``h_{t-1} U`` a slice of a zero tensor is added, whose gradient is
+    the product's at that step (``record(1, inputs, zeros)``, one record per :func:`state_blocks`
+    range, ``inputs`` what the range multiplies at each step in time order). The loop is Keras' own
+    backend ``rnn`` with the layer's masks, ``go_backwards`` and ``unroll``; the step is the cell's
+    arithmetic in Keras' order, its inference branch (a call with ``training`` and dropout, or while
+    ``active()`` is false, runs ``original``).
+
+    Args:
+        layer: The ``RNN`` layer; its ``cell`` is read at each call.
+        original: The layer's own ``inner_loop``.
+        read: A context manager under which the two kernels are read (the taps' own read).
+        watch: Watches a tensor on the recording tape (before the operations that use it).
+        record: Receives ``(weight, input, product)``: weight 0 for ``kernel``, 1 for ``recurrent_kernel``.
+        active: Whether the recording runs (the cell's weights still have their fast rule).
+    """
+    loop = compat.rnn_loop()
+
+    def inner_loop(sequences, initial_state, mask, training=False):
+        cell = layer.cell
+        kind = recurrent_cell(cell)
+        dropout = bool(training) and (0.0 < float(cell.dropout) < 1.0 or 0.0 < float(cell.recurrent_dropout) < 1.0)
+        if loop is None or kind is None or dropout or not active():
+            return original(sequences, initial_state, mask, training=training)
+        if isinstance(mask, (list, tuple)):
+            mask = mask[0]
+        if not isinstance(initial_state, (list, tuple)):
+            initial_state = [initial_state]
+        dtype = sequences.dtype
+        with read():
+            kernel = tf.cast(cell.kernel.value, dtype)
+            recurrent = tf.cast(cell.recurrent_kernel.value, dtype)
+        bias = tf.cast(cell.bias.value, dtype) if cell.bias is not None else None
+        units = int(cell.units)
+        blocks = state_blocks(cell)
+        projected = tf.matmul(sequences, kernel)  # every step's x_t W at once: its signals (n, T, G·H)
+        watch(projected)
+        steps = tf.shape(sequences)[:2]
+        zeros = [tf.zeros(tf.concat([steps, [stop - start]], 0), dtype) for start, stop in blocks]
+        for z in zeros:
+            watch(z)
+        act, gate = cell.activation, getattr(cell, "recurrent_activation", None)
+
+        def lstm(x, taps, states):
+            h, c = states[0], states[1]
+            z = x + (tf.matmul(h, recurrent) + taps[0])
+            if bias is not None:
+                z = z + bias
+            i, f, g, o = tf.split(z, 4, axis=-1)
+            c = gate(f) * c + gate(i) * act(g)
+            new = gate(o) * act(c)
+            return new, [h], [new, c]
+
+        def gru(x, taps, states):
+            h = states[0]
+            if bias is not None:
+                x = x + (bias[0] if cell.reset_after else bias)
+            x_z, x_r, x_h = tf.split(x, 3, axis=-1)
+            if cell.reset_after:
+                inner = tf.matmul(h, recurrent) + taps[0]
+                if bias is not None:
+                    inner = inner + bias[1]
+                r_z, r_r, r_h = tf.split(inner, 3, axis=-1)
+                z, r = gate(x_z + r_z), gate(x_r + r_r)
+                candidate, inputs = act(x_h + r * r_h), [h]
+            else:
+                inner = tf.matmul(h, recurrent[:, :2 * units]) + taps[0]
+                z, r = gate(x_z + inner[:, :units]), gate(x_r + inner[:, units:])
+                reset = r * h
+                candidate = act(x_h + (tf.matmul(reset, recurrent[:, 2 * units:]) + taps[1]))
+                inputs = [h, reset]
+            new = z * h + (1 - z) * candidate
+            return new, inputs, [new]
+
+        def simple_rnn(x, taps, states):
+            h = states[0]
+            if bias is not None:
+                x = x + bias
+            new = x + (tf.matmul(h, recurrent) + taps[0])
+            if act is not None:
+                new = act(new)
+            return new, [h], [new]
+
+        cell_step = {"lstm": lstm, "gru": gru, "simple_rnn": simple_rnn}[kind]
+
+        def step(inputs, states):
+            new, multiplied, new_states = cell_step(inputs[0], inputs[1:], states)
+            # One output tensor (the masked and unrolled loops take no nested outputs): the new
+            # state, then what each recurrent range multiplied at this step.
+            return tf.concat([new, *multiplied], axis=-1), new_states
+
+        last, outputs, states = loop(step, (projected, *zeros), tuple(initial_state), go_backwards=layer.go_backwards,
+                                     mask=mask, unroll=layer.unroll, input_length=sequences.shape[1],
+                                     zero_output_for_mask=layer.zero_output_for_mask, return_all_outputs=True)
+        record(0, sequences, projected)
+        for j, ((start, stop), z) in enumerate(zip(blocks, zeros)):
+            inputs = outputs[..., units * (j + 1):units * (j + 2)]
+            if layer.go_backwards:  # the loop's outputs run in processing order, the taps in time order
+                inputs = tf.reverse(inputs, [1])
+            record(1, inputs, z)
+        outputs = outputs[..., :units]
+        return last[..., :units], outputs if layer.return_sequences else outputs[:, -1:], list(states)
+
+    return inner_loop

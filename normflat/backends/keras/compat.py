@@ -10,7 +10,7 @@ moves it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import keras
 
@@ -27,6 +27,7 @@ __all__ = [
     "del_instance_attr",
     "instance_attr",
     "group_norm_helpers",
+    "rnn_loop",
 ]
 
 _MISSING = object()
@@ -99,6 +100,21 @@ def model_strategy(model: Any) -> Any | None:
     Keras records it privately at construction; there is no public accessor.
     """
     return getattr(model, "_distribute_strategy", None)
+
+
+def rnn_loop() -> Callable[..., Any] | None:
+    """Keras' backend ``rnn`` (the loop ``RNN.inner_loop`` runs: masks, ``go_backwards``, ``unroll``).
+
+    It has no public name; the recorded recurrence of the GGN step
+    (:func:`normflat.backends.keras.calls.recorded_inner_loop`) runs its own step function in it,
+    so that the masks and the time order are Keras' own. ``None`` (another Keras layout): the
+    recurrent weights take the generic path.
+    """
+    try:
+        from keras.src import backend
+    except ImportError:  # pragma: no cover - other Keras layouts
+        return None
+    return getattr(backend, "rnn", None)
 
 
 def instance_attr(obj: Any, attr: str) -> Any:

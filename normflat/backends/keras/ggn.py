@@ -9,8 +9,11 @@ at the raw logits: the ``C − 1`` columns of a factor of the loss Hessian
 once, back-propagates a block of signals to the tapped pre-activations of every
 ``Dense``/``EinsumDense``/``Embedding``/``Conv``/``DepthwiseConv`` layer (the *fast*
 path) and forms the per-sample squares there (grouped and depthwise kernels in one
-batched matmul with the groups as a batch axis); other layers (shared, subclassed,
-separable, registered) take the *generic* path of per-sample Jacobian products.
+batched matmul with the groups as a batch axis); an ``LSTM``/``GRU``/``SimpleRNN`` layer's
+loop runs as a recurrence that records each weight's products (method §6.1 "Recurrent
+weights", :func:`~normflat.backends.keras.calls.recorded_inner_loop`), the dense rule over
+the steps; other layers (shared, subclassed, registered) take the *generic* path of
+per-sample Jacobian products.
 Learned position tables (method §6.1 "Position tables") are fast too: keras-hub's
 ``PositionEmbedding`` by its output (per sample, so the signal there is each
 sample's gradient of the rows it reads, :meth:`Taps.rows`), a position table held
@@ -53,7 +56,8 @@ import numpy as np
 import tensorflow as tf
 
 from normflat.backends.keras import compat
-from normflat.backends.keras.layers import SEPARABLE_KINDS, Entry, einsum_fast_axes
+from normflat.backends.keras.calls import recorded_inner_loop
+from normflat.backends.keras.layers import RECURRENT_KINDS, SEPARABLE_KINDS, Entry, einsum_fast_axes
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for
@@ -127,6 +131,7 @@ class _ThreadTaps(threading.local):
         self.checking = False
         self.samples: Any = None  # the batch size while Taps.expanded holds (a (1,) tensor)
         self.broadcast: set[str] = set()  # the lookups expanded over the batch (Taps.expanded)
+        self.refused: dict[str, str] = {}  # the checking forward's refusals: {entry name: reason}
 
 
 class Taps:
@@ -150,13 +155,22 @@ class Taps:
         #: Loose position tables: no call of their own, :meth:`expanded` substitutes them.
         self.tables = [entry for entry in tapped if entry.fast == "table"]
         separable: dict[int, list[Entry]] = {}
+        recurrent: dict[int, list[Entry]] = {}
         for entry in tapped:
             if entry.fast in SEPARABLE_KINDS:
                 separable.setdefault(id(entry.layer), []).append(entry)
+            elif entry.fast in RECURRENT_KINDS:
+                recurrent.setdefault(id(entry.layer), []).append(entry)
             elif entry.fast != "table":
                 self._tap(state, entry)
         for pair in separable.values():
             self._tap_separable(state, pair[0].layer, pair)
+        if recurrent:
+            layers = [layer for layer in compat.flatten_layers(state.model) if isinstance(layer, keras.layers.RNN)]
+            for pair in recurrent.values():
+                owners = [layer for layer in layers if layer.cell is pair[0].layer]
+                if len(owners) == 1:  # otherwise nothing is recorded: the first forward refuses the cell
+                    self._tap_recurrent(state, owners[0], pair)
 
     @property
     def records(self) -> dict[str, list]:
@@ -285,6 +299,52 @@ class Taps:
 
         state.set(layer, "call", separable)
 
+    def _tap_recurrent(self, state: ModelState, layer: Any, entries: list[Entry]) -> None:
+        """An ``LSTM``/``GRU``/``SimpleRNN`` layer runs its loop as the recorded recurrence
+        (:func:`~normflat.backends.keras.calls.recorded_inner_loop`, method §6.1 "Recurrent weights"):
+        ``kernel`` records ``[sequences, x W]`` once, ``recurrent_kernel`` ``[inputs, zero tap]`` per
+        column range. While :attr:`checking`, the layer's own loop runs beside it, off the tape, and a
+        recurrence that computes other outputs or states refuses the cell's weights (:attr:`refused`)."""
+        by_kind = {entry.fast: entry for entry in entries}
+        original = layer.inner_loop  # bound method (or an instance attribute set before)
+
+        def watch(t: Any) -> None:
+            if self.tape is not None:
+                self.tape.watch(t)
+
+        def record(which: int, inputs: Any, product: Any) -> None:
+            entry = by_kind.get(RECURRENT_KINDS[which])
+            if entry is not None:
+                self.records.setdefault(entry.name, []).append([inputs, product])
+
+        def active() -> bool:
+            return any(entry.fast for entry in entries)
+
+        recorded = recorded_inner_loop(layer, original, lambda: self.own_read(*entries), watch, record, active)
+
+        def inner_loop(sequences, initial_state, mask, training=False):
+            result = recorded(sequences, initial_state, mask, training=training)
+            if self.checking and active():
+                quiet = self.tape.stop_recording() if self.tape is not None else contextlib.nullcontext()
+                with quiet:
+                    reference = original(sequences, initial_state, mask, training=training)
+                ours, theirs = [result[0], *result[2]], [reference[0], *reference[2]]
+                if layer.return_sequences:
+                    ours.append(result[1])
+                    theirs.append(reference[1])
+                if not all(_close(a, b) for a, b in zip(ours, theirs)):
+                    for entry in entries:
+                        self._mine.refused[entry.name] = (
+                            f"its recorded recurrence computes other outputs than {type(layer).__name__}'s own loop")
+            return result
+
+        state.set(layer, "inner_loop", inner_loop)
+
+    @property
+    def refused(self) -> dict[str, str]:
+        """The fast weights this thread's checking forward refused, with the reason."""
+        return self._mine.refused
+
     def own_read(self, *entries: Entry) -> Any:
         """While :attr:`checking`: the layer's call reads its weight as a value without a gradient
         (a ``StatelessScope`` holding it), so a gradient that still reaches the variable comes from
@@ -346,6 +406,19 @@ class Taps:
             self._mine.samples = None
             for layer, attr, old in reversed(saved):
                 compat.del_instance_attr(layer, attr, old)
+
+
+def _close(a: Any, b: Any) -> bool:
+    """The same tensor up to rounding: within ``√eps`` (of ``b``'s dtype) of its largest magnitude
+    (a step taken in another order or a gate in another place is off by far more)."""
+    a, b = tf.convert_to_tensor(a), tf.convert_to_tensor(b)
+    if tuple(a.shape) != tuple(b.shape):
+        return False
+    if not int(tf.size(b)):
+        return True
+    eps = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float64": 2.0**-52}.get(b.dtype.name, 2.0**-23)
+    a, b = tf.cast(a, tf.float64), tf.cast(b, tf.float64)
+    return float(tf.reduce_max(tf.abs(a - b))) <= math.sqrt(eps) * (float(tf.reduce_max(tf.abs(b))) + 1.0)
 
 
 def signal_layout(options: AnalysisOptions, num_classes: int,
@@ -829,6 +902,16 @@ def _repeated_dense_squares(calls: list[tuple[Any, list[Any]]], seg: Any, groups
     return _per_sample_squares(tf.concat(xs, 1), tf.concat(gs, 1), seg, groups)
 
 
+def _step_squares(x: Any, gs: list[Any], seg: Any, groups: int) -> Any:
+    """``(K, out, in)`` squares of a recurrent weight from what it multiplied at every step, ``x``
+    ``(n, T, in)``, and the B signals at its product ``(n, T, out)``: the dense rule with the steps as
+    positions (method §6.1, "Recurrent weights"), one signal at a time, so that the ``(n, out, in)``
+    per-sample gradients of one signal are alive at once, not of the B (a recurrent kernel's are
+    larger than the activations of all steps)."""
+    squares = [tf.reduce_sum(tf.square(tf.matmul(g, x, transpose_a=True)), axis=0) for g in gs]
+    return tf.math.unsorted_segment_sum(tf.stack(squares), seg, groups)
+
+
 def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int, samples: Any) -> Any:
     """Per-group sums over samples and signals of squared per-sample gradients, canonical layout.
 
@@ -1042,7 +1125,8 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
             s = s * tf.reshape(tf.cast(root_weight, s.dtype), [block] + [1] * (len(s.shape) - 1))
         if rest_fast:
             # The records whose outputs get the signals: one per call (a tied table's, a shared Dense's).
-            records = [taps.records[e.name] if e.fast == "tied" else taps.records[e.name][:e.calls] for e in rest_fast]
+            records = [taps.records[e.name] if e.fast in ("tied", *RECURRENT_KINDS) else taps.records[e.name][:e.calls]
+                       for e in rest_fast]
             pre = [r[1] for rec in records for r in rec]
             # One back-propagation per signal, unrolled: much faster on CPU than pfor here.
             if head_input is not None:
@@ -1069,6 +1153,11 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                     uses = {r[2]: [r[0], [tf.zeros_like(r[1]) if g is None else g for g in gs]]
                             for r, gs in zip(rec, per_call)}
                     out[e.name] = _tied_squares(e, uses.get(False), uses.get(True), seg, sums_per_layer)
+                elif e.fast in RECURRENT_KINDS:
+                    parts = [_step_squares(r[0], [tf.zeros_like(r[1]) if g is None else g for g in gs], seg,
+                                           sums_per_layer) for r, gs in zip(rec, per_call)]
+                    # Range after range of the weight's rows (a GRU's candidate columns multiply r ⊙ h_{t-1}).
+                    out[e.name] = parts[0] if len(parts) == 1 else tf.concat(parts, axis=1)
                 elif e.calls > 1:  # every call's positions: an output the logits do not reach gets zeros
                     calls = [(r[0], [tf.zeros_like(r[1]) if g is None else g for g in gs]) for r, gs in zip(rec, per_call)]
                     out[e.name] = (_repeated_dense_squares(calls, seg, sums_per_layer) if e.fast == "dense" else
@@ -1153,6 +1242,9 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
             # One signal's per-sample gradients of each use, their sum and its square (_tied_squares),
             # beside the block's signals at both outputs, stacked.
             work = max(work, 3 * size + block * e.pre_size)
+        elif e.fast in RECURRENT_KINDS:
+            # One signal's per-sample gradients and their squares at a time (_step_squares).
+            work = max(work, 2 * size)
         elif e.fast in ("conv", "depthwise", *SEPARABLE_KINDS):
             shape = [int(d) for d in e.variable.shape]  # (*k, in/groups, out) or (*k, in, multiplier)
             koff = int(np.prod(shape[:-2]))

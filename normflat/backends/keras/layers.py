@@ -24,6 +24,7 @@ import keras
 import tensorflow as tf
 
 from normflat.backends.keras import compat
+from normflat.backends.keras.calls import recurrent_cell
 from normflat.engine.problems import ParameterStatus
 from normflat.engine.registry import IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table
 
@@ -39,6 +40,7 @@ __all__ = [
     "UnsupportedLayer",
     "einsum_layout",
     "einsum_fast_axes",
+    "RECURRENT_KINDS",
 ]
 
 
@@ -89,8 +91,8 @@ def register_layer(layer_class: type, extractor: Callable[[Any], list[KerasWeigh
 
     Registered layers are analyzed with the generic (per-sample Jacobian) GGN
     path; the built-in ``Dense``, ``EinsumDense``, ``Embedding``,
-    ``Conv1D/2D/3D``, ``DepthwiseConv1D/2D`` and keras-hub's ``PositionEmbedding``
-    have faster ones.
+    ``Conv1D/2D/3D``, ``DepthwiseConv1D/2D``, ``SeparableConv1D/2D``, the recurrent
+    cells and keras-hub's ``PositionEmbedding`` have faster ones.
 
     Args:
         layer_class: A ``keras.layers.Layer`` subclass; subclasses of it match too
@@ -423,7 +425,9 @@ class Entry:
         name: Report name (layer path plus the weight's suffix).
         layer: The Keras layer.
         weight: Its :class:`KerasWeight`.
-        fast: ``"dense"``/``"conv"``/``"depthwise"``/``"einsum"``/``"embedding"``, ``"position"``
+        fast: ``"dense"``/``"conv"``/``"depthwise"``/``"einsum"``/``"embedding"``, a separable
+            convolution's or a recurrent cell's kinds (:data:`SEPARABLE_KINDS`,
+            :data:`RECURRENT_KINDS`), ``"position"``
             (keras-hub's ``PositionEmbedding``), ``"table"`` (a position table held as a loose
             weight, :attr:`attr`) or ``"tied"`` (a ``ReversibleEmbedding`` whose table is also
             its reverse projection, method §6.1 "Tied weights") for the fast GGN path, ``None``
@@ -501,8 +505,15 @@ def fast_kind(layer: Any) -> str | None:
     if separable is not None and isinstance(layer, separable) and cls.call is separable.call \
             and int(layer.rank) in (1, 2):
         return "separable"
+    if recurrent_cell(layer) is not None:
+        return "recurrent"
     return None
 
+
+#: The fast kinds of a recurrent cell's two weights (``kernel``, ``recurrent_kernel``): the cell's
+#: ``RNN`` layer runs its loop as a recurrence that records each weight's products
+#: (:func:`~normflat.backends.keras.calls.recorded_inner_loop`, method §6.1 "Recurrent weights").
+RECURRENT_KINDS = ("recurrent_input", "recurrent_state")
 
 #: The fast kinds of a ``SeparableConv1D/2D``'s two weights: its call runs as a depthwise then a
 #: pointwise (1×1) convolution, each tapped (:class:`~normflat.backends.keras.ggn.Taps`).
@@ -685,8 +696,9 @@ def walk(model: Any, on_unsupported: str,
                 kind = fast_kind(child)
                 fast = kind if len(weights) == 1 else None
                 separable = kind == "separable" and len(weights) == 2
+                recurrent = kind == "recurrent" and len(weights) == 2
                 reversible = _reversible_embedding()
-                reason = None if fast or separable else (
+                reason = None if fast or separable or recurrent else (
                     "several weight tensors in one layer" if kind else
                     tied_reversible_reason(child) if reversible is not None and isinstance(child, reversible) else
                     f"{type(child).__name__}: keras-hub experts (every expert on every token) have no fast rule"
@@ -695,6 +707,8 @@ def walk(model: Any, on_unsupported: str,
                 for j, w in enumerate(weights):
                     if separable:
                         fast = SEPARABLE_KINDS[j]  # the depthwise kernel, then the pointwise one
+                    elif recurrent:
+                        fast = RECURRENT_KINDS[j]  # the kernel, then the recurrent kernel
                     first = by_variable.get(id(w.variable))
                     if first is not None:  # shared with an earlier layer: analyzed there, as torch does
                         first.shared_with.append(name + w.suffix)

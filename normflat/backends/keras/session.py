@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from normflat.backends.keras import compat
-from normflat.backends.keras.calls import grouped_conv_call, is_plain_norm, norm_call
+from normflat.backends.keras.calls import grouped_conv_call, is_plain_norm, norm_call, state_blocks
 from normflat.backends.keras.data import ADAPTER, to_tensor
 from normflat.backends.keras.distributed import Replicas
 from normflat.backends.keras.ggn import (SIGNAL_BLOCK, TableRows, Taps, compute_dtype, exact_head, ggn_bytes,
@@ -31,7 +31,7 @@ from normflat.backends.keras.ggn import (SIGNAL_BLOCK, TableRows, Taps, compute_
                                          starts_at_head_input)
 from normflat.backends.keras.hvp import (EXACT_BLOCK, PROBE_BLOCK, has_recurrence, hvp_step_fns, native_positions,
                                         native_probes)
-from normflat.backends.keras.layers import Entry, fast_kind, final_softmax, walk
+from normflat.backends.keras.layers import RECURRENT_KINDS, Entry, fast_kind, final_softmax, walk
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for, default_budget, equal_step, training_step_bytes
@@ -194,6 +194,15 @@ def _check_model(model: Any) -> None:
             f"The Keras model {model.name!r} is not built (it has no weights yet). Call it on a batch "
             "(model(x)) or call model.build(input_shape) before analyzing it."
         )
+    for layer in compat.flatten_layers(model):
+        if isinstance(layer, keras.layers.RNN) and layer.stateful:
+            raise ValueError(
+                f"The recurrent layer {layer.name!r} is stateful (stateful=True): every forward of the analysis "
+                "would start from the states the previous batch left and write its own back into the model. "
+                "Analyze a copy built with stateful=False and the same weights (from the model's config with "
+                "stateful=False, then copy.set_weights(model.get_weights())): every sequence then starts from the "
+                "layer's initial state."
+            )
 
 
 def grouped_convolutions(model: Any) -> list[Any]:
@@ -524,6 +533,8 @@ class KerasSession:
             for entry in self.entries:
                 if entry.fast == "tied":
                     self._probe_tied(entry, self.taps.records.get(entry.name, []))
+                elif entry.fast in RECURRENT_KINDS:
+                    self._probe_recurrent(entry, self.taps.records.get(entry.name, []))
                 elif entry.fast and entry.fast != "table":  # a loose table has no call: _first_checks
                     recs = self.taps.records.get(entry.name, [])
                     entry.calls = 1
@@ -546,6 +557,25 @@ class KerasSession:
             self.taps.records.clear()
             self._first_checks(x, batch, z)
         self.input_size = sum(_per_sample_elements(t) for t in tf.nest.flatten(first))
+
+    @staticmethod
+    def _probe_recurrent(entry: Entry, recs: list) -> None:
+        """A recurrent cell's weight keeps its fast rule when its layer ran the recorded recurrence
+        once: one record for ``kernel``, one per column range for ``recurrent_kernel``
+        (:func:`~normflat.backends.keras.calls.state_blocks`). A layer called twice (shared by two
+        inputs) records twice, a cell run by another loop (``StackedRNNCells``, a custom ``RNN``
+        call) not at all."""
+        entry.calls = 1
+        expected = 1 if entry.fast == RECURRENT_KINDS[0] else len(state_blocks(entry.layer))
+        if len(recs) != expected:
+            runs = len(recs) // expected
+            entry.fast, entry.reason = None, (
+                f"its recurrent layer ran {runs} times per forward (the fast rule takes one run)" if runs > 1 else
+                "its cell is not run by the loop of an LSTM, GRU or SimpleRNN layer of its own")
+            return
+        entry.input_rank = len(recs[0][0].shape)
+        entry.in_size = sum(_per_sample_elements(r[0]) for r in recs)
+        entry.pre_size = sum(_per_sample_elements(r[1]) for r in recs)
 
     @staticmethod
     def _probe_tied(entry: Entry, recs: list) -> None:
@@ -614,6 +644,7 @@ class KerasSession:
                 if not checked:
                     return
                 taps.records.clear()
+                taps.refused.clear()
                 try:
                     with tf.GradientTape(persistent=True) as tape:
                         taps.tape = tape
@@ -634,8 +665,11 @@ class KerasSession:
                     refuse(looked_up, f"the forward fails with its one row of ids looked up per sample {what}")
                 finally:
                     taps.tape = None
+            for e in checked:
+                if e.name in taps.refused:
+                    refuse([e], taps.refused[e.name])
             for e, grads in zip(checked, tape.gradient(expanded, watched)):
-                if all(g is None for g in grads):
+                if not e.fast or all(g is None for g in grads):
                     continue
                 if e.fast == "table":
                     refuse([e], "the position table is also used outside its layer attribute")
