@@ -141,7 +141,8 @@ def _runner(method: str, model, x, y) -> Callable[[], Any]:
             return tape.gradient(loss, variables)
 
         def run():
-            return [g.numpy() for g in gradient(x, y)][-1]  # .numpy(): wait for the result
+            # .numpy(): wait for the result (an embedding's sparse gradient: its values, not densified)
+            return [(g.values if isinstance(g, tf.IndexedSlices) else g).numpy() for g in gradient(x, y)][-1]
         return run
     estimator = {"normflat_ggn": "ggn", "normflat_ggn_mc": "ggn-mc"}[method]
 
