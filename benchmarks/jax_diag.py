@@ -25,6 +25,11 @@ attention block and one MLP block, 16 sequences of 16 tokens): ``ggn-topk`` per
 sequence (``auto`` for token logits) with the table on its fast rule (method §6.1
 "Tied weights") and on the generic path (:func:`tied_lm_figures`).
 
+``--shared K`` times a model whose one ``nnx.Linear`` (128 → 128) is called ``K`` times per forward
+(a residual ``tanh`` block applied in a Python loop, ALBERT-style; 32 sequences of 16 tokens, 10
+classes): one gradient, ``ggn`` with the shared weight on its fast rule (one tap per call, method
+§6.1 "Tied weights") and on the generic path (:func:`shared_layer_figures`).
+
 ``--many-classes C`` measures instead the peak memory and time of the exact ``ggn`` of
 3C3D with ``C`` classes on 8 images against a training step (the gradient and a momentum
 update), each in a fresh process after a warm-up run that compiles
@@ -40,6 +45,7 @@ Run::
     python -m benchmarks.jax_diag --sequence-lm 8000
     python -m benchmarks.jax_diag --position-table [--repeats 5]
     python -m benchmarks.jax_diag --tied-lm [--repeats 5]
+    python -m benchmarks.jax_diag --shared 8 [--repeats 5]
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ import normflat
 from benchmarks._common import time_interleaved  # noqa: E402
 
 __all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "make_problem", "jax_figures", "position_table_figures", "tied_lm_figures",
-           "many_classes_figures", "sequence_lm_figures", "main"]
+           "shared_layer_figures", "many_classes_figures", "sequence_lm_figures", "main"]
 
 
 class _MLP(nnx.Module):
@@ -250,6 +256,45 @@ def tied_lm_figures(repeats: int = 5) -> dict[str, float]:
     return {"fast": fast, "generic": generic, "generic_over_fast": generic / fast}
 
 
+class _SharedBlock(nnx.Module):
+    """Features (32) -> ``Linear`` 128 -> ``calls`` times ``h + tanh(shared(h))`` with one ``Linear``
+    (128 → 128) -> the mean over the tokens -> a 10-class head."""
+
+    def __init__(self, rngs: nnx.Rngs, calls: int):
+        self.calls = calls
+        self.inp = nnx.Linear(32, 128, rngs=rngs)
+        self.shared = nnx.Linear(128, 128, rngs=rngs)
+        self.head = nnx.Linear(128, 10, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.inp(x)
+        for _ in range(self.calls):
+            h = h + jnp.tanh(self.shared(h))
+        return self.head(h.mean(1))
+
+
+def shared_layer_figures(calls: int = 8, repeats: int = 5) -> dict[str, float]:
+    """Seconds of one gradient and of ``ggn`` on :class:`_SharedBlock` (32 sequences of 16 tokens) with
+    the shared weight on its fast rule and on the generic path (traced without the tied taps)."""
+    model = _SharedBlock(nnx.Rngs(0), calls)
+    x = jax.random.normal(jax.random.key(0), (32, 16, 32))
+    y = jax.random.randint(jax.random.key(1), (32,), 0, 10)
+
+    def ggn():
+        return jax.block_until_ready(normflat.hessian_diagonal(model, (x, y), loss="ce", estimator="ggn",
+                                                               progress=False))
+
+    def path():
+        return normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False).layer("shared").details["path"]
+
+    assert path() == "fast"
+    fast = time_interleaved({"gradient": _runner("gradient", model, x, y), "fast": ggn}, repeats)
+    with _without_taps("_TIED_USES"):
+        assert path() == "generic"
+        generic = time_interleaved({"gradient": _runner("gradient", model, x, y), "generic": ggn}, repeats)
+    return {"gradient": min(fast["gradient"], generic["gradient"]), "fast": fast["fast"], "generic": generic["generic"]}
+
+
 class _SequenceLM(nnx.Module):
     """Ids -> an ``Embed`` (``vocabulary`` ids, 64 features) -> a residual MLP block (128 hidden
     units) -> a dense head: token logits ``(n, T, vocabulary)``."""
@@ -401,7 +446,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="peak memory and time of ggn-topk (per sequence) on a small LM with a vocabulary of V "
                              "(4 sequences of 64 tokens) against a training step, without options and under "
                              "memory budgets of 40 and 16 MB, in fresh processes")
+    parser.add_argument("--shared", type=int, default=None, metavar="K",
+                        help="time ggn on a model whose one Linear is called K times per forward: fast rule "
+                             "against the generic path, against one gradient")
     args = parser.parse_args(argv)
+    if args.shared:
+        f = shared_layer_figures(args.shared, args.repeats)
+        print(f"jax {jax.__version__}, device {jax.devices()[0]}, one Linear (128 -> 128) called {args.shared} times "
+              f"(32 sequences of 16 tokens), ggn, median of {args.repeats}")
+        print(f"  gradient {f['gradient'] * 1e3:.1f} ms; shared weight fast {f['fast'] / f['gradient']:.1f}x, "
+              f"generic {f['generic'] / f['gradient']:.1f}x a gradient")
+        return
     if args.sequence_lm:
         f = sequence_lm_figures(args.sequence_lm)
         step_mib, step_s = f.pop("training step")

@@ -195,6 +195,11 @@ def _balance_scale(a, d):
     return jnp.exp2(e).astype(a.dtype)
 
 
+def _params_key(params: dict) -> str:
+    """A comparable text of a primitive's parameters (equal for the same product written out twice)."""
+    return repr(sorted((name, repr(value)) for name, value in params.items()))
+
+
 def _only_through_input(prog, tap) -> bool:
     """Whether the logits depend on the weights only through the head's activation operand.
 
@@ -760,14 +765,37 @@ class GGN(Kernel):
 
     def _tied_gradient(self, k, w):
         """``gradient(records, signals)``: one example's gradient of the tied table ``w`` (weight ``k``)
-        for one signal, the sum over its uses of each use's VJP of the signal at its output."""
-        fns = [(self.prog.tap_fn(u), self.prog.layout_fn(u)) for u in self.tied[k]]
+        for one signal, the sum over its uses of each use's VJP of the signal at its output.
+
+        Uses that are the same product (the same primitive, parameters and layout chain, records and
+        outputs of the same shapes: a recurrence written out step by step, a layer called in a loop)
+        go as one: their records and signals stacked, the VJP of the product mapped over them with
+        the weight shared, which sums the uses inside one contraction (one matmul over the steps, the
+        dense rule with the steps as positions) instead of forming each use's gradient."""
+        prog = self.prog
+        groups: dict[Any, list[int]] = {}
+        for j, u in enumerate(self.tied[k]):
+            op = prog.ops[u.op]
+            ops = [op] + [prog.ops[i] for i in u.chain]
+            shapes = [prog.shapes.get(r) for o in ops for r in o.outs] + [
+                prog.shapes.get(a[1]) if a[0] == "ref" else None for a in op.ins]
+            key = None if u.lookup is not None else (
+                u.weight_pos, tuple((o.prim.name, _params_key(o.params)) for o in ops), tuple(map(str, shapes)))
+            groups.setdefault(key if key is not None else ("use", j), []).append(j)
+        fns = [(members, prog.tap_fn(self.tied[k][members[0]]), prog.layout_fn(self.tied[k][members[0]]))
+               for members in groups.values()]
 
         def gradient(recs, sigs):
             g = None
-            for (f, layout), r, s in zip(fns, recs, sigs):
-                _, pull = jax.vjp(lambda w_, f=f, layout=layout, r=r: f(r, layout(w_)), w)
-                part = pull(s)[0]
+            for members, f, layout in fns:
+                if len(members) == 1:
+                    r, sig = recs[members[0]], sigs[members[0]]
+                    _, pull = jax.vjp(lambda w_, f=f, layout=layout, r=r: f(r, layout(w_)), w)
+                else:
+                    r = jnp.stack([recs[m] for m in members])
+                    sig = jnp.stack([sigs[m] for m in members])
+                    _, pull = jax.vjp(lambda w_, f=f, layout=layout, r=r: jax.vmap(lambda a: f(a, layout(w_)))(r), w)
+                part = pull(sig)[0]
                 g = part if g is None else g + part
             return g
 

@@ -617,7 +617,8 @@ def _generic_reason(prog: Program, ends: list) -> str:
     if not names:
         return "not used by the forward pass"
     if len(names) > 1:
-        listed = ", ".join(names)
+        counts = {n: names.count(n) for n in names}  # a layer called in a loop: one use per call
+        listed = ", ".join(n if c == 1 else f"{n} ×{c}" for n, c in counts.items())
         # A table that is looked up is a tied table gone wrong (also a fixed row of it added), not a
         # position table read twice: say what a tied table may do.
         if any(n in _LOOKUP_PRIMS for n in names):
