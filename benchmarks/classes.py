@@ -44,6 +44,9 @@ Problems:
   4 sequences of 32 tokens fed ``labels = input_ids`` (the decoder reads them shifted right): its
   table is held by ``model.shared``, which never runs, and used by the encoder's and decoder's
   embeddings and the tied head.
+* ``t5-5000``: a T5 encoder-decoder (2 + 2 layers, width 64, 4 heads, MLP 128) with a 5000-token
+  vocabulary, 4 sequences of 32 tokens fed ``labels = input_ids``: its relative-position bias
+  tables (``relative_attention_bias``) are excluded, not weight matrices (method §3).
 * ``opt-5000``: a 2-layer OPT (width 64, MLP 256) with a 5000-token vocabulary, 4 sequences of
   32 tokens: its learned positions are an ``nn.Embedding`` subclass computing its ids from the
   attention mask (method §6.1, "Embeddings with their own forward").
@@ -164,6 +167,13 @@ def _bart(vocab: int) -> nn.Module:
     return BartForConditionalGeneration(config)
 
 
+def _t5(vocab: int) -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+    config = T5Config(vocab_size=vocab, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                      num_heads=4, decoder_start_token_id=0, pad_token_id=0)
+    return T5ForConditionalGeneration(config)
+
+
 def _opt(vocab: int) -> nn.Module:
     from transformers import OPTConfig, OPTForCausalLM
     config = OPTConfig(vocab_size=vocab, hidden_size=64, ffn_dim=256, num_hidden_layers=2, num_attention_heads=2,
@@ -202,6 +212,7 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
     "llama-5000": (_llama, 5000, (4, 32), False, False),
     "mixtral-5000": (_mixtral, 5000, (4, 32), False, False),
     "bart-5000": (_bart, 5000, (4, 32), False, False),
+    "t5-5000": (_t5, 5000, (4, 32), False, False),
     "opt-5000": (_opt, 5000, (4, 32), False, False),
     "lstm-10": (_lstm, 10, (32, 32), False, True),
     "gru-10": (_gru, 10, (32, 32), False, True),
@@ -210,7 +221,8 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
 #: The sequence classifiers (token ids in, one label per sequence) and their vocabulary.
 SEQUENCE_CLASSIFIERS = ("lstm-10", "gru-10", "albert-10")
 SEQUENCE_VOCABULARY = 2000
-LANGUAGE_MODELS = ("gpt2-5000", "gpt2-untied-50000", "llama-5000", "mixtral-5000", "bart-5000", "opt-5000")
+LANGUAGE_MODELS = ("gpt2-5000", "gpt2-untied-50000", "llama-5000", "mixtral-5000", "bart-5000", "t5-5000",
+                   "opt-5000")
 #: The language models timed with one signal per token too (the "per token" column).
 PER_TOKEN_TIMED = ("gpt2-5000",)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 __all__ = ["IGNORE", "Unsupported", "LayerRegistry", "Skipped", "warn_user", "excluded_reason",
+           "relative_bias_table", "RELATIVE_BIAS_TABLES",
            "position_table", "ADDED_TABLE_NAMES", "POSITION_TABLE_NAMES"]
 
 #: Parameter names (last component) of tables and tokens that models *add* to their
@@ -29,6 +30,16 @@ ADDED_TABLE_NAMES = (
     "class_token", "gamma", "gamma_1", "gamma_2", "layer_scale", "layerscale", "ls1", "ls2", "scale",
     "lambda1",
 )
+#: Names (last component) of the embedding layers, or the attributes, holding a relative-position
+#: bias table: one row per bucket of relative positions, one column per head, added to the
+#: attention scores (T5 and its family, keras-hub's T5). Excluded like the added tables above
+#: (method §3), although an embedding layer looks them up.
+RELATIVE_BIAS_TABLES = ("relative_attention_bias",)
+
+#: The reason given for a table of :data:`RELATIVE_BIAS_TABLES`.
+RELATIVE_BIAS_REASON = ("a relative-position bias table (one row per bucket of relative positions, added to the "
+                        "attention scores per head), not a weight matrix")
+
 #: Names (last component) of learned position tables held as plain parameters
 #: (timm ``pos_embed``, Hugging Face ViT ``position_embeddings``): analyzed as
 #: embeddings of the positions (method §3).
@@ -61,6 +72,18 @@ def excluded_reason(name: str, shape: tuple[int, ...]) -> str | None:
     if last in ADDED_TABLE_NAMES:
         return "a bias table, token or scale added to activations, not a weight matrix"
     return None
+
+
+def relative_bias_table(name: str) -> str | None:
+    """Why the layer or attribute ``name`` holds no weight matrix when it is a relative-position bias
+    table looked up by its own embedding layer (:data:`RELATIVE_BIAS_TABLES`), else ``None``.
+
+    One rule for every framework (method §3): such a table is added to the attention scores
+    per head, as the bias tables :func:`excluded_reason` recognises by name are; the layer's
+    ``name`` decides, since its parameter is named like any embedding's (``weight``,
+    ``embeddings``).
+    """
+    return RELATIVE_BIAS_REASON if _last_name(name) in RELATIVE_BIAS_TABLES else None
 
 
 def position_table(name: str, shape: tuple[int, ...]) -> tuple[int, int] | None:

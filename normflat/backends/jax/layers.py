@@ -41,7 +41,8 @@ from normflat.backends.jax.cache import LRU
 from normflat.backends.jax.compat import is_frozen_collection_error
 from normflat.engine.outputs import select_output
 from normflat.engine.problems import ParameterStatus
-from normflat.engine.registry import IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table
+from normflat.engine.registry import (IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table,
+                                      relative_bias_table)
 
 __all__ = ["LayerRule", "Axes", "REGISTRY", "register_layer", "registered_layers", "ModelView", "WeightInfo",
            "make_view", "LAYOUT_ALIASES", "path_str", "pick_dtype", "to_canonical", "to_native",
@@ -703,6 +704,10 @@ def _select_weights(view: ModelView, owners: dict, layouts: dict, parents: dict 
             mark(path, leaf, "excluded", _NORM_REASON)
             continue  # normalization layers: their parameters are held fixed (method §9)
         if isinstance(entry, LayerRule):
+            relative = relative_bias_table(name) if entry.kind_of(np.ndim(leaf)) == "embedding" else None
+            if relative is not None:  # T5's relative_attention_bias: added to the scores (method §3)
+                mark(path, leaf, "excluded", relative)
+                continue
             if last in entry.leaves() and np.ndim(leaf) >= 2:
                 layout = entry.layout_of(owner, shape)
                 if isinstance(layout, str) and layout not in ("canonical", "flax"):

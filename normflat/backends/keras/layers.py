@@ -26,7 +26,8 @@ import tensorflow as tf
 from normflat.backends.keras import compat
 from normflat.backends.keras.calls import recurrent_cell
 from normflat.engine.problems import ParameterStatus
-from normflat.engine.registry import IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table
+from normflat.engine.registry import (IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table,
+                                      relative_bias_table)
 
 __all__ = [
     "KerasWeight",
@@ -643,7 +644,9 @@ def walk(model: Any, on_unsupported: str,
         for v in variables:
             if v in inventory:
                 continue
-            reason = excluded_reason(v.path, _shape(v))
+            attr = _holding_attribute(layer, v)
+            # keras-hub's T5 holds its relative-position bias table as `relative_attention_bias`.
+            reason = excluded_reason(v.path, _shape(v)) or (relative_bias_table(attr) if attr else None)
             if reason is not None:
                 inventory.set(v, "excluded", reason)
             elif position_table(v.path, _shape(v)) is not None:
@@ -683,6 +686,14 @@ def walk(model: Any, on_unsupported: str,
                 for v in child.weights:
                     if v not in inventory:
                         inventory.set(v, "skipped", entry.reason)
+                continue
+            # Named so, or held by its parent under that attribute (a layer's name is not its attribute).
+            relative = (relative_bias_table(child.name) or relative_bias_table(_holding_attribute(layer, child) or "")
+                        if isinstance(child, keras.layers.Embedding) else None)
+            if entry is not None and relative is not None:  # a table added to the scores (method §3)
+                for v in child.weights:
+                    if v not in inventory:
+                        inventory.set(v, "excluded", relative)
                 continue
             if entry is not None:
                 try:

@@ -24,7 +24,8 @@ from normflat.backends.torch.ggn import (
     linear_squares, position_table_squares, recorded_lookup_squares, recurrent_squares)
 from normflat.engine.options import GGN_ESTIMATORS, AnalysisOptions
 from normflat.engine.problems import LayerSpec, ParameterStatus
-from normflat.engine.registry import IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table
+from normflat.engine.registry import (IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table,
+                                      relative_bias_table)
 
 __all__ = [
     "LayerExtractor",
@@ -549,6 +550,12 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
             continue
         if entry is None:
             walk.loose(name, module)
+            continue
+        relative = relative_bias_table(name) if isinstance(module, nn.Embedding) else None
+        if relative is not None:  # T5's relative_attention_bias: added to the scores (method §3)
+            for p in module.parameters():
+                walk.mark(p, "excluded", relative)
+            skip_prefixes.append(name)
             continue
         ext: LayerExtractor = entry
         skip_prefixes.append(name)
