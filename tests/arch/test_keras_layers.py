@@ -459,7 +459,8 @@ def tied_model(use="tied", seed=13):
     lookup, a causal convolution over the tokens, a Dense, the reverse projection. ``use``: ``"third"``
     the table also scales the features, ``"twice"`` two reverse projections, ``"soft_cap"``
     ``logit_soft_cap``, ``"own_call"`` a subclass with its own call, ``"untied"`` ``tie_weights=False``,
-    ``"reverse_float32"`` the reverse projection computed in float32 (``reverse_dtype``).
+    ``"reverse_float32"`` the reverse projection computed in float32 (``reverse_dtype``), ``"two_lookups"``
+    a second lookup of the ids in reverse order added to the first (an encoder's and a decoder's ids).
 
     Returns the model, ids ``(3, T)`` with padding (0, its labels ignored) and an id −1 (row V − 1),
     and next-token labels to be shifted (``shift_labels=True``).
@@ -470,7 +471,10 @@ def tied_model(use="tied", seed=13):
     emb = cls(TV, TD, tie_weights=use != "untied", logit_soft_cap=3.0 if use == "soft_cap" else None, dtype=F64,
               name="emb", **extra)
     ids = keras.Input((TT,), dtype="int32")
-    m = L.Conv1D(TD, 2, padding="causal", activation="tanh", dtype=F64, name="mix")(emb(ids))
+    e = emb(ids)
+    if use == "two_lookups":
+        e = L.Add(dtype=F64)([e, emb(keras.ops.flip(ids, axis=1))])
+    m = L.Conv1D(TD, 2, padding="causal", activation="tanh", dtype=F64, name="mix")(e)
     h = L.Dense(TD, activation="tanh", dtype=F64, name="out")(m)
     if use == "third":
         h = _TableScale(emb, dtype=F64, name="scale")(h)
@@ -538,12 +542,14 @@ def _tied_check(model, x, y, layers, **kw):
     return got
 
 
-def test_tied_reversible_embedding_fast_rule():
-    """The table read by the lookup and by the reverse projection (the LM head): its per-sample gradient
-    is the sum of the two uses', squared one signal at a time (method §6.1 "Tied weights"). ``ggn``
-    against brute force and ``fast=False``; ``ggn-mc`` and ``ggn-topk`` (per sequence) against
-    ``fast=False`` with the same draws; batches of 3 (in chunks of 2) and 2."""
-    model, x, y = tied_model()
+@pytest.mark.parametrize("use", ["tied", "two_lookups"])
+def test_tied_reversible_embedding_fast_rule(use):
+    """The table read by the lookup (or two: their positions together) and by the reverse projection
+    (the LM head): its per-sample gradient is the sum of the uses', squared one signal at a time
+    (method §6.1 "Tied weights"). ``ggn`` against brute force and ``fast=False``; ``ggn-mc`` and
+    ``ggn-topk`` (per sequence) against ``fast=False`` with the same draws; batches of 3 (in chunks
+    of 2) and 2."""
+    model, x, y = tied_model(use)
     rep = normflat.analyze(model, (x, y), shift_labels=True, progress=False)
     emb = rep.layer("emb")
     assert emb.details["path"] == "fast" and "generic_reason" not in emb.details, emb.details
@@ -583,6 +589,55 @@ def test_tied_reversible_embedding_with_another_reverse_dtype():
                                    err_msg=name)
         np.testing.assert_allclose(np.asarray(fast[name]), canonical(ref), rtol=1e-5, atol=1e-6 * scale,
                                    err_msg=name)
+
+
+def _twice_looked_up(rng, scale=None):
+    """Two id inputs looked up by one ``Embedding`` (a siamese pair), their features concatenated into a
+    ReLU ``Dense`` and a head. ``scale``: the table's features times ``scale`` and the ``Dense`` rows
+    of each lookup's features divided by it (the same function)."""
+    a, b = keras.Input((3,), dtype="int32"), keras.Input((3,), dtype="int32")
+    emb = L.Embedding(7, 3, dtype=F64, name="emb")
+    h = L.Concatenate(dtype=F64)([L.Flatten(dtype=F64)(emb(a)), L.Flatten(dtype=F64)(emb(b))])
+    h = L.Dense(4, activation="relu", dtype=F64, name="mix")(h)
+    model = keras.Model([a, b], L.Dense(3, dtype=F64, name="head")(h))
+    _randomize(model, rng)
+    if scale is not None:
+        emb.embeddings.assign(emb.embeddings.numpy() * scale[None, :])
+        mix = model.get_layer("mix")
+        mix.kernel.assign(mix.kernel.numpy() / np.tile(scale, 6)[:, None])  # input (lookup, t, feature)
+    return model
+
+
+def test_embedding_looked_up_twice_fast_rule():
+    """An ``Embedding`` called on two id inputs: one lookup over both calls' positions (method §6.1
+    "Tied weights"), against brute force and the generic path (``ggn``, ``ggn-mc``, chunks of 2)."""
+    rng = _rng(31)
+    model = _twice_looked_up(rng)
+    x = [rng.integers(0, 7, (5, 3)).astype("int32"), rng.integers(0, 7, (5, 3)).astype("int32")]
+    y = rng.integers(0, 3, 5)
+    report = normflat.analyze(model, (x, y), loss="nsce", progress=False)
+    assert report.layer("emb").details["path"] == "fast", report.layer("emb").details
+    expected = {"emb": ("emb/embeddings", _transposed), "mix": ("mix/kernel", _transposed),
+                "head": ("head/kernel", _transposed)}
+    check_against(model, x, y, expected, loss="nsce")
+    check_against(model, x, y, expected, loss="nsce", chunk_size=2)
+    for kw in (dict(estimator="ggn-mc", samples=3, seed=4), dict(estimator="ggn", chunk_size=2)):
+        fast = normflat.hessian_diagonal(model, (x, y), loss="nsce", progress=False, **kw)
+        generic = normflat.hessian_diagonal(model, (x, y), loss="nsce", progress=False, fast=False, **kw)
+        for name in fast:
+            np.testing.assert_allclose(np.asarray(fast[name]), np.asarray(generic[name]), rtol=RTOL, err_msg=name)
+
+
+def test_embedding_looked_up_twice_feature_rescaling_is_invariant():
+    rng = _rng(32)
+    x = [rng.integers(0, 7, (5, 3)).astype("int32"), rng.integers(0, 7, (5, 3)).astype("int32")]
+    y = rng.integers(0, 3, 5)
+    model = _twice_looked_up(_rng(33))
+    twin = _twice_looked_up(_rng(33), scale=np.array([4.0, 0.2, 1.5]))
+    np.testing.assert_allclose(twin(x).numpy(), model(x).numpy(), rtol=1e-12)
+    before, after = _analyze(model, x, y), _analyze(twin, x, y)
+    assert before.layer("emb").details["path"] == "fast"
+    _assert_invariant(before, after)
 
 
 @pytest.mark.parametrize("use, reason", [

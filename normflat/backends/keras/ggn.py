@@ -773,6 +773,20 @@ def _table_rows(ids: Any, vocabulary: int) -> Any:
     return tf.where(ids < 0, ids + vocabulary, ids)
 
 
+def _joined_lookups(calls: list[tuple[Any, list[Any]]]) -> list[Any]:
+    """``[ids (n, P), signals]`` of one lookup standing for several calls of a table's lookup, each
+    ``(ids, its B signals at the output)``: a sample's gradient is the sum of the calls' scatters of
+    their signals into the rows of their ids, which is the scatter of the calls' positions together
+    (method §6.1, "Tied weights")."""
+    if len(calls) == 1:
+        return [calls[0][0], calls[0][1]]
+    n = tf.shape(calls[0][0])[0]
+    ids = tf.concat([tf.reshape(c[0], [n, -1]) for c in calls], axis=1)
+    signals = [tf.concat([tf.reshape(c[1][j], [n, -1, int(c[1][j].shape[-1])]) for c in calls], axis=1)
+               for j in range(len(calls[0][1]))]
+    return [ids, signals]
+
+
 def _tied_squares(entry: Entry, lookup: list | None, reverse: list | None, seg: Any, groups: int) -> Any:
     """``(K, features, vocabulary)`` per-sample squares of a ``ReversibleEmbedding``'s tied table.
 
@@ -1149,10 +1163,12 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                 per_call = [[back[i][j + c] for i in range(block)] for c in range(len(rec))]
                 j += len(rec)
                 if e.fast == "tied":
-                    # An output the logits do not reach gets no signal: zeros.
-                    uses = {r[2]: [r[0], [tf.zeros_like(r[1]) if g is None else g for g in gs]]
-                            for r, gs in zip(rec, per_call)}
-                    out[e.name] = _tied_squares(e, uses.get(False), uses.get(True), seg, sums_per_layer)
+                    # An output the logits do not reach gets no signal: zeros. Several lookups (an
+                    # encoder's and a decoder's) go as one over their positions together.
+                    uses = {mode: [(r[0], [tf.zeros_like(r[1]) if g is None else g for g in gs])
+                                   for r, gs in zip(rec, per_call) if r[2] is mode] for mode in (False, True)}
+                    out[e.name] = _tied_squares(e, _joined_lookups(uses[False]) if uses[False] else None,
+                                                [*uses[True][0]] if uses[True] else None, seg, sums_per_layer)
                 elif e.fast in RECURRENT_KINDS:
                     parts = [_step_squares(r[0], [tf.zeros_like(r[1]) if g is None else g for g in gs], seg,
                                            sums_per_layer) for r, gs in zip(rec, per_call)]
@@ -1160,8 +1176,14 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                     out[e.name] = parts[0] if len(parts) == 1 else tf.concat(parts, axis=1)
                 elif e.calls > 1:  # every call's positions: an output the logits do not reach gets zeros
                     calls = [(r[0], [tf.zeros_like(r[1]) if g is None else g for g in gs]) for r, gs in zip(rec, per_call)]
-                    out[e.name] = (_repeated_dense_squares(calls, seg, sums_per_layer) if e.fast == "dense" else
-                                   _conv_squares(e.layer, *calls[0], seg, sums_per_layer, int(e.weight.groups), calls[1:]))
+                    if e.fast == "embedding":
+                        out[e.name] = _embedding_squares(*_joined_lookups(calls), seg, sums_per_layer,
+                                                         int(e.variable.shape[0]))
+                    elif e.fast == "dense":
+                        out[e.name] = _repeated_dense_squares(calls, seg, sums_per_layer)
+                    else:
+                        out[e.name] = _conv_squares(e.layer, *calls[0], seg, sums_per_layer, int(e.weight.groups),
+                                                    calls[1:])
                 else:
                     out[e.name] = _fast_squares(e, rec[0][0], per_call[0], seg, sums_per_layer, tf.shape(z)[0])
         if generic:

@@ -538,7 +538,7 @@ class KerasSession:
                 elif entry.fast and entry.fast != "table":  # a loose table has no call: _first_checks
                     recs = self.taps.records.get(entry.name, [])
                     entry.calls = 1
-                    if (entry.fast in ("dense", "conv", "depthwise") and len(recs) > 1
+                    if (entry.fast in ("dense", "conv", "depthwise", "embedding") and len(recs) > 1
                             and all(r[1] is not None for r in recs) and entry is not self._logits_dense):
                         # A Dense or convolution called several times per forward (shared by branches,
                         # applied in a loop): every call is recorded, their per-sample gradients
@@ -579,20 +579,20 @@ class KerasSession:
 
     @staticmethod
     def _probe_tied(entry: Entry, recs: list) -> None:
-        """A tied ``ReversibleEmbedding`` keeps its fast rule when the first forward calls it at most
-        once as a lookup and at most once as the reverse projection (``reverse`` a Python bool): its
-        squares sum the recorded calls' per-sample gradients, so every use of the table must be one
-        of them (a call repeated, or hidden in a loop, is another; uses outside the layer are
-        :meth:`_first_checks`')."""
+        """A tied ``ReversibleEmbedding`` keeps its fast rule when the first forward calls it as a
+        lookup any number of times (an encoder's and a decoder's ids: their positions go together)
+        and at most once as the reverse projection (``reverse`` a Python bool): its squares sum the
+        recorded calls' per-sample gradients, so every use of the table must be one of them (uses
+        outside the layer are :meth:`_first_checks`')."""
         modes = [r[2] for r in recs]
         if not recs:
             entry.fast, entry.reason = None, "called more than once per forward, or bypassed"
         elif None in modes:
             entry.fast, entry.reason = None, "its reverse argument is not a Python bool (no tied fast rule)"
-        elif len(set(modes)) != len(modes):
+        elif modes.count(True) > 1:
             entry.fast, entry.reason = None, (
                 f"{modes.count(False)} lookup call(s) and {modes.count(True)} reverse call(s) per forward (the tied "
-                "fast rule takes at most one of each)")
+                "fast rule takes any lookups and at most one reverse call)")
         else:
             entry.input_rank = len(recs[0][0].shape)
             entry.in_size = sum(_per_sample_elements(r[0]) for r in recs)
