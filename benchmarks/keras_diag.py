@@ -42,6 +42,11 @@ sequences of 32 tokens), the problems of ``benchmarks.classes``' ``lstm-10``/``g
 (:func:`recurrent_figures`); with ``--memory`` also the peaks of a training step,
 ``hessian_diagonal`` and ``analyze`` (:func:`recurrent_memory`).
 
+``--albert`` times keras-hub's ALBERT (a 2000-token vocabulary, embeddings of 64, width 128, 4 layers
+that are one shared transformer layer called 4 times, a 10-class head on the pooled output; 16
+sequences of 32 tokens): ``ggn`` against one gradient (:func:`albert_figures`); each of the shared
+layer's ``EinsumDense``/``Dense`` weights is called 4 times per forward.
+
 ``--separable`` times Keras' Xception (``keras.applications``, ``weights=None``, 71×71 inputs,
 10 classes, 8 images), whose blocks are ``SeparableConv2D`` layers: ``ggn`` against one gradient
 (:func:`separable_figures`).
@@ -54,6 +59,7 @@ Run::
     python -m benchmarks.keras_diag --sequence-lm 8000 [--repeats 5] [--threads 1] [--memory]
     python -m benchmarks.keras_diag --separable [--repeats 5] [--threads 1]
     python -m benchmarks.keras_diag --recurrent [--repeats 5] [--threads 1] [--memory]
+    python -m benchmarks.keras_diag --albert [--repeats 5] [--threads 1]
 
 ``--threads N`` limits both frameworks to N CPU threads (TensorFlow intra- and
 inter-op pools, ``torch.set_num_threads``): on a shared machine one thread
@@ -76,7 +82,7 @@ import numpy as np  # noqa: E402
 from benchmarks._common import time_interleaved  # noqa: E402
 
 __all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "METHODS", "make_problem", "keras_figures", "position_table_figures",
-           "tied_lm_figures", "separable_figures", "recurrent_figures", "recurrent_memory", "main"]
+           "tied_lm_figures", "separable_figures", "recurrent_figures", "recurrent_memory", "albert_figures", "main"]
 
 METHODS = ("gradient", "normflat_ggn", "normflat_ggn_mc")
 
@@ -427,6 +433,32 @@ def recurrent_memory(threads: int | None = None) -> dict[str, dict[str, float]]:
                     for m in ("training step", "hessian_diagonal", "analyze")} for layer in RECURRENT_LAYERS}
 
 
+def albert_figures(repeats: int = 5) -> dict[str, float]:
+    """keras-hub's ALBERT (4 layers sharing one) with a 10-class head on its pooled output, 16 sequences
+    of 32 tokens: ``{"gradient": s, "normflat": s}`` (``ggn``, medians of interleaved rounds)."""
+    import keras
+    import tensorflow as tf
+    from keras_hub.models import AlbertBackbone
+
+    import normflat
+
+    keras.utils.set_random_seed(0)
+    backbone = AlbertBackbone(vocabulary_size=2000, num_layers=4, num_heads=2, embedding_dim=64, hidden_dim=128,
+                              intermediate_dim=256, num_groups=1, num_inner_repetitions=1, max_sequence_length=32)
+    names = ("token_ids", "segment_ids", "padding_mask")
+    inputs = {k: keras.Input((32,), dtype="int32", name=k) for k in names}
+    model = keras.Model(inputs, keras.layers.Dense(10, name="head")(backbone(inputs)["pooled_output"]))
+    rng = np.random.default_rng(0)
+    x = {"token_ids": tf.constant(rng.integers(1, 2000, (16, 32)).astype("int32")),
+         "segment_ids": tf.zeros((16, 32), tf.int32), "padding_mask": tf.ones((16, 32), tf.int32)}
+    y = tf.constant(rng.integers(0, 10, 16))
+    report = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    generic = [r.name for r in report.layers if r.details["path"] != "fast"]
+    print(f"  weights on the generic path: {generic or 'none'}")
+    runs = {"gradient": _runner("gradient", model, x, y), "normflat": _runner("normflat_ggn", model, x, y)}
+    return time_interleaved(runs, repeats)
+
+
 def separable_figures(repeats: int = 5) -> dict[str, float]:
     """Xception (71×71, 10 classes, 8 images): ``{"gradient": s, "normflat": s}`` (``ggn``, medians)."""
     import keras
@@ -473,6 +505,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--memory", action="store_true",
                         help="with --sequence-lm or --recurrent: also the peak of TensorFlow's CPU allocations "
                              "against a training step")
+    parser.add_argument("--albert", action="store_true",
+                        help="time ggn on keras-hub's ALBERT (one layer shared by 4) against a gradient")
     parser.add_argument("--separable", action="store_true",
                         help="time ggn on Keras' Xception (SeparableConv2D blocks) against a gradient")
     args = parser.parse_args(argv)
@@ -497,6 +531,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          f" ({mem[layer]['analyze'] / step:.1f}x)")
             print(line)
         return {"recurrent": f, "peak_mib": mem}
+    if args.albert:
+        f = albert_figures(args.repeats)
+        _print_against_gradient("keras-hub ALBERT (4 layers sharing one, width 128, 16 sequences of 32 tokens, "
+                                "10 classes), ggn", f, args)
+        return {"albert": f}
     if args.separable:
         f = separable_figures(args.repeats)
         _print_against_gradient("Xception (keras.applications, 71x71, 10 classes, 8 images), ggn", f, args)

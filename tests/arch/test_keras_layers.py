@@ -193,6 +193,54 @@ def attention_model():
     return model, rng.normal(size=(3, 3, 4)), rng.integers(0, 3, 3)
 
 
+def shared_attention_model(scales=None):
+    """One ``MultiHeadAttention`` layer applied twice in sequence (ALBERT's layer shared across depth),
+    a residual ``tanh`` between: each ``EinsumDense`` called twice. ``scales``: ``(c, d)`` per head,
+    the query times c and the key divided by it, the value times d and the output's rows divided
+    by it (the same function at each call)."""
+    rng = _rng(34)
+    inp = keras.Input((3, 4), dtype=F64)
+    mha = L.MultiHeadAttention(num_heads=2, key_dim=2, dtype=F64, name="mha")
+    h = L.Add(dtype=F64)([inp, L.Activation("tanh", dtype=F64)(mha(inp, inp))])
+    h = mha(h, h)
+    model = keras.Model(inp, L.Dense(3, dtype=F64, name="head")(L.Flatten(dtype=F64)(h)))
+    _randomize(model, rng)
+    if scales is not None:
+        c, d = scales
+        q, k, v, o = mha._query_dense, mha._key_dense, mha._value_dense, mha._output_dense
+        for layer, factor in ((q, c), (k, 1 / c), (v, d)):
+            layer.kernel.assign(layer.kernel.numpy() * factor[None, :, None])
+            layer.bias.assign(layer.bias.numpy() * factor[:, None])
+        o.kernel.assign(o.kernel.numpy() / d[:, None, None])
+    return model, rng.normal(size=(5, 3, 4)), rng.integers(0, 3, 5)
+
+
+def test_multi_head_attention_called_twice_fast_rule():
+    """Each ``EinsumDense`` of an attention layer called twice per forward: the dense rule over both
+    calls' positions (method §6.1, "Tied weights"), against brute force and the generic path (``ggn``,
+    ``ggn-mc``, chunks of 2)."""
+    model, x, y = shared_attention_model()
+    report = normflat.analyze(model, (x, y), loss="nsce", progress=False)
+    assert {layer.details["path"] for layer in report.layers} == {"fast"}, [
+        (layer.name, layer.details) for layer in report.layers]
+    expected = {k: (f"mha/{v[0]}/kernel", v[1]) for k, v in _mha("mha").items()}
+    expected["head"] = ("head/kernel", _transposed)
+    check_against(model, x, y, expected, loss="nsce")
+    check_against(model, x, y, expected, loss="nsce", chunk_size=2)
+    for kw in (dict(estimator="ggn-mc", samples=3, seed=4), dict(estimator="ggn", chunk_size=2)):
+        fast = normflat.hessian_diagonal(model, (x, y), loss="nsce", progress=False, **kw)
+        generic = normflat.hessian_diagonal(model, (x, y), loss="nsce", progress=False, fast=False, **kw)
+        for name in fast:
+            np.testing.assert_allclose(np.asarray(fast[name]), np.asarray(generic[name]), rtol=RTOL, err_msg=name)
+
+
+def test_multi_head_attention_called_twice_per_head_rescalings_are_invariant():
+    model, x, y = shared_attention_model()
+    twin, _, _ = shared_attention_model((np.array([3.0, 0.25]), np.array([0.5, 4.0])))
+    np.testing.assert_allclose(twin(x).numpy(), model(x).numpy(), rtol=1e-12)
+    _assert_invariant(_analyze(model, x, y), _analyze(twin, x, y))
+
+
 @pytest.mark.parametrize("loss", ["ce", "nsce"])
 def test_multi_head_attention_ggn(attention_model, loss):
     model, x, y = attention_model

@@ -45,6 +45,7 @@ The step returns the ``(K', *canonical)`` sums of one chunk of samples
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import threading
@@ -857,15 +858,9 @@ def _table_squares(entry: Entry, view: Any, gs: list[Any], seg: Any, groups: int
     return tf.vectorized_map(entry.weight.to_canonical, sq)
 
 
-def _einsum_squares(equation: str, x: Any, gs: list[Any], seg: Any, groups: int, samples: Any = None,
-                    fold: int = 1) -> Any:
-    """``(K, ∏ output-only, ∏ contracted)`` per-sample squares of an ``EinsumDense`` kernel.
-
-    The pre-activation is linear in the kernel: per sample it is the dense map from
-    the flattened contracted input axes to the flattened output-only axes, applied
-    at every index of the shared axes (positions). The per-sample gradient is then
-    ``Σ_positions g ⊗ x``, formed by batched matmuls as for a dense layer on sequences.
-    """
+def _einsum_positions(equation: str, x: Any, gs: list[Any]) -> tuple[Any, Any]:
+    """An ``EinsumDense`` input and its B signals as ``(n, P, ∏ contracted)`` and ``(n, P, B,
+    ∏ output-only)``: the positions (shared axes) over which a sample's gradient sums."""
     inp, _, out, shared, input_only, contracted = einsum_fast_axes(equation)
     outputs = "".join(a for a in out[1:] if a not in shared)
     n = tf.shape(x)[0]
@@ -881,7 +876,19 @@ def _einsum_squares(equation: str, x: Any, gs: list[Any], seg: Any, groups: int,
     g = tf.transpose(g, perm)  # (n, B, shared..., outputs...)
     out_size = int(np.prod([int(g.shape[2 + len(shared) + i]) for i in range(len(outputs))]))
     g = tf.reshape(g, [n, b, -1, out_size])
-    gf = tf.transpose(g, [0, 2, 1, 3])  # (n, P, B, O)
+    return xf, tf.transpose(g, [0, 2, 1, 3])  # (n, P, B, O)
+
+
+def _einsum_squares(equation: str, x: Any, gs: list[Any], seg: Any, groups: int, samples: Any = None,
+                    fold: int = 1) -> Any:
+    """``(K, ∏ output-only, ∏ contracted)`` per-sample squares of an ``EinsumDense`` kernel.
+
+    The pre-activation is linear in the kernel: per sample it is the dense map from
+    the flattened contracted input axes to the flattened output-only axes, applied
+    at every index of the shared axes (positions). The per-sample gradient is then
+    ``Σ_positions g ⊗ x``, formed by batched matmuls as for a dense layer on sequences.
+    """
+    xf, gf = _einsum_positions(equation, x, gs)
     if samples is not None:
         xf, gf = _blocks_per_sample(xf, gf, samples, fold)
     return _per_sample_squares(xf, gf, seg, groups)
@@ -907,12 +914,14 @@ def _dense_positions(x: Any, gs: list[Any]) -> tuple[Any, Any]:
     return xf, gf
 
 
-def _repeated_dense_squares(calls: list[tuple[Any, list[Any]]], seg: Any, groups: int) -> Any:
-    """``(K, out, in)`` squares of a ``Dense`` kernel used by several calls per forward, each
-    ``(input, its B signals at the pre-activation)``: a sample's gradient is the sum over the calls
-    and their positions of the signal times the input, so the calls' positions are concatenated
-    and the dense rule applied once (method §6.1, "Tied weights")."""
-    xs, gs = zip(*(_dense_positions(x, signals) for x, signals in calls))
+def _repeated_squares(calls: list[tuple[Any, list[Any]]], seg: Any, groups: int,
+                      positions: Callable[[Any, list[Any]], tuple[Any, Any]] = None) -> Any:
+    """``(K, out, in)`` squares of a ``Dense`` (or, with ``positions`` :func:`_einsum_positions`'s, an
+    ``EinsumDense``) kernel used by several calls per forward, each ``(input, its B signals at the
+    pre-activation)``: a sample's gradient is the sum over the calls and their positions of the
+    signal times the input, so the calls' positions are concatenated and the dense rule applied
+    once (method §6.1, "Tied weights")."""
+    xs, gs = zip(*((positions or _dense_positions)(x, signals) for x, signals in calls))
     return _per_sample_squares(tf.concat(xs, 1), tf.concat(gs, 1), seg, groups)
 
 
@@ -1180,7 +1189,10 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                         out[e.name] = _embedding_squares(*_joined_lookups(calls), seg, sums_per_layer,
                                                          int(e.variable.shape[0]))
                     elif e.fast == "dense":
-                        out[e.name] = _repeated_dense_squares(calls, seg, sums_per_layer)
+                        out[e.name] = _repeated_squares(calls, seg, sums_per_layer)
+                    elif e.fast == "einsum":
+                        out[e.name] = _repeated_squares(calls, seg, sums_per_layer,
+                                                        functools.partial(_einsum_positions, e.layer.equation))
                     else:
                         out[e.name] = _conv_squares(e.layer, *calls[0], seg, sums_per_layer, int(e.weight.groups),
                                                     calls[1:])

@@ -538,11 +538,11 @@ class KerasSession:
                 elif entry.fast and entry.fast != "table":  # a loose table has no call: _first_checks
                     recs = self.taps.records.get(entry.name, [])
                     entry.calls = 1
-                    if (entry.fast in ("dense", "conv", "depthwise", "embedding") and len(recs) > 1
+                    if (entry.fast in ("dense", "einsum", "conv", "depthwise", "embedding") and len(recs) > 1
                             and all(r[1] is not None for r in recs) and entry is not self._logits_dense):
-                        # A Dense or convolution called several times per forward (shared by branches,
-                        # applied in a loop): every call is recorded, their per-sample gradients
-                        # summed (the step).
+                        # A Dense, EinsumDense, convolution or Embedding called several times per
+                        # forward (shared by branches, applied in a loop): every call is recorded,
+                        # their per-sample gradients summed (the step).
                         entry.calls = len(recs)
                         entry.input_rank = len(recs[0][0].shape)
                         entry.in_size = sum(_per_sample_elements(r[0]) for r in recs)
