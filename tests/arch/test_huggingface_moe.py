@@ -22,7 +22,7 @@ import pytest
 import torch
 import transformers
 from transformers.models.aria.modeling_aria import AriaExperts
-from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
 from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
@@ -315,22 +315,73 @@ def test_expert_fast_rule_checks_what_it_assumes(case):
     assert_close({name: got[name] for name in want}, want)
 
 
-def test_router_not_returning_its_logits_first_takes_the_generic_path():
-    """GPT-OSS's router returns its top-k scores first, not its logits: the check on the first call
-    sends it to the generic path, whose diagonal the fast path of every other layer matches."""
+def _gpt_oss():
     torch.manual_seed(0)
     config = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=8, intermediate_size=6, num_hidden_layers=1,
                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=EXPERTS,
                                        num_experts_per_tok=TOP_K, head_dim=4, pad_token_id=0, bos_token_id=1,
                                        eos_token_id=1, experts_implementation="eager")
-    model = transformers.GptOssForCausalLM(config).double()
-    report = analyze_quietly(model, lm_loader(), estimator="ggn", loss="ce")
-    assert report.layer("model.layers.0.mlp.router").details["generic_reason"] == \
-        "the router does not return F.linear(hidden_states, weight) first"
-    assert {layer.details["path"] for layer in report.layers if ".experts." in layer.name} == {"fast"}
+    return transformers.GptOssForCausalLM(config).double()
+
+
+def _assert_fast_equals_generic(model):
     got = normflat.hessian_diagonal(model, lm_loader(), estimator="ggn", loss="ce", progress=False)
     want = normflat.hessian_diagonal(model, lm_loader(), estimator="ggn", loss="ce", progress=False, fast=False)
     assert_close(got, {name: v.numpy() for name, v in want.items()}, rtol=1e-9)
+
+
+def test_router_with_a_bias_is_fast():
+    """GPT-OSS's router returns ``F.linear(hidden_states, weight, bias)`` first: its bias does not change
+    the signals at those logits, and the first call's check accepts it; the whole model is fast, and
+    equals the generic path."""
+    model = _gpt_oss()
+    report = analyze_quietly(model, lm_loader(), estimator="ggn", loss="ce")
+    assert {layer.details["path"] for layer in report.layers} == {"fast"}, [
+        (layer.name, layer.details.get("generic_reason")) for layer in report.layers]
+    _assert_fast_equals_generic(model)
+
+
+class _ScaledLogitsRouter(GptOssTopKRouter):
+    """Returns its logits halved first (``first="scaled"``: not the linear map the router rule takes its
+    signals at), or a copy of them (``"copy"``, ``"detached"``: the scores are computed from the
+    original, so no signal reaches the copy)."""
+
+    first = "scaled"
+
+    def forward(self, hidden_states):
+        if self.first in ("copy", "detached"):
+            logits, scores, indices = super().forward(hidden_states)
+            return (logits.clone() if self.first == "copy" else logits.detach()), scores, indices
+        logits = torch.nn.functional.linear(hidden_states, self.weight, self.bias) * 0.5
+        top, indices = torch.topk(logits, self.top_k, dim=-1)
+        return logits, torch.softmax(top, dim=1), indices
+
+
+@pytest.mark.parametrize("first, reason", [
+    ("scaled", "the router does not return F.linear(hidden_states, weight) first"),
+    ("copy", "no signal reaches the first output it returns"),
+    ("detached", "no signal reaches the first output it returns"),
+])
+def test_router_not_returning_its_logits_first_takes_the_generic_path(first, reason):
+    """A router whose first output is not its linear map, or not the tensor the model goes on with:
+    the first call's checks send it to the generic path, whose diagonal the fast path of every other
+    layer matches (a signal-less copy would otherwise give the router a zero diagonal)."""
+    from normflat.backends.torch import register_layer
+    from normflat.backends.torch.layers import REGISTRY
+
+    model = _gpt_oss()
+    router = model.model.layers[0].mlp.router
+    router.__class__ = _ScaledLogitsRouter
+    router.first = first
+    # Registered as a router itself (a subclass overriding a known router's forward is refused earlier).
+    register_layer(_ScaledLogitsRouter, kind="router", check=hf.check_router, ggn_squares=hf.router_squares)
+    try:
+        report = analyze_quietly(model, lm_loader(), estimator="ggn", loss="ce")
+        assert reason in report.layer("model.layers.0.mlp.router").details["generic_reason"]
+        assert {layer.details["path"] for layer in report.layers if ".experts." in layer.name} == {"fast"}
+        _assert_fast_equals_generic(model)
+    finally:
+        REGISTRY.unregister(_ScaledLogitsRouter)
 
 
 class _RouterLike(torch.nn.Module):

@@ -61,8 +61,8 @@ def _model(recurrent, masked=False, seed=0):
     _randomize(model, rng)
     x = rng.normal(size=(5, T, D))
     if masked:
-        x[1, 2:] = 0.0  # two steps shorter
-        x[3, 1:] = 0.0
+        x[0, 2:] = 0.0  # two steps shorter
+        x[2, 1:] = 0.0
     return model, x, rng.integers(0, C, 5)
 
 
@@ -80,16 +80,23 @@ CASES = {
 }
 
 
-def _check_fast(model, x, y, loss="nsce"):
-    """Every recurrent weight on the fast path; ``ggn`` against brute force (also in chunks of 2);
-    ``ggn-mc`` and ``ggn-topk`` against the generic path with the same draws."""
+#: The cases also checked against the generic path with the stochastic estimators (the generic path
+#: runs the recurrent loop once per sample and signal: slow).
+STOCHASTIC = ("lstm", "gru-reset-before-backwards", "simple-rnn")
+
+
+def _check_fast(model, x, y, loss="nsce", stochastic=False):
+    """Every recurrent weight on the fast path; ``ggn`` against brute force in chunks of 2 (the second
+    chunk of one sample); with ``stochastic``, ``ggn-mc`` and ``ggn-topk`` against the generic path
+    with the same draws."""
     report = normflat.analyze(model, (x, y), loss=loss, progress=False)
     expected = _names(model)
     for layer in report.layers:
         if layer.name.split(".")[0] in expected:
             assert layer.details["path"] == "fast", (layer.name, layer.details)
-    check_against(model, x, y, expected, loss=loss)
-    check_against(model, x, y, expected, loss=loss, chunk_size=2)
+    check_against(model, x[:3], y[:3], expected, loss=loss, chunk_size=2)
+    if not stochastic:
+        return
     for kw in (dict(estimator="ggn-mc", samples=3, seed=2), dict(estimator="ggn-topk", top_classes=2, samples=2,
                                                                    seed=3)):
         fast = normflat.hessian_diagonal(model, (x, y), loss=loss, progress=False, **kw)
@@ -102,13 +109,12 @@ def _check_fast(model, x, y, loss="nsce"):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_recurrent_fast_rule(case):
     model, x, y = _model(CASES[case], seed=1)
-    _check_fast(model, x, y)
+    _check_fast(model, x, y, stochastic=case in STOCHASTIC)
     for layer in _layers(model):  # the model is left as it was
         assert "inner_loop" not in vars(layer)
 
 
-@pytest.mark.parametrize("case", ["lstm", "gru-reset-before-backwards", "gru-reset-before-unrolled",
-                                  "lstm-unrolled-no-bias"])
+@pytest.mark.parametrize("case", ["gru-reset-before-backwards", "lstm-unrolled-no-bias"])
 def test_recurrent_fast_rule_with_masks(case):
     """Masked steps keep the previous state: their taps get no signal (Keras' own masked loop)."""
     model, x, y = _model(CASES[case], masked=True, seed=2)
@@ -153,7 +159,7 @@ def _generic_cases():
                           (shifted, "its recorded recurrence computes other outputs than RNN's own loop")):
         _randomize(model, rng)
         out.append((model, reason))
-    return out, rng.normal(size=(4, T, D)), rng.integers(0, C, 4)
+    return out, rng.normal(size=(3, T, D)), rng.integers(0, C, 3)
 
 
 def test_generic_recurrent_layers_give_their_reason_and_stay_exact():

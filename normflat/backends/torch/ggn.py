@@ -997,8 +997,16 @@ def backprop_signals(logits: torch.Tensor, outs: list[torch.Tensor], sig: torch.
     """Per layer, the gradients of ``⟨signal_j, logits⟩`` w.r.t. its output, for every ``j``.
 
     ``batched`` (decided once from the graph by :func:`inspect_graph`) runs one
-    ``is_grads_batched`` backward; otherwise one backward per signal.
+    ``is_grads_batched`` backward; otherwise one backward per signal. An output outside the graph
+    (a module returning a detached tensor) gets ``None``, as an output the logits do not reach.
     """
+    live = [i for i, o in enumerate(outs) if o.requires_grad]
+    if len(live) < len(outs):
+        got = backprop_signals(logits, [outs[i] for i in live], sig, batched) if live else []
+        full: list[list[torch.Tensor] | None] = [None] * len(outs)
+        for i, g in zip(live, got):
+            full[i] = g
+        return full
     if batched and sig.shape[0] > 1:
         grads = torch.autograd.grad(logits, outs, grad_outputs=sig, is_grads_batched=True,
                                     retain_graph=True, allow_unused=True)

@@ -463,7 +463,7 @@ _CHECKED_ROUTERS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKey
 def router_squares(module: nn.Module, x: torch.Tensor, deltas: Any, out: torch.Tensor | None = None) -> torch.Tensor:
     """Fast GGN rule of a router (:func:`_linear_router`): ``nn.Linear``'s, with the signals taken at
     the router logits it returns first (the session's capture), which are ``F.linear(x, weight)``,
-    cast or not. The router's softmax and top-k inside it lie between those logits and the model's,
+    cast or not, its bias added or not. The router's softmax and top-k inside it lie between those logits and the model's,
     so the signals there carry them. Checked once per module on a few tokens: otherwise the generic
     path."""
     weight = module.weight
@@ -473,13 +473,17 @@ def router_squares(module: nn.Module, x: torch.Tensor, deltas: Any, out: torch.T
         ok = _CHECKED_ROUTERS.get(module)
     if ok is None:
         few = rows[:64]
+        bias = getattr(module, "bias", None)
         with torch.no_grad():
             returned = type(module).forward(module, few)
             first = returned[0] if isinstance(returned, tuple) and returned else None
-            want = F.linear(few.to(like.dtype), weight.detach().to(like.dtype))
-        ok = (isinstance(first, torch.Tensor) and first.shape == want.shape
-              and bool((first.to(want.dtype) - want).abs().max()
-                       <= 1e3 * torch.finfo(want.dtype).eps * max(float(want.abs().max()), 1e-30)))
+            want = [F.linear(few.to(like.dtype), weight.detach().to(like.dtype))]
+            if isinstance(bias, torch.Tensor):  # GPT-OSS's router adds its bias (no change to the signals)
+                want.append(want[0] + bias.detach().to(like.dtype))
+        ok = isinstance(first, torch.Tensor) and any(
+            first.shape == w.shape and bool((first.to(w.dtype) - w).abs().max()
+                                            <= 1e3 * torch.finfo(w.dtype).eps * max(float(w.abs().max()), 1e-30))
+            for w in want)
         with _CHECKED_LOCK:
             _CHECKED_ROUTERS[module] = ok
     if not ok:

@@ -758,6 +758,13 @@ class TorchSession:
         """
         assert self.capture is not None
         cap = self.capture
+        for layer in fast:
+            if any(id(use) in cap.outputs and not cap.outputs[id(use)].requires_grad for use in layer.uses):
+                # A module returning a detached tensor where its rule takes the signals: none reach it.
+                layer.disable_fast("no signal reaches the first output it returns, where its rule takes the signals"
+                                   if ggn_kernels.first_of_tuple(layer.ext.ggn_squares) else
+                                   "its output is outside the autograd graph (a detached tensor): no signal reaches it")
+        fast = [layer for layer in fast if layer.fast]
         outs = [cap.outputs[id(use)] for layer in fast for use in layer.uses if id(use) in cap.outputs]
         uses, self.batched = ggn_kernels.inspect_graph(logits.grad_fn, {id(layer.param): layer for layer in fast},
                                                        outs)
@@ -1216,6 +1223,12 @@ class TorchSession:
             parts = mine[0]
             del mine
             if parts is None:  # the layer does not influence the logits
+                if ggn_kernels.first_of_tuple(layer.ext.ggn_squares):
+                    # A module returning (its map's output, ...) whose first output gets no signal: the
+                    # model may go on with another tensor (a router's scores computed from a copy), so
+                    # the generic path decides, this chunk included.
+                    layer.disable_fast("no signal reaches the first output it returns, where its rule takes the "
+                                       "signals")
                 continue
             inputs = cap.inputs[id(layer)]
             fold = self._chunk_folds.get(id(layer))
