@@ -734,3 +734,35 @@ def test_convolution_groups_kept_as_kernel_sums_give_the_full_groups_report(monk
         for m, se in b.standard_error.items():
             assert se > 0
             assert a.standard_error[m] == pytest.approx(se, rel=1e-12), (a.name, m)
+
+
+def test_generic_embedding_beside_attention_runs_and_equals_the_fast_path():
+    """An embedding on the generic path beside an attention layer (a 2000-row table of 128 features,
+    32 tokens): TensorFlow's vectorized per-sample gradients of that lookup crashed the process with
+    its default oneDNN kernels (a segmentation fault), so the generic path runs them one after the
+    other; in a subprocess with those kernels on, so a crash fails this test instead of the run, and
+    with the fast path's numbers."""
+    import subprocess
+    import sys
+
+    code = (
+        "import keras, numpy as np, normflat\n"
+        "keras.utils.set_random_seed(0)\n"
+        "ids = keras.Input((32,), dtype='int32')\n"
+        "h = keras.layers.Embedding(2000, 128, name='emb')(ids)\n"
+        "h = keras.layers.MultiHeadAttention(2, 64, name='mha')(h, h)\n"
+        "m = keras.Model(ids, keras.layers.Dense(10, name='head')(h[:, 0]))\n"
+        "g = np.random.default_rng(0)\n"
+        "data = (g.integers(0, 2000, (2, 32)).astype('int32'), g.integers(0, 10, 2))\n"
+        "slow = normflat.hessian_diagonal(m, data, estimator='ggn', progress=False, fast=False)\n"
+        "fast = normflat.hessian_diagonal(m, data, estimator='ggn', progress=False)\n"
+        "print('DIFF', max(float(np.abs(np.asarray(fast[k]) - np.asarray(slow[k])).max()"
+        " / np.abs(np.asarray(slow[k])).max()) for k in fast))\n"
+    )
+    # TensorFlow's default oneDNN kernels, which the crash was in (the test session turns them off).
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_ENABLE_ONEDNN_OPTS="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    diff = float(out.stdout.split("DIFF")[-1])
+    assert diff < 1e-4, diff  # float32, the two paths' own orders of summation

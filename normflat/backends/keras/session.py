@@ -850,7 +850,7 @@ class KerasSession:
             def factory():
                 holder: dict = {}
                 return ggn_step_fn(self.model, self.entries, options, options.state_groups, block, self.num_classes,
-                                   holder, tokens=self.tokens, sequential=has_recurrence(self.model)), holder
+                                   holder, tokens=self.tokens, sequential=self._sequential_generic()), holder
 
             self._step, self._holder = _cached(_COMPILED, self.model, key, factory)
             if self.config.chunk_size is not None:
@@ -861,6 +861,16 @@ class KerasSession:
                 self.chunk = ggn_chunk_size(linear, quadratic, self.config.memory_budget, block, budget)
         self._holder["taps"] = self.taps
         return self._step, signals, block
+
+    def _sequential_generic(self) -> bool:
+        """Whether the generic path's per-sample gradients run one after the other (``tf.map_fn``)
+        rather than vectorized: with a recurrent layer (vectorizing the backward pass of its
+        ``tf.while_loop`` compiles for longer than the loop runs), and with an embedding on the
+        generic path (the vectorized gradient of its lookup beside an attention layer crashed
+        TensorFlow's CPU runtime, its default oneDNN kernels, with a segmentation fault: a 2000-row
+        table of 128 features, 32 tokens; the same numbers either way)."""
+        return has_recurrence(self.model) or any(
+            not e.fast and isinstance(e.layer, keras.layers.Embedding) for e in self.entries)
 
     def _step_bytes(self, block: int) -> tuple[int, int]:
         """:func:`~normflat.backends.keras.ggn.ggn_bytes` of a step of ``block`` signals per sample."""
