@@ -766,3 +766,28 @@ def test_generic_embedding_beside_attention_runs_and_equals_the_fast_path():
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     diff = float(out.stdout.split("DIFF")[-1])
     assert diff < 1e-4, diff  # float32, the two paths' own orders of summation
+
+
+def test_generic_path_runs_one_sample_at_a_time_beside_attention_embeddings_or_recurrences():
+    """The policy of the generic path's per-sample gradients (``KerasSession._sequential_generic``):
+    vectorized, except with a recurrent layer, an embedding on the generic path, or generic weights
+    beside a ``MultiHeadAttention`` (where the vectorized form crashed TensorFlow)."""
+    import types
+
+    from normflat.backends.keras.session import KerasSession
+
+    L = keras.layers
+
+    def decide(model, generic):
+        entries = [types.SimpleNamespace(fast=None if layer in generic else "dense", layer=layer)
+                   for layer in model.layers if layer.weights]
+        return KerasSession._sequential_generic(types.SimpleNamespace(model=model, entries=entries))
+
+    ids = keras.Input((4,), dtype="int32")
+    emb, mix = L.Embedding(10, 4), L.Dense(4)
+    plain = keras.Model(ids, L.Dense(3)(mix(emb(ids))))
+    h = emb(ids)
+    attention = keras.Model(ids, L.Dense(3)(mix(L.MultiHeadAttention(1, 2)(h, h))))
+    recurrent = keras.Model(ids, L.Dense(3)(L.SimpleRNN(2)(emb(ids))))
+    assert not decide(plain, []) and not decide(plain, [mix]) and not decide(attention, [])
+    assert decide(plain, [emb]) and decide(attention, [mix]) and decide(recurrent, [])

@@ -865,12 +865,18 @@ class KerasSession:
     def _sequential_generic(self) -> bool:
         """Whether the generic path's per-sample gradients run one after the other (``tf.map_fn``)
         rather than vectorized: with a recurrent layer (vectorizing the backward pass of its
-        ``tf.while_loop`` compiles for longer than the loop runs), and with an embedding on the
-        generic path (the vectorized gradient of its lookup beside an attention layer crashed
-        TensorFlow's CPU runtime, its default oneDNN kernels, with a segmentation fault: a 2000-row
-        table of 128 features, 32 tokens; the same numbers either way)."""
-        return has_recurrence(self.model) or any(
-            not e.fast and isinstance(e.layer, keras.layers.Embedding) for e in self.entries)
+        ``tf.while_loop`` compiles for longer than the loop runs), and with weights on the generic
+        path beside an attention layer or an embedding among them (vectorized, their gradients
+        crashed TensorFlow's CPU runtime, its default oneDNN kernels, with a segmentation fault:
+        keras-hub's ALBERT with its attention projections generic, an embedding of 2000 rows and
+        128 features beside a ``MultiHeadAttention``). The same numbers either way."""
+        if has_recurrence(self.model):
+            return True
+        generic = [e for e in self.entries if not e.fast]
+        if not generic:
+            return False
+        return any(isinstance(e.layer, keras.layers.Embedding) for e in generic) or any(
+            isinstance(layer, keras.layers.MultiHeadAttention) for layer in compat.flatten_layers(self.model))
 
     def _step_bytes(self, block: int) -> tuple[int, int]:
         """:func:`~normflat.backends.keras.ggn.ggn_bytes` of a step of ``block`` signals per sample."""
