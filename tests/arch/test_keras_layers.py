@@ -126,6 +126,19 @@ def _layer_variable(model, path):
     raise KeyError(path)
 
 
+def _fast_equals_brute_force_and_generic(model, x, y, expected, seed=4):
+    """``ggn`` (nsce) against brute force, whole and in chunks of 2, and ``ggn-mc`` and chunked ``ggn``
+    against the generic path (``fast=False``), every analyzed weight."""
+    check_against(model, x, y, expected, loss="nsce")
+    check_against(model, x, y, expected, loss="nsce", chunk_size=2)
+    for kw in (dict(estimator="ggn-mc", samples=3, seed=seed), dict(estimator="ggn", chunk_size=2)):
+        fast = normflat.hessian_diagonal(model, (x, y), loss="nsce", progress=False, **kw)
+        generic = normflat.hessian_diagonal(model, (x, y), loss="nsce", progress=False, fast=False, **kw)
+        for name in fast:
+            np.testing.assert_allclose(np.asarray(fast[name]), np.asarray(generic[name]), rtol=RTOL,
+                                       atol=1e-14 * np.abs(np.asarray(generic[name])).max(), err_msg=name)
+
+
 def check_against(model, x, y, expected, loss="ce", estimator="ggn", reference=ggn_reference, **kw):
     """``expected``: ``{report name: (variable path, canonical fn)}``; every name is compared."""
     got = normflat.hessian_diagonal(model, (x, y), loss=loss, estimator=estimator, progress=False, **kw)
@@ -225,13 +238,7 @@ def test_multi_head_attention_called_twice_fast_rule():
         (layer.name, layer.details) for layer in report.layers]
     expected = {k: (f"mha/{v[0]}/kernel", v[1]) for k, v in _mha("mha").items()}
     expected["head"] = ("head/kernel", _transposed)
-    check_against(model, x, y, expected, loss="nsce")
-    check_against(model, x, y, expected, loss="nsce", chunk_size=2)
-    for kw in (dict(estimator="ggn-mc", samples=3, seed=4), dict(estimator="ggn", chunk_size=2)):
-        fast = normflat.hessian_diagonal(model, (x, y), loss="nsce", progress=False, **kw)
-        generic = normflat.hessian_diagonal(model, (x, y), loss="nsce", progress=False, fast=False, **kw)
-        for name in fast:
-            np.testing.assert_allclose(np.asarray(fast[name]), np.asarray(generic[name]), rtol=RTOL, err_msg=name)
+    _fast_equals_brute_force_and_generic(model, x, y, expected)
 
 
 def test_multi_head_attention_called_twice_per_head_rescalings_are_invariant():
@@ -667,13 +674,7 @@ def test_embedding_looked_up_twice_fast_rule():
     assert report.layer("emb").details["path"] == "fast", report.layer("emb").details
     expected = {"emb": ("emb/embeddings", _transposed), "mix": ("mix/kernel", _transposed),
                 "head": ("head/kernel", _transposed)}
-    check_against(model, x, y, expected, loss="nsce")
-    check_against(model, x, y, expected, loss="nsce", chunk_size=2)
-    for kw in (dict(estimator="ggn-mc", samples=3, seed=4), dict(estimator="ggn", chunk_size=2)):
-        fast = normflat.hessian_diagonal(model, (x, y), loss="nsce", progress=False, **kw)
-        generic = normflat.hessian_diagonal(model, (x, y), loss="nsce", progress=False, fast=False, **kw)
-        for name in fast:
-            np.testing.assert_allclose(np.asarray(fast[name]), np.asarray(generic[name]), rtol=RTOL, err_msg=name)
+    _fast_equals_brute_force_and_generic(model, x, y, expected)
 
 
 def test_embedding_looked_up_twice_feature_rescaling_is_invariant():
@@ -1051,14 +1052,7 @@ def test_dense_called_several_times_sums_its_calls():
     expected = {name: (f"{name}/kernel", _transposed) for name in ("inp", "shared", "head")}
     expected["conv"] = ("conv/kernel", _conv1d)
     expected["depthwise"] = ("depthwise/kernel", lambda k: k.transpose(1, 2, 0))  # (k, C, 1) -> (C, 1, k)
-    check_against(model, x, y, expected, loss="nsce")
-    check_against(model, x, y, expected, loss="nsce", chunk_size=2)
-    for kw in (dict(estimator="ggn-mc", samples=3, seed=2), dict(estimator="ggn", chunk_size=2)):
-        fast = normflat.hessian_diagonal(model, (x, y), loss="nsce", progress=False, **kw)
-        generic = normflat.hessian_diagonal(model, (x, y), loss="nsce", progress=False, fast=False, **kw)
-        for name in fast:
-            np.testing.assert_allclose(np.asarray(fast[name]), np.asarray(generic[name]), rtol=RTOL,
-                                       atol=1e-14 * np.abs(np.asarray(generic[name])).max(), err_msg=name)
+    _fast_equals_brute_force_and_generic(model, x, y, expected, seed=2)
 
 
 def test_dense_called_several_times_conjugation_is_invariant():

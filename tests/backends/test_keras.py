@@ -7,6 +7,8 @@ full per-sample Jacobians of the (normalized) logits. Everything in float64.
 
 from __future__ import annotations
 
+from typing import Any
+
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -683,10 +685,16 @@ def test_progress_bar_runs(capsys):
     assert "normflat ggn" in capsys.readouterr().err
 
 
-def test_other_keras_backends_get_a_clear_error():
+def _run_in_python(code: str, timeout: int, **env: str) -> Any:
+    """``code`` run by a fresh interpreter at the repository root with ``env`` added to the environment."""
     import subprocess
     import sys
 
+    return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True, text=True,
+                          timeout=timeout, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
+def test_other_keras_backends_get_a_clear_error():
     require_frameworks("jax")
     code = (
         "import keras, numpy as np, normflat\n"
@@ -696,9 +704,7 @@ def test_other_keras_backends_get_a_clear_error():
         "except RuntimeError as e:\n"
         "    print('ERR', e)\n"
     )
-    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    out = _run_in_python(code, 120, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
     assert "ERR" in out.stdout, out.stderr[-2000:]
     assert "'jax'" in out.stdout and "KERAS_BACKEND=tensorflow" in out.stdout
 
@@ -742,9 +748,6 @@ def test_generic_embedding_beside_attention_runs_and_equals_the_fast_path():
     its default oneDNN kernels (a segmentation fault), so the generic path runs them one after the
     other; in a subprocess with those kernels on, so a crash fails this test instead of the run, and
     with the fast path's numbers."""
-    import subprocess
-    import sys
-
     code = (
         "import keras, numpy as np, normflat\n"
         "keras.utils.set_random_seed(0)\n"
@@ -760,9 +763,7 @@ def test_generic_embedding_beside_attention_runs_and_equals_the_fast_path():
         " / np.abs(np.asarray(slow[k])).max()) for k in fast))\n"
     )
     # TensorFlow's default oneDNN kernels, which the crash was in (the test session turns them off).
-    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_ENABLE_ONEDNN_OPTS="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    out = _run_in_python(code, 300, KERAS_BACKEND="tensorflow", TF_ENABLE_ONEDNN_OPTS="1")
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     diff = float(out.stdout.split("DIFF")[-1])
     assert diff < 1e-4, diff  # float32, the two paths' own orders of summation
