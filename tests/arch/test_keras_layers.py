@@ -1089,3 +1089,26 @@ def test_dense_called_several_times_conjugation_is_invariant():
     for name in ("shared", "conv"):
         assert abs(after.layer(name).hessian_trace / before.layer(name).hessian_trace - 1) > 1e-3
     _assert_invariant(before, after)
+
+
+def test_fast_layer_whose_output_the_logits_do_not_reach():
+    """A backbone computing a pooled output beside the sequence a head reads (keras-hub's Electra): the
+    pooler's ``Dense`` runs but no signal reaches it. Its diagonal is zero, as brute force says, and
+    every other layer's is unchanged (no error from a missing signal)."""
+    rng = _rng(35)
+    inp = keras.Input((3, 2), dtype=F64)
+    h = L.Dense(4, activation="tanh", dtype=F64, name="mix")(inp)
+    pooled = L.Dense(4, dtype=F64, name="pooler")(h[:, 0])
+    backbone = keras.Model(inp, [h, pooled], name="backbone")
+    out = L.Dense(3, dtype=F64, name="head")(L.Flatten(dtype=F64)(backbone(inp)[0]))
+    model = keras.Model(inp, out)
+    _randomize(model, rng)
+    x, y = rng.normal(size=(4, 3, 2)), rng.integers(0, 3, 4)
+    report = normflat.analyze(model, (x, y), loss="nsce", progress=False)
+    assert report.layer("backbone/pooler").details["path"] == "fast"
+    got = check_against(model, x, y, {"backbone/mix": ("mix/kernel", _transposed),
+                                      "head": ("head/kernel", _transposed)}, loss="nsce")
+    assert np.asarray(got["backbone/pooler"]).shape == (4, 4) and not np.asarray(got["backbone/pooler"]).any()
+    generic = normflat.hessian_diagonal(model, (x, y), loss="nsce", progress=False, fast=False)
+    for name in got:
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(generic[name]), rtol=RTOL, err_msg=name)

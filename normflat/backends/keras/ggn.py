@@ -1197,7 +1197,10 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                         out[e.name] = _conv_squares(e.layer, *calls[0], seg, sums_per_layer, int(e.weight.groups),
                                                     calls[1:])
                 else:
-                    out[e.name] = _fast_squares(e, rec[0][0], per_call[0], seg, sums_per_layer, tf.shape(z)[0])
+                    # An output the logits do not reach (a backbone's pooler beside the sequence output
+                    # a head reads) gets no signal: zeros, as for every other kind above.
+                    gs = [tf.zeros_like(rec[0][1]) if g is None else g for g in per_call[0]]
+                    out[e.name] = _fast_squares(e, rec[0][0], gs, seg, sums_per_layer, tf.shape(z)[0])
         if generic:
             n = tf.shape(z)[0]
             # One signal per (signal, sample): per-sample gradients through the whole model.
