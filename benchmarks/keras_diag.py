@@ -47,6 +47,10 @@ that are one shared transformer layer called 4 times, a 10-class head on the poo
 sequences of 32 tokens): ``ggn`` against one gradient (:func:`albert_figures`); each of the shared
 layer's ``EinsumDense``/``Dense`` weights is called 4 times per forward.
 
+``--llama`` times keras-hub's Llama causal LM (2 layers of width 64, MLP 256, a 5000-token vocabulary
+and its untied output projection, 4 sequences of 32 tokens with next-token labels): ``auto``
+(``ggn-topk`` per sequence) against one gradient (:func:`llama_figures`).
+
 ``--separable`` times Keras' Xception (``keras.applications``, ``weights=None``, 71×71 inputs,
 10 classes, 8 images), whose blocks are ``SeparableConv2D`` layers: ``ggn`` against one gradient
 (:func:`separable_figures`).
@@ -60,6 +64,7 @@ Run::
     python -m benchmarks.keras_diag --separable [--repeats 5] [--threads 1]
     python -m benchmarks.keras_diag --recurrent [--repeats 5] [--threads 1] [--memory]
     python -m benchmarks.keras_diag --albert [--repeats 5] [--threads 1]
+    python -m benchmarks.keras_diag --llama [--repeats 5] [--threads 1]
 
 ``--threads N`` limits both frameworks to N CPU threads (TensorFlow intra- and
 inter-op pools, ``torch.set_num_threads``): on a shared machine one thread
@@ -82,7 +87,7 @@ import numpy as np  # noqa: E402
 from benchmarks._common import time_interleaved  # noqa: E402
 
 __all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "METHODS", "make_problem", "keras_figures", "position_table_figures",
-           "tied_lm_figures", "separable_figures", "recurrent_figures", "recurrent_memory", "albert_figures", "main"]
+           "tied_lm_figures", "separable_figures", "recurrent_figures", "recurrent_memory", "albert_figures", "llama_figures", "main"]
 
 METHODS = ("gradient", "normflat_ggn", "normflat_ggn_mc")
 
@@ -459,6 +464,43 @@ def albert_figures(repeats: int = 5) -> dict[str, float]:
     return time_interleaved(runs, repeats)
 
 
+def llama_figures(repeats: int = 5) -> dict[str, float]:
+    """keras-hub's ``LlamaCausalLM`` (untied head), 4 sequences of 32 tokens: ``{"gradient": s,
+    "normflat": s}`` (``auto``, medians of interleaved rounds)."""
+    import keras
+    import tensorflow as tf
+    from keras_hub.models import LlamaBackbone, LlamaCausalLM
+
+    import normflat
+
+    keras.utils.set_random_seed(0)
+    backbone = LlamaBackbone(vocabulary_size=5000, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+                             hidden_dim=64, intermediate_dim=256)
+    model = LlamaCausalLM(backbone=backbone, preprocessor=None)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 5000, (4, 32)).astype("int32")
+    x = {"token_ids": tf.constant(ids), "padding_mask": tf.ones((4, 32), tf.int32)}
+    y = tf.constant(np.concatenate([ids[:, 1:], np.full((4, 1), -100)], 1))
+    report = normflat.analyze(model, (x, y), loss="ce", progress=False)
+    generic = [r.name for r in report.layers if r.details["path"] != "fast"]
+    print(f"  weights on the generic path: {generic or 'none'}")
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-100)
+
+    @tf.function
+    def gradient():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=False))
+        return tape.gradient(loss, model.trainable_variables)
+
+    def run_gradient():
+        return [(g.values if isinstance(g, tf.IndexedSlices) else g).numpy() for g in gradient()][-1]
+
+    def run_normflat():
+        return [v.numpy() for v in normflat.hessian_diagonal(model, (x, y), loss="ce", progress=False).values()]
+
+    return time_interleaved({"gradient": run_gradient, "normflat": run_normflat}, repeats)
+
+
 def separable_figures(repeats: int = 5) -> dict[str, float]:
     """Xception (71×71, 10 classes, 8 images): ``{"gradient": s, "normflat": s}`` (``ggn``, medians)."""
     import keras
@@ -505,6 +547,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--memory", action="store_true",
                         help="with --sequence-lm or --recurrent: also the peak of TensorFlow's CPU allocations "
                              "against a training step")
+    parser.add_argument("--llama", action="store_true",
+                        help="time auto on keras-hub's Llama causal LM (untied head) against a gradient")
     parser.add_argument("--albert", action="store_true",
                         help="time ggn on keras-hub's ALBERT (one layer shared by 4) against a gradient")
     parser.add_argument("--separable", action="store_true",
@@ -531,6 +575,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          f" ({mem[layer]['analyze'] / step:.1f}x)")
             print(line)
         return {"recurrent": f, "peak_mib": mem}
+    if args.llama:
+        f = llama_figures(args.repeats)
+        _print_against_gradient("keras-hub Llama causal LM (2 layers, width 64, vocabulary 5000, untied head, 4 "
+                                "sequences of 32 tokens), auto", f, args)
+        return {"llama": f}
     if args.albert:
         f = albert_figures(args.repeats)
         _print_against_gradient("keras-hub ALBERT (4 layers sharing one, width 128, 16 sequences of 32 tokens, "

@@ -597,21 +597,26 @@ def _tied_check(model, x, y, layers, **kw):
     return got
 
 
-@pytest.mark.parametrize("use", ["tied", "two_lookups"])
+@pytest.mark.parametrize("use", ["tied", "two_lookups", "untied"])
 def test_tied_reversible_embedding_fast_rule(use):
     """The table read by the lookup (or two: their positions together) and by the reverse projection
     (the LM head): its per-sample gradient is the sum of the uses', squared one signal at a time
-    (method §6.1 "Tied weights"). ``ggn`` against brute force and ``fast=False``; ``ggn-mc`` and
-    ``ggn-topk`` (per sequence) against ``fast=False`` with the same draws; batches of 3 (in chunks
-    of 2) and 2."""
+    (method §6.1 "Tied weights"); untied (its own ``reverse_embeddings``, keras-hub's Llama), the
+    table on the embedding rule and the projection on the dense one, the exact head rule under
+    ``ggn-topk``. ``ggn`` against brute force and ``fast=False``; ``ggn-mc`` and ``ggn-topk`` (per
+    sequence) against ``fast=False`` with the same draws; batches of 3 (in chunks of 2) and 2."""
     model, x, y = tied_model(use)
+    layers = dict(TIED_LAYERS)
+    if use == "untied":
+        layers["emb/reverse"] = ("emb/reverse_embeddings", _transposed)
     rep = normflat.analyze(model, (x, y), shift_labels=True, progress=False)
-    emb = rep.layer("emb")
-    assert emb.details["path"] == "fast" and "generic_reason" not in emb.details, emb.details
-    assert emb.shape == (TD, TV) and rep.metadata["coverage"] == 1.0
+    for name in ("emb", "emb/reverse") if use == "untied" else ("emb",):
+        details = rep.layer(name).details
+        assert details["path"] == "fast" and "generic_reason" not in details, details
+    assert rep.layer("emb").shape == (TD, TV) and rep.metadata["coverage"] == 1.0
     assert rep.metadata["loss_terms"] == int((_shift(y) >= 0).sum()) == 5
     for n in (3, 2):
-        got = _tied_check(model, x[:n], y[:n], TIED_LAYERS, chunk_size=2)
+        got = _tied_check(model, x[:n], y[:n], layers, chunk_size=2)
         generic = normflat.hessian_diagonal(model, (x[:n], y[:n]), loss="nsce", estimator="ggn", shift_labels=True,
                                             progress=False, fast=False)
         for kw in (dict(estimator="ggn-mc", samples=3, seed=4), dict(estimator="ggn-topk", top_classes=2, samples=3,
@@ -619,9 +624,13 @@ def test_tied_reversible_embedding_fast_rule(use):
             fast = normflat.hessian_diagonal(model, (x[:n], y[:n]), shift_labels=True, progress=False, chunk_size=2,
                                              **kw)
             slow = normflat.hessian_diagonal(model, (x[:n], y[:n]), shift_labels=True, progress=False, fast=False, **kw)
-            for k in TIED_LAYERS:
-                np.testing.assert_allclose(np.asarray(fast[k]), np.asarray(slow[k]), rtol=RTOL, err_msg=(k, kw))
-        for k in TIED_LAYERS:
+            for k in layers:
+                # The untied projection is the head: under ggn-topk it takes the exact head rule, which
+                # the generic path estimates by its draws; it equals the exact ggn diagonal instead.
+                exact = k == "emb/reverse" and kw["estimator"] == "ggn-topk"
+                np.testing.assert_allclose(np.asarray(fast[k]), np.asarray((got if exact else slow)[k]), rtol=RTOL,
+                                           err_msg=(k, kw))
+        for k in layers:
             np.testing.assert_allclose(np.asarray(generic[k]), np.asarray(got[k]), rtol=RTOL, err_msg=k)
 
 
@@ -694,23 +703,16 @@ def test_embedding_looked_up_twice_feature_rescaling_is_invariant():
     ("twice", "1 lookup call(s) and 2 reverse call(s) per forward"),
     ("soft_cap", "soft-capped (logit_soft_cap)"),
     ("own_call", "overrides ReversibleEmbedding's call"),
-    ("untied", "an untied reverse_embeddings"),
 ])
 def test_tied_reversible_embedding_otherwise_takes_the_generic_path(use, reason):
     """A table also read outside the layer, a layer called twice in reverse, a soft-capped head, a
-    subclass with its own call, an untied reverse projection: the generic path, with the reason, and
-    the brute-force numbers."""
+    subclass with its own call: the generic path, with the reason, and the brute-force numbers."""
     model, x, y = tied_model(use)
     rep = normflat.analyze(model, (x, y), loss="nsce", estimator="ggn", shift_labels=True, progress=False)
-    names = ["emb", "emb/reverse"] if use == "untied" else ["emb"]
-    for name in names:
-        details = rep.layer(name).details
-        assert details["path"] == "generic" and reason in details["generic_reason"], details
+    details = rep.layer("emb").details
+    assert details["path"] == "generic" and reason in details["generic_reason"], details
     assert rep.layer("mix").details["path"] == "fast"
-    layers = dict(TIED_LAYERS)
-    if use == "untied":
-        layers["emb/reverse"] = ("emb/reverse_embeddings", _transposed)
-    _tied_check(model, x, y, layers)
+    _tied_check(model, x, y, TIED_LAYERS)
 
 
 def test_keyword_batches_and_dict_outputs():
@@ -1112,3 +1114,35 @@ def test_fast_layer_whose_output_the_logits_do_not_reach():
     generic = normflat.hessian_diagonal(model, (x, y), loss="nsce", progress=False, fast=False)
     for name in got:
         np.testing.assert_allclose(np.asarray(got[name]), np.asarray(generic[name]), rtol=RTOL, err_msg=name)
+
+
+def _untied_lm(scale=None):
+    """Ids -> an untied ``ReversibleEmbedding`` -> a ``tanh`` Dense -> a linear Dense ``proj`` -> the reverse
+    projection. ``scale``: ``proj``'s output features times c and the projection's rows divided by c
+    (the same function)."""
+    rng = _rng(36)
+    emb = L.ReversibleEmbedding(TV, TD, tie_weights=False, dtype=F64, name="emb")
+    ids = keras.Input((TT,), dtype="int32")
+    h = L.Dense(TD, activation="tanh", dtype=F64, name="mix")(emb(ids))
+    model = keras.Model(ids, emb(L.Dense(TD, dtype=F64, name="proj")(h), reverse=True))
+    _randomize(model, rng)
+    if scale is not None:
+        proj = model.get_layer("proj")
+        proj.kernel.assign(proj.kernel.numpy() * scale[None, :])
+        proj.bias.assign(proj.bias.numpy() * scale)
+        emb.reverse_embeddings.assign(emb.reverse_embeddings.numpy() / scale[:, None])  # (features, vocabulary)
+    return model
+
+
+def test_untied_reverse_projection_rescaling_is_invariant():
+    """The features entering the untied reverse projection times c, its rows divided by c: the same
+    function; every layer's normalized sharpness stays (the projection on its fast rule), the Hessian
+    trace moves."""
+    x = np.array([[1, 3, 1, 8], [2, 4, 5, 0], [7, 1, 0, 6]], dtype="int32")
+    y = np.where(x == 0, -100, (x + 1) % TV)
+    model, twin = _untied_lm(), _untied_lm(np.array([3.0, 0.4, 1.7, 0.6]))
+    np.testing.assert_allclose(twin(x).numpy(), model(x).numpy(), rtol=1e-12)
+    before = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    after = normflat.analyze(twin, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert {layer.details["path"] for layer in before.layers} == {"fast"}
+    _assert_invariant(before, after)

@@ -58,7 +58,7 @@ import tensorflow as tf
 
 from normflat.backends.keras import compat
 from normflat.backends.keras.calls import recorded_inner_loop
-from normflat.backends.keras.layers import RECURRENT_KINDS, SEPARABLE_KINDS, Entry, einsum_fast_axes
+from normflat.backends.keras.layers import RECURRENT_KINDS, SEPARABLE_KINDS, Entry, einsum_fast_axes, fast_kind
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for
@@ -157,15 +157,20 @@ class Taps:
         self.tables = [entry for entry in tapped if entry.fast == "table"]
         separable: dict[int, list[Entry]] = {}
         recurrent: dict[int, list[Entry]] = {}
+        reversible: dict[int, list[Entry]] = {}
         for entry in tapped:
             if entry.fast in SEPARABLE_KINDS:
                 separable.setdefault(id(entry.layer), []).append(entry)
+            elif entry.fast in ("embedding", "dense") and fast_kind(entry.layer) == "untied":
+                reversible.setdefault(id(entry.layer), []).append(entry)
             elif entry.fast in RECURRENT_KINDS:
                 recurrent.setdefault(id(entry.layer), []).append(entry)
             elif entry.fast != "table":
                 self._tap(state, entry)
         for pair in separable.values():
             self._tap_separable(state, pair[0].layer, pair)
+        for pair in reversible.values():
+            self._tap_untied(state, pair[0].layer, pair)
         if recurrent:
             layers = [layer for layer in compat.flatten_layers(state.model) if isinstance(layer, keras.layers.RNN)]
             for pair in recurrent.values():
@@ -299,6 +304,31 @@ class Taps:
             return layer.activation(y) if layer.activation is not None else y
 
         state.set(layer, "call", separable)
+
+    def _tap_untied(self, state: ModelState, layer: Any, entries: list[Entry]) -> None:
+        """A ``ReversibleEmbedding`` with its own ``reverse_embeddings`` (keras-hub's Llama, Mistral, Phi-3
+        heads): its lookup calls record ``[ids, output]`` for the table (the embedding rule), its
+        ``reverse=True`` calls ``[input, logits]`` for the reverse projection, a dense kernel
+        ``(features, vocabulary)`` (the dense rule; the exact head rule when those are the logits).
+        A call whose ``reverse`` is not a Python bool records nothing (its weights go generic)."""
+        by_kind = {entry.fast: entry for entry in entries}
+        original_call = layer.call
+
+        def call(inputs, *args, **kwargs):
+            reverse = kwargs.get("reverse", args[0] if args else False)
+            mode = bool(reverse) if isinstance(reverse, (bool, np.bool_)) else None
+            with self.own_read(*entries):
+                out = original_call(inputs, *args, **kwargs)
+            entry = None if mode is None else by_kind.get("dense" if mode else "embedding")
+            if entry is not None:
+                if self.tape is not None:
+                    self.tape.watch(out)
+                if mode and getattr(layer, "reverse_dtype", None) is not None:
+                    inputs = keras.ops.cast(inputs, layer.reverse_dtype)  # the projection's own input
+                self.records.setdefault(entry.name, []).append([inputs, out])
+            return out
+
+        state.set(layer, "call", call)
 
     def _tap_recurrent(self, state: ModelState, layer: Any, entries: list[Entry]) -> None:
         """An ``LSTM``/``GRU``/``SimpleRNN`` layer runs its loop as the recorded recurrence

@@ -475,7 +475,9 @@ def fast_kind(layer: Any) -> str | None:
         return None
     reversible = _reversible_embedding()
     if reversible is not None and isinstance(layer, reversible):
-        return "tied" if tied_reversible_reason(layer) is None else None
+        reason = tied_reversible_reason(layer)
+        # An untied reverse projection: the lookup on the embedding rule, the projection on the dense one.
+        return "tied" if reason is None else "untied" if reason == UNTIED_REASON else None
     if isinstance(layer, keras.layers.Dense) and cls.call is keras.layers.Dense.call:
         return "dense"
     if isinstance(layer, keras.layers.EinsumDense) and cls.call is keras.layers.EinsumDense.call:
@@ -536,6 +538,11 @@ def _reversible_embedding() -> type | None:
     return cls if isinstance(cls, type) else None
 
 
+#: Why a ``ReversibleEmbedding`` with its own ``reverse_embeddings`` has no tied rule: its two
+#: weights take the embedding and dense rules instead (fast kind ``"untied"``).
+UNTIED_REASON = "several weight tensors in one layer (an untied reverse_embeddings)"
+
+
 def tied_reversible_reason(layer: Any) -> str | None:
     """Why a ``ReversibleEmbedding`` has no tied fast rule (``None``: it has one).
 
@@ -550,7 +557,7 @@ def tied_reversible_reason(layer: Any) -> str | None:
     if type(layer).call is not reversible.call:
         return f"{name} overrides ReversibleEmbedding's call (no fast rule for its own call)"
     if not getattr(layer, "tie_weights", False):
-        return "several weight tensors in one layer (an untied reverse_embeddings)"
+        return UNTIED_REASON
     if getattr(layer, "logit_soft_cap", None) is not None:
         return ("its reverse projection is soft-capped (logit_soft_cap): the logits are not a product with the "
                 "table")
@@ -708,8 +715,9 @@ def walk(model: Any, on_unsupported: str,
                 fast = kind if len(weights) == 1 else None
                 separable = kind == "separable" and len(weights) == 2
                 recurrent = kind == "recurrent" and len(weights) == 2
+                untied = kind == "untied" and len(weights) == 2
                 reversible = _reversible_embedding()
-                reason = None if fast or separable or recurrent else (
+                reason = None if fast or separable or recurrent or untied else (
                     "several weight tensors in one layer" if kind else
                     tied_reversible_reason(child) if reversible is not None and isinstance(child, reversible) else
                     f"{type(child).__name__}: keras-hub experts (every expert on every token) have no fast rule"
@@ -720,6 +728,8 @@ def walk(model: Any, on_unsupported: str,
                         fast = SEPARABLE_KINDS[j]  # the depthwise kernel, then the pointwise one
                     elif recurrent:
                         fast = RECURRENT_KINDS[j]  # the kernel, then the recurrent kernel
+                    elif untied:
+                        fast = ("embedding", "dense")[j]  # the table, then the reverse projection
                     first = by_variable.get(id(w.variable))
                     if first is not None:  # shared with an earlier layer: analyzed there, as torch does
                         first.shared_with.append(name + w.suffix)
