@@ -300,12 +300,26 @@ def _sequence_lm(vocabulary: int):
 def _sequence_lm_runs(vocabulary: int) -> dict[str, Callable[[], Any]]:
     """``gradient`` (of the mean token cross-entropy) and ``normflat`` (``hessian_diagonal``,
     ``ggn-topk`` per sequence) on :func:`_sequence_lm`."""
-    import keras
     import tensorflow as tf
 
     import normflat
 
     model, (x, y) = _sequence_lm(vocabulary)
+    gradient = _token_gradient(model, x, y)
+
+    def normflat_run():
+        return [v.numpy() for v in normflat.hessian_diagonal(model, (x, y), loss="ce", estimator="ggn-topk",
+                                                             progress=False).values()]
+
+    return {"gradient": lambda: [tf.convert_to_tensor(g).numpy() for g in gradient()], "normflat": normflat_run}
+
+
+def _token_gradient(model, x, y) -> Callable[[], Any]:
+    """A compiled gradient of the mean token cross-entropy of ``model`` on ``(x, y)`` (label -100
+    ignored) with respect to all trainable variables."""
+    import keras
+    import tensorflow as tf
+
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-100)
 
     @tf.function
@@ -314,11 +328,16 @@ def _sequence_lm_runs(vocabulary: int) -> dict[str, Callable[[], Any]]:
             loss = loss_fn(y, model(x, training=False))
         return tape.gradient(loss, model.trainable_variables)
 
-    def normflat_run():
-        return [v.numpy() for v in normflat.hessian_diagonal(model, (x, y), loss="ce", estimator="ggn-topk",
-                                                             progress=False).values()]
+    return gradient
 
-    return {"gradient": lambda: [tf.convert_to_tensor(g).numpy() for g in gradient()], "normflat": normflat_run}
+
+def _print_generic(model, data, **options) -> None:
+    """Print the weights ``normflat.analyze(model, data, **options)`` puts on the generic path."""
+    import normflat
+
+    report = normflat.analyze(model, data, progress=False, **options)
+    generic = [r.name for r in report.layers if r.details["path"] != "fast"]
+    print(f"  weights on the generic path: {generic or 'none'}")
 
 
 def sequence_lm_figures(vocabulary: int = 8000, repeats: int = 5) -> dict[str, float]:
@@ -445,8 +464,6 @@ def albert_figures(repeats: int = 5) -> dict[str, float]:
     import tensorflow as tf
     from keras_hub.models import AlbertBackbone
 
-    import normflat
-
     keras.utils.set_random_seed(0)
     backbone = AlbertBackbone(vocabulary_size=2000, num_layers=4, num_heads=2, embedding_dim=64, hidden_dim=128,
                               intermediate_dim=256, num_groups=1, num_inner_repetitions=1, max_sequence_length=32)
@@ -457,9 +474,7 @@ def albert_figures(repeats: int = 5) -> dict[str, float]:
     x = {"token_ids": tf.constant(rng.integers(1, 2000, (16, 32)).astype("int32")),
          "segment_ids": tf.zeros((16, 32), tf.int32), "padding_mask": tf.ones((16, 32), tf.int32)}
     y = tf.constant(rng.integers(0, 10, 16))
-    report = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
-    generic = [r.name for r in report.layers if r.details["path"] != "fast"]
-    print(f"  weights on the generic path: {generic or 'none'}")
+    _print_generic(model, (x, y), loss="ce", estimator="ggn")
     runs = {"gradient": _runner("gradient", model, x, y), "normflat": _runner("normflat_ggn", model, x, y)}
     return time_interleaved(runs, repeats)
 
@@ -481,16 +496,8 @@ def llama_figures(repeats: int = 5) -> dict[str, float]:
     ids = rng.integers(1, 5000, (4, 32)).astype("int32")
     x = {"token_ids": tf.constant(ids), "padding_mask": tf.ones((4, 32), tf.int32)}
     y = tf.constant(np.concatenate([ids[:, 1:], np.full((4, 1), -100)], 1))
-    report = normflat.analyze(model, (x, y), loss="ce", progress=False)
-    generic = [r.name for r in report.layers if r.details["path"] != "fast"]
-    print(f"  weights on the generic path: {generic or 'none'}")
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-100)
-
-    @tf.function
-    def gradient():
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=False))
-        return tape.gradient(loss, model.trainable_variables)
+    _print_generic(model, (x, y), loss="ce")
+    gradient = _token_gradient(model, x, y)
 
     def run_gradient():
         return [(g.values if isinstance(g, tf.IndexedSlices) else g).numpy() for g in gradient()][-1]

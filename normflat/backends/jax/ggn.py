@@ -768,7 +768,7 @@ class GGN(Kernel):
         for one signal, the sum over its uses of each use's VJP of the signal at its output.
 
         Uses that are the same product (the same primitive, parameters and layout chain, records and
-        outputs of the same shapes: a recurrence written out step by step, a layer called in a loop)
+        outputs of the same shapes: a layer called in a loop)
         go as one: their records and signals stacked, the VJP of the product mapped over them with
         the weight shared, which sums the uses inside one contraction (one matmul over the steps, the
         dense rule with the steps as positions) instead of forming each use's gradient."""

@@ -230,8 +230,7 @@ class Taps:
         if entry.fast == "tied":
             # Both modes of the layer's own call read the one table; each is recorded with its mode.
             def tied(inputs, *args, **kwargs):
-                reverse = kwargs.get("reverse", args[0] if args else False)
-                mode = bool(reverse) if isinstance(reverse, (bool, np.bool_)) else None
+                mode = _reverse_mode(args, kwargs)
                 with self.own_read(entry):
                     out = original_call(inputs, *args, **kwargs)
                 if self.tape is not None:
@@ -315,8 +314,7 @@ class Taps:
         original_call = layer.call
 
         def call(inputs, *args, **kwargs):
-            reverse = kwargs.get("reverse", args[0] if args else False)
-            mode = bool(reverse) if isinstance(reverse, (bool, np.bool_)) else None
+            mode = _reverse_mode(args, kwargs)
             with self.own_read(*entries):
                 out = original_call(inputs, *args, **kwargs)
             entry = None if mode is None else by_kind.get("dense" if mode else "embedding")
@@ -437,6 +435,13 @@ class Taps:
             self._mine.samples = None
             for layer, attr, old in reversed(saved):
                 compat.del_instance_attr(layer, attr, old)
+
+
+def _reverse_mode(args: tuple, kwargs: dict) -> bool | None:
+    """The ``reverse`` argument of a ``ReversibleEmbedding`` call (after its input): ``False`` a lookup,
+    ``True`` the reverse projection, ``None`` when it is not a Python bool (a tensor: unknown here)."""
+    reverse = kwargs.get("reverse", args[0] if args else False)
+    return bool(reverse) if isinstance(reverse, (bool, np.bool_)) else None
 
 
 def _close(a: Any, b: Any) -> bool:
@@ -980,7 +985,6 @@ def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int, sa
         return _embedding_squares(x, gs, seg, groups, int(entry.variable.shape[0]))
     if entry.fast == "position":
         # Each output entry is one table row (the first forward checked it): a lookup of the rows.
-        gs = [tf.zeros_like(x) if g is None else g for g in gs]  # an output the logits do not reach
         rows = tf.cast(x[..., 0], tf.int64)
         return _embedding_squares(rows, gs, seg, groups, int(entry.variable.shape[0]))
     if entry.fast == "table":
@@ -1199,22 +1203,22 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                 back = [tape.gradient(z, pre, output_gradients=s[i]) for i in range(block)]
             j = 0
             for e, rec in zip(rest_fast, records):
-                per_call = [[back[i][j + c] for i in range(block)] for c in range(len(rec))]
+                # An output the logits do not reach (a backbone's pooler beside the sequence output a
+                # head reads) gets no signal: zeros.
+                per_call = [[tf.zeros_like(r[1]) if back[i][j + c] is None else back[i][j + c] for i in range(block)]
+                            for c, r in enumerate(rec)]
                 j += len(rec)
                 if e.fast == "tied":
-                    # An output the logits do not reach gets no signal: zeros. Several lookups (an
-                    # encoder's and a decoder's) go as one over their positions together.
-                    uses = {mode: [(r[0], [tf.zeros_like(r[1]) if g is None else g for g in gs])
-                                   for r, gs in zip(rec, per_call) if r[2] is mode] for mode in (False, True)}
+                    # Several lookups (an encoder's and a decoder's) go as one over their positions together.
+                    uses = {mode: [(r[0], gs) for r, gs in zip(rec, per_call) if r[2] is mode] for mode in (False, True)}
                     out[e.name] = _tied_squares(e, _joined_lookups(uses[False]) if uses[False] else None,
                                                 [*uses[True][0]] if uses[True] else None, seg, sums_per_layer)
                 elif e.fast in RECURRENT_KINDS:
-                    parts = [_step_squares(r[0], [tf.zeros_like(r[1]) if g is None else g for g in gs], seg,
-                                           sums_per_layer) for r, gs in zip(rec, per_call)]
+                    parts = [_step_squares(r[0], gs, seg, sums_per_layer) for r, gs in zip(rec, per_call)]
                     # Range after range of the weight's rows (a GRU's candidate columns multiply r ⊙ h_{t-1}).
                     out[e.name] = parts[0] if len(parts) == 1 else tf.concat(parts, axis=1)
-                elif e.calls > 1:  # every call's positions: an output the logits do not reach gets zeros
-                    calls = [(r[0], [tf.zeros_like(r[1]) if g is None else g for g in gs]) for r, gs in zip(rec, per_call)]
+                elif e.calls > 1:  # every call's positions
+                    calls = [(r[0], gs) for r, gs in zip(rec, per_call)]
                     if e.fast == "embedding":
                         out[e.name] = _embedding_squares(*_joined_lookups(calls), seg, sums_per_layer,
                                                          int(e.variable.shape[0]))
@@ -1227,10 +1231,7 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                         out[e.name] = _conv_squares(e.layer, *calls[0], seg, sums_per_layer, int(e.weight.groups),
                                                     calls[1:])
                 else:
-                    # An output the logits do not reach (a backbone's pooler beside the sequence output
-                    # a head reads) gets no signal: zeros, as for every other kind above.
-                    gs = [tf.zeros_like(rec[0][1]) if g is None else g for g in per_call[0]]
-                    out[e.name] = _fast_squares(e, rec[0][0], gs, seg, sums_per_layer, tf.shape(z)[0])
+                    out[e.name] = _fast_squares(e, rec[0][0], per_call[0], seg, sums_per_layer, tf.shape(z)[0])
         if generic:
             n = tf.shape(z)[0]
             # One signal per (signal, sample): per-sample gradients through the whole model.
