@@ -422,48 +422,91 @@ def _peel_degenerate(pos_a, pos_b, log_a, log_b):
     where ``keep`` is ``None`` or the boolean ``(len(rows), len(cols))`` mask of
     terms that stay.
     """
-    from scipy.sparse import coo_matrix
-    from scipy.sparse.csgraph import connected_components
-
     m, n = log_a.size, log_b.size
-    if pos_a.all() or pos_b.all():
-        # Common case (no pruned weights, or no zero curvature): if every weight term
-        # exists, each column reaches every row, so all rows and columns that also
-        # have a curvature term form one block and the rest are simply dead (and
-        # symmetrically). No graph is needed.
-        row_alive = pos_a.any(axis=1) & pos_b.any(axis=1)
-        col_alive = pos_a.any(axis=0) & pos_b.any(axis=0)
-        log_a[~row_alive] = np.inf if pos_b.all() else -np.inf
-        log_b[~col_alive] = np.inf if pos_b.all() else -np.inf
-        rows, cols = np.flatnonzero(row_alive), np.flatnonzero(col_alive)
-        deg_rows = tuple(int(i) for i in np.flatnonzero(~row_alive))
-        deg_cols = tuple(int(j) for j in np.flatnonzero(~col_alive))
-        return rows, cols, deg_rows, deg_cols, np.zeros(cols.size, int), np.zeros(rows.size, int), None
-    ia, ja = np.nonzero(pos_a)
-    ib, jb = np.nonzero(pos_b)
-    edges = coo_matrix(
-        (np.ones(ia.size + ib.size), (np.concatenate([ia, m + jb]), np.concatenate([m + ja, ib]))),
-        shape=(m + n, m + n),
-    ).tocsr()
-    _, labels = connected_components(edges, directed=True, connection="strong")
-    sizes = np.bincount(labels)
-    nontrivial = sizes[labels] > 1
-    row_alive, col_alive = nontrivial[:m], nontrivial[m:]
+    # A row without A terms has no outgoing edge and one without B terms no incoming edge (for a
+    # column the other way round): such a node lies on no cycle, and removing it leaves the other
+    # components as they are. They are peeled until none is left. What remains is usually one
+    # block: dead units and dead inputs take whole rows and columns of A away, and the weights
+    # are all nonzero, or nearly (with a few weights exactly zero the remaining A is complete).
+    # The graph is built only when neither remaining pattern is complete (on AlexNet's 4096 ×
+    # 9216 layer, with dead units and two zero weights, the graph of its 38M edges took 22 s; the
+    # peeling takes 0.2 s).
+    rows, cols = np.arange(m), np.arange(n)
+    sub_a, sub_b = pos_a, pos_b
+    while rows.size and cols.size:
+        row_alive = sub_a.any(axis=1) & sub_b.any(axis=1)
+        col_alive = sub_a.any(axis=0) & sub_b.any(axis=0)
+        if row_alive.all() and col_alive.all():
+            break
+        rows, cols = rows[row_alive], cols[col_alive]
+        sub_a, sub_b = sub_a[np.ix_(row_alive, col_alive)], sub_b[np.ix_(row_alive, col_alive)]
+    row_block, col_block = np.zeros(rows.size, int), np.zeros(cols.size, int)
+    keep = None
+    if rows.size and cols.size and not (sub_a.all() or sub_b.all() or _strongly_connected(sub_a, sub_b)):
+        # If every remaining term of one kind exists, each row reaches every column and back
+        # through its own term of the other kind: one block. Otherwise the components.
+        rows, cols, row_block, col_block, keep = _components(sub_a, sub_b, rows, cols)
+    if rows.size == 0 or cols.size == 0:  # no block: every term vanishes
+        rows, cols, row_block, col_block, keep = rows[:0], cols[:0], row_block[:0], col_block[:0], None
+    row_alive, col_alive = np.zeros(m, bool), np.zeros(n, bool)
+    row_alive[rows], col_alive[cols] = True, True
     for alive, has_a, has_b, log in (
         (row_alive, pos_a.any(axis=1), pos_b.any(axis=1), log_a),
         (col_alive, pos_a.any(axis=0), pos_b.any(axis=0), log_b),
     ):
         log[~alive & has_b & ~has_a] = np.inf  # only weight terms: variance -> infinity
         log[~alive & has_a & ~has_b] = -np.inf  # only curvature terms: variance -> 0
-    rows, cols = np.flatnonzero(row_alive), np.flatnonzero(col_alive)
-    row_label, col_label = labels[:m][rows], labels[m:][cols]
-    keep = row_label[:, None] == col_label[None, :]
-    if keep.all():
-        keep = None
     deg_rows = tuple(int(i) for i in np.flatnonzero(~row_alive))
     deg_cols = tuple(int(j) for j in np.flatnonzero(~col_alive))
+    return rows, cols, deg_rows, deg_cols, col_block, row_block, keep
+
+
+def _strongly_connected(sub_a: np.ndarray, sub_b: np.ndarray) -> bool:
+    """Whether the graph of :func:`_peel_degenerate` on the supports ``sub_a``, ``sub_b`` is one
+    strongly connected component: every node is reached from row 0 and reaches it. A
+    breadth-first search each way, one boolean matrix-vector product per step over the whole
+    frontier (the peeled patterns of real layers are dense, a few steps across)."""
+    for forward in (True, False):
+        # Forward, rows lead to columns through A and columns to rows through B; backward, the
+        # edges reversed: a column is reached from the rows it has A terms in, and so on.
+        to_cols, to_rows = (sub_a, sub_b) if forward else (sub_b, sub_a)
+        rows_seen = np.zeros(sub_a.shape[0], bool)
+        cols_seen = np.zeros(sub_a.shape[1], bool)
+        rows_seen[0] = True
+        frontier = rows_seen.copy()
+        while frontier.any():
+            new_cols = to_cols[frontier].any(axis=0) & ~cols_seen
+            cols_seen |= new_cols
+            frontier = to_rows[:, new_cols].any(axis=1) & ~rows_seen
+            rows_seen |= frontier
+        if not (rows_seen.all() and cols_seen.all()):
+            return False
+    return True
+
+
+def _components(sub_a: np.ndarray, sub_b: np.ndarray, rows: np.ndarray, cols: np.ndarray):
+    """The strongly connected components of the graph of :func:`_peel_degenerate` on the supports
+    ``sub_a``, ``sub_b`` of the remaining ``rows`` and ``cols``: ``(rows, cols, component of each
+    row, component of each column, keep)`` for those in a non-trivial component, with the
+    components numbered from 0 and ``keep`` the mask of the terms inside one (``None``: all)."""
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    m, n = sub_a.shape
+    ia, ja = np.nonzero(sub_a)
+    ib, jb = np.nonzero(sub_b)
+    edges = coo_matrix(
+        (np.ones(ia.size + ib.size), (np.concatenate([ia, m + jb]), np.concatenate([m + ja, ib]))),
+        shape=(m + n, m + n),
+    ).tocsr()
+    _, labels = connected_components(edges, directed=True, connection="strong")
+    nontrivial = np.bincount(labels)[labels] > 1
+    row_alive, col_alive = nontrivial[:m], nontrivial[m:]
+    row_label, col_label = labels[:m][row_alive], labels[m:][col_alive]
+    keep = row_label[:, None] == col_label[None, :]
     _, compact = np.unique(np.concatenate([row_label, col_label]), return_inverse=True)
-    return rows, cols, deg_rows, deg_cols, compact[rows.size:], compact[: rows.size], keep
+    return (rows[row_alive], cols[col_alive], compact[: row_label.size], compact[row_label.size:],
+            None if keep.all() else keep)
 
 
 class _Kernel:

@@ -282,3 +282,98 @@ def test_known_unattained_pattern():
     assert full_objective(A, B, x + 40 * d) == pytest.approx(sol.value, rel=1e-9)
     # Rows 0, 1 with column 0 and row 3 with column 1 form two independent blocks.
     assert sol.degenerate_rows == (2,) and sol.degenerate_cols == ()
+
+
+# ----------------------------------------------------------------------------- blocks of the degenerate graph
+
+
+def _graph_blocks(pos_a: np.ndarray, pos_b: np.ndarray):
+    """The reference for the solver's peeling: the strongly connected components of the whole
+    graph (an edge row → column per ``A > 0``, column → row per ``B > 0``, method §5), by scipy,
+    without peeling or shortcuts. ``(rows, cols, partition of rows and columns into blocks, labels
+    of the degenerate rows and columns)``."""
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    m, n = pos_a.shape
+    ia, ja = np.nonzero(pos_a)
+    ib, jb = np.nonzero(pos_b)
+    graph = coo_matrix((np.ones(ia.size + ib.size), (np.r_[ia, m + jb], np.r_[m + ja, ib])), shape=(m + n, m + n))
+    _, labels = connected_components(graph.tocsr(), directed=True, connection="strong")
+    alive = np.bincount(labels)[labels] > 1
+    rows, cols = np.flatnonzero(alive[:m]), np.flatnonzero(alive[m:])
+    blocks = {frozenset([("r", int(i)) for i in rows if labels[i] == c] + [("c", int(j)) for j in cols
+                                                                           if labels[m + j] == c])
+              for c in set(labels[alive].tolist())}
+    logs = []
+    for axis, keep in ((1, alive[:m]), (0, alive[m:])):
+        has_a, has_b = pos_a.any(axis=axis), pos_b.any(axis=axis)
+        logs.append(np.where(~keep & has_b & ~has_a, np.inf, np.where(~keep & has_a & ~has_b, -np.inf, 0.0)))
+    return rows, cols, blocks, logs
+
+
+def _patterns(rng: np.random.Generator, kind: str, m: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    if kind == "sparse":
+        return rng.random((m, n)) < rng.uniform(0.2, 0.9), rng.random((m, n)) < rng.uniform(0.2, 0.9)
+    if kind == "layer":  # dead units and inputs per sample in the curvature, a few zero weights
+        active = rng.random((3, m)) < 0.6
+        inputs = rng.random((3, n)) < 0.6
+        pos_a = (active[:, :, None] & inputs[:, None, :]).any(axis=0)
+        return pos_a, rng.random((m, n)) > rng.choice([0.0, 0.02, 0.3])
+    # "blocks": independent diagonal blocks with a few terms between them (vanishing ones)
+    split_r, split_c = rng.integers(1, m), rng.integers(1, n)
+    pos_a, pos_b = np.zeros((m, n), bool), np.zeros((m, n), bool)
+    for r, c in ((slice(0, split_r), slice(0, split_c)), (slice(split_r, m), slice(split_c, n))):
+        pos_a[r, c] = rng.random(pos_a[r, c].shape) < 0.8
+        pos_b[r, c] = rng.random(pos_b[r, c].shape) < 0.8
+    pos_a[:split_r, split_c:] = rng.random((split_r, n - split_c)) < 0.3  # one direction only
+    return pos_a, pos_b
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(["sparse", "layer", "blocks"]),
+       m=st.integers(2, 12), n=st.integers(2, 12))
+def test_peeling_finds_the_components_of_the_whole_graph(seed, kind, m, n):
+    """The solver peels the rows and columns that lie on no cycle, then decides one block by a
+    search each way, and only then builds the graph: the same blocks, degenerate rows and
+    columns and labels as the components of the whole graph (method §5, "Degenerate rows and
+    columns")."""
+    from normflat.core.solver import _peel_degenerate
+
+    rng = np.random.default_rng(seed)
+    pos_a, pos_b = _patterns(rng, kind, m, n)
+    log_a, log_b = np.zeros(m), np.zeros(n)
+    rows, cols, deg_rows, deg_cols, col_block, row_block, keep = _peel_degenerate(pos_a, pos_b, log_a, log_b)
+    want_rows, want_cols, want_blocks, (want_log_a, want_log_b) = _graph_blocks(pos_a, pos_b)
+    np.testing.assert_array_equal(rows, want_rows)
+    np.testing.assert_array_equal(cols, want_cols)
+    assert deg_rows == tuple(sorted(set(range(m)) - set(want_rows.tolist())))
+    assert deg_cols == tuple(sorted(set(range(n)) - set(want_cols.tolist())))
+    np.testing.assert_array_equal(log_a, want_log_a)
+    np.testing.assert_array_equal(log_b, want_log_b)
+    got_blocks = {frozenset([("r", int(i)) for i, b in zip(rows, row_block) if b == c]
+                            + [("c", int(j)) for j, b in zip(cols, col_block) if b == c])
+                  for c in set(row_block.tolist()) | set(col_block.tolist())}
+    assert got_blocks == want_blocks
+    want_keep = row_block[:, None] == col_block[None, :]
+    assert (keep is None and want_keep.all()) or np.array_equal(keep, want_keep)
+
+
+def test_a_dense_layer_with_dead_units_and_zero_weights_needs_no_graph(monkeypatch):
+    """A large layer's pattern (dead units and inputs in the curvature, two weights exactly zero)
+    is decided by peeling and the two searches: the graph of its terms is never built."""
+    import scipy.sparse.csgraph
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the graph was built")
+
+    monkeypatch.setattr(scipy.sparse.csgraph, "connected_components", refuse)
+    rng = np.random.default_rng(0)
+    m, n = 300, 500
+    active, inputs = rng.random((4, m)) < 0.5, rng.random((4, n)) < 0.5
+    H = (active[:, :, None] & inputs[:, None, :]).any(axis=0) * rng.random((m, n))
+    W = rng.normal(size=(m, n))
+    W[3, 7] = W[120, 400] = 0.0
+    res = normflat.normalized_sharpness(W, H)
+    assert res.converged and math.isfinite(res.value) and res.value > 0
+    assert len(res.degenerate_rows) == int((~active.any(axis=0)).sum())
