@@ -40,6 +40,12 @@ Problems:
   shared layer called 4 times, 10 classes), 16 sequences of 32 tokens; its "generic path" column
   (``fast=False``) stands for the path the shared layer's weights took before their calls were
   recorded one by one (method §6.1, "Tied weights").
+* ``bit-10`` / ``nfnet-10`` / ``tf-efficientnet-10``: timm ``resnetv2_50x1_bit`` (BiT, every
+  convolution weight-standardized), ``nf_resnet26`` (scaled weight standardization) and
+  ``tf_efficientnet_b0`` (its strided convolutions pad their input "SAME" themselves), random init,
+  32×32 images, batch 16, 10 classes; their "generic path" column (``fast=False``) is the path
+  those convolutions took before their rules (method §6.1, "Weight-standardized and self-padded
+  convolutions").
 * ``bart-5000``: a BART encoder-decoder (2 + 2 layers, width 64) with a 5000-token vocabulary,
   4 sequences of 32 tokens fed ``labels = input_ids`` (the decoder reads them shifted right): its
   table is held by ``model.shared``, which never runs, and used by the encoder's and decoder's
@@ -104,6 +110,14 @@ def _vit(classes: int) -> nn.Module:
 
     return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=4,
                              num_classes=classes)
+
+
+def _timm(name: str) -> Callable[[int], nn.Module]:
+    def build(classes: int) -> nn.Module:
+        import timm
+
+        return timm.create_model(name, pretrained=False, num_classes=classes)
+    return build
 
 
 class _RecurrentClassifier(nn.Module):
@@ -214,12 +228,18 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
     "bart-5000": (_bart, 5000, (4, 32), False, False),
     "t5-5000": (_t5, 5000, (4, 32), False, False),
     "opt-5000": (_opt, 5000, (4, 32), False, False),
+    "bit-10": (_timm("resnetv2_50x1_bit"), 10, (16, 3, 32, 32), False, True),
+    "nfnet-10": (_timm("nf_resnet26"), 10, (16, 3, 32, 32), False, True),
+    "tf-efficientnet-10": (_timm("tf_efficientnet_b0"), 10, (16, 3, 32, 32), False, True),
     "lstm-10": (_lstm, 10, (32, 32), False, True),
     "gru-10": (_gru, 10, (32, 32), False, True),
     "albert-10": (_Albert, 10, (16, 32), False, True),
 }
 #: The sequence classifiers (token ids in, one label per sequence) and their vocabulary.
 SEQUENCE_CLASSIFIERS = ("lstm-10", "gru-10", "albert-10")
+#: The problems timed with ``fast=False`` too (the "generic path" column): the path their
+#: recurrent, shared, weight-standardized or self-padded weights took before their rules.
+GENERIC_TIMED = (*SEQUENCE_CLASSIFIERS, "bit-10", "nfnet-10", "tf-efficientnet-10")
 SEQUENCE_VOCABULARY = 2000
 LANGUAGE_MODELS = ("gpt2-5000", "gpt2-untied-50000", "llama-5000", "mixtral-5000", "bart-5000", "t5-5000",
                    "opt-5000")
@@ -284,7 +304,7 @@ def _runs(name: str, model: nn.Module, data: Any, loss_of: Callable[[nn.Module],
     if PROBLEMS[name][4]:  # too slow for the ViT (999 signals through 12 blocks) and the LM
         runs["ggn"] = normflat_run(estimator="ggn")
     runs["ggn-mc"] = normflat_run(estimator="ggn-mc")
-    if name in SEQUENCE_CLASSIFIERS:  # the generic path: the recurrent or shared weights' only one before their rules
+    if name in GENERIC_TIMED:  # the generic path: the only one of some of their weights before their rules
         runs["ggn generic"] = normflat_run(estimator="ggn", fast=False)
     if PROBLEMS[name][3]:
         try:

@@ -36,7 +36,8 @@ TIMM = (
     "inception_v3", "pvt_v2_b0", "twins_svt_small", "focalnet_tiny_srf", "nest_tiny", "gcvit_xxtiny",
     "edgenext_xx_small", "davit_tiny", "fastvit_t8", "repvit_m1", "tiny_vit_5m_224", "hgnet_tiny",
     "lambda_resnet26t", "botnet26t_256", "volo_d1_224", "coat_lite_tiny", "pit_ti_224", "tnt_s_patch16_224",
-    "visformer_tiny", "swinv2_cr_tiny_224", "eva02_tiny_patch14_224",
+    "visformer_tiny", "swinv2_cr_tiny_224", "eva02_tiny_patch14_224", "resnetv2_50x1_bit", "nf_resnet26",
+    "nfnet_l0", "vit_small_r26_s32_224", "tf_efficientnet_b0", "tf_mixnet_s", "mvitv2_tiny",
 )
 
 
@@ -128,6 +129,9 @@ def hf_models() -> dict[str, Callable[[], tuple[Any, Callable[[int], Any]]]]:
         "swin": lambda: (T.SwinForImageClassification(T.SwinConfig(image_size=32, patch_size=2, embed_dim=8,
                                                                    depths=[1, 1], num_heads=[1, 1], window_size=4,
                                                                    num_labels=3)), images),
+        "bit": lambda: (T.BitForImageClassification(T.BitConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                                                num_groups=2, layer_type="preactivation",
+                                                                global_padding="SAME", num_labels=3)), images),
         "resnet": lambda: (T.ResNetForImageClassification(T.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16],
                                                                          depths=[1, 1], num_labels=3)), images),
         "segformer": lambda: (T.SegformerForImageClassification(T.SegformerConfig(

@@ -12,6 +12,8 @@ reference of :mod:`tests.arch.test_huggingface_models`.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import timm
@@ -155,23 +157,235 @@ def test_timm_linear_takes_the_linear_fast_rule():
                  {"classifier": want["classifier.weight"], "conv_head": want["conv_head.weight"]})
 
 
-def test_timm_padded_and_standardized_convolutions_take_the_generic_path():
-    """``Conv2dSame`` pads in its forward and ``StdConv2d`` standardizes its weight first: the
-    parameter is a kernel, but the built-in fast rule would compute the wrong gradient."""
-    from timm.layers import Conv2dSame, StdConv2d
+def _padded_and_standardized(eps: float | None = None) -> torch.nn.Module:
+    """Each of timm's self-padding and weight-standardizing convolutions once: ``Conv2dSame``
+    (stride 2 on an odd size: unequal "SAME" padding), a grouped ``StdConv2d`` with a bias,
+    ``StdConv2dSame``, ``ScaledStdConv2dSame`` and a 1×1 ``ScaledStdConv2d`` with gains away from
+    one. ``eps``: the standardizations' (their default when ``None``)."""
+    from timm.layers import Conv2dSame, ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d, StdConv2dSame
+
+    kw = {} if eps is None else {"eps": eps}
+    model = torch.nn.Sequential(
+        Conv2dSame(3, 4, 3, stride=2), torch.nn.ReLU(), StdConv2d(4, 4, 3, groups=2, bias=True, **kw),
+        torch.nn.ReLU(), StdConv2dSame(4, 4, 3, **kw), torch.nn.ReLU(),
+        ScaledStdConv2dSame(4, 6, 3, stride=2, **kw), torch.nn.ReLU(), ScaledStdConv2d(6, 4, 1, **kw),
+        torch.nn.Flatten(), torch.nn.LazyLinear(3)).double()
+    with torch.no_grad():
+        for i in (6, 8):
+            model[i].gain.uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(i))
+    return model
+
+
+_PADDED_LAYERS = ["0", "2", "4", "6", "8", "10"]
+
+
+def _padded_reference(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, np.ndarray]:
+    ref = reference_ggn(model, [{"x": x, "labels": y}], [f"{n}.weight" for n in _PADDED_LAYERS], logits_of=_call)
+    return {n: ref[f"{n}.weight"] for n in _PADDED_LAYERS}
+
+
+@pytest.mark.parametrize("by_pairs", [True, False], ids=["pairs-of-positions", "per-sample-gradients"])
+def test_timm_padded_and_standardized_convolutions_match_the_brute_force_reference(by_pairs, monkeypatch):
+    """``Conv2dSame`` pads its input in its forward and the ``Std``/``ScaledStd`` convolutions
+    standardize their weight first (method §6.1, "Weight-standardized and self-padded
+    convolutions"): each takes its own fast rule, with both ways of summing a convolution's squares,
+    against per-sample Jacobians of the parameters; in chunks of one sample and over two batches
+    too."""
+    from normflat.backends.torch import ggn as ggn_kernels
+
+    monkeypatch.setattr(ggn_kernels, "squares_by_pairs", lambda *shape: by_pairs)
+    torch.manual_seed(0)
+    model = _padded_and_standardized()
+    x, y = _images(3, 11, 3, seed=4)
+    model(x)  # materialize the lazy layer
+    want = _padded_reference(model, x, y)
+    before = snapshot(model)
+    report = analyze_quietly(model, [(x, y)], estimator="ggn")
+    assert_unchanged(model, before)
+    assert {layer.name: layer.details["path"] for layer in report.layers} == dict.fromkeys(_PADDED_LAYERS, "fast")
+    for data, kw in [([(x, y)], {}), ([(x, y)], {"chunk_size": 1}), ([(x[:1], y[:1]), (x[1:], y[1:])], {})]:
+        got = normflat.hessian_diagonal(model, data, estimator="ggn", progress=False, **kw)
+        assert_close(got, want)
+
+
+def test_timm_padded_and_standardized_convolutions_sampled_estimators_equal_the_generic_path():
+    """``ggn-mc`` and ``ggn-topk`` draw the same signals on both paths: the fast rules give the
+    generic path's diagonal (but for the head, exact on the fast path under ``ggn-topk``), and
+    ``analyze`` (kernel sums per group of signals) its report."""
+    torch.manual_seed(0)
+    model = _padded_and_standardized()
+    x, y = _images(4, 11, 3, seed=5)
+    model(x)
+    for estimator, extra in (("ggn-mc", {"samples": 3}), ("ggn-topk", {"top_classes": 1, "samples": 2})):
+        fast = normflat.hessian_diagonal(model, [(x, y)], estimator=estimator, progress=False, seed=2, **extra)
+        generic = normflat.hessian_diagonal(model, [(x, y)], estimator=estimator, progress=False, seed=2,
+                                            fast=False, **extra)
+        convs = _PADDED_LAYERS[:-1]
+        assert_close({k: fast[k] for k in convs}, {k: generic[k].numpy() for k in convs})
+    fast = analyze_quietly(model, [(x, y)], estimator="ggn-mc", samples=3, seed=2)
+    generic = analyze_quietly(model, [(x, y)], estimator="ggn-mc", samples=3, seed=2, fast=False)
+    for a, b in zip(fast.layers, generic.layers):
+        assert a.normalized_sharpness == pytest.approx(b.normalized_sharpness, rel=1e-9), a.name
+        assert a.standard_error["normalized_sharpness"] == pytest.approx(
+            b.standard_error["normalized_sharpness"], rel=1e-9), a.name
+
+
+def test_standardized_convolution_called_twice_sums_its_calls():
+    """A weight-standardized convolution applied to two inputs per forward (a siamese pair): the
+    per-sample gradients of the two calls, each through the standardization's Jacobian, are added
+    before squaring (method §6.1, "Tied weights")."""
+    from timm.layers import ScaledStdConv2dSame
+
+    class Siamese(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = ScaledStdConv2dSame(3, 4, 3, stride=2)
+            self.head = torch.nn.Linear(2 * 4 * 4 * 4, 3)
+
+        def forward(self, x):
+            left, right = self.conv(x), self.conv(x.flip(-1) * 0.5)
+            return self.head(torch.cat([left.relu().flatten(1), right.tanh().flatten(1)], 1))
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(Conv2dSame(3, 4, 3, stride=2), torch.nn.ReLU(), StdConv2d(4, 4, 3),
-                                torch.nn.Flatten(), torch.nn.LazyLinear(3)).double()
-    x, y = _images(2, 9, 3)
-    model(x)  # materialize the lazy layer
-    report = analyze_quietly(model, [(x, y)])
-    paths = {layer.name: layer.details["path"] for layer in report.layers}
-    assert paths == {"0": "generic", "2": "generic", "4": "fast"}
+    model = Siamese().double()
+    x, y = _images(3, 7, 3, seed=6)
+    report = analyze_quietly(model, [(x, y)], estimator="ggn")
+    assert report.layer("conv").details["path"] == "fast", report.layer("conv").details
     got = normflat.hessian_diagonal(model, [(x, y)], estimator="ggn", progress=False)
-    params = ["0.weight", "2.weight", "4.weight"]
-    ref = reference_ggn(model, [{"x": x, "labels": y}], params, logits_of=_call)
-    assert_close(got, dict(zip(["0", "2", "4"], (ref[p] for p in params))))
+    ref = reference_ggn(model, [{"x": x, "labels": y}], ["conv.weight", "head.weight"], logits_of=_call)
+    assert_close(got, {"conv": ref["conv.weight"], "head": ref["head.weight"]})
+
+
+def test_standardized_convolution_whose_forward_differs_takes_the_generic_path(monkeypatch):
+    """The rule reads the forward (its padding, the standardization with the module's ``eps``)
+    and checks that reading once per module against the forward itself: a forward that
+    standardizes otherwise (here with another ``eps`` than the module's) takes the generic path with
+    its reason, and stays exact."""
+    from timm.layers import StdConv2d
+
+    def other_eps(self, x):
+        w = torch.nn.functional.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None, training=True,
+                                           momentum=0.0, eps=0.1).reshape_as(self.weight)
+        return torch.nn.functional.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+    monkeypatch.setattr(StdConv2d, "forward", other_eps)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(StdConv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 5 * 5, 3)).double()  # padded: 5×5 stays 5×5
+    x, y = _images(3, 5, 3, seed=7)
+    report = analyze_quietly(model, [(x, y)], estimator="ggn")
+    details = report.layer("0").details
+    assert details["path"] == "generic" and "does not compute what StdConv2d's rule assumes" in details[
+        "generic_reason"], details
+    got = normflat.hessian_diagonal(model, [(x, y)], estimator="ggn", progress=False)
+    ref = reference_ggn(model, [{"x": x, "labels": y}], ["0.weight"], logits_of=_call)
+    assert_close({"0": got["0"]}, {"0": ref["0.weight"]})
+
+
+def test_huggingface_bit_weight_standardized_convolutions_match_the_brute_force_reference():
+    """Hugging Face BiT (``WeightStandardizedConv2d``, its stem padded "SAME" by a
+    ``DynamicPad2d``): every convolution on its fast rule, against per-sample Jacobians."""
+    import transformers
+
+    config = transformers.BitConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_groups=2,
+                                    layer_type="preactivation", global_padding="SAME", num_labels=3)
+    torch.manual_seed(0)
+    model = transformers.BitForImageClassification(config).double().eval()
+    x, y = _images(3, 13, 3, seed=8)
+    data = [{"pixel_values": x, "labels": y}]
+    report = analyze_quietly(model, data, estimator="ggn")
+    assert {layer.details["path"] for layer in report.layers} == {"fast"}
+    assert type(model.bit.embedder.convolution).__name__ == "WeightStandardizedConv2d"
+    names = ["bit.embedder.convolution", "bit.encoder.stages.1.layers.0.conv2",
+             "bit.encoder.stages.1.layers.0.downsample.conv"]
+    got = normflat.hessian_diagonal(model, data, estimator="ggn", progress=False)
+
+    def logits(ref, values, batch, i):
+        return torch.func.functional_call(ref, values, (), {"pixel_values": batch["x"][i:i + 1]}).logits[0]
+
+    ref = reference_ggn(model, [{"x": x, "labels": y}], [f"{n}.weight" for n in names], logits_of=logits)
+    assert_close({n: got[n] for n in names}, {n: ref[f"{n}.weight"] for n in names})
+
+
+def _rescaling_keeps_normalized_sharpness(model, other, data, rescaled: list[str]) -> None:
+    """``other`` computes ``model``'s function; every layer's normalized sharpness is the same, the
+    traces of the ``rescaled`` layers are not (on the fast rules)."""
+    x = data[0][0] if isinstance(data[0], tuple) else data[0]["pixel_values"]
+    want = model(x) if isinstance(data[0], tuple) else model(pixel_values=x).logits
+    got = other(x) if isinstance(data[0], tuple) else other(pixel_values=x).logits
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+    before = analyze_quietly(model, data, loss="ce", estimator="ggn")
+    after = analyze_quietly(other, data, loss="ce", estimator="ggn")
+    assert {layer.details["path"] for layer in before.layers + after.layers} == {"fast"}
+    for lb, la in zip(before.layers, after.layers):
+        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), lb.name
+        if lb.name in rescaled:
+            assert abs(la.hessian_trace - lb.hessian_trace) > 1e-3 * abs(lb.hessian_trace), lb.name
+
+
+def test_standardized_convolution_output_channel_rescaling_invariance():
+    """With a negligible ``eps`` a standardized convolution computes the same function when each output
+    channel of its parameter is multiplied by a positive factor (the standardization removes it),
+    and the Hessian in that channel is divided by the factor squared: the normalized sharpness of
+    each ``StdConv2d``, ``StdConv2dSame``, ``ScaledStdConv2dSame`` and ``ScaledStdConv2d`` stays,
+    its trace moves (method §8)."""
+    torch.manual_seed(0)
+    model = _padded_and_standardized(eps=1e-300)
+    x, y = _images(6, 11, 3, seed=9)
+    model(x)
+    other = _padded_and_standardized(eps=1e-300)
+    other(x)
+    other.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for i in (2, 4, 6, 8):
+            rows = other[i].weight.shape[0]
+            other[i].weight.mul_(torch.exp(torch.randn(rows, generator=g, dtype=torch.float64))[:, None, None, None])
+    _rescaling_keeps_normalized_sharpness(model, other, [(x, y)], rescaled=["2", "4", "6", "8"])
+
+
+def test_huggingface_weight_standardized_convolution_rescaling_invariance():
+    """Hugging Face BiT's ``WeightStandardizedConv2d`` with a negligible ``eps``: each convolution's output
+    channels times positive factors keep the function, its normalized sharpness, not its trace."""
+    import transformers
+
+    config = transformers.BitConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_groups=2,
+                                    layer_type="preactivation", global_padding="SAME", num_labels=3)
+    torch.manual_seed(0)
+    model = transformers.BitForImageClassification(config).double().eval()
+    convs = [n for n, m in model.named_modules() if type(m).__name__ == "WeightStandardizedConv2d"]
+    for name in convs:
+        model.get_submodule(name).eps = 1e-300  # batch_norm needs a positive eps; added to a variance, none
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name in convs:
+            weight = other.get_submodule(name).weight
+            weight.mul_(torch.exp(torch.randn(weight.shape[0], generator=g, dtype=torch.float64))[:, None, None, None])
+    x, y = _images(4, 13, 3, seed=10)
+    _rescaling_keeps_normalized_sharpness(model, other, [{"pixel_values": x, "labels": y}], rescaled=convs)
+
+
+def test_timm_same_padded_convolution_channel_rescaling_invariance():
+    """Two ``Conv2dSame`` with a relu between them: the first's output channels times positive
+    factors, the second's input channels divided by them; the function is unchanged, both normalized
+    sharpnesses stay, both traces move."""
+    from timm.layers import Conv2dSame
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Sequential(Conv2dSame(3, 4, 3, stride=2), torch.nn.ReLU(), Conv2dSame(4, 5, 3, stride=2),
+                                   torch.nn.Flatten(), torch.nn.Linear(5 * 3 * 3, 3)).double()
+
+    torch.manual_seed(0)
+    model, other = build(), build()
+    other.load_state_dict(model.state_dict())
+    units = torch.exp(torch.linspace(-1.0, 1.0, 4, dtype=torch.float64))
+    with torch.no_grad():
+        other[0].weight.mul_(units[:, None, None, None])
+        other[0].bias.mul_(units)
+        other[2].weight.div_(units[None, :, None, None])
+    x, y = _images(5, 11, 3, seed=11)
+    _rescaling_keeps_normalized_sharpness(model, other, [(x, y)], rescaled=["0", "2"])
 
 
 def test_timm_condconv_is_reported_unsupported_with_its_reason():

@@ -1240,6 +1240,77 @@ def test_conv_squares_by_pairs_of_positions_match_brute_force(positions, by_pair
         torch.testing.assert_close(got[name], canonical(model, name, value), rtol=1e-10, atol=1e-13)
 
 
+class FoldedPooling(nn.Module):
+    """MViTv2's pooling: each sample's ``heads`` maps of ``d`` channels folded into the batch axis,
+    ``(n·heads, d, h, w)``, through one convolution (``groups``: 1, or ``d`` for a depthwise one)."""
+
+    def __init__(self, heads: int = 3, d: int = 4, groups: int = 1) -> None:
+        super().__init__()
+        self.heads, self.d = heads, d
+        self.embed = nn.Conv2d(3, heads * d, 3, padding=1)
+        self.pool = nn.Conv2d(d, d, 3, stride=2, padding=1, groups=groups)
+        self.head = nn.Linear(heads * d * 3 * 3, 5)
+
+    def forward(self, x):
+        n = x.shape[0]
+        maps = self.embed(x).relu().reshape(n * self.heads, self.d, *x.shape[2:])
+        return self.head(torch.tanh(self.pool(maps)).reshape(n, -1))
+
+
+@pytest.mark.parametrize("groups", [1, 4], ids=["dense", "depthwise"])
+@pytest.mark.parametrize("by_pairs", [True, False])
+def test_convolution_on_maps_folded_into_the_batch_axis_matches_brute_force(groups, by_pairs, monkeypatch):
+    """A convolution fed ``(n·heads, d, h, w)`` (each sample's maps one after the other) keeps its
+    fast rule: a sample's per-sample gradient sums its maps' (their positions as one sample's,
+    method §6.1); with both ways of summing the squares, in chunks of one and of two samples and
+    over two batches, and ``ggn-mc`` equal to the generic path."""
+    monkeypatch.setattr(ggn_kernels, "squares_by_pairs", lambda *shape: by_pairs)
+    torch.manual_seed(0)
+    model = FoldedPooling(groups=groups).double()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 3, 6, 6, generator=g, dtype=DT), torch.tensor([0, 1, 4, 2])
+    report = normflat.analyze(model, (x, y), estimator="ggn", progress=False)
+    assert report.layer("pool").details["path"] == "fast", report.layer("pool").details
+    want = brute_ggn_diag(model, x, y)
+    for data, kw in [((x, y), {}), ((x, y), {"chunk_size": 1}), ((x, y), {"chunk_size": 2}),
+                     ([(x[:1], y[:1]), (x[1:], y[1:])], {})]:
+        assert_diag_close(nf(model, data, loss="ce", estimator="ggn", **kw), want, model, atol=1e-13, rtol=1e-10)
+    fast = nf(model, (x, y), estimator="ggn-mc", samples=3, seed=4)
+    generic = nf(model, (x, y), estimator="ggn-mc", samples=3, seed=4, fast=False)
+    assert_diag_close(fast, generic, model, atol=1e-13, rtol=1e-10)
+
+
+def test_folded_convolution_channel_rescaling_invariance():
+    """The folded pooling convolution's output channels times positive factors, the head's matching
+    inputs divided by them through ``relu``: the function is unchanged, the normalized sharpness of
+    every layer stays and the pooling convolution's trace moves."""
+    class ReluPooling(FoldedPooling):
+        def forward(self, x):
+            n = x.shape[0]
+            maps = self.embed(x).relu().reshape(n * self.heads, self.d, *x.shape[2:])
+            return self.head(self.pool(maps).relu().reshape(n, -1))
+
+    torch.manual_seed(0)
+    model = ReluPooling().double()
+    other = copy.deepcopy(model)
+    units = torch.exp(torch.linspace(-1.0, 1.0, 4, dtype=DT))
+    with torch.no_grad():
+        other.pool.weight.mul_(units[:, None, None, None])
+        other.pool.bias.mul_(units)
+        # The head reads (n, heads, d, 3, 3) flattened: channel c of every head and position.
+        other.head.weight.div_(units[None, :, None].expand(3, 4, 9).reshape(1, -1))
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(5, 3, 6, 6, generator=g, dtype=DT), torch.tensor([0, 1, 4, 2, 3])
+    torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-13)
+    before = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    after = normflat.analyze(other, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert after.layer("pool").details["path"] == "fast"
+    for lb, la in zip(before.layers, after.layers):
+        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), lb.name
+    assert abs(after.layer("pool").hessian_trace - before.layer("pool").hessian_trace) > 1e-3 * abs(
+        before.layer("pool").hessian_trace)
+
+
 def test_conv_squares_by_pairs_keep_every_group_apart(monkeypatch):
     """ggn-topk's shared and sampled groups summed by pairs equal the per-sample gradients' groups
     (the signals are summed within a group, never across), chunked or not, and both equal the

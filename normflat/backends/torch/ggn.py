@@ -323,7 +323,9 @@ def _foldable(rule):
 def foldable(rule: Any) -> bool:
     """Whether a fast rule's per-sample gradient sums over every axis between the samples and the
     features, so that a sample's block of rows (a batch folded into the leading axis) can be given
-    as positions: ``(n·f, *, in)`` viewed as ``(n, f, *, in)`` (the dense rules; the experts')."""
+    as positions: ``(n·f, *, in)`` viewed as ``(n, f, *, in)`` (the dense rules; the experts'); a
+    convolution's sums over its output positions, and takes ``(n, f, C, *space)`` with the ``f``
+    maps' positions as one sample's (:func:`folded_patches`)."""
     return bool(getattr(rule, "_normflat_foldable", False))
 
 
@@ -394,6 +396,7 @@ def _pair_products(x: torch.Tensor, pairs: torch.Tensor, doubled: torch.Tensor |
     return out
 
 
+@_foldable
 @_takes_kernel_sums
 @_builtin
 def conv_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas,
@@ -401,23 +404,47 @@ def conv_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas,
     """Fast GGN rule of ``nn.ConvNd``: per-sample gradients ``δ Uᵀ`` of the unfolded input ``U``,
     group by group, squared and summed; into ``out`` (the running ``(K, *weight)`` sums, or a
     :class:`KernelSums` that takes each group's squares as they are done) when given."""
+    return _patch_squares(folded_patches(module, a, deltas), deltas, tuple(module.weight.shape), out)
+
+
+def folded_patches(module: nn.Module, a: torch.Tensor, deltas: Deltas,
+                   pad: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """A convolution's patches ``(n, groups, in/groups·∏k, L)`` of its input ``a``, padded first by
+    ``pad(module, input)`` when given.
+
+    An input ``(n, f, C, *space)`` is each sample's ``f`` maps folded into the batch axis (MViTv2's
+    pooling convolutions see ``(n·heads, d, h, w)``; :func:`foldable`): its patches are the ``f``
+    maps' positions one after the other, ``L = f · positions``, and the signals' parts ``(n, f,
+    out, *positions)`` are viewed in place as ``(n, out, f, *positions)`` to match."""
+    if a.dim() != len(module.kernel_size) + 3:
+        return _conv_patches(module, a if pad is None else pad(module, a))
+    n, f = int(a.shape[0]), int(a.shape[1])
+    flat = a.flatten(0, 1)
+    patches = _conv_patches(module, flat if pad is None else pad(module, flat))  # (n·f, g, m, L)
+    _, g, m, positions = patches.shape
+    deltas.parts[:] = [None if p is None else p.transpose(1, 2) for p in deltas.parts]
+    return patches.reshape(n, f, g, m, positions).permute(0, 2, 3, 1, 4).reshape(n, g, m, f * positions)
+
+
+def _patch_squares(unf: torch.Tensor, deltas: Deltas, shape: tuple[int, ...],
+                   out: torch.Tensor | KernelSums | None = None) -> torch.Tensor | KernelSums:
+    """:func:`conv_squares` on the unfolded input ``unf`` ``(n, groups, in/groups·∏k, L)`` of a
+    convolution whose weight has ``shape`` ``(out, in/groups, *k)``."""
     K, M = deltas.k, deltas.m
-    n = a.shape[0]
-    cout, cin_g, *k = module.weight.shape
-    g = module.groups
+    n, g = unf.shape[0], unf.shape[1]
+    cout, cin_g, *k = shape
     cout_g, kk = cout // g, cin_g * math.prod(k)
-    unf = _conv_patches(module, a)  # (n, g, cin_g·∏k, L)
     L = unf.shape[-1]
     sink = out if isinstance(out, KernelSums) else None
     # The groups' sums: the running ones, or fresh ones; with a sink, one group's at a time.
-    res = None if sink is not None else _accumulator(out, K, g, cout_g, kk, like=a)
+    res = None if sink is not None else _accumulator(out, K, g, cout_g, kk, like=unf)
     if squares_by_pairs(L, M, g * cout_g * kk):
         # A per-sample gradient Σ_l δ_l u_lᵀ has the square Σ_{l,l'} (δ_l ⊙ δ_l') (u_l ⊙ u_l')ᵀ:
         # over the pairs l <= l' (off-diagonal ones twice), and the products of the signals of
         # a group summed before one matmul per group, since the input's products do not depend
         # on the signal. No per-sample gradient is formed: the fast way for few output positions
         # (the small maps of a deep CNN on small images) or many signals per group.
-        first, second = torch.triu_indices(L, L, device=a.device)
+        first, second = torch.triu_indices(L, L, device=unf.device)
         pairs, off_diagonal = first * L + second, first != second
         P = int(pairs.shape[0])
         for sl in _chunks(n, L * L * g * (cout_g + kk)):
@@ -438,7 +465,7 @@ def conv_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas,
                 else:
                     sink.add(group, torch.bmm(d2.transpose(1, 2), u2))
         deltas.parts.clear()
-        return sink if sink is not None else res.reshape(K, cout, cin_g, *k)
+        return sink if sink is not None else res.reshape(K, *shape)
     # One signal at a time: no stacked copy of the signals, and each chunk of per-sample
     # gradients stays in cache while it is squared and summed.
     for group in range(K):
@@ -454,7 +481,7 @@ def conv_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas,
             del d
         if sink is not None and total is not None:
             sink.add(group, total)
-    return sink if sink is not None else res.reshape(K, cout, cin_g, *k)
+    return sink if sink is not None else res.reshape(K, *shape)
 
 
 @_takes_kernel_sums

@@ -28,6 +28,7 @@ Which library layer maps to which canonical matrix is listed in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import re
@@ -40,8 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normflat.backends.torch.ggn import (Deltas, NoFastPath, _builtin, _dense_squares, _first_of_tuple, _foldable,
-                                         _inner_uses, _with_call)
+from normflat.backends.torch.ggn import (PER_SAMPLE_GRADIENTS, USE_INPUTS, Deltas, KernelSums, NoFastPath, _builtin,
+                                         _conv_gradients, _conv_patches, _dense_squares, _first_of_tuple, _foldable,
+                                         _inner_uses, _patch_squares, _takes_kernel_sums, _with_call, folded_patches)
 
 __all__ = ["register_known_layers", "packed_blocks", "is_causal_lm", "analysis_mode", "with_decoder_inputs"]
 
@@ -111,6 +113,7 @@ def _register_transformers() -> None:
     if conv1d is not None and conv1d not in known:  # a user's own entry wins
         # y = x W + b on the last axis (any leading axes): nn.Linear's rule on the transposed layout.
         register_layer(conv1d, kind="dense", to_canonical=_transposed, ggn_squares=transposed_linear_squares)
+    _register_convs("transformers.")
     falcon = _loaded_class("transformers.models.falcon.modeling_falcon", "FalconLinear")
     if falcon is not None and falcon not in known and issubclass(falcon, nn.Linear) \
             and _forward_body(falcon) in _LINEAR_BODIES:
@@ -511,19 +514,218 @@ _EXPERTS_REASON = "experts of a class the fast rule does not know (every expert 
 
 # ============================================================================ timm
 
-#: timm convolutions whose forward pads the input itself ("SAME" padding) or standardizes
-#: the weight first: the parameter is still a convolution kernel (canonical as stored), but
-#: the built-in fast rule, which reads the module's padding and assumes the parameter is
-#: the applied kernel, does not apply, so they take the generic path.
-_TIMM_GENERIC_CONVS = {
-    "timm.layers.conv2d_same": (("Conv2dSame", "the forward pads the input itself ('SAME' padding)"),),
-    "timm.layers.std_conv": (
-        ("StdConv2d", "the forward standardizes the weight before the convolution"),
-        ("StdConv2dSame", "the forward standardizes the weight before the convolution"),
-        ("ScaledStdConv2d", "the forward standardizes and scales the weight before the convolution"),
-        ("ScaledStdConv2dSame", "the forward standardizes and scales the weight before the convolution"),
-    ),
+def _same_padded(a: torch.Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...],
+                 value: float = 0.0) -> torch.Tensor:
+    """``a`` padded as TensorFlow's ``"SAME"`` convolutions pad it (timm's ``pad_same``, Hugging
+    Face's ``DynamicPad2d``): per spatial axis of size ``i``, ``max((⌈i/s⌉ − 1)·s + (k − 1)·d + 1 − i,
+    0)`` in all, the odd one at the end."""
+    pads: list[int] = []
+    for axis in reversed(range(len(kernel))):
+        size = int(a.shape[a.ndim - len(kernel) + axis])
+        total = max((-(-size // stride[axis]) - 1) * stride[axis] + (kernel[axis] - 1) * dilation[axis] + 1 - size, 0)
+        pads += [total // 2, total - total // 2]
+    return F.pad(a, pads, value=value) if any(pads) else a
+
+
+def _timm_same(module: nn.Module, a: torch.Tensor) -> torch.Tensor:
+    # timm's Conv2dSame always pads; its Std*Same classes when the padding was not static.
+    if getattr(module, "same_pad", True):
+        return _same_padded(a, tuple(module.weight.shape[2:]), tuple(module.stride), tuple(module.dilation))
+    return a
+
+
+def _hf_dynamic_pad(module: nn.Module, a: torch.Tensor) -> torch.Tensor:
+    pad = getattr(module, "pad", None)  # Hugging Face BiT: a DynamicPad2d module, or None (static padding)
+    if pad is None:
+        return a
+    return _same_padded(a, tuple(pad.kernel_size), tuple(pad.stride), tuple(pad.dilation), float(pad.value))
+
+
+def _unpadded(module: nn.Module, a: torch.Tensor) -> torch.Tensor:
+    return a
+
+
+def _timm_scaled_gain(module: nn.Module) -> torch.Tensor:
+    # ScaledStdConv2d: batch_norm's affine weight is gain · scale (scale = γ / √fan-in, a float).
+    return (module.gain.detach() * module.scale).reshape(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ConvForward:
+    """What a convolution's own forward does before ``F.convNd(x, weight, bias, stride, padding,
+    dilation, groups)`` with its attributes: ``pad`` its input (``(module, x) -> x``), and, when
+    ``standardized``, apply ``γ (W − mean) / √(var + eps)`` per output channel instead of the
+    parameter ``W`` (mean and biased variance over the channel's ``in/groups·∏k`` entries, ``eps``
+    the module's, ``γ`` ``gain(module)`` or ones): timm's and Hugging Face's weight standardization."""
+
+    pad: Any
+    standardized: bool = False
+    gain: Any = None
+    does: str = "pads its input"
+
+
+#: The convolutions whose forward pads its input itself or standardizes the weight first, by
+#: module and class name. Their parameter is still a convolution kernel (canonical as stored),
+#: with a fast rule of its own (:func:`conv_rule`).
+_KNOWN_CONVS: dict[str, dict[str, _ConvForward]] = {
+    "timm.layers.conv2d_same": {"Conv2dSame": _ConvForward(_timm_same)},
+    "timm.layers.std_conv": {
+        "StdConv2d": _ConvForward(_unpadded, True, does="standardizes its weight"),
+        "StdConv2dSame": _ConvForward(_timm_same, True, does="standardizes its weight"),
+        "ScaledStdConv2d": _ConvForward(_unpadded, True, _timm_scaled_gain, "standardizes and scales its weight"),
+        "ScaledStdConv2dSame": _ConvForward(_timm_same, True, _timm_scaled_gain,
+                                            "standardizes and scales its weight"),
+    },
+    "transformers.models.bit.modeling_bit": {
+        "WeightStandardizedConv2d": _ConvForward(_hf_dynamic_pad, True, does="standardizes its weight")},
 }
+
+
+def _standardization(module: nn.Module, form: _ConvForward
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(applied weight, u, γ/σ)``: the kernel the forward convolves with, and for a standardized
+    one the standardized rows ``u = (W − mean)/σ`` ``(out, in/groups·∏k)`` and the factor ``(out, 1)``
+    of the Jacobian ``∂W'/∂W = (γ/σ)(I − 11ᵀ/m − uuᵀ/m)`` of each output channel's ``m`` entries
+    (method §6.1, "Weight-standardized convolutions")."""
+    w = module.weight.detach()
+    if not form.standardized:
+        return w, None, None
+    rows = w.reshape(w.shape[0], -1)
+    centered = rows - rows.mean(1, keepdim=True)
+    sigma = (centered.square().mean(1, keepdim=True) + float(module.eps)).sqrt()
+    u = centered / sigma
+    gain = form.gain(module).to(w.dtype).reshape(-1, 1) if form.gain is not None else torch.ones_like(sigma)
+    return (gain * u).reshape(w.shape), u, gain / sigma
+
+
+#: Convolutions whose forward was checked against their rule's reading of it (by identity), written
+#: under :data:`_CHECKED_LOCK`.
+_CHECKED_CONVS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def _check_conv_forward(module: nn.Module, a: torch.Tensor, form: _ConvForward) -> None:
+    """Once per module: its own forward (hooks bypassed) on two of the inputs equals the applied
+    weight times the patches of the padded input, with the bias, as the rule reads them; otherwise
+    the generic path, which differentiates the forward itself."""
+    with _CHECKED_LOCK:
+        ok = _CHECKED_CONVS.get(module)
+    if ok is None:
+        few = a[:2]
+        with torch.no_grad():
+            want = type(module).forward(module, few)
+            weight, _, _ = _standardization(module, form)
+            patches = _conv_patches(module, form.pad(module, few))  # (n, g, m, L)
+            n, g = patches.shape[:2]
+            got = torch.matmul(weight.reshape(g, weight.shape[0] // g, -1), patches)
+            if module.bias is not None:
+                got = got + module.bias.detach().reshape(g, -1, 1)
+        ok = (isinstance(want, torch.Tensor) and want.numel() == got.numel() and want.shape[:2] == (n, weight.shape[0]))
+        if ok:
+            want = want.reshape(got.shape)
+            tol = 1e3 * torch.finfo(want.dtype).eps * max(float(want.abs().max()) if want.numel() else 0.0, 1e-30)
+            ok = bool((want - got).abs().max() <= tol)
+        with _CHECKED_LOCK:
+            _CHECKED_CONVS[module] = ok
+    if not ok:
+        raise NoFastPath(f"its forward does not compute what {type(module).__name__}'s rule assumes (it "
+                         f"{form.does} before the convolution)")
+
+
+def conv_rule(form: _ConvForward) -> Any:
+    """The fast GGN rule of a convolution whose forward does ``form``.
+
+    The captured input is padded as the forward pads it, then unfolded. A plain kernel takes
+    ``nn.ConvNd``'s rule on those patches. A standardized one: each per-sample gradient of the
+    applied kernel, ``g``, becomes ``(γ/σ)(g − mean(g)·1 − u·s)`` with ``s = uᵀg/m``. The mean is
+    removed by centering each patch over its ``m`` entries (``δ Ũᵀ = g − mean(g)·1``), so ``nn.ConvNd``'s
+    rule on the centered patches gives ``Σ g̃²``; the ``u`` direction is two more sums,
+    ``Σ s²`` (per channel) and ``Σ s·g̃`` (one weight-gradient product of the signals weighted by
+    ``s``, per group of signals): ``Σ G² = (γ/σ)² (Σ g̃² − 2u ⊙ Σ s g̃ + u² Σ s²)``.
+    """
+
+    def squares(module: nn.Module, a: torch.Tensor, deltas: Deltas,
+                out: torch.Tensor | KernelSums | None = None) -> torch.Tensor | KernelSums:
+        if module.padding_mode != "zeros":
+            raise NoFastPath(f"padding_mode={module.padding_mode!r}, which its forward does not apply")
+        _check_conv_forward(module, a.flatten(0, 1) if a.dim() == module.weight.dim() + 1 else a, form)
+        patches = folded_patches(module, a, deltas, form.pad)  # (n, g, m, L)
+        shape = tuple(module.weight.shape)
+        if not form.standardized:
+            return _patch_squares(patches, deltas, shape, out)
+        _, u, factor = _standardization(module, form)
+        assert u is not None and factor is not None
+        n, g, m, L = patches.shape
+        cout_g = shape[0] // g
+        patches = patches - patches.mean(2, keepdim=True)
+        u = u.to(patches.dtype).reshape(g, cout_g, m)
+        along = torch.matmul(u, patches)  # uᵀ times each patch: (n, g, cout_g, L)
+        k, per = deltas.k, deltas.m
+        s_squares = patches.new_zeros(k, g, cout_g)
+        s_cross = patches.new_zeros(k, g, cout_g, m)
+        for group in range(k):
+            weighted = None
+            for j in range(group * per, (group + 1) * per):
+                if deltas.parts[j] is None:
+                    continue
+                d = deltas.parts[j].reshape(n, g, cout_g, L)
+                s = (d * along).sum(-1) / m  # (n, g, cout_g)
+                s_squares[group] += s.square().sum(0)
+                term = d * s[..., None]
+                weighted = term if weighted is None else weighted.add_(term)
+            if weighted is not None:
+                s_cross[group] = torch.einsum("ngol,ngml->gom", weighted, patches)
+        centered = _patch_squares(patches, deltas, shape)  # Σ g̃², (K, *shape)
+        res = centered.reshape(k, g, cout_g, m) - 2 * u * s_cross + u.square() * s_squares[..., None]
+        res = (res * factor.to(res.dtype).reshape(g, cout_g, 1).square()).reshape(k, *shape)
+        return res if out is None else out.add_(res)
+
+    def prepared(module: nn.Module, a: torch.Tensor) -> torch.Tensor:
+        _check_conv_forward(module, a, form)
+        return _conv_patches(module, form.pad(module, a))
+
+    def gradients(module: nn.Module, patches: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        g = _conv_gradients(module, patches, d)  # of the applied kernel, (n, *shape)
+        if not form.standardized:
+            return g
+        _, u, factor = _standardization(module, form)
+        assert u is not None and factor is not None
+        rows = g.reshape(g.shape[0], *u.shape)
+        rows = rows - rows.mean(-1, keepdim=True)
+        s = (rows * u).sum(-1, keepdim=True) / u.shape[-1]
+        return ((rows - u * s) * factor).reshape(g.shape)
+
+    squares = _foldable(_builtin(squares))
+    if not form.standardized:
+        squares = _takes_kernel_sums(squares)
+    squares.__doc__ = conv_rule.__doc__
+    # A kernel used by several calls or modules sums their per-sample gradients before squaring.
+    PER_SAMPLE_GRADIENTS[squares] = gradients
+    USE_INPUTS[squares] = prepared
+    return squares
+
+
+#: One rule per form, made once (a weight tied across modules needs one rule object per kind).
+_CONV_RULES: dict[_ConvForward, Any] = {}
+
+
+def _register_convs(prefix: str) -> None:
+    """Register the rules of the loaded :data:`_KNOWN_CONVS` classes of one library (its module
+    prefix); never replaces a user's entry."""
+    from normflat.backends.torch.layers import register_layer, registered_layers
+
+    known = registered_layers()
+    for module_name, classes in _KNOWN_CONVS.items():
+        if not module_name.startswith(prefix):
+            continue
+        for cls_name, form in classes.items():
+            cls = _loaded_class(module_name, cls_name)
+            if cls is None or not issubclass(cls, nn.Conv2d) or cls in known:
+                continue
+            if form not in _CONV_RULES:
+                _CONV_RULES[form] = conv_rule(form)
+            register_layer(cls, kind="conv2d", groups=_groups_of, ggn_squares=_CONV_RULES[form])
+
+
 _CONDCONV_REASON = ("CondConv2d mixes several expert kernels per sample (routing weights), so its "
                     "parameter is not one weight matrix applied to inputs")
 
@@ -542,14 +744,7 @@ def _register_timm() -> None:
         # nn.Linear with its own forward only to cast the weight to the input's dtype under
         # TorchScript (MobileNetV3's and GhostNet's classifiers): F.linear otherwise, the same map.
         register_layer(linear, kind="dense", ggn_squares=linear_squares)
-    for module_name, entries in _TIMM_GENERIC_CONVS.items():
-        mod = sys.modules.get(module_name)
-        if mod is None:
-            continue
-        for cls_name, reason in entries:
-            cls = getattr(mod, cls_name, None)
-            if isinstance(cls, type) and issubclass(cls, nn.Module) and cls not in known:
-                register_layer(cls, kind="conv2d", groups=_groups_of, generic_reason=reason)
+    _register_convs("timm.")
     cond = getattr(sys.modules.get("timm.layers.cond_conv2d"), "CondConv2d", None)
     if isinstance(cond, type) and issubclass(cond, nn.Module) and cond not in known:
         register_layer(cond, unsupported=_CONDCONV_REASON)

@@ -1009,9 +1009,10 @@ class TorchSession:
         length as the batch by chance (a layer on a batch-independent table of as many rows)
         fails it. A dense layer may see the batch folded into the leading axis (``(n·f, ...)``:
         Swin's or MaxViT's attention windows, each sample's ``f`` windows one after the other):
-        its per-sample gradient sums the sample's block of rows (:meth:`_fast_squares`). A chunk
-        of one sample owns every row. Anything else (an output broadcast over the batch, a
-        folded convolution, a factor that changes) takes the generic path, which is exact. A
+        its per-sample gradient sums the sample's block of rows (:meth:`_fast_squares`), and so may a
+        convolution (MViTv2's pooling of each head's map). A chunk of one sample owns every row.
+        Anything else (an output broadcast over the batch, a factor that changes) takes the
+        generic path, which is exact. A
         substituted layer (:meth:`_forward`: a position table's view, a one-row output expanded)
         has one row per sample by construction; the check finds a forward that mixes them.
         """
@@ -1033,8 +1034,8 @@ class TorchSession:
                 # An output broadcast over the batch (position ids of shape (1, T)): the signals
                 # of all samples would be summed before squaring.
                 layer.disable_fast("output broadcast over the batch" if size == 1 else
-                                   f"its output's leading axis ({size}) is not one row (or, for a dense layer, "
-                                   f"one block of rows) per sample ({rows})")
+                                   f"its output's leading axis ({size}) is not one row (or, for a dense layer or a "
+                                   f"convolution, one block of rows) per sample ({rows})")
                 continue
             fold = size // rows
             known = self._folds.get(id(layer))
