@@ -350,6 +350,8 @@ def _solve_grouped(A: Entries, B: Entries, groups: int, *, tol: float, max_iter:
     if groups == 1:
         return solve_entries(A, B, tol=tol, max_iter=max_iter)
     rows_per_group, cols_per_group = A.shape[0] // groups, A.shape[1]
+    if cols_per_group == 1:
+        return _solve_depthwise(A, B, groups, tol=tol, max_iter=max_iter)
     parts = [
         solve_entries(A.rows(g * rows_per_group, (g + 1) * rows_per_group),
                       B.rows(g * rows_per_group, (g + 1) * rows_per_group), tol=tol, max_iter=max_iter)
@@ -364,6 +366,35 @@ def _solve_grouped(A: Entries, B: Entries, groups: int, *, tol: float, max_iter:
         converged=all(p.converged for p in parts),
         degenerate_rows=tuple(g * rows_per_group + i for g, p in enumerate(parts) for i in p.degenerate_rows),
         degenerate_cols=tuple(g * cols_per_group + j for g, p in enumerate(parts) for j in p.degenerate_cols),
+    )
+
+
+def _solve_depthwise(A: Entries, B: Entries, groups: int, *, tol: float, max_iter: int) -> ScalingSolution:
+    """:func:`_solve_grouped` for one input channel per group (a depthwise convolution), in one solve.
+
+    Each block is a column of rows, ``Σ_i ½(A_i e^{a_i + b} + B_i e^{-a_i - b})``: separable in the
+    rows, so the whole ``(out, 1)`` matrix taken as one problem has the blocks' summed infimum and
+    the same optimal rows, and its one column's gauge (``b = 0``) is each block's. A column is
+    degenerate when its block's rows all are, labelled as :func:`~normflat.core.solver.solve_entries`
+    labels a degenerate column. One solve instead of one per channel (EfficientNet-B0's depthwise
+    layers made ``analyze`` solve 9026 problems, 4.4 s against 1 s for the Hessian diagonal)."""
+    whole = solve_entries(A, B, tol=tol, max_iter=max_iter)
+    rows_per_group = A.shape[0] // groups
+    dead = np.zeros(A.shape[0], bool)
+    dead[list(whole.degenerate_rows)] = True
+    alive = ~dead.reshape(groups, rows_per_group).all(axis=1)
+    has_a = np.asarray(to_numpy(A.positive())).reshape(groups, rows_per_group).any(axis=1)
+    has_b = np.asarray(to_numpy(B.positive())).reshape(groups, rows_per_group).any(axis=1)
+    log_col = np.where(alive, 0.0, np.where(has_b & ~has_a, np.inf, np.where(has_a & ~has_b, -np.inf, 0.0)))
+    return ScalingSolution(
+        value=whole.value,
+        log_row_sigma=whole.log_row_sigma,
+        log_col_sigma=log_col,
+        iterations=whole.iterations,
+        imbalance=whole.imbalance,
+        converged=whole.converged,
+        degenerate_rows=whole.degenerate_rows,
+        degenerate_cols=tuple(int(g) for g in np.flatnonzero(~alive)),
     )
 
 

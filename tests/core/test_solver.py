@@ -244,6 +244,32 @@ def test_grouped_convolution_is_the_sum_of_its_blocks():
     assert full == pytest.approx(res.value, rel=1e-9)
 
 
+@pytest.mark.parametrize("multiplier", [1, 2])
+@pytest.mark.parametrize("case", ["regular", "dead_rows", "zero_weights", "extreme"])
+def test_depthwise_convolution_solved_at_once_equals_its_blocks(multiplier, case):
+    """One input channel per group (a depthwise convolution, channel multiplier 1 or 2) is solved as
+    one problem: the same value, row and column sigmas and degenerate rows and columns as each
+    block solved on its own (method §5)."""
+    rng = np.random.default_rng(21)
+    groups = 7
+    W, H = random_layer(rng, (groups * multiplier, 1, 3, 3), spread=3.0 if case == "extreme" else 1.0)
+    if case == "dead_rows":
+        H[[0, 3]] = 0.0  # a whole group dead with multiplier 1; one of two rows with 2
+        H[5 * multiplier:6 * multiplier] = 0.0  # a whole group dead in both
+    if case == "zero_weights":
+        W[2 * multiplier:3 * multiplier] = 0.0  # a pruned group: curvature only
+        W[4] = 0.0
+    res = normflat.normalized_sharpness(W, H, groups=groups)
+    blocks = [normflat.normalized_sharpness(W[g * multiplier:(g + 1) * multiplier],
+                                            H[g * multiplier:(g + 1) * multiplier]) for g in range(groups)]
+    assert res.value == pytest.approx(math.fsum(b.value for b in blocks), rel=1e-12)
+    np.testing.assert_allclose(res.row_sigma, np.concatenate([b.row_sigma for b in blocks]), rtol=1e-9)
+    np.testing.assert_allclose(res.col_sigma, np.concatenate([b.col_sigma for b in blocks]), rtol=1e-9)
+    assert res.degenerate_rows == tuple(g * multiplier + i for g, b in enumerate(blocks) for i in b.degenerate_rows)
+    assert res.degenerate_cols == tuple(g for g, b in enumerate(blocks) if b.degenerate_cols)
+    assert res.converged
+
+
 def test_groups_must_divide_out_channels():
     with pytest.raises(ValueError, match="5 output channels cannot be split into 2 groups"):
         normflat.LayerProblem("g", np.ones((5, 1, 3)), np.ones((5, 1, 3)), groups=2)
