@@ -46,6 +46,12 @@ Problems:
   32×32 images, batch 16, 10 classes; their "generic path" column (``fast=False``) is the path
   those convolutions took before their rules (method §6.1, "Weight-standardized and self-padded
   convolutions").
+* ``tv-vit-10`` / ``transformer-10``: torchvision ``VisionTransformer`` (32×32 images, 4×4 patches,
+  4 layers of width 128, 4 heads, MLP 256, batch 16) and a token classifier (a 2000-token
+  embedding of width 128, ``nn.TransformerEncoder`` of 2 layers, 4 heads, MLP 256, the mean over
+  32 tokens into a 10-class head, 32 sequences): their ``nn.MultiheadAttention`` projections,
+  and the "generic path" column (``fast=False``) the path those took before their rule (method
+  §6.1, "Attention projections applied functionally").
 * ``bart-5000``: a BART encoder-decoder (2 + 2 layers, width 64) with a 5000-token vocabulary,
   4 sequences of 32 tokens fed ``labels = input_ids`` (the decoder reads them shifted right): its
   table is held by ``model.shared``, which never runs, and used by the encoder's and decoder's
@@ -143,6 +149,30 @@ def _gru(classes: int) -> nn.Module:
     return _RecurrentClassifier(nn.GRU, classes)
 
 
+class _TransformerClassifier(nn.Module):
+    """Token ids -> embedding (2000 × 128) -> ``nn.TransformerEncoder`` (2 layers, 4 heads, MLP
+    256, no dropout) -> mean over the tokens -> dense head."""
+
+    def __init__(self, classes: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(SEQUENCE_VOCABULARY, 128)
+        layer = nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(128, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids)).mean(1))
+
+
+def _torchvision_vit(classes: int) -> nn.Module:
+    import torchvision
+
+    model = torchvision.models.VisionTransformer(image_size=32, patch_size=4, num_layers=4, num_heads=4,
+                                                 hidden_dim=128, mlp_dim=256, num_classes=classes)
+    nn.init.normal_(model.heads.head.weight, std=0.02)  # zero-initialized: equal logits (an untrained head)
+    return model
+
+
 class _Albert(nn.Module):
     """Hugging Face ALBERT for sequence classification (its 4 layers one shared layer, called
     4 times per forward), the logits of token ids."""
@@ -231,15 +261,17 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
     "bit-10": (_timm("resnetv2_50x1_bit"), 10, (16, 3, 32, 32), False, True),
     "nfnet-10": (_timm("nf_resnet26"), 10, (16, 3, 32, 32), False, True),
     "tf-efficientnet-10": (_timm("tf_efficientnet_b0"), 10, (16, 3, 32, 32), False, True),
+    "tv-vit-10": (_torchvision_vit, 10, (16, 3, 32, 32), False, True),
+    "transformer-10": (_TransformerClassifier, 10, (32, 32), False, True),
     "lstm-10": (_lstm, 10, (32, 32), False, True),
     "gru-10": (_gru, 10, (32, 32), False, True),
     "albert-10": (_Albert, 10, (16, 32), False, True),
 }
 #: The sequence classifiers (token ids in, one label per sequence) and their vocabulary.
-SEQUENCE_CLASSIFIERS = ("lstm-10", "gru-10", "albert-10")
+SEQUENCE_CLASSIFIERS = ("lstm-10", "gru-10", "albert-10", "transformer-10")
 #: The problems timed with ``fast=False`` too (the "generic path" column): the path their
 #: recurrent, shared, weight-standardized or self-padded weights took before their rules.
-GENERIC_TIMED = (*SEQUENCE_CLASSIFIERS, "bit-10", "nfnet-10", "tf-efficientnet-10")
+GENERIC_TIMED = (*SEQUENCE_CLASSIFIERS, "bit-10", "nfnet-10", "tf-efficientnet-10", "tv-vit-10")
 SEQUENCE_VOCABULARY = 2000
 LANGUAGE_MODELS = ("gpt2-5000", "gpt2-untied-50000", "llama-5000", "mixtral-5000", "bart-5000", "t5-5000",
                    "opt-5000")

@@ -168,16 +168,97 @@ def test_multihead_attention_packed(loss):
     assert {"att.query", "att.key", "att.value", "att.out_proj"} <= set(got)
 
 
-def test_multihead_attention_separate_kdim_vdim_and_generic_reason():
+def test_multihead_attention_separate_kdim_vdim():
     model = _init(AttentionClassifier(kdim=6, vdim=5))
     data = [(_ids(N, T), _labels(N))]
     got = _check_ggn(model, data)
     assert got["att.key"].shape == (D, 6) and got["att.value"].shape == (D, 5)
     report = normflat.analyze(model, data, progress=False)
-    details = {layer.name: layer.details for layer in report.layers}
-    assert details["att.query"]["path"] == "generic"
-    assert "functionally" in details["att.query"]["generic_reason"]
-    assert details["emb"]["path"] == "fast"
+    assert {layer.details["path"] for layer in report.layers} == {"fast"}
+
+
+class AttentionOptions(nn.Module):
+    """Embedding -> ``nn.MultiheadAttention`` called one way -> tanh -> mean -> Linear: ``self``
+    (packed self-attention), ``seq_first`` (``batch_first=False``), ``cross`` (another sequence
+    as key and value), ``three`` (distinct query, key and value), ``masks`` (a key padding mask and a
+    causal mask), ``bias_kv`` (``add_bias_kv``), ``zero_attn`` (``add_zero_attn``), ``weights`` (the
+    per-head attention weights it returns used by the model)."""
+
+    def __init__(self, option):
+        super().__init__()
+        self.option = option
+        self.emb = nn.Embedding(V, D)
+        self.src = nn.Embedding(V, D) if option in ("cross", "three") else None
+        kw = {"add_bias_kv": True} if option == "bias_kv" else {"add_zero_attn": True} if option == "zero_attn" else {}
+        self.att = nn.MultiheadAttention(D, 2, batch_first=option != "seq_first", **kw)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        other = None if self.src is None else torch.tanh(self.src(ids.flip(1)))
+        if self.option == "seq_first":
+            a, _ = self.att(h.transpose(0, 1), h.transpose(0, 1), h.transpose(0, 1))
+            a = a.transpose(0, 1)
+        elif self.option == "cross":
+            a, _ = self.att(h, other[:, :-1], other[:, :-1])
+        elif self.option == "three":
+            a, _ = self.att(h, other, other * h)
+        elif self.option == "masks":
+            t = ids.shape[1]
+            padding = (torch.arange(t) == t - 1)[None, :] & (ids[:, -1:] % 2 == 0)  # from the sample itself
+            causal = torch.ones(t, t, dtype=torch.bool).triu(1)
+            a, _ = self.att(h, h, h, key_padding_mask=padding, attn_mask=causal)
+        elif self.option == "weights":
+            a, w = self.att(h, h, h, need_weights=True, average_attn_weights=False)  # w: (n, heads, T, T)
+            a = a + w.sum(1) @ h
+        else:
+            a, _ = self.att(h, h, h)
+        return self.head(torch.tanh(a).mean(1))
+
+
+_ATTENTION_OPTIONS = ["self", "seq_first", "cross", "three", "masks", "bias_kv", "zero_attn", "weights"]
+
+
+@pytest.mark.parametrize("option", _ATTENTION_OPTIONS)
+def test_multihead_attention_options_take_the_fast_rule(option):
+    """``nn.MultiheadAttention`` applies its projections inside ``F.multi_head_attention_forward``;
+    normflat applies them itself, recorded batch first, with torch's function between them
+    (method §6.1, "Attention projections applied functionally"): every projection on the fast path
+    with every option of the call, against brute force; ``ggn-mc`` equal to the generic path."""
+    model = _init(AttentionOptions(option))
+    data = [(_ids(N, T), _labels(N)), (_ids(2, T, seed=3), _labels(2, seed=4))]
+    report = normflat.analyze(model, data, progress=False, estimator="ggn")
+    paths = {layer.name: layer.details for layer in report.layers}
+    assert all(paths[f"att.{name}"]["path"] == "fast" for name in ("query", "key", "value", "out_proj")), paths
+    _check_ggn(model, data)
+    _check_ggn(model, data, chunk_size=1)
+    fast = normflat.hessian_diagonal(model, data, estimator="ggn-mc", samples=3, seed=2, progress=False)
+    generic = normflat.hessian_diagonal(model, data, estimator="ggn-mc", samples=3, seed=2, progress=False,
+                                        fast=False)
+    _close(fast, {k: v.to(DT) for k, v in generic.items()})
+
+
+class UnbatchedAttention(nn.Module):
+    """``nn.MultiheadAttention`` called once per sample on a 2-D ``(T, E)`` input."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.att = nn.MultiheadAttention(D, 2)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.head(torch.stack([torch.tanh(self.att(x, x, x)[0]).mean(0) for x in h]))
+
+
+def test_multihead_attention_called_unbatched_takes_the_generic_path_with_its_reason():
+    model = _init(UnbatchedAttention())
+    data = [(_ids(N, T), _labels(N))]
+    report = normflat.analyze(model, data, progress=False)
+    details = report.layer("att.query").details
+    assert details["path"] == "generic" and "unbatched" in details["generic_reason"], details
+    _check_ggn(model, data)
 
 
 @pytest.mark.parametrize("loss", ["nsce", "ce"])

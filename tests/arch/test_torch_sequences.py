@@ -87,6 +87,8 @@ def test_attention_per_head_query_key_and_value_output_rescaling():
         w[2 * D:] *= cv[:, None]
         b[2 * D:] *= cv
         att.out_proj.weight /= cv[None, :]
+    paths = {layer.name: layer.details["path"] for layer in _analyze(model, data).layers}
+    assert all(paths[f"att.{name}"] == "fast" for name in ("query", "key", "value", "out_proj")), paths
     _assert_invariant(model, moved, _Call(data))
 
 
@@ -622,21 +624,23 @@ def test_token_signals_equal_brute_force_jacobians(case, estimator, sequence_sig
     """Per sequence (the default) and per token (``sequence_signals=False``), the group estimates
     of analyze and the pooled mean of hessian_diagonal equal the engine's signals of the same
     draws contracted with full per-sequence Jacobians, on the fast path (2-D and per-token dense
-    layers, the embedding), the generic path (attention, a tied head) and the exact dense head of
-    ggn-topk; ignored tokens and shifted labels included (method §6.3)."""
+    layers, the embedding, the attention projections, a tied head), the generic path (``fast=False``)
+    and the exact dense head of ggn-topk; ignored tokens and shifted labels included (method §6.3)."""
     model, batches, kw, (shift, exact, tables) = _sequence_case(case)
     kw = {**kw, "estimator": estimator, "seed": 5, "sequence_signals": sequence_signals,
           **({"samples": 4, "top_classes": 2} if estimator == "ggn-topk" else {"samples": 3})}
     options = _options(**kw)
     # ggn-topk squares a dense head whose output is the logits exactly; ggn-mc samples it too.
     want = _signal_reference(model, batches, options, shift, exact if estimator == "ggn-topk" else (), tables)
-    problems, _ = tb.layer_problems(model, batches, options)
-    assert sorted(p.name for p in problems) == sorted(want)
-    for p in problems:
-        assert p.hessian_diag_samples.shape == want[p.name].shape == (options.groups, *p.shape)
-        assert _relative_error(p.hessian_diag_samples, want[p.name]) < 1e-10, p.name
-    paths = {p.name: p.details["path"] for p in problems}
-    assert {"fast", "generic"} <= set(paths.values())
+    # The generic path samples the head too.
+    sampled = _signal_reference(model, batches, options, shift, (), tables) if estimator == "ggn-topk" else want
+    for fast, reference in ((True, want), (False, sampled)):
+        problems, _ = tb.layer_problems(model, batches, options, fast=fast)
+        assert sorted(p.name for p in problems) == sorted(want)
+        for p in problems:
+            assert p.hessian_diag_samples.shape == reference[p.name].shape == (options.groups, *p.shape)
+            assert _relative_error(p.hessian_diag_samples, reference[p.name]) < 1e-10, (fast, p.name)
+        assert {p.details["path"] for p in problems} == ({"fast"} if fast else {"generic"})
     runs = [normflat.hessian_diagonal(model, batches, progress=False, **kw)]
     if sequence_signals is None:  # one sequence per step: the draws follow the samples
         runs.append(normflat.hessian_diagonal(model, batches, progress=False, chunk_size=1, **kw))

@@ -17,6 +17,7 @@ per-sample, per-signal weight gradients ``(J_nᵀ s)²``:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import threading
 from typing import Any, Callable, Iterable, Iterator
@@ -34,6 +35,7 @@ __all__ = [
     "linear_squares",
     "transposed_linear_squares",
     "recurrent_squares",
+    "attention_squares",
     "conv_squares",
     "conv_transpose_squares",
     "embedding_squares",
@@ -318,6 +320,21 @@ def recurrent_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas, out: t
 def _foldable(rule):
     rule._normflat_foldable = True
     return rule
+
+
+@_foldable
+@_builtin
+@_recorded_inside
+def attention_squares(module: nn.Module, a: torch.Tensor, deltas: Deltas, out: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """Fast GGN rule of a projection of ``nn.MultiheadAttention`` (the packed or the separate query,
+    key and value weights, the output projection): ``(K, out, in)`` sums of squared per-sample
+    gradients. ``F.multi_head_attention_forward`` applies each by one ``F.linear`` call, sequence
+    first; :class:`Capture` records it batch first, the input ``(n, L, in)`` and the signals at its
+    output ``(n, L, out)``: a dense layer over the positions (method §6.1, "Attention projections
+    applied functionally")."""
+    like = next(d for d in deltas.parts if d is not None)
+    return _dense_squares(a, deltas, int(like.shape[-1]), int(a.shape[-1]), out)
 
 
 def foldable(rule: Any) -> bool:
@@ -789,6 +806,9 @@ class Capture:
         #: ``id(weight) -> key`` of the dense layers whose module the model never calls, recorded at
         #: their weight's ``F.linear`` call (:meth:`watch_linear`, :class:`FunctionalTaps`).
         self._linears: dict[int, int] = {}
+        #: The weights of ``nn.MultiheadAttention``'s projections, recorded where
+        #: ``F.multi_head_attention_forward`` applies them (:class:`FunctionalTaps`).
+        self._attention = {id(layer.param) for layer in inside if layer.ext.ggn_squares is attention_squares}
         unhooked = {id(layer) for layer in inside}
         self._handles = [layer.module.register_forward_hook(self._hook(id(layer)), with_kwargs=True)
                          for layer in layers if id(layer) not in unhooked]
@@ -855,9 +875,10 @@ class Capture:
         with contextlib.ExitStack() as stack:
             if self._recorded:
                 stack.enter_context(compat.recurrent_taps(taps))
-            if self._lookups or self._linears:
+            if self._lookups or self._linears or self._attention:
                 stack.enter_context(FunctionalTaps({w: taps[w] for w in self._lookups}, self._lookups,
-                                                   {w: taps[w] for w in self._linears}))
+                                                   {w: taps[w] for w in self._linears},
+                                                   {w: taps[w] for w in self._attention}))
             yield
 
     def repeat(self, key: int, keys: list[int]) -> None:
@@ -932,9 +953,12 @@ class FunctionalTaps(torch.overrides.TorchFunctionMode):
 
     def __init__(self, lookups: dict[int, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]],
                  padding: dict[int, int | None],
-                 linears: dict[int, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]]) -> None:
+                 linears: dict[int, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]],
+                 attention: dict[int, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]] | None = None
+                 ) -> None:
         super().__init__()
         self.lookups, self.padding, self.linears = lookups, padding, linears
+        self.attention = attention or {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -950,7 +974,71 @@ class FunctionalTaps(torch.overrides.TorchFunctionMode):
             if callback is not None:
                 x = args[0] if args else kwargs["input"]
                 return callback(x, func(*args, **kwargs), 1).clone()
+        elif func is F.multi_head_attention_forward and self.attention:
+            out = recorded_attention(args, kwargs, self.attention)
+            if out is not None:
+                return out
         return func(*args, **kwargs)
+
+
+#: ``F.multi_head_attention_forward``'s parameters, in order.
+_ATTENTION_PARAMETERS = tuple(inspect.signature(F.multi_head_attention_forward).parameters)
+
+
+def recorded_attention(args: tuple, kwargs: dict,
+                       records: dict[int, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]]) -> Any:
+    """``F.multi_head_attention_forward(*args, **kwargs)`` with its projections recorded, or ``None``
+    (an unbatched call, or none of its weights recorded): the caller runs it as it is.
+
+    Torch's function applies its projections inside, where a function mode does not see them (it
+    sees the function's own call, with the mode off). So the projections are applied here, batch
+    first, each weight by one ``F.linear`` call whose input and output ``records[id(weight)](input,
+    output, 1)`` records: the packed ``(3E, E)`` projection once on the positions of the distinct
+    inputs one after the other (self-attention: the query's alone; a cross-attention's query,
+    key and value positions each take their own rows of the result, so the signals at the other
+    rows are zero and each row block's per-sample gradient is its own input's), the separate
+    ``kdim``/``vdim`` ones once each, the output projection once. Between them torch's own
+    function runs with identity projections and no biases, so masks, dropout, ``bias_k``/``bias_v``,
+    ``add_zero_attn`` and the attention weights it returns are its own (``x @ I`` is ``x``
+    exactly)."""
+    call = dict(zip(_ATTENTION_PARAMETERS, args))
+    call.update(kwargs)
+    query, key, value = call["query"], call["key"], call["value"]
+    separate = bool(call.get("use_separate_proj_weight", False))
+    weights = ([call.get("q_proj_weight"), call.get("k_proj_weight"), call.get("v_proj_weight")] if separate
+               else [call.get("in_proj_weight")])
+    out_weight, out_bias = call.get("out_proj_weight"), call.get("out_proj_bias")
+    if query.dim() != 3 or not any(id(w) in records for w in (*weights, out_weight) if w is not None):
+        return None
+    e = int(query.shape[-1])
+    bias = call.get("in_proj_bias")
+
+    def project(inputs: list[torch.Tensor], weight: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        a = torch.cat([x.transpose(0, 1) for x in inputs], 1) if len(inputs) > 1 else inputs[0].transpose(0, 1)
+        y = F.linear(a, weight, b)
+        record = records.get(id(weight))
+        return y if record is None else record(a, y, 1).clone()
+
+    if separate:
+        biases = [None] * 3 if bias is None else list(bias.chunk(3))
+        q, k, v = (project([x], w, b) for x, w, b in zip((query, key, value), weights, biases))
+    else:
+        distinct = list({id(x): x for x in (query, key, value)}.values())
+        t = project(distinct, weights[0], bias)
+        starts, at = {}, 0
+        for x in distinct:
+            starts[id(x)], at = at, at + int(x.shape[0])
+        def rows(x: torch.Tensor, block: int) -> torch.Tensor:
+            start = starts[id(x)]
+            return t[:, start:start + int(x.shape[0]), block * e:(block + 1) * e]
+        q, k, v = rows(query, 0), rows(key, 1), rows(value, 2)
+    eye = torch.eye(e, dtype=q.dtype, device=q.device)
+    call.update(query=q.transpose(0, 1), key=k.transpose(0, 1), value=v.transpose(0, 1), in_proj_weight=None,
+                in_proj_bias=None, use_separate_proj_weight=True, q_proj_weight=eye, k_proj_weight=eye,
+                v_proj_weight=eye, out_proj_weight=eye, out_proj_bias=None)
+    attended, attention_weights = F.multi_head_attention_forward(**call)
+    out = project([attended], out_weight, out_bias)
+    return out.transpose(0, 1), attention_weights
 
 
 #: ``F.embedding``'s parameters after ``input`` and ``weight``, in order.

@@ -20,7 +20,7 @@ from torch import nn
 
 from normflat.backends.torch import compat
 from normflat.backends.torch.ggn import (
-    PER_SAMPLE_GRADIENTS, conv_squares, conv_transpose_squares, embedding_bag_squares, embedding_squares,
+    PER_SAMPLE_GRADIENTS, attention_squares, conv_squares, conv_transpose_squares, embedding_bag_squares, embedding_squares,
     linear_squares, position_table_squares, recorded_lookup_squares, recurrent_squares)
 from normflat.engine.options import GGN_ESTIMATORS, AnalysisOptions
 from normflat.engine.problems import LayerSpec, ParameterStatus
@@ -183,14 +183,17 @@ def _attention_weights(module: nn.Module) -> list[ModuleWeight]:
     with ``kdim``/``vdim`` different from ``E`` torch keeps three parameters.
     """
     e = module.embed_dim
+    rule = attention_squares  # each applied by one F.linear call, recorded there (ggn.Capture)
     out: list[ModuleWeight] = []
     if module.in_proj_weight is not None:
         out.append(ModuleWeight(None, module.in_proj_weight,
-                                blocks=[("query", 0, e), ("key", e, 2 * e), ("value", 2 * e, 3 * e)]))
+                                blocks=[("query", 0, e), ("key", e, 2 * e), ("value", 2 * e, 3 * e)],
+                                ggn_squares=rule))
     else:
-        out += [ModuleWeight("query", module.q_proj_weight), ModuleWeight("key", module.k_proj_weight),
-                ModuleWeight("value", module.v_proj_weight)]
-    out.append(ModuleWeight("out_proj", module.out_proj.weight, kind="dense"))
+        out += [ModuleWeight("query", module.q_proj_weight, ggn_squares=rule),
+                ModuleWeight("key", module.k_proj_weight, ggn_squares=rule),
+                ModuleWeight("value", module.v_proj_weight, ggn_squares=rule)]
+    out.append(ModuleWeight("out_proj", module.out_proj.weight, kind="dense", ggn_squares=rule))
     return out
 
 
@@ -240,8 +243,7 @@ def _register_builtins() -> None:
                       (nn.ConvTranspose3d, "conv_transpose3d")):
         register_layer(cls, kind=kind, to_canonical=_conv_transpose_canonical,
                        ggn_squares=conv_transpose_squares, groups=_groups_of)
-    register_layer(nn.MultiheadAttention, kind="attention", weights=_attention_weights,
-                   generic_reason="nn.MultiheadAttention applies its weights functionally")
+    register_layer(nn.MultiheadAttention, kind="attention", weights=_attention_weights)
     # A lookup of row v is E^T times the one-hot vector of v: canonical (features, vocabulary).
     register_layer(nn.Embedding, kind="embedding", to_canonical=_transposed, ggn_squares=embedding_squares,
                    check=check_embedding)

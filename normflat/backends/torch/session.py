@@ -792,6 +792,9 @@ class TorchSession:
             elif calls == [0] and layer.ext.ggn_squares is ggn_kernels.recorded_lookup_squares:
                 layer.disable_fast(f"{type(layer.module).__name__} overrides the forward of Embedding and does not "
                                    "look its weight up once with F.embedding as nn.Embedding does")
+            elif calls == [0] and layer.ext.ggn_squares is ggn_kernels.attention_squares:
+                layer.disable_fast("nn.MultiheadAttention ran without its projections recorded (an unbatched, "
+                                   "2-D input, or torch's native inference path)")
             elif calls == [0] and ggn_kernels.recorded_inside(layer.ext.ggn_squares):
                 layer.disable_fast("its recurrence ran on torch's fused kernel (a packed sequence), whose "
                                    "steps cannot be observed")
