@@ -1,7 +1,9 @@
 """Model zoo: which weights of real architectures normflat analyzes, and on which path.
 
 Builds each architecture from a small config with random weights (no downloads): timm vision
-models at 64×64 (their own size where they need it), Hugging Face transformers from tiny configs.
+models at 64×64 (their own size where they need it), torchvision's classification models (at
+64×64, Inception-v3 at 299, the ViT-B/16 and MaxViT at 224), Hugging Face transformers from tiny
+configs.
 For each, ``normflat.analyze`` with the defaults on two batches (of 2 and 3 samples), then prints
 the analyzed fraction of the weight matrices (``coverage``), the layer classes skipped for want of
 an extractor (with a warning), the layers on the fast and the generic path with the generic paths'
@@ -12,7 +14,7 @@ classes are analyzed with ``loss="ce"`` (``nsce`` refuses them, as it should).
 
 Run::
 
-    python -m benchmarks.zoo [--family timm hf] [--check] [--threads 1]
+    python -m benchmarks.zoo [--family timm hf torchvision] [--check] [--threads 1]
 
 A table, not a timing: the seconds are one analysis on two small batches, for orientation only.
 """
@@ -25,7 +27,7 @@ import time
 import warnings
 from typing import Any, Callable
 
-__all__ = ["TIMM", "hf_models", "survey", "main"]
+__all__ = ["TIMM", "TORCHVISION", "hf_models", "survey", "main"]
 
 #: timm architectures (``timm.create_model`` names): CNNs, ViTs, windowed and hybrid attention.
 TIMM = (
@@ -39,6 +41,25 @@ TIMM = (
     "visformer_tiny", "swinv2_cr_tiny_224", "eva02_tiny_patch14_224", "resnetv2_50x1_bit", "nf_resnet26",
     "nfnet_l0", "vit_small_r26_s32_224", "tf_efficientnet_b0", "tf_mixnet_s", "mvitv2_tiny",
 )
+
+
+#: torchvision classification models (``torchvision.models.get_model``) and their input size.
+TORCHVISION = (
+    ("resnet18", 64), ("alexnet", 64), ("vgg11_bn", 64), ("squeezenet1_1", 64), ("densenet121", 64),
+    ("inception_v3", 299), ("googlenet", 64), ("shufflenet_v2_x0_5", 64), ("mobilenet_v2", 64),
+    ("mobilenet_v3_small", 64), ("mnasnet0_5", 64), ("efficientnet_b0", 64), ("efficientnet_v2_s", 64),
+    ("regnet_y_400mf", 64), ("resnext50_32x4d", 64), ("wide_resnet50_2", 64), ("convnext_tiny", 64),
+    ("vit_b_16", 224), ("swin_t", 64), ("swin_v2_t", 64), ("maxvit_t", 224),
+)
+
+
+def _torchvision(name: str, size: int) -> tuple[Any, Callable[[int], Any]]:
+    import torch
+    import torchvision
+
+    model = torchvision.models.get_model(name, num_classes=5).eval()
+    g = torch.Generator().manual_seed(0)
+    return model, lambda n: (torch.randn(n, 3, size, size, generator=g), torch.randint(0, 5, (n,), generator=g))
 
 
 def _timm(name: str) -> tuple[Any, Callable[[int], Any]]:
@@ -178,7 +199,8 @@ def survey(name: str, build: Callable[[], tuple[Any, Callable[[int], Any]]], che
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", nargs="*", default=["timm", "hf"], choices=["timm", "hf"])
+    parser.add_argument("--family", nargs="*", default=["timm", "hf", "torchvision"],
+                        choices=["timm", "hf", "torchvision"])
     parser.add_argument("--check", action="store_true", help="fast against generic path with chunks of one sample")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
@@ -193,6 +215,10 @@ def main(argv: list[str] | None = None) -> None:
         for name in TIMM:
             torch.manual_seed(0)
             print(survey(name, lambda name=name: _timm(name), args.check), flush=True)
+    if "torchvision" in args.family:
+        for name, size in TORCHVISION:
+            torch.manual_seed(0)
+            print(survey(f"tv {name}", lambda name=name, size=size: _torchvision(name, size), args.check), flush=True)
     if "hf" in args.family:
         import transformers
 

@@ -339,8 +339,8 @@ def test_modules_called_several_times_sum_their_calls(estimator):
     report = normflat.analyze(model, (ids, y), loss="nsce", estimator=estimator, progress=False, seed=1,
                               samples=4 if estimator == "ggn-mc" else None)
     paths = {layer.name: layer.details["path"] for layer in report.layers}
-    assert paths == {"emb": "fast", "inp": "fast", "shared": "fast", "conv": "fast", "up": "generic",  # up: unused
-                     "head": "fast"}
+    assert paths == {"emb": "fast", "inp": "fast", "shared": "fast", "conv": "fast", "up": "fast", "head": "fast"}
+    assert "unused" in report.layer("up").details  # never run: zero curvature, no path
     kw = {"loss": "nsce", "estimator": estimator, "seed": 1, "samples": 4 if estimator == "ggn-mc" else None}
     fast = nf(model, (ids, y), **kw)
     generic = nf(model, (ids, y), fast=False, **kw)
@@ -1238,6 +1238,51 @@ def test_conv_squares_by_pairs_of_positions_match_brute_force(positions, by_pair
     want = brute_ggn_diag(model, x, y, loss)
     for name, value in want.items():
         torch.testing.assert_close(got[name], canonical(model, name, value), rtol=1e-10, atol=1e-13)
+
+
+class AuxiliaryHead(nn.Module):
+    """A body, a head and an auxiliary head that runs only on inputs whose first feature exceeds 5
+    in every sample (Inception's in training mode): otherwise the auxiliary weight is unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(5, 6)
+        self.aux = nn.Linear(6, 3)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.head(h) + self.aux(h) if bool((x[:, 0] > 5).all()) else self.head(h)
+
+
+def test_a_weight_no_forward_uses_has_zero_curvature_on_no_path():
+    """A weight whose module never runs and that the logits do not depend on (mBART's
+    cross-attention without an encoder, Inception's auxiliary head in eval mode) takes no path:
+    its diagonal is zero, as brute force and the generic path say, and its details say why; the
+    other layers are exact. A later batch that runs it sends it to the generic path from there on,
+    the earlier batches' zeros exact."""
+    torch.manual_seed(0)
+    model = AuxiliaryHead().double()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, 5, generator=g, dtype=DT), torch.tensor([0, 1, 2, 1, 0])
+    report = normflat.analyze(model, (x, y), estimator="ggn", loss="ce", progress=False)
+    aux = report.layer("aux")
+    assert aux.details["path"] == "fast" and "curvature is zero" in aux.details["unused"], aux.details
+    assert aux.hessian_trace == 0.0 and report.layer("head").hessian_trace > 0
+    want = brute_ggn_diag(model, x, y)
+    assert_diag_close(nf(model, (x, y), loss="ce", estimator="ggn"), want, model, atol=1e-13, rtol=1e-10)
+    assert_diag_close(nf(model, (x, y), loss="ce", estimator="ggn", chunk_size=2), want, model, atol=1e-13,
+                      rtol=1e-10)
+    assert float(want["aux"].abs().max()) == 0.0
+    later = x.clone()
+    later[3:, 0] = 6.0  # the second batch runs the auxiliary head
+    data = [(x[:3], y[:3]), (later[3:], y[3:])]
+    report = normflat.analyze(model, data, estimator="ggn", loss="ce", progress=False)
+    assert report.layer("aux").details["path"] == "generic" and "unused" not in report.layer("aux").details
+    got = nf(model, data, loss="ce", estimator="ggn")
+    generic = nf(model, data, loss="ce", estimator="ggn", fast=False)
+    assert float(got["aux"].abs().max()) > 0
+    assert_diag_close(got, generic, model, atol=1e-13, rtol=1e-10)
 
 
 class FoldedPooling(nn.Module):

@@ -359,6 +359,7 @@ class TorchLayer:
     def disable_fast(self, reason: str) -> None:
         self.fast = False
         self.spec.path, self.spec.reason = "generic", reason
+        self.spec.extra.pop("unused", None)
 
 
 @dataclass

@@ -109,6 +109,11 @@ def parse_settings(backend_options: dict[str, Any]) -> Settings:
     return s
 
 
+#: ``details["unused"]`` of a weight that no forward of the analysis used (its curvature is zero).
+UNUSED_NOTE = ("no module using it ran and the logits do not depend on it: its curvature is zero (it took "
+               "no path)")
+
+
 class TorchSession:
     """One ``nn.Module`` under analysis (the engine's session contract).
 
@@ -779,6 +784,14 @@ class TorchSession:
                 # chunk checks that the idle ones stay so.
                 layer.idle = [*layer.idle, *(use for use, count in zip(layer.uses, calls) if not count)]
                 calls = [cap.calls.get(id(use), 0) for use in layer.uses]
+            if not any(calls) and uses[id(layer.param)] == 0 and not cap.watches(layer):
+                # A weight no module runs and the graph does not reach (mBART's cross-attention in
+                # a forward without an encoder, Inception's auxiliary head in eval mode): its
+                # curvature is zero, and it takes no path at all. Every chunk checks that it stays
+                # idle (a later one that runs it takes the generic path, the earlier zeros exact).
+                layer.idle = [layer, *layer.tied]
+                layer.spec.extra["unused"] = UNUSED_NOTE
+                continue
             if (calls == [0] and not layer.tied and layer.ext.ggn_squares is ggn_kernels.linear_squares
                     and uses[id(layer.param)] == 1 and not cap.watches(layer)):
                 # A dense weight the model applies functionally, its module never called (timm's BEiT:
@@ -1024,6 +1037,8 @@ class TorchSession:
         self._chunk_folds = {}
         unchecked: list[tuple[TorchLayer, int]] = []
         for layer in fast:
+            if not layer.uses:  # unused (_first_check): no output
+                continue
             sizes = {int(cap.outputs[id(use)].shape[0]) if cap.outputs[id(use)].dim() else -1 for use in layer.uses}
             size = sizes.pop() if len(sizes) == 1 else -1
             dense = (not layer.tied and ggn_kernels.foldable(layer.ext.ggn_squares) and size > 0
@@ -1219,6 +1234,8 @@ class TorchSession:
         at = 0
         for layer in fast:
             count = len(layer.uses)
+            if not count:  # unused (_first_check): zero curvature, nothing to add
+                continue
             mine, grads[at:at + count] = grads[at:at + count], [None] * count  # the rule may free the parts
             at += count
             if layer.tied:
