@@ -1285,6 +1285,91 @@ def test_a_weight_no_forward_uses_has_zero_curvature_on_no_path():
     assert_diag_close(got, generic, model, atol=1e-13, rtol=1e-10)
 
 
+class WeightNormalized(nn.Module):
+    """A weight-normalized convolution (``torch.nn.utils.parametrizations.weight_norm``, norms over
+    the kernel positions as wav2vec 2.0's positional convolution, or per output channel) and a
+    weight-normalized dense layer (the older ``torch.nn.utils.weight_norm`` hook), then a head."""
+
+    def __init__(self, dim: int = 2) -> None:
+        super().__init__()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the older API is deprecated
+            self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(3, 4, 3, padding=1), dim=dim)
+            self.lin = nn.utils.weight_norm(nn.Linear(4 * 6, 5))
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.lin(torch.relu(self.conv(x)).flatten(1))))
+
+
+_DIRECTIONS = {"conv": "conv.parametrizations.weight.original1", "lin": "lin.weight_v", "head": "head.weight"}
+
+
+def _parameter_ggn(model, x, y, names):
+    """The ``nsce`` GGN diagonal of the named parameters from per-sample Jacobians (no copy of the
+    model: a module with the older weight-norm hook cannot be deep-copied after a forward)."""
+    params = dict(model.named_parameters())
+    out = {}
+    for name in names:
+        w = params[name].detach()
+
+        def z_of(wt, name=name):
+            z = functional_call(model, {name: wt}, (x,), strict=False)
+            z = z - z.mean(1, keepdim=True)
+            return z / torch.sqrt((z**2).mean(1, keepdim=True) + NSCE_EPS)
+
+        z = z_of(w).detach()
+        p = torch.softmax(z, 1)
+        h = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+        J = jacrev(z_of)(w).reshape(z.shape[0], z.shape[1], -1)
+        out[name] = ((h @ J) * J).sum((0, 1)).reshape(w.shape).detach() / z.shape[0]
+    return out
+
+
+def test_weight_normalized_layers_analyze_their_direction_on_the_generic_path():
+    """torch's weight normalization ``W = g · v / ‖v‖`` (both APIs): the direction ``v`` is the
+    weight analyzed (method §3, "Weight normalization"), on the generic path with its reason, the
+    norms ``g`` excluded; the coverage is whole, the diagonal the brute-force one."""
+    torch.manual_seed(0)
+    model = WeightNormalized().double()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 3, 6, generator=g, dtype=DT), torch.tensor([0, 1, 2, 0])
+    report = normflat.analyze(model, (x, y), estimator="ggn", progress=False)
+    assert report.metadata["coverage"] == 1.0 and report.metadata["unsupported"] == []
+    assert {"conv.parametrizations.weight.original0", "lin.weight_g"} <= set(report.metadata["excluded"])
+    for name in ("conv", "lin"):
+        details = report.layer(name).details
+        assert details["param"] == _DIRECTIONS[name] and details["path"] == "generic", details
+        assert "weight-normalized" in details["generic_reason"]
+    got = nf(model, (x, y), estimator="ggn")
+    want = _parameter_ggn(model, x, y, list(_DIRECTIONS.values()))
+    for name, param in _DIRECTIONS.items():
+        torch.testing.assert_close(got[name], want[param], rtol=1e-10, atol=1e-13)
+
+
+def test_weight_normalized_direction_rescaling_invariance():
+    """Per output channel (``dim=0``), ``W = g · v / ‖v‖`` does not change when a row of ``v`` is
+    multiplied by a positive factor, and the Hessian in that row is divided by its square: the
+    normalized sharpness of each direction stays, its trace moves (method §8)."""
+    torch.manual_seed(0)
+    model = WeightNormalized(dim=0).double()
+    other = WeightNormalized(dim=0).double()
+    other.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        v = other.conv.parametrizations.weight.original1
+        v.mul_(torch.exp(torch.randn(4, generator=g, dtype=DT))[:, None, None])
+        other.lin.weight_v.mul_(torch.exp(torch.randn(5, generator=g, dtype=DT))[:, None])
+    x, y = torch.randn(6, 3, 6, generator=g, dtype=DT), torch.tensor([0, 1, 2, 0, 1, 2])
+    torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-13)
+    before = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    after = normflat.analyze(other, (x, y), loss="ce", estimator="ggn", progress=False)
+    for lb, la in zip(before.layers, after.layers):
+        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), lb.name
+        if lb.name != "head":
+            assert abs(la.hessian_trace - lb.hessian_trace) > 1e-3 * abs(lb.hessian_trace), lb.name
+
+
 class FoldedPooling(nn.Module):
     """MViTv2's pooling: each sample's ``heads`` maps of ``d`` channels folded into the batch axis,
     ``(n·heads, d, h, w)``, through one convolution (``groups``: 1, or ``d`` for a depthwise one)."""

@@ -218,6 +218,35 @@ def _recurrent_weights(module: nn.Module) -> list[ModuleWeight]:
     return out
 
 
+#: Why a weight-normalized layer's direction takes the generic path, and why its norms are excluded.
+_WEIGHT_NORM_REASON = ("its weight is weight-normalized (g · v / ‖v‖): the direction v has no fast rule yet, the "
+                       "generic path differentiates through the normalization")
+_WEIGHT_NORM_SCALE = "the norms g of a weight normalization (a vector of scales), not a weight matrix"
+
+
+def _weight_norm(module: nn.Module) -> tuple[nn.Parameter, nn.Parameter] | None:
+    """``(v, g)`` of a module whose ``weight`` is torch's weight normalization of a direction ``v``
+    by norms ``g`` (``torch.nn.utils.parametrizations.weight_norm``, or the older
+    ``torch.nn.utils.weight_norm`` hook), or ``None``. Any other parametrization is not read."""
+    from torch.nn.utils import parametrize
+
+    if parametrize.is_parametrized(module, "weight"):
+        chain = module.parametrizations["weight"]
+        if len(chain) == 1 and type(chain[0]).__name__ == "_WeightNorm" and type(chain[0]).__module__.startswith(
+                "torch.nn.utils"):
+            g, v = getattr(chain, "original0", None), getattr(chain, "original1", None)
+            if isinstance(g, nn.Parameter) and isinstance(v, nn.Parameter):
+                return v, g
+        return None
+    hooks = [h for h in module._forward_pre_hooks.values()
+             if type(h).__name__ == "WeightNorm" and type(h).__module__ == "torch.nn.utils.weight_norm"
+             and getattr(h, "name", None) == "weight"]
+    v, g = getattr(module, "weight_v", None), getattr(module, "weight_g", None)
+    if len(hooks) == 1 and isinstance(v, nn.Parameter) and isinstance(g, nn.Parameter):
+        return v, g
+    return None
+
+
 def check_embedding(module: nn.Module) -> str | None:
     """Why an ``nn.Embedding`` (or a subclass registered as one) cannot be analyzed as it is, or ``None``."""
     if module.max_norm is not None:
@@ -576,6 +605,13 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
                          blocks=mw.blocks, rule=mw.ggn_squares is not None)
         else:
             w = ext.weight(module)
+            normed = _weight_norm(module) if w is not None and not isinstance(w, nn.Parameter) else None
+            if normed is not None:
+                # W = g · v / ‖v‖: the direction v is the kernel analyzed (method §3, "Weight
+                # normalization"), its norms g a vector like a normalization's scale.
+                w, scale = normed
+                walk.mark(scale, "excluded", _WEIGHT_NORM_SCALE)
+                ext = replace(ext, ggn_squares=None, generic_reason=_WEIGHT_NORM_REASON)
             if w is not None:
                 walk.add(label, module, w, ext, blocks=packed.get(id(module)) or _blocks_of(ext, module))
         # The module's other parameters (biases; sub-modules are not walked): excluded
