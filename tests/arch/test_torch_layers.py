@@ -182,13 +182,14 @@ class AttentionOptions(nn.Module):
     (packed self-attention), ``seq_first`` (``batch_first=False``), ``cross`` (another sequence
     as key and value), ``three`` (distinct query, key and value), ``masks`` (a key padding mask and a
     causal mask), ``bias_kv`` (``add_bias_kv``), ``zero_attn`` (``add_zero_attn``), ``weights`` (the
-    per-head attention weights it returns used by the model)."""
+    per-head attention weights it returns used by the model), ``plain`` and ``plain_cross`` (no
+    mask, ``need_weights=False``: the scaled dot-product attention without identity projections)."""
 
     def __init__(self, option):
         super().__init__()
         self.option = option
         self.emb = nn.Embedding(V, D)
-        self.src = nn.Embedding(V, D) if option in ("cross", "three") else None
+        self.src = nn.Embedding(V, D) if option in ("cross", "three", "plain_cross") else None
         kw = {"add_bias_kv": True} if option == "bias_kv" else {"add_zero_attn": True} if option == "zero_attn" else {}
         self.att = nn.MultiheadAttention(D, 2, batch_first=option != "seq_first", **kw)
         self.head = nn.Linear(D, C)
@@ -208,6 +209,10 @@ class AttentionOptions(nn.Module):
             padding = (torch.arange(t) == t - 1)[None, :] & (ids[:, -1:] % 2 == 0)  # from the sample itself
             causal = torch.ones(t, t, dtype=torch.bool).triu(1)
             a, _ = self.att(h, h, h, key_padding_mask=padding, attn_mask=causal)
+        elif self.option == "plain":
+            a, _ = self.att(h, h, h, need_weights=False)
+        elif self.option == "plain_cross":
+            a, _ = self.att(h, other, other, need_weights=False)
         elif self.option == "weights":
             a, w = self.att(h, h, h, need_weights=True, average_attn_weights=False)  # w: (n, heads, T, T)
             a = a + w.sum(1) @ h
@@ -216,18 +221,25 @@ class AttentionOptions(nn.Module):
         return self.head(torch.tanh(a).mean(1))
 
 
-_ATTENTION_OPTIONS = ["self", "seq_first", "cross", "three", "masks", "bias_kv", "zero_attn", "weights"]
+_ATTENTION_OPTIONS = ["self", "seq_first", "cross", "three", "masks", "bias_kv", "zero_attn", "weights", "plain",
+                      "plain_cross"]
 
 
 @pytest.mark.parametrize("option", _ATTENTION_OPTIONS)
-def test_multihead_attention_options_take_the_fast_rule(option):
+def test_multihead_attention_options_take_the_fast_rule(option, monkeypatch):
     """``nn.MultiheadAttention`` applies its projections inside ``F.multi_head_attention_forward``;
     normflat applies them itself, recorded batch first, with torch's function between them
     (method §6.1, "Attention projections applied functionally"): every projection on the fast path
     with every option of the call, against brute force; ``ggn-mc`` equal to the generic path."""
+    from normflat.backends.torch import ggn as ggn_kernels
+
+    plain = []
+    real = ggn_kernels._plain_attention
+    monkeypatch.setattr(ggn_kernels, "_plain_attention", lambda call: plain.append(real(call)) or plain[-1])
     model = _init(AttentionOptions(option))
     data = [(_ids(N, T), _labels(N)), (_ids(2, T, seed=3), _labels(2, seed=4))]
     report = normflat.analyze(model, data, progress=False, estimator="ggn")
+    assert plain and set(plain) == {option.startswith("plain")}  # the identity-free call for the plain ones
     paths = {layer.name: layer.details for layer in report.layers}
     assert all(paths[f"att.{name}"]["path"] == "fast" for name in ("query", "key", "value", "out_proj")), paths
     _check_ggn(model, data)

@@ -1278,7 +1278,9 @@ def test_a_weight_no_forward_uses_has_zero_curvature_on_no_path():
     later[3:, 0] = 6.0  # the second batch runs the auxiliary head
     data = [(x[:3], y[:3]), (later[3:], y[3:])]
     report = normflat.analyze(model, data, estimator="ggn", loss="ce", progress=False)
-    assert report.layer("aux").details["path"] == "generic" and "unused" not in report.layer("aux").details
+    details = report.layer("aux").details
+    assert details["path"] == "generic" and "unused" not in details, details
+    assert "run by a later one" in details["generic_reason"]
     got = nf(model, data, loss="ce", estimator="ggn")
     generic = nf(model, data, loss="ce", estimator="ggn", fast=False)
     assert float(got["aux"].abs().max()) > 0
@@ -1368,6 +1370,46 @@ def test_weight_normalized_direction_rescaling_invariance():
         assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), lb.name
         if lb.name != "head":
             assert abs(la.hessian_trace - lb.hessian_trace) > 1e-3 * abs(lb.hessian_trace), lb.name
+
+
+class DeadPooler(nn.Module):
+    """An encoder whose pooler runs but whose head reads the first token, not the pooled output
+    (BigBird's classifier): the pooler's weight gets no signal. ``read``: the head reads the
+    pooled output too on inputs whose first feature exceeds 5 in every sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode = nn.Linear(5, 6)
+        self.pooler = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.encode(x))
+        pooled = torch.tanh(self.pooler(h))
+        return self.head(h + pooled) if bool((x[:, 0] > 5).all()) else self.head(h)
+
+
+def test_a_layer_whose_output_the_logits_do_not_read_keeps_its_fast_rule():
+    """A module that runs but whose output the logits do not depend on (an unused pooler) keeps
+    its fast rule: no signal reaches it, its diagonal is zero, as brute force says; a later batch
+    whose logits read it gets its curvature from the same rule, as the generic path."""
+    torch.manual_seed(0)
+    model = DeadPooler().double()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, 5, generator=g, dtype=DT), torch.tensor([0, 1, 2, 1, 0])
+    report = normflat.analyze(model, (x, y), estimator="ggn", loss="ce", progress=False)
+    assert {layer.details["path"] for layer in report.layers} == {"fast"}
+    assert report.layer("pooler").hessian_trace == 0.0
+    assert_diag_close(nf(model, (x, y), loss="ce", estimator="ggn"), brute_ggn_diag(model, x, y), model,
+                      atol=1e-13, rtol=1e-10)
+    later = x.clone()
+    later[3:, 0] = 6.0
+    data = [(x[:3], y[:3]), (later[3:], y[3:])]
+    got = nf(model, data, loss="ce", estimator="ggn")
+    assert float(got["pooler"].abs().max()) > 0
+    assert_diag_close(got, nf(model, data, loss="ce", estimator="ggn", fast=False), model, atol=1e-13, rtol=1e-10)
+    assert normflat.analyze(model, data, estimator="ggn", loss="ce", progress=False).layer(
+        "pooler").details["path"] == "fast"
 
 
 class FoldedPooling(nn.Module):

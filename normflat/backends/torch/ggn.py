@@ -941,7 +941,10 @@ class FunctionalTaps(torch.overrides.TorchFunctionMode):
       computes its ids inside (OPT's positions from the attention mask): ``lookups``;
     * the ``F.linear`` call on the weight of an ``nn.Linear`` the model never calls, using the
       weight itself (timm's BEiT and EVA attention: ``F.linear(x, weight=self.qkv.weight,
-      bias=torch.cat(...))``): ``linears``.
+      bias=torch.cat(...))``): ``linears``;
+    * the projections of ``nn.MultiheadAttention``, which ``F.multi_head_attention_forward`` applies
+      inside, where a mode does not see them: that call is evaluated by :func:`recorded_attention`
+      (the same value), ``attention``.
 
     Each maps ``id(weight)`` to ``callback(input, output, uses)``, which returns the output the
     model goes on with; the model gets a copy of it, so that an in-place operation after the call
@@ -1032,6 +1035,18 @@ def recorded_attention(args: tuple, kwargs: dict,
             start = starts[id(x)]
             return t[:, start:start + int(x.shape[0]), block * e:(block + 1) * e]
         q, k, v = rows(query, 0), rows(key, 1), rows(value, 2)
+    if _plain_attention(call):
+        # No mask, bias, zero attention or dropout, and no weights returned: torch's function is
+        # the scaled dot-product attention of the heads, called here without the identities.
+        heads = int(call["num_heads"])
+
+        def split(t: torch.Tensor) -> torch.Tensor:  # (N, L, E) -> (N, heads, L, E/heads)
+            return t.reshape(t.shape[0], t.shape[1], heads, e // heads).transpose(1, 2)
+
+        attended = F.scaled_dot_product_attention(split(q), split(k), split(v))
+        out = project([attended.transpose(1, 2).reshape(q.shape[0], q.shape[1], e).transpose(0, 1)], out_weight,
+                      out_bias)
+        return out.transpose(0, 1), None
     eye = torch.eye(e, dtype=q.dtype, device=q.device)
     call.update(query=q.transpose(0, 1), key=k.transpose(0, 1), value=v.transpose(0, 1), in_proj_weight=None,
                 in_proj_bias=None, use_separate_proj_weight=True, q_proj_weight=eye, k_proj_weight=eye,
@@ -1039,6 +1054,19 @@ def recorded_attention(args: tuple, kwargs: dict,
     attended, attention_weights = F.multi_head_attention_forward(**call)
     out = project([attended], out_weight, out_bias)
     return out.transpose(0, 1), attention_weights
+
+
+def _plain_attention(call: dict) -> bool:
+    """Whether a ``F.multi_head_attention_forward`` call computes the plain scaled dot-product
+    attention of its heads after the projections: no mask (``attn_mask``, ``key_padding_mask``,
+    ``is_causal``), no ``bias_k``/``bias_v``, no ``add_zero_attn``, no static keys or values, no
+    dropout, and no attention weights to return (``need_weights=False``, as torchvision's ViT and
+    ``nn.TransformerEncoderLayer`` call it)."""
+    return (call.get("attn_mask") is None and call.get("key_padding_mask") is None and not call.get("is_causal")
+            and call.get("bias_k") is None and call.get("bias_v") is None and not call.get("add_zero_attn")
+            and call.get("static_k") is None and call.get("static_v") is None
+            and call.get("need_weights") is False
+            and not (call.get("training", True) and float(call.get("dropout_p", 0.0)) > 0.0))
 
 
 #: ``F.embedding``'s parameters after ``input`` and ``weight``, in order.

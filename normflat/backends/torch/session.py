@@ -821,6 +821,12 @@ class TorchSession:
                 extra = (f" and its weight used {uses[id(layer.param)]} times in the graph"
                          if len(calls) == 1 and calls[0] > 1 and uses[id(layer.param)] != calls[0] else "")
                 layer.disable_fast(f"module called {next(c for c in calls if c != 1)} times per forward{extra}")
+            elif (uses[id(layer.param)] == 0 and not layer.tied and calls == [1] and id(layer) in cap.outputs
+                  and not ggn_kernels.recorded_inside(layer.ext.ggn_squares)):
+                # Run, but the logits do not depend on its output (a pooler beside the sequence
+                # output a head reads, BigBird's): no signal reaches it and its rule adds nothing,
+                # which is exact; a later forward whose logits do depend on it gets its rule.
+                pass
             elif uses[id(layer.param)] != self._uses_inside(layer):
                 layer.disable_fast(f"weight used {uses[id(layer.param)]} times in the graph" if not layer.tied else
                                    f"tied weight used {uses[id(layer.param)]} times in the graph, not once per "
@@ -958,7 +964,10 @@ class TorchSession:
                 u = nrandom.sample_uniforms(self.options.seed, self.rank, batch.offset + start, rows, columns)
                 uniforms = host_to_device(u, logits.device).to(logits.dtype)
             for layer in fast:
-                if (any(cap.calls.get(id(use), 0) != 1 or cap.modified(id(use)) for use in layer.uses)
+                if "unused" in layer.spec.extra and any(cap.calls.get(id(use), 0) for use in layer.idle):
+                    layer.disable_fast("unused by the first forward, run by a later one (the earlier zeros are "
+                                       "exact)")
+                elif (any(cap.calls.get(id(use), 0) != 1 or cap.modified(id(use)) for use in layer.uses)
                         or any(cap.calls.get(id(use), 0) for use in layer.idle)):
                     # Dynamic models: re-checked on every chunk; earlier chunks' sums stay valid.
                     layer.disable_fast("layer not called exactly once, or its input modified in place")
