@@ -759,9 +759,10 @@ def register_known_layers() -> None:
     (:func:`~normflat.backends.torch.ggn.transposed_linear_squares`; inputs may
     have sequence axes). timm: ``Linear`` (an ``nn.Linear`` whose forward casts the weight
     only under TorchScript) takes ``nn.Linear``'s rule; ``Conv2dSame`` and the weight-standardized
-    convolutions are convolutions on the generic path; ``CondConv2d`` is refused
-    with its reason. Idempotent, never imports a library, and never replaces an
-    entry the user registered (``normflat.backends.torch.register_layer``).
+    convolutions (and Hugging Face BiT's ``WeightStandardizedConv2d``) are convolutions with
+    rules of their own (:func:`conv_rule`); ``CondConv2d`` is refused with its reason.
+    Idempotent, never imports a library, and never replaces an entry the user registered
+    (``normflat.backends.torch.register_layer``).
     """
     with _REGISTER_LOCK:
         if "transformers" in sys.modules:
