@@ -102,6 +102,9 @@ def hf_models() -> dict[str, Callable[[], tuple[Any, Callable[[int], Any]]]]:
         x = ids(n)
         return {"input_ids": x, "labels": x.clone()}
 
+    def audio(n: int) -> dict:  # 0.1 s of 16 kHz audio
+        return {"input_values": torch.randn(n, 1600, generator=g), "labels": torch.randint(0, 3, (n,), generator=g)}
+
     def images(n: int) -> dict:
         return {"pixel_values": torch.randn(n, 3, 32, 32, generator=g), "labels": torch.randint(0, 3, (n,), generator=g)}
 
@@ -150,6 +153,9 @@ def hf_models() -> dict[str, Callable[[], tuple[Any, Callable[[int], Any]]]]:
         "swin": lambda: (T.SwinForImageClassification(T.SwinConfig(image_size=32, patch_size=2, embed_dim=8,
                                                                    depths=[1, 1], num_heads=[1, 1], window_size=4,
                                                                    num_labels=3)), images),
+        "wav2vec2": lambda: (T.Wav2Vec2ForSequenceClassification(T.Wav2Vec2Config(
+            **small, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4,
+            num_conv_pos_embedding_groups=2, classifier_proj_size=8, num_labels=3)), audio),
         "bit": lambda: (T.BitForImageClassification(T.BitConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
                                                                 num_groups=2, layer_type="preactivation",
                                                                 global_padding="SAME", num_labels=3)), images),
