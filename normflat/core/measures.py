@@ -19,6 +19,7 @@ from normflat.core.solver import (
     ScalingSolution,
     check_solver_options,
     compose,
+    degenerate_log,
     safe_log,
     solve_entries,
 )
@@ -385,7 +386,7 @@ def _solve_depthwise(A: Entries, B: Entries, groups: int, *, tol: float, max_ite
     alive = ~dead.reshape(groups, rows_per_group).all(axis=1)
     has_a = np.asarray(to_numpy(A.positive())).reshape(groups, rows_per_group).any(axis=1)
     has_b = np.asarray(to_numpy(B.positive())).reshape(groups, rows_per_group).any(axis=1)
-    log_col = np.where(alive, 0.0, np.where(has_b & ~has_a, np.inf, np.where(has_a & ~has_b, -np.inf, 0.0)))
+    log_col = np.where(alive, 0.0, degenerate_log(has_a, has_b))
     return ScalingSolution(
         value=whole.value,
         log_row_sigma=whole.log_row_sigma,

@@ -431,15 +431,18 @@ def _peel_degenerate(pos_a, pos_b, log_a, log_b):
     # The graph is built only when neither remaining pattern is complete (on AlexNet's 4096 ×
     # 9216 layer, with dead units and two zero weights, the graph of its 38M edges took 22 s; the
     # peeling takes 0.2 s).
+    has_a_row, has_b_row, has_a_col, has_b_col = (pos_a.any(axis=1), pos_b.any(axis=1), pos_a.any(axis=0),
+                                                  pos_b.any(axis=0))
     rows, cols = np.arange(m), np.arange(n)
     sub_a, sub_b = pos_a, pos_b
-    while rows.size and cols.size:
-        row_alive = sub_a.any(axis=1) & sub_b.any(axis=1)
-        col_alive = sub_a.any(axis=0) & sub_b.any(axis=0)
-        if row_alive.all() and col_alive.all():
-            break
+    row_alive, col_alive = has_a_row & has_b_row, has_a_col & has_b_col
+    while not (row_alive.all() and col_alive.all()):
         rows, cols = rows[row_alive], cols[col_alive]
         sub_a, sub_b = sub_a[np.ix_(row_alive, col_alive)], sub_b[np.ix_(row_alive, col_alive)]
+        if not (rows.size and cols.size):
+            break
+        row_alive = sub_a.any(axis=1) & sub_b.any(axis=1)
+        col_alive = sub_a.any(axis=0) & sub_b.any(axis=0)
     row_block, col_block = np.zeros(rows.size, int), np.zeros(cols.size, int)
     keep = None
     if rows.size and cols.size and not (sub_a.all() or sub_b.all() or _strongly_connected(sub_a, sub_b)):
@@ -450,15 +453,18 @@ def _peel_degenerate(pos_a, pos_b, log_a, log_b):
         rows, cols, row_block, col_block, keep = rows[:0], cols[:0], row_block[:0], col_block[:0], None
     row_alive, col_alive = np.zeros(m, bool), np.zeros(n, bool)
     row_alive[rows], col_alive[cols] = True, True
-    for alive, has_a, has_b, log in (
-        (row_alive, pos_a.any(axis=1), pos_b.any(axis=1), log_a),
-        (col_alive, pos_a.any(axis=0), pos_b.any(axis=0), log_b),
-    ):
-        log[~alive & has_b & ~has_a] = np.inf  # only weight terms: variance -> infinity
-        log[~alive & has_a & ~has_b] = -np.inf  # only curvature terms: variance -> 0
+    log_a[~row_alive] = degenerate_log(has_a_row, has_b_row)[~row_alive]
+    log_b[~col_alive] = degenerate_log(has_a_col, has_b_col)[~col_alive]
     deg_rows = tuple(int(i) for i in np.flatnonzero(~row_alive))
     deg_cols = tuple(int(j) for j in np.flatnonzero(~col_alive))
     return rows, cols, deg_rows, deg_cols, col_block, row_block, keep
+
+
+def degenerate_log(has_a: np.ndarray, has_b: np.ndarray) -> np.ndarray:
+    """The log-sigma of a degenerate row or column (one in no block) from whether it has curvature
+    terms (``has_a``) and weight terms (``has_b``): ``+inf`` with weight terms only (variance to
+    infinity), ``-inf`` with curvature terms only (variance to 0), 0 with neither or both."""
+    return np.where(has_b & ~has_a, np.inf, np.where(has_a & ~has_b, -np.inf, 0.0))
 
 
 def _strongly_connected(sub_a: np.ndarray, sub_b: np.ndarray) -> bool:

@@ -1240,6 +1240,24 @@ def test_conv_squares_by_pairs_of_positions_match_brute_force(positions, by_pair
         torch.testing.assert_close(got[name], canonical(model, name, value), rtol=1e-10, atol=1e-13)
 
 
+def _branch_batches() -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Five samples whose first feature stays below 5 (the models' branch off), and the same
+    samples as two batches, the second with that feature 6 (the branch on)."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, 5, generator=g, dtype=DT), torch.tensor([0, 1, 2, 1, 0])
+    later = x.clone()
+    later[3:, 0] = 6.0
+    return x, y, [(x[:3], y[:3]), (later[3:], y[3:])]
+
+
+def _branch_on_later_is_exact(model: nn.Module, data: list, name: str) -> None:
+    """Over ``data`` (:func:`_branch_batches`), ``name``'s curvature, nonzero from the second batch
+    on, and every other layer's equal the generic path's."""
+    got = nf(model, data, loss="ce", estimator="ggn")
+    assert float(got[name].abs().max()) > 0
+    assert_diag_close(got, nf(model, data, loss="ce", estimator="ggn", fast=False), model, atol=1e-13, rtol=1e-10)
+
+
 class AuxiliaryHead(nn.Module):
     """A body, a head and an auxiliary head that runs only on inputs whose first feature exceeds 5
     in every sample (Inception's in training mode): otherwise the auxiliary weight is unused."""
@@ -1263,8 +1281,7 @@ def test_a_weight_no_forward_uses_has_zero_curvature_on_no_path():
     the earlier batches' zeros exact."""
     torch.manual_seed(0)
     model = AuxiliaryHead().double()
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(5, 5, generator=g, dtype=DT), torch.tensor([0, 1, 2, 1, 0])
+    x, y, data = _branch_batches()
     report = normflat.analyze(model, (x, y), estimator="ggn", loss="ce", progress=False)
     aux = report.layer("aux")
     assert aux.details["path"] == "fast" and "curvature is zero" in aux.details["unused"], aux.details
@@ -1274,17 +1291,11 @@ def test_a_weight_no_forward_uses_has_zero_curvature_on_no_path():
     assert_diag_close(nf(model, (x, y), loss="ce", estimator="ggn", chunk_size=2), want, model, atol=1e-13,
                       rtol=1e-10)
     assert float(want["aux"].abs().max()) == 0.0
-    later = x.clone()
-    later[3:, 0] = 6.0  # the second batch runs the auxiliary head
-    data = [(x[:3], y[:3]), (later[3:], y[3:])]
-    report = normflat.analyze(model, data, estimator="ggn", loss="ce", progress=False)
+    report = normflat.analyze(model, data, estimator="ggn", loss="ce", progress=False)  # the second runs it
     details = report.layer("aux").details
     assert details["path"] == "generic" and "unused" not in details, details
     assert "run by a later one" in details["generic_reason"]
-    got = nf(model, data, loss="ce", estimator="ggn")
-    generic = nf(model, data, loss="ce", estimator="ggn", fast=False)
-    assert float(got["aux"].abs().max()) > 0
-    assert_diag_close(got, generic, model, atol=1e-13, rtol=1e-10)
+    _branch_on_later_is_exact(model, data, "aux")
 
 
 class WeightNormalized(nn.Module):
@@ -1374,8 +1385,8 @@ def test_weight_normalized_direction_rescaling_invariance():
 
 class DeadPooler(nn.Module):
     """An encoder whose pooler runs but whose head reads the first token, not the pooled output
-    (BigBird's classifier): the pooler's weight gets no signal. ``read``: the head reads the
-    pooled output too on inputs whose first feature exceeds 5 in every sample."""
+    (BigBird's classifier): the pooler's weight gets no signal, but on inputs whose first feature
+    exceeds 5 in every sample, where the head reads the pooled output too."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1395,19 +1406,13 @@ def test_a_layer_whose_output_the_logits_do_not_read_keeps_its_fast_rule():
     whose logits read it gets its curvature from the same rule, as the generic path."""
     torch.manual_seed(0)
     model = DeadPooler().double()
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(5, 5, generator=g, dtype=DT), torch.tensor([0, 1, 2, 1, 0])
+    x, y, data = _branch_batches()
     report = normflat.analyze(model, (x, y), estimator="ggn", loss="ce", progress=False)
     assert {layer.details["path"] for layer in report.layers} == {"fast"}
     assert report.layer("pooler").hessian_trace == 0.0
     assert_diag_close(nf(model, (x, y), loss="ce", estimator="ggn"), brute_ggn_diag(model, x, y), model,
                       atol=1e-13, rtol=1e-10)
-    later = x.clone()
-    later[3:, 0] = 6.0
-    data = [(x[:3], y[:3]), (later[3:], y[3:])]
-    got = nf(model, data, loss="ce", estimator="ggn")
-    assert float(got["pooler"].abs().max()) > 0
-    assert_diag_close(got, nf(model, data, loss="ce", estimator="ggn", fast=False), model, atol=1e-13, rtol=1e-10)
+    _branch_on_later_is_exact(model, data, "pooler")
     assert normflat.analyze(model, data, estimator="ggn", loss="ce", progress=False).layer(
         "pooler").details["path"] == "fast"
 

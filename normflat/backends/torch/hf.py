@@ -394,24 +394,44 @@ _CHECKED_EXPERTS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKey
 _CHECKED_LOCK = threading.Lock()
 
 
+def _checked_once(cache: "weakref.WeakKeyDictionary[nn.Module, bool]", module: nn.Module,
+                  check: Any) -> bool:
+    """``check()``, the first time ``module`` is looked up in ``cache``; its answer after that
+    (written under :data:`_CHECKED_LOCK`: analyses in threads)."""
+    with _CHECKED_LOCK:
+        ok = cache.get(module)
+    if ok is None:
+        ok = bool(check())
+        with _CHECKED_LOCK:
+            cache[module] = ok
+    return ok
+
+
+def _agrees(value: Any, reference: torch.Tensor) -> bool:
+    """Whether ``value`` is a tensor of ``reference``'s shape within 1000 units of rounding of its
+    dtype, relative to its largest entry: what a module's own forward and a rule's reading of it
+    may differ by."""
+    if not isinstance(value, torch.Tensor) or value.shape != reference.shape:
+        return False
+    scale = float(reference.abs().max()) if reference.numel() else 0.0
+    tol = 1e3 * torch.finfo(reference.dtype).eps * max(scale, 1e-30)
+    return bool((value.to(reference.dtype) - reference).abs().max() <= tol)
+
+
 def _check_experts_forward(call: _RoutedExperts) -> None:
     """Once per module: its own forward (hooks bypassed) on a few of the call's tokens computes what
     the rules assume; otherwise the generic path, which differentiates the forward itself."""
     module = call.module
-    with _CHECKED_LOCK:
-        ok = _CHECKED_EXPERTS.get(module)
-    if ok is None:
+
+    def check() -> bool:
         few = slice(0, min(64, call.x.shape[0]))
         sub = _RoutedExperts(module, call.x[few], (call.index[few], call.weights[few]), {})
         with torch.no_grad():
             want = type(module).forward(module, call.x[few], call.index[few], call.weights[few].to(call.x.dtype))
             got = sub.output()
-        scale = float(want.abs().max()) if want.numel() else 0.0
-        tol = 1e3 * torch.finfo(want.dtype).eps * max(scale, 1e-30)
-        ok = isinstance(want, torch.Tensor) and want.shape == got.shape and bool((want - got).abs().max() <= tol)
-        with _CHECKED_LOCK:
-            _CHECKED_EXPERTS[module] = ok
-    if not ok:
+        return isinstance(want, torch.Tensor) and _agrees(got, want)
+
+    if not _checked_once(_CHECKED_EXPERTS, module, check):
         raise NoFastPath("the experts' forward does not compute the routed gated MLP the fast rule assumes")
 
 
@@ -472,9 +492,7 @@ def router_squares(module: nn.Module, x: torch.Tensor, deltas: Any, out: torch.T
     weight = module.weight
     like = next(p for p in deltas.parts if p is not None)
     rows = x.reshape(-1, x.shape[-1])
-    with _CHECKED_LOCK:
-        ok = _CHECKED_ROUTERS.get(module)
-    if ok is None:
+    def check() -> bool:
         few = rows[:64]
         bias = getattr(module, "bias", None)
         with torch.no_grad():
@@ -483,13 +501,9 @@ def router_squares(module: nn.Module, x: torch.Tensor, deltas: Any, out: torch.T
             want = [F.linear(few.to(like.dtype), weight.detach().to(like.dtype))]
             if isinstance(bias, torch.Tensor):  # GPT-OSS's router adds its bias (no change to the signals)
                 want.append(want[0] + bias.detach().to(like.dtype))
-        ok = isinstance(first, torch.Tensor) and any(
-            first.shape == w.shape and bool((first.to(w.dtype) - w).abs().max()
-                                            <= 1e3 * torch.finfo(w.dtype).eps * max(float(w.abs().max()), 1e-30))
-            for w in want)
-        with _CHECKED_LOCK:
-            _CHECKED_ROUTERS[module] = ok
-    if not ok:
+        return any(_agrees(first, w) for w in want)
+
+    if not _checked_once(_CHECKED_ROUTERS, module, check):
         raise NoFastPath("the router does not return F.linear(hidden_states, weight) first")
     experts, features = weight.shape
     # The logits' dtype (a router may compute in float32); the sums in the weight's.
@@ -607,9 +621,7 @@ def _check_conv_forward(module: nn.Module, a: torch.Tensor, form: _ConvForward) 
     """Once per module: its own forward (hooks bypassed) on two of the inputs equals the applied
     weight times the patches of the padded input, with the bias, as the rule reads them; otherwise
     the generic path, which differentiates the forward itself."""
-    with _CHECKED_LOCK:
-        ok = _CHECKED_CONVS.get(module)
-    if ok is None:
+    def check() -> bool:
         few = a[:2]
         with torch.no_grad():
             want = type(module).forward(module, few)
@@ -619,14 +631,10 @@ def _check_conv_forward(module: nn.Module, a: torch.Tensor, form: _ConvForward) 
             got = torch.matmul(weight.reshape(g, weight.shape[0] // g, -1), patches)
             if module.bias is not None:
                 got = got + module.bias.detach().reshape(g, -1, 1)
-        ok = (isinstance(want, torch.Tensor) and want.numel() == got.numel() and want.shape[:2] == (n, weight.shape[0]))
-        if ok:
-            want = want.reshape(got.shape)
-            tol = 1e3 * torch.finfo(want.dtype).eps * max(float(want.abs().max()) if want.numel() else 0.0, 1e-30)
-            ok = bool((want - got).abs().max() <= tol)
-        with _CHECKED_LOCK:
-            _CHECKED_CONVS[module] = ok
-    if not ok:
+        return (isinstance(want, torch.Tensor) and want.numel() == got.numel()
+                and want.shape[:2] == (n, weight.shape[0]) and _agrees(got, want.reshape(got.shape)))
+
+    if not _checked_once(_CHECKED_CONVS, module, check):
         raise NoFastPath(f"its forward does not compute what {type(module).__name__}'s rule assumes (it "
                          f"{form.does} before the convolution)")
 
