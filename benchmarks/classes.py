@@ -52,6 +52,11 @@ Problems:
   32 tokens into a 10-class head, 32 sequences): their ``nn.MultiheadAttention`` projections,
   and the "generic path" column (``fast=False``) the path those took before their rule (method
   §6.1, "Attention projections applied functionally").
+* ``wav2vec2-10``: Hugging Face wav2vec 2.0 (a feature encoder of 7 convolutions of 128 channels,
+  4 layers of width 256, 4 heads, MLP 512), 4 clips of one second at 16 kHz, 10 classes: its
+  positional convolution (128 taps, 16 groups) is weight-normalized per kernel position, and the
+  "generic path" column (``fast=False``) the path its direction took before its rule (method
+  §6.1, "Weight-normalized layers").
 * ``bart-5000``: a BART encoder-decoder (2 + 2 layers, width 64) with a 5000-token vocabulary,
   4 sequences of 32 tokens fed ``labels = input_ids`` (the decoder reads them shifted right): its
   table is held by ``model.shared``, which never runs, and used by the encoder's and decoder's
@@ -173,6 +178,23 @@ def _torchvision_vit(classes: int) -> nn.Module:
     return model
 
 
+class _Wav2Vec2(nn.Module):
+    """Hugging Face wav2vec 2.0 for audio classification (a 7-layer feature encoder of 128 channels,
+    4 transformer layers of width 256, its 128-tap positional convolution in 16 groups
+    weight-normalized per kernel position), the logits of raw audio."""
+
+    def __init__(self, classes: int) -> None:
+        super().__init__()
+        from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
+        config = Wav2Vec2Config(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=512,
+                                num_conv_pos_embeddings=128, num_conv_pos_embedding_groups=16,
+                                conv_dim=(128,) * 7, classifier_proj_size=64, num_labels=classes)
+        self.inner = Wav2Vec2ForSequenceClassification(config)
+
+    def forward(self, audio: torch.Tensor) -> torch.Tensor:
+        return self.inner(audio).logits
+
+
 class _Albert(nn.Module):
     """Hugging Face ALBERT for sequence classification (its 4 layers one shared layer, called
     4 times per forward), the logits of token ids."""
@@ -263,6 +285,7 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
     "tf-efficientnet-10": (_timm("tf_efficientnet_b0"), 10, (16, 3, 32, 32), False, True),
     "tv-vit-10": (_torchvision_vit, 10, (16, 3, 32, 32), False, True),
     "transformer-10": (_TransformerClassifier, 10, (32, 32), False, True),
+    "wav2vec2-10": (_Wav2Vec2, 10, (4, 16000), False, True),
     "lstm-10": (_lstm, 10, (32, 32), False, True),
     "gru-10": (_gru, 10, (32, 32), False, True),
     "albert-10": (_Albert, 10, (16, 32), False, True),
@@ -270,8 +293,8 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
 #: The sequence classifiers (token ids in, one label per sequence) and their vocabulary.
 SEQUENCE_CLASSIFIERS = ("lstm-10", "gru-10", "albert-10", "transformer-10")
 #: The problems timed with ``fast=False`` too (the "generic path" column): the path their
-#: recurrent, shared, weight-standardized or self-padded weights took before their rules.
-GENERIC_TIMED = (*SEQUENCE_CLASSIFIERS, "bit-10", "nfnet-10", "tf-efficientnet-10", "tv-vit-10")
+#: recurrent, shared, weight-standardized, self-padded or weight-normalized weights took before their rules.
+GENERIC_TIMED = (*SEQUENCE_CLASSIFIERS, "bit-10", "nfnet-10", "tf-efficientnet-10", "tv-vit-10", "wav2vec2-10")
 SEQUENCE_VOCABULARY = 2000
 LANGUAGE_MODELS = ("gpt2-5000", "gpt2-untied-50000", "llama-5000", "mixtral-5000", "bart-5000", "t5-5000",
                    "opt-5000")

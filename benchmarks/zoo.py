@@ -156,6 +156,9 @@ def hf_models() -> dict[str, Callable[[], tuple[Any, Callable[[int], Any]]]]:
         "wav2vec2": lambda: (T.Wav2Vec2ForSequenceClassification(T.Wav2Vec2Config(
             **small, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4,
             num_conv_pos_embedding_groups=2, classifier_proj_size=8, num_labels=3)), audio),
+        "hubert": lambda: (T.HubertForSequenceClassification(T.HubertConfig(
+            **small, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4,
+            num_conv_pos_embedding_groups=2, classifier_proj_size=8, num_labels=3)), audio),
         "bit": lambda: (T.BitForImageClassification(T.BitConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
                                                                 num_groups=2, layer_type="preactivation",
                                                                 global_padding="SAME", num_labels=3)), images),
@@ -209,7 +212,12 @@ def main(argv: list[str] | None = None) -> None:
                         choices=["timm", "hf", "torchvision"])
     parser.add_argument("--check", action="store_true", help="fast against generic path with chunks of one sample")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--models", nargs="*", default=None, metavar="NAME",
+                        help="only these rows (names as in the table, without the 'tv '/'HF ' prefix)")
     args = parser.parse_args(argv)
+
+    def wanted(name: str) -> bool:
+        return args.models is None or name in args.models
     import torch
 
     torch.set_num_threads(args.threads)
@@ -218,11 +226,13 @@ def main(argv: list[str] | None = None) -> None:
           "fast vs generic | seconds |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     if "timm" in args.family:
-        for name in TIMM:
+        for name in filter(wanted, TIMM):
             torch.manual_seed(0)
             print(survey(name, lambda name=name: _timm(name), args.check), flush=True)
     if "torchvision" in args.family:
         for name, size in TORCHVISION:
+            if not wanted(name):
+                continue
             torch.manual_seed(0)
             print(survey(f"tv {name}", lambda name=name, size=size: _torchvision(name, size), args.check), flush=True)
     if "hf" in args.family:
@@ -230,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
 
         transformers.logging.set_verbosity_error()
         for name, build in hf_models().items():
+            if not wanted(name):
+                continue
             torch.manual_seed(0)
             print(survey(f"HF {name}", build, args.check), flush=True)
 

@@ -298,8 +298,8 @@ def test_ggn_generic_path_for_shared_and_functional_weights():
 class Repeated(nn.Module):
     """A dense layer, an embedding and a grouped convolution called several times per forward
     (ALBERT's shared layers, a siamese encoder). ``how``: ``plain``; ``functional`` (the shared
-    weight also read by ``F.linear``); ``transposed`` (a transposed convolution called twice: no
-    per-sample gradient rule to sum); ``dynamic`` (a fourth call from the second forward on)."""
+    weight also read by ``F.linear``); ``transposed`` (a transposed convolution called twice too);
+    ``dynamic`` (a fourth call from the second forward on)."""
 
     def __init__(self, how="plain"):
         super().__init__()
@@ -326,21 +326,23 @@ class Repeated(nn.Module):
         return self.head(h.transpose(1, 2).mean(1))
 
 
-@pytest.mark.parametrize("estimator", ["ggn", "ggn-mc"])
-def test_modules_called_several_times_sum_their_calls(estimator):
+@pytest.mark.parametrize("estimator, how", [("ggn", "plain"), ("ggn-mc", "plain"), ("ggn", "transposed")])
+def test_modules_called_several_times_sum_their_calls(estimator, how):
     """Each call of a module called several times per forward is recorded on its own and the
     calls' per-sample gradients are summed before they are squared (method §6.1, "Tied
-    weights"): the fast path for the shared dense layer and the embedding looked up twice, the
-    same diagonals as brute force and the generic path, with the default probe and chunks."""
+    weights"): the fast path for the shared dense layer, the grouped and the transposed
+    convolution and the embedding looked up twice, the same diagonals as brute force and the
+    generic path, with the default probe and chunks."""
     torch.manual_seed(4)
-    model = Repeated().to(DT).eval()
+    model = Repeated(how).to(DT).eval()
     g = torch.Generator().manual_seed(5)
     ids, y = torch.randint(0, 7, (6, 2, 5), generator=g), torch.randint(0, 3, (6,), generator=g)
     report = normflat.analyze(model, (ids, y), loss="nsce", estimator=estimator, progress=False, seed=1,
                               samples=4 if estimator == "ggn-mc" else None)
     paths = {layer.name: layer.details["path"] for layer in report.layers}
     assert paths == {"emb": "fast", "inp": "fast", "shared": "fast", "conv": "fast", "up": "fast", "head": "fast"}
-    assert "unused" in report.layer("up").details  # never run: zero curvature, no path
+    # Unless called, never run: zero curvature, no path.
+    assert ("unused" in report.layer("up").details) == (how == "plain")
     kw = {"loss": "nsce", "estimator": estimator, "seed": 1, "samples": 4 if estimator == "ggn-mc" else None}
     fast = nf(model, (ids, y), **kw)
     generic = nf(model, (ids, y), fast=False, **kw)
@@ -355,12 +357,11 @@ def test_modules_called_several_times_sum_their_calls(estimator):
 
 @pytest.mark.parametrize("how, layer, reason", [
     ("functional", "shared", "module called 3 times per forward and its weight used 4 times in the graph"),
-    ("transposed", "up", "module called 2 times per forward"),
     ("dynamic", "shared", "called"),
 ])
 def test_modules_called_several_times_otherwise_take_the_generic_path(how, layer, reason):
-    """A further functional use of the shared weight, a transposed convolution called twice, or
-    calls that change between forwards: the exact generic path, with the reason."""
+    """A further functional use of the shared weight, or calls that change between forwards: the
+    exact generic path, with the reason."""
     torch.manual_seed(4)
     model = Repeated(how).to(DT).eval()
     g = torch.Generator().manual_seed(5)
@@ -1339,10 +1340,11 @@ def _parameter_ggn(model, x, y, names):
     return out
 
 
-def test_weight_normalized_layers_analyze_their_direction_on_the_generic_path():
+def test_weight_normalized_layers_analyze_their_direction_on_a_fast_rule():
     """torch's weight normalization ``W = g · v / ‖v‖`` (both APIs): the direction ``v`` is the
-    weight analyzed (method §3, "Weight normalization"), on the generic path with its reason, the
-    norms ``g`` excluded; the coverage is whole, the diagonal the brute-force one."""
+    weight analyzed (method §3, "Weight normalization"), on its fast rule (method §6.1,
+    "Weight-normalized layers"), the norms ``g`` excluded; the coverage is whole, the diagonal the
+    brute-force one."""
     torch.manual_seed(0)
     model = WeightNormalized().double()
     g = torch.Generator().manual_seed(1)
@@ -1352,31 +1354,106 @@ def test_weight_normalized_layers_analyze_their_direction_on_the_generic_path():
     assert {"conv.parametrizations.weight.original0", "lin.weight_g"} <= set(report.metadata["excluded"])
     for name in ("conv", "lin"):
         details = report.layer(name).details
-        assert details["param"] == _DIRECTIONS[name] and details["path"] == "generic", details
-        assert "weight-normalized" in details["generic_reason"]
+        assert details["param"] == _DIRECTIONS[name] and details["path"] == "fast", details
     got = nf(model, (x, y), estimator="ggn")
     want = _parameter_ggn(model, x, y, list(_DIRECTIONS.values()))
     for name, param in _DIRECTIONS.items():
         torch.testing.assert_close(got[name], want[param], rtol=1e-10, atol=1e-13)
 
 
-def test_weight_normalized_direction_rescaling_invariance():
-    """Per output channel (``dim=0``), ``W = g · v / ‖v‖`` does not change when a row of ``v`` is
-    multiplied by a positive factor, and the Hessian in that row is divided by its square: the
-    normalized sharpness of each direction stays, its trace moves (method §8)."""
+class WeightNormalizedKinds(nn.Module):
+    """Weight normalization over each axis a user picks, on every layer kind with a fast rule: a
+    transposed convolution (HiFi-GAN's upsamplers), a 2-D convolution, a dense layer on a sequence,
+    and a dense layer called twice (its per-sample gradients summed before the map to ``v``)."""
+
+    def __init__(self, dims: tuple) -> None:
+        super().__init__()
+        wn = nn.utils.parametrizations.weight_norm
+        self.up = wn(nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, groups=1), dim=dims[0])
+        self.conv = wn(nn.Conv2d(1, 2, (2, 3), groups=1), dim=dims[1])
+        self.seq = wn(nn.Linear(4, 4), dim=dims[2])
+        self.twice = wn(nn.Linear(4, 4, bias=False), dim=dims[3])
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.up(x))  # (n, 4, 11)
+        h = torch.tanh(self.conv(h[:, None]))  # (n, 2, 3, 9)
+        h = h.flatten(1, 2).transpose(1, 2)[..., :4]  # a sequence (n, 9, 4)
+        h = torch.tanh(self.seq(h)).mean(1)
+        return self.head(torch.tanh(self.twice(torch.tanh(self.twice(h)))))
+
+
+_KIND_DIRECTIONS = {name: f"{name}.parametrizations.weight.original1" for name in ("up", "conv", "seq", "twice")}
+
+
+@pytest.mark.parametrize("dims", [(0, 0, 0, 0), (1, 2, 1, None), (2, 3, None, 1), (None, 1, 1, 0)])
+def test_weight_normalized_layer_kinds_against_brute_force(dims):
+    """Every fast layer kind under weight normalization over any axis, or the whole tensor (``None``):
+    the fast rule's diagonal of ``v`` is the brute-force one, in one chunk or two, and the
+    Monte-Carlo estimator's equals the generic path's on the same signals."""
     torch.manual_seed(0)
-    model = WeightNormalized(dim=0).double()
-    other = WeightNormalized(dim=0).double()
+    model = WeightNormalizedKinds(dims).double()
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(5, 3, 6, generator=g, dtype=DT), torch.tensor([0, 1, 2, 0, 1])
+    report = normflat.analyze(model, (x, y), estimator="ggn", progress=False)
+    assert report.metadata["coverage"] == 1.0
+    assert all(layer.details["path"] == "fast" for layer in report.layers), [lb.details for lb in report.layers]
+    want = _parameter_ggn(model, x, y, list(_KIND_DIRECTIONS.values()))
+    want["up.parametrizations.weight.original1"] = want["up.parametrizations.weight.original1"].transpose(0, 1)
+    for chunk in (None, 2):  # the diagonal in the canonical layout: a transposed kernel is (out, in, k)
+        got = nf(model, (x, y), estimator="ggn", chunk_size=chunk)
+        for name, param in _KIND_DIRECTIONS.items():
+            torch.testing.assert_close(got[name], want[param], rtol=1e-10, atol=1e-13)
+    mc = nf(model, (x, y), estimator="ggn-mc", samples=3, seed=2)
+    generic = nf(model, (x, y), estimator="ggn-mc", samples=3, seed=2, fast=False)
+    for name in _KIND_DIRECTIONS:
+        torch.testing.assert_close(mc[name], generic[name], rtol=1e-10, atol=1e-13)
+
+
+def test_weight_normalized_rule_refuses_a_weight_it_does_not_read():
+    """A weight normalization whose applied weight no longer is ``g · v / ‖v‖`` (the older hook's
+    stored weight, changed after the forward that computed it) sends the layer to the generic path,
+    which differentiates the forward itself."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        layer = nn.utils.weight_norm(nn.Linear(4, 3)).double()
+    x = torch.randn(2, 4, dtype=DT)
+    layer(x)
+    with pytest.raises(ggn_kernels.NoFastPath, match="not g · v / ‖v‖"):
+        with torch.no_grad():
+            layer.weight.mul_(2.0)  # the hook's stored weight, recomputed at the next forward
+            ggn_kernels._direction_jacobian(layer)
+    layer(x)
+    direction, factor, axes = ggn_kernels._direction_jacobian(layer)
+    torch.testing.assert_close(layer.weight_g.detach() * direction, layer.weight.detach())  # W = g · û
+    torch.testing.assert_close(factor * layer.weight_v.detach(), layer.weight.detach())
+    assert axes == (1,)
+
+
+@pytest.mark.parametrize("dims", [(0, 0, 0, 0), (1, 1, 1, None), (None, None, None, 1)])
+def test_weight_normalized_direction_rescaling_invariance(dims):
+    """``W = g · v / ‖v‖`` does not change when a slice of ``v`` normalized together is multiplied
+    by a positive factor, and the Hessian in that slice is divided by its square. Where the slices
+    are channels (an input or an output channel: a row or a column scaling) or the whole tensor, on
+    every layer kind, the normalized sharpness of each direction stays and its trace moves (method
+    §3, §8). Slices along a kernel axis are not channels (a scaling the measure does not promise to
+    ignore, method §3)."""
+    torch.manual_seed(0)
+    model = WeightNormalizedKinds(dims).double()
+    other = WeightNormalizedKinds(dims).double()
     other.load_state_dict(model.state_dict())
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
-        v = other.conv.parametrizations.weight.original1
-        v.mul_(torch.exp(torch.randn(4, generator=g, dtype=DT))[:, None, None])
-        other.lin.weight_v.mul_(torch.exp(torch.randn(5, generator=g, dtype=DT))[:, None])
+        for name, dim in zip(("up", "conv", "seq", "twice"), dims):
+            v = getattr(other, name).parametrizations.weight.original1
+            shape = torch.norm_except_dim(v, 2, -1 if dim is None else dim).shape
+            v.mul_(torch.exp(torch.randn(shape, generator=g, dtype=DT)))
     x, y = torch.randn(6, 3, 6, generator=g, dtype=DT), torch.tensor([0, 1, 2, 0, 1, 2])
     torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-13)
     before = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
     after = normflat.analyze(other, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert all(layer.details["path"] == "fast" for layer in after.layers)
     for lb, la in zip(before.layers, after.layers):
         assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), lb.name
         if lb.name != "head":

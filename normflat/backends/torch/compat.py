@@ -64,6 +64,12 @@ def graph_leaf(fn: Any) -> Any:
     return getattr(fn, "variable", None)
 
 
+def weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int) -> torch.Tensor:
+    """``g · v / ‖v‖`` as torch's weight normalization computes it (both its parametrization and its
+    older hook call this private function), with the same autograd graph."""
+    return torch._weight_norm(v, g, dim)
+
+
 def is_fsdp(module: nn.Module) -> bool:
     """Whether ``module`` is an FSDP wrapper (checked by class name).
 

@@ -45,6 +45,10 @@ __all__ = [
     "position_table_squares",
     "PER_SAMPLE_GRADIENTS",
     "tied_squares",
+    "weight_normalization",
+    "weight_norm_rule",
+    "normalizes_weight",
+    "weight_norm_edges",
     "Capture",
     "inspect_graph",
     "backprop_signals",
@@ -708,6 +712,21 @@ def _conv_gradients(module: nn.Module, patches: torch.Tensor, d: torch.Tensor) -
     return torch.matmul(signal, patches.transpose(-1, -2)).reshape(n, *weight.shape)
 
 
+def _conv_transpose_gradients(module: nn.Module, a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``(n, in, out/groups, *k)`` per-sample gradients of a transposed convolution's weight for one
+    signal ``d`` ``(n, out, *positions)`` at its output: per group, the input at every input position
+    times the patch of the signal it wrote to (:func:`conv_transpose_squares`)."""
+    if isinstance(module.padding, str) or module.padding_mode != "zeros":
+        raise NoFastPath("ConvTranspose with string padding or non-zero padding mode")
+    weight = module.weight
+    n, g = a.shape[0], module.groups
+    cin, cout_g = weight.shape[0], weight.shape[1]
+    patches = _unfold(module, d)  # (n, out·∏k, L): L = the input's positions
+    patches = patches.reshape(n, g, cout_g * math.prod(weight.shape[2:]), patches.shape[-1])
+    x = a.reshape(n, g, cin // g, patches.shape[-1])
+    return torch.matmul(x, patches.transpose(-1, -2)).reshape(n, *weight.shape)
+
+
 def _scaled_embedding_gradients(module: nn.Module, ids: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return _embedding_gradients(module, ids, d * _embed_scale(module, d))
 
@@ -720,6 +739,7 @@ def _scaled_embedding_gradients(module: nn.Module, ids: torch.Tensor, d: torch.T
 PER_SAMPLE_GRADIENTS: dict[Any, Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]] = {
     linear_squares: _linear_gradients,
     conv_squares: _conv_gradients,
+    conv_transpose_squares: _conv_transpose_gradients,
     embedding_squares: _embedding_gradients,
     scaled_embedding_squares: _scaled_embedding_gradients,
 }
@@ -760,6 +780,141 @@ def tied_squares(uses: list[tuple[nn.Module, Any, torch.Tensor]], deltas: list[D
     for d in deltas:
         d.parts.clear()
     return res
+
+
+def weight_normalization(module: nn.Module) -> tuple[nn.Parameter, nn.Parameter, int] | None:
+    """``(v, g, dim)`` of a module whose ``weight`` is torch's weight normalization
+    ``W = g · v / ‖v‖`` of a direction ``v`` by norms ``g`` over every axis but ``dim`` (``-1``: the
+    whole tensor), by ``torch.nn.utils.parametrizations.weight_norm`` or the older
+    ``torch.nn.utils.weight_norm`` hook; ``None`` otherwise (any other parametrization)."""
+    from torch.nn.utils import parametrize
+
+    if parametrize.is_parametrized(module, "weight"):
+        chain = module.parametrizations["weight"]
+        if len(chain) == 1 and type(chain[0]).__name__ == "_WeightNorm" and type(chain[0]).__module__.startswith(
+                "torch.nn.utils"):
+            g, v = getattr(chain, "original0", None), getattr(chain, "original1", None)
+            if isinstance(g, nn.Parameter) and isinstance(v, nn.Parameter):
+                return v, g, int(chain[0].dim)
+        return None
+    hooks = [h for h in module._forward_pre_hooks.values()
+             if type(h).__name__ == "WeightNorm" and type(h).__module__ == "torch.nn.utils.weight_norm"
+             and getattr(h, "name", None) == "weight"]
+    v, g = getattr(module, "weight_v", None), getattr(module, "weight_g", None)
+    if len(hooks) == 1 and isinstance(v, nn.Parameter) and isinstance(g, nn.Parameter):
+        return v, g, int(hooks[0].dim)
+    return None
+
+
+def _direction_jacobian(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """``(û, c, axes)`` of a weight-normalized module: per slice of ``v`` normalized together (over
+    ``axes``), ``∂W/∂v = c (I − û ûᵀ)`` with ``û = v / ‖v‖`` and ``c = g / ‖v‖`` (method §6.1,
+    "Weight-normalized layers"). Checks that the weight the forward applies is ``c · v``."""
+    read = weight_normalization(module)
+    if read is None:
+        raise NoFastPath("its weight normalization is no longer torch's weight_norm")
+    v, g, dim = (read[0].detach(), read[1].detach(), read[2])
+    if not -1 <= dim < v.dim():
+        raise NoFastPath(f"weight normalization over dim={dim}, which torch reads as no slice of the weight")
+    norms = torch.norm_except_dim(v, 2, dim)
+    if not bool((norms > 0).all()):
+        raise NoFastPath("a slice of its direction v is zero, where W = g · v / ‖v‖ is undefined")
+    direction, factor = v / norms, g / norms
+    with torch.no_grad():
+        applied = module.weight.detach()
+    eps = torch.finfo(v.dtype).eps
+    if applied.shape != v.shape or not torch.allclose(applied, factor * v, rtol=64 * eps,
+                                                      atol=64 * eps * float(applied.abs().max())):
+        raise NoFastPath("the weight its forward applies is not g · v / ‖v‖ of its weight normalization")
+    axes = tuple(i for i in range(v.dim()) if i != dim)
+    return direction, factor, axes
+
+
+def _direction_gradients(gw: torch.Tensor, direction: torch.Tensor, factor: torch.Tensor,
+                         axes: tuple[int, ...]) -> torch.Tensor:
+    """Per-sample gradients ``(n, *v.shape)`` of the direction ``v`` from those of the applied weight:
+    ``c (G − û ⟨û, G⟩)``, the inner product over each normalized slice."""
+    along = (gw * direction).sum(tuple(a + 1 for a in axes), keepdim=True)
+    return (gw - direction * along).mul_(factor)
+
+
+#: The fast rules of weight-normalized layers, one per rule of the layer beneath (made once: a
+#: rule object is a layer kind's identity).
+_WEIGHT_NORM_RULES: dict[Any, Any] = {}
+_WEIGHT_NORM_LOCK = threading.Lock()
+
+
+def normalizes_weight(rule: Any) -> bool:
+    """Whether a fast rule is a weight-normalized layer's (:func:`weight_norm_rule`)."""
+    return bool(getattr(rule, "_normflat_weight_norm", False))
+
+
+def weight_norm_edges(module: nn.Module) -> int:
+    """The autograd graph's edges from one evaluation of a weight-normalized module's weight to its
+    direction ``v``: one through torch's fused kernel (norms over the first or the last axis), two
+    where it composes the norm and the division (over any other axis, or the whole tensor). The
+    graph's count of a direction's uses is this many per application of the weight."""
+    read = weight_normalization(module)
+    if read is None:
+        return 1
+    v, g, dim = read
+    with torch.enable_grad():
+        applied = compat.weight_norm(v, g, dim)
+    edges, _ = inspect_graph(applied.grad_fn, {id(v): v}, [])
+    return max(edges[id(v)], 1)
+
+
+def weight_norm_rule(base: Any) -> Any:
+    """The fast GGN rule of a layer whose weight is torch's weight normalization ``W = g · v / ‖v‖``,
+    for the direction ``v``, on top of the layer's own rule ``base`` (which must have per-sample
+    gradients, :data:`PER_SAMPLE_GRADIENTS`), or ``None`` where it has none.
+
+    Per slice of ``v`` normalized together, ``∂W/∂v = c (I − û ûᵀ)`` (:func:`_direction_jacobian`), a
+    symmetric map, so each per-sample gradient of ``v`` is ``c (G − û ⟨û, G⟩)`` of the applied weight's
+    ``G``: formed a chunk of samples at a time for every signal, mapped, squared and summed. The
+    norms are over any axes (per output channel, per kernel position, the whole tensor), so the
+    map needs the whole ``G``; its cost is that of the per-sample gradients.
+    """
+    with _WEIGHT_NORM_LOCK:
+        if base not in _WEIGHT_NORM_RULES:
+            _WEIGHT_NORM_RULES[base] = _weight_norm_rule(base)
+        return _WEIGHT_NORM_RULES[base]
+
+
+def _weight_norm_rule(base: Any) -> Any:
+    gradients = PER_SAMPLE_GRADIENTS.get(base)
+    if gradients is None or not wants_deltas(base) or any(
+            check(base) for check in (wants_call, first_of_tuple, inner_uses, recorded_inside)):
+        return None  # a rule whose module does more than apply its weight to one input
+    prepare = USE_INPUTS.get(base)
+
+    def direction_gradients(module: nn.Module, a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        return _direction_gradients(gradients(module, a, d), *_direction_jacobian(module))
+
+    @_builtin
+    def squares(module: nn.Module, a: torch.Tensor, deltas: Deltas, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        direction, factor, axes = _direction_jacobian(module)
+        prepared = prepare(module, a) if prepare is not None else a
+        res = _accumulator(out, deltas.k, *direction.shape, like=direction)
+        n = a.shape[0]
+        for j, part in enumerate(deltas.parts):
+            if part is None:
+                continue
+            deltas.parts[j] = None
+            for sl in _chunks(n, direction.numel()):
+                gv = _direction_gradients(gradients(module, prepared[sl], part[sl]), direction, factor, axes)
+                res[j // deltas.m] += gv.square_().sum(0)
+        deltas.parts.clear()
+        return res
+
+    squares._normflat_weight_norm = True  # type: ignore[attr-defined]
+    squares.__doc__ = weight_norm_rule.__doc__
+    squares.__name__ = squares.__qualname__ = f"weight_norm_squares[{getattr(base, '__name__', 'rule')}]"
+    PER_SAMPLE_GRADIENTS[squares] = direction_gradients
+    if prepare is not None:
+        USE_INPUTS[squares] = prepare
+    return squares
 
 
 # ============================================================================ capture and graph

@@ -21,7 +21,8 @@ from torch import nn
 from normflat.backends.torch import compat
 from normflat.backends.torch.ggn import (
     PER_SAMPLE_GRADIENTS, attention_squares, conv_squares, conv_transpose_squares, embedding_bag_squares, embedding_squares,
-    linear_squares, position_table_squares, recorded_lookup_squares, recurrent_squares)
+    linear_squares, position_table_squares, recorded_lookup_squares, recurrent_squares, weight_norm_rule,
+    weight_normalization)
 from normflat.engine.options import GGN_ESTIMATORS, AnalysisOptions
 from normflat.engine.problems import LayerSpec, ParameterStatus
 from normflat.engine.registry import (IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table,
@@ -218,33 +219,12 @@ def _recurrent_weights(module: nn.Module) -> list[ModuleWeight]:
     return out
 
 
-#: Why a weight-normalized layer's direction takes the generic path, and why its norms are excluded.
-_WEIGHT_NORM_REASON = ("its weight is weight-normalized (g · v / ‖v‖): the direction v has no fast rule yet, the "
-                       "generic path differentiates through the normalization")
+#: Why a weight-normalized layer's direction takes the generic path (its layer has no per-sample
+#: gradient rule), and why its norms are excluded.
+_WEIGHT_NORM_REASON = ("its weight is weight-normalized (g · v / ‖v‖) and its layer's rule has no per-sample "
+                       "gradients to map to the direction v; the generic path differentiates through the "
+                       "normalization")
 _WEIGHT_NORM_SCALE = "the norms g of a weight normalization (a vector of scales), not a weight matrix"
-
-
-def _weight_norm(module: nn.Module) -> tuple[nn.Parameter, nn.Parameter] | None:
-    """``(v, g)`` of a module whose ``weight`` is torch's weight normalization of a direction ``v``
-    by norms ``g`` (``torch.nn.utils.parametrizations.weight_norm``, or the older
-    ``torch.nn.utils.weight_norm`` hook), or ``None``. Any other parametrization is not read."""
-    from torch.nn.utils import parametrize
-
-    if parametrize.is_parametrized(module, "weight"):
-        chain = module.parametrizations["weight"]
-        if len(chain) == 1 and type(chain[0]).__name__ == "_WeightNorm" and type(chain[0]).__module__.startswith(
-                "torch.nn.utils"):
-            g, v = getattr(chain, "original0", None), getattr(chain, "original1", None)
-            if isinstance(g, nn.Parameter) and isinstance(v, nn.Parameter):
-                return v, g
-        return None
-    hooks = [h for h in module._forward_pre_hooks.values()
-             if type(h).__name__ == "WeightNorm" and type(h).__module__ == "torch.nn.utils.weight_norm"
-             and getattr(h, "name", None) == "weight"]
-    v, g = getattr(module, "weight_v", None), getattr(module, "weight_g", None)
-    if len(hooks) == 1 and isinstance(v, nn.Parameter) and isinstance(g, nn.Parameter):
-        return v, g
-    return None
 
 
 def check_embedding(module: nn.Module) -> str | None:
@@ -605,13 +585,14 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
                          blocks=mw.blocks, rule=mw.ggn_squares is not None)
         else:
             w = ext.weight(module)
-            normed = _weight_norm(module) if w is not None and not isinstance(w, nn.Parameter) else None
+            normed = weight_normalization(module) if w is not None and not isinstance(w, nn.Parameter) else None
             if normed is not None:
                 # W = g · v / ‖v‖: the direction v is the kernel analyzed (method §3, "Weight
                 # normalization"), its norms g a vector like a normalization's scale.
-                w, scale = normed
+                w, scale, _ = normed
                 walk.mark(scale, "excluded", _WEIGHT_NORM_SCALE)
-                ext = replace(ext, ggn_squares=None, generic_reason=_WEIGHT_NORM_REASON)
+                rule = weight_norm_rule(ext.ggn_squares) if ext.ggn_squares is not None else None
+                ext = replace(ext, ggn_squares=rule, generic_reason=None if rule else _WEIGHT_NORM_REASON)
             if w is not None:
                 walk.add(label, module, w, ext, blocks=packed.get(id(module)) or _blocks_of(ext, module))
         # The module's other parameters (biases; sub-modules are not walked): excluded

@@ -773,6 +773,13 @@ class TorchSession:
         outs = [cap.outputs[id(use)] for layer in fast for use in layer.uses if id(use) in cap.outputs]
         uses, self.batched = ggn_kernels.inspect_graph(logits.grad_fn, {id(layer.param): layer for layer in fast},
                                                        outs)
+        for layer in fast:
+            if ggn_kernels.normalizes_weight(layer.ext.ggn_squares):
+                # A weight-normalized direction enters the graph through each evaluation of the
+                # weight, by one or two edges: count the weight's applications.
+                edges = ggn_kernels.weight_norm_edges(layer.module)
+                if uses[id(layer.param)] % edges == 0:
+                    uses[id(layer.param)] //= edges
         again = False
         for layer in fast:
             if layer.table:
