@@ -57,6 +57,10 @@ Problems:
   positional convolution (128 taps, 16 groups) is weight-normalized per kernel position, and the
   "generic path" column (``fast=False``) the path its direction took before its rule (method
   §6.1, "Weight-normalized layers").
+* ``swin-t-10`` / ``swin-v2-t-10``: torchvision ``swin_t`` and ``swin_v2_t`` (random init, 10
+  classes), 8 images of 64×64: Swin V2's continuous position bias MLPs (two dense layers per
+  block on a table of relative coordinates, the same for every sample) run on no batch axis
+  (method §6.1, "Layers on no batch axis"); Swin V1 beside it has a bias table instead.
 * ``bart-5000``: a BART encoder-decoder (2 + 2 layers, width 64) with a 5000-token vocabulary,
   4 sequences of 32 tokens fed ``labels = input_ids`` (the decoder reads them shifted right): its
   table is held by ``model.shared``, which never runs, and used by the encoder's and decoder's
@@ -178,6 +182,14 @@ def _torchvision_vit(classes: int) -> nn.Module:
     return model
 
 
+def _torchvision_swin(name: str) -> Callable[[int], nn.Module]:
+    def make(classes: int) -> nn.Module:
+        import torchvision
+
+        return torchvision.models.get_model(name, num_classes=classes)
+    return make
+
+
 class _Wav2Vec2(nn.Module):
     """Hugging Face wav2vec 2.0 for audio classification (a 7-layer feature encoder of 128 channels,
     4 transformer layers of width 256, its 128-tap positional convolution in 16 groups
@@ -286,6 +298,8 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
     "tv-vit-10": (_torchvision_vit, 10, (16, 3, 32, 32), False, True),
     "transformer-10": (_TransformerClassifier, 10, (32, 32), False, True),
     "wav2vec2-10": (_Wav2Vec2, 10, (4, 16000), False, True),
+    "swin-t-10": (_torchvision_swin("swin_t"), 10, (8, 3, 64, 64), False, True),
+    "swin-v2-t-10": (_torchvision_swin("swin_v2_t"), 10, (8, 3, 64, 64), False, True),
     "lstm-10": (_lstm, 10, (32, 32), False, True),
     "gru-10": (_gru, 10, (32, 32), False, True),
     "albert-10": (_Albert, 10, (16, 32), False, True),

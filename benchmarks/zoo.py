@@ -40,6 +40,7 @@ TIMM = (
     "lambda_resnet26t", "botnet26t_256", "volo_d1_224", "coat_lite_tiny", "pit_ti_224", "tnt_s_patch16_224",
     "visformer_tiny", "swinv2_cr_tiny_224", "eva02_tiny_patch14_224", "resnetv2_50x1_bit", "nf_resnet26",
     "nfnet_l0", "vit_small_r26_s32_224", "tf_efficientnet_b0", "tf_mixnet_s", "mvitv2_tiny",
+    "swinv2_tiny_window8_256", "vit_relpos_small_patch16_224",
 )
 
 
@@ -153,6 +154,9 @@ def hf_models() -> dict[str, Callable[[], tuple[Any, Callable[[int], Any]]]]:
         "swin": lambda: (T.SwinForImageClassification(T.SwinConfig(image_size=32, patch_size=2, embed_dim=8,
                                                                    depths=[1, 1], num_heads=[1, 1], window_size=4,
                                                                    num_labels=3)), images),
+        "swinv2": lambda: (T.Swinv2ForImageClassification(T.Swinv2Config(
+            image_size=32, patch_size=2, embed_dim=8, depths=[1, 1], num_heads=[1, 1], window_size=4,
+            num_labels=3)), images),
         "wav2vec2": lambda: (T.Wav2Vec2ForSequenceClassification(T.Wav2Vec2Config(
             **small, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4,
             num_conv_pos_embedding_groups=2, classifier_proj_size=8, num_labels=3)), audio),

@@ -168,6 +168,10 @@ def problems(model: nn.Module, native: dict[str, torch.Tensor],
             d = take(m.weight)
             if d is not None:
                 out[name] = d
+        elif isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            d = take(m.weight)
+            if d is not None:
+                out[name] = d  # (out, in/groups, *kernel) as is
         elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
             d = take(m.weight)
             if d is not None:

@@ -394,22 +394,62 @@ def test_position_table_fast_rule_equals_brute_force_and_the_generic_path(name, 
     assert getattr(model, name).grad is None and getattr(model, name).shape == shape
 
 
-@pytest.mark.parametrize("use, reason", [
-    ("first", "not added to each sample's own activations"),
-    ("view", "fails with the position table expanded over the batch"),
-])
-def test_position_table_read_otherwise_takes_the_exact_generic_path(use, reason):
-    """A forward that indexes or reshapes the table's leading axis, or reaches it through a
-    reference the substitution misses, would give wrong per-sample gradients (or none) with the
-    expanded table: the checks of the first forward send the table to the generic path."""
+@pytest.mark.parametrize("use", ["first", "view"])
+@pytest.mark.parametrize("batches", [(N,), (1, N)])
+def test_position_table_read_as_one_row_is_followed_to_the_batch(use, batches):
+    """A forward that indexes or reshapes the table's leading axis would give wrong per-sample
+    gradients with the expanded table (or break): the checks refuse the expansion, and the table is
+    followed to where it meets the batch instead (method §6.1, "Layers on no batch axis"), on its
+    fast rule with the brute-force diagonal. A first batch of one row cannot show the samples
+    mixed (one sample's gradient is the whole gradient): that check waits for the second."""
     model = _init(PositionTagger(use=use))
-    data = [(_ids(N, T), _labels(N))]
+    data = [(_ids(b, T, seed=i), _labels(b, seed=i + 5)) for i, b in enumerate(batches)]
     got = _check_ggn(model, data, tables={"pos_embed": D})
     report = normflat.analyze(model, data, progress=False, estimator="ggn")
-    details = report.layer("pos_embed").details
-    assert details["path"] == "generic" and reason in details["generic_reason"], details
-    assert report.layer("mix").details["path"] == "fast"
+    assert all(layer.details["path"] == "fast" for layer in report.layers), report.layer("pos_embed").details
     assert set(got) == {"emb", "pos_embed", "mix", "head"}
+
+
+class WindowPositions(nn.Module):
+    """TNT's pixel positions: a ``(1, 4, D)`` table added to every window of a batch folded into the
+    leading axis, ``(n·2, 4, D)``, each sample's two windows in one block (``blocks``) or the windows
+    of all samples interleaved (``interleaved``: no sample's own block)."""
+
+    def __init__(self, layout="blocks"):
+        super().__init__()
+        self.layout = layout
+        self.embed = nn.Linear(3, D)
+        self.pixel_pos = nn.Parameter(torch.randn(1, 4, D) * 0.3)
+        self.mix = nn.Linear(D, D)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, x):  # (n, 8, 3)
+        n = x.shape[0]
+        h = torch.tanh(self.embed(x))
+        if self.layout == "blocks":
+            w = h.reshape(2 * n, 4, D) + self.pixel_pos
+            h = w.reshape(n, 8, D)
+        else:
+            w = h.reshape(n, 2, 4, D).transpose(0, 1).reshape(2 * n, 4, D) + self.pixel_pos
+            h = w.reshape(2, n, 4, D).transpose(0, 1).reshape(n, 8, D)
+        return self.head(torch.tanh(self.mix(h)).mean(1))
+
+
+@pytest.mark.parametrize("layout, path", [("blocks", "fast"), ("interleaved", "generic")])
+def test_position_table_over_a_folded_batch_is_followed(layout, path):
+    """A table added to a batch folded into windows (TNT's pixel positions): its view expanded over
+    the samples breaks the forward, so it is followed to the windows it meets, each sample's block
+    of rows summed (method §6.1, "Layers on no batch axis"); windows of all samples interleaved
+    take the generic path with the reason. The brute-force diagonal either way, in chunks too."""
+    model = _init(WindowPositions(layout))
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(5, 8, 3, generator=g, dtype=DT), _labels(5))]
+    for kw in ({}, {"chunk_size": 2}):
+        _check_ggn(model, data, tables={"pixel_pos": D}, **kw)
+    details = normflat.analyze(model, data, progress=False, estimator="ggn").layer("pixel_pos").details
+    assert details["path"] == path, details
+    if path == "generic":
+        assert "one sample's signal reaches the other samples' rows where it meets the batch" in details["generic_reason"]
 
 
 def test_position_table_reached_outside_its_module_attribute_is_refused(monkeypatch):
@@ -429,17 +469,6 @@ def test_position_table_reached_outside_its_module_attribute_is_refused(monkeypa
                                          r"nn\.ParameterList"):
         normflat.analyze(model, [(_ids(N, T), _labels(N))], progress=False, estimator="ggn")
     assert [name for name, why in reasons if "also used outside its module attribute" in why] == ["pos_embed"]
-
-
-def test_position_table_checked_on_the_first_chunk_of_two_rows():
-    """A first batch of one row cannot show a table indexed along its leading axis (one sample's
-    gradient is the whole gradient): the check waits for a chunk of two rows or more."""
-    model = _init(PositionTagger(use="first"))
-    data = [(_ids(1, T), _labels(1)), (_ids(N, T, seed=2), _labels(N, seed=3))]
-    got = _check_ggn(model, data, tables={"pos_embed": D})
-    report = normflat.analyze(model, data, progress=False, estimator="ggn")
-    assert report.layer("pos_embed").details["path"] == "generic"
-    assert set(got) == {"emb", "pos_embed", "mix", "head"}
 
 
 class PositionIds(nn.Module):
@@ -481,16 +510,30 @@ def test_embedding_of_position_ids_broadcast_over_the_batch_takes_its_fast_rule(
     assert report.layer("pos").details["path"] == "fast", report.layer("pos").details
 
 
+@pytest.mark.parametrize("use", ["first", "view"])
+@pytest.mark.parametrize("rows", [2, 7])
+def test_one_row_output_used_as_one_row_is_followed_to_the_batch(use, rows):
+    """A one-row output the model reads as one row before adding it to the activations (``p[0]``,
+    ``p.view(T, D)``): expanded, it would mix the samples or break the forward, so the layer is
+    followed to where its output meets the batch instead (method §6.1, "Layers on no batch
+    axis"): the fast path, with the brute-force diagonal, in chunks too. Two rows: the first
+    chunk's own forward is the one redone; seven: the probe's."""
+    model = _init(PositionIds(use))
+    data = [(_ids(rows, T), _labels(rows))]
+    got = _check_ggn(model, data)
+    _close(normflat.hessian_diagonal(model, data, loss="nsce", estimator="ggn", chunk_size=3, progress=False), got)
+    report = normflat.analyze(model, data, progress=False, estimator="ggn")
+    assert all(layer.details["path"] == "fast" for layer in report.layers), report.layer("pos").details
+
+
 @pytest.mark.parametrize("use, reason", [
-    ("first", "not added to each sample's own activations"),
-    ("view", "the forward fails with the layer's one-row output expanded"),
     ("rows", "computes other logits with the layer's one-row output expanded"),
 ])
 def test_one_row_output_read_otherwise_takes_the_exact_generic_path(use, reason):
-    """The expanded output must leave the logits alone, keep the samples apart and not break the
-    forward: otherwise the layer takes the generic path, and the numbers stay exact (the forward
-    runs again without the expansion where the logits changed). Two rows: no probe forward
-    before the first chunk, whose own forward is the one checked and redone."""
+    """The expanded output must leave the logits alone: otherwise the layer takes the generic
+    path, and the numbers stay exact (the forward runs again without the expansion where the
+    logits changed). Two rows: no probe forward before the first chunk, whose own forward is the
+    one checked and redone."""
     model = _init(PositionIds(use))
     data = [(_ids(2, T), _labels(2))]
     got = _check_ggn(model, data)
@@ -984,17 +1027,19 @@ class Windowed(nn.Module):
 @pytest.mark.parametrize("layout, generic", [
     ("blocks", {}),
     ("window-major", {"windowed": "not one block of rows per sample"}),
-    ("shared", {"coords_mlp": "leading axis"}),
+    ("shared", {}),
     ("time-major", {"windowed": "leading axis"}),
 ])
 @pytest.mark.parametrize("batches, kw", [((1, 4), {}), ((5,), {"chunk_size": 2}), ((3,), {"chunk_size": 1})])
 def test_dense_layer_on_a_batch_folded_into_windows(layout, generic, batches, kw):
     """A dense layer whose input holds a block of rows per sample (attention windows) keeps its fast
     rule, each sample's gradient summed over its block (method §6.1), checked by a signal at one
-    sample on the first chunk of two samples or more; rows of several samples in another order,
-    and a layer on a batch-independent table (here of as many rows as a batch of 4), take the
-    generic path. Against brute force with a first batch of one sample, chunks of two and of one
-    (before, a chunk of one sample read the windows as samples: 60 % off on Swin's layers)."""
+    sample on the first chunk of two samples or more; rows of several samples in another order
+    take the generic path. A layer on a batch-independent table (here of as many rows as a batch
+    of 4) is followed to where it meets the batch (method §6.1, "Layers on no batch axis"), and a
+    sequence-first layer, tried the same way, keeps its reason (its input carries the batch).
+    Against brute force with a first batch of one sample, chunks of two and of one (before, a
+    chunk of one sample read the windows as samples: 60 % off on Swin's layers)."""
     model = _init(Windowed(layout), seed=3)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(sum(batches), 4, 3, generator=g, dtype=DT)
@@ -1035,3 +1080,162 @@ def test_folded_dense_layer_rescaling_invariance():
     for name in ("windowed", "head"):
         assert abs(after.layer(name).hessian_trace - before.layer(name).hessian_trace) > \
             1e-3 * abs(before.layer(name).hessian_trace), name
+
+
+# ----------------------------------------------------------------------------- layers on no batch axis
+
+
+HEADS = 2
+
+
+class RelativeBias(nn.Module):
+    """Windowed attention with a continuous relative-position bias (Swin V2): a small MLP maps a
+    ``(1, 3, 3, 2)`` table of relative coordinates, the same for every sample, to one bias per head,
+    gathered into ``(heads, 4, 4)``, squashed (``16·sigmoid``) and added to every window's attention
+    logits; each sample's 8 tokens are 2 windows of 4. ``meet`` says where that bias meets the batch:
+    ``add`` (``attn + bias[None]``, each sample's windows in one block of rows), ``mask`` (the bias
+    as ``F.scaled_dot_product_attention``'s ``attn_mask``), ``repeat`` (also XCiT's positions: a 1×1
+    convolution on a ``(1, 2, 2, 4)`` grid, repeated over the batch by the model itself and added to
+    the tokens), ``window-major`` (the windows of all samples interleaved: a row of the attention
+    is no sample's own block) or ``matmul`` (the bias multiplies the attention: not a broadcast)."""
+
+    def __init__(self, meet: str = "add") -> None:
+        super().__init__()
+        self.meet = meet
+        self.embed = nn.Linear(3, D)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.cpb_in = nn.Linear(2, 6)
+        self.cpb_out = nn.Linear(6, HEADS, bias=False)
+        self.pos = nn.Conv2d(2, D, 1) if meet == "repeat" else None
+        self.head = nn.Linear(D, C)
+        axis = torch.arange(-1.0, 2.0, dtype=DT)
+        self.register_buffer("coords", torch.stack(torch.meshgrid(axis, axis, indexing="ij"), -1)[None])
+        cells = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(2), indexing="ij"), -1).reshape(4, 2)
+        relative = cells[:, None] - cells[None] + 1  # (4, 4, 2) in 0..2
+        self.register_buffer("index", (relative[..., 0] * 3 + relative[..., 1]).reshape(-1))
+        grid = torch.stack(torch.meshgrid(torch.linspace(-1, 1, 2), torch.linspace(-1, 1, 4), indexing="ij"))
+        self.register_buffer("grid", grid[None].to(DT))
+
+    def bias(self) -> torch.Tensor:
+        table = self.cpb_out(torch.relu(self.cpb_in(self.coords))).view(-1, HEADS)  # (9, heads)
+        return 16 * torch.sigmoid(table[self.index].view(4, 4, HEADS).permute(2, 0, 1))  # (heads, 4, 4)
+
+    def forward(self, x):  # (n, 8, 3)
+        n = x.shape[0]
+        h = torch.tanh(self.embed(x))
+        if self.pos is not None:
+            h = h + self.pos(self.grid).repeat(n, 1, 1, 1).flatten(2).transpose(1, 2)
+        if self.meet == "window-major":
+            w = h.reshape(n, 2, 4, D).transpose(0, 1).reshape(2 * n, 4, D)
+        else:
+            w = h.reshape(2 * n, 4, D)
+        q, k, v = self.qkv(w).reshape(2 * n, 4, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
+        bias = self.bias()
+        if self.meet == "mask":
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None])
+        else:
+            attn = q @ k.transpose(-1, -2) / math.sqrt(D // HEADS)
+            attn = attn @ bias if self.meet == "matmul" else attn + bias[None]
+            out = attn.softmax(-1) @ v
+        out = out.transpose(1, 2).reshape(2 * n, 4, D)
+        if self.meet == "window-major":
+            out = out.reshape(2, n, 4, D).transpose(0, 1)
+        return self.head(torch.tanh(out.reshape(n, 8, D)).mean(1))
+
+
+def _relative_data(batches, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(b, 8, 3, generator=g, dtype=DT), torch.randint(0, C, (b,), generator=g)) for b in batches]
+
+
+@pytest.mark.parametrize("meet", ["add", "mask", "repeat"])
+@pytest.mark.parametrize("batches, kw", [((5,), {}), ((1, 4), {"chunk_size": 3}), ((3,), {"chunk_size": 1})])
+def test_layers_on_no_batch_axis_are_followed_to_the_batch(meet, batches, kw):
+    """A relative-position MLP on a table shared by every sample, and a convolution whose one-row
+    map the model repeats over the batch, take their fast rules (method §6.1, "Layers on no batch
+    axis"): each sample's signals are read where their output meets the batch and pulled back to
+    their outputs. The brute-force diagonal with a first batch of one sample (its rows checked on
+    the second), chunks of three and of one."""
+    model = _init(RelativeBias(meet), seed=2)
+    data = _relative_data(batches)
+    report = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False, **kw)
+    assert all(layer.details["path"] == "fast" for layer in report.layers), [lr.details for lr in report.layers]
+    _check_ggn(model, data, loss="ce", **kw)
+
+
+def test_layers_on_no_batch_axis_sampled_estimators_equal_the_generic_path():
+    """``ggn-mc`` and ``ggn-topk`` draw the same signals on both paths: the followed layers' sums equal
+    the generic path's (under ``ggn-topk`` the fast path's dense head is exact, the generic path's
+    estimated: method §6.2)."""
+    model = _init(RelativeBias("add"), seed=2)
+    data = _relative_data((6,))
+    for kw in ({"estimator": "ggn-mc", "samples": 3}, {"estimator": "ggn-topk", "top_classes": 1, "samples": 2}):
+        got = normflat.hessian_diagonal(model, data, loss="nsce", seed=4, progress=False, **kw)
+        want = normflat.hessian_diagonal(model, data, loss="nsce", seed=4, progress=False, fast=False, **kw)
+        if kw["estimator"] == "ggn-topk":
+            del got["head"], want["head"]
+        _close(got, {k: torch.as_tensor(v) for k, v in want.items()})
+
+
+@pytest.mark.parametrize("meet, reason", [
+    ("window-major", "one sample's signal reaches the other samples' rows where it meets the batch"),
+    ("matmul", "meets the batch in matmul"),
+])
+def test_layers_on_no_batch_axis_that_cannot_be_followed_take_the_generic_path(meet, reason):
+    """Where the batch-less bias meets the attention of interleaved windows, or enters a matrix
+    product: the MLP takes the generic path with both reasons (why it failed the rows check, why
+    it could not be followed), and the diagonal stays the brute-force one."""
+    model = _init(RelativeBias(meet), seed=2)
+    data = _relative_data((4,))
+    report = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False)
+    for name in ("cpb_in", "cpb_out"):
+        details = report.layer(name).details
+        assert details["path"] == "generic" and reason in details["generic_reason"], details
+        assert "followed to where it meets the batch" in details["generic_reason"]
+    _check_ggn(model, data, loss="ce")
+
+
+def test_a_path_the_meetings_miss_sends_the_followed_layers_to_the_generic_path(monkeypatch):
+    """The first forward that follows the layers checks that every path from their outputs to the
+    logits goes through a recorded meeting: with one meeting hidden (the bias passed to the
+    attention mask as it is), the layers take the generic path and the diagonal stays exact."""
+    from normflat.backends.torch import ggn as ggn_kernels
+
+    real = ggn_kernels.BatchlessTaps._meet
+
+    def hide_masks(self, func, args, kwargs, batchless):
+        if func is F.scaled_dot_product_attention:
+            return args, kwargs
+        return real(self, func, args, kwargs, batchless)
+
+    monkeypatch.setattr(ggn_kernels.BatchlessTaps, "_meet", hide_masks)
+    model = _init(RelativeBias("mask"), seed=2)
+    data = _relative_data((4,))
+    report = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False)
+    for name in ("cpb_in", "cpb_out"):
+        details = report.layer(name).details
+        assert details["path"] == "generic", details
+        assert "reaches the logits other than where it meets the batch" in details["generic_reason"], details
+    _check_ggn(model, data, loss="ce")
+
+
+def test_relative_bias_rescaling_invariance():
+    """The MLP's hidden units times positive factors (a ReLU between: ``cpb_in`` rows and bias
+    times ``c``, ``cpb_out`` columns over ``c``) leave the bias unchanged: the followed layers'
+    normalized sharpness stays and their trace moves (method §8)."""
+    model = _init(RelativeBias("add"), seed=2)
+    other = copy.deepcopy(model)
+    c = torch.exp(torch.randn(6, generator=torch.Generator().manual_seed(3), dtype=DT))
+    with torch.no_grad():
+        other.cpb_in.weight.mul_(c[:, None]), other.cpb_in.bias.mul_(c)
+        other.cpb_out.weight.div_(c[None])
+    data = _relative_data((5,))
+    x = data[0][0]
+    torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-12)
+    before = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False)
+    after = normflat.analyze(other, data, loss="ce", estimator="ggn", progress=False)
+    for name in ("cpb_in", "cpb_out"):
+        lb, la = before.layer(name), after.layer(name)
+        assert la.details["path"] == "fast"
+        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), name
+        assert abs(la.hessian_trace - lb.hessian_trace) > 1e-3 * abs(lb.hessian_trace), name

@@ -20,6 +20,7 @@ import contextlib
 import inspect
 import math
 import threading
+import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -936,6 +937,15 @@ class Capture:
         self.tuples = set(tuples)
         self.rows: int | None = None  # the samples of the forward (set by the session)
         self.expanded: set[int] = set()  # the keys expanded in this forward
+        #: The keys whose layer runs on no batch axis (a table of coordinates through a small MLP),
+        #: followed to where their output meets the batch (:class:`BatchlessTaps`).
+        self.batchless: set[int] = set()
+        #: In this forward: those of them that ran, the meetings ``(batch-less operand, its view
+        #: expanded over the batch)``, and why one could not be followed.
+        self.batchless_ran: set[int] = set()
+        self.meetings: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.batchless_refusal: str | None = None
+        self._taps: BatchlessTaps | None = None
         self.inputs: dict[int, torch.Tensor] = {}
         self.versions: dict[int, int] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -1066,7 +1076,10 @@ class Capture:
             _, output = self._store(key, args[0], output, (tuple(args[1:]), dict(kwargs)))
             # Downstream sees a copy, so an in-place op after the layer (ReLU(inplace=True))
             # cannot rebase the tensor whose gradient we ask for.
-            return output.clone() if rest is None else (output.clone(), *rest)
+            copy = output.clone()
+            if key in self.batchless and self._taps is not None:
+                self._taps.seed(key, args[0], copy)
+            return copy if rest is None else (copy, *rest)
 
         return hook
 
@@ -1074,8 +1087,29 @@ class Capture:
         """Whether the recorded input of layer ``key`` was modified in place since the forward."""
         return compat.tensor_version(self.inputs[key]) != self.versions[key]
 
+    @contextlib.contextmanager
+    def following(self, inputs: Iterable[torch.Tensor], tables: dict[int, torch.Tensor] | None = None
+                  ) -> Iterator[None]:
+        """Follow the outputs of the :attr:`batchless` layers through the forward from the batch's
+        ``inputs`` (:class:`BatchlessTaps`), and the followed position ``tables`` (by key) from the
+        start; nothing when there are none."""
+        if not self.batchless or not self.active or threading.get_ident() != self._thread:
+            yield
+            return
+        self._taps = BatchlessTaps(self, inputs)
+        for key, table in (tables or {}).items():
+            self._taps.seed(key, None, table)
+        try:
+            with self._taps:
+                yield
+        finally:
+            self._taps = None
+
     def reset(self) -> None:
         self.expanded.clear()
+        self.batchless_ran.clear()
+        self.meetings.clear()
+        self.batchless_refusal = None
         self.inputs.clear(), self.versions.clear(), self.outputs.clear(), self.calls.clear()
         self.live_inputs.clear()
         self.extras.clear()
@@ -1086,6 +1120,147 @@ class Capture:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+#: The functions at which a batch-less tensor may meet the batch: elementwise and broadcasting, so
+#: the batch-less operand expanded to the broadcast shape gives the same value.
+_BROADCASTING = frozenset({
+    torch.add, torch.sub, torch.mul, torch.Tensor.add, torch.Tensor.sub, torch.Tensor.mul,
+    torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.__sub__, torch.Tensor.__rsub__,
+    torch.Tensor.__mul__, torch.Tensor.__rmul__,
+})
+#: Their in-place forms: the batch-less operand may only be the other one.
+_BROADCASTING_INPLACE = frozenset({
+    torch.Tensor.add_, torch.Tensor.sub_, torch.Tensor.mul_, torch.Tensor.__iadd__, torch.Tensor.__isub__,
+    torch.Tensor.__imul__,
+})
+
+
+#: The functions by which a model may copy a batch-less row over the batch itself.
+_SPREADING = frozenset({torch.Tensor.repeat, torch.Tensor.expand})
+
+
+def _tensor_arguments(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(t for t in a if isinstance(t, torch.Tensor))
+    return found
+
+
+class BatchlessTaps(torch.overrides.TorchFunctionMode):
+    """Follows, in this thread and for the ``with`` block, the outputs of layers that run on no
+    batch axis (Swin V2's continuous position bias MLP on its table of relative coordinates) to
+    where they meet the batch (method §6.1, "Layers on no batch axis").
+
+    Two kinds of tensors are marked as the forward runs: *batched* ones, computed from the
+    batch's inputs, and *batch-less* ones, computed from a batch-less layer's output and no
+    batched tensor. An operation on batch-less tensors and tensors of neither kind gives a
+    batch-less one; one with a batched operand a batched one. Where a batch-less operand meets a
+    batched one, in an elementwise broadcasting operation (``attention + bias``) or as the mask of
+    ``F.scaled_dot_product_attention``, it is replaced by its view expanded to the shape it
+    broadcasts to: the same value, whose gradient, row by row, is each sample's. The capture
+    keeps ``(operand, view)``; any other meeting is recorded as why the layers cannot be followed.
+    Marks are weak references: nothing is kept alive by them.
+    """
+
+    def __init__(self, capture: Capture, inputs: Iterable[torch.Tensor]) -> None:
+        super().__init__()
+        self.capture = capture
+        self._batched: dict[int, weakref.ref] = {}
+        self._batchless: dict[int, weakref.ref] = {}
+        for t in inputs:
+            self._put(self._batched, t)
+
+    @staticmethod
+    def _put(marks: dict[int, weakref.ref], t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            marks[id(t)] = weakref.ref(t)
+        elif isinstance(t, (list, tuple)):
+            for item in t:
+                BatchlessTaps._put(marks, item)
+
+    @staticmethod
+    def _has(marks: dict[int, weakref.ref], t: torch.Tensor) -> bool:
+        ref = marks.get(id(t))
+        return ref is not None and ref() is t
+
+    def seed(self, key: int, given: Any, output: torch.Tensor) -> None:
+        """A batch-less layer's call: its ``output`` is marked, or, if its input carries the batch,
+        the layer cannot be followed."""
+        if isinstance(given, torch.Tensor) and self._has(self._batched, given):
+            return  # its input carries the batch: not one on no batch axis (the session says so)
+        self.capture.batchless_ran.add(key)
+        self._put(self._batchless, output)
+
+    def _refuse(self, func: Any) -> None:
+        name = getattr(func, "__name__", repr(func))
+        self.capture.batchless_refusal = (f"its output meets the batch in {name}, which is not an elementwise "
+                                          "broadcasting operation or an attention mask")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = _tensor_arguments(args, kwargs)
+        batchless = [t for t in tensors if self._has(self._batchless, t)]
+        batched = any(self._has(self._batched, t) for t in tensors)
+        if batchless and batched:
+            args, kwargs = self._meet(func, args, kwargs, batchless)
+        out = func(*args, **kwargs)
+        if batched:
+            self._put(self._batched, out)
+        elif batchless:
+            if func in _SPREADING and self._spreads(args[0], out):
+                # The model copies the row over the batch itself (XCiT's positions: repeat(B, 1, 1, 1)):
+                # the copies meet the batch here.
+                self.capture.meetings.append((args[0], out))
+                self._put(self._batched, out)
+            else:
+                self._put(self._batchless, out)
+        return out
+
+    def _spreads(self, operand: torch.Tensor, out: Any) -> bool:
+        """Whether ``out`` copies ``operand``'s one leading row to a block of rows per sample, the
+        other axes as they are."""
+        rows = self.capture.rows or 0
+        return (isinstance(out, torch.Tensor) and rows > 0 and operand.dim() > 0 and out.dim() == operand.dim()
+                and operand.shape[0] == 1 and out.shape[0] > 1 and out.shape[0] % rows == 0
+                and out.shape[1:] == operand.shape[1:])
+
+    def _meet(self, func: Any, args: tuple, kwargs: dict, batchless: list[torch.Tensor]) -> tuple[tuple, dict]:
+        """The arguments with each batch-less operand replaced by its view expanded over the batch."""
+        if func is F.scaled_dot_product_attention:
+            call = dict(zip(("query", "key", "value", "attn_mask"), args))
+            call.update(kwargs)
+            mask = call.get("attn_mask")
+            if any(t is not mask for t in batchless) or mask.dtype == torch.bool:
+                self._refuse(func)
+                return args, kwargs
+            query, key = call["query"], call["key"]
+            try:
+                shape = torch.broadcast_shapes(mask.shape, (*query.shape[:-1], key.shape[-2]))
+            except RuntimeError:
+                return args, kwargs  # torch's own error follows
+            call["attn_mask"] = self._view(mask, shape)
+            return (), call
+        inplace = func in _BROADCASTING_INPLACE
+        if not (func in _BROADCASTING or inplace) or (inplace and args and any(args[0] is t for t in batchless)):
+            self._refuse(func)
+            return args, kwargs
+        try:
+            shape = torch.broadcast_shapes(*(t.shape for t in _tensor_arguments(args, kwargs)))
+        except RuntimeError:
+            return args, kwargs
+        swap = {id(t): self._view(t, shape) for t in batchless}
+        args = tuple(swap.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: swap.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        return args, kwargs
+
+    def _view(self, operand: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        view = operand.expand(shape)
+        self.capture.meetings.append((operand, view))
+        return view
 
 
 class FunctionalTaps(torch.overrides.TorchFunctionMode):

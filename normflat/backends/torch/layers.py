@@ -299,6 +299,10 @@ class TorchLayer:
     #: whose table only the encoder's and decoder's embeddings and the head use): not among the
     #: :attr:`uses`; the session checks that they stay idle.
     idle: list["TorchLayer | TiedUse"] = field(default_factory=list)
+    #: Whether the layer runs on no batch axis (a table of coordinates through a small MLP into
+    #: attention biases): its signals are each sample's, pulled back from where its output meets
+    #: the batch (method §6.1, "Layers on no batch axis").
+    batchless: bool = False
 
     @property
     def uses(self) -> list["TorchLayer | TiedUse"]:

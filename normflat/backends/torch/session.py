@@ -167,6 +167,13 @@ class TorchSession:
         # chunk of two samples or more (_rows_per_sample); and this chunk's rows per sample.
         self._folds: dict[int, int] = {}
         self._chunk_folds: dict[int, int] = {}
+        # Layers on no batch axis (method §6.1, "Layers on no batch axis"): id -> why they failed
+        # the rows check before they were followed to where they meet the batch (their reason if
+        # that fails too), and the meetings of the first forward that followed them (checked once).
+        self._batchless_tried: dict[int, str] = {}
+        self._meetings_checked: int | None = None  # the meetings of one forward
+        self._meetings_apart = False  # each sample's signal reaches its own rows only (2 samples or more)
+        self._meetings_whole = False  # every path from the layers to the logits goes through them
         # The layers whose weights were checked to be swappable by functional_call (_check_swappable).
         self._swappable: set[int] = set()
         self.batched = False
@@ -476,10 +483,14 @@ class TorchSession:
         xp = xs.rows(rows)
         logits = self._pick(self._forward(xp))
         c = self._check_logits(logits, batch, PROBE_ROWS, defer=False)
-        while self._settle(logits, c, xp):  # a substitution refused, or calls to record one by one: again
-            self.capture.reset()
+        while True:
+            while self._settle(logits, c, xp):  # a substitution refused, or calls to record one by one: again
+                self.capture.reset()
+                logits = self._pick(self._forward(xp))
+            if not self._rows_per_sample([layer for layer in self._layers if layer.fast], logits, PROBE_ROWS):
+                break
+            self.capture.reset()  # layers on no batch axis to follow: again
             logits = self._pick(self._forward(xp))
-        self._rows_per_sample([layer for layer in self._layers if layer.fast], logits, PROBE_ROWS)
         self.chunk = self._choose_chunk(logits, PROBE_ROWS, c, batch_rows=batch.n)
         self.capture.reset()
 
@@ -502,8 +513,11 @@ class TorchSession:
         assert self.capture is not None
         cap = self.capture
         cap.rows = xc.n
-        cap.broadcast = {id(layer) for layer in self._broadcast if layer.fast and not layer.tied}
-        tables = [layer for layer in self._layers if layer.fast and layer.table]
+        cap.broadcast = {id(layer) for layer in self._broadcast if layer.fast and not layer.tied
+                         and not layer.batchless}
+        cap.batchless = {id(layer) for layer in self._layers if layer.fast and layer.batchless}
+        tables = [layer for layer in self._layers if layer.fast and layer.table and not layer.batchless]
+        followed_tables = [layer for layer in self._layers if layer.fast and layer.table and layer.batchless]
         views = {}
         for layer in tables:
             p = layer.param.detach().requires_grad_(True)
@@ -512,7 +526,8 @@ class TorchSession:
         try:
             # Recorded where no hook sees them: the recurrent weights' maps inside the plain
             # recurrence, the lookups of embeddings with their own forward.
-            with cap.recording():
+            with cap.recording(), cap.following([*xc.args, *xc.batched_kwargs().values()],
+                                                {id(layer): layer.param for layer in followed_tables}):
                 if views:
                     out = functional_call(self.model, {name: v for name, (_, v) in views.items()}, xc.args,
                                           xc.kwargs, strict=False)
@@ -521,13 +536,26 @@ class TorchSession:
         except Exception as why:  # noqa: BLE001 - a failure with a new substitution: drop it, run again
             fresh = [layer for layer in self._substituted() if id(layer) not in self._seen]
             if not fresh:
-                raise
+                # A later chunk's shapes may break a substitution that passed before (a table
+                # reshaped as one row, checked on a first chunk of one sample): drop them all.
+                fresh = self._substituted()
+                if not fresh:
+                    raise
             for layer in fresh:
-                layer.disable_fast(f"the forward fails with {_expanded_what(layer)} expanded over the batch "
-                                   f"({type(why).__name__}: {why})")
+                reason = (f"the forward fails with {_expanded_what(layer)} expanded over the batch "
+                          f"({type(why).__name__}: {why})")
+                if layer.batchless:
+                    self._refuse_batchless([layer], f"the forward fails ({type(why).__name__}: {why})")
+                elif (id(layer) in cap.expanded or layer.table) and self._followable(layer):
+                    # A one-row output the model reshapes as one row (XCiT's positions): perhaps a
+                    # layer on no batch axis, followed in the forward run again.
+                    self._follow(layer, reason)
+                else:
+                    layer.disable_fast(reason)
             cap.reset()
             return self._forward(xc)
-        for layer, view in views.values():
+        # A followed table is its own output: each sample's gradient is pulled back to it.
+        for layer, view in [*views.values(), *((layer, layer.param) for layer in followed_tables)]:
             key = id(layer)
             cap.calls[key] = 1
             cap.inputs[key] = layer.param.detach()
@@ -554,7 +582,7 @@ class TorchSession:
         if not unseen:
             return False
         self._seen.update(id(layer) for layer in unseen)
-        tables = [layer for layer in unseen if layer.table]
+        tables = [layer for layer in unseen if layer.table and not layer.batchless]
         if tables:
             uses, _ = ggn_kernels.inspect_graph(logits.grad_fn, {id(layer.param): layer for layer in tables}, [])
             for layer in tables:
@@ -572,8 +600,8 @@ class TorchSession:
         """The fast layers :meth:`_forward` substituted in the last forward: the position tables,
         and the layers whose one-row output the capture expanded."""
         assert self.capture is not None
-        return [layer for layer in self._layers
-                if layer.fast and (layer.table or id(layer) in self.capture.expanded)]
+        return [layer for layer in self._layers if layer.fast and (
+            layer.table or id(layer) in self.capture.expanded or id(layer) in self.capture.batchless_ran)]
 
     def _same_logits(self, logits: torch.Tensor, xc: ModelInputs) -> bool:
         """Whether a plain forward (no substitution, no gradients) gives these logits."""
@@ -626,7 +654,12 @@ class TorchSession:
         assert self.capture is not None
         item = logits.element_size()
         outs = sum(self.capture.outputs[id(use)].numel() // rows for layer in self._layers
-                   for use in layer.uses if id(use) in self.capture.outputs)
+                   for use in layer.uses if id(use) in self.capture.outputs and not layer.batchless)
+        # A layer on no batch axis gets each sample's signals at its whole output, pulled back from
+        # the views where it meets the batch, which get them first.
+        outs += sum(self.capture.outputs[id(layer)].numel() for layer in self._layers
+                    if layer.batchless and id(layer) in self.capture.outputs)
+        outs += sum(view.numel() // rows for _, view in self.capture.meetings)
         generic = [layer for layer in self._layers if not layer.fast]
         weights = sum(layer.param.numel() for layer in generic)
         stacked = any(layer.fast and not ggn_kernels.wants_deltas(layer.ext.ggn_squares) for layer in self._layers)
@@ -978,8 +1011,13 @@ class TorchSession:
                         or any(cap.calls.get(id(use), 0) for use in layer.idle)):
                     # Dynamic models: re-checked on every chunk; earlier chunks' sums stay valid.
                     layer.disable_fast("layer not called exactly once, or its input modified in place")
-            self._rows_per_sample([layer for layer in fast if layer.fast], logits, rows)
-            fast = [layer for layer in fast if layer.fast]
+            while self._rows_per_sample([layer for layer in self._layers if layer.fast], logits, rows):
+                cap.reset()  # layers on no batch axis to follow: again
+                logits = self._pick(self._forward(xc))
+                while self._settle(logits, c, xc):
+                    cap.reset()
+                    logits = self._pick(self._forward(xc))
+            fast = [layer for layer in self._layers if layer.fast]
             z = logits.detach()
             sequence = self.options.sequence_layout(int(z.shape[1]) if z.dim() == 3 else None)
             heads = self._heads(logits, fast)
@@ -1052,6 +1090,7 @@ class TorchSession:
         cap = self.capture
         self._chunk_folds = {}
         unchecked: list[tuple[TorchLayer, int]] = []
+        refused: list[tuple[TorchLayer, str]] = []
         for layer in fast:
             if not layer.uses:  # unused (_first_check): no output
                 continue
@@ -1064,12 +1103,14 @@ class TorchSession:
             if rows == 1 and dense:
                 self._chunk_folds[id(layer)] = size
                 continue
+            if layer.batchless:
+                continue  # checked where it meets the batch (_check_meetings)
             if size < 1 or size % rows or (size != rows and not dense):
                 # An output broadcast over the batch (position ids of shape (1, T)): the signals
                 # of all samples would be summed before squaring.
-                layer.disable_fast("output broadcast over the batch" if size == 1 else
-                                   f"its output's leading axis ({size}) is not one row (or, for a dense layer or a "
-                                   f"convolution, one block of rows) per sample ({rows})")
+                refused.append((layer, "output broadcast over the batch" if size == 1 else
+                                f"its output's leading axis ({size}) is not one row (or, for a dense layer or a "
+                                f"convolution, one block of rows) per sample ({rows})"))
                 continue
             fold = size // rows
             known = self._folds.get(id(layer))
@@ -1079,27 +1120,165 @@ class TorchSession:
                 layer.disable_fast(f"its output has {known} rows per sample in one chunk and {fold} in another")
             elif fold > 1:
                 self._chunk_folds[id(layer)] = fold
-        if not unchecked:
+        followed = [layer for layer in fast if layer.batchless]
+        if followed:
+            self._check_meetings(followed, logits, rows)
+        if unchecked:
+            probe = _last_sample_probe(logits)
+            outputs = [cap.outputs[id(use)] for layer, _ in unchecked for use in layer.uses]
+            grads = iter(torch.autograd.grad(logits, outputs, grad_outputs=probe, retain_graph=True,
+                                             allow_unused=True))
+            for layer, fold in unchecked:
+                mixed = [g is not None and bool(g[:-fold].abs().amax() > 0) for g in [next(grads) for _ in layer.uses]]
+                if any(mixed):
+                    if layer.table or id(layer) in cap.expanded:
+                        why = f"{_expanded_what(layer)} is not added to each sample's own activations"
+                    elif fold == 1:
+                        why = "its output's leading axis is not the batch"
+                    else:
+                        why = (f"its output's leading axis has {fold} rows per sample, but not one block of rows "
+                               "per sample")
+                    refused.append((layer, f"{why} (one sample's signal reaches the other samples' rows)"))
+                    continue
+                self._folds[id(layer)] = fold
+                if fold > 1:
+                    self._chunk_folds[id(layer)] = fold
+        again = False
+        for layer, why in refused:
+            if self._followable(layer):
+                # Perhaps a layer on no batch axis: followed to where its output meets the batch, in
+                # a forward run again (once per layer; its reason stands if that fails).
+                self._follow(layer, why)
+                again = True
+            else:
+                layer.disable_fast(why)
+        return again
+
+    def _follow(self, layer: TorchLayer, why: str) -> None:
+        """Follow a layer that failed the rows check for ``why`` from the next forward on, whose
+        substitutions are checked anew (:meth:`_substitution_checks`)."""
+        self._batchless_tried[id(layer)] = why
+        self._seen.discard(id(layer))
+        layer.batchless = True
+        self._meetings_changed()
+
+    def _meetings_changed(self) -> None:
+        """The followed layers changed: their meetings are checked anew."""
+        self._meetings_checked, self._meetings_apart, self._meetings_whole = None, False, False
+
+    def _followable(self, layer: TorchLayer) -> bool:
+        """Whether a layer that failed the rows check may be one on no batch axis, tried once: a
+        plain rule (its module applies its weight to its one input) and one use."""
+        rule = layer.ext.ggn_squares
+        if layer.table:  # a table added to a batch folded into the leading axis (TNT's pixel positions)
+            return id(layer) not in self._batchless_tried
+        return (id(layer) not in self._batchless_tried and not layer.tied
+                and len(layer.uses) == 1 and rule is not None and ggn_kernels.wants_deltas(rule)
+                and rule in ggn_kernels.PER_SAMPLE_GRADIENTS and not ggn_kernels.wants_call(rule)
+                and not ggn_kernels.recorded_inside(rule) and not ggn_kernels.first_of_tuple(rule)
+                and not ggn_kernels.inner_uses(rule) and not self.capture.watches(layer))
+
+    def _refuse_batchless(self, layers: list[TorchLayer], why: str | None) -> None:
+        """The followed layers take the generic path: the reason they failed the rows check, and
+        why following them failed (``None``: theirs alone, e.g. their input carries the batch)."""
+        for layer in layers:
+            first = self._batchless_tried.get(id(layer), "")
+            layer.batchless = False
+            layer.disable_fast(first if why is None else f"{first}; followed to where it meets the batch: {why}")
+        self._meetings_changed()
+
+    def _check_meetings(self, followed: list[TorchLayer], logits: torch.Tensor, rows: int) -> None:
+        """The meetings of the layers on no batch axis (:class:`~normflat.backends.torch.ggn.BatchlessTaps`):
+        each a batch-less operand whose view is expanded over the batch's leading axis (a block of
+        rows per sample). The first time, two probes of the logits: one at the last sample's,
+        which must reach only that sample's rows of each view, and one at every sample's, whose
+        gradient at each layer's output must be the same through the meetings as through the
+        whole graph (no other path from the layer to the logits). Later forwards must meet the
+        batch as many times, as blocks of rows."""
+        assert self.capture is not None
+        cap = self.capture
+        if cap.batchless_refusal is not None:
+            self._refuse_batchless(followed, cap.batchless_refusal)
             return
-        probe = torch.zeros_like(logits)
-        last = probe[-1]
-        last.copy_(torch.linspace(1.0, 2.0, last.numel(), dtype=probe.dtype, device=probe.device).reshape(last.shape))
-        outputs = [cap.outputs[id(use)] for layer, _ in unchecked for use in layer.uses]
-        grads = iter(torch.autograd.grad(logits, outputs, grad_outputs=probe, retain_graph=True, allow_unused=True))
-        for layer, fold in unchecked:
-            mixed = [g is not None and bool(g[:-fold].abs().amax() > 0) for g in [next(grads) for _ in layer.uses]]
-            if any(mixed):
-                if layer.table or id(layer) in cap.expanded:
-                    why = f"{_expanded_what(layer)} is not added to each sample's own activations"
-                elif fold == 1:
-                    why = "its output's leading axis is not the batch"
-                else:
-                    why = f"its output's leading axis has {fold} rows per sample, but not one block of rows per sample"
-                layer.disable_fast(f"{why} (one sample's signal reaches the other samples' rows)")
+        quiet = [layer for layer in followed if id(layer) not in cap.batchless_ran]
+        if quiet:  # its input carries the batch: not a layer on no batch axis
+            self._refuse_batchless(quiet, None)
+            followed = [layer for layer in followed if layer.fast]
+            if not followed:
+                return
+        for operand, view in cap.meetings:
+            leading = view.dim() > operand.dim() or operand.shape[0] == 1
+            if view.dim() == 0 or view.shape[0] % rows or not leading:
+                self._refuse_batchless(followed, f"it meets a tensor whose leading axis ({view.shape[0] if view.dim() else 0})"
+                                       f" is not a block of rows per sample ({rows}), or is not broadcast over it")
+                return
+        if self._meetings_checked is None:
+            self._meetings_checked = len(cap.meetings)
+        elif len(cap.meetings) != self._meetings_checked:
+            self._refuse_batchless(followed, f"it meets the batch {len(cap.meetings)} times in one forward and "
+                                   f"{self._meetings_checked} in another")
+            return
+        outs = [cap.outputs[id(layer)] for layer in followed]
+        if cap.meetings and rows > 1 and not self._meetings_apart:
+            # Once, on the first forward of two samples or more (a chunk of one owns every row).
+            probe = _last_sample_probe(logits)
+            grads = torch.autograd.grad(logits, [view for _, view in cap.meetings], grad_outputs=probe,
+                                        retain_graph=True, allow_unused=True)
+            for (_, view), g in zip(cap.meetings, grads):
+                if g is not None and bool(g[:-(view.shape[0] // rows)].abs().amax() > 0):
+                    self._refuse_batchless(followed, "one sample's signal reaches the other samples' rows where it "
+                                           "meets the batch")
+                    return
+            self._meetings_apart = True
+        if self._meetings_whole:
+            return
+        every = torch.linspace(1.0, 2.0, logits.numel(), dtype=logits.dtype, device=logits.device
+                               ).reshape(logits.shape)
+        direct = torch.autograd.grad(logits, outs, grad_outputs=every, retain_graph=True, allow_unused=True)
+        through = self._pulled_back([[g] for g in torch.autograd.grad(
+            logits, [view for _, view in cap.meetings], grad_outputs=every, retain_graph=True, allow_unused=True)]
+            if cap.meetings else [], outs, 1)
+        for layer, want, got in zip(followed, direct, through):
+            want = torch.zeros_like(cap.outputs[id(layer)]) if want is None else want
+            got = torch.zeros_like(want) if got is None else got.reshape(want.shape)
+            tol = 1e3 * float(torch.finfo(want.dtype).eps) * (float(want.abs().max()) + 1e-30)
+            if not bool(((want - got).abs() <= tol).all()):
+                self._refuse_batchless(followed, "its output reaches the logits other than where it meets the batch")
+                return
+        self._meetings_whole = True
+
+    def _pulled_back(self, meeting_grads: list[list[torch.Tensor | None]], outs: list[torch.Tensor],
+                     rows: int) -> list[torch.Tensor | None]:
+        """Per signal and sample, the gradients at the followed layers' ``outs`` from those at the
+        meetings' views (``meeting_grads[i][j]``: signal ``j`` at view ``i``, or ``None``): each view's
+        rows summed per sample, the broadcast axes summed to the batch-less operand's shape, and
+        pulled back through the batch-less operations to the layers' outputs. ``(S·rows, *out.shape)``
+        per output (``None`` where none reaches it); ``rows=1`` sums over the samples."""
+        assert self.capture is not None
+        operands, cotangents = [], []
+        signals = len(meeting_grads[0]) if meeting_grads else 0
+        for (operand, view), grads in zip(self.capture.meetings, meeting_grads):
+            if all(g is None for g in grads):
                 continue
-            self._folds[id(layer)] = fold
-            if fold > 1:
-                self._chunk_folds[id(layer)] = fold
+            stacked = torch.stack([torch.zeros_like(view) if g is None else g for g in grads])  # (S, B', ...)
+            per = stacked.unflatten(1, (rows, -1)).sum(2)  # (S, rows, *view.shape[1:])
+            target = (1,) * (view.dim() - operand.dim()) + tuple(operand.shape)
+            axes = [d + 1 for d in range(1, view.dim()) if target[d] == 1 and view.shape[d] != 1]
+            if axes:
+                per = per.sum(axes, keepdim=True)
+            operands.append(operand)
+            cotangents.append(per.reshape(signals * rows, *operand.shape))
+        if not operands:
+            return [None] * len(outs)
+        try:
+            return list(torch.autograd.grad(operands, outs, grad_outputs=cotangents, is_grads_batched=True,
+                                            retain_graph=True, allow_unused=True))
+        except ggn_kernels._VMAP_ERRORS:  # an operation without a batching rule: one at a time
+            rows_out = [torch.autograd.grad(operands, outs, grad_outputs=[c[i] for c in cotangents],
+                                            retain_graph=True, allow_unused=True)
+                        for i in range(signals * rows)]
+            return [None if rows_out[0][i] is None else torch.stack([r[i] for r in rows_out])
+                    for i in range(len(outs))]
 
     def _check_swappable(self, xs: ModelInputs, layers: list[TorchLayer]) -> None:
         """Refuse, once per layer, a weight the model reaches without its module attribute: the
@@ -1232,8 +1411,13 @@ class TorchSession:
         cap = self.capture
         sig, padding = block
         k, m, nc = sig.shape[:3]
-        # Each layer's output, then those of the other modules of its tied weight.
+        followed = [layer for layer in fast if layer.batchless]
+        fast = [layer for layer in fast if not layer.batchless]
+        # Each layer's output, then those of the other modules of its tied weight; then the views
+        # where the layers on no batch axis meet the batch.
         outs = [cap.outputs[id(use)] for layer in fast for use in layer.uses]
+        if followed:
+            outs += [view for _, view in cap.meetings]
         flat = sig.reshape(k * m, nc, *sig.shape[3:])
         skipped = set(padding)
         real = [j for j in range(k * m) if j not in skipped]
@@ -1247,6 +1431,11 @@ class TorchSession:
                     for j, part in zip(real, parts):
                         full[j] = part
                     grads[i] = full
+        if followed:
+            meeting_grads = grads[len(grads) - len(cap.meetings):]
+            del grads[len(grads) - len(cap.meetings):]
+            self._followed_squares(followed, meeting_grads, nc, k, m, state)
+            del meeting_grads
         at = 0
         for layer in fast:
             count = len(layer.uses)
@@ -1273,39 +1462,80 @@ class TorchSession:
                 # A block of rows per sample (_rows_per_sample): the sample's rows become positions.
                 inputs = inputs.unflatten(0, (-1, fold))
                 parts = [None if p is None else p.unflatten(0, (-1, fold)) for p in parts]
-            deltas = ggn_kernels.Deltas(parts, k, m)
-            del parts
-            rule = layer.ext.ggn_squares
-            assert rule is not None
-            index = self._index[id(layer)]
-            builtin = ggn_kernels.wants_deltas(rule)
-            # The built-in rules add into the running sums (no new sums per chunk or batch) and
-            # return fresh ones the first time, which the state keeps and adds into later.
-            running = state.accumulator(index) if builtin else None
-            extra = {} if running is None else {"out": running}
-            sink = None
-            if ggn_kernels.takes_kernel_sums(rule) and state.axes(index) and index not in state.exact:
-                # Kernel-summed groups: the rule adds each group's squares into the numerator and
-                # the kernel sums (the state's own after the first contribution).
-                kept = state.kernel_accumulator(index)
-                mean, sums = kept if kept is not None else (None, None)
-                sink = ggn_kernels.KernelSums(state.weights(), state.axes(index), tuple(layer.param.shape),
-                                              like=layer.param.detach(), mean=mean, sums=sums)
-                running, extra = kept, {"out": sink}
-            try:
-                arg = deltas if builtin else deltas.stacked()
-                if ggn_kernels.wants_call(rule):
-                    value = rule(layer.module, inputs, arg, *cap.extras[id(layer)], **extra)
-                else:
-                    value = rule(layer.module, inputs, arg, **extra)
-            except ggn_kernels.NoFastPath as why:  # handled by the generic path, this chunk included
-                layer.disable_fast(str(why))
+            self._add_squares(layer, inputs, parts, k, m, state)
+
+    def _followed_squares(self, followed: list[TorchLayer], meeting_grads: list[list[torch.Tensor | None] | None],
+                          rows: int, k: int, m: int, state: SumState) -> None:
+        """The squares of the layers on no batch axis: each sample's signals at their outputs, pulled
+        back from where they meet the batch (:meth:`_pulled_back`), and their rules on their input
+        expanded over the samples (the same input for each; a leading axis of one is the sample's)."""
+        assert self.capture is not None
+        cap = self.capture
+        total = k * m
+        grads = [[None] * total if g is None else g for g in meeting_grads]
+        real = [j for j in range(total) if any(g[j] is not None for g in grads)]
+        if not real:
+            return
+        outs = [cap.outputs[id(layer)] for layer in followed]
+        pulled = self._pulled_back([[g[j] for j in real] for g in grads], outs, rows)
+        del grads, meeting_grads
+        for layer, out, got in zip(followed, outs, pulled):
+            if got is None:
                 continue
-            if running is None:
-                state.add(index, value if sink is not None else value.detach(), owned=builtin)
-            # A kernel-summed layer's full (K', ...) squares are garbage once added: free them
-            # before the next layer's.
-            del value, sink
+            got = got.reshape(len(real), rows, *out.shape)
+            a = cap.inputs[id(layer)]
+            if layer.table:  # each sample's gradient of the table itself: its rule reads the table's shape
+                inputs = a
+            else:
+                if a.dim() > 0 and out.dim() > 0 and a.shape[0] == 1 and out.shape[0] == 1:
+                    a, got = a[0], got[:, :, 0]
+                inputs = a.expand(rows, *a.shape)
+            parts: list[torch.Tensor | None] = [None] * total
+            for i, j in enumerate(real):
+                parts[j] = got[i]
+            del got
+            self._add_squares(layer, inputs, parts, k, m, state)
+
+    def _add_squares(self, layer: TorchLayer, inputs: torch.Tensor, parts: list[torch.Tensor | None], k: int,
+                     m: int, state: SumState) -> None:
+        """One fast layer's rule on its input and the signals at its output (``k·m`` parts, ``None``
+        for padding), added into its sums; a rule that refuses sends the layer to the generic path,
+        this chunk included."""
+        assert self.capture is not None
+        cap = self.capture
+        deltas = ggn_kernels.Deltas(parts, k, m)
+        del parts
+        rule = layer.ext.ggn_squares
+        assert rule is not None
+        index = self._index[id(layer)]
+        builtin = ggn_kernels.wants_deltas(rule)
+        # The built-in rules add into the running sums (no new sums per chunk or batch) and
+        # return fresh ones the first time, which the state keeps and adds into later.
+        running = state.accumulator(index) if builtin else None
+        extra = {} if running is None else {"out": running}
+        sink = None
+        if ggn_kernels.takes_kernel_sums(rule) and state.axes(index) and index not in state.exact:
+            # Kernel-summed groups: the rule adds each group's squares into the numerator and
+            # the kernel sums (the state's own after the first contribution).
+            kept = state.kernel_accumulator(index)
+            mean, sums = kept if kept is not None else (None, None)
+            sink = ggn_kernels.KernelSums(state.weights(), state.axes(index), tuple(layer.param.shape),
+                                          like=layer.param.detach(), mean=mean, sums=sums)
+            running, extra = kept, {"out": sink}
+        try:
+            arg = deltas if builtin else deltas.stacked()
+            if ggn_kernels.wants_call(rule):
+                value = rule(layer.module, inputs, arg, *cap.extras[id(layer)], **extra)
+            else:
+                value = rule(layer.module, inputs, arg, **extra)
+        except ggn_kernels.NoFastPath as why:  # handled by the generic path, this chunk included
+            layer.disable_fast(str(why))
+            return
+        if running is None:
+            state.add(index, value if sink is not None else value.detach(), owned=builtin)
+        # A kernel-summed layer's full (K', ...) squares are garbage once added: free them
+        # before the next layer's.
+        del value, sink
 
     def _tied_squares(self, layer: TorchLayer, parts: list[list[torch.Tensor | None] | None], k: int, m: int,
                       state: SumState) -> None:
@@ -1333,8 +1563,18 @@ def _sequence_step(members: int, groups: int, rows: int, width: int) -> int:
                       DEFAULT_SIGNAL_ROWS // max(groups * rows, 1)))
 
 
+def _last_sample_probe(logits: torch.Tensor) -> torch.Tensor:
+    """A signal at the last sample's logits only (distinct entries), zeros elsewhere."""
+    probe = torch.zeros_like(logits)
+    last = probe[-1]
+    last.copy_(torch.linspace(1.0, 2.0, last.numel(), dtype=probe.dtype, device=probe.device).reshape(last.shape))
+    return probe
+
+
 def _expanded_what(layer: TorchLayer) -> str:
     """How the reasons of :meth:`TorchSession._forward`'s substitutions name a layer's."""
+    if layer.batchless:
+        return "the layer's batch-less output"
     return "the position table" if layer.table else "the layer's one-row output"
 
 
