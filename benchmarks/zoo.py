@@ -163,6 +163,9 @@ def hf_models() -> dict[str, Callable[[], tuple[Any, Callable[[int], Any]]]]:
         "hubert": lambda: (T.HubertForSequenceClassification(T.HubertConfig(
             **small, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4,
             num_conv_pos_embedding_groups=2, classifier_proj_size=8, num_labels=3)), audio),
+        "wavlm": lambda: (T.WavLMForSequenceClassification(T.WavLMConfig(
+            **small, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4,
+            num_conv_pos_embedding_groups=2, classifier_proj_size=8, num_buckets=8, num_labels=3)), audio),
         "bit": lambda: (T.BitForImageClassification(T.BitConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
                                                                 num_groups=2, layer_type="preactivation",
                                                                 global_padding="SAME", num_labels=3)), images),

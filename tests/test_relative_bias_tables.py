@@ -40,6 +40,7 @@ def test_the_rule_reads_the_last_name():
 
     assert relative_bias_table("encoder.block.0.layer.0.SelfAttention.relative_attention_bias") == RELATIVE_BIAS_REASON
     assert relative_bias_table("t5/self_attention/relative_attention_bias") == RELATIVE_BIAS_REASON
+    assert relative_bias_table("wavlm.encoder.layers.0.attention.rel_attn_embed") == RELATIVE_BIAS_REASON
     assert relative_bias_table("relative_attention_bias_proj") is None
     assert relative_bias_table("decoder.embed_tokens") is None
 

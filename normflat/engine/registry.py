@@ -32,9 +32,9 @@ ADDED_TABLE_NAMES = (
 )
 #: Names (last component) of the embedding layers, or the attributes, holding a relative-position
 #: bias table: one row per bucket of relative positions, one column per head, added to the
-#: attention scores (T5 and its family, keras-hub's T5). Excluded like the added tables above
-#: (method §3), although an embedding layer looks them up.
-RELATIVE_BIAS_TABLES = ("relative_attention_bias",)
+#: attention scores (T5 and its family, keras-hub's T5; WavLM's ``rel_attn_embed``). Excluded like
+#: the added tables above (method §3), although an embedding layer looks them up.
+RELATIVE_BIAS_TABLES = ("relative_attention_bias", "rel_attn_embed")
 
 #: The reason given for a table of :data:`RELATIVE_BIAS_TABLES`.
 RELATIVE_BIAS_REASON = ("a relative-position bias table (one row per bucket of relative positions, added to the "

@@ -654,6 +654,53 @@ def test_dense_weight_applied_through_f_linear_is_recorded_there(how):
     _close(got, generic)
 
 
+class ProjectionsHandedToAttention(nn.Module):
+    """WavLM's attention: four ``nn.Linear`` modules never called, their weights and biases handed to
+    ``F.multi_head_attention_forward`` as separate projections, with a float ``attn_mask`` per sample
+    and head (a gated position bias computed from the tokens) and a key padding mask; ``masks=False``:
+    neither, and the attention weights not returned (the plain call)."""
+
+    def __init__(self, masks=True):
+        super().__init__()
+        self.masks = masks
+        self.emb = nn.Embedding(V, D)
+        # o_proj: WavLM's out_proj (the reference reads a name ending in out_proj as nn.MultiheadAttention's)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(D, D) for _ in range(4))
+        self.gate = nn.Linear(D // 2, 1) if masks else None
+        self.head = nn.Linear(D, C)
+
+    def forward(self, ids):
+        x = self.emb(ids)  # (n, T, D)
+        n, t = ids.shape
+        bias = mask = None
+        if self.masks:
+            gates = torch.sigmoid(self.gate(x.view(n, t, 2, D // 2).transpose(1, 2)))  # (n, heads, T, 1)
+            bias = (gates * torch.linspace(-1.0, 1.0, t, dtype=x.dtype)).reshape(n * 2, t, t)
+            mask = ids == 0
+        seq = x.transpose(0, 1)
+        out, _ = F.multi_head_attention_forward(
+            seq, seq, seq, D, 2, torch.empty([0]),
+            torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)), None, None, False, 0.0,
+            self.o_proj.weight, self.o_proj.bias, False, mask, need_weights=self.masks, attn_mask=bias,
+            use_separate_proj_weight=True, q_proj_weight=self.q_proj.weight, k_proj_weight=self.k_proj.weight,
+            v_proj_weight=self.v_proj.weight)
+        return self.head(torch.tanh(out.transpose(0, 1)).mean(1))
+
+
+@pytest.mark.parametrize("masks", [True, False])
+def test_dense_weights_handed_to_multi_head_attention_are_recorded_there(masks):
+    """Dense layers whose modules the model never calls, their weights handed to
+    ``F.multi_head_attention_forward`` (WavLM): recorded where that call applies them, as
+    ``nn.MultiheadAttention``'s (method §6.1, "Attention projections applied functionally"), with
+    ``nn.Linear``'s rule; the same diagonal as brute force and the generic path."""
+    model = _init(ProjectionsHandedToAttention(masks))
+    data = [(_ids(N, T, low=1), _labels(N)), (_ids(2, T, seed=5), _labels(2, seed=6))]
+    report = normflat.analyze(model, data, progress=False, estimator="ggn")
+    assert all(layer.details["path"] == "fast" for layer in report.layers), [lr.details for lr in report.layers]
+    got = _check_ggn(model, data)
+    _close(got, normflat.hessian_diagonal(model, data, estimator="ggn", progress=False, fast=False))
+
+
 @pytest.mark.parametrize("how, reason", [
     ("matmul", "not used through one F.linear call"),
     ("twice", "module called 0 times per forward"),  # its weight used twice: never recorded

@@ -987,7 +987,8 @@ class Capture:
 
     def watch_linear(self, layer: Any) -> None:
         """Record a dense layer at its weight's ``F.linear`` call from the next forward on (its module
-        is never called: the model applies the weight functionally)."""
+        is never called: the model applies the weight functionally), or where
+        ``F.multi_head_attention_forward`` is handed it as a projection (:func:`recorded_attention`)."""
         self._linears[id(layer.param)] = id(layer)
 
     def watches(self, layer: Any) -> bool:
@@ -1041,9 +1042,11 @@ class Capture:
             if self._recorded:
                 stack.enter_context(compat.recurrent_taps(taps))
             if self._lookups or self._linears or self._attention:
+                # A dense weight the model applies functionally may also be a projection handed to
+                # F.multi_head_attention_forward (WavLM's q_proj, k_proj, v_proj, out_proj).
                 stack.enter_context(FunctionalTaps({w: taps[w] for w in self._lookups}, self._lookups,
                                                    {w: taps[w] for w in self._linears},
-                                                   {w: taps[w] for w in self._attention}))
+                                                   {w: taps[w] for w in (*self._attention, *self._linears)}))
             yield
 
     def repeat(self, key: int, keys: list[int]) -> None:
