@@ -1143,8 +1143,10 @@ class RelativeBias(nn.Module):
     ``add`` (``attn + bias[None]``, each sample's windows in one block of rows), ``mask`` (the bias
     as ``F.scaled_dot_product_attention``'s ``attn_mask``), ``repeat`` (also XCiT's positions: a 1×1
     convolution on a ``(1, 2, 2, 4)`` grid, repeated over the batch by the model itself and added to
-    the tokens), ``window-major`` (the windows of all samples interleaved: a row of the attention
-    is no sample's own block) or ``matmul`` (the bias multiplies the attention: not a broadcast)."""
+    the tokens, and a second one after the attention), ``tile`` (DeBERTa's relative keys: the ``(heads, 4, 4)`` bias tiled over the windows
+    by the model, ``repeat(2n, 1, 1)``, and added), ``window-major`` (the windows of all samples
+    interleaved: a row of the attention is no sample's own block) or ``matmul`` (the bias
+    multiplies the attention: not a broadcast)."""
 
     def __init__(self, meet: str = "add") -> None:
         super().__init__()
@@ -1153,7 +1155,9 @@ class RelativeBias(nn.Module):
         self.qkv = nn.Linear(D, 3 * D)
         self.cpb_in = nn.Linear(2, 6)
         self.cpb_out = nn.Linear(6, HEADS, bias=False)
+        # Two of them: the second one's expansion breaks the forward after the first is followed.
         self.pos = nn.Conv2d(2, D, 1) if meet == "repeat" else None
+        self.pos2 = nn.Conv2d(2, D, 1) if meet == "repeat" else None
         self.head = nn.Linear(D, C)
         axis = torch.arange(-1.0, 2.0, dtype=DT)
         self.register_buffer("coords", torch.stack(torch.meshgrid(axis, axis, indexing="ij"), -1)[None])
@@ -1182,9 +1186,16 @@ class RelativeBias(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None])
         else:
             attn = q @ k.transpose(-1, -2) / math.sqrt(D // HEADS)
-            attn = attn @ bias if self.meet == "matmul" else attn + bias[None]
+            if self.meet == "matmul":
+                attn = attn @ bias
+            elif self.meet == "tile":
+                attn = attn + bias.repeat(2 * n, 1, 1).view(2 * n, HEADS, 4, 4)
+            else:
+                attn = attn + bias[None]
             out = attn.softmax(-1) @ v
         out = out.transpose(1, 2).reshape(2 * n, 4, D)
+        if self.pos2 is not None:
+            out = out + self.pos2(self.grid).repeat(n, 1, 1, 1).flatten(2).transpose(1, 2).reshape(2 * n, 4, D)
         if self.meet == "window-major":
             out = out.reshape(2, n, 4, D).transpose(0, 1)
         return self.head(torch.tanh(out.reshape(n, 8, D)).mean(1))
@@ -1195,7 +1206,7 @@ def _relative_data(batches, seed=7):
     return [(torch.randn(b, 8, 3, generator=g, dtype=DT), torch.randint(0, C, (b,), generator=g)) for b in batches]
 
 
-@pytest.mark.parametrize("meet", ["add", "mask", "repeat"])
+@pytest.mark.parametrize("meet", ["add", "mask", "repeat", "tile"])
 @pytest.mark.parametrize("batches, kw", [((5,), {}), ((1, 4), {"chunk_size": 3}), ((3,), {"chunk_size": 1})])
 def test_layers_on_no_batch_axis_are_followed_to_the_batch(meet, batches, kw):
     """A relative-position MLP on a table shared by every sample, and a convolution whose one-row

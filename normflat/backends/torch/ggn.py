@@ -1139,7 +1139,7 @@ _BROADCASTING_INPLACE = frozenset({
 })
 
 
-#: The functions by which a model may copy a batch-less row over the batch itself.
+#: The functions by which a model may copy a batch-less tensor over the batch itself.
 _SPREADING = frozenset({torch.Tensor.repeat, torch.Tensor.expand})
 
 
@@ -1224,12 +1224,13 @@ class BatchlessTaps(torch.overrides.TorchFunctionMode):
         return out
 
     def _spreads(self, operand: torch.Tensor, out: Any) -> bool:
-        """Whether ``out`` copies ``operand``'s one leading row to a block of rows per sample, the
-        other axes as they are."""
+        """Whether ``out`` copies ``operand``'s rows to a block of rows per sample (its one row
+        expanded, or all its rows tiled, DeBERTa's relative keys repeated per sample), the other axes
+        as they are."""
         rows = self.capture.rows or 0
         return (isinstance(out, torch.Tensor) and rows > 0 and operand.dim() > 0 and out.dim() == operand.dim()
-                and operand.shape[0] == 1 and out.shape[0] > 1 and out.shape[0] % rows == 0
-                and out.shape[1:] == operand.shape[1:])
+                and operand.shape[0] > 0 and out.shape[0] > operand.shape[0]
+                and out.shape[0] % (rows * operand.shape[0]) == 0 and out.shape[1:] == operand.shape[1:])
 
     def _meet(self, func: Any, args: tuple, kwargs: dict, batchless: list[torch.Tensor]) -> tuple[tuple, dict]:
         """The arguments with each batch-less operand replaced by its view expanded over the batch."""

@@ -535,6 +535,10 @@ class TorchSession:
                     out = xc.call(self.model)
         except Exception as why:  # noqa: BLE001 - a failure with a new substitution: drop it, run again
             fresh = [layer for layer in self._substituted() if id(layer) not in self._seen]
+            if any(not layer.batchless for layer in fresh):
+                # The new expansions first: a followed layer stays followed unless the forward also
+                # fails without them (a later layer's one-row output breaks it just as well).
+                fresh = [layer for layer in fresh if not layer.batchless]
             if not fresh:
                 # A later chunk's shapes may break a substitution that passed before (a table
                 # reshaped as one row, checked on a first chunk of one sample): drop them all.
@@ -1120,9 +1124,6 @@ class TorchSession:
                 layer.disable_fast(f"its output has {known} rows per sample in one chunk and {fold} in another")
             elif fold > 1:
                 self._chunk_folds[id(layer)] = fold
-        followed = [layer for layer in fast if layer.batchless]
-        if followed:
-            self._check_meetings(followed, logits, rows)
         if unchecked:
             probe = _last_sample_probe(logits)
             outputs = [cap.outputs[id(use)] for layer, _ in unchecked for use in layer.uses]
@@ -1152,6 +1153,12 @@ class TorchSession:
                 again = True
             else:
                 layer.disable_fast(why)
+        followed = [layer for layer in fast if layer.batchless and layer.fast]
+        if followed and not again:
+            # Checked once no layer waits to be followed: a one-row output still expanded downstream
+            # of a followed layer copies it over the batch where the model does not (Swin V2's first
+            # MLP layer followed, the second still expanded).
+            self._check_meetings(followed, logits, rows)
         return again
 
     def _follow(self, layer: TorchLayer, why: str) -> None:
@@ -1207,10 +1214,9 @@ class TorchSession:
             if not followed:
                 return
         for operand, view in cap.meetings:
-            leading = view.dim() > operand.dim() or operand.shape[0] == 1
-            if view.dim() == 0 or view.shape[0] % rows or not leading:
+            if view.dim() == 0 or view.shape[0] % (rows * _copied_rows(operand, view)):
                 self._refuse_batchless(followed, f"it meets a tensor whose leading axis ({view.shape[0] if view.dim() else 0})"
-                                       f" is not a block of rows per sample ({rows}), or is not broadcast over it")
+                                       f" is not a block of rows per sample ({rows}), each a copy of its own")
                 return
         if self._meetings_checked is None:
             self._meetings_checked = len(cap.meetings)
@@ -1261,7 +1267,9 @@ class TorchSession:
             if all(g is None for g in grads):
                 continue
             stacked = torch.stack([torch.zeros_like(view) if g is None else g for g in grads])  # (S, B', ...)
-            per = stacked.unflatten(1, (rows, -1)).sum(2)  # (S, rows, *view.shape[1:])
+            # Sample i's block of rows: copies of the operand's h rows (h = 1 for a broadcast), summed.
+            h = _copied_rows(operand, view)
+            per = stacked.unflatten(1, (rows, -1, h)).sum(2)  # (S, rows, h, *view.shape[1:])
             target = (1,) * (view.dim() - operand.dim()) + tuple(operand.shape)
             axes = [d + 1 for d in range(1, view.dim()) if target[d] == 1 and view.shape[d] != 1]
             if axes:
@@ -1561,6 +1569,12 @@ def _sequence_step(members: int, groups: int, rows: int, width: int) -> int:
     :data:`DEFAULT_SIGNAL_ROWS` signal rows, at least one member."""
     return max(1, min(members, SEQUENCE_SIGNAL_ENTRIES // max(groups * rows * width, 1),
                       DEFAULT_SIGNAL_ROWS // max(groups * rows, 1)))
+
+
+def _copied_rows(operand: torch.Tensor, view: torch.Tensor) -> int:
+    """The rows of ``operand`` each block of ``view``'s leading axis copies: one where ``view`` is it
+    broadcast (a new leading axis, or a leading axis of one), all of them where it is it tiled."""
+    return int(operand.shape[0]) if view.dim() == operand.dim() and operand.dim() > 0 else 1
 
 
 def _last_sample_probe(logits: torch.Tensor) -> torch.Tensor:
