@@ -61,6 +61,12 @@ Problems:
   classes), 8 images of 64×64: Swin V2's continuous position bias MLPs (two dense layers per
   block on a table of relative coordinates, the same for every sample) run on no batch axis
   (method §6.1, "Layers on no batch axis"); Swin V1 beside it has a bias table instead.
+* ``deberta-v3-10``: Hugging Face DeBERTa-v3 (deberta-v3-base's attention settings: relative
+  positions in 32 buckets, the query and key projections shared with the normalized relative
+  embeddings; 4 layers of width 128, 4 heads, MLP 256, a 2000-token vocabulary, 10 classes), 16
+  sequences of 32 tokens: each layer's query and key projections are also applied to the
+  relative embeddings, with no batch axis, and the relative embeddings' weight is read as a
+  tensor (method §6.1, "Layers on no batch axis"); its "generic path" column is ``fast=False``.
 * ``bart-5000``: a BART encoder-decoder (2 + 2 layers, width 64) with a 5000-token vocabulary,
   4 sequences of 32 tokens fed ``labels = input_ids`` (the decoder reads them shifted right): its
   table is held by ``model.shared``, which never runs, and used by the encoder's and decoder's
@@ -190,6 +196,25 @@ def _torchvision_swin(name: str) -> Callable[[int], nn.Module]:
     return make
 
 
+class _DebertaV3(nn.Module):
+    """Hugging Face DeBERTa-v3 for sequence classification (deberta-v3's attention settings: relative
+    positions in buckets, the query and key projections shared with the normalized relative
+    embeddings; 4 layers of width 128, 4 heads, MLP 256, a 2000-token vocabulary), the logits of
+    token ids."""
+
+    def __init__(self, classes: int) -> None:
+        super().__init__()
+        from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+        config = DebertaV2Config(vocab_size=SEQUENCE_VOCABULARY, hidden_size=128, num_hidden_layers=4,
+                                 num_attention_heads=4, intermediate_size=256, max_position_embeddings=64,
+                                 relative_attention=True, position_buckets=32, pos_att_type=["p2c", "c2p"],
+                                 share_att_key=True, norm_rel_ebd="layer_norm", num_labels=classes)
+        self.inner = DebertaV2ForSequenceClassification(config)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids=ids).logits
+
+
 class _Wav2Vec2(nn.Module):
     """Hugging Face wav2vec 2.0 for audio classification (a 7-layer feature encoder of 128 channels,
     4 transformer layers of width 256, its 128-tap positional convolution in 16 groups
@@ -303,9 +328,10 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
     "lstm-10": (_lstm, 10, (32, 32), False, True),
     "gru-10": (_gru, 10, (32, 32), False, True),
     "albert-10": (_Albert, 10, (16, 32), False, True),
+    "deberta-v3-10": (_DebertaV3, 10, (16, 32), False, True),
 }
 #: The sequence classifiers (token ids in, one label per sequence) and their vocabulary.
-SEQUENCE_CLASSIFIERS = ("lstm-10", "gru-10", "albert-10", "transformer-10")
+SEQUENCE_CLASSIFIERS = ("lstm-10", "gru-10", "albert-10", "transformer-10", "deberta-v3-10")
 #: The problems timed with ``fast=False`` too (the "generic path" column): the path their
 #: recurrent, shared, weight-standardized, self-padded or weight-normalized weights took before their rules.
 GENERIC_TIMED = (*SEQUENCE_CLASSIFIERS, "bit-10", "nfnet-10", "tf-efficientnet-10", "tv-vit-10", "wav2vec2-10")

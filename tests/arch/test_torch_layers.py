@@ -1297,3 +1297,44 @@ def test_relative_bias_rescaling_invariance():
         assert la.details["path"] == "fast"
         assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), name
         assert abs(la.hessian_trace - lb.hessian_trace) > 1e-3 * abs(lb.hessian_trace), name
+
+
+class SharedProjection(nn.Module):
+    """DeBERTa-v3's disentangled attention in small: the key projection applied to the tokens and
+    to relative embeddings (the weight of an ``nn.Embedding`` read as a tensor, normalized: its
+    module never runs), those keys tiled per sample by the model (``repeat``) and their
+    content-to-position scores gathered at each pair's relative distance and added."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.rel = nn.Embedding(2 * T - 1, D)
+        self.query, self.key, self.value = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+        self.head = nn.Linear(D, C)
+        position = torch.arange(T)
+        self.register_buffer("distance", (position[None] - position[:, None] + T - 1))  # (T, T) in 0..2T-2
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        n = x.shape[0]
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        rel = F.layer_norm(self.rel.weight, (D,))  # (2T-1, D), the same for every sample
+        keys = self.key(rel[None]).repeat(n, 1, 1)  # (n, 2T-1, D)
+        c2p = torch.gather(torch.bmm(q, keys.transpose(1, 2)), -1, self.distance.expand(n, T, T))
+        att = torch.softmax((q @ k.transpose(1, 2) + c2p) / D ** 0.5, -1)
+        return self.head(torch.tanh(att @ v).mean(1))
+
+
+@pytest.mark.parametrize("batches, kw", [((N,), {}), ((1, 4), {"chunk_size": 3}), ((3,), {"chunk_size": 1})])
+def test_weight_applied_to_the_batch_and_to_a_batchless_tensor(batches, kw):
+    """A projection called on the tokens and on relative embeddings, and the embeddings' weight read
+    as a tensor (DeBERTa-v3): the batch-less call is followed to where it meets the batch, its
+    per-sample gradients summed with the other call's before squaring (method §6.1, "Tied
+    weights"), and the weight read as a tensor is its own followed output, squared as a table
+    (method §6.1, "Layers on no batch axis"). The brute-force diagonal, first batch of one sample,
+    chunks of three and one."""
+    model = _init(SharedProjection())
+    data = [(_ids(b, T, seed=i), _labels(b, seed=i + 5)) for i, b in enumerate(batches)]
+    report = normflat.analyze(model, data, progress=False, estimator="ggn", **kw)
+    assert all(layer.details["path"] == "fast" for layer in report.layers), [lr.details for lr in report.layers]
+    _check_ggn(model, data, **kw)

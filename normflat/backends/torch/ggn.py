@@ -1015,8 +1015,10 @@ class Capture:
         the session checks the model's logits unchanged and the samples kept apart (method §6.1,
         "Position tables")."""
         rows = self.rows or 0
+        # Only a key's first call: a module called again on other inputs (DeBERTa-v3's projections,
+        # on the tokens and on the relative embeddings) is told apart first (repeat).
         if (key in self.broadcast and rows > 1 and output.dim() > 0 and live.dim() > 0
-                and output.shape[0] == 1 and live.shape[0] == 1):
+                and output.shape[0] == 1 and live.shape[0] == 1 and self.calls.get(key, 0) <= 1):
             live = live.expand(rows, *live.shape[1:])
             output = output.expand(rows, *output.shape[1:])
             self.expanded.add(key)
@@ -1228,9 +1230,10 @@ class BatchlessTaps(torch.overrides.TorchFunctionMode):
         expanded, or all its rows tiled, DeBERTa's relative keys repeated per sample), the other axes
         as they are."""
         rows = self.capture.rows or 0
+        # With one sample, repeat(1, ...) is that copy too (and any block is the sample's).
         return (isinstance(out, torch.Tensor) and rows > 0 and operand.dim() > 0 and out.dim() == operand.dim()
-                and operand.shape[0] > 0 and out.shape[0] > operand.shape[0]
-                and out.shape[0] % (rows * operand.shape[0]) == 0 and out.shape[1:] == operand.shape[1:])
+                and operand.shape[0] > 0 and out.shape[0] > 0 and out.shape[0] % (rows * operand.shape[0]) == 0
+                and out.shape[1:] == operand.shape[1:])
 
     def _meet(self, func: Any, args: tuple, kwargs: dict, batchless: list[torch.Tensor]) -> tuple[tuple, dict]:
         """The arguments with each batch-less operand replaced by its view expanded over the batch."""

@@ -303,6 +303,9 @@ class TorchLayer:
     #: attention biases): its signals are each sample's, pulled back from where its output meets
     #: the batch (method §6.1, "Layers on no batch axis").
     batchless: bool = False
+    #: Whether the weight itself is the followed tensor: its module never runs and the model reads
+    #: the weight as a tensor (DeBERTa-v3's ``rel_embeddings.weight``), squared as a table is.
+    direct: bool = False
 
     @property
     def uses(self) -> list["TorchLayer | TiedUse"]:
@@ -382,6 +385,9 @@ class TiedUse:
 
     module: nn.Module
     ext: LayerExtractor
+    #: Whether this call runs on no batch axis (DeBERTa-v3's projections of the relative
+    #: embeddings): followed to the batch (method §6.1, "Layers on no batch axis").
+    batchless: bool = False
 
 
 def unwrap(model: Any) -> nn.Module:

@@ -515,9 +515,12 @@ class TorchSession:
         cap.rows = xc.n
         cap.broadcast = {id(layer) for layer in self._broadcast if layer.fast and not layer.tied
                          and not layer.batchless}
-        cap.batchless = {id(layer) for layer in self._layers if layer.fast and layer.batchless}
+        cap.batchless = {id(use) for layer in self._layers if layer.fast for use in layer.uses if use.batchless}
         tables = [layer for layer in self._layers if layer.fast and layer.table and not layer.batchless]
-        followed_tables = [layer for layer in self._layers if layer.fast and layer.table and layer.batchless]
+        # Followed weights read as tensors (position tables, a weight its module never applies):
+        # each its own output.
+        followed_tables = [layer for layer in self._layers
+                           if layer.fast and (layer.table or layer.direct) and layer.batchless]
         views = {}
         for layer in tables:
             p = layer.param.detach().requires_grad_(True)
@@ -535,10 +538,10 @@ class TorchSession:
                     out = xc.call(self.model)
         except Exception as why:  # noqa: BLE001 - a failure with a new substitution: drop it, run again
             fresh = [layer for layer in self._substituted() if id(layer) not in self._seen]
-            if any(not layer.batchless for layer in fresh):
+            if any(not _follows(layer) for layer in fresh):
                 # The new expansions first: a followed layer stays followed unless the forward also
                 # fails without them (a later layer's one-row output breaks it just as well).
-                fresh = [layer for layer in fresh if not layer.batchless]
+                fresh = [layer for layer in fresh if not _follows(layer)]
             if not fresh:
                 # A later chunk's shapes may break a substitution that passed before (a table
                 # reshaped as one row, checked on a first chunk of one sample): drop them all.
@@ -548,7 +551,7 @@ class TorchSession:
             for layer in fresh:
                 reason = (f"the forward fails with {_expanded_what(layer)} expanded over the batch "
                           f"({type(why).__name__}: {why})")
-                if layer.batchless:
+                if _follows(layer):
                     self._refuse_batchless([layer], f"the forward fails ({type(why).__name__}: {why})")
                 elif (id(layer) in cap.expanded or layer.table) and self._followable(layer):
                     # A one-row output the model reshapes as one row (XCiT's positions): perhaps a
@@ -605,7 +608,8 @@ class TorchSession:
         and the layers whose one-row output the capture expanded."""
         assert self.capture is not None
         return [layer for layer in self._layers if layer.fast and (
-            layer.table or id(layer) in self.capture.expanded or id(layer) in self.capture.batchless_ran)]
+            layer.table or id(layer) in self.capture.expanded
+            or any(id(use) in self.capture.batchless_ran for use in layer.uses))]
 
     def _same_logits(self, logits: torch.Tensor, xc: ModelInputs) -> bool:
         """Whether a plain forward (no substitution, no gradients) gives these logits."""
@@ -658,11 +662,11 @@ class TorchSession:
         assert self.capture is not None
         item = logits.element_size()
         outs = sum(self.capture.outputs[id(use)].numel() // rows for layer in self._layers
-                   for use in layer.uses if id(use) in self.capture.outputs and not layer.batchless)
+                   for use in layer.uses if id(use) in self.capture.outputs and not use.batchless)
         # A layer on no batch axis gets each sample's signals at its whole output, pulled back from
         # the views where it meets the batch, which get them first.
-        outs += sum(self.capture.outputs[id(layer)].numel() for layer in self._layers
-                    if layer.batchless and id(layer) in self.capture.outputs)
+        outs += sum(self.capture.outputs[id(use)].numel() for layer in self._layers
+                    for use in layer.uses if use.batchless and id(use) in self.capture.outputs)
         outs += sum(view.numel() // rows for _, view in self.capture.meetings)
         generic = [layer for layer in self._layers if not layer.fast]
         weights = sum(layer.param.numel() for layer in generic)
@@ -844,8 +848,8 @@ class TorchSession:
                 cap.watch_linear(layer)
                 again = True
             elif calls == [0] and cap.watches(layer):
-                layer.disable_fast("module called 0 times per forward, and its weight is not used through one "
-                                   "F.linear call")
+                why = "module called 0 times per forward, and its weight is not used through one F.linear call"
+                again = self._follow_weight(layer, uses, why) or again
             elif calls == [0] and layer.ext.ggn_squares is ggn_kernels.recorded_lookup_squares:
                 layer.disable_fast(f"{type(layer.module).__name__} overrides the forward of Embedding and does not "
                                    "look its weight up once with F.embedding as nn.Embedding does")
@@ -864,7 +868,11 @@ class TorchSession:
             elif any(count != 1 for count in calls):
                 extra = (f" and its weight used {uses[id(layer.param)]} times in the graph"
                          if len(calls) == 1 and calls[0] > 1 and uses[id(layer.param)] != calls[0] else "")
-                layer.disable_fast(f"module called {next(c for c in calls if c != 1)} times per forward{extra}")
+                why = f"module called {next(c for c in calls if c != 1)} times per forward{extra}"
+                if calls != [0] or not self._follow_weight(layer, uses, why):
+                    layer.disable_fast(why)
+                else:
+                    again = True
             elif (uses[id(layer.param)] == 0 and not layer.tied and calls == [1] and id(layer) in cap.outputs
                   and not ggn_kernels.recorded_inside(layer.ext.ggn_squares)):
                 # Run, but the logits do not depend on its output (a pooler beside the sequence
@@ -1095,10 +1103,24 @@ class TorchSession:
         self._chunk_folds = {}
         unchecked: list[tuple[TorchLayer, int]] = []
         refused: list[tuple[TorchLayer, str]] = []
+        again = False
         for layer in fast:
             if not layer.uses:  # unused (_first_check): no output
                 continue
-            sizes = {int(cap.outputs[id(use)].shape[0]) if cap.outputs[id(use)].dim() else -1 for use in layer.uses}
+            if layer.batchless and not layer.tied:
+                continue  # checked where it meets the batch (_check_meetings)
+            live = [use for use in layer.uses if not use.batchless]
+            sizes = {_leading(cap.outputs[id(use)]) for use in live}
+            if len(sizes) > 1 and layer.tied and rows > 1:
+                # A weight applied to the batch and to a batch-less tensor (DeBERTa-v3's projections,
+                # on the tokens and on the relative embeddings): the batch-less calls are followed.
+                odd = [use for use in live if _leading(cap.outputs[id(use)]) != rows]
+                if len(odd) < len(live) and all(self._followable(layer, use) for use in odd):
+                    for use in odd:
+                        self._follow(layer, "its calls' outputs have different leading axes "
+                                     f"({sorted(sizes)}), not one row per sample ({rows}) each", use)
+                    again = True
+                    continue
             size = sizes.pop() if len(sizes) == 1 else -1
             dense = (not layer.tied and ggn_kernels.foldable(layer.ext.ggn_squares) and size > 0
                      and cap.inputs[id(layer)].dim() > 0 and int(cap.inputs[id(layer)].shape[0]) == size)
@@ -1107,8 +1129,6 @@ class TorchSession:
             if rows == 1 and dense:
                 self._chunk_folds[id(layer)] = size
                 continue
-            if layer.batchless:
-                continue  # checked where it meets the batch (_check_meetings)
             if size < 1 or size % rows or (size != rows and not dense):
                 # An output broadcast over the batch (position ids of shape (1, T)): the signals
                 # of all samples would be summed before squaring.
@@ -1126,11 +1146,12 @@ class TorchSession:
                 self._chunk_folds[id(layer)] = fold
         if unchecked:
             probe = _last_sample_probe(logits)
-            outputs = [cap.outputs[id(use)] for layer, _ in unchecked for use in layer.uses]
+            outputs = [cap.outputs[id(use)] for layer, _ in unchecked for use in layer.uses if not use.batchless]
             grads = iter(torch.autograd.grad(logits, outputs, grad_outputs=probe, retain_graph=True,
                                              allow_unused=True))
             for layer, fold in unchecked:
-                mixed = [g is not None and bool(g[:-fold].abs().amax() > 0) for g in [next(grads) for _ in layer.uses]]
+                mine = [next(grads) for use in layer.uses if not use.batchless]
+                mixed = [g is not None and bool(g[:-fold].abs().amax() > 0) for g in mine]
                 if any(mixed):
                     if layer.table or id(layer) in cap.expanded:
                         why = f"{_expanded_what(layer)} is not added to each sample's own activations"
@@ -1144,7 +1165,6 @@ class TorchSession:
                 self._folds[id(layer)] = fold
                 if fold > 1:
                     self._chunk_folds[id(layer)] = fold
-        again = False
         for layer, why in refused:
             if self._followable(layer):
                 # Perhaps a layer on no batch axis: followed to where its output meets the batch, in
@@ -1153,7 +1173,7 @@ class TorchSession:
                 again = True
             else:
                 layer.disable_fast(why)
-        followed = [layer for layer in fast if layer.batchless and layer.fast]
+        followed = [layer for layer in fast if _follows(layer) and layer.fast]
         if followed and not again:
             # Checked once no layer waits to be followed: a one-row output still expanded downstream
             # of a followed layer copies it over the batch where the model does not (Swin V2's first
@@ -1161,26 +1181,44 @@ class TorchSession:
             self._check_meetings(followed, logits, rows)
         return again
 
-    def _follow(self, layer: TorchLayer, why: str) -> None:
-        """Follow a layer that failed the rows check for ``why`` from the next forward on, whose
-        substitutions are checked anew (:meth:`_substitution_checks`)."""
-        self._batchless_tried[id(layer)] = why
+    def _follow(self, layer: TorchLayer, why: str, use: "TorchLayer | TiedUse | None" = None) -> None:
+        """Follow a layer (or one of its calls, ``use``) that failed the rows check for ``why`` from
+        the next forward on, whose substitutions are checked anew (:meth:`_substitution_checks`)."""
+        use = layer if use is None else use
+        self._batchless_tried[id(use)] = why
+        self._batchless_tried.setdefault(id(layer), why)
         self._seen.discard(id(layer))
-        layer.batchless = True
+        use.batchless = True
         self._meetings_changed()
 
     def _meetings_changed(self) -> None:
         """The followed layers changed: their meetings are checked anew."""
         self._meetings_checked, self._meetings_apart, self._meetings_whole = None, False, False
 
-    def _followable(self, layer: TorchLayer) -> bool:
-        """Whether a layer that failed the rows check may be one on no batch axis, tried once: a
-        plain rule (its module applies its weight to its one input) and one use."""
+    def _follow_weight(self, layer: TorchLayer, uses: dict[int, int], why: str) -> bool:
+        """Follow a weight its module never applies but the graph reads once as a tensor (DeBERTa-v3's
+        ``rel_embeddings.weight``, normalized and projected without a batch axis) from the next forward
+        on, as its own output (method §6.1, "Layers on no batch axis"): whether it is (else the
+        layer takes the generic path for ``why``)."""
+        if layer.tied or layer.table or uses[id(layer.param)] != 1 or id(layer) in self._batchless_tried:
+            layer.disable_fast(why)
+            return False
+        layer.direct = True
+        self._follow(layer, why)
+        return True
+
+    def _followable(self, layer: TorchLayer, use: "TorchLayer | TiedUse | None" = None) -> bool:
+        """Whether a layer (or one of its calls, ``use``) that failed the rows check may be one on no
+        batch axis, tried once: a plain rule (its module applies its weight to its one input) with
+        per-sample gradients, and one use, or calls of one module whose per-sample gradients are
+        summed (:meth:`_tied_squares`)."""
         rule = layer.ext.ggn_squares
         if layer.table:  # a table added to a batch folded into the leading axis (TNT's pixel positions)
             return id(layer) not in self._batchless_tried
-        return (id(layer) not in self._batchless_tried and not layer.tied
-                and len(layer.uses) == 1 and rule is not None and ggn_kernels.wants_deltas(rule)
+        key = id(layer if use is None else use)
+        one = len(layer.uses) == 1 if use is None else layer.sums_uses
+        return (key not in self._batchless_tried and (use is not None or not layer.tied)
+                and one and rule is not None and ggn_kernels.wants_deltas(rule)
                 and rule in ggn_kernels.PER_SAMPLE_GRADIENTS and not ggn_kernels.wants_call(rule)
                 and not ggn_kernels.recorded_inside(rule) and not ggn_kernels.first_of_tuple(rule)
                 and not ggn_kernels.inner_uses(rule) and not self.capture.watches(layer))
@@ -1190,7 +1228,9 @@ class TorchSession:
         why following them failed (``None``: theirs alone, e.g. their input carries the batch)."""
         for layer in layers:
             first = self._batchless_tried.get(id(layer), "")
-            layer.batchless = False
+            for use in layer.uses:
+                use.batchless = False
+            layer.batchless = layer.direct = False
             layer.disable_fast(first if why is None else f"{first}; followed to where it meets the batch: {why}")
         self._meetings_changed()
 
@@ -1207,7 +1247,7 @@ class TorchSession:
         if cap.batchless_refusal is not None:
             self._refuse_batchless(followed, cap.batchless_refusal)
             return
-        quiet = [layer for layer in followed if id(layer) not in cap.batchless_ran]
+        quiet = [layer for layer in followed if any(id(use) not in cap.batchless_ran for use in _followed(layer))]
         if quiet:  # its input carries the batch: not a layer on no batch axis
             self._refuse_batchless(quiet, None)
             followed = [layer for layer in followed if layer.fast]
@@ -1224,7 +1264,8 @@ class TorchSession:
             self._refuse_batchless(followed, f"it meets the batch {len(cap.meetings)} times in one forward and "
                                    f"{self._meetings_checked} in another")
             return
-        outs = [cap.outputs[id(layer)] for layer in followed]
+        uses = [(layer, use) for layer in followed for use in _followed(layer)]
+        outs = [cap.outputs[id(use)] for _, use in uses]
         if cap.meetings and rows > 1 and not self._meetings_apart:
             # Once, on the first forward of two samples or more (a chunk of one owns every row).
             probe = _last_sample_probe(logits)
@@ -1244,8 +1285,8 @@ class TorchSession:
         through = self._pulled_back([[g] for g in torch.autograd.grad(
             logits, [view for _, view in cap.meetings], grad_outputs=every, retain_graph=True, allow_unused=True)]
             if cap.meetings else [], outs, 1)
-        for layer, want, got in zip(followed, direct, through):
-            want = torch.zeros_like(cap.outputs[id(layer)]) if want is None else want
+        for (layer, use), want, got in zip(uses, direct, through):
+            want = torch.zeros_like(cap.outputs[id(use)]) if want is None else want
             got = torch.zeros_like(want) if got is None else got.reshape(want.shape)
             tol = 1e3 * float(torch.finfo(want.dtype).eps) * (float(want.abs().max()) + 1e-30)
             if not bool(((want - got).abs() <= tol).all()):
@@ -1414,45 +1455,48 @@ class TorchSession:
     def _fast_squares(self, logits: torch.Tensor, block: tuple[torch.Tensor, list[int]], fast: list[TorchLayer],
                       state: SumState) -> None:
         """Back-propagate one block of :meth:`_skipped` signals ``(signals, zero indices)`` to the
-        fast layers' outputs and add their squares."""
+        fast layers' outputs and add their squares. The calls on no batch axis get theirs from the
+        views where they meet the batch (:meth:`_pulled_back`)."""
         assert self.capture is not None
         cap = self.capture
         sig, padding = block
         k, m, nc = sig.shape[:3]
-        followed = [layer for layer in fast if layer.batchless]
-        fast = [layer for layer in fast if not layer.batchless]
-        # Each layer's output, then those of the other modules of its tied weight; then the views
-        # where the layers on no batch axis meet the batch.
-        outs = [cap.outputs[id(use)] for layer in fast for use in layer.uses]
+        total = k * m
+        # Each layer's calls' outputs (its own, then those of the other modules of its tied weight),
+        # but the followed ones; then the views where those meet the batch.
+        plain = [use for layer in fast for use in layer.uses if not use.batchless]
+        followed = [use for layer in fast for use in layer.uses if use.batchless]
+        outs = [cap.outputs[id(use)] for use in plain]
         if followed:
             outs += [view for _, view in cap.meetings]
-        flat = sig.reshape(k * m, nc, *sig.shape[3:])
+        flat = sig.reshape(total, nc, *sig.shape[3:])
         skipped = set(padding)
-        real = [j for j in range(k * m) if j not in skipped]
+        real = [j for j in range(total) if j not in skipped]
         if padding:
             flat = flat[real]  # the zero padding is not back-propagated; the rules skip it (None)
         grads = list(ggn_kernels.backprop_signals(logits, outs, flat, self.batched))
         if padding:
             for i, parts in enumerate(grads):
                 if parts is not None:
-                    full: list[torch.Tensor | None] = [None] * (k * m)
+                    full: list[torch.Tensor | None] = [None] * total
                     for j, part in zip(real, parts):
                         full[j] = part
                     grads[i] = full
+        signals: dict[int, list[torch.Tensor | None] | None] = {id(use): g for use, g in zip(plain, grads)}
+        inputs: dict[int, torch.Tensor] = {}
         if followed:
-            meeting_grads = grads[len(grads) - len(cap.meetings):]
-            del grads[len(grads) - len(cap.meetings):]
-            self._followed_squares(followed, meeting_grads, nc, k, m, state)
+            meeting_grads = grads[len(plain):]
+            del grads
+            signals.update(self._followed_signals(followed, meeting_grads, nc, total, inputs))
             del meeting_grads
-        at = 0
+        else:
+            del grads
         for layer in fast:
-            count = len(layer.uses)
-            if not count:  # unused (_first_check): zero curvature, nothing to add
+            if not layer.uses:  # unused (_first_check): zero curvature, nothing to add
                 continue
-            mine, grads[at:at + count] = grads[at:at + count], [None] * count  # the rule may free the parts
-            at += count
+            mine = [signals.pop(id(use), None) for use in layer.uses]  # the rule may free the parts
             if layer.tied:
-                self._tied_squares(layer, mine, k, m, state)
+                self._tied_squares(layer, mine, k, m, state, inputs)
                 continue
             parts = mine[0]
             del mine
@@ -1464,56 +1508,63 @@ class TorchSession:
                     layer.disable_fast("no signal reaches the first output it returns, where its rule takes the "
                                        "signals")
                 continue
-            inputs = cap.inputs[id(layer)]
+            if id(layer) in inputs:  # followed: its input taken per sample
+                rule = ggn_kernels.position_table_squares if layer.direct else None
+                self._add_squares(layer, inputs.pop(id(layer)), parts, k, m, state, rule)
+                continue
+            a = cap.inputs[id(layer)]
             fold = self._chunk_folds.get(id(layer))
             if fold is not None:
                 # A block of rows per sample (_rows_per_sample): the sample's rows become positions.
-                inputs = inputs.unflatten(0, (-1, fold))
+                a = a.unflatten(0, (-1, fold))
                 parts = [None if p is None else p.unflatten(0, (-1, fold)) for p in parts]
-            self._add_squares(layer, inputs, parts, k, m, state)
+            self._add_squares(layer, a, parts, k, m, state)
 
-    def _followed_squares(self, followed: list[TorchLayer], meeting_grads: list[list[torch.Tensor | None] | None],
-                          rows: int, k: int, m: int, state: SumState) -> None:
-        """The squares of the layers on no batch axis: each sample's signals at their outputs, pulled
-        back from where they meet the batch (:meth:`_pulled_back`), and their rules on their input
-        expanded over the samples (the same input for each; a leading axis of one is the sample's)."""
+    def _followed_signals(self, followed: list["TorchLayer | TiedUse"],
+                          meeting_grads: list[list[torch.Tensor | None] | None], rows: int, total: int,
+                          inputs: dict[int, torch.Tensor]) -> dict[int, list[torch.Tensor | None] | None]:
+        """Each sample's signals at the followed calls' outputs, pulled back from where they meet the
+        batch (:meth:`_pulled_back`), by call: ``total`` parts ``(rows, ...)`` each (``None`` for
+        padding), and in ``inputs`` each call's input taken per sample (the same for each; a leading
+        axis of one is the sample's). A followed weight (a table, or one read as a tensor) is its
+        own output and input: each sample's gradient of it, which its squares read whole."""
         assert self.capture is not None
         cap = self.capture
-        total = k * m
         grads = [[None] * total if g is None else g for g in meeting_grads]
         real = [j for j in range(total) if any(g[j] is not None for g in grads)]
         if not real:
-            return
-        outs = [cap.outputs[id(layer)] for layer in followed]
+            return {}
+        outs = [cap.outputs[id(use)] for use in followed]
         pulled = self._pulled_back([[g[j] for j in real] for g in grads], outs, rows)
         del grads, meeting_grads
-        for layer, out, got in zip(followed, outs, pulled):
+        signals: dict[int, list[torch.Tensor | None] | None] = {}
+        for use, out, got in zip(followed, outs, pulled):
             if got is None:
                 continue
             got = got.reshape(len(real), rows, *out.shape)
-            a = cap.inputs[id(layer)]
-            if layer.table:  # each sample's gradient of the table itself: its rule reads the table's shape
-                inputs = a
+            a = cap.inputs[id(use)]
+            if getattr(use, "table", False) or getattr(use, "direct", False):
+                inputs[id(use)] = a
             else:
                 if a.dim() > 0 and out.dim() > 0 and a.shape[0] == 1 and out.shape[0] == 1:
                     a, got = a[0], got[:, :, 0]
-                inputs = a.expand(rows, *a.shape)
+                inputs[id(use)] = a.expand(rows, *a.shape)
             parts: list[torch.Tensor | None] = [None] * total
             for i, j in enumerate(real):
                 parts[j] = got[i]
-            del got
-            self._add_squares(layer, inputs, parts, k, m, state)
+            signals[id(use)] = parts
+        return signals
 
     def _add_squares(self, layer: TorchLayer, inputs: torch.Tensor, parts: list[torch.Tensor | None], k: int,
-                     m: int, state: SumState) -> None:
-        """One fast layer's rule on its input and the signals at its output (``k·m`` parts, ``None``
-        for padding), added into its sums; a rule that refuses sends the layer to the generic path,
-        this chunk included."""
+                     m: int, state: SumState, rule: Any = None) -> None:
+        """One fast layer's rule (or ``rule``) on its input and the signals at its output (``k·m``
+        parts, ``None`` for padding), added into its sums; a rule that refuses sends the layer to
+        the generic path, this chunk included."""
         assert self.capture is not None
         cap = self.capture
         deltas = ggn_kernels.Deltas(parts, k, m)
         del parts
-        rule = layer.ext.ggn_squares
+        rule = layer.ext.ggn_squares if rule is None else rule
         assert rule is not None
         index = self._index[id(layer)]
         builtin = ggn_kernels.wants_deltas(rule)
@@ -1546,12 +1597,14 @@ class TorchSession:
         del value, sink
 
     def _tied_squares(self, layer: TorchLayer, parts: list[list[torch.Tensor | None] | None], k: int, m: int,
-                      state: SumState) -> None:
+                      state: SumState, inputs: dict[int, torch.Tensor] | None = None) -> None:
         """The squares of a tied weight from the signals at each of its modules' outputs (a use the
-        logits do not depend on adds nothing)."""
+        logits do not depend on adds nothing); ``inputs``: the followed calls' inputs taken per
+        sample (:meth:`_followed_signals`)."""
         assert self.capture is not None
         cap = self.capture
-        uses = [(use.module, use.ext.ggn_squares, cap.inputs[id(use)])
+        inputs = inputs or {}
+        uses = [(use.module, use.ext.ggn_squares, inputs.get(id(use), cap.inputs[id(use)]))
                 for use, p in zip(layer.uses, parts) if p is not None]
         deltas = [ggn_kernels.Deltas(p, k, m) for p in parts if p is not None]
         if not uses:
@@ -1569,6 +1622,20 @@ def _sequence_step(members: int, groups: int, rows: int, width: int) -> int:
     :data:`DEFAULT_SIGNAL_ROWS` signal rows, at least one member."""
     return max(1, min(members, SEQUENCE_SIGNAL_ENTRIES // max(groups * rows * width, 1),
                       DEFAULT_SIGNAL_ROWS // max(groups * rows, 1)))
+
+
+def _follows(layer: TorchLayer) -> bool:
+    """Whether any of a layer's calls (or the weight itself) is followed to the batch."""
+    return any(use.batchless for use in layer.uses)
+
+
+def _followed(layer: TorchLayer) -> list["TorchLayer | TiedUse"]:
+    """A layer's calls followed to the batch (the layer itself for its first call, or its weight)."""
+    return [use for use in layer.uses if use.batchless]
+
+
+def _leading(t: torch.Tensor) -> int:
+    return int(t.shape[0]) if t.dim() else -1
 
 
 def _copied_rows(operand: torch.Tensor, view: torch.Tensor) -> int:
