@@ -1305,8 +1305,9 @@ class SharedProjection(nn.Module):
     module never runs), those keys tiled per sample by the model (``repeat``) and their
     content-to-position scores gathered at each pair's relative distance and added."""
 
-    def __init__(self):
+    def __init__(self, eps=1e-5):
         super().__init__()
+        self.eps = eps
         self.emb = nn.Embedding(V, D)
         self.rel = nn.Embedding(2 * T - 1, D)
         self.query, self.key, self.value = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
@@ -1318,7 +1319,7 @@ class SharedProjection(nn.Module):
         x = self.emb(ids)
         n = x.shape[0]
         q, k, v = self.query(x), self.key(x), self.value(x)
-        rel = F.layer_norm(self.rel.weight, (D,))  # (2T-1, D), the same for every sample
+        rel = F.layer_norm(self.rel.weight, (D,), eps=self.eps)  # (2T-1, D), the same for every sample
         keys = self.key(rel[None]).repeat(n, 1, 1)  # (n, 2T-1, D)
         c2p = torch.gather(torch.bmm(q, keys.transpose(1, 2)), -1, self.distance.expand(n, T, T))
         att = torch.softmax((q @ k.transpose(1, 2) + c2p) / D ** 0.5, -1)
@@ -1338,3 +1339,29 @@ def test_weight_applied_to_the_batch_and_to_a_batchless_tensor(batches, kw):
     report = normflat.analyze(model, data, progress=False, estimator="ggn", **kw)
     assert all(layer.details["path"] == "fast" for layer in report.layers), [lr.details for lr in report.layers]
     _check_ggn(model, data, **kw)
+
+
+def test_shared_projection_and_weight_read_as_a_tensor_rescaling_invariance():
+    """The key projection's output units times positive factors and the query's over them leave
+    every score unchanged (the keys of the tokens and of the relative embeddings alike), and a row
+    of the relative embeddings times a positive factor leaves its normalization unchanged (a
+    negligible ``eps``): the followed layers' normalized sharpness stays and their trace moves
+    (method §8)."""
+    model = _init(SharedProjection(eps=1e-30))
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    c = torch.exp(torch.randn(D, generator=g, dtype=DT))
+    r = torch.exp(torch.randn(2 * T - 1, generator=g, dtype=DT))
+    with torch.no_grad():
+        other.key.weight.mul_(c[:, None]), other.key.bias.mul_(c)
+        other.query.weight.div_(c[:, None]), other.query.bias.div_(c)
+        other.rel.weight.mul_(r[:, None])
+    data = [(_ids(5, T), _labels(5))]
+    torch.testing.assert_close(other(data[0][0]), model(data[0][0]), rtol=1e-12, atol=1e-12)
+    before = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False)
+    after = normflat.analyze(other, data, loss="ce", estimator="ggn", progress=False)
+    for name in ("query", "key", "rel"):
+        lb, la = before.layer(name), after.layer(name)
+        assert la.details["path"] == "fast", la.details
+        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), name
+        assert abs(la.hessian_trace - lb.hessian_trace) > 1e-3 * abs(lb.hessian_trace), name
