@@ -1365,3 +1365,43 @@ def test_shared_projection_and_weight_read_as_a_tensor_rescaling_invariance():
         assert la.details["path"] == "fast", la.details
         assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), name
         assert abs(la.hessian_trace - lb.hessian_trace) > 1e-3 * abs(lb.hessian_trace), name
+
+
+class GridPositions(nn.Module):
+    """XCiT's positions with a hidden layer: two 1×1 convolutions (a ReLU between) on a batch-less
+    ``(1, 2, 2, 4)`` grid, the map repeated over the batch by the model and added to the tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(3, D)
+        self.pos_in, self.pos_out = nn.Conv2d(2, 6, 1), nn.Conv2d(6, D, 1)
+        self.head = nn.Linear(D, C)
+        grid = torch.stack(torch.meshgrid(torch.linspace(-1, 1, 2), torch.linspace(-1, 1, 4), indexing="ij"))
+        self.register_buffer("grid", grid[None].to(DT))
+
+    def forward(self, x):  # (n, 8, 3)
+        pos = self.pos_out(torch.relu(self.pos_in(self.grid))).repeat(x.shape[0], 1, 1, 1)
+        return self.head(torch.tanh(self.embed(x) + pos.flatten(2).transpose(1, 2)).mean(1))
+
+
+def test_followed_convolutions_rescaling_invariance():
+    """The hidden channels of two followed convolutions times positive factors (``pos_in``'s output
+    channels and bias by ``c``, ``pos_out``'s input channels by ``1/c``): the function, the fast path
+    and the normalized sharpness stay, the traces move (method §8); the diagonal is the brute-force
+    one."""
+    model = _init(GridPositions())
+    other = copy.deepcopy(model)
+    c = torch.exp(torch.randn(6, generator=torch.Generator().manual_seed(4), dtype=DT))
+    with torch.no_grad():
+        other.pos_in.weight.mul_(c[:, None, None, None]), other.pos_in.bias.mul_(c)
+        other.pos_out.weight.div_(c[None, :, None, None])
+    data = _relative_data((5,))
+    torch.testing.assert_close(other(data[0][0]), model(data[0][0]), rtol=1e-12, atol=1e-12)
+    _check_ggn(model, data, loss="ce")
+    before = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False)
+    after = normflat.analyze(other, data, loss="ce", estimator="ggn", progress=False)
+    for name in ("pos_in", "pos_out"):
+        lb, la = before.layer(name), after.layer(name)
+        assert la.details["path"] == "fast", la.details
+        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), name
+        assert abs(la.hessian_trace - lb.hessian_trace) > 1e-3 * abs(lb.hessian_trace), name
