@@ -61,6 +61,9 @@ Problems:
   classes), 8 images of 64×64: Swin V2's continuous position bias MLPs (two dense layers per
   block on a table of relative coordinates, the same for every sample) run on no batch axis
   (method §6.1, "Layers on no batch axis"); Swin V1 beside it has a bias table instead.
+* ``transformer-seq-first-10``: ``transformer-10`` in PyTorch's tutorial layout, sequence first
+  (``batch_first=False``, the ids transposed to ``(T, n)``): its embedding and dense layers see
+  ``(T, n, d)`` (method §6.1, "A batch folded into the leading axis").
 * ``deberta-v3-10``: Hugging Face DeBERTa-v3 (deberta-v3-base's attention settings: relative
   positions in 32 buckets, the query and key projections shared with the normalized relative
   embeddings; 4 layers of width 128, 4 heads, MLP 256, a 2000-token vocabulary, 10 classes), 16
@@ -166,17 +169,25 @@ def _gru(classes: int) -> nn.Module:
 
 class _TransformerClassifier(nn.Module):
     """Token ids -> embedding (2000 × 128) -> ``nn.TransformerEncoder`` (2 layers, 4 heads, MLP
-    256, no dropout) -> mean over the tokens -> dense head."""
+    256, no dropout) -> mean over the tokens -> dense head; ``batch_first=False``: the same in
+    PyTorch's tutorial layout, sequence first (the ids transposed to ``(T, n)``)."""
 
-    def __init__(self, classes: int) -> None:
+    def __init__(self, classes: int, batch_first: bool = True) -> None:
         super().__init__()
+        self.batch_first = batch_first
         self.embed = nn.Embedding(SEQUENCE_VOCABULARY, 128)
-        layer = nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=True)
+        layer = nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=batch_first)
         self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = nn.Linear(128, classes)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(self.embed(ids)).mean(1))
+        if self.batch_first:
+            return self.head(self.encoder(self.embed(ids)).mean(1))
+        return self.head(self.encoder(self.embed(ids.t())).mean(0))
+
+
+def _sequence_first_classifier(classes: int) -> nn.Module:
+    return _TransformerClassifier(classes, batch_first=False)
 
 
 def _torchvision_vit(classes: int) -> nn.Module:
@@ -322,6 +333,7 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
     "tf-efficientnet-10": (_timm("tf_efficientnet_b0"), 10, (16, 3, 32, 32), False, True),
     "tv-vit-10": (_torchvision_vit, 10, (16, 3, 32, 32), False, True),
     "transformer-10": (_TransformerClassifier, 10, (32, 32), False, True),
+    "transformer-seq-first-10": (_sequence_first_classifier, 10, (32, 32), False, True),
     "wav2vec2-10": (_Wav2Vec2, 10, (4, 16000), False, True),
     "swin-t-10": (_torchvision_swin("swin_t"), 10, (8, 3, 64, 64), False, True),
     "swin-v2-t-10": (_torchvision_swin("swin_v2_t"), 10, (8, 3, 64, 64), False, True),
@@ -331,7 +343,8 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
     "deberta-v3-10": (_DebertaV3, 10, (16, 32), False, True),
 }
 #: The sequence classifiers (token ids in, one label per sequence) and their vocabulary.
-SEQUENCE_CLASSIFIERS = ("lstm-10", "gru-10", "albert-10", "transformer-10", "deberta-v3-10")
+SEQUENCE_CLASSIFIERS = ("lstm-10", "gru-10", "albert-10", "transformer-10", "transformer-seq-first-10",
+                        "deberta-v3-10")
 #: The problems timed with ``fast=False`` too (the "generic path" column): the path their
 #: recurrent, shared, weight-standardized, self-padded or weight-normalized weights took before their rules.
 GENERIC_TIMED = (*SEQUENCE_CLASSIFIERS, "bit-10", "nfnet-10", "tf-efficientnet-10", "tv-vit-10", "wav2vec2-10")

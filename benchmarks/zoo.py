@@ -124,6 +124,8 @@ def hf_models() -> dict[str, Callable[[], tuple[Any, Callable[[int], Any]]]]:
         "deberta-v3": lambda: (T.DebertaV2ForSequenceClassification(T.DebertaV2Config(
             **small, relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"], share_att_key=True,
             norm_rel_ebd="layer_norm", num_labels=3)), classify),
+        "longformer": lambda: (T.LongformerForSequenceClassification(T.LongformerConfig(
+            **{**small, "max_position_embeddings": 40}, attention_window=4, num_labels=3)), classify),
         "gpt2": lambda: (T.GPT2LMHeadModel(T.GPT2Config(vocab_size=101, n_positions=32, n_embd=16, n_layer=2,
                                                         n_head=2)), causal),
         "llama": lambda: (T.LlamaForCausalLM(T.LlamaConfig(**small, num_key_value_heads=1)), causal),

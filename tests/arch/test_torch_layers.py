@@ -1075,7 +1075,7 @@ class Windowed(nn.Module):
     ("blocks", {}),
     ("window-major", {"windowed": "not one block of rows per sample"}),
     ("shared", {}),
-    ("time-major", {"windowed": "leading axis"}),
+    ("time-major", {}),
 ])
 @pytest.mark.parametrize("batches, kw", [((1, 4), {}), ((5,), {"chunk_size": 2}), ((3,), {"chunk_size": 1})])
 def test_dense_layer_on_a_batch_folded_into_windows(layout, generic, batches, kw):
@@ -1084,7 +1084,8 @@ def test_dense_layer_on_a_batch_folded_into_windows(layout, generic, batches, kw
     sample on the first chunk of two samples or more; rows of several samples in another order
     take the generic path. A layer on a batch-independent table (here of as many rows as a batch
     of 4) is followed to where it meets the batch (method §6.1, "Layers on no batch axis"), and a
-    sequence-first layer, tried the same way, keeps its reason (its input carries the batch).
+    sequence-first layer is read with the samples on its second axis (method §6.1, "A batch folded
+    into the leading axis").
     Against brute force with a first batch of one sample, chunks of two and of one (before, a
     chunk of one sample read the windows as samples: 60 % off on Swin's layers)."""
     model = _init(Windowed(layout), seed=3)
@@ -1405,3 +1406,36 @@ def test_followed_convolutions_rescaling_invariance():
         assert la.details["path"] == "fast", la.details
         assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), name
         assert abs(la.hessian_trace - lb.hessian_trace) > 1e-3 * abs(lb.hessian_trace), name
+
+
+class SequenceFirst(nn.Module):
+    """PyTorch's transformer tutorial layout: token ids ``(T, n)``, an embedding, an
+    ``nn.TransformerEncoder`` without ``batch_first`` (every dense layer on ``(T, n, d)``), then a
+    dense layer on the first token alone, ``(1, n, d)`` (Longformer's global projections: one row
+    that is a position, not the batch), added to every token, the mean over the tokens, a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        layer = nn.TransformerEncoderLayer(D, 2, 12, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.first = nn.Linear(D, D)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, ids):  # (n, T), read as the tutorial's (T, n)
+        h = self.enc(self.emb(ids.t()))
+        h = h + torch.tanh(self.first(h[:1]))
+        return self.head(h.mean(0))
+
+
+@pytest.mark.parametrize("batches, kw", [((N,), {}), ((1, 4), {"chunk_size": 3}), ((3,), {"chunk_size": 1})])
+def test_sequence_first_layers_take_their_fast_rules(batches, kw):
+    """A dense layer or an embedding with the samples on its second axis (``(T, n, d)``) is read
+    with them brought to the front, once a signal at the last sample's logits is seen to reach only
+    its own column (method §6.1, "A batch folded into the leading axis"): the fast path, with the
+    brute-force diagonal, a first batch of one sample, chunks of three and one."""
+    model = _init(SequenceFirst())
+    data = [(_ids(b, T, seed=i), _labels(b, seed=i + 5)) for i, b in enumerate(batches)]
+    report = normflat.analyze(model, data, progress=False, estimator="ggn", **kw)
+    assert all(layer.details["path"] == "fast" for layer in report.layers), [lr.details for lr in report.layers]
+    _check_ggn(model, data, **kw)

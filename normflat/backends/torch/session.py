@@ -167,6 +167,13 @@ class TorchSession:
         # chunk of two samples or more (_rows_per_sample); and this chunk's rows per sample.
         self._folds: dict[int, int] = {}
         self._chunk_folds: dict[int, int] = {}
+        # Dense layers and embeddings with the samples on their second axis (sequence-first:
+        # ``(T, n, d)``, nn.TransformerEncoderLayer without batch_first), checked once as the folds.
+        self._second_axis: set[int] = set()
+        self._chunk_second: set[int] = set()  # this chunk's: those, and any such layer of a one-sample chunk
+        # One-row layers whose expansion broke the forward and that may be sequence first with one
+        # position (Longformer's global projections, (1, n, d)): never expanded again.
+        self._unexpanded: set[int] = set()
         # Layers on no batch axis (method §6.1, "Layers on no batch axis"): id -> why they failed
         # the rows check before they were followed to where they meet the batch (their reason if
         # that fails too), and the meetings of the first forward that followed them (checked once).
@@ -514,7 +521,7 @@ class TorchSession:
         cap = self.capture
         cap.rows = xc.n
         cap.broadcast = {id(layer) for layer in self._broadcast if layer.fast and not layer.tied
-                         and not layer.batchless}
+                         and not layer.batchless and id(layer) not in self._unexpanded}
         cap.batchless = {id(use) for layer in self._layers if layer.fast for use in layer.uses if use.batchless}
         tables = [layer for layer in self._layers if layer.fast and layer.table and not layer.batchless]
         # Followed weights read as tensors (position tables, a weight its module never applies):
@@ -553,6 +560,12 @@ class TorchSession:
                           f"({type(why).__name__}: {why})")
                 if _follows(layer):
                     self._refuse_batchless([layer], f"the forward fails ({type(why).__name__}: {why})")
+                elif (id(layer) in cap.expanded and id(layer) not in self._unexpanded
+                      and self._sequence_first(layer, xc.n)):
+                    # (n, n, ...) once expanded: perhaps sequence first with one position, its one
+                    # row not the batch's; the rows check decides on the next forward.
+                    self._unexpanded.add(id(layer))
+                    self._seen.discard(id(layer))
                 elif (id(layer) in cap.expanded or layer.table) and self._followable(layer):
                     # A one-row output the model reshapes as one row (XCiT's positions): perhaps a
                     # layer on no batch axis, followed in the forward run again.
@@ -1101,14 +1114,22 @@ class TorchSession:
         assert self.capture is not None
         cap = self.capture
         self._chunk_folds = {}
+        self._chunk_second = set(self._second_axis)
         unchecked: list[tuple[TorchLayer, int]] = []
         refused: list[tuple[TorchLayer, str]] = []
+        second: list[tuple[TorchLayer, str]] = []  # perhaps sequence-first: checked on the second axis
         again = False
         for layer in fast:
             if not layer.uses:  # unused (_first_check): no output
                 continue
             if layer.batchless and not layer.tied:
                 continue  # checked where it meets the batch (_check_meetings)
+            if id(layer) in self._second_axis:
+                out = cap.outputs[id(layer)]
+                if out.dim() < 2 or out.shape[1] != rows:
+                    layer.disable_fast(f"its output has the samples on its second axis in one chunk but not in "
+                                       f"another ({tuple(out.shape)}, {rows} samples)")
+                continue
             live = [use for use in layer.uses if not use.batchless]
             sizes = {_leading(cap.outputs[id(use)]) for use in live}
             if len(sizes) > 1 and layer.tied and rows > 1:
@@ -1129,12 +1150,16 @@ class TorchSession:
             if rows == 1 and dense:
                 self._chunk_folds[id(layer)] = size
                 continue
+            if rows == 1 and self._sequence_first(layer, rows):
+                self._chunk_second.add(id(layer))  # (T, 1, ...): the one sample owns every row
+                continue
             if size < 1 or size % rows or (size != rows and not dense):
                 # An output broadcast over the batch (position ids of shape (1, T)): the signals
                 # of all samples would be summed before squaring.
-                refused.append((layer, "output broadcast over the batch" if size == 1 else
-                                f"its output's leading axis ({size}) is not one row (or, for a dense layer or a "
-                                f"convolution, one block of rows) per sample ({rows})"))
+                (second if self._sequence_first(layer, rows) else refused).append((layer, (
+                    "output broadcast over the batch" if size == 1 else
+                    f"its output's leading axis ({size}) is not one row (or, for a dense layer or a "
+                    f"convolution, one block of rows) per sample ({rows})")))
                 continue
             fold = size // rows
             known = self._folds.get(id(layer))
@@ -1160,11 +1185,23 @@ class TorchSession:
                     else:
                         why = (f"its output's leading axis has {fold} rows per sample, but not one block of rows "
                                "per sample")
-                    refused.append((layer, f"{why} (one sample's signal reaches the other samples' rows)"))
+                    why = f"{why} (one sample's signal reaches the other samples' rows)"
+                    (second if self._sequence_first(layer, rows) else refused).append((layer, why))
                     continue
                 self._folds[id(layer)] = fold
                 if fold > 1:
                     self._chunk_folds[id(layer)] = fold
+        if second:
+            # Sequence-first: a signal at the last sample's logits reaches only the last column.
+            outputs = [cap.outputs[id(layer)] for layer, _ in second]
+            grads = torch.autograd.grad(logits, outputs, grad_outputs=_last_sample_probe(logits), retain_graph=True,
+                                        allow_unused=True)
+            for (layer, why), g in zip(second, grads):
+                if g is not None and bool(g[:, :-1].abs().amax() > 0):
+                    refused.append((layer, why))
+                else:
+                    self._second_axis.add(id(layer))
+                    self._chunk_second.add(id(layer))
         for layer, why in refused:
             if self._followable(layer):
                 # Perhaps a layer on no batch axis: followed to where its output meets the batch, in
@@ -1180,6 +1217,15 @@ class TorchSession:
             # MLP layer followed, the second still expanded).
             self._check_meetings(followed, logits, rows)
         return again
+
+    def _sequence_first(self, layer: TorchLayer, rows: int) -> bool:
+        """Whether a layer may have the samples on its second axis (``(T, n, ...)``): a dense layer or
+        an embedding with one use whose input and output have ``rows`` entries there."""
+        assert self.capture is not None
+        a, out = self.capture.inputs.get(id(layer)), self.capture.outputs.get(id(layer))
+        return (not layer.tied and layer.ext.ggn_squares in _SECOND_AXIS_RULES and a is not None
+                and out is not None and a.dim() >= 2 and out.dim() >= 2 and a.shape[1] == rows
+                and out.shape[1] == rows and a.shape[0] == out.shape[0])
 
     def _follow(self, layer: TorchLayer, why: str, use: "TorchLayer | TiedUse | None" = None) -> None:
         """Follow a layer (or one of its calls, ``use``) that failed the rows check for ``why`` from
@@ -1513,6 +1559,9 @@ class TorchSession:
                 self._add_squares(layer, inputs.pop(id(layer)), parts, k, m, state, rule)
                 continue
             a = cap.inputs[id(layer)]
+            if id(layer) in self._chunk_second:  # sequence-first: the samples to the front (views)
+                a = a.transpose(0, 1)
+                parts = [None if p is None else p.transpose(0, 1) for p in parts]
             fold = self._chunk_folds.get(id(layer))
             if fold is not None:
                 # A block of rows per sample (_rows_per_sample): the sample's rows become positions.
@@ -1622,6 +1671,11 @@ def _sequence_step(members: int, groups: int, rows: int, width: int) -> int:
     :data:`DEFAULT_SIGNAL_ROWS` signal rows, at least one member."""
     return max(1, min(members, SEQUENCE_SIGNAL_ENTRIES // max(groups * rows * width, 1),
                       DEFAULT_SIGNAL_ROWS // max(groups * rows, 1)))
+
+
+#: The rules that read a layer with the samples on the second axis as well (sequence-first).
+_SECOND_AXIS_RULES = (ggn_kernels.linear_squares, ggn_kernels.embedding_squares,
+                      ggn_kernels.scaled_embedding_squares)
 
 
 def _follows(layer: TorchLayer) -> bool:
