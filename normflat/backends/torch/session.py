@@ -1331,7 +1331,7 @@ class TorchSession:
         through = self._pulled_back([[g] for g in torch.autograd.grad(
             logits, [view for _, view in cap.meetings], grad_outputs=every, retain_graph=True, allow_unused=True)]
             if cap.meetings else [], outs, 1)
-        for (layer, use), want, got in zip(uses, direct, through):
+        for (_, use), want, got in zip(uses, direct, through):
             want = torch.zeros_like(cap.outputs[id(use)]) if want is None else want
             got = torch.zeros_like(want) if got is None else got.reshape(want.shape)
             tol = 1e3 * float(torch.finfo(want.dtype).eps) * (float(want.abs().max()) + 1e-30)
