@@ -124,6 +124,11 @@ def hf_models() -> dict[str, Callable[[], tuple[Any, Callable[[int], Any]]]]:
         "deberta-v3": lambda: (T.DebertaV2ForSequenceClassification(T.DebertaV2Config(
             **small, relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"], share_att_key=True,
             norm_rel_ebd="layer_norm", num_labels=3)), classify),
+        # DeBERTa-v2's relative attention: separate position projections, the relative embeddings
+        # read unnormalized by every layer.
+        "deberta-v2-rel": lambda: (T.DebertaV2ForSequenceClassification(T.DebertaV2Config(
+            **small, relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"], num_labels=3)),
+            classify),
         "longformer": lambda: (T.LongformerForSequenceClassification(T.LongformerConfig(
             **{**small, "max_position_embeddings": 40}, attention_window=4, num_labels=3)), classify),
         "gpt2": lambda: (T.GPT2LMHeadModel(T.GPT2Config(vocab_size=101, n_positions=32, n_embd=16, n_layer=2,

@@ -1306,9 +1306,9 @@ class SharedProjection(nn.Module):
     module never runs), those keys tiled per sample by the model (``repeat``) and their
     content-to-position scores gathered at each pair's relative distance and added."""
 
-    def __init__(self, eps=1e-5):
+    def __init__(self, eps=1e-5, p2c=False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.p2c = eps, p2c
         self.emb = nn.Embedding(V, D)
         self.rel = nn.Embedding(2 * T - 1, D)
         self.query, self.key, self.value = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
@@ -1323,19 +1323,24 @@ class SharedProjection(nn.Module):
         rel = F.layer_norm(self.rel.weight, (D,), eps=self.eps)  # (2T-1, D), the same for every sample
         keys = self.key(rel[None]).repeat(n, 1, 1)  # (n, 2T-1, D)
         c2p = torch.gather(torch.bmm(q, keys.transpose(1, 2)), -1, self.distance.expand(n, T, T))
+        if self.p2c:  # DeBERTa-v2's position-to-content scores: the weight read again, unnormalized
+            queries = self.query(self.rel.weight[None]).repeat(n, 1, 1)
+            c2p = c2p + torch.gather(torch.bmm(k, queries.transpose(1, 2)), -1, self.distance.expand(n, T, T))
         att = torch.softmax((q @ k.transpose(1, 2) + c2p) / D ** 0.5, -1)
         return self.head(torch.tanh(att @ v).mean(1))
 
 
+@pytest.mark.parametrize("p2c", [False, True])
 @pytest.mark.parametrize("batches, kw", [((N,), {}), ((1, 4), {"chunk_size": 3}), ((3,), {"chunk_size": 1})])
-def test_weight_applied_to_the_batch_and_to_a_batchless_tensor(batches, kw):
+def test_weight_applied_to_the_batch_and_to_a_batchless_tensor(batches, kw, p2c):
     """A projection called on the tokens and on relative embeddings, and the embeddings' weight read
     as a tensor (DeBERTa-v3): the batch-less call is followed to where it meets the batch, its
     per-sample gradients summed with the other call's before squaring (method §6.1, "Tied
     weights"), and the weight read as a tensor is its own followed output, squared as a table
-    (method §6.1, "Layers on no batch axis"). The brute-force diagonal, first batch of one sample,
-    chunks of three and one."""
-    model = _init(SharedProjection())
+    (method §6.1, "Layers on no batch axis"); ``p2c``: the query projection too, and the weight
+    read twice (DeBERTa-v2's position-to-content scores). The brute-force diagonal, first batch of
+    one sample, chunks of three and one."""
+    model = _init(SharedProjection(p2c=p2c))
     data = [(_ids(b, T, seed=i), _labels(b, seed=i + 5)) for i, b in enumerate(batches)]
     report = normflat.analyze(model, data, progress=False, estimator="ggn", **kw)
     assert all(layer.details["path"] == "fast" for layer in report.layers), [lr.details for lr in report.layers]

@@ -892,7 +892,7 @@ class TorchSession:
                 # output a head reads, BigBird's): no signal reaches it and its rule adds nothing,
                 # which is exact; a later forward whose logits do depend on it gets its rule.
                 pass
-            elif uses[id(layer.param)] != self._uses_inside(layer):
+            elif not layer.direct and uses[id(layer.param)] != self._uses_inside(layer):
                 layer.disable_fast(f"weight used {uses[id(layer.param)]} times in the graph" if not layer.tied else
                                    f"tied weight used {uses[id(layer.param)]} times in the graph, not once per "
                                    f"module ({len(layer.uses)})")
@@ -1242,11 +1242,12 @@ class TorchSession:
         self._meetings_checked, self._meetings_apart, self._meetings_whole = None, False, False
 
     def _follow_weight(self, layer: TorchLayer, uses: dict[int, int], why: str) -> bool:
-        """Follow a weight its module never applies but the graph reads once as a tensor (DeBERTa-v3's
-        ``rel_embeddings.weight``, normalized and projected without a batch axis) from the next forward
-        on, as its own output (method §6.1, "Layers on no batch axis"): whether it is (else the
-        layer takes the generic path for ``why``)."""
-        if layer.tied or layer.table or uses[id(layer.param)] != 1 or id(layer) in self._batchless_tried:
+        """Follow a weight its module never applies but the graph reads as a tensor (DeBERTa-v3's
+        ``rel_embeddings.weight``, normalized and projected without a batch axis; DeBERTa-v2's, sliced
+        by every layer) from the next forward on, as its own output (method §6.1, "Layers on no batch
+        axis"): whether it is (else the layer takes the generic path for ``why``). Every read goes
+        through the function mode, and the meetings' check sees every path."""
+        if layer.tied or layer.table or uses[id(layer.param)] < 1 or id(layer) in self._batchless_tried:
             layer.disable_fast(why)
             return False
         layer.direct = True
