@@ -1146,8 +1146,9 @@ class RelativeBias(nn.Module):
     convolution on a ``(1, 2, 2, 4)`` grid, repeated over the batch by the model itself and added to
     the tokens, and a second one after the attention), ``tile`` (DeBERTa's relative keys: the ``(heads, 4, 4)`` bias tiled over the windows
     by the model, ``repeat(2n, 1, 1)``, and added), ``window-major`` (the windows of all samples
-    interleaved: a row of the attention is no sample's own block) or ``matmul`` (the bias
-    multiplies the attention: not a broadcast)."""
+    interleaved: a row of the attention is no sample's own block), ``matmul`` (the bias
+    multiplies the attention: not a broadcast) or ``mixed`` (``add``, and a second batch-less layer
+    whose output meets the batch in a matrix product)."""
 
     def __init__(self, meet: str = "add") -> None:
         super().__init__()
@@ -1159,6 +1160,7 @@ class RelativeBias(nn.Module):
         # Two of them: the second one's expansion breaks the forward after the first is followed.
         self.pos = nn.Conv2d(2, D, 1) if meet == "repeat" else None
         self.pos2 = nn.Conv2d(2, D, 1) if meet == "repeat" else None
+        self.gain = nn.Linear(2, D) if meet == "mixed" else None
         self.head = nn.Linear(D, C)
         axis = torch.arange(-1.0, 2.0, dtype=DT)
         self.register_buffer("coords", torch.stack(torch.meshgrid(axis, axis, indexing="ij"), -1)[None])
@@ -1175,6 +1177,8 @@ class RelativeBias(nn.Module):
     def forward(self, x):  # (n, 8, 3)
         n = x.shape[0]
         h = torch.tanh(self.embed(x))
+        if self.gain is not None:  # a second batch-less chain, meeting the batch in a matrix product
+            h = h @ torch.diag(torch.tanh(self.gain(self.coords)).mean((0, 1, 2)))
         if self.pos is not None:
             h = h + self.pos(self.grid).repeat(n, 1, 1, 1).flatten(2).transpose(1, 2)
         if self.meet == "window-major":
@@ -1251,6 +1255,19 @@ def test_layers_on_no_batch_axis_that_cannot_be_followed_take_the_generic_path(m
         details = report.layer(name).details
         assert details["path"] == "generic" and reason in details["generic_reason"], details
         assert "followed to where it meets the batch" in details["generic_reason"]
+    _check_ggn(model, data, loss="ce")
+
+
+def test_a_chain_that_cannot_be_followed_leaves_the_others_followed():
+    """Two batch-less chains, one meeting the batch in an addition, the other in a matrix product:
+    only the second chain's layer takes the generic path, with its reason; the diagonal stays the
+    brute-force one."""
+    model = _init(RelativeBias("mixed"), seed=2)
+    data = _relative_data((4,))
+    report = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False)
+    details = report.layer("gain").details
+    assert details["path"] == "generic" and "meets the batch in matmul" in details["generic_reason"], details
+    assert all(report.layer(name).details["path"] == "fast" for name in ("cpb_in", "cpb_out", "qkv", "embed"))
     _check_ggn(model, data, loss="ce")
 
 

@@ -944,7 +944,8 @@ class Capture:
         #: expanded over the batch)``, and why one could not be followed.
         self.batchless_ran: set[int] = set()
         self.meetings: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.batchless_refusal: str | None = None
+        #: The followed keys whose output met the batch where it cannot be followed, and why.
+        self.batchless_refused: dict[int, str] = {}
         self._taps: BatchlessTaps | None = None
         self.inputs: dict[int, torch.Tensor] = {}
         self.versions: dict[int, int] = {}
@@ -1114,7 +1115,7 @@ class Capture:
         self.expanded.clear()
         self.batchless_ran.clear()
         self.meetings.clear()
-        self.batchless_refusal = None
+        self.batchless_refused.clear()
         self.inputs.clear(), self.versions.clear(), self.outputs.clear(), self.calls.clear()
         self.live_inputs.clear()
         self.extras.clear()
@@ -1176,6 +1177,8 @@ class BatchlessTaps(torch.overrides.TorchFunctionMode):
         self.capture = capture
         self._batched: dict[int, weakref.ref] = {}
         self._batchless: dict[int, weakref.ref] = {}
+        #: The followed keys each batch-less tensor is computed from (a refusal names its layers).
+        self._sources: dict[int, frozenset[int]] = {}
         for t in inputs:
             self._put(self._batched, t)
 
@@ -1199,11 +1202,19 @@ class BatchlessTaps(torch.overrides.TorchFunctionMode):
             return  # its input carries the batch: not one on no batch axis (the session says so)
         self.capture.batchless_ran.add(key)
         self._put(self._batchless, output)
+        # With the layers upstream of it (Swin V2's first MLP layer feeds the second).
+        upstream = [given] if isinstance(given, torch.Tensor) and self._has(self._batchless, given) else []
+        self._sources[id(output)] = frozenset({key}) | self._source(upstream)
 
-    def _refuse(self, func: Any) -> None:
+    def _source(self, tensors: list[torch.Tensor]) -> frozenset[int]:
+        return frozenset().union(*(self._sources.get(id(t), frozenset()) for t in tensors))
+
+    def _refuse(self, func: Any, batchless: list[torch.Tensor]) -> None:
         name = getattr(func, "__name__", repr(func))
-        self.capture.batchless_refusal = (f"its output meets the batch in {name}, which is not an elementwise "
-                                          "broadcasting operation or an attention mask")
+        why = (f"its output meets the batch in {name}, which is not an elementwise broadcasting operation or an "
+               "attention mask")
+        for key in self._source(batchless):
+            self.capture.batchless_refused.setdefault(key, why)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -1223,7 +1234,15 @@ class BatchlessTaps(torch.overrides.TorchFunctionMode):
                 self._put(self._batched, out)
             else:
                 self._put(self._batchless, out)
+                self._mark_sources(out, self._source(batchless))
         return out
+
+    def _mark_sources(self, out: Any, sources: frozenset[int]) -> None:
+        if isinstance(out, torch.Tensor):
+            self._sources[id(out)] = sources
+        elif isinstance(out, (list, tuple)):
+            for item in out:
+                self._mark_sources(item, sources)
 
     def _spreads(self, operand: torch.Tensor, out: Any) -> bool:
         """Whether ``out`` copies ``operand``'s rows to a block of rows per sample (its one row
@@ -1242,7 +1261,7 @@ class BatchlessTaps(torch.overrides.TorchFunctionMode):
             call.update(kwargs)
             mask = call.get("attn_mask")
             if any(t is not mask for t in batchless) or mask.dtype == torch.bool:
-                self._refuse(func)
+                self._refuse(func, batchless)
                 return args, kwargs
             query, key = call["query"], call["key"]
             try:
@@ -1253,7 +1272,7 @@ class BatchlessTaps(torch.overrides.TorchFunctionMode):
             return (), call
         inplace = func in _BROADCASTING_INPLACE
         if not (func in _BROADCASTING or inplace) or (inplace and args and any(args[0] is t for t in batchless)):
-            self._refuse(func)
+            self._refuse(func, batchless)
             return args, kwargs
         try:
             shape = torch.broadcast_shapes(*(t.shape for t in _tensor_arguments(args, kwargs)))

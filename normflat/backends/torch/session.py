@@ -1215,7 +1215,7 @@ class TorchSession:
             # Checked once no layer waits to be followed: a one-row output still expanded downstream
             # of a followed layer copies it over the batch where the model does not (Swin V2's first
             # MLP layer followed, the second still expanded).
-            self._check_meetings(followed, logits, rows)
+            again = self._check_meetings(followed, logits, rows)
         return again
 
     def _sequence_first(self, layer: TorchLayer, rows: int) -> bool:
@@ -1281,36 +1281,46 @@ class TorchSession:
             layer.disable_fast(first if why is None else f"{first}; followed to where it meets the batch: {why}")
         self._meetings_changed()
 
-    def _check_meetings(self, followed: list[TorchLayer], logits: torch.Tensor, rows: int) -> None:
+    def _check_meetings(self, followed: list[TorchLayer], logits: torch.Tensor, rows: int) -> bool:
         """The meetings of the layers on no batch axis (:class:`~normflat.backends.torch.ggn.BatchlessTaps`):
         each a batch-less operand whose view is expanded over the batch's leading axis (a block of
         rows per sample). The first time, two probes of the logits: one at the last sample's,
         which must reach only that sample's rows of each view, and one at every sample's, whose
         gradient at each layer's output must be the same through the meetings as through the
         whole graph (no other path from the layer to the logits). Later forwards must meet the
-        batch as many times, as blocks of rows."""
+        batch as many times, as blocks of rows.
+
+        Returns:
+            Whether the forward must run again: some layers' outputs met the batch where they cannot
+            be followed, and those layers (only) were refused; the others are checked on a forward
+            without them.
+        """
         assert self.capture is not None
         cap = self.capture
-        if cap.batchless_refusal is not None:
-            self._refuse_batchless(followed, cap.batchless_refusal)
-            return
+        if cap.batchless_refused:
+            hit = [layer for layer in followed if any(id(use) in cap.batchless_refused for use in _followed(layer))]
+            for layer in hit or followed:
+                key = next((id(use) for use in _followed(layer) if id(use) in cap.batchless_refused), None)
+                self._refuse_batchless([layer], cap.batchless_refused.get(key, next(iter(
+                    cap.batchless_refused.values()))))
+            return any(layer.fast for layer in followed)
         quiet = [layer for layer in followed if any(id(use) not in cap.batchless_ran for use in _followed(layer))]
         if quiet:  # its input carries the batch: not a layer on no batch axis
             self._refuse_batchless(quiet, None)
             followed = [layer for layer in followed if layer.fast]
             if not followed:
-                return
+                return False
         for operand, view in cap.meetings:
             if view.dim() == 0 or view.shape[0] % (rows * _copied_rows(operand, view)):
                 self._refuse_batchless(followed, f"it meets a tensor whose leading axis ({view.shape[0] if view.dim() else 0})"
                                        f" is not a block of rows per sample ({rows}), each a copy of its own")
-                return
+                return False
         if self._meetings_checked is None:
             self._meetings_checked = len(cap.meetings)
         elif len(cap.meetings) != self._meetings_checked:
             self._refuse_batchless(followed, f"it meets the batch {len(cap.meetings)} times in one forward and "
                                    f"{self._meetings_checked} in another")
-            return
+            return False
         uses = [(layer, use) for layer in followed for use in _followed(layer)]
         outs = [cap.outputs[id(use)] for _, use in uses]
         if cap.meetings and rows > 1 and not self._meetings_apart:
@@ -1322,10 +1332,10 @@ class TorchSession:
                 if g is not None and bool(g[:-(view.shape[0] // rows)].abs().amax() > 0):
                     self._refuse_batchless(followed, "one sample's signal reaches the other samples' rows where it "
                                            "meets the batch")
-                    return
+                    return False
             self._meetings_apart = True
         if self._meetings_whole:
-            return
+            return False
         every = torch.linspace(1.0, 2.0, logits.numel(), dtype=logits.dtype, device=logits.device
                                ).reshape(logits.shape)
         direct = torch.autograd.grad(logits, outs, grad_outputs=every, retain_graph=True, allow_unused=True)
@@ -1338,8 +1348,9 @@ class TorchSession:
             tol = 1e3 * float(torch.finfo(want.dtype).eps) * (float(want.abs().max()) + 1e-30)
             if not bool(((want - got).abs() <= tol).all()):
                 self._refuse_batchless(followed, "its output reaches the logits other than where it meets the batch")
-                return
+                return False
         self._meetings_whole = True
+        return False
 
     def _pulled_back(self, meeting_grads: list[list[torch.Tensor | None]], outs: list[torch.Tensor],
                      rows: int) -> list[torch.Tensor | None]:
