@@ -1461,3 +1461,45 @@ def test_sequence_first_layers_take_their_fast_rules(batches, kw):
     report = normflat.analyze(model, data, progress=False, estimator="ggn", **kw)
     assert all(layer.details["path"] == "fast" for layer in report.layers), [lr.details for lr in report.layers]
     _check_ggn(model, data, **kw)
+
+
+@pytest.mark.parametrize("meet", ["add", "repeat"])
+def test_followed_layers_in_threads(meet):
+    """The function mode that follows layers on no batch axis is the analysis thread's own: two
+    analyses at once, while a third thread runs the model outside any analysis, give the sequential
+    numbers, and no mode is left on any thread."""
+    import threading
+
+    model = _init(RelativeBias(meet), seed=2)
+    data = _relative_data((4,))
+    want = normflat.hessian_diagonal(model, data, loss="ce", estimator="ggn", progress=False)
+    results, errors, modes = {}, [], []
+    stop = threading.Event()
+
+    def analyze(key, m):
+        try:
+            results[key] = normflat.hessian_diagonal(m, data, loss="ce", estimator="ggn", progress=False)
+            modes.append(len(torch.overrides._get_current_function_mode_stack()))
+        except BaseException as why:  # noqa: BLE001 - reported by the main thread
+            errors.append(why)
+
+    def plain(m):
+        with torch.no_grad():
+            while not stop.is_set():
+                m(data[0][0])
+                modes.append(len(torch.overrides._get_current_function_mode_stack()))
+
+    threads = [threading.Thread(target=analyze, args=(i, copy.deepcopy(model))) for i in range(2)]
+    other = threading.Thread(target=plain, args=(copy.deepcopy(model),))
+    other.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    other.join()
+    assert not errors, errors
+    assert set(modes) == {0} and not torch.overrides._get_current_function_mode_stack()
+    for key in (0, 1):
+        for name in want:
+            assert torch.equal(torch.as_tensor(results[key][name]), torch.as_tensor(want[name])), name
