@@ -64,6 +64,9 @@ Problems:
 * ``transformer-seq-first-10``: ``transformer-10`` in PyTorch's tutorial layout, sequence first
   (``batch_first=False``, the ids transposed to ``(T, n)``): its embedding and dense layers see
   ``(T, n, d)`` (method §6.1, "A batch folded into the leading axis").
+* ``transformer-padded-10``: ``transformer-10`` given a key padding mask (ids below 200, about
+  one token in ten, taken for padding): its attention calls pass the mask, with
+  ``need_weights=False`` (method §6.1, "Attention projections applied functionally").
 * ``deberta-v3-10``: Hugging Face DeBERTa-v3 (deberta-v3-base's attention settings: relative
   positions in 32 buckets, the query and key projections shared with the normalized relative
   embeddings; 4 layers of width 128, 4 heads, MLP 256, a 2000-token vocabulary, 10 classes), 16
@@ -188,6 +191,14 @@ class _TransformerClassifier(nn.Module):
 
 def _sequence_first_classifier(classes: int) -> nn.Module:
     return _TransformerClassifier(classes, batch_first=False)
+
+
+class _PaddedClassifier(_TransformerClassifier):
+    """``transformer-10`` given a key padding mask (the tokens with ids below 200, about one in ten,
+    taken for padding), as ``nn.TransformerEncoder`` is with ``src_key_padding_mask``."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids), src_key_padding_mask=ids < 200).mean(1))
 
 
 def _torchvision_vit(classes: int) -> nn.Module:
@@ -334,6 +345,7 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
     "tv-vit-10": (_torchvision_vit, 10, (16, 3, 32, 32), False, True),
     "transformer-10": (_TransformerClassifier, 10, (32, 32), False, True),
     "transformer-seq-first-10": (_sequence_first_classifier, 10, (32, 32), False, True),
+    "transformer-padded-10": (_PaddedClassifier, 10, (32, 32), False, True),
     "wav2vec2-10": (_Wav2Vec2, 10, (4, 16000), False, True),
     "swin-t-10": (_torchvision_swin("swin_t"), 10, (8, 3, 64, 64), False, True),
     "swin-v2-t-10": (_torchvision_swin("swin_v2_t"), 10, (8, 3, 64, 64), False, True),
@@ -344,7 +356,7 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
 }
 #: The sequence classifiers (token ids in, one label per sequence) and their vocabulary.
 SEQUENCE_CLASSIFIERS = ("lstm-10", "gru-10", "albert-10", "transformer-10", "transformer-seq-first-10",
-                        "deberta-v3-10")
+                        "transformer-padded-10", "deberta-v3-10")
 #: The problems timed with ``fast=False`` too (the "generic path" column): the path their
 #: recurrent, shared, weight-standardized, self-padded or weight-normalized weights took before their rules.
 GENERIC_TIMED = (*SEQUENCE_CLASSIFIERS, "bit-10", "nfnet-10", "tf-efficientnet-10", "tv-vit-10", "wav2vec2-10")

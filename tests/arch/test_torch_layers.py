@@ -183,7 +183,9 @@ class AttentionOptions(nn.Module):
     as key and value), ``three`` (distinct query, key and value), ``masks`` (a key padding mask and a
     causal mask), ``bias_kv`` (``add_bias_kv``), ``zero_attn`` (``add_zero_attn``), ``weights`` (the
     per-head attention weights it returns used by the model), ``plain`` and ``plain_cross`` (no
-    mask, ``need_weights=False``: the scaled dot-product attention without identity projections)."""
+    mask, ``need_weights=False``: the scaled dot-product attention without identity projections),
+    ``plain_padding`` and ``plain_padding_float`` (the same with a boolean or an additive key padding
+    mask, as ``nn.TransformerEncoderLayer`` given ``src_key_padding_mask``)."""
 
     def __init__(self, option):
         super().__init__()
@@ -209,6 +211,12 @@ class AttentionOptions(nn.Module):
             padding = (torch.arange(t) == t - 1)[None, :] & (ids[:, -1:] % 2 == 0)  # from the sample itself
             causal = torch.ones(t, t, dtype=torch.bool).triu(1)
             a, _ = self.att(h, h, h, key_padding_mask=padding, attn_mask=causal)
+        elif self.option in ("plain_padding", "plain_padding_float"):
+            t = ids.shape[1]
+            padding = (torch.arange(t) >= t - 2)[None, :] & (ids[:, -1:] % 2 == 0)  # from the sample itself
+            if self.option == "plain_padding_float":
+                padding = padding.to(h.dtype) * -3.0
+            a, _ = self.att(h, h, h, key_padding_mask=padding, need_weights=False)
         elif self.option == "plain":
             a, _ = self.att(h, h, h, need_weights=False)
         elif self.option == "plain_cross":
@@ -222,7 +230,7 @@ class AttentionOptions(nn.Module):
 
 
 _ATTENTION_OPTIONS = ["self", "seq_first", "cross", "three", "masks", "bias_kv", "zero_attn", "weights", "plain",
-                      "plain_cross"]
+                      "plain_cross", "plain_padding", "plain_padding_float"]
 
 
 @pytest.mark.parametrize("option", _ATTENTION_OPTIONS)
@@ -234,12 +242,14 @@ def test_multihead_attention_options_take_the_fast_rule(option, monkeypatch):
     from normflat.backends.torch import ggn as ggn_kernels
 
     plain = []
-    real = ggn_kernels._plain_attention
-    monkeypatch.setattr(ggn_kernels, "_plain_attention", lambda call: plain.append(real(call)) or plain[-1])
+    real = ggn_kernels.F.scaled_dot_product_attention
+    monkeypatch.setattr(ggn_kernels.F, "scaled_dot_product_attention",
+                        lambda *a, **k: plain.append(True) or real(*a, **k))
     model = _init(AttentionOptions(option))
     data = [(_ids(N, T), _labels(N)), (_ids(2, T, seed=3), _labels(2, seed=4))]
     report = normflat.analyze(model, data, progress=False, estimator="ggn")
-    assert plain and set(plain) == {option.startswith("plain")}  # the identity-free call for the plain ones
+    # The identity-free call (the heads' attention called by normflat itself) for the plain ones.
+    assert bool(plain) == option.startswith("plain")
     paths = {layer.name: layer.details for layer in report.layers}
     assert all(paths[f"att.{name}"]["path"] == "fast" for name in ("query", "key", "value", "out_proj")), paths
     _check_ggn(model, data)

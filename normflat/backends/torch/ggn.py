@@ -1391,15 +1391,21 @@ def recorded_attention(args: tuple, kwargs: dict,
             start = starts[id(x)]
             return t[:, start:start + int(x.shape[0]), block * e:(block + 1) * e]
         q, k, v = rows(query, 0), rows(key, 1), rows(value, 2)
-    if _plain_attention(call):
-        # No mask, bias, zero attention or dropout, and no weights returned: torch's function is
-        # the scaled dot-product attention of the heads, called here without the identities.
+    padding = _padding_mask(call, q.shape[0], k.shape[1])
+    if _plain_attention(call) or padding is not None:
+        # No mask (or a key padding mask only), bias, zero attention or dropout, and no weights
+        # returned: torch's function is the scaled dot-product attention of the heads, with the
+        # padding mask as an additive (N, 1, 1, S) mask, called here without the identities.
         heads = int(call["num_heads"])
 
         def split(t: torch.Tensor) -> torch.Tensor:  # (N, L, E) -> (N, heads, L, E/heads)
             return t.reshape(t.shape[0], t.shape[1], heads, e // heads).transpose(1, 2)
 
-        attended = F.scaled_dot_product_attention(split(q), split(k), split(v))
+        mask = None
+        if padding is not None:
+            mask = (torch.zeros(padding.shape, dtype=q.dtype, device=q.device).masked_fill(padding, float("-inf"))
+                    if padding.dtype == torch.bool else padding)[:, None, None, :]
+        attended = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=mask)
         out = project([attended.transpose(1, 2).reshape(q.shape[0], q.shape[1], e).transpose(0, 1)], out_weight,
                       out_bias)
         return out.transpose(0, 1), None
@@ -1423,6 +1429,19 @@ def _plain_attention(call: dict) -> bool:
             and call.get("static_k") is None and call.get("static_v") is None
             and call.get("need_weights") is False
             and not (call.get("training", True) and float(call.get("dropout_p", 0.0)) > 0.0))
+
+
+def _padding_mask(call: dict, batch: int, keys: int) -> torch.Tensor | None:
+    """The ``key_padding_mask`` of a call that would be plain but for it (``nn.TransformerEncoderLayer``
+    given ``src_key_padding_mask``): ``(N, S)``, boolean (``True``: left out, as ``-inf``) or in the
+    query's floating dtype (added), as torch's function reads it; else ``None``."""
+    mask = call.get("key_padding_mask")
+    if mask is None or not _plain_attention({**call, "key_padding_mask": None}):
+        return None
+    query = call["query"]
+    if tuple(mask.shape) != (batch, keys) or not (mask.dtype == torch.bool or mask.dtype == query.dtype):
+        return None  # torch's own function says what is wrong, or reads it otherwise
+    return mask
 
 
 #: ``F.embedding``'s parameters after ``input`` and ``weight``, in order.
