@@ -1473,34 +1473,27 @@ def test_sequence_first_layers_take_their_fast_rules(batches, kw):
     _check_ggn(model, data, **kw)
 
 
-@pytest.mark.parametrize("meet", ["add", "repeat"])
-def test_followed_layers_in_threads(meet):
-    """The function mode that follows layers on no batch axis is the analysis thread's own: two
-    analyses at once, while a third thread runs the model outside any analysis, give the sequential
-    numbers, and no mode is left on any thread."""
+def two_analyses_beside_a_forward(model, analyze, forward):
+    """``analyze(copy)`` in two threads at once, each on its own copy of ``model``, while a third
+    thread calls ``forward(copy)`` on another copy until both end: the two results (the first
+    error raised)."""
     import threading
 
-    model = _init(RelativeBias(meet), seed=2)
-    data = _relative_data((4,))
-    want = normflat.hessian_diagonal(model, data, loss="ce", estimator="ggn", progress=False)
-    results, errors, modes = {}, [], []
+    results, errors = {}, []
     stop = threading.Event()
 
-    def analyze(key, m):
+    def run(key, m):
         try:
-            results[key] = normflat.hessian_diagonal(m, data, loss="ce", estimator="ggn", progress=False)
-            modes.append(len(torch.overrides._get_current_function_mode_stack()))
+            results[key] = analyze(m)
         except BaseException as why:  # noqa: BLE001 - reported by the main thread
             errors.append(why)
 
-    def plain(m):
-        with torch.no_grad():
-            while not stop.is_set():
-                m(data[0][0])
-                modes.append(len(torch.overrides._get_current_function_mode_stack()))
+    def loop(m):
+        while not stop.is_set():
+            forward(m)
 
-    threads = [threading.Thread(target=analyze, args=(i, copy.deepcopy(model))) for i in range(2)]
-    other = threading.Thread(target=plain, args=(copy.deepcopy(model),))
+    threads = [threading.Thread(target=run, args=(i, copy.deepcopy(model))) for i in range(2)]
+    other = threading.Thread(target=loop, args=(copy.deepcopy(model),))
     other.start()
     for t in threads:
         t.start()
@@ -1509,7 +1502,31 @@ def test_followed_layers_in_threads(meet):
     stop.set()
     other.join()
     assert not errors, errors
+    return results[0], results[1]
+
+
+@pytest.mark.parametrize("meet", ["add", "repeat"])
+def test_followed_layers_in_threads(meet):
+    """The function mode that follows layers on no batch axis is the analysis thread's own: two
+    analyses at once, while a third thread runs the model outside any analysis, give the sequential
+    numbers, and no mode is left on any thread."""
+    model = _init(RelativeBias(meet), seed=2)
+    data = _relative_data((4,))
+    want = normflat.hessian_diagonal(model, data, loss="ce", estimator="ggn", progress=False)
+    modes = []
+
+    def analyze(m):
+        got = normflat.hessian_diagonal(m, data, loss="ce", estimator="ggn", progress=False)
+        modes.append(len(torch.overrides._get_current_function_mode_stack()))
+        return got
+
+    def forward(m):
+        with torch.no_grad():
+            m(data[0][0])
+        modes.append(len(torch.overrides._get_current_function_mode_stack()))
+
+    results = two_analyses_beside_a_forward(model, analyze, forward)
     assert set(modes) == {0} and not torch.overrides._get_current_function_mode_stack()
-    for key in (0, 1):
+    for got in results:
         for name in want:
-            assert torch.equal(torch.as_tensor(results[key][name]), torch.as_tensor(want[name])), name
+            assert torch.equal(torch.as_tensor(got[name]), torch.as_tensor(want[name])), name

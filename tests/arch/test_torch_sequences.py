@@ -315,7 +315,7 @@ def test_position_lookup_feature_scaling_with_the_token_embedding(kind):
     over the batch, on its fast rule with the row expanded to the samples), and through OPT-style
     learned positions (an ``nn.Embedding`` subclass computing its ids from the mask, on its
     recorded lookup, method §6.1 "Embeddings with their own forward")."""
-    from tests.arch.test_torch_layers import MaskedTagger, _mask
+    from tests.arch.test_torch_layers import MaskedTagger, _mask, two_analyses_beside_a_forward
 
     if kind == "position ids":
         model, data = _init(PositionIds()), [(_ids(N, T), _labels(N))]
@@ -411,7 +411,7 @@ def test_recorded_fast_rules_in_two_threads(kind):
     a third thread runs the model outside any analysis, give the sequential numbers, and leave no
     recording behind."""
     from normflat.backends.torch import compat
-    from tests.arch.test_torch_layers import MaskedTagger, _mask
+    from tests.arch.test_torch_layers import MaskedTagger, _mask, two_analyses_beside_a_forward
 
     if kind == "recurrence":
         model = _init(RecurrentTagger(nn.LSTM, num_layers=2))
@@ -420,34 +420,17 @@ def test_recorded_fast_rules_in_two_threads(kind):
         model = _init(MaskedTagger())
         data = [((_ids(N, T), _mask(N, T, 1)), _labels(N, T))]
     want = normflat.hessian_diagonal(model, data, estimator="ggn", progress=False)
-    results, errors = {}, []
-    stop = threading.Event()
 
-    def analyze(key, m):
-        try:
-            results[key] = normflat.hessian_diagonal(m, data, estimator="ggn", progress=False)
-        except BaseException as why:  # noqa: BLE001 - reported by the main thread
-            errors.append(why)
-
-    def plain(m):
+    def forward(m):
         with torch.no_grad(), compat.FunctionalKernels(attention=False):
-            while not stop.is_set():
-                _Call(data)(m)
+            _Call(data)(m)
 
-    threads = [threading.Thread(target=analyze, args=(i, copy.deepcopy(model))) for i in range(2)]
-    other = threading.Thread(target=plain, args=(copy.deepcopy(model),))
-    other.start()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    stop.set()
-    other.join()
-    assert not errors, errors
-    for key in (0, 1):
-        assert set(results[key]) == set(want)
+    results = two_analyses_beside_a_forward(
+        model, lambda m: normflat.hessian_diagonal(m, data, estimator="ggn", progress=False), forward)
+    for got in results:
+        assert set(got) == set(want)
         for name in want:
-            assert torch.equal(torch.as_tensor(results[key][name]), torch.as_tensor(want[name])), name
+            assert torch.equal(torch.as_tensor(got[name]), torch.as_tensor(want[name])), name
     assert getattr(compat._TAPS, "record", None) is None
 
 
