@@ -67,6 +67,9 @@ Problems:
 * ``transformer-padded-10``: ``transformer-10`` given a key padding mask (ids below 200, about
   one token in ten, taken for padding): its attention calls pass the mask, with
   ``need_weights=False`` (method §6.1, "Attention projections applied functionally").
+* ``transformer-causal-10``: ``transformer-10`` with a causal mask and ``is_causal=True`` (a
+  decoder-only layout), the head on the last token: its attention calls pass the causal hint,
+  with ``need_weights=False`` (method §6.1, "Attention projections applied functionally").
 * ``deberta-v3-10``: Hugging Face DeBERTa-v3 (deberta-v3-base's attention settings: relative
   positions in 32 buckets, the query and key projections shared with the normalized relative
   embeddings; 4 layers of width 128, 4 heads, MLP 256, a 2000-token vocabulary, 10 classes), 16
@@ -199,6 +202,18 @@ class _PaddedClassifier(_TransformerClassifier):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.encoder(self.embed(ids), src_key_padding_mask=ids < 200).mean(1))
+
+
+class _CausalClassifier(_TransformerClassifier):
+    """``transformer-10`` with a causal mask, each token attending to itself and those before it
+    (a decoder-only model's layout), as ``nn.TransformerEncoder`` is given
+    ``mask=nn.Transformer.generate_square_subsequent_mask(T), is_causal=True``; the head reads the
+    last token."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], dtype=self.head.weight.dtype,
+                                                                device=ids.device)
+        return self.head(self.encoder(self.embed(ids), mask=causal, is_causal=True)[:, -1])
 
 
 def _torchvision_vit(classes: int) -> nn.Module:
@@ -346,6 +361,7 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
     "transformer-10": (_TransformerClassifier, 10, (32, 32), False, True),
     "transformer-seq-first-10": (_sequence_first_classifier, 10, (32, 32), False, True),
     "transformer-padded-10": (_PaddedClassifier, 10, (32, 32), False, True),
+    "transformer-causal-10": (_CausalClassifier, 10, (32, 32), False, True),
     "wav2vec2-10": (_Wav2Vec2, 10, (4, 16000), False, True),
     "swin-t-10": (_torchvision_swin("swin_t"), 10, (8, 3, 64, 64), False, True),
     "swin-v2-t-10": (_torchvision_swin("swin_v2_t"), 10, (8, 3, 64, 64), False, True),
@@ -356,7 +372,7 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
 }
 #: The sequence classifiers (token ids in, one label per sequence) and their vocabulary.
 SEQUENCE_CLASSIFIERS = ("lstm-10", "gru-10", "albert-10", "transformer-10", "transformer-seq-first-10",
-                        "transformer-padded-10", "deberta-v3-10")
+                        "transformer-padded-10", "transformer-causal-10", "deberta-v3-10")
 #: The problems timed with ``fast=False`` too (the "generic path" column): the path their
 #: recurrent, shared, weight-standardized, self-padded or weight-normalized weights took before their rules.
 GENERIC_TIMED = (*SEQUENCE_CLASSIFIERS, "bit-10", "nfnet-10", "tf-efficientnet-10", "tv-vit-10", "wav2vec2-10")

@@ -185,7 +185,11 @@ class AttentionOptions(nn.Module):
     per-head attention weights it returns used by the model), ``plain`` and ``plain_cross`` (no
     mask, ``need_weights=False``: the scaled dot-product attention without identity projections),
     ``plain_padding`` and ``plain_padding_float`` (the same with a boolean or an additive key padding
-    mask, as ``nn.TransformerEncoderLayer`` given ``src_key_padding_mask``)."""
+    mask, as ``nn.TransformerEncoderLayer`` given ``src_key_padding_mask``), ``plain_causal`` and
+    ``plain_causal_float`` (a boolean or an additive causal ``attn_mask``), ``plain_is_causal`` (the
+    causal mask with torch's ``is_causal`` hint, as ``nn.TransformerEncoder`` passes it),
+    ``plain_causal_padding`` (a causal mask, the hint and a key padding mask) and ``plain_heads_mask``
+    (an additive ``(N·heads, L, S)`` mask computed from each sample))."""
 
     def __init__(self, option):
         super().__init__()
@@ -217,6 +221,21 @@ class AttentionOptions(nn.Module):
             if self.option == "plain_padding_float":
                 padding = padding.to(h.dtype) * -3.0
             a, _ = self.att(h, h, h, key_padding_mask=padding, need_weights=False)
+        elif self.option.startswith("plain_causal") or self.option == "plain_is_causal":
+            t = ids.shape[1]
+            causal = torch.ones(t, t, dtype=torch.bool).triu(1)
+            if self.option == "plain_causal_float":
+                causal = nn.Transformer.generate_square_subsequent_mask(t, dtype=h.dtype)
+            padding = None
+            if self.option == "plain_causal_padding":
+                padding = (torch.arange(t) >= t - 2)[None, :] & (ids[:, -1:] % 2 == 0)
+            a, _ = self.att(h, h, h, key_padding_mask=padding, attn_mask=causal, need_weights=False,
+                            is_causal=self.option in ("plain_is_causal", "plain_causal_padding"))
+        elif self.option == "plain_heads_mask":
+            n, t = ids.shape
+            scores = (ids[:, None, :, None] - ids[:, None, None, :]).to(h.dtype) / V  # (n, 1, T, T), per sample
+            mask = (scores * torch.tensor([1.0, -2.0], dtype=h.dtype)[None, :, None, None]).reshape(n * 2, t, t)
+            a, _ = self.att(h, h, h, attn_mask=mask, need_weights=False)
         elif self.option == "plain":
             a, _ = self.att(h, h, h, need_weights=False)
         elif self.option == "plain_cross":
@@ -230,7 +249,8 @@ class AttentionOptions(nn.Module):
 
 
 _ATTENTION_OPTIONS = ["self", "seq_first", "cross", "three", "masks", "bias_kv", "zero_attn", "weights", "plain",
-                      "plain_cross", "plain_padding", "plain_padding_float"]
+                      "plain_cross", "plain_padding", "plain_padding_float", "plain_causal", "plain_causal_float",
+                      "plain_is_causal", "plain_causal_padding", "plain_heads_mask"]
 
 
 @pytest.mark.parametrize("option", _ATTENTION_OPTIONS)

@@ -1410,6 +1410,23 @@ def test_weight_normalized_layer_kinds_against_brute_force(dims):
         torch.testing.assert_close(mc[name], generic[name], rtol=1e-10, atol=1e-13)
 
 
+def test_weight_normalized_jacobian_is_formed_once_per_pass_not_per_signal(monkeypatch):
+    """The normalization's Jacobian (its norms, and the check of the applied weight) is formed once
+    per layer and pass, also on the path of a module called twice, whatever the number of signals."""
+    calls = []
+    real = ggn_kernels._direction_jacobian
+    monkeypatch.setattr(ggn_kernels, "_direction_jacobian", lambda module: calls.append(module) or real(module))
+    torch.manual_seed(0)
+    model = WeightNormalizedKinds((0, 0, 0, 0)).double()
+    x, y = torch.randn(4, 3, 6, dtype=DT), torch.tensor([0, 1, 2, 0])
+    counts = []
+    for samples in (1, 6):
+        calls.clear()
+        nf(model, (x, y), estimator="ggn-mc", samples=samples, seed=0)
+        counts.append(len(calls))
+    assert counts[0] == counts[1] and 4 <= counts[0] <= 8, counts
+
+
 def test_weight_normalized_rule_refuses_a_weight_it_does_not_read():
     """A weight normalization whose applied weight no longer is ``g · v / ‖v‖`` (the older hook's
     stored weight, changed after the forward that computed it) sends the layer to the generic path,

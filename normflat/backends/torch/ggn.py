@@ -17,6 +17,7 @@ per-sample, per-signal weight gradients ``(J_nᵀ s)²``:
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import threading
@@ -45,6 +46,7 @@ __all__ = [
     "FunctionalTaps",
     "position_table_squares",
     "PER_SAMPLE_GRADIENTS",
+    "PREPARED_GRADIENTS",
     "tied_squares",
     "weight_normalization",
     "weight_norm_rule",
@@ -744,6 +746,10 @@ PER_SAMPLE_GRADIENTS: dict[Any, Callable[[nn.Module, torch.Tensor, torch.Tensor]
     embedding_squares: _embedding_gradients,
     scaled_embedding_squares: _scaled_embedding_gradients,
 }
+#: ``module -> (input, signals) -> per-sample gradients``: the rule's :data:`PER_SAMPLE_GRADIENTS`
+#: for one module with what it reads from the module formed once (a weight normalization's
+#: Jacobian, :func:`weight_norm_rule`), where that is worth doing.
+PREPARED_GRADIENTS: dict[Any, Callable[[nn.Module], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]] = {}
 #: ``(module, captured input) -> input`` of :data:`PER_SAMPLE_GRADIENTS` where a use's input is
 #: prepared once for all its signals (a convolution's patches); the others take it as captured.
 USE_INPUTS: dict[Any, Callable[[nn.Module, torch.Tensor], torch.Tensor]] = {conv_squares: _conv_patches}
@@ -767,15 +773,17 @@ def tied_squares(uses: list[tuple[nn.Module, Any, torch.Tensor]], deltas: list[D
     n = uses[0][2].shape[0]
     # Each use's input prepared once, not once per signal (a convolution's unfolded patches).
     inputs = [USE_INPUTS[rule](module, a) if rule in USE_INPUTS else a for module, rule, a in uses]
+    # And each use's gradient map made once (a weight normalization's Jacobian), not per signal.
+    maps = [PREPARED_GRADIENTS[rule](module) if rule in PREPARED_GRADIENTS
+            else functools.partial(PER_SAMPLE_GRADIENTS[rule], module) for module, rule, _ in uses]
     for j in range(k * m):
-        parts = [(module, PER_SAMPLE_GRADIENTS[rule], a, d.parts[j])
-                 for (module, rule, _), a, d in zip(uses, inputs, deltas) if d.parts[j] is not None]
+        parts = [(gradients, a, d.parts[j]) for gradients, a, d in zip(maps, inputs, deltas) if d.parts[j] is not None]
         if not parts:
             continue
         for sl in _chunks(n, weight.numel()):
             g = None
-            for module, gradients, a, part in parts:
-                gi = gradients(module, a[sl], part[sl])
+            for gradients, a, part in parts:
+                gi = gradients(a[sl], part[sl])
                 g = gi if g is None else g.add_(gi)
             res[j // m] += g.square_().sum(0)
     for d in deltas:
@@ -890,7 +898,11 @@ def _weight_norm_rule(base: Any) -> Any:
     prepare = USE_INPUTS.get(base)
 
     def direction_gradients(module: nn.Module, a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        return _direction_gradients(gradients(module, a, d), *_direction_jacobian(module))
+        return prepared_gradients(module)(a, d)
+
+    def prepared_gradients(module: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        jacobian = _direction_jacobian(module)
+        return lambda a, d: _direction_gradients(gradients(module, a, d), *jacobian)
 
     @_builtin
     def squares(module: nn.Module, a: torch.Tensor, deltas: Deltas, out: torch.Tensor | None = None
@@ -913,6 +925,7 @@ def _weight_norm_rule(base: Any) -> Any:
     squares.__doc__ = weight_norm_rule.__doc__
     squares.__name__ = squares.__qualname__ = f"weight_norm_squares[{getattr(base, '__name__', 'rule')}]"
     PER_SAMPLE_GRADIENTS[squares] = direction_gradients
+    PREPARED_GRADIENTS[squares] = prepared_gradients
     if prepare is not None:
         USE_INPUTS[squares] = prepare
     return squares
@@ -1391,21 +1404,18 @@ def recorded_attention(args: tuple, kwargs: dict,
             start = starts[id(x)]
             return t[:, start:start + int(x.shape[0]), block * e:(block + 1) * e]
         q, k, v = rows(query, 0), rows(key, 1), rows(value, 2)
-    padding = _padding_mask(call, q.shape[0], k.shape[1])
-    if _plain_attention(call) or padding is not None:
-        # No mask (or a key padding mask only), bias, zero attention or dropout, and no weights
-        # returned: torch's function is the scaled dot-product attention of the heads, with the
-        # padding mask as an additive (N, 1, 1, S) mask, called here without the identities.
-        heads = int(call["num_heads"])
+    heads = int(call["num_heads"])
+    direct = _direct_attention_masks(call, int(q.shape[0]), heads, int(q.shape[1]), int(k.shape[1]))
+    if direct is not None:
+        # No bias, zero attention or dropout, and no weights returned: torch's function is the
+        # scaled dot-product attention of the heads with its masks merged into one additive mask
+        # (or its causal hint), called here without the identities.
+        mask, causal = direct
 
         def split(t: torch.Tensor) -> torch.Tensor:  # (N, L, E) -> (N, heads, L, E/heads)
             return t.reshape(t.shape[0], t.shape[1], heads, e // heads).transpose(1, 2)
 
-        mask = None
-        if padding is not None:
-            mask = (torch.zeros(padding.shape, dtype=q.dtype, device=q.device).masked_fill(padding, float("-inf"))
-                    if padding.dtype == torch.bool else padding)[:, None, None, :]
-        attended = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=mask)
+        attended = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=mask, is_causal=causal)
         out = project([attended.transpose(1, 2).reshape(q.shape[0], q.shape[1], e).transpose(0, 1)], out_weight,
                       out_bias)
         return out.transpose(0, 1), None
@@ -1431,17 +1441,49 @@ def _plain_attention(call: dict) -> bool:
             and not (call.get("training", True) and float(call.get("dropout_p", 0.0)) > 0.0))
 
 
-def _padding_mask(call: dict, batch: int, keys: int) -> torch.Tensor | None:
-    """The ``key_padding_mask`` of a call that would be plain but for it (``nn.TransformerEncoderLayer``
-    given ``src_key_padding_mask``): ``(N, S)``, boolean (``True``: left out, as ``-inf``) or in the
-    query's floating dtype (added), as torch's function reads it; else ``None``."""
-    mask = call.get("key_padding_mask")
-    if mask is None or not _plain_attention({**call, "key_padding_mask": None}):
+def _direct_attention_masks(call: dict, batch: int, heads: int, queries: int,
+                            keys: int) -> tuple[torch.Tensor | None, bool] | None:
+    """How torch's function would call the heads' scaled dot-product attention, for a call that
+    would be plain (:func:`_plain_attention`) but for its masks: ``(attn_mask, is_causal)``, the
+    mask additive and ``(N, heads, L, S)``-broadcastable; else ``None`` (the caller runs torch's
+    function with identity projections).
+
+    As torch's function reads them: a boolean mask leaves out its ``True`` entries (``-inf``), a
+    floating one in the query's dtype is added; ``attn_mask`` is ``(L, S)`` or ``(N·heads, L, S)``,
+    ``key_padding_mask`` ``(N, S)``, and the two are added. With ``is_causal`` and no key padding
+    mask, torch trusts the hint and passes SDPA ``is_causal=True`` without the mask
+    (``nn.TransformerEncoder`` sets the hint when its mask is causal). Any other shape or dtype
+    (mixed mask dtypes, which torch warns about) goes to torch's own function, which says what is
+    wrong or reads it its own way."""
+    padding, attention, causal = call.get("key_padding_mask"), call.get("attn_mask"), bool(call.get("is_causal"))
+    if not _plain_attention({**call, "key_padding_mask": None, "attn_mask": None, "is_causal": False}):
         return None
-    query = call["query"]
-    if tuple(mask.shape) != (batch, keys) or not (mask.dtype == torch.bool or mask.dtype == query.dtype):
-        return None  # torch's own function says what is wrong, or reads it otherwise
-    return mask
+    dtype = call["query"].dtype
+    masks = [m for m in (padding, attention) if m is not None]
+    if any(m.dtype != torch.bool and m.dtype != dtype for m in masks) or len({m.dtype for m in masks}) > 1:
+        return None
+    if padding is not None and tuple(padding.shape) != (batch, keys):
+        return None
+    if attention is not None and tuple(attention.shape) not in ((queries, keys), (batch * heads, queries, keys)):
+        return None
+    if causal and attention is None:
+        return None  # torch's function raises
+    if causal and padding is None:
+        return None, True
+
+    def additive(m: torch.Tensor) -> torch.Tensor:
+        if m.dtype != torch.bool:
+            return m
+        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf"))
+
+    mask = None
+    if attention is not None:
+        mask = additive(attention)
+        mask = mask if mask.dim() == 2 else mask.view(batch, heads, queries, keys)
+    if padding is not None:
+        rows = additive(padding)[:, None, None, :]
+        mask = rows if mask is None else mask + rows
+    return mask, False
 
 
 #: ``F.embedding``'s parameters after ``input`` and ``weight``, in order.
