@@ -1169,11 +1169,14 @@ class TorchSession:
                 layer.disable_fast(f"its output has {known} rows per sample in one chunk and {fold} in another")
             elif fold > 1:
                 self._chunk_folds[id(layer)] = fold
-        if unchecked:
-            probe = _last_sample_probe(logits)
+        if unchecked or second:
+            # One backward pass for both checks: the rows of the unchecked layers, and the columns of
+            # the sequence-first candidates (those seen so far, and those the rows check refuses).
             outputs = [cap.outputs[id(use)] for layer, _ in unchecked for use in layer.uses if not use.batchless]
-            grads = iter(torch.autograd.grad(logits, outputs, grad_outputs=probe, retain_graph=True,
-                                             allow_unused=True))
+            outputs += [cap.outputs[id(layer)] for layer, _ in second]
+            grads = iter(torch.autograd.grad(logits, outputs, grad_outputs=_last_sample_probe(logits),
+                                             retain_graph=True, allow_unused=True))
+            columns: list[tuple[TorchLayer, str, torch.Tensor | None]] = []
             for layer, fold in unchecked:
                 mine = [next(grads) for use in layer.uses if not use.batchless]
                 mixed = [g is not None and bool(g[:-fold].abs().amax() > 0) for g in mine]
@@ -1186,17 +1189,16 @@ class TorchSession:
                         why = (f"its output's leading axis has {fold} rows per sample, but not one block of rows "
                                "per sample")
                     why = f"{why} (one sample's signal reaches the other samples' rows)"
-                    (second if self._sequence_first(layer, rows) else refused).append((layer, why))
+                    if self._sequence_first(layer, rows):  # untied: its one use's gradient is its output's
+                        columns.append((layer, why, mine[0]))
+                    else:
+                        refused.append((layer, why))
                     continue
                 self._folds[id(layer)] = fold
                 if fold > 1:
                     self._chunk_folds[id(layer)] = fold
-        if second:
-            # Sequence-first: a signal at the last sample's logits reaches only the last column.
-            outputs = [cap.outputs[id(layer)] for layer, _ in second]
-            grads = torch.autograd.grad(logits, outputs, grad_outputs=_last_sample_probe(logits), retain_graph=True,
-                                        allow_unused=True)
-            for (layer, why), g in zip(second, grads):
+            for layer, why, g in [(layer, why, next(grads)) for layer, why in second] + columns:
+                # Sequence-first: a signal at the last sample's logits reaches only the last column.
                 if g is not None and bool(g[:, :-1].abs().amax() > 0):
                     refused.append((layer, why))
                 else:
