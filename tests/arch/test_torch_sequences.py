@@ -30,13 +30,20 @@ def _analyze(model, data, **kw):
     return normflat.analyze(model, data, progress=False, **kw)
 
 
-def _assert_invariant(before, after, x_call):
-    """Function unchanged, normalized sharpness unchanged per layer and in total, trace moved."""
+def _assert_invariant(before, after, x_call, **kw):
+    """Function unchanged, normalized sharpness unchanged per layer and in total, trace moved.
+
+    Args:
+        before: The model as trained.
+        after: The rescaled copy, the same function.
+        x_call: A ``_Call``: its first batch runs both models, all its batches are analyzed.
+        **kw: Options of ``normflat.analyze`` (``chunk_size``), the same for both analyses.
+    """
     with torch.no_grad():
         a, b = x_call(before), x_call(after)
     assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
     data = x_call.data
-    r0, r1 = _analyze(before, data), _analyze(after, data)
+    r0, r1 = _analyze(before, data, **kw), _analyze(after, data, **kw)
     assert [layer.name for layer in r0.layers] == [layer.name for layer in r1.layers]
     for l0, l1 in zip(r0.layers, r1.layers):
         assert math.isclose(l0.normalized_sharpness, l1.normalized_sharpness, rel_tol=1e-8), l0.name
@@ -71,24 +78,91 @@ def _head_factors(heads, seed):
     return torch.rand(heads, generator=g, dtype=DT) * 3 + 0.3
 
 
+def _rescale_attention_heads(att, seed_q=5, seed_v=6):
+    """Rescales an ``nn.MultiheadAttention`` per head in place, the same function (method §8, item 5).
+
+    Args:
+        att: The attention, its packed ``(3E, E)`` ``in_proj_weight`` (query, key, value rows).
+        seed_q: Seed of the factors ``c_h``: head h's query rows and bias times ``c_h``, its key
+            rows and bias times ``1/c_h``.
+        seed_v: Seed of the factors ``v_h``: head h's value rows and bias times ``v_h``, the output
+            projection's columns of head h times ``1/v_h``.
+    """
+    e, heads = att.embed_dim, att.num_heads
+    cq = _head_factors(heads, seed_q).repeat_interleave(e // heads)  # one factor per head, over its rows
+    cv = _head_factors(heads, seed_v).repeat_interleave(e // heads)
+    with torch.no_grad():
+        w, b = att.in_proj_weight, att.in_proj_bias
+        w[:e] *= cq[:, None]
+        b[:e] *= cq
+        w[e:2 * e] /= cq[:, None]
+        b[e:2 * e] /= cq
+        w[2 * e:] *= cv[:, None]
+        b[2 * e:] *= cv
+        att.out_proj.weight /= cv[None, :]
+
+
 def test_attention_per_head_query_key_and_value_output_rescaling():
     model = _init(AttentionTagger())
     data = [(_ids(N, T), _labels(N, T))]
     moved = copy.deepcopy(model)
-    att, hd = moved.att, D // 2
-    cq = _head_factors(2, 5).repeat_interleave(hd)  # one factor per head, over its rows
-    cv = _head_factors(2, 6).repeat_interleave(hd)
-    with torch.no_grad():
-        w, b = att.in_proj_weight, att.in_proj_bias  # packed (3E, E): query, key, value rows
-        w[:D] *= cq[:, None]
-        b[:D] *= cq
-        w[D:2 * D] /= cq[:, None]
-        b[D:2 * D] /= cq
-        w[2 * D:] *= cv[:, None]
-        b[2 * D:] *= cv
-        att.out_proj.weight /= cv[None, :]
+    _rescale_attention_heads(moved.att)
     paths = {layer.name: layer.details["path"] for layer in _analyze(model, data).layers}
     assert all(paths[f"att.{name}"] == "fast" for name in ("query", "key", "value", "out_proj")), paths
+    _assert_invariant(model, moved, _Call(data))
+
+
+class MaskedAttentionTagger(nn.Module):
+    """``AttentionTagger`` with its attention called with masks and ``need_weights=False``.
+
+    ``masks`` names what the call gets: ``padding`` (a boolean key padding mask from the sample
+    itself, its last ``ids[:, 0] % 3`` positions), ``causal`` (a boolean ``(T, T)`` ``attn_mask``),
+    ``is_causal`` (the hint beside the causal mask).
+    """
+
+    def __init__(self, masks):
+        super().__init__()
+        self.masks = masks
+        self.emb = nn.Embedding(V, D)
+        self.att = nn.MultiheadAttention(D, 2, batch_first=True)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        t = ids.shape[1]
+        kw = {"need_weights": False}
+        if "padding" in self.masks:  # every query keeps key 0, causal or not: no row all masked
+            kw["key_padding_mask"] = torch.arange(t)[None, :] >= t - ids[:, :1] % 3
+        if "causal" in self.masks:
+            kw["attn_mask"] = torch.ones(t, t, dtype=torch.bool).triu(1)
+        if "is_causal" in self.masks:
+            kw["is_causal"] = True
+        a, _ = self.att(h, h, h, **kw)
+        return self.head(torch.tanh(a + h))
+
+
+@pytest.mark.parametrize("masks", [("padding",), ("causal",), ("causal", "padding"), ("causal", "is_causal")],
+                         ids=lambda m: "+".join(m))
+def test_masked_attention_per_head_query_key_and_value_output_rescaling(masks):
+    """Per-head rescaling (query rows times c_h, key rows over it; value rows times v_h, the output
+    projection's columns over it: method §8, item 5) of an attention called with masks and
+    ``need_weights=False``: a key padding mask, a causal mask, both, and the causal mask with the
+    ``is_causal`` hint. The function is unchanged, so are the normalized sharpness per layer and in
+    total, the trace moves; every projection on its fast path, before and after (method §6.1,
+    "Attention projections applied functionally"), whichever way normflat evaluates the call."""
+    model = _init(MaskedAttentionTagger(masks))
+    data = [(_ids(N, T), _labels(N, T)), (_ids(2, T, seed=1), _labels(2, T, seed=2))]
+    pads = torch.cat([ids[:, 0] % 3 for ids, _ in data])
+    assert 0 in pads and (pads > 0).sum() >= 2  # padded and unpadded samples in the batches
+    moved = copy.deepcopy(model)
+    _rescale_attention_heads(moved.att)
+    for m in (model, moved):
+        paths = {layer.name: layer.details["path"] for layer in _analyze(m, data).layers}
+        assert all(paths[f"att.{name}"] == "fast" for name in ("query", "key", "value", "out_proj")), paths
+        with torch.no_grad():
+            assert torch.isfinite(m(data[1][0])).all()
+    with torch.no_grad():
+        assert torch.allclose(model(data[1][0]), moved(data[1][0]), rtol=1e-12, atol=1e-12)
     _assert_invariant(model, moved, _Call(data))
 
 
@@ -112,6 +186,64 @@ def test_embedding_feature_scaling_against_the_next_linear():
         moved.emb.weight *= c[None, :]
         moved.proj.weight /= c[None, :]
     _assert_invariant(model, moved, _Call(data))
+
+
+class SequenceFirstRescalable(nn.Module):
+    """PyTorch's transformer tutorial layout with rescalable pieces: token ids ``(n, T)`` read as
+    ``(T, n)``, an embedding, a dense layer and a ReLU on ``(T, n, D)``, an ``nn.TransformerEncoder``
+    without ``batch_first``, then a dense pair with a ReLU between on the first token alone,
+    ``(1, n, D)`` (Longformer's global projections), added to every token, the mean over the
+    tokens, a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.proj = nn.Linear(D, D)
+        layer = nn.TransformerEncoderLayer(D, 2, 12, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.glob_in = nn.Linear(D, 6)
+        self.glob_out = nn.Linear(6, D)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, ids):  # (n, T), read as the tutorial's (T, n)
+        h = self.enc(torch.relu(self.proj(self.emb(ids.t()))))
+        h = h + self.glob_out(torch.relu(self.glob_in(h[:1])))
+        return self.head(h.mean(0))
+
+
+@pytest.mark.parametrize("batches, kw", [((N,), {}), ((1, 4), {"chunk_size": 3})])
+def test_sequence_first_layers_rescaling(batches, kw):
+    """Layers with the samples on their second axis, ``(T, n, d)``, and the one-position pair on
+    ``(1, n, d)``, read with the samples brought to the front (method §6.1, "A batch folded into the
+    leading axis"), rescaled without changing the function (method §8): the embedding's feature j
+    times c_j and the next dense layer's column j over it (item 6); the encoder's attention per head
+    (item 5); its feed-forward hidden units (``linear1`` rows and bias times c_k, ``linear2``
+    columns over it, a ReLU between) and the one-position pair's likewise (item 2). Every layer on
+    its fast path before and after, the function unchanged on every batch, the normalized
+    sharpness unchanged per layer and in total, the trace moved; also with chunks of three and a
+    first batch of one sample, where the sequence-first reading has its special cases."""
+    model = _init(SequenceFirstRescalable())
+    data = [(_ids(b, T, seed=i), _labels(b, seed=i + 5)) for i, b in enumerate(batches)]
+    moved = copy.deepcopy(model)
+    block = moved.enc.layers[0]
+    _rescale_attention_heads(block.self_attn, 15, 16)
+    with torch.no_grad():
+        c = _head_factors(D, 17)
+        moved.emb.weight *= c[None, :]
+        moved.proj.weight /= c[None, :]
+        for first, second, seed in ((block.linear1, block.linear2, 18), (moved.glob_in, moved.glob_out, 19)):
+            c = _head_factors(first.out_features, seed)
+            first.weight *= c[:, None]
+            first.bias *= c
+            second.weight /= c[None, :]
+    for m in (model, moved):
+        report = _analyze(m, data, **kw)
+        assert len(report.layers) == 11, [layer.name for layer in report.layers]
+        assert all(layer.details["path"] == "fast" for layer in report.layers), [lr.details for lr in report.layers]
+    with torch.no_grad():
+        for ids, _ in data:
+            assert torch.allclose(model(ids), moved(ids), rtol=1e-12, atol=1e-12)
+    _assert_invariant(model, moved, _Call(data), **kw)
 
 
 class RecurrentTagger(nn.Module):
@@ -306,6 +438,60 @@ def test_position_table_feature_scaling_with_the_embedding():
     moved.alias = [moved.pos_embed]
     _assert_invariant(model, moved, _Call(data))
     assert _analyze(moved, data).layer("pos_embed").details["path"] == "fast"
+
+
+class FoldedWindowTable(nn.Module):
+    """TNT's pixel positions with rescalable features: a dense layer on ``(n, 8, 3)``, its output
+    folded into windows ``(n·2, 4, D)`` (each sample's two windows in one block), a ``(1, 4, D)``
+    table on no batch axis added to every window, a ReLU, a dense layer, tanh, the mean, a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(3, D)
+        self.pixel_pos = nn.Parameter(torch.randn(1, 4, D) * 0.3)
+        self.mix = nn.Linear(D, D)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, x):  # (n, 8, 3)
+        n = x.shape[0]
+        w = self.embed(x).reshape(2 * n, 4, D) + self.pixel_pos
+        return self.head(torch.tanh(self.mix(torch.relu(w.reshape(n, 8, D)))).mean(1))
+
+
+@pytest.mark.parametrize("batches, kw", [((5,), {}), ((1, 4), {"chunk_size": 3})])
+def test_followed_position_table_feature_scaling(batches, kw, monkeypatch):
+    """A position table added to a batch folded into windows, followed to the windows it meets
+    (method §6.1, "Layers on no batch axis", "Position tables"): output row j and bias of the dense
+    layer before it and feature j of the table times c_j (the sum times c_j, through the ReLU),
+    column j of the next dense layer times 1/c_j (method §8, item 6). The table is reported as a
+    position embedding, followed and on its fast path, before and after; the function, the
+    normalized sharpness per layer and in total unchanged, the trace moved; also in chunks with a
+    first batch of one sample."""
+    followed = []
+    follow = torch_session.TorchSession._follow
+    monkeypatch.setattr(torch_session.TorchSession, "_follow",
+                        lambda self, layer, *a, **k: (followed.append(layer.name), follow(self, layer, *a, **k))[1])
+    model = _init(FoldedWindowTable())
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(b, 8, 3, generator=g, dtype=DT), _labels(b, seed=i + 5)) for i, b in enumerate(batches)]
+    moved = copy.deepcopy(model)
+    c = _head_factors(D, 20)
+    with torch.no_grad():
+        moved.embed.weight *= c[:, None]
+        moved.embed.bias *= c
+        moved.pixel_pos *= c
+        moved.mix.weight /= c[None, :]
+    for m in (model, moved):
+        followed.clear()
+        report = _analyze(m, data, **kw)
+        assert followed == ["pixel_pos"], followed
+        table = report.layer("pixel_pos")
+        assert table.kind == "position_embedding" and table.shape == (D, 4), (table.kind, table.shape)
+        assert all(layer.details["path"] == "fast" for layer in report.layers), [lr.details for lr in report.layers]
+    with torch.no_grad():
+        for x, _ in data:
+            assert torch.allclose(model(x), moved(x), rtol=1e-12, atol=1e-12)
+    _assert_invariant(model, moved, _Call(data), **kw)
 
 
 @pytest.mark.parametrize("kind", ["position ids", "own forward"])
