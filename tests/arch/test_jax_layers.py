@@ -8,7 +8,8 @@ over the counted tokens; ``exact`` against the diagonal of ``jax.hessian`` of th
 mean loss. The references live in the native layouts of the frameworks and are
 brought to the canonical layout of method §3 by the explicit transposes written
 here (``canon``), independently of the backend's layout code. The invariance
-tests are method §8 items 5-7.
+tests are method §8 items 5-7, and the rescaling of a weight-normalized direction
+(method §3, "Weight normalization").
 """
 
 from __future__ import annotations
@@ -793,3 +794,135 @@ def test_invariance_nnx_shared_layers_conjugated():
         assert before.layer(name).details["path"] == after.layer(name).details["path"] == "fast"
         assert abs(before.layer(name).hessian_trace - after.layer(name).hessian_trace) > 1e-3 * abs(
             before.layer(name).hessian_trace)
+
+
+# ----------------------------------------------------------------------------- weight normalization (method §3)
+
+
+class LinenWeightNorm(nn.Module):
+    """flax's ``nn.WeightNorm`` (``W = scale · v / ‖v‖``, the norms over every axis but
+    ``feature_axes``) around a 1-D convolution and a dense layer, then a plain head."""
+
+    conv_axes: object = -1
+    fc_axes: object = -1
+    epsilon: float = 1e-12
+
+    @nn.compact
+    def __call__(self, x):  # x (n, 6, 2)
+        norm = dict(epsilon=self.epsilon, param_dtype=F64)
+        h = nn.WeightNorm(nn.Conv(3, (3,), param_dtype=F64, name="conv"), feature_axes=self.conv_axes,
+                          name="wn_conv", **norm)(x)
+        h = jnp.tanh(h).reshape(x.shape[0], -1)
+        h = nn.WeightNorm(nn.Dense(4, param_dtype=F64, name="fc"), feature_axes=self.fc_axes, name="wn_fc",
+                          **norm)(h)
+        return nn.Dense(3, param_dtype=F64, name="head")(jnp.tanh(h))
+
+
+class NnxWeightNorm(nnx.Module):
+    """``nnx.WeightNorm`` around a 1-D convolution and a dense layer, then a plain head. Its scales
+    are plain arrays (not ``nnx.Param``s), and its forward writes ``scale · v / ‖v‖`` into the
+    wrapped layer's kernel in place."""
+
+    def __init__(self, rngs, axes=-1, epsilon=1e-12):
+        norm = dict(feature_axes=axes, epsilon=epsilon, param_dtype=F64, rngs=rngs)
+        self.conv = nnx.WeightNorm(nnx.Conv(2, 3, (3,), param_dtype=F64, rngs=rngs), **norm)
+        self.fc = nnx.WeightNorm(nnx.Linear(18, 4, param_dtype=F64, rngs=rngs), **norm)
+        self.head = nnx.Linear(4, 3, param_dtype=F64, rngs=rngs)
+
+    def __call__(self, x):
+        h = jnp.tanh(self.conv(x)).reshape(x.shape[0], -1)
+        return self.head(jnp.tanh(self.fc(h)))
+
+
+WN_X = jnp.asarray(RNG.normal(size=(5, 6, 2)))
+WN_Y = jnp.asarray([0, 1, 2, 0, 1])
+
+
+def _weight_norm_model(api, axes=(-1, -1), epsilon=1e-12):
+    """``(model, apply)``: the scales and biases drawn away from their initial ones and zeros;
+    ``apply(x)`` computes the logits without changing the model (nnx's forward writes its kernels)."""
+    g = np.random.default_rng(4)
+    if api == "linen":
+        module = LinenWeightNorm(*axes, epsilon=epsilon)
+        variables = module.init(jax.random.key(4), WN_X)
+        params = jax.tree_util.tree_map_with_path(
+            lambda p, a: (jnp.exp(0.5 * g.normal(size=a.shape)) if "scale" in _key_name(p[-1])
+                          else 0.3 * g.normal(size=a.shape) if _key_name(p[-1]) == "bias" else a),
+            variables["params"])
+        variables = {"params": params}
+        return (module, variables), lambda x: module.apply(variables, x)
+    model = NnxWeightNorm(nnx.Rngs(4), axes[0], epsilon)
+    for wrapper in (model.conv, model.fc):
+        wrapper.scales[("kernel",)] = jnp.exp(0.5 * g.normal(size=wrapper.scales[("kernel",)].shape))
+        wrapper.layer_instance.bias[...] = 0.3 * g.normal(size=wrapper.layer_instance.bias.shape)
+    return model, lambda x: nnx.clone(model)(x)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_flax_weight_norm_direction_against_brute_force(api):
+    """flax's weight normalization ``W = scale · v / ‖v‖`` (linen's ``nn.WeightNorm`` and
+    ``nnx.WeightNorm``, norms per output feature): the stored kernel is the direction ``v``, analyzed
+    under the wrapped layer's name on the generic path, which differentiates the normalization in the
+    traced forward (method §3, "Weight normalization"; §6.1); linen's ``scale`` vectors are excluded
+    as scales, nnx's are not parameters (plain arrays) and appear nowhere; the coverage is whole,
+    the ``ggn`` diagonal of ``v`` the brute-force one, and analyzing leaves an nnx model's kernels as
+    they were (its forward overwrites them)."""
+    model, _ = _weight_norm_model(api)
+    prefix = "" if api == "linen" else "/layer_instance"
+    conv, fc = f"conv{prefix}", f"fc{prefix}"
+    if api == "nnx":
+        stored = np.asarray(model.fc.layer_instance.kernel[...]).copy()
+    report = normflat.analyze(model, (WN_X, WN_Y), estimator="ggn", progress=False)
+    assert report.metadata["coverage"] == 1.0 and report.metadata["unsupported"] == []
+    assert {layer.name for layer in report.layers} == {conv, fc, "head"}
+    for name in (conv, fc):
+        details = report.layer(name).details
+        assert details["param"] == f"{name}/kernel" and details["path"] == "generic", details
+    scales = {k for k in report.metadata["excluded"] if "scale" in k}
+    assert scales == ({"wn_conv/conv/kernel/scale", "wn_fc/fc/kernel/scale"} if api == "linen" else set())
+    if api == "nnx":
+        np.testing.assert_array_equal(np.asarray(model.fc.layer_instance.kernel[...]), stored)
+        ref = ref_ggn(model, WN_X, WN_Y, "nsce")
+    else:
+        ref = ref_ggn(model[0], WN_X, WN_Y, "nsce", model[1])
+    diag = _hd(model, (WN_X, WN_Y), estimator="ggn")
+    assert set(diag) == {conv, fc, "head"}
+    assert_close(diag[conv], np.asarray(ref[f"{conv}/kernel"]).transpose(2, 1, 0))  # (k, in, out) -> (out, in, k)
+    assert_close(diag[fc], canon(ref[f"{fc}/kernel"], "flax"))
+    assert_close(diag["head"], canon(ref["head/kernel"], "flax"))
+
+
+@pytest.mark.parametrize("api, axes", [("linen", (-1, -1)), ("linen", (1, 0)), ("linen", (None, None)),
+                                       ("nnx", (-1, -1))])
+def test_flax_weight_norm_direction_rescaling_invariance(api, axes):
+    """``W = scale · v / ‖v‖`` does not change when a slice of ``v`` normalized together is
+    multiplied by a positive factor: per output feature (flax's default ``feature_axes=-1``: a row
+    scaling), per input channel (``feature_axes`` the input axis: a column scaling) or the whole
+    tensor (``None``). The function stays (the normalization epsilon is 0 here), every layer's
+    normalized sharpness stays, and the Hessian trace of each rescaled direction moves (method §3,
+    "Weight normalization"; §8)."""
+    model, apply = _weight_norm_model(api, axes, epsilon=0.0)
+    g = np.random.default_rng(5)
+
+    def rescale(v, feature_axes):
+        keep = () if feature_axes is None else (feature_axes % v.ndim,)
+        shape = tuple(d if i in keep else 1 for i, d in enumerate(v.shape))
+        return v * jnp.exp(g.normal(size=shape))
+
+    if api == "linen":
+        module, variables = model
+        params = dict(variables["params"])
+        for name, feature_axes in zip(("conv", "fc"), axes):
+            params[name] = {**params[name], "kernel": rescale(params[name]["kernel"], feature_axes)}
+        other = (module, {"params": params})
+        other_apply = lambda x: module.apply(other[1], x)  # noqa: E731
+    else:
+        other = nnx.clone(model)
+        for wrapper in (other.conv, other.fc):
+            kernel = wrapper.layer_instance.kernel
+            kernel[...] = rescale(kernel[...], axes[0])
+        other_apply = lambda x: nnx.clone(other)(x)  # noqa: E731
+    before, after = _assert_invariant(model, other, (WN_X, WN_Y), apply, other_apply)
+    for name in ("conv", "fc") if api == "linen" else ("conv/layer_instance", "fc/layer_instance"):
+        tb, ta = before.layer(name).hessian_trace, after.layer(name).hessian_trace
+        assert abs(ta - tb) > 1e-3 * abs(tb), name
