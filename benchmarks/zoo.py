@@ -131,6 +131,14 @@ def hf_models() -> dict[str, Callable[[], tuple[Any, Callable[[int], Any]]]]:
             classify),
         "longformer": lambda: (T.LongformerForSequenceClassification(T.LongformerConfig(
             **{**small, "max_position_embeddings": 40}, attention_window=4, num_labels=3)), classify),
+        # Attention kernels stored raw (d_model, heads, head_dim), applied by einsum (method §3).
+        "xlnet": lambda: (T.XLNetForSequenceClassification(T.XLNetConfig(
+            d_model=16, n_layer=2, n_head=2, d_inner=32, vocab_size=101, num_labels=3)), classify),
+        "funnel": lambda: (T.FunnelForSequenceClassification(T.FunnelConfig(
+            d_model=16, n_head=2, d_head=8, d_inner=32, block_sizes=[1, 1], vocab_size=101, num_labels=3)), classify),
+        "funnel-factorized": lambda: (T.FunnelForSequenceClassification(T.FunnelConfig(
+            d_model=16, n_head=2, d_head=8, d_inner=32, block_sizes=[1, 1], vocab_size=101, num_labels=3,
+            attention_type="factorized")), classify),
         "gpt2": lambda: (T.GPT2LMHeadModel(T.GPT2Config(vocab_size=101, n_positions=32, n_embd=16, n_layer=2,
                                                         n_head=2)), causal),
         "llama": lambda: (T.LlamaForCausalLM(T.LlamaConfig(**small, num_key_value_heads=1)), causal),

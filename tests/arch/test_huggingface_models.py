@@ -670,3 +670,172 @@ def test_scaled_embedding_and_falcon_linear_rescaling_invariance():
     g = torch.Generator().manual_seed(2)
     data = (torch.randint(1, VOCAB, (5, 6), generator=g), torch.randint(0, 3, (5,), generator=g))
     _assert_rescaling_invariant(model, other, data, ("emb", "hidden", "head"))
+
+
+# ============================================================================ attention kernels stored raw
+
+
+def tiny_xlnet(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.XLNetConfig(vocab_size=VOCAB, d_model=HIDDEN, n_layer=1, n_head=HEADS, d_inner=16,
+                                      num_labels=3, pad_token_id=0)
+    return transformers.XLNetForSequenceClassification(config).double()
+
+
+def tiny_funnel(attention_type: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.FunnelConfig(vocab_size=VOCAB, d_model=HIDDEN, n_head=HEADS, d_head=4, d_inner=16,
+                                       block_sizes=[1, 1], num_decoder_layers=1, num_labels=3,
+                                       attention_type=attention_type)
+    model = transformers.FunnelForSequenceClassification(config).double()
+    with torch.no_grad():  # Funnel starts r_kernel, seg_embed and the relative biases at zero
+        for name, p in model.named_parameters():
+            if name.rsplit(".", 1)[-1] in ("r_kernel", "seg_embed", "r_w_bias", "r_r_bias", "r_s_bias"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def _raw_kernels(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, str]]:
+    """Each raw attention kernel by name, with how it is applied: ``into`` the heads, ``out`` of
+    them, or ``per_head`` (each head's own block)."""
+    kinds = {"q": "into", "k": "into", "v": "into", "r": "into", "o": "out", "seg_embed": "per_head"}
+    out = {}
+    for name, p in model.named_parameters():
+        last = name.rsplit(".", 1)[-1]
+        if last == "r_kernel":
+            out[name] = (p, "per_head" if model.config.attention_type == "factorized" else "into")
+        elif last in kinds and ".rel_attn." in name or (last == "seg_embed"):
+            out[name] = (p, kinds[last])
+    return out
+
+
+def _canonical_raw(t: np.ndarray, how: str) -> np.ndarray:
+    """The canonical ``(out, in/groups)`` layout of a raw kernel, written out index by index: ``into``
+    ``W[(n, d), h] = t[h, n, d]``, ``out`` ``W[h, (n, d)] = t[h, n, d]``, ``per_head``
+    ``W[(n, s), d] = t[s, n, d]``."""
+    a, n, d = t.shape
+    out = np.empty((n * d, a) if how == "into" else (a, n * d) if how == "out" else (n * a, d))
+    for i in range(a):
+        for j in range(n):
+            for k in range(d):
+                if how == "into":
+                    out[j * d + k, i] = t[i, j, k]
+                elif how == "out":
+                    out[i, j * d + k] = t[i, j, k]
+                else:
+                    out[j * a + i, k] = t[i, j, k]
+    return out
+
+
+def _segment_loader() -> list[dict]:
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(2, VOCAB, (5, 6), generator=g)
+    types = (torch.arange(6)[None, :] >= torch.tensor([[2], [3], [4], [3], [6]])).long()  # two segments
+    labels = torch.tensor([0, 1, 2, 1, 0])
+    return [{"input_ids": ids[:3], "token_type_ids": types[:3], "labels": labels[:3]},
+            {"input_ids": ids[3:], "token_type_ids": types[3:], "labels": labels[3:]}]
+
+
+RAW_MODELS = {"xlnet": tiny_xlnet, "funnel": lambda: tiny_funnel("relative_shift"),
+              "funnel-factorized": lambda: tiny_funnel("factorized")}
+
+
+@pytest.mark.parametrize("family", list(RAW_MODELS))
+def test_attention_kernels_stored_raw_match_the_brute_force_ggn(family):
+    """XLNet's relative attention keeps its projections as raw ``(d_model, heads, d_head)``
+    parameters applied by einsum, Funnel its relative-position kernel (into the heads, or per head
+    out to the model width when factorized) and both their segment keys (per head): each is a
+    weight matrix in its canonical layout (method §3, "Attention kernels stored raw"), on the
+    generic path, every parameter covered, the model unchanged, and its GGN diagonal the
+    brute-force one."""
+    model = RAW_MODELS[family]()
+    raw = _raw_kernels(model)
+    assert len(raw) == (6 if family == "xlnet" else 4)
+    before = snapshot(model)
+    report = analyze_quietly(model, _segment_loader())
+    assert_unchanged(model, before)
+    assert report.metadata["coverage"] == 1.0
+    heads = HEADS
+    for name, (p, how) in raw.items():
+        layer = report.layer(name)
+        assert layer.details["path"] == "generic", layer.details
+        assert layer.details["groups"] == (heads if how == "per_head" else 1), (name, layer.details)
+        assert layer.shape == _canonical_raw(p.detach().numpy(), how).shape, name
+    got = normflat.hessian_diagonal(model, _segment_loader(), estimator="ggn", progress=False)
+    per_param = reference_ggn(model, _segment_loader(), list(raw))
+    # Funnel casts its attention scores to float32 before the softmax ("precision safe"), in
+    # normflat's derivatives and the reference's alike: they agree to float32's precision there.
+    rtol = 1e-10 if family == "xlnet" else 1e-6
+    for name, (p, how) in raw.items():
+        want = _canonical_raw(per_param[name], how)
+        np.testing.assert_allclose(np.asarray(got[name]), want, rtol=rtol, atol=rtol * np.abs(want).max(),
+                                   err_msg=name)
+
+
+def _rescale_raw_attention(model: torch.nn.Module, seed: int) -> list[str]:
+    """Per head feature ``(n, d)``: the query times ``c``, the keys of the tokens, the relative
+    positions and the segments over ``c`` (with the biases added to the query times ``c``); the
+    values times ``e``, the output projection's columns over ``e``. The function is unchanged
+    (method §8, item 5). Returns the raw kernels rescaled."""
+    g = torch.Generator().manual_seed(seed)
+    moved = []
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            kind = type(module).__name__
+            if kind not in ("XLNetRelativeAttention", "FunnelRelMultiheadAttention"):
+                continue
+            n, d = module.r_w_bias.shape
+            c = torch.exp(torch.randn(n, d, generator=g, dtype=torch.float64))
+            e = torch.exp(torch.randn(n, d, generator=g, dtype=torch.float64))
+            for bias in (module.r_w_bias, module.r_r_bias, module.r_s_bias):
+                bias.mul_(c)
+            module.seg_embed.div_(c)
+            if kind == "XLNetRelativeAttention":
+                module.q.mul_(c)
+                module.k.div_(c)
+                module.r.div_(c)
+                module.v.mul_(e)
+                module.o.div_(e)
+                moved += [f"{name}.{p}" for p in ("q", "k", "r", "v", "o", "seg_embed")]
+            else:
+                module.q_head.weight.mul_(c.reshape(-1, 1))
+                module.k_head.weight.div_(c.reshape(-1, 1))
+                module.k_head.bias.div_(c.reshape(-1))
+                module.r_kernel.div_(c)
+                module.v_head.weight.mul_(e.reshape(-1, 1))
+                module.v_head.bias.mul_(e.reshape(-1))
+                module.post_proj.weight.div_(e.reshape(1, -1))
+                moved += [f"{name}.{p}" for p in ("r_kernel", "seg_embed")]
+    return moved
+
+
+@pytest.mark.parametrize("family", list(RAW_MODELS))
+def test_attention_kernels_stored_raw_rescaling_invariance(family):
+    """The per-head-feature rescalings of the raw kernels (``_rescale_raw_attention``) leave the
+    function, every layer's normalized sharpness and the total unchanged, and move the traces of
+    the kernels rescaled (method §8): the canonical layouts and the per-head groups of method §3,
+    "Attention kernels stored raw", are the ones the measure is invariant in."""
+    model = RAW_MODELS[family]()
+    other = copy.deepcopy(model)
+    moved = _rescale_raw_attention(other, seed=7)
+    data = _segment_loader()
+    with torch.no_grad():
+        for batch in data:
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            torch.testing.assert_close(other.eval()(**inputs).logits, model.eval()(**inputs).logits,
+                                       rtol=1e-12, atol=1e-12)
+    before = normflat.analyze(model, data, progress=False)
+    after = normflat.analyze(other, data, progress=False)
+    assert [layer.name for layer in before.layers] == [layer.name for layer in after.layers]
+    for lb, la in zip(before.layers, after.layers):
+        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), lb.name
+    assert after.normalized_sharpness == pytest.approx(before.normalized_sharpness, rel=1e-8)
+    # Funnel's last block reads no relative position or segment at the CLS token, the only one
+    # classified (its cls_mask): those two kernels have no curvature there, before or after.
+    idle = [name for name in moved if before.layer(name).hessian_trace == 0.0]
+    last = "funnel.encoder.blocks.1.0.attention"
+    assert idle == ([] if family == "xlnet" else [f"{last}.r_kernel", f"{last}.seg_embed"]), idle
+    assert all(after.layer(name).hessian_trace == 0.0 for name in idle)
+    for name in set(moved) - set(idle):
+        assert abs(after.layer(name).hessian_trace - before.layer(name).hessian_trace) > \
+            1e-3 * abs(before.layer(name).hessian_trace), name

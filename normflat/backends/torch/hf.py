@@ -106,9 +106,13 @@ _MODEL_MODULES: tuple[int, list[tuple[str, Any]]] = (-1, [])
 
 def _register_transformers() -> None:
     from normflat.backends.torch.ggn import linear_squares, scaled_embedding_squares, transposed_linear_squares
-    from normflat.backends.torch.layers import check_embedding, register_layer, registered_layers
+    from normflat.backends.torch.layers import DIRECT_WEIGHTS, check_embedding, register_layer, registered_layers
 
     known = registered_layers()
+    for module_name, cls_name, read in _DIRECT_WEIGHT_CLASSES:
+        cls = _loaded_class(module_name, cls_name)
+        if cls is not None and cls not in known and cls not in DIRECT_WEIGHTS:  # a user's own entry wins
+            DIRECT_WEIGHTS[cls] = read
     conv1d = _loaded_class("transformers.pytorch_utils", "Conv1D")
     if conv1d is not None and conv1d not in known:  # a user's own entry wins
         # y = x W + b on the last axis (any leading axes): nn.Linear's rule on the transposed layout.
@@ -135,6 +139,64 @@ def _register_transformers() -> None:
                                generic_reason=_EXPERTS_REASON)
             else:
                 register_layer(cls, kind="router", check=check_router, ggn_squares=router_squares)
+
+
+# ============================================================================ raw attention kernels
+
+
+def _into_heads(t: torch.Tensor) -> torch.Tensor:
+    """``(d_model, heads, d_head)`` applied as ``einsum("ibh,hnd->ibnd")`` (a projection into the
+    heads) -> canonical ``(heads·d_head, d_model)``."""
+    return t.reshape(t.shape[0], -1).transpose(0, 1)
+
+
+def _out_of_heads(t: torch.Tensor) -> torch.Tensor:
+    """``(d_model, heads, d_head)`` applied as ``einsum("ibnd,hnd->ibh")`` (the heads' output
+    projection) -> canonical ``(d_model, heads·d_head)``."""
+    return t.reshape(t.shape[0], -1)
+
+
+def _per_head(t: torch.Tensor) -> torch.Tensor:
+    """``(out, heads, d_head)`` applied per head to the head's ``d_head`` features
+    (``einsum("bind,snd->bnis")``: each head's query against its own keys) -> canonical
+    ``(heads·out, d_head)``, one group per head."""
+    return t.transpose(0, 1).reshape(-1, t.shape[2])
+
+
+def _xlnet_weights(module: nn.Module) -> list[Any]:
+    """XLNet's relative attention: ``q``, ``k``, ``v`` and ``r`` (the relative positions' key
+    projection) project into the heads, ``o`` out of them, ``seg_embed`` holds each head's keys of
+    the two segment classes, applied to the head's query (method §3, "Attention kernels stored
+    raw")."""
+    from normflat.backends.torch.layers import ModuleWeight
+
+    heads = int(module.seg_embed.shape[1])
+    return [*(ModuleWeight(name, getattr(module, name), _into_heads) for name in ("q", "k", "v", "r")),
+            ModuleWeight("o", module.o, _out_of_heads),
+            ModuleWeight("seg_embed", module.seg_embed, _per_head, groups=heads)]
+
+
+def _funnel_weights(module: nn.Module) -> list[Any]:
+    """Funnel's relative attention (its query, key, value and output projections are
+    ``nn.Linear`` modules of their own): ``r_kernel`` projects the relative position encodings
+    into the heads (``attention_type="relative_shift"``), or maps each head's query to the model
+    width (``"factorized"``: ``einsum("binh,dnh->bind")``, one group per head); ``seg_embed`` as
+    XLNet's (method §3, "Attention kernels stored raw")."""
+    from normflat.backends.torch.layers import ModuleWeight
+
+    heads = int(module.seg_embed.shape[1])
+    factorized = getattr(getattr(module, "config", None), "attention_type", None) == "factorized"
+    kernel = (ModuleWeight("r_kernel", module.r_kernel, _per_head, groups=heads) if factorized
+              else ModuleWeight("r_kernel", module.r_kernel, _into_heads))
+    return [kernel, ModuleWeight("seg_embed", module.seg_embed, _per_head, groups=heads)]
+
+
+#: transformers attention modules whose kernels are raw parameters applied by einsum:
+#: ``(module, class, reader)`` (:data:`~normflat.backends.torch.layers.DIRECT_WEIGHTS`).
+_DIRECT_WEIGHT_CLASSES = (
+    ("transformers.models.xlnet.modeling_xlnet", "XLNetRelativeAttention", _xlnet_weights),
+    ("transformers.models.funnel.modeling_funnel", "FunnelRelMultiheadAttention", _funnel_weights),
+)
 
 
 @functools.lru_cache(maxsize=None)

@@ -58,6 +58,8 @@ class ModuleWeight:
         kind: The report kind; ``None``: the extractor's.
         ggn_squares: This weight's fast GGN rule (as :class:`LayerExtractor`'s, for this
             parameter); ``None``: the generic path.
+        groups: The groups of a map that is block diagonal in its canonical layout
+            ``(out, in/groups)`` (one block per attention head); ``None``: the extractor's.
     """
 
     suffix: str | None
@@ -66,6 +68,28 @@ class ModuleWeight:
     blocks: list[tuple[str, int, int]] | None = None
     kind: str | None = None
     ggn_squares: Callable[..., torch.Tensor] | None = None
+    groups: int | None = None
+
+
+#: ``{module type: module -> [ModuleWeight, ...]}``: weight matrices a module applies itself as
+#: raw parameters (an einsum in its forward: XLNet's and Funnel's attention), read among the direct
+#: parameters of a module without an extractor, whose sub-modules keep their own extractors (a
+#: registered module's are not walked). Each ``suffix`` is the parameter's attribute name; they
+#: take the generic path.
+DIRECT_WEIGHTS: dict[type, Callable[[nn.Module], list[ModuleWeight]]] = {}
+
+#: Why a direct weight (:data:`DIRECT_WEIGHTS`) takes the generic path.
+DIRECT_WEIGHT_REASON = "a raw parameter its module applies itself (an einsum in its forward): no fast rule"
+
+
+def direct_weights(module: nn.Module) -> dict[int, ModuleWeight]:
+    """The :data:`DIRECT_WEIGHTS` of ``module`` (its type or the nearest base class listed), by
+    parameter id."""
+    for cls in type(module).__mro__:
+        read = DIRECT_WEIGHTS.get(cls)
+        if read is not None:
+            return {id(mw.param): mw for mw in read(module)}
+    return {}
 
 
 @dataclass(frozen=True)
@@ -460,7 +484,8 @@ class _Walk:
             self.status[name] = ParameterStatus(name, tuple(p.shape), status, reason)
 
     def add(self, label: str, module: nn.Module, w: Any, ext: LayerExtractor, *, kind: str | None = None,
-            convert: Callable | None = None, blocks: list | None = None, rule: bool = True) -> None:
+            convert: Callable | None = None, blocks: list | None = None, rule: bool = True,
+            groups: int | None = None) -> None:
         if not isinstance(w, nn.Parameter) or id(w) not in self.names:
             self.skipped.add(label, module, (
                 "its weight is not a parameter of the model, e.g. computed by "
@@ -493,8 +518,9 @@ class _Walk:
             reason = "fast=False"
         else:
             reason = ext.generic_reason or "no fast rule"
-        spec = LayerSpec(label, kind or ext.kind, self.names[id(w)],
-                         groups=int(ext.groups(module)) if ext.groups is not None and rule else 1,
+        if groups is None:
+            groups = int(ext.groups(module)) if ext.groups is not None and rule else 1
+        spec = LayerSpec(label, kind or ext.kind, self.names[id(w)], groups=groups,
                          path=("fast" if fast else "generic") if self.ggn else "hvp",
                          reason=reason, blocks=blocks)
         layer = TorchLayer(spec, module, w, ext, fast, convert)
@@ -505,9 +531,16 @@ class _Walk:
     def loose(self, name: str, module: nn.Module) -> None:
         """The direct parameters of a module without an extractor."""
         label = name or type(module).__name__
+        direct = direct_weights(module)
         for pname, p in module.named_parameters(recurse=False):
             full = f"{name}.{pname}" if name else pname
             shape = tuple(p.shape)
+            mw = direct.get(id(p))
+            if mw is not None:
+                self.add(self.names.get(id(p), full), module, p,
+                         LayerExtractor(kind=mw.kind or "dense", generic_reason=DIRECT_WEIGHT_REASON),
+                         convert=mw.to_canonical, blocks=mw.blocks, groups=mw.groups)
+                continue
             why = excluded_reason(full, shape)
             if why is not None:
                 self.mark(p, "excluded", why)
@@ -592,7 +625,7 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
                 convert = mw.to_canonical or (_identity if ext.to_canonical is not None else None)
                 own = ext if mw.ggn_squares is None else replace(ext, ggn_squares=mw.ggn_squares)
                 walk.add(sub, module, mw.param, own, kind=mw.kind, convert=convert,
-                         blocks=mw.blocks, rule=mw.ggn_squares is not None)
+                         blocks=mw.blocks, rule=mw.ggn_squares is not None, groups=mw.groups)
         else:
             w = ext.weight(module)
             normed = weight_normalization(module) if w is not None and not isinstance(w, nn.Parameter) else None
