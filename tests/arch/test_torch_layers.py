@@ -1178,18 +1178,20 @@ class RelativeBias(nn.Module):
     by the model, ``repeat(2n, 1, 1)``, and added), ``window-major`` (the windows of all samples
     interleaved: a row of the attention is no sample's own block), ``matmul`` (the bias
     multiplies the attention: not a broadcast) or ``mixed`` (``add``, and a second batch-less layer
-    whose output meets the batch in a matrix product)."""
+    whose output meets the batch in a matrix product); ``window-major+repeat`` and ``mask+repeat``
+    add ``repeat``'s convolutions beside the bias (two chains, one of them failing a check)."""
 
     def __init__(self, meet: str = "add") -> None:
         super().__init__()
         self.meet = meet
+        parts = set(meet.split("+"))
         self.embed = nn.Linear(3, D)
         self.qkv = nn.Linear(D, 3 * D)
         self.cpb_in = nn.Linear(2, 6)
         self.cpb_out = nn.Linear(6, HEADS, bias=False)
         # Two of them: the second one's expansion breaks the forward after the first is followed.
-        self.pos = nn.Conv2d(2, D, 1) if meet == "repeat" else None
-        self.pos2 = nn.Conv2d(2, D, 1) if meet == "repeat" else None
+        self.pos = nn.Conv2d(2, D, 1) if "repeat" in parts else None
+        self.pos2 = nn.Conv2d(2, D, 1) if "repeat" in parts else None
         self.gain = nn.Linear(2, D) if meet == "mixed" else None
         self.head = nn.Linear(D, C)
         axis = torch.arange(-1.0, 2.0, dtype=DT)
@@ -1205,19 +1207,19 @@ class RelativeBias(nn.Module):
         return 16 * torch.sigmoid(table[self.index].view(4, 4, HEADS).permute(2, 0, 1))  # (heads, 4, 4)
 
     def forward(self, x):  # (n, 8, 3)
-        n = x.shape[0]
+        n, parts = x.shape[0], set(self.meet.split("+"))
         h = torch.tanh(self.embed(x))
         if self.gain is not None:  # a second batch-less chain, meeting the batch in a matrix product
             h = h @ torch.diag(torch.tanh(self.gain(self.coords)).mean((0, 1, 2)))
         if self.pos is not None:
             h = h + self.pos(self.grid).repeat(n, 1, 1, 1).flatten(2).transpose(1, 2)
-        if self.meet == "window-major":
+        if "window-major" in parts:
             w = h.reshape(n, 2, 4, D).transpose(0, 1).reshape(2 * n, 4, D)
         else:
             w = h.reshape(2 * n, 4, D)
         q, k, v = self.qkv(w).reshape(2 * n, 4, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
         bias = self.bias()
-        if self.meet == "mask":
+        if "mask" in parts:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None])
         else:
             attn = q @ k.transpose(-1, -2) / math.sqrt(D // HEADS)
@@ -1229,10 +1231,10 @@ class RelativeBias(nn.Module):
                 attn = attn + bias[None]
             out = attn.softmax(-1) @ v
         out = out.transpose(1, 2).reshape(2 * n, 4, D)
+        if "window-major" in parts:
+            out = out.reshape(2, n, 4, D).transpose(0, 1)  # each sample's windows in one block again
         if self.pos2 is not None:
-            out = out + self.pos2(self.grid).repeat(n, 1, 1, 1).flatten(2).transpose(1, 2).reshape(2 * n, 4, D)
-        if self.meet == "window-major":
-            out = out.reshape(2, n, 4, D).transpose(0, 1)
+            out = out + self.pos2(self.grid).repeat(n, 1, 1, 1).flatten(2).transpose(1, 2).reshape(out.shape)
         return self.head(torch.tanh(out.reshape(n, 8, D)).mean(1))
 
 
@@ -1301,10 +1303,31 @@ def test_a_chain_that_cannot_be_followed_leaves_the_others_followed():
     _check_ggn(model, data, loss="ce")
 
 
+@pytest.mark.parametrize("batches, kw", [((4,), {}), ((1, 4), {"chunk_size": 3})])
+def test_a_chain_failing_the_rows_check_where_it_meets_leaves_the_others_followed(batches, kw):
+    """Two batch-less chains: the bias MLP meets the attention of interleaved windows (no sample's
+    own block of rows), the position convolutions meet the batch where the model repeats them
+    per sample (each sample's tokens in one block). The rows check at the meetings refuses only
+    the chain it fails at (method §6.1, "Layers on no batch axis"), with its reason; the
+    convolutions stay followed on their fast rule, and the diagonal is the brute-force one, also
+    with a first batch of one sample (checked on the second)."""
+    model = _init(RelativeBias("window-major+repeat"), seed=2)
+    data = _relative_data(batches)
+    report = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False, **kw)
+    for name in ("cpb_in", "cpb_out"):
+        details = report.layer(name).details
+        assert details["path"] == "generic", details
+        assert "one sample's signal reaches the other samples' rows where it meets the batch" in \
+            details["generic_reason"], details
+    assert all(report.layer(name).details["path"] == "fast" for name in ("pos", "pos2", "embed", "head"))
+    _check_ggn(model, data, loss="ce", **kw)
+
+
 def test_a_path_the_meetings_miss_sends_the_followed_layers_to_the_generic_path(monkeypatch):
     """The first forward that follows the layers checks that every path from their outputs to the
     logits goes through a recorded meeting: with one meeting hidden (the bias passed to the
-    attention mask as it is), the layers take the generic path and the diagonal stays exact."""
+    attention mask as it is), the layers take the generic path and the diagonal stays exact; a
+    second chain whose paths are whole (the position convolutions) stays followed."""
     from normflat.backends.torch import ggn as ggn_kernels
 
     real = ggn_kernels.BatchlessTaps._meet
@@ -1315,14 +1338,18 @@ def test_a_path_the_meetings_miss_sends_the_followed_layers_to_the_generic_path(
         return real(self, func, args, kwargs, batchless)
 
     monkeypatch.setattr(ggn_kernels.BatchlessTaps, "_meet", hide_masks)
-    model = _init(RelativeBias("mask"), seed=2)
-    data = _relative_data((4,))
-    report = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False)
-    for name in ("cpb_in", "cpb_out"):
-        details = report.layer(name).details
-        assert details["path"] == "generic", details
-        assert "reaches the logits other than where it meets the batch" in details["generic_reason"], details
-    _check_ggn(model, data, loss="ce")
+    for meet in ("mask", "mask+repeat"):  # beside a chain whose paths are whole, which stays followed
+        model = _init(RelativeBias(meet), seed=2)
+        data = _relative_data((4,))
+        report = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False)
+        for name in ("cpb_in", "cpb_out"):
+            details = report.layer(name).details
+            assert details["path"] == "generic", details
+            assert "reaches the logits other than where it meets the batch" in details["generic_reason"], details
+        others = [layer for layer in report.layers if not layer.name.startswith("cpb")]
+        assert all(layer.details["path"] == "fast" for layer in others), [lr.details for lr in others]
+        assert {layer.name for layer in others} >= ({"pos", "pos2"} if meet == "mask+repeat" else set())
+        _check_ggn(model, data, loss="ce")
 
 
 def test_relative_bias_rescaling_invariance():

@@ -957,6 +957,9 @@ class Capture:
         #: expanded over the batch)``, and why one could not be followed.
         self.batchless_ran: set[int] = set()
         self.meetings: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: Per meeting, the followed keys its batch-less operand is computed from (a failed check
+        #: refuses those layers only).
+        self.meeting_sources: list[frozenset[int]] = []
         #: The followed keys whose output met the batch where it cannot be followed, and why.
         self.batchless_refused: dict[int, str] = {}
         self._taps: BatchlessTaps | None = None
@@ -1128,6 +1131,7 @@ class Capture:
         self.expanded.clear()
         self.batchless_ran.clear()
         self.meetings.clear()
+        self.meeting_sources.clear()
         self.batchless_refused.clear()
         self.inputs.clear(), self.versions.clear(), self.outputs.clear(), self.calls.clear()
         self.live_inputs.clear()
@@ -1244,6 +1248,7 @@ class BatchlessTaps(torch.overrides.TorchFunctionMode):
                 # The model copies the row over the batch itself (XCiT's positions: repeat(B, 1, 1, 1)):
                 # the copies meet the batch here.
                 self.capture.meetings.append((args[0], out))
+                self.capture.meeting_sources.append(self._source(batchless))
                 self._put(self._batched, out)
             else:
                 self._put(self._batchless, out)
@@ -1299,6 +1304,7 @@ class BatchlessTaps(torch.overrides.TorchFunctionMode):
     def _view(self, operand: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         view = operand.expand(shape)
         self.capture.meetings.append((operand, view))
+        self.capture.meeting_sources.append(self._source([operand]))
         return view
 
 

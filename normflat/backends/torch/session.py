@@ -1312,11 +1312,15 @@ class TorchSession:
             followed = [layer for layer in followed if layer.fast]
             if not followed:
                 return False
-        for operand, view in cap.meetings:
-            if view.dim() == 0 or view.shape[0] % (rows * _copied_rows(operand, view)):
-                self._refuse_batchless(followed, f"it meets a tensor whose leading axis ({view.shape[0] if view.dim() else 0})"
-                                       f" is not a block of rows per sample ({rows}), each a copy of its own")
-                return False
+        # A check that fails at some meetings (or layers) refuses the layers they come from; the
+        # others are checked again on a forward without them.
+        bad = [i for i, (operand, view) in enumerate(cap.meetings)
+               if view.dim() == 0 or view.shape[0] % (rows * _copied_rows(operand, view))]
+        if bad:
+            view = cap.meetings[bad[0]][1]
+            return self._refuse_met(followed, bad, f"it meets a tensor whose leading axis "
+                                    f"({view.shape[0] if view.dim() else 0}) is not a block of rows per sample "
+                                    f"({rows}), each a copy of its own")
         if self._meetings_checked is None:
             self._meetings_checked = len(cap.meetings)
         elif len(cap.meetings) != self._meetings_checked:
@@ -1330,11 +1334,11 @@ class TorchSession:
             probe = _last_sample_probe(logits)
             grads = torch.autograd.grad(logits, [view for _, view in cap.meetings], grad_outputs=probe,
                                         retain_graph=True, allow_unused=True)
-            for (_, view), g in zip(cap.meetings, grads):
-                if g is not None and bool(g[:-(view.shape[0] // rows)].abs().amax() > 0):
-                    self._refuse_batchless(followed, "one sample's signal reaches the other samples' rows where it "
-                                           "meets the batch")
-                    return False
+            bad = [i for i, ((_, view), g) in enumerate(zip(cap.meetings, grads))
+                   if g is not None and bool(g[:-(view.shape[0] // rows)].abs().amax() > 0)]
+            if bad:
+                return self._refuse_met(followed, bad, "one sample's signal reaches the other samples' rows where it "
+                                        "meets the batch")
             self._meetings_apart = True
         if self._meetings_whole:
             return False
@@ -1344,15 +1348,32 @@ class TorchSession:
         through = self._pulled_back([[g] for g in torch.autograd.grad(
             logits, [view for _, view in cap.meetings], grad_outputs=every, retain_graph=True, allow_unused=True)]
             if cap.meetings else [], outs, 1)
-        for (_, use), want, got in zip(uses, direct, through):
+        missed = []
+        for (layer, use), want, got in zip(uses, direct, through):
             want = torch.zeros_like(cap.outputs[id(use)]) if want is None else want
             got = torch.zeros_like(want) if got is None else got.reshape(want.shape)
             tol = 1e3 * float(torch.finfo(want.dtype).eps) * (float(want.abs().max()) + 1e-30)
-            if not bool(((want - got).abs() <= tol).all()):
-                self._refuse_batchless(followed, "its output reaches the logits other than where it meets the batch")
-                return False
+            if not bool(((want - got).abs() <= tol).all()) and layer not in missed:
+                missed.append(layer)
+        if missed:
+            # Only these layers' outputs reach the logits elsewhere; the others' paths are whole.
+            self._refuse_batchless(missed, "its output reaches the logits other than where it meets the batch")
+            return any(layer.fast for layer in followed)
         self._meetings_whole = True
         return False
+
+    def _refuse_met(self, followed: list[TorchLayer], meetings: list[int], why: str) -> bool:
+        """Refuse, for ``why``, the followed layers the failing ``meetings`` (indices into the
+        capture's) are computed from (all of them where a meeting has no source). Returns whether
+        the forward must run again: some followed layers are left, checked on a forward without
+        the refused ones."""
+        assert self.capture is not None
+        keys = frozenset().union(*(self.capture.meeting_sources[i] for i in meetings))
+        hit = [layer for layer in followed if any(id(use) in keys for use in _followed(layer))]
+        if not hit or any(not self.capture.meeting_sources[i] for i in meetings):
+            hit = followed
+        self._refuse_batchless(hit, why)
+        return any(layer.fast for layer in followed)
 
     def _pulled_back(self, meeting_grads: list[list[torch.Tensor | None]], outs: list[torch.Tensor],
                      rows: int) -> list[torch.Tensor | None]:
