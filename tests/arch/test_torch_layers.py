@@ -149,10 +149,20 @@ class StateFirst(nn.Module):
 
 
 def _init(model, seed=0):
+    """``model`` in float64, eval mode, with weights drawn from ``seed`` alone (not from whatever
+    ran before it was built): each module's own initialization again, every other parameter
+    (the models' own tables) drawn anew, then noise (non-zero biases, asymmetric weights)."""
     torch.manual_seed(seed)
     model = model.to(DT).eval()
+    reset = set()
+    for module in model.modules():
+        if hasattr(module, "reset_parameters") and module is not model:
+            module.reset_parameters()
+            reset.update(id(p) for p in module.parameters(recurse=False))
     with torch.no_grad():
         for p in model.parameters():
+            if id(p) not in reset:
+                p.copy_(torch.randn_like(p) * 0.3)
             p.add_(torch.randn_like(p) * 0.2)  # non-zero biases, asymmetric weights
     return model
 
