@@ -564,6 +564,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--problems", nargs="*", default=list(PROBLEMS), choices=list(PROBLEMS))
     parser.add_argument("--no-accuracy", action="store_true")
     parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument("--methods", nargs="*", default=None, metavar="METHOD",
+                        help="time only these columns beside the gradient (auto, analyze, ggn, ggn-mc, "
+                             "'ggn generic', backpack, 'backpack mc', 'per token', 'auto per batch'); default: all")
     parser.add_argument("--memory", action="store_true", help="peak memory against a training step")
     parser.add_argument("--samples", type=int, default=None, help="auto's draws in the accuracy table")
     parser.add_argument("--top-classes", type=int, default=None, help="auto's exact classes in the accuracy table")
@@ -605,6 +608,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in ([] if args.no_timing else args.problems):
         runs = _synced(_runs(name, *make_problem(name, device=args.device), loader_batches=args.loader_batches),
                        args.device)
+        if args.methods is not None:  # the others' cells stay empty
+            runs = {m: run for m, run in runs.items() if m == "gradient" or m in args.methods}
         times = {m: min(t) for m, t in time_rounds(runs, args.rounds).items()}
         if "auto per batch" in times:
             times["auto per batch"] /= args.loader_batches

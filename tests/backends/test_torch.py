@@ -1228,17 +1228,63 @@ def _pair_model(positions):
 
 
 @pytest.mark.parametrize("positions", [1, 2, 3, 5])
-@pytest.mark.parametrize("by_pairs", [True, False])
+@pytest.mark.parametrize("way", ["pairs", "chunks", "one_by_one"])
 @pytest.mark.parametrize("loss", ["ce", "nsce"])
-def test_conv_squares_by_pairs_of_positions_match_brute_force(positions, by_pairs, loss, monkeypatch):
-    """Both ways of summing a convolution's squares (over the pairs of output positions with the
-    signals of a group summed first, or per-sample gradients), whichever the cost rule picks."""
-    monkeypatch.setattr(ggn_kernels, "squares_by_pairs", lambda *shape: by_pairs)
+def test_conv_squares_by_pairs_of_positions_match_brute_force(positions, way, loss, monkeypatch):
+    """Every way of summing a convolution's squares (over the pairs of output positions with the
+    signals of a group summed first, or per-sample gradients, in chunks of samples or one sample
+    at a time), whichever the cost rules pick."""
+    monkeypatch.setattr(ggn_kernels, "squares_by_pairs", lambda *shape: way == "pairs")
+    monkeypatch.setattr(ggn_kernels, "_ONE_BY_ONE_CONV_ENTRIES", 1 if way == "one_by_one" else 1 << 60)
     model, x, y = _pair_model(positions)
     got = normflat.hessian_diagonal(model, (x, y), loss=loss, estimator="ggn", progress=False)
     want = brute_ggn_diag(model, x, y, loss)
     for name, value in want.items():
         torch.testing.assert_close(got[name], canonical(model, name, value), rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("way", ["pairs", "one_by_one", "chunks"])
+@pytest.mark.parametrize("positions", [1, 3, 7])
+def test_dense_squares_on_positions_every_way(way, positions, monkeypatch):
+    """A dense layer on positions sums its per-sample squares ``Σ_n (Σ_t δ_t a_tᵀ)²`` three ways: by
+    pairs of positions (method §6.1, "Squares by pairs of positions"), per-sample gradients one
+    sample at a time (large layers), or in chunks of samples. Each equals the einsum formula in
+    float64, with zero padding signals, groups of several signals, and into the sums of a
+    transposed layout (``Conv1D``'s)."""
+    monkeypatch.setattr(ggn_kernels, "squares_by_pairs", lambda *shape: way == "pairs")
+    monkeypatch.setattr(ggn_kernels, "_ONE_BY_ONE_ENTRIES", 1 if way == "one_by_one" else 1 << 60)
+    g = torch.Generator().manual_seed(positions)
+    n, out_f, in_f, k, m = 4, 5, 3, 2, 3
+    a = torch.randn(n, positions, in_f, generator=g, dtype=DT)
+    parts = [torch.randn(n, positions, out_f, generator=g, dtype=DT) for _ in range(k * m)]
+    parts[1] = None  # a padding signal
+    want = torch.zeros(k, out_f, in_f, dtype=DT)
+    for j, d in enumerate(parts):
+        if d is not None:
+            want[j // m] += torch.einsum("nto,nti->noi", d, a).square().sum(0)
+    got = ggn_kernels._dense_squares(a, ggn_kernels.Deltas(list(parts), k, m), out_f, in_f)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    stored = torch.ones(k, in_f, out_f, dtype=DT)  # running sums in the (in, out) layout
+    ggn_kernels._dense_squares(a, ggn_kernels.Deltas(list(parts), k, m), out_f, in_f, stored.transpose(1, 2))
+    torch.testing.assert_close(stored.transpose(1, 2), want + 1, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("way", ["pairs", "one_by_one", "chunks"])
+def test_dense_layers_on_positions_match_brute_force_every_way(way, monkeypatch):
+    """The three ways of :func:`test_dense_squares_on_positions_every_way` in a model: dense layers on
+    a sequence of 3 positions, the brute-force diagonal with every loss and in chunks."""
+    monkeypatch.setattr(ggn_kernels, "squares_by_pairs", lambda *shape: way == "pairs")
+    monkeypatch.setattr(ggn_kernels, "_ONE_BY_ONE_ENTRIES", 1 if way == "one_by_one" else 1 << 60)
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.Flatten(), nn.Linear(15, 3)).to(DT)
+    x, y = torch.randn(5, 3, 4, dtype=DT), torch.tensor([0, 1, 2, 1, 0])
+    for loss in ("ce", "nsce"):
+        want = brute_ggn_diag(model, x, y, loss)
+        for chunk in (None, 2):
+            got = normflat.hessian_diagonal(model, (x, y), loss=loss, estimator="ggn", progress=False,
+                                            chunk_size=chunk)
+            for name, value in want.items():
+                torch.testing.assert_close(got[name], canonical(model, name, value), rtol=1e-10, atol=1e-13)
 
 
 def _branch_batches() -> tuple[torch.Tensor, torch.Tensor, list]:
@@ -1529,13 +1575,15 @@ class FoldedPooling(nn.Module):
 
 
 @pytest.mark.parametrize("groups", [1, 4], ids=["dense", "depthwise"])
-@pytest.mark.parametrize("by_pairs", [True, False])
-def test_convolution_on_maps_folded_into_the_batch_axis_matches_brute_force(groups, by_pairs, monkeypatch):
+@pytest.mark.parametrize("way", ["pairs", "chunks", "one_by_one"])
+def test_convolution_on_maps_folded_into_the_batch_axis_matches_brute_force(groups, way, monkeypatch):
     """A convolution fed ``(n·heads, d, h, w)`` (each sample's maps one after the other) keeps its
     fast rule: a sample's per-sample gradient sums its maps' (their positions as one sample's,
-    method §6.1); with both ways of summing the squares, in chunks of one and of two samples and
-    over two batches, and ``ggn-mc`` equal to the generic path."""
-    monkeypatch.setattr(ggn_kernels, "squares_by_pairs", lambda *shape: by_pairs)
+    method §6.1); with every way of summing the squares (by pairs, per-sample gradients in chunks
+    or one sample at a time), in chunks of one and of two samples and over two batches, and
+    ``ggn-mc`` (its groups' kernel sums) equal to the generic path."""
+    monkeypatch.setattr(ggn_kernels, "squares_by_pairs", lambda *shape: way == "pairs")
+    monkeypatch.setattr(ggn_kernels, "_ONE_BY_ONE_CONV_ENTRIES", 1 if way == "one_by_one" else 1 << 60)
     torch.manual_seed(0)
     model = FoldedPooling(groups=groups).double()
     g = torch.Generator().manual_seed(1)
