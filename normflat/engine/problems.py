@@ -36,6 +36,12 @@ METADATA_KEYS = (
 DETAIL_KEYS = ("param", "path", "groups")
 
 
+#: ``details["unused"]`` of a weight that no forward of the analysis used (its curvature is zero):
+#: every backend's words.
+UNUSED_NOTE = ("no module using it ran and the logits do not depend on it: its curvature is zero (it took "
+               "no path)")
+
+
 @dataclass
 class LayerSpec:
     """One analyzed weight, as a backend reports it.

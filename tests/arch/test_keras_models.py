@@ -295,3 +295,54 @@ def test_keras_applications_convnext_inventory():
     assert any(e.weight.groups > 1 for e in entries)  # the depthwise 7×7 convolutions are analyzed
     excluded = {p.name: p.reason for p in parameters if p.status == "excluded"}
     assert any(name.endswith("gamma") for name in excluded)  # layer-scale vectors, not weight matrices
+
+
+class IdleBranch(keras.Model):
+    """A classifier with a second dense layer built but called by no forward (a head left over
+    from pre-training): its weight exists and no logit depends on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = L.Dense(6, activation="tanh", dtype=F64, name="hidden")
+        self.head = L.Dense(3, dtype=F64, name="head")
+        self.spare = L.Dense(4, dtype=F64, name="spare")
+
+    def build(self, shape):
+        self.hidden.build(shape)
+        self.head.build((None, 6))
+        self.spare.build((None, 6))
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+
+def test_weights_no_forward_uses_take_no_path():
+    """A weight whose layer no forward calls and that the logits do not depend on (an idle head; the
+    untied reverse projection of a keras-hub backbone under a classifier) has zero curvature and
+    takes no path, its details say so (method §6.1, "Weights no forward uses"), as in the torch
+    backend; the other weights' diagonals are the generic path's."""
+    keras.utils.set_random_seed(3)
+    rng = np.random.default_rng(3)
+    idle = IdleBranch()
+    x, y = rng.normal(size=(5, 4)), np.array([0, 1, 2, 1, 0])
+    idle(x)
+    backbone = keras_hub.models.LlamaBackbone(vocabulary_size=40, num_layers=1, num_query_heads=2, hidden_dim=8,
+                                              intermediate_dim=16, num_key_value_heads=1, dtype=F64)
+    ids = keras.Input((None,), dtype="int32", name="token_ids")
+    mask = keras.Input((None,), dtype="int32", name="padding_mask")
+    pooled = L.GlobalAveragePooling1D(dtype=F64)(backbone({"token_ids": ids, "padding_mask": mask}))
+    classifier = keras.Model({"token_ids": ids, "padding_mask": mask}, L.Dense(3, dtype=F64)(pooled))
+    tokens = {"token_ids": rng.integers(0, 40, (3, 5)).astype("int32"), "padding_mask": np.ones((3, 5), "int32")}
+    for model, data, name in [(idle, (x, y), "spare"),
+                              (classifier, (tokens, np.array([0, 2, 1])), "llama_backbone/token_embedding/reverse")]:
+        report = _covered(model, data, loss="ce")
+        details = report.layer(name).details
+        assert details["path"] == "fast" and "its curvature is zero" in details["unused"], details
+        assert report.layer(name).hessian_trace == 0.0
+        assert [n for n, layer in ((lr.name, lr) for lr in report.layers) if "unused" in layer.details] == [name]
+        fast, generic = (normflat.hessian_diagonal(model, data, loss="ce", estimator="ggn", fast=f, progress=False)
+                         for f in (True, False))
+        assert not np.any(np.asarray(fast[name]))
+        for k in fast:
+            np.testing.assert_allclose(np.asarray(fast[k]), np.asarray(generic[k]), rtol=RTOL,
+                                       atol=1e-14 * float(np.abs(np.asarray(generic[k])).max()), err_msg=k)

@@ -58,7 +58,8 @@ import tensorflow as tf
 
 from normflat.backends.keras import compat
 from normflat.backends.keras.calls import recorded_inner_loop
-from normflat.backends.keras.layers import RECURRENT_KINDS, SEPARABLE_KINDS, Entry, einsum_fast_axes, fast_kind
+from normflat.backends.keras.layers import (RECURRENT_KINDS, SEPARABLE_KINDS, UNUSED, Entry, einsum_fast_axes,
+                                            fast_kind)
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for
@@ -1094,7 +1095,8 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
     (``tf.map_fn``) rather than vectorized: vectorizing the backward pass of a
     ``tf.while_loop`` (recurrent layers) takes far longer to compile than the loop runs.
     """
-    fast = [e for e in entries if e.fast]
+    unused = [e for e in entries if e.fast == UNUSED]  # zero curvature, nothing to compute
+    fast = [e for e in entries if e.fast and e.fast != UNUSED]
     generic = [e for e in entries if not e.fast]
     model_ref = weakref.ref(model)
     index, seg_list = signal_layout(options, num_classes, tokens)
@@ -1134,6 +1136,10 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
             seg = tf.zeros_like(seg)
             sums_per_layer = 1
         out = {}
+        for e in unused:
+            # The canonical shape, read off a run-time tensor that nothing consumes (pruned).
+            canonical = e.weight.to_canonical(_runtime_zeros([int(d) for d in e.variable.shape], z.dtype, start)).shape
+            out[e.name] = _runtime_zeros([sums_per_layer, *(int(d) for d in canonical)], z.dtype, start)
         # A Dense head whose pre-activation is the logits themselves (ggn-topk; ggn above
         # STRUCTURED_HEAD_CLASSES classes) gets its exact squares from the logit-Hessian diagonal,
         # once per chunk (the first block), and nothing is back-propagated to it (method §6.1-6.2).
@@ -1291,7 +1297,7 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
     linear = input_size + num_classes * (6 if structured else block + 2)
     work = 0
     for e in entries:
-        if not e.fast:
+        if not e.fast or e.fast == UNUSED:
             continue
         size = int(np.prod(e.variable.shape))
         if e is head:

@@ -431,8 +431,9 @@ class Entry:
             :data:`RECURRENT_KINDS`), ``"position"``
             (keras-hub's ``PositionEmbedding``), ``"table"`` (a position table held as a loose
             weight, :attr:`attr`) or ``"tied"`` (a ``ReversibleEmbedding`` whose table is also
-            its reverse projection, method §6.1 "Tied weights") for the fast GGN path, ``None``
-            for the generic one.
+            its reverse projection, method §6.1 "Tied weights") for the fast GGN path,
+            ``"unused"`` (:data:`UNUSED`: no forward calls its layer and the logits do not depend
+            on it; zero curvature, no path), ``None`` for the generic one.
         reason: Why the generic path is used.
         input_rank: Rank of the tapped input (seen by the probe).
         in_size: Per-sample elements of the tapped input (memory estimate).
@@ -516,6 +517,9 @@ def fast_kind(layer: Any) -> str | None:
 #: The fast kinds of a recurrent cell's two weights (``kernel``, ``recurrent_kernel``): the cell's
 #: ``RNN`` layer runs its loop as a recurrence that records each weight's products
 #: (:func:`~normflat.backends.keras.calls.recorded_inner_loop`, method §6.1 "Recurrent weights").
+#: ``Entry.fast`` of a weight no forward calls and the logits do not depend on: zero curvature,
+#: no path (method §6.1, "Weights no forward uses").
+UNUSED = "unused"
 RECURRENT_KINDS = ("recurrent_input", "recurrent_state")
 
 #: The fast kinds of a ``SeparableConv1D/2D``'s two weights: its call runs as a depthwise then a

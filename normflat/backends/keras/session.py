@@ -31,7 +31,7 @@ from normflat.backends.keras.ggn import (SIGNAL_BLOCK, TableRows, Taps, compute_
                                          starts_at_head_input)
 from normflat.backends.keras.hvp import (EXACT_BLOCK, PROBE_BLOCK, has_recurrence, hvp_step_fns, native_positions,
                                         native_probes)
-from normflat.backends.keras.layers import RECURRENT_KINDS, Entry, fast_kind, final_softmax, walk
+from normflat.backends.keras.layers import RECURRENT_KINDS, UNUSED, Entry, fast_kind, final_softmax, walk
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for, default_budget, equal_step, training_step_bytes
@@ -40,7 +40,7 @@ from normflat.engine.data import PENDING_CHECKS, Batch, labels_for
 from normflat.engine.estimators import SumState
 from normflat.engine.losses import check_logit_stats, check_loss_value, check_output_shape, logit_stats
 from normflat.engine.options import AnalysisOptions, resolve_estimator
-from normflat.engine.problems import LayerSpec
+from normflat.engine.problems import UNUSED_NOTE, LayerSpec
 from normflat.engine.random import sample_uniforms
 
 __all__ = ["BackendConfig", "KerasSession", "HVP_CHUNK"]
@@ -512,6 +512,10 @@ class KerasSession:
         if not self.hvp:
             for spec, e in zip(self.layers, self.entries):
                 spec.path, spec.reason = ("fast", None) if e.fast else ("generic", e.reason)
+                if e.fast == UNUSED:
+                    spec.extra["unused"] = UNUSED_NOTE
+                else:
+                    spec.extra.pop("unused", None)
         self._probed = True
 
     def _probe_eager(self, x: Any, batch: Batch) -> None:
@@ -530,7 +534,10 @@ class KerasSession:
             heads = [e for e in self.entries if e.fast == "dense"
                      and any(r[1] is z for r in self.taps.records.get(e.name, []))]
             self._logits_dense = heads[0] if len(heads) == 1 else None
+            idle: list[Entry] = []  # called by no forward: perhaps unused (_unused)
             for entry in self.entries:
+                if entry.fast and entry.fast != "table" and not self.taps.records.get(entry.name):
+                    idle.append(entry)
                 if entry.fast == "tied":
                     self._probe_tied(entry, self.taps.records.get(entry.name, []))
                 elif entry.fast in RECURRENT_KINDS:
@@ -555,8 +562,29 @@ class KerasSession:
                         entry.in_size = _per_sample_elements(recs[0][0])
                         entry.pre_size = _per_sample_elements(recs[0][1])
             self.taps.records.clear()
+            self._unused(idle, first)
             self._first_checks(x, batch, z)
         self.input_size = sum(_per_sample_elements(t) for t in tf.nest.flatten(first))
+
+    def _unused(self, idle: list[Entry], first: Any) -> None:
+        """The weights whose layers the first forward never called and that the logits do not depend
+        on (an untied reverse projection left out by a backbone-only model): zero curvature, no
+        path (``Entry.fast == "unused"``, method §6.1, "Weights no forward uses"), as in the torch
+        backend; a weight the logits reach another way keeps the generic path. One forward under
+        a tape on the probe's rows, only when some layer was not called. The probe is per input
+        signature, and so is a step: a signature that calls the layer takes its own path."""
+        if not idle:
+            return
+        variables = [e.variable.value for e in idle]
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(variables)
+            z = model_logits(self.model, first, self.options)
+        grads = tape.gradient(z, variables)
+        if self.taps is not None:
+            self.taps.records.clear()
+        for entry, grad in zip(idle, grads):
+            if grad is None:
+                entry.fast, entry.reason, entry.calls = UNUSED, None, 0
 
     @staticmethod
     def _probe_recurrent(entry: Entry, recs: list) -> None:
@@ -623,7 +651,7 @@ class KerasSession:
 
         A weight failing a check takes the generic path, the reason in its ``generic_reason``.
         """
-        checked = [e for e in self.entries if e.fast]
+        checked = [e for e in self.entries if e.fast and e.fast != UNUSED]
         if not checked or self.taps is None:
             return
         taps, options = self.taps, self.options

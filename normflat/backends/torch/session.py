@@ -34,6 +34,7 @@ from normflat.engine import estimators, losses
 from normflat.engine import random as nrandom
 from normflat.engine.data import PENDING_CHECKS, Batch, labels_for, non_finite_inputs
 from normflat.engine.estimators import SumState
+from normflat.engine.problems import UNUSED_NOTE
 from normflat.engine.options import GGN_ESTIMATORS, AnalysisOptions, check_flags, resolve_estimator
 from normflat.engine.outputs import select_output
 
@@ -109,9 +110,6 @@ def parse_settings(backend_options: dict[str, Any]) -> Settings:
     return s
 
 
-#: ``details["unused"]`` of a weight that no forward of the analysis used (its curvature is zero).
-UNUSED_NOTE = ("no module using it ran and the logits do not depend on it: its curvature is zero (it took "
-               "no path)")
 
 
 class TorchSession:
