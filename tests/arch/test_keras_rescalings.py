@@ -39,21 +39,11 @@ require_frameworks("tensorflow", "keras")
 import keras  # noqa: E402
 
 import normflat  # noqa: E402
+from tests._invariance import assert_reports_invariant  # noqa: E402
+from tests.arch.test_keras_layers import _randomize, _rng  # noqa: E402
 
 L = keras.layers
 F64 = "float64"
-RTOL_INVARIANT = 1e-8
-
-
-def _rng(seed):
-    keras.utils.set_random_seed(seed)
-    return np.random.default_rng(seed)
-
-
-def _randomize(model, rng, scale=0.7):
-    """Random weights, biases included (so that no curvature vanishes by symmetry)."""
-    for v in model.weights:
-        v.assign(rng.normal(size=v.shape) * scale)
 
 
 def _clone(model):
@@ -83,18 +73,7 @@ def assert_rescaling_invariant(model, twin, x, y, moved, generic=(), **kw):
     kw = {"loss": "ce", "estimator": "ggn", **kw}
     before = normflat.analyze(model, (x, y), progress=False, **kw)
     after = normflat.analyze(twin, (x, y), progress=False, **kw)
-    assert [layer.name for layer in before.layers] == [layer.name for layer in after.layers]
-    is_generic = generic if callable(generic) else generic.__contains__
-    for lb, la in zip(before.layers, after.layers):
-        path = "generic" if is_generic(lb.name) else "fast"
-        assert lb.details["path"] == la.details["path"] == path, (lb.name, lb.details)
-    for lb, la in zip(before.layers, after.layers):
-        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=RTOL_INVARIANT,
-                                                        abs=1e-300), lb.name
-    assert after.normalized_sharpness == pytest.approx(before.normalized_sharpness, rel=RTOL_INVARIANT)
-    for name in moved:
-        tb, ta = before.layer(name).hessian_trace, after.layer(name).hessian_trace
-        assert abs(ta - tb) > 1e-3 * abs(tb), (name, tb, ta)
+    assert_reports_invariant(before, after, moved, generic)
     return before, after
 
 
