@@ -560,7 +560,8 @@ def test_table_returned_as_the_logits_is_generic_with_its_reason_and_exact():
     details = report.layer("pos_embed").details
     assert details["path"] == "generic", details
     assert details["generic_reason"] == "its use in the forward pass (the output) has no fast rule", details
-    assert report.layer("patch").details["generic_reason"] == "not used by the forward pass"
+    patch = report.layer("patch").details  # used by no operation: zero, no path (method §6.1)
+    assert "generic_reason" not in patch and "its curvature is zero" in patch["unused"], patch
     got = _hd(model, (PATCHES, PATCH_Y), loss="ce", estimator="ggn")
     assert_close(got["pos_embed"], _table(ref_ggn(model, PATCHES, PATCH_Y, "ce")["pos_embed"]))
     p = jax.nn.softmax(model.pos_embed[0, 1])

@@ -926,3 +926,31 @@ def test_flax_weight_norm_direction_rescaling_invariance(api, axes):
     for name in ("conv", "fc") if api == "linen" else ("conv/layer_instance", "fc/layer_instance"):
         tb, ta = before.layer(name).hessian_trace, after.layer(name).hessian_trace
         assert abs(ta - tb) > 1e-3 * abs(tb), name
+
+
+class NnxIdle(nnx.Module):
+    """A classifier with a dense layer no forward uses (a head left over from pre-training)."""
+
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(4, 6, param_dtype=F64, rngs=rngs)
+        self.head = nnx.Linear(6, 3, param_dtype=F64, rngs=rngs)
+        self.spare = nnx.Linear(6, 5, param_dtype=F64, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(self.hidden(x)))
+
+
+def test_weights_no_forward_uses_are_reported_unused():
+    """A weight no operation of the traced forward uses has zero curvature and takes no path (its
+    per-example gradients are symbolic zeros): its details say so, as in the other backends
+    (method §6.1, "Weights no forward uses"); the other weights keep their fast rules."""
+    model = NnxIdle(nnx.Rngs(3))
+    x, y = jnp.asarray(RNG.normal(size=(5, 4))), jnp.asarray([0, 1, 2, 1, 0])
+    report = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    spare = report.layer("spare").details
+    assert spare["path"] == "fast" and "its curvature is zero" in spare["unused"] and "generic_reason" not in spare
+    assert report.layer("spare").hessian_trace == 0.0
+    assert all("unused" not in layer.details and layer.details["path"] == "fast"
+               for layer in report.layers if layer.name != "spare")
+    got = normflat.hessian_diagonal(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert not np.any(np.asarray(got["spare"]))

@@ -610,12 +610,17 @@ def _added_table(prog: Program, k: int, ends: list, uses: dict) -> Tap | None:
     return Tap(k, i, pos, list(chain[:first]), False, added=tuple(chain[first:]))
 
 
+#: :attr:`Program.reasons` of a weight no operation of the forward uses: its curvature is zero, and
+#: its per-example gradients are symbolic zeros (the session reports it unused, no path).
+UNUSED_REASON = "not used by the forward pass"
+
+
 def _generic_reason(prog: Program, ends: list) -> str:
     """Why a weight without a tap takes the generic path, from its uses (``ends``: the ops that
     use it beyond the layout ops, slices and broadcasts that may bring a table to an addition)."""
     names = ["the output" if i < 0 else prog.ops[i].prim.name for i, _, _ in ends]
     if not names:
-        return "not used by the forward pass"
+        return UNUSED_REASON
     if len(names) > 1:
         counts = {n: names.count(n) for n in names}  # a layer called in a loop: one use per call
         listed = ", ".join(n if c == 1 else f"{n} ×{c}" for n, c in counts.items())

@@ -40,13 +40,13 @@ from normflat.backends.jax.ggn import GGN
 from normflat.backends.jax.hvp import Exact, Hutchinson
 from normflat.backends.jax.kernel import GroupSums, combine_stats
 from normflat.backends.jax.layers import canonical_shape, check_has_weights, check_layouts, make_view, to_canonical
-from normflat.backends.jax.program import trace_program
+from normflat.backends.jax.program import UNUSED_REASON, trace_program
 from normflat.backends.jax.state import ModelState
 from normflat.engine.data import PENDING_CHECKS, Batch, labels_for, non_finite_inputs
 from normflat.engine.estimators import SumState
 from normflat.engine.losses import check_logit_stats, check_loss_value, check_output_shape
 from normflat.engine.options import AnalysisOptions, resolve_estimator
-from normflat.engine.problems import LayerSpec, ParameterStatus
+from normflat.engine.problems import UNUSED_NOTE, LayerSpec, ParameterStatus
 
 __all__ = ["JaxSession"]
 
@@ -389,9 +389,13 @@ class JaxSession:
         self.run = kernel.begin(ws, others, self._mesh, seed=options.seed, stream=self._stream,
                                 weights=view.weights)
         self.view, self.kernel, self.dtype, self.num_classes = view, kernel, dtype, num_classes
-        self.layers = [LayerSpec(w.name, w.kind, w.path, groups=w.groups, path=p, reason=why,
-                                 extra={"leaf": w.path}, blocks=w.blocks)
-                       for w, p, why in zip(view.weights, kernel.paths, kernel.reasons)]
+        # A weight no operation uses has zero curvature and costs nothing (its per-example gradients
+        # are symbolic zeros): reported as the other backends report it, unused, no path.
+        self.layers = [LayerSpec(w.name, w.kind, w.path, groups=w.groups, path="fast" if unused else p,
+                                 reason=None if unused else why, blocks=w.blocks,
+                                 extra={"leaf": w.path, **({"unused": UNUSED_NOTE} if unused else {})})
+                       for w, p, why in zip(view.weights, kernel.paths, kernel.reasons)
+                       for unused in [why == UNUSED_REASON]]
 
     # ------------------------------------------------------------------ deferred checks
 
