@@ -67,6 +67,10 @@ Problems:
 * ``transformer-padded-10``: ``transformer-10`` given a key padding mask (ids below 200, about
   one token in ten, taken for padding): its attention calls pass the mask, with
   ``need_weights=False`` (method §6.1, "Attention projections applied functionally").
+* ``attention-weights-10``: two ``nn.MultiheadAttention`` blocks called with their defaults,
+  ``attention(h, h, h)``: the attention weights returned (and discarded), which torch's function
+  computes without the fused attention (method §6.1, "Attention projections applied
+  functionally").
 * ``transformer-causal-10``: ``transformer-10`` with a causal mask and ``is_causal=True`` (a
   decoder-only layout), the head on the last token: its attention calls pass the causal hint,
   with ``need_weights=False`` (method §6.1, "Attention projections applied functionally").
@@ -216,6 +220,26 @@ class _CausalClassifier(_TransformerClassifier):
         return self.head(self.encoder(self.embed(ids), mask=causal, is_causal=True)[:, -1])
 
 
+class _AttentionCalledPlainly(nn.Module):
+    """Token ids -> embedding (2000 × 128) -> two blocks of ``nn.MultiheadAttention`` (4 heads)
+    called as ``attention(h, h, h)``, its defaults (the attention weights returned, averaged over
+    the heads, and discarded by the model), a residual and a tanh -> mean over the tokens -> dense
+    head: the call most hand-written models make."""
+
+    def __init__(self, classes: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(SEQUENCE_VOCABULARY, 128)
+        self.blocks = nn.ModuleList(nn.MultiheadAttention(128, 4, batch_first=True) for _ in range(2))
+        self.head = nn.Linear(128, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for attention in self.blocks:
+            a, _ = attention(h, h, h)
+            h = torch.tanh(h + a)
+        return self.head(h.mean(1))
+
+
 def _torchvision_vit(classes: int) -> nn.Module:
     import torchvision
 
@@ -362,6 +386,7 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
     "transformer-seq-first-10": (_sequence_first_classifier, 10, (32, 32), False, True),
     "transformer-padded-10": (_PaddedClassifier, 10, (32, 32), False, True),
     "transformer-causal-10": (_CausalClassifier, 10, (32, 32), False, True),
+    "attention-weights-10": (_AttentionCalledPlainly, 10, (32, 32), False, True),
     "wav2vec2-10": (_Wav2Vec2, 10, (4, 16000), False, True),
     "swin-t-10": (_torchvision_swin("swin_t"), 10, (8, 3, 64, 64), False, True),
     "swin-v2-t-10": (_torchvision_swin("swin_v2_t"), 10, (8, 3, 64, 64), False, True),
@@ -372,7 +397,7 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
 }
 #: The sequence classifiers (token ids in, one label per sequence) and their vocabulary.
 SEQUENCE_CLASSIFIERS = ("lstm-10", "gru-10", "albert-10", "transformer-10", "transformer-seq-first-10",
-                        "transformer-padded-10", "transformer-causal-10", "deberta-v3-10")
+                        "transformer-padded-10", "transformer-causal-10", "attention-weights-10", "deberta-v3-10")
 #: The problems timed with ``fast=False`` too (the "generic path" column): the path their
 #: recurrent, shared, weight-standardized, self-padded or weight-normalized weights took before their rules.
 GENERIC_TIMED = (*SEQUENCE_CLASSIFIERS, "bit-10", "nfnet-10", "tf-efficientnet-10", "tv-vit-10", "wav2vec2-10")

@@ -266,20 +266,27 @@ _ATTENTION_OPTIONS = ["self", "seq_first", "cross", "three", "masks", "bias_kv",
 @pytest.mark.parametrize("option", _ATTENTION_OPTIONS)
 def test_multihead_attention_options_take_the_fast_rule(option, monkeypatch):
     """``nn.MultiheadAttention`` applies its projections inside ``F.multi_head_attention_forward``;
-    normflat applies them itself, recorded batch first, with torch's function between them
-    (method §6.1, "Attention projections applied functionally"): every projection on the fast path
-    with every option of the call, against brute force; ``ggn-mc`` equal to the generic path."""
+    normflat applies them itself, recorded batch first, with the attention between them computed
+    as torch's function computes it (method §6.1, "Attention projections applied functionally"):
+    every projection on the fast path with every option of the call, against brute force;
+    ``ggn-mc`` equal to the generic path."""
     from normflat.backends.torch import ggn as ggn_kernels
 
-    plain = []
+    plain, identities = [], []
     real = ggn_kernels.F.scaled_dot_product_attention
     monkeypatch.setattr(ggn_kernels.F, "scaled_dot_product_attention",
                         lambda *a, **k: plain.append(True) or real(*a, **k))
+    with_identities = ggn_kernels._attention_with_identities
+    monkeypatch.setattr(ggn_kernels, "_attention_with_identities",
+                        lambda *a, **k: identities.append(True) or with_identities(*a, **k))
     model = _init(AttentionOptions(option))
     data = [(_ids(N, T), _labels(N)), (_ids(2, T, seed=3), _labels(2, seed=4))]
     report = normflat.analyze(model, data, progress=False, estimator="ggn")
-    # The identity-free call (the heads' attention called by normflat itself) for the plain ones.
+    # The identity-free call (the heads' attention called by normflat itself) for the plain ones;
+    # the attention written out where it returns its weights; torch's function with identity
+    # projections only for a bias or zero attention added to the keys.
     assert bool(plain) == option.startswith("plain")
+    assert bool(identities) == (option in ("bias_kv", "zero_attn"))
     paths = {layer.name: layer.details for layer in report.layers}
     assert all(paths[f"att.{name}"]["path"] == "fast" for name in ("query", "key", "value", "out_proj")), paths
     _check_ggn(model, data)

@@ -1453,23 +1453,38 @@ def recorded_attention(args: tuple, kwargs: dict,
         q, k, v = rows(query, 0), rows(key, 1), rows(value, 2)
     heads = int(call["num_heads"])
     direct = _direct_attention_masks(call, int(q.shape[0]), heads, int(q.shape[1]), int(k.shape[1]))
-    if direct is not None:
-        # No bias, zero attention or dropout, and no weights returned: torch's function is the
-        # scaled dot-product attention of the heads with its masks merged into one additive mask
-        # (or its causal hint), called here without the identities.
-        mask, causal = direct
+    if direct is None:
+        return _attention_with_identities(call, q, k, v, project, out_weight, out_bias)
+    # No bias, zero attention or dropout: torch's function is the attention of the heads with its
+    # masks merged into one additive mask (or its causal hint), computed here without the
+    # identities: the scaled dot-product attention, or, where it returns the attention weights,
+    # the same products written out as torch's function writes them.
+    mask, causal = direct
 
-        def split(t: torch.Tensor) -> torch.Tensor:  # (N, L, E) -> (N, heads, L, E/heads)
-            return t.reshape(t.shape[0], t.shape[1], heads, e // heads).transpose(1, 2)
+    def split(t: torch.Tensor) -> torch.Tensor:  # (N, L, E) -> (N, heads, L, E/heads)
+        return t.reshape(t.shape[0], t.shape[1], heads, e // heads).transpose(1, 2)
 
+    attention_weights = None
+    if call.get("need_weights", True) is False:
         attended = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=mask, is_causal=causal)
-        out = project([attended.transpose(1, 2).reshape(q.shape[0], q.shape[1], e).transpose(0, 1)], out_weight,
-                      out_bias)
-        return out.transpose(0, 1), None
+    else:
+        scores = (split(q) * math.sqrt(1.0 / float(e // heads))) @ split(k).transpose(-2, -1)
+        probabilities = torch.softmax(scores if mask is None else mask + scores, dim=-1)
+        attended = probabilities @ split(v)
+        attention_weights = probabilities.mean(1) if call.get("average_attn_weights", True) else probabilities
+    out = project([attended.transpose(1, 2).reshape(q.shape[0], q.shape[1], e).transpose(0, 1)], out_weight, out_bias)
+    return out.transpose(0, 1), attention_weights
+
+
+def _attention_with_identities(call: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, project: Callable,
+                               out_weight: torch.Tensor, out_bias: torch.Tensor | None) -> tuple:
+    """Torch's own function between the recorded projections, with identity projections and no
+    biases (``bias_k``/``bias_v``, ``add_zero_attn``, dropout, masks it reads its own way)."""
+    e = int(q.shape[-1])
     eye = torch.eye(e, dtype=q.dtype, device=q.device)
-    call.update(query=q.transpose(0, 1), key=k.transpose(0, 1), value=v.transpose(0, 1), in_proj_weight=None,
-                in_proj_bias=None, use_separate_proj_weight=True, q_proj_weight=eye, k_proj_weight=eye,
-                v_proj_weight=eye, out_proj_weight=eye, out_proj_bias=None)
+    call = {**call, "query": q.transpose(0, 1), "key": k.transpose(0, 1), "value": v.transpose(0, 1),
+            "in_proj_weight": None, "in_proj_bias": None, "use_separate_proj_weight": True, "q_proj_weight": eye,
+            "k_proj_weight": eye, "v_proj_weight": eye, "out_proj_weight": eye, "out_proj_bias": None}
     attended, attention_weights = F.multi_head_attention_forward(**call)
     out = project([attended], out_weight, out_bias)
     return out.transpose(0, 1), attention_weights
@@ -1490,21 +1505,23 @@ def _plain_attention(call: dict) -> bool:
 
 def _direct_attention_masks(call: dict, batch: int, heads: int, queries: int,
                             keys: int) -> tuple[torch.Tensor | None, bool] | None:
-    """How torch's function would call the heads' scaled dot-product attention, for a call that
-    would be plain (:func:`_plain_attention`) but for its masks: ``(attn_mask, is_causal)``, the
-    mask additive and ``(N, heads, L, S)``-broadcastable; else ``None`` (the caller runs torch's
-    function with identity projections).
+    """How torch's function would compute the heads' attention, for a call that would be plain
+    (:func:`_plain_attention`) but for its masks and the attention weights it returns:
+    ``(attn_mask, is_causal)``, the mask additive and ``(N, heads, L, S)``-broadcastable; else
+    ``None`` (the caller runs torch's function with identity projections).
 
     As torch's function reads them: a boolean mask leaves out its ``True`` entries (``-inf``), a
     floating one in the query's dtype is added; ``attn_mask`` is ``(L, S)`` or ``(N·heads, L, S)``,
     ``key_padding_mask`` ``(N, S)``, and the two are added. With ``is_causal`` and no key padding
-    mask, torch trusts the hint and passes SDPA ``is_causal=True`` without the mask
-    (``nn.TransformerEncoder`` sets the hint when its mask is causal). Any other shape or dtype
+    mask and no weights returned, torch trusts the hint and passes SDPA ``is_causal=True`` without
+    the mask (``nn.TransformerEncoder`` sets the hint when its mask is causal). Any other shape or dtype
     (mixed mask dtypes, which torch warns about) goes to torch's own function, which says what is
     wrong or reads it its own way."""
     padding, attention, causal = call.get("key_padding_mask"), call.get("attn_mask"), bool(call.get("is_causal"))
-    if not _plain_attention({**call, "key_padding_mask": None, "attn_mask": None, "is_causal": False}):
+    if not _plain_attention({**call, "key_padding_mask": None, "attn_mask": None, "is_causal": False,
+                             "need_weights": False}):
         return None
+    weights = call.get("need_weights", True) is not False
     dtype = call["query"].dtype
     masks = [m for m in (padding, attention) if m is not None]
     if any(m.dtype != torch.bool and m.dtype != dtype for m in masks) or len({m.dtype for m in masks}) > 1:
@@ -1515,8 +1532,8 @@ def _direct_attention_masks(call: dict, batch: int, heads: int, queries: int,
         return None
     if causal and attention is None:
         return None  # torch's function raises
-    if causal and padding is None:
-        return None, True
+    if causal and padding is None and not weights:
+        return None, True  # with the weights returned, torch's function reads the mask itself
 
     def additive(m: torch.Tensor) -> torch.Tensor:
         if m.dtype != torch.bool:
