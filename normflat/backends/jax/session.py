@@ -389,13 +389,15 @@ class JaxSession:
         self.run = kernel.begin(ws, others, self._mesh, seed=options.seed, stream=self._stream,
                                 weights=view.weights)
         self.view, self.kernel, self.dtype, self.num_classes = view, kernel, dtype, num_classes
-        # A weight no operation uses has zero curvature and costs nothing (its per-example gradients
-        # are symbolic zeros): reported as the other backends report it, unused, no path.
-        self.layers = [LayerSpec(w.name, w.kind, w.path, groups=w.groups, path="fast" if unused else p,
-                                 reason=None if unused else why, blocks=w.blocks,
-                                 extra={"leaf": w.path, **({"unused": UNUSED_NOTE} if unused else {})})
-                       for w, p, why in zip(view.weights, kernel.paths, kernel.reasons)
-                       for unused in [why == UNUSED_REASON]]
+        self.layers = []
+        for w, path, why in zip(view.weights, kernel.paths, kernel.reasons):
+            spec = LayerSpec(w.name, w.kind, w.path, groups=w.groups, path=path, reason=why,
+                             extra={"leaf": w.path}, blocks=w.blocks)
+            if why == UNUSED_REASON:
+                # No operation uses it: zero curvature at no cost (its per-example gradients are
+                # symbolic zeros), reported as the other backends report it, unused, no path.
+                spec.path, spec.reason, spec.extra["unused"] = "fast", None, UNUSED_NOTE
+            self.layers.append(spec)
 
     # ------------------------------------------------------------------ deferred checks
 

@@ -514,12 +514,13 @@ def fast_kind(layer: Any) -> str | None:
     return None
 
 
-#: The fast kinds of a recurrent cell's two weights (``kernel``, ``recurrent_kernel``): the cell's
-#: ``RNN`` layer runs its loop as a recurrence that records each weight's products
-#: (:func:`~normflat.backends.keras.calls.recorded_inner_loop`, method §6.1 "Recurrent weights").
 #: ``Entry.fast`` of a weight no forward calls and the logits do not depend on: zero curvature,
 #: no path (method §6.1, "Weights no forward uses").
 UNUSED = "unused"
+
+#: The fast kinds of a recurrent cell's two weights (``kernel``, ``recurrent_kernel``): the cell's
+#: ``RNN`` layer runs its loop as a recurrence that records each weight's products
+#: (:func:`~normflat.backends.keras.calls.recorded_inner_loop`, method §6.1 "Recurrent weights").
 RECURRENT_KINDS = ("recurrent_input", "recurrent_state")
 
 #: The fast kinds of a ``SeparableConv1D/2D``'s two weights: its call runs as a depthwise then a

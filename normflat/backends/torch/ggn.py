@@ -818,7 +818,8 @@ def tied_squares(uses: list[tuple[nn.Module, Any, torch.Tensor]], deltas: list[D
     maps = [PREPARED_GRADIENTS[rule](module) if rule in PREPARED_GRADIENTS
             else functools.partial(PER_SAMPLE_GRADIENTS[rule], module) for module, rule, _ in uses]
     for j in range(k * m):
-        parts = [(gradients, a, d.parts[j]) for gradients, a, d in zip(maps, inputs, deltas) if d.parts[j] is not None]
+        parts = [(gradients, a, d.parts[j]) for gradients, a, d in zip(maps, inputs, deltas)
+                 if d.parts[j] is not None]
         if not parts:
             continue
         for sl in _chunks(n, weight.numel()):
@@ -1472,7 +1473,8 @@ def recorded_attention(args: tuple, kwargs: dict,
         probabilities = torch.softmax(scores if mask is None else mask + scores, dim=-1)
         attended = probabilities @ split(v)
         attention_weights = probabilities.mean(1) if call.get("average_attn_weights", True) else probabilities
-    out = project([attended.transpose(1, 2).reshape(q.shape[0], q.shape[1], e).transpose(0, 1)], out_weight, out_bias)
+    out = project([attended.transpose(1, 2).reshape(q.shape[0], q.shape[1], e).transpose(0, 1)], out_weight,
+                  out_bias)
     return out.transpose(0, 1), attention_weights
 
 
@@ -1490,23 +1492,20 @@ def _attention_with_identities(call: dict, q: torch.Tensor, k: torch.Tensor, v: 
     return out.transpose(0, 1), attention_weights
 
 
-def _plain_attention(call: dict) -> bool:
-    """Whether a ``F.multi_head_attention_forward`` call computes the plain scaled dot-product
-    attention of its heads after the projections: no mask (``attn_mask``, ``key_padding_mask``,
-    ``is_causal``), no ``bias_k``/``bias_v``, no ``add_zero_attn``, no static keys or values, no
-    dropout, and no attention weights to return (``need_weights=False``, as torchvision's ViT and
-    ``nn.TransformerEncoderLayer`` call it)."""
-    return (call.get("attn_mask") is None and call.get("key_padding_mask") is None and not call.get("is_causal")
-            and call.get("bias_k") is None and call.get("bias_v") is None and not call.get("add_zero_attn")
+def _keys_as_given(call: dict) -> bool:
+    """Whether a ``F.multi_head_attention_forward`` call attends to its projected keys and values
+    as they are, without dropout: no ``bias_k``/``bias_v``, no ``add_zero_attn``, no static keys
+    or values, and no dropout in training. Its masks and the weights it returns are read by
+    :func:`_direct_attention_masks`."""
+    return (call.get("bias_k") is None and call.get("bias_v") is None and not call.get("add_zero_attn")
             and call.get("static_k") is None and call.get("static_v") is None
-            and call.get("need_weights") is False
             and not (call.get("training", True) and float(call.get("dropout_p", 0.0)) > 0.0))
 
 
 def _direct_attention_masks(call: dict, batch: int, heads: int, queries: int,
                             keys: int) -> tuple[torch.Tensor | None, bool] | None:
-    """How torch's function would compute the heads' attention, for a call that would be plain
-    (:func:`_plain_attention`) but for its masks and the attention weights it returns:
+    """How torch's function would compute the heads' attention, for a call that attends to its
+    keys as given (:func:`_keys_as_given`), whatever its masks and the attention weights it returns:
     ``(attn_mask, is_causal)``, the mask additive and ``(N, heads, L, S)``-broadcastable; else
     ``None`` (the caller runs torch's function with identity projections).
 
@@ -1518,8 +1517,7 @@ def _direct_attention_masks(call: dict, batch: int, heads: int, queries: int,
     (mixed mask dtypes, which torch warns about) goes to torch's own function, which says what is
     wrong or reads it its own way."""
     padding, attention, causal = call.get("key_padding_mask"), call.get("attn_mask"), bool(call.get("is_causal"))
-    if not _plain_attention({**call, "key_padding_mask": None, "attn_mask": None, "is_causal": False,
-                             "need_weights": False}):
+    if not _keys_as_given(call):
         return None
     weights = call.get("need_weights", True) is not False
     dtype = call["query"].dtype

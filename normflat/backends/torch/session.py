@@ -1298,8 +1298,7 @@ class TorchSession:
         assert self.capture is not None
         cap = self.capture
         if cap.batchless_refused:
-            hit = [layer for layer in followed if any(id(use) in cap.batchless_refused for use in _followed(layer))]
-            for layer in hit or followed:
+            for layer in _from_sources(followed, cap.batchless_refused):
                 key = next((id(use) for use in _followed(layer) if id(use) in cap.batchless_refused), None)
                 self._refuse_batchless([layer], cap.batchless_refused.get(key, next(iter(
                     cap.batchless_refused.values()))))
@@ -1366,10 +1365,8 @@ class TorchSession:
         the forward must run again: some followed layers are left, checked on a forward without
         the refused ones."""
         assert self.capture is not None
-        keys = frozenset().union(*(self.capture.meeting_sources[i] for i in meetings))
-        hit = [layer for layer in followed if any(id(use) in keys for use in _followed(layer))]
-        if not hit or any(not self.capture.meeting_sources[i] for i in meetings):
-            hit = followed
+        sources = [self.capture.meeting_sources[i] for i in meetings]
+        hit = _from_sources(followed, frozenset().union(*sources)) if all(sources) else followed
         self._refuse_batchless(hit, why)
         return any(layer.fast for layer in followed)
 
@@ -1719,6 +1716,12 @@ def _follows(layer: TorchLayer) -> bool:
 def _followed(layer: TorchLayer) -> list["TorchLayer | TiedUse"]:
     """A layer's calls followed to the batch (the layer itself for its first call, or its weight)."""
     return [use for use in layer.uses if use.batchless]
+
+
+def _from_sources(followed: list[TorchLayer], keys: Any) -> list[TorchLayer]:
+    """The followed layers with a call among ``keys`` (where a failing meeting or operation comes
+    from), or all of them where none is."""
+    return [layer for layer in followed if any(id(use) in keys for use in _followed(layer))] or followed
 
 
 def _leading(t: torch.Tensor) -> int:
