@@ -1,7 +1,7 @@
 """Framework-free description of small networks for cross-framework tests.
 
 A :class:`NetSpec` is a sequence of layers with numpy weights in the canonical
-layout (dense ``(out, in)``, conv ``(out, in/groups, kh, kw)``) and a numpy
+layout (dense ``(out, in)``, conv and transposed conv ``(out, in/groups, kh, kw)``) and a numpy
 reference forward pass. Each framework's builder (``tests/builders/*.py``)
 turns a spec into a native model with exactly these weights, so the same
 network can be analyzed in every framework and transformed by the
@@ -31,6 +31,18 @@ class Conv2d:
     stride: int = 1
     padding: int = 0  # symmetric zero padding
     groups: int = 1
+
+
+@dataclass
+class ConvTranspose2d:
+    """torch's ``ConvTranspose2d`` (one group): input channel ``i`` at position ``p`` adds
+    ``x[i, p] · weight[o, i, a]`` to output position ``p·stride + a − padding``; output size
+    ``(size − 1)·stride − 2·padding + k``."""
+
+    weight: np.ndarray  # (out, in, kh, kw): canonical (method §3)
+    bias: np.ndarray | None = None
+    stride: int = 1
+    padding: int = 0  # symmetric crop of the full output
 
 
 @dataclass
@@ -85,7 +97,12 @@ class Residual:
     body: list = field(default_factory=list)
 
 
-Layer = Union[Dense, Conv2d, Relu, Tanh, MaxPool2d, GlobalAvgPool2d, Flatten, BatchNorm, LayerNorm, Residual]
+Layer = Union[Dense, Conv2d, ConvTranspose2d, Relu, Tanh, MaxPool2d, GlobalAvgPool2d, Flatten, BatchNorm, LayerNorm,
+              Residual]
+
+
+#: The layers with a weight matrix.
+WEIGHT_LAYERS = (Dense, Conv2d, ConvTranspose2d)
 
 
 @dataclass
@@ -98,12 +115,12 @@ class NetSpec:
         return copy.deepcopy(self)
 
     def weight_layers(self) -> list:
-        """Dense/Conv2d layers in model order (residual bodies inlined)."""
+        """Dense/Conv2d/ConvTranspose2d layers in model order (residual bodies inlined)."""
         out = []
         for layer in self.layers:
             if isinstance(layer, Residual):
-                out.extend(l for l in layer.body if isinstance(l, (Dense, Conv2d)))
-            elif isinstance(layer, (Dense, Conv2d)):
+                out.extend(l for l in layer.body if isinstance(l, WEIGHT_LAYERS))
+            elif isinstance(layer, WEIGHT_LAYERS):
                 out.append(layer)
         return out
 
@@ -128,6 +145,8 @@ def _apply(layer, h):
         return out + layer.bias if layer.bias is not None else out
     if isinstance(layer, Conv2d):
         return _conv2d(h, layer)
+    if isinstance(layer, ConvTranspose2d):
+        return _conv_transpose2d(h, layer)
     if isinstance(layer, Relu):
         return np.maximum(h, 0.0)
     if isinstance(layer, Tanh):
@@ -170,6 +189,21 @@ def _conv2d(h, layer: Conv2d):
         wg = w[gi * out_g : (gi + 1) * out_g]
         outs.append(np.einsum("ncijkl,ockl->noij", win, wg))
     y = np.concatenate(outs, axis=1)
+    if layer.bias is not None:
+        y = y + layer.bias.reshape(1, -1, 1, 1)
+    return y
+
+
+def _conv_transpose2d(h, layer: ConvTranspose2d):
+    w, s, p = layer.weight, layer.stride, layer.padding
+    n, _, hh, ww = h.shape
+    _, _, kh, kw = w.shape
+    full = np.zeros((n, w.shape[0], (hh - 1) * s + kh, (ww - 1) * s + kw))
+    for a in range(kh):
+        for b in range(kw):
+            full[:, :, a:a + (hh - 1) * s + 1:s, b:b + (ww - 1) * s + 1:s] += np.einsum("nipq,oi->nopq", h,
+                                                                                         w[:, :, a, b])
+    y = full[:, :, p:full.shape[2] - p, p:full.shape[3] - p]
     if layer.bias is not None:
         y = y + layer.bias.reshape(1, -1, 1, 1)
     return y
@@ -222,6 +256,19 @@ def resnet_block(*, channels=3, image=5, classes=3, seed=0) -> NetSpec:
     layers = [Conv2d(rng.normal(size=(c, 2, 3, 3)) / 3.0, padding=1), _random_bn(rng, c), Relu(),
               Residual(body), Relu(), GlobalAvgPool2d(), Dense(rng.normal(size=(classes, c)), rng.normal(size=classes) * 0.1)]
     return NetSpec(layers, (2, image, image), classes)
+
+
+def decoder(*, channels=(2, 3, 4, 2), image=3, classes=3, seed=0) -> NetSpec:
+    """A convolution (3×3, pad 1), then two transposed convolutions that upsample (4×4 stride 2
+    pad 1, as a GAN generator's; 2×2 stride 2 pad 0), relu between, GAP, dense."""
+    rng = np.random.default_rng(seed)
+    c0, c1, c2, c3 = channels
+    layers = [Conv2d(rng.normal(size=(c1, c0, 3, 3)) / 3.0, 0.1 * rng.normal(size=c1), padding=1), Relu(),
+              ConvTranspose2d(rng.normal(size=(c2, c1, 4, 4)) / 3.0, 0.1 * rng.normal(size=c2), stride=2, padding=1),
+              Relu(),
+              ConvTranspose2d(rng.normal(size=(c3, c2, 2, 2)) / 2.0, 0.1 * rng.normal(size=c3), stride=2), Relu(),
+              GlobalAvgPool2d(), Dense(rng.normal(size=(classes, c3)) / np.sqrt(c3), 0.1 * rng.normal(size=classes))]
+    return NetSpec(layers, (c0, image, image), classes)
 
 
 def _random_bn(rng, n, eps=0.0):
@@ -287,7 +334,7 @@ def rescale_before_norm(spec: NetSpec, layer: int, factors) -> NetSpec:
     flat = []
     for l in out.layers:
         flat.extend(l.body if isinstance(l, Residual) else [l])
-    wl = [l for l in flat if isinstance(l, (Dense, Conv2d))]
+    wl = [l for l in flat if isinstance(l, WEIGHT_LAYERS)]
     target = wl[layer]
     norm = flat[flat.index(target) + 1]
     factors = np.broadcast_to(np.asarray(factors, dtype=np.float64), (target.weight.shape[0],)).copy()

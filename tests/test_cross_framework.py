@@ -21,6 +21,7 @@ SPECS = {
     "cnn-maxpool": lambda: netspec.cnn(seed=13),
     "cnn-batchnorm": lambda: netspec.cnn(batchnorm=True, activation="tanh", seed=14),
     "resnet-block": lambda: netspec.resnet_block(seed=15),
+    "decoder-transposed-conv": lambda: netspec.decoder(seed=17),
 }
 # ggn under nsce and the exact Hessian under ce: together they cross-check both losses and both
 # kernel families (the loss's signals are engine code shared by every framework).

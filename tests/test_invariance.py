@@ -129,6 +129,23 @@ def test_grouped_conv_output_channel_rescaling(builder, estimator, channels, gro
            mns_invariant=False)
 
 
+@pytest.mark.parametrize("estimator", ["exact", "ggn"])
+@pytest.mark.parametrize("layer", [0, 1], ids=["input-channels", "output-channels"])
+def test_transposed_conv_channel_rescaling(builder, estimator, layer):
+    # netspec.decoder's first transposed convolution (4×4, stride 2, pad 1) is weight layer 1: its
+    # input channels against the convolution before it (layer 0's units), or its output channels
+    # against the next transposed convolution's inputs (layer 1's units). A column or row scaling of
+    # its canonical (out, in, kh, kw) matrix, whatever axis each framework stores them on (method §3).
+    spec = netspec.decoder(seed=10)
+    factors = np.exp(np.random.default_rng(4).uniform(-2, 2, size=spec.weight_layers()[layer].weight.shape[0]))
+    before, after = _check(builder, spec, netspec.rescale_units(spec, layer, factors), loss="ce",
+                           estimator=estimator, mns_invariant=False)
+    assert before.layers[1].kind == "conv_transpose2d"
+    for i in (layer, layer + 1):  # the rescaled rows and columns: their traces move
+        moved = after.layers[i].hessian_trace - before.layers[i].hessian_trace
+        assert abs(moved) > 1e-3 * before.layers[i].hessian_trace
+
+
 def _scaled_vit_keras(c):
     """The Keras ViT of ``tests/arch/test_keras_layers.py`` (a loose ``(1, N, d)`` table in a custom
     layer) and its copy with feature j of the patch embedding and of the table times ``c[j]``."""

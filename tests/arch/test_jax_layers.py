@@ -1,4 +1,5 @@
-"""JAX backend, layers beyond dense and convolution: multi-axis kernels, attention, embeddings, cells.
+"""JAX backend, layers beyond dense and convolution: multi-axis kernels, attention, embeddings, cells,
+transposed convolutions.
 
 Every diagonal is checked against a brute-force float64 reference computed from
 the model's own forward pass as a function of its parameter leaves: ``ggn``
@@ -954,3 +955,144 @@ def test_weights_no_forward_uses_are_reported_unused():
                for layer in report.layers if layer.name != "spare")
     got = normflat.hessian_diagonal(model, (x, y), loss="ce", estimator="ggn", progress=False)
     assert not np.any(np.asarray(got["spare"]))
+
+
+# ----------------------------------------------------------------------------- transposed convolutions
+
+
+class NnxTransposed(nnx.Module):
+    """A convolution, then transposed convolutions with ``"SAME"``, ``"VALID"`` and explicit padding,
+    strides per axis and a kernel dilation, into a dense head."""
+
+    def __init__(self, rngs):
+        self.conv = nnx.Conv(2, 3, (2, 2), padding="SAME", rngs=rngs, param_dtype=F64)
+        self.up0 = nnx.ConvTranspose(3, 4, (3, 3), strides=(2, 2), padding="SAME", rngs=rngs, param_dtype=F64)
+        self.up1 = nnx.ConvTranspose(4, 2, (2, 3), strides=(1, 2), padding="VALID", kernel_dilation=(2, 1),
+                                     rngs=rngs, param_dtype=F64)
+        self.up2 = nnx.ConvTranspose(2, 2, (2, 2), padding=((1, 0), (0, 1)), rngs=rngs, param_dtype=F64)
+        self.head = nnx.Linear(2 * 8 * 13, 3, rngs=rngs, param_dtype=F64)
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.conv(x))
+        h = jnp.tanh(self.up0(h))
+        h = jax.nn.relu(self.up1(h))
+        return self.head(self.up2(h).reshape(x.shape[0], -1))
+
+
+class LinenTransposed(nn.Module):
+    """The same layers in linen."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = jax.nn.relu(nn.Conv(3, (2, 2), padding="SAME", param_dtype=F64, name="conv")(x))
+        h = jnp.tanh(nn.ConvTranspose(4, (3, 3), strides=(2, 2), padding="SAME", param_dtype=F64, name="up0")(h))
+        h = jax.nn.relu(nn.ConvTranspose(2, (2, 3), strides=(1, 2), padding="VALID", kernel_dilation=(2, 1),
+                                         param_dtype=F64, name="up1")(h))
+        h = nn.ConvTranspose(2, (2, 2), padding=((1, 0), (0, 1)), param_dtype=F64, name="up2")(h)
+        return nn.Dense(3, param_dtype=F64, name="head")(h.reshape(x.shape[0], -1))
+
+
+class EqxTransposed(eqx.Module):
+    """Per example ``(C, H, W)``: a convolution, a grouped strided transposed convolution with padding,
+    output padding and dilation, and a 1-D one over the rows."""
+
+    conv: eqx.nn.Conv2d
+    up0: eqx.nn.ConvTranspose2d
+    up1: eqx.nn.ConvTranspose1d
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 4)
+        self.conv = eqx.nn.Conv2d(2, 4, 2, padding=1, dtype=F64, key=k[0])
+        self.up0 = eqx.nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, dilation=(1, 2), groups=2,
+                                          dtype=F64, key=k[1])
+        self.up1 = eqx.nn.ConvTranspose1d(6, 2, 2, stride=2, dtype=F64, key=k[2])
+        self.head = eqx.nn.Linear(2 * 8 * 20, 3, dtype=F64, key=k[3])
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.conv(x))
+        h = jnp.tanh(self.up0(h))  # (6, 8, 10)
+        h = jax.vmap(self.up1, in_axes=1, out_axes=1)(h)  # each row: (6, 10) -> (2, 20)
+        return self.head(h.reshape(-1))
+
+
+def _transposed_model(api):
+    """``(model, variables, data, expected)``: ``expected`` as :func:`check` takes it."""
+    if api == "eqx":
+        x = jnp.asarray(RNG.normal(size=(4, 2, 3, 3)))
+        model, variables = EqxTransposed(jax.random.key(5)), None
+        expected = {name: (f"{name}/weight", "eqx") for name in ("conv", "up0", "up1", "head")}
+    else:
+        x = jnp.asarray(RNG.normal(size=(4, 3, 3, 2)))
+        if api == "nnx":
+            model, variables = NnxTransposed(nnx.Rngs(5)), None
+        else:
+            model = LinenTransposed()
+            variables = model.init(jax.random.key(5), x)
+        expected = {name: (f"{name}/kernel", "conv_flax") for name in ("conv", "up0", "up1", "up2")}
+        expected["head"] = ("head/kernel", "flax")
+    return model, variables, (x, jnp.asarray([0, 1, 2, 1])), expected
+
+
+def _canonical_conv(a, kind):
+    """A convolution kernel in the canonical ``(out, in/groups, *k)`` layout: flax ``(*k, in, out)``
+    moved, equinox's as is; a dense kernel by :func:`canon`."""
+    a = np.asarray(a)
+    if kind == "conv_flax":
+        return a.transpose((a.ndim - 1, a.ndim - 2) + tuple(range(a.ndim - 2)))
+    return canon(a, kind)
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen", "eqx"])
+def test_transposed_convolutions_ggn_and_exact(api):
+    """flax's ``ConvTranspose`` (nnx and linen, kernel ``(*k, in, out)``) and equinox's
+    ``ConvTranspose1d/2d`` (``(out, in/groups, *k)``, grouped) against brute force: ``ggn`` (nsce)
+    on their taps (method §6.1), ``exact`` (ce) for the transposed kernels; the kind, the groups and
+    the fast path in the report."""
+    model, variables, (x, y), expected = _transposed_model(api)
+    target = model if variables is None else (model, variables)
+    ref = ref_ggn(model, x, y, "nsce", variables)
+    got = _hd(target, (x, y), estimator="ggn")
+    assert set(got) == set(expected)
+    for name, (leaf, kind) in expected.items():
+        assert_close(got[name], _canonical_conv(ref[leaf], kind))
+    ups = [name for name in expected if name.startswith("up")]
+    exact = _hd(target, (x, y), estimator="exact", loss="ce")
+    ref = ref_exact(model, x, y, "ce", [expected[name][0] for name in ups], variables)
+    for name in ups:
+        assert_close(exact[name], _canonical_conv(ref[expected[name][0]], expected[name][1]))
+    report = normflat.analyze(target, (x, y), progress=False)
+    assert {layer.name: layer.details["path"] for layer in report.layers} == dict.fromkeys(expected, "fast")
+    assert report.layer("up0").kind == "conv_transpose2d"
+    assert report.layer("up0").details["groups"] == (2 if api == "eqx" else 1)
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_flax_transposed_kernel_layout_is_refused(api):
+    """``transpose_kernel=True`` stores the kernel ``(*k, out, in)``, flipped where it is applied: reported
+    as unsupported with the fix, never read in the wrong layout."""
+    x = jnp.asarray(RNG.normal(size=(3, 3, 3, 2)))
+    y = jnp.asarray([0, 1, 2])
+    if api == "nnx":
+        class Model(nnx.Module):
+            def __init__(self, rngs):
+                self.up = nnx.ConvTranspose(2, 3, (2, 2), transpose_kernel=True, rngs=rngs, param_dtype=F64)
+                self.head = nnx.Linear(3 * 9, 3, rngs=rngs, param_dtype=F64)
+
+            def __call__(self, x):
+                return self.head(jnp.tanh(self.up(x)).reshape(x.shape[0], -1))
+
+        target = Model(nnx.Rngs(1))
+    else:
+        class Model(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                h = nn.ConvTranspose(3, (2, 2), transpose_kernel=True, param_dtype=F64, name="up")(x)
+                return nn.Dense(3, param_dtype=F64, name="head")(jnp.tanh(h).reshape(x.shape[0], -1))
+
+        module = Model()
+        target = (module, module.init(jax.random.key(1), x))
+    with pytest.warns(UserWarning, match="transpose_kernel=True"):
+        report = normflat.analyze(target, (x, y), progress=False)
+    assert [layer.name for layer in report.layers] == ["head"]
+    assert any("transpose_kernel=True" in str(u) for u in report.metadata["unsupported"])

@@ -17,9 +17,9 @@ the head, the input weights of every recurrent cell (nnx ``LSTMCell``, ``Optimiz
 ``GRUCell``; linen ``LSTMCell``, ``OptimizedLSTMCell``, ``GRUCell``, ``SimpleCell``; equinox
 ``LSTMCell``, ``GRUCell``) against an embedding's features, linen's ReLU ``SimpleCell`` hidden units,
 linen and equinox loose position tables, the ``kernel`` leaves of an ``(apply_fn, params)`` model
-(a multi-axis one among them), and equinox's ``WeightNorm``. Every layer takes its fast rule unless
-a test names it generic. (``ConvTranspose`` of flax nnx, linen and equinox is not read: normflat
-refuses it as unsupported.)
+(a multi-axis one among them), equinox's ``WeightNorm``, and the transposed convolutions of flax nnx,
+linen and equinox (input and output channels, equinox's grouped). Every layer takes its fast rule
+unless a test names it generic.
 """
 
 from __future__ import annotations
@@ -543,3 +543,61 @@ def test_equinox_weight_norm_direction_row_rescaling():
                                            moved=("conv/layer", "fc/layer"),
                                            generic=("conv/layer", "fc/layer"))
     assert before.metadata["coverage"] == 1.0
+
+
+# ----------------------------------------------------------------------------- transposed convolutions
+
+
+def _flax_transposed_twin(params, f, g):
+    """The flax transposed-convolution model's parameters rescaled (kernels ``(*k, in, out)``): ``conv``'s
+    output channels times ``f`` and ``up0``'s input channels divided by it (a relu between), ``up1``'s
+    output channels times ``g`` and ``up2``'s input channels divided by it (a relu between)."""
+    params = _edit(params, "conv/kernel", lambda k: k * f)
+    params = _edit(params, "conv/bias", lambda b: b * f)
+    params = _edit(params, "up0/kernel", lambda k: k / f[:, None])
+    params = _edit(params, "up1/kernel", lambda k: k * g)
+    params = _edit(params, "up1/bias", lambda b: b * g)
+    return _edit(params, "up2/kernel", lambda k: k / g[:, None])
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen", "eqx"])
+def test_transposed_conv_channel_rescaling(api):
+    """Transposed convolutions (``tests/arch/test_jax_layers.py``'s models): a transposed kernel's input
+    channels against the convolution before it, and its output channels against the layer after it
+    (the next transposed convolution's input channels, or equinox's head), through relus; equinox's
+    grouped one per group (input channel ``i`` is column ``i mod in/groups`` of group
+    ``i div in/groups``'s rows). Rows and columns of the canonical matrices (method §3), which the
+    normalized sharpness absorbs and the traces do not (§8 item 2)."""
+    from tests.arch.test_jax_layers import EqxTransposed, LinenTransposed, NnxTransposed
+
+    f, g = _factors(40, 3 if api != "eqx" else 4), _factors(41, 2)
+    if api == "eqx":
+        x = _normal(42, 4, 2, 3, 3, scale=1.0)
+        model = EqxTransposed(jax.random.key(43))
+        up0 = np.array(model.up0.weight)  # (out 6, in/groups 2, 3, 3), 2 groups
+        for i in range(4):
+            up0[3 * (i // 2):3 * (i // 2 + 1), i % 2] /= float(f[i])
+        twin = eqx.tree_at(
+            lambda m: (m.conv.weight, m.conv.bias, m.up0.weight, m.up1.weight, m.up1.bias, m.head.weight), model,
+            (model.conv.weight * f[:, None, None, None], model.conv.bias * f[:, None, None], jnp.asarray(up0),
+             model.up1.weight * g[:, None, None], model.up1.bias * g[:, None],
+             model.head.weight / jnp.repeat(g, 8 * 20)[None]))
+        apply, twin_apply, moved = jax.vmap(model), jax.vmap(twin), ("conv", "up0", "up1", "head")
+    else:
+        x = _normal(42, 4, 3, 3, 2, scale=1.0)
+        if api == "nnx":
+            model = NnxTransposed(nnx.Rngs(43))
+            gdef, params, rest = nnx.split(model, nnx.Param, ...)
+            values = nnx.to_pure_dict(params)
+            twin = nnx.merge(gdef, _flax_transposed_twin(values, f, g), rest)
+            apply, twin_apply = model, twin
+        else:
+            model, variables = _linen(LinenTransposed(), x, 43)
+            twin = (model, {"params": _flax_transposed_twin(variables["params"], f, g)})
+            model = (model, variables)
+            apply = lambda x: model[0].apply(model[1], x)  # noqa: E731
+            twin_apply = lambda x: twin[0].apply(twin[1], x)  # noqa: E731
+        moved = ("conv", "up0", "up1", "up2")
+    before, _ = assert_rescaling_invariant(model, twin, (x, jnp.asarray([0, 1, 2, 1])), apply, twin_apply,
+                                           moved=moved)
+    assert before.layer("up0").kind == "conv_transpose2d"

@@ -1,5 +1,5 @@
 """Keras EinsumDense, MultiHeadAttention, Embedding, position tables, a ``ReversibleEmbedding`` tied to the
-LM head and recurrent layers, and token logits (method §3, §6.1, §6.3, §8).
+LM head, recurrent layers, transposed convolutions, and token logits (method §3, §6.1, §6.3, §8).
 
 Every diagonal is checked against a reference built here, independently of the
 backend: full per-sample Jacobians of the (normalized) logits with respect to
@@ -1146,3 +1146,67 @@ def test_untied_reverse_projection_rescaling_is_invariant():
     after = normflat.analyze(twin, (x, y), loss="ce", estimator="ggn", progress=False)
     assert {layer.details["path"] for layer in before.layers} == {"fast"}
     _assert_invariant(before, after)
+
+
+# ----------------------------------------------------------------------------- transposed convolutions
+
+
+def _transposed_conv(rank):
+    """A ``ConvNDTranspose`` kernel ``(*k, out, in)`` -> canonical ``(out, in, *k)`` (method §3)."""
+    return lambda k: k.transpose((rank, rank + 1) + tuple(range(rank)))
+
+
+def transposed_conv_model(case):
+    """Transposed convolutions of every rank, with ``"valid"`` and ``"same"`` padding, strides per axis,
+    ``output_padding``, and (``"1d"``) a first layer on one input position, whose per-sample gradients
+    are rank one."""
+    rng = _rng({"1d": 41, "2d": 42, "3d": 43}[case])
+    if case == "1d":
+        inp = keras.Input((1, 3), dtype=F64)
+        h = L.Conv1DTranspose(3, 4, activation="tanh", dtype=F64, name="up0")(inp)  # (4, 3)
+        h = L.Conv1DTranspose(2, 3, strides=2, padding="same", activation="relu", dtype=F64, name="up1")(h)
+        layers = {"up0": 1, "up1": 1}
+    elif case == "2d":
+        inp = keras.Input((3, 3, 2), dtype=F64)
+        h = L.Conv2D(3, 2, padding="same", activation="relu", dtype=F64, name="conv")(inp)
+        h = L.Conv2DTranspose(3, (2, 3), strides=(3, 2), output_padding=(2, 1), activation="tanh", dtype=F64,
+                              name="up0")(h)
+        h = L.Conv2DTranspose(2, 4, strides=2, padding="same", dtype=F64, name="up1")(h)
+        layers = {"up0": 2, "up1": 2}
+    else:
+        inp = keras.Input((2, 2, 2, 2), dtype=F64)
+        h = L.Conv3DTranspose(2, 2, strides=2, activation="relu", dtype=F64, name="up0")(inp)
+        layers = {"up0": 3}
+    model = keras.Model(inp, L.Dense(3, dtype=F64, name="head")(L.Flatten(dtype=F64)(h)))
+    _randomize(model, rng, scale=0.5)
+    x, y = rng.normal(size=(4,) + tuple(inp.shape[1:])), rng.integers(0, 3, 4)
+    expected = {name: (f"{name}/kernel", _transposed_conv(rank)) for name, rank in layers.items()}
+    if case == "2d":
+        expected["conv"] = ("conv/kernel", lambda k: k.transpose(3, 2, 0, 1))  # (*k, in, out) -> (out, in, *k)
+    expected["head"] = ("head/kernel", _transposed)
+    return model, x, y, expected
+
+
+@pytest.mark.parametrize("case", ["1d", "2d", "3d"])
+def test_transposed_convolutions_fast_rule(case):
+    """``Conv1DTranspose/2D/3D`` take their fast rule (the convolution's per-sample gradient with the
+    input and the signal in swapped roles, method §6.1): ``ggn`` against brute force whole and in
+    chunks, ``ggn-mc`` and chunked ``ggn`` against the generic path; the canonical layout
+    ``(out, in, *k)`` and the kind in the report."""
+    model, x, y, expected = transposed_conv_model(case)
+    _fast_equals_brute_force_and_generic(model, x, y, expected)
+    report = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert {layer.name: layer.details["path"] for layer in report.layers} == dict.fromkeys(expected, "fast")
+    rank = {"1d": 1, "2d": 2, "3d": 3}[case]
+    up0 = report.layer("up0")
+    native = tuple(model.get_layer("up0").kernel.shape)
+    assert up0.kind == f"conv_transpose{rank}d"
+    assert tuple(up0.shape) == (native[rank], native[rank + 1]) + native[:rank]
+
+
+def test_transposed_convolution_exact_hessian():
+    """The ``exact`` estimator reads a transposed convolution's kernel in the same layout: the diagonal
+    of the full Hessian of the mean loss."""
+    model, x, y, expected = transposed_conv_model("2d")
+    check_against(model, x, y, {k: expected[k] for k in ("up0", "up1")}, loss="nsce", estimator="exact",
+                  reference=hessian_reference)

@@ -17,10 +17,10 @@ in ``tests/arch/test_keras_moe.py``; grouped convolutions in their depthwise for
 ``Conv3D`` (plain and grouped, a factor per channel), ``DepthwiseConv1D/2D`` with a depth
 multiplier, ``SeparableConv1D`` (depthwise and pointwise kernels), keras-hub's
 ``PositionEmbedding`` and DeBERTa-v3 ``RelativeEmbedding``, keras-hub's packed experts kernels
-(Qwen-MoE halves, GPT-OSS alternating), and the input kernels of ``GRU(reset_after=True)`` and a
-tanh ``SimpleRNN`` against the features of an ``Embedding``. Every layer takes its fast rule
-unless a test names it generic. (``Conv1DTranspose``, ``Conv2DTranspose`` and
-``Conv3DTranspose`` are not read: normflat skips them as unsupported.)
+(Qwen-MoE halves, GPT-OSS alternating), the input kernels of ``GRU(reset_after=True)`` and a
+tanh ``SimpleRNN`` against the features of an ``Embedding``, and ``Conv1DTranspose`` /
+``Conv2DTranspose`` / ``Conv3DTranspose`` (input and output channels). Every layer takes its fast
+rule unless a test names it generic.
 """
 
 from __future__ import annotations
@@ -168,6 +168,38 @@ def test_conv_channel_rescaling_plain_and_grouped(rank):
     head.kernel.assign(head.kernel.numpy() / np.tile(g, positions)[:, None])
     before, _ = assert_rescaling_invariant(model, twin, x, y, moved=("plain", "grouped", "head"))
     assert before.layer("grouped").details["groups"] == 2
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_transposed_conv_channel_rescaling(rank):
+    """A plain convolution (relu), a strided ``ConvNDTranspose`` (relu, kernel ``(*k, out, in)``,
+    canonical ``(out, in, *k)``), the head. The convolution's output channel ``i`` times ``f_i`` and
+    the transposed convolution's input channel ``i`` (kernel ``[..., :, i]``) divided by it; its output
+    channel ``o`` (kernel ``[..., o, :]``, bias) times ``g_o`` and the head's inputs from channel ``o``
+    divided by it: a column and a row scaling of the transposed kernel's canonical matrix, which the
+    normalized sharpness absorbs (method §8 item 2) and the Hessian traces do not."""
+    rng = _rng(30 + rank)
+    spatial = {1: (3,), 2: (3, 3), 3: (2, 2, 2)}[rank]
+    conv = (L.Conv1D, L.Conv2D, L.Conv3D)[rank - 1]
+    up = (L.Conv1DTranspose, L.Conv2DTranspose, L.Conv3DTranspose)[rank - 1]
+    inp = keras.Input(spatial + (2,), dtype=F64)
+    h = conv(3, 2, padding="same", activation="relu", dtype=F64, name="plain")(inp)
+    h = up(4, 3, strides=2, padding="same" if rank == 2 else "valid", activation="relu", dtype=F64,
+           name="up")(h)
+    model = keras.Model(inp, L.Dense(3, dtype=F64, name="head")(L.Flatten(dtype=F64)(h)))
+    _randomize(model, rng, scale=0.6)
+    x, y = rng.normal(size=(4,) + spatial + (2,)), rng.integers(0, 3, 4)
+    twin = _clone(model)
+    plain, transposed, head = twin.get_layer("plain"), twin.get_layer("up"), twin.get_layer("head")
+    f, g = _factors(rng, 3), _factors(rng, 4)
+    plain.kernel.assign(plain.kernel.numpy() * f)
+    plain.bias.assign(plain.bias.numpy() * f)
+    transposed.kernel.assign(transposed.kernel.numpy() * g[:, None] / f[None, :])  # (*k, out, in)
+    transposed.bias.assign(transposed.bias.numpy() * g)
+    positions = int(np.prod(h.shape[1:-1]))  # Flatten: position-major, channel last
+    head.kernel.assign(head.kernel.numpy() / np.tile(g, positions)[:, None])
+    before, _ = assert_rescaling_invariant(model, twin, x, y, moved=("plain", "up", "head"))
+    assert before.layer("up").kind == f"conv_transpose{rank}d"
 
 
 @pytest.mark.parametrize("rank", [1, 2])

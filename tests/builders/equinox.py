@@ -68,6 +68,15 @@ def _convert(layers, dtype, bns):
             if layer.bias is not None:
                 m = eqx.tree_at(lambda l: l.bias, m, jnp.asarray(layer.bias, dtype).reshape(o, 1, 1))
             out.append(m)
+        elif isinstance(layer, netspec.ConvTranspose2d):
+            o, i, kh, kw = layer.weight.shape
+            m = eqx.nn.ConvTranspose2d(i, o, (kh, kw), stride=layer.stride, padding=layer.padding,
+                                       use_bias=layer.bias is not None, dtype=dtype, key=key)
+            # equinox correlates the dilated input with its weight (out, in, kh, kw): torch's kernel flipped.
+            m = eqx.tree_at(lambda l: l.weight, m, jnp.asarray(layer.weight[:, :, ::-1, ::-1], dtype))
+            if layer.bias is not None:
+                m = eqx.tree_at(lambda l: l.bias, m, jnp.asarray(layer.bias, dtype).reshape(o, 1, 1))
+            out.append(m)
         elif isinstance(layer, netspec.Relu):
             out.append(eqx.nn.Lambda(jax.nn.relu))
         elif isinstance(layer, netspec.Tanh):

@@ -38,6 +38,10 @@ class Net(nn.Module):
                 _, out, k, stride, p, groups, bias = item
                 h = nn.Conv(out, (k, k), strides=stride, padding=[(p, p), (p, p)], feature_group_count=groups,
                             use_bias=bias, param_dtype=self.dtype)(h)
+            elif kind == "up":
+                _, out, k, stride, crop, bias = item
+                h = nn.ConvTranspose(out, (k, k), strides=(stride, stride), padding=[(crop, crop), (crop, crop)],
+                                     use_bias=bias, param_dtype=self.dtype)(h)
             elif kind == "relu":
                 h = nn.relu(h)
             elif kind == "tanh":
@@ -80,6 +84,15 @@ def _describe(layers, params, stats, counters):
             if layer.bias is not None:
                 p["bias"] = layer.bias
             params[name("Conv")] = p
+        elif isinstance(layer, netspec.ConvTranspose2d):
+            o, _, k, _ = layer.weight.shape
+            # flax correlates the dilated, padded input with its kernel (k, k, in, out): torch's kernel
+            # flipped, the padding k − 1 − torch's.
+            desc.append(("up", o, k, layer.stride, k - 1 - layer.padding, layer.bias is not None))
+            p = {"kernel": layer.weight[:, :, ::-1, ::-1].transpose(2, 3, 1, 0)}
+            if layer.bias is not None:
+                p["bias"] = layer.bias
+            params[name("ConvTranspose")] = p
         elif isinstance(layer, netspec.Relu):
             desc.append(("relu",))
         elif isinstance(layer, netspec.Tanh):

@@ -75,6 +75,16 @@ def _convert(layers, dtype):
             m.kernel.set_value(jnp.asarray(layer.weight.transpose(2, 3, 1, 0), dtype))
             if layer.bias is not None:
                 m.bias.set_value(jnp.asarray(layer.bias, dtype))
+        elif isinstance(layer, netspec.ConvTranspose2d):
+            o, i, kh, kw = layer.weight.shape
+            crop = [(kh - 1 - layer.padding,) * 2, (kw - 1 - layer.padding,) * 2]
+            m = nnx.ConvTranspose(i, o, (kh, kw), strides=layer.stride, padding=crop,
+                                  use_bias=layer.bias is not None, param_dtype=dtype, rngs=rngs)
+            # flax correlates the dilated, padded input with its kernel (kh, kw, in, out): torch's kernel
+            # flipped, the padding k − 1 − torch's.
+            m.kernel.set_value(jnp.asarray(layer.weight[:, :, ::-1, ::-1].transpose(2, 3, 1, 0), dtype))
+            if layer.bias is not None:
+                m.bias.set_value(jnp.asarray(layer.bias, dtype))
         elif isinstance(layer, netspec.Relu):
             m = Fn("relu")
         elif isinstance(layer, netspec.Tanh):

@@ -82,6 +82,23 @@ def _layer(layer, h, dtype, assignments, counter):
         weights = [np.transpose(layer.weight, (2, 3, 1, 0))] + bias
         assignments.append(lambda c=conv, w=weights: c.set_weights(w))
         return out
+    if isinstance(layer, netspec.ConvTranspose2d):
+        out_c, _, kh, kw = layer.weight.shape
+        # Keras crops "valid" nothing and "same" (k − stride)/2 on each side (TensorFlow's SAME padding of
+        # the convolution it is the input gradient of): torch's symmetric padding of 0 or that.
+        if layer.padding == 0:
+            padding = "valid"
+        elif kh == kw and 2 * layer.padding == kh - layer.stride:
+            padding = "same"
+        else:
+            raise ValueError(f"no Keras padding crops {layer.padding} on each side of a {kh}×{kw} kernel")
+        conv = L.Conv2DTranspose(out_c, (kh, kw), strides=layer.stride, padding=padding,
+                                 use_bias=layer.bias is not None, dtype=dtype, name=name("up"))
+        out = conv(h)
+        # (kh, kw, out, in): the kernel of the convolution whose input gradient the layer computes.
+        weights = [np.transpose(layer.weight, (2, 3, 0, 1))] + ([layer.bias] if layer.bias is not None else [])
+        assignments.append(lambda c=conv, w=weights: c.set_weights(w))
+        return out
     if isinstance(layer, netspec.Relu):
         return L.ReLU(dtype=dtype, name=name("relu"))(h)
     if isinstance(layer, netspec.Tanh):

@@ -57,6 +57,14 @@ def build(spec: netspec.NetSpec, dtype: str = "float64"):
                     m.weight.copy_(t(layer.weight))
                     if layer.bias is not None:
                         m.bias.copy_(t(layer.bias))
+            elif isinstance(layer, netspec.ConvTranspose2d):
+                out_c, in_c, kh, kw = layer.weight.shape
+                m = nn.ConvTranspose2d(in_c, out_c, (kh, kw), stride=layer.stride, padding=layer.padding,
+                                       bias=layer.bias is not None, dtype=tdtype)
+                with torch.no_grad():
+                    m.weight.copy_(t(layer.weight.transpose(1, 0, 2, 3)))  # torch stores (in, out, kh, kw)
+                    if layer.bias is not None:
+                        m.bias.copy_(t(layer.bias))
             elif isinstance(layer, netspec.Relu):
                 m = nn.ReLU()
             elif isinstance(layer, netspec.Tanh):

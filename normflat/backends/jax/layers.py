@@ -181,7 +181,7 @@ class LayerRule:
         groups: Attribute of the module holding its number of groups (grouped
             convolutions), a function ``module -> int``, or ``None`` (1).
         kind: Short type label; ``None``: ``"dense"`` for 2-D weights, ``"conv{N}d"``
-            otherwise.
+            otherwise; ``"conv_transpose"``: ``"conv_transpose{N}d"``.
         gates: Names of the maps packed along the canonical rows in equal blocks
             (recurrent gates, method §3 "Packed maps are split"), or ``None``.
     """
@@ -209,6 +209,8 @@ class LayerRule:
 
     def kind_of(self, ndim: int) -> str:
         """The layer kind for a weight with ``ndim`` dimensions."""
+        if self.kind == "conv_transpose":
+            return f"conv_transpose{ndim - 2}d"
         return self.kind or _conv_kind(ndim)
 
 
@@ -280,8 +282,15 @@ def registered_layers() -> dict[type, Any]:
     return REGISTRY.entries()
 
 
-_TRANSPOSED = ("transposed convolutions are not supported yet (their kernel maps out to in); declare a "
-               "leaf with layouts= if you know its canonical order")
+_TRANSPOSE_KERNEL = ("transpose_kernel=True: the kernel is stored (*k, out, in) and flipped where it is applied, "
+                     "a layout normflat does not read; build the layer with transpose_kernel=False (the default) and "
+                     "its kernel flipped on the kernel axes and with the last two axes swapped: the same function")
+
+
+def _conv_transpose_layout(module: Any, shape: tuple) -> str:
+    """A flax ``ConvTranspose`` kernel: ``(*k, in, out)`` like its convolution's (method §3); with
+    ``transpose_kernel=True`` (``(*k, out, in)``, flipped inside ``lax.conv_transpose``) refused."""
+    return _TRANSPOSE_KERNEL if getattr(module, "transpose_kernel", False) else "flax"
 #: Packed recurrent weights of flax nnx cells: {cell class name: (child Linear attributes, gate order)}.
 #: Filled for the classes of flax.nnx when it is imported (the gate order of each framework, method §3).
 PACKED_CHILDREN: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
@@ -338,7 +347,8 @@ def _load_builtins() -> None:
         nn = eqx.nn
         REGISTRY.register(nn.Linear, LayerRule(leaf="weight", layout="canonical", kind="dense"))
         REGISTRY.register(nn.Conv, LayerRule(leaf="weight", layout="canonical", groups="groups"))
-        REGISTRY.register(nn.ConvTranspose, Unsupported(_TRANSPOSED))
+        REGISTRY.register(nn.ConvTranspose, LayerRule(leaf="weight", layout="canonical", groups="groups",
+                                                      kind="conv_transpose"))
         # The table is (vocabulary, features): the map from one-hot entries to features, transposed (method §3).
         REGISTRY.register(nn.Embedding, LayerRule(leaf="weight", layout="flax", kind="embedding"))
         # Packed gates along the rows of (gates·hidden, in) and (gates·hidden, hidden), equinox's own order.
@@ -375,7 +385,7 @@ def _register_flax(api: Any, dense: type, embed: type) -> None:
     """The built-in entries of one flax API (nnx or linen): the same rules, other class names."""
     REGISTRY.register(dense, LayerRule(kind="dense"))
     REGISTRY.register(api.Conv, LayerRule(groups="feature_group_count"))
-    REGISTRY.register(api.ConvTranspose, Unsupported(_TRANSPOSED))
+    REGISTRY.register(api.ConvTranspose, LayerRule(layout=_conv_transpose_layout, kind="conv_transpose"))
     # The table (vocabulary, features) is stored like a flax kernel (in, out): canonical (features, vocabulary).
     REGISTRY.register(embed, LayerRule(leaf="embedding", layout="flax", kind="embedding"))
     _ignore_norms(api)

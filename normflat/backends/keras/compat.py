@@ -62,6 +62,16 @@ def base_conv_class() -> type | None:
     return BaseConv
 
 
+def base_conv_transpose_class() -> type | None:
+    """Keras' internal ``BaseConvTranspose`` (``Conv1DTranspose/2D/3D``): its ``call`` identifies a
+    plain transposed convolution, tapped like :func:`base_conv_class`'s (``None``: the generic path)."""
+    try:
+        from keras.src.layers.convolutional.base_conv_transpose import BaseConvTranspose
+    except ImportError:  # pragma: no cover - other Keras layouts
+        return None
+    return BaseConvTranspose
+
+
 def functional_class() -> type:
     """Keras' internal ``Functional`` model class (to find the layer of a functional model's output)."""
     try:

@@ -994,6 +994,8 @@ def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int, sa
         return _einsum_squares(layer.equation, x, gs, seg, groups, folded, entry.fold)
     if entry.fast == "separable_pointwise":
         return _conv_squares(_Pointwise(layer), x, gs, seg, groups, 1)
+    if entry.fast == "conv_transpose":
+        return _conv_transpose_squares(layer, x, gs, seg, groups)
     if entry.fast == "dense":
         if folded is None and (len(x.shape) == 2 or all(int(d or 0) == 1 for d in x.shape[1:-1])):
             # One position (also (n, 1, 1, in) after a global pooling): the per-sample gradient
@@ -1071,6 +1073,45 @@ def _conv_squares(layer: Any, x: Any, gs: list[Any], seg: Any, groups: int, conv
     k = tuple(layer.kernel_size)
     sq = tf.reshape(sq, [groups, cout, *k, cin_g])
     return tf.transpose(sq, [0, 1, r + 2] + list(range(2, r + 2)))  # (K, out, in/groups, *k)
+
+
+def _conv_transpose_squares(layer: Any, x: Any, gs: list[Any], seg: Any, groups: int) -> Any:
+    """``(K, out, in, *k)`` per-sample squares of a transposed convolution's kernel.
+
+    A ``ConvNDTranspose`` computes the input gradient of the convolution with its kernel
+    ``(*k, out, in)`` from the layer's output space to its input space (its strides, dilation and
+    ``"same"``/``"valid"`` padding, as TensorFlow pads that convolution): ``⟨g, y⟩ = ⟨conv(g), x⟩``,
+    so the per-sample gradient for signal ``b`` is the convolution's rule with the roles swapped,
+    ``Σ_positions patch(g_b) ⊗ x`` over the input's positions: the patches of each signal (not of the
+    input) times the input there. With one input position (a generator's first layer on a 1×1 code)
+    it is rank one and its square ``patch(g_b)² ⊗ x²`` is summed over the samples by the matmul itself.
+    """
+    b, r = len(gs), int(layer.rank)
+    if layer.data_format == "channels_first":
+        x = tf.transpose(x, [0] + list(range(2, r + 2)) + [1])
+        gs = [tf.transpose(g, [0] + list(range(2, r + 2)) + [1]) for g in gs]
+    n = tf.shape(x)[0]
+    cin, cout = int(x.shape[-1]), int(gs[0].shape[-1])
+    npos = math.prod(int(d) for d in x.shape[1:-1])
+    # The samples' signals side by side, (n·B, *out, cout): one unfolding for all of them.
+    stacked = tf.reshape(tf.stack(gs, axis=1), [-1, *(int(d) for d in gs[0].shape[1:])])
+    patches = _patches(stacked, layer)  # (n·B, positions of the input, koff, cout)
+    if int(patches.shape[1]) != npos:
+        raise ValueError(f"{layer.name}: the transposed convolution's {int(patches.shape[1])} windows do not match "
+                         f"its input's {npos} positions")
+    width = int(patches.shape[2]) * cout
+    if npos == 1:
+        p2 = tf.reshape(tf.square(patches), [n, b * width])
+        x2 = tf.reshape(tf.square(x), [n, cin])
+        sq = tf.reshape(tf.matmul(p2, x2, transpose_a=True), [b, width, cin])
+    else:
+        patches = tf.reshape(patches, [n, b, npos, width])
+        xa = tf.reshape(x, [n, 1, npos, cin])
+        # (n, B, koff·cout, cin): transpose_a, the patches are not copied once more.
+        sq = tf.reduce_sum(tf.square(tf.matmul(patches, xa, transpose_a=True)), axis=0)
+    sq = tf.math.unsorted_segment_sum(sq, seg, groups)  # (K, koff·cout, cin)
+    sq = tf.reshape(sq, [groups, *layer.kernel_size, cout, cin])
+    return tf.transpose(sq, [0, r + 1, r + 2] + list(range(1, r + 1)))  # (K, out, in, *k)
 
 
 def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, groups: int, block: int,
@@ -1319,6 +1360,13 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
         elif e.fast in RECURRENT_KINDS:
             # One signal's per-sample gradients and their squares at a time (_step_squares).
             work = max(work, 2 * size)
+        elif e.fast == "conv_transpose":
+            shape = [int(d) for d in e.variable.shape]  # (*k, out, in)
+            koff, cout, cin = int(np.prod(shape[:-2])), shape[-2], shape[-1]
+            positions = e.in_size // max(1, cin)
+            # The block's signals unfolded at the input's positions (and regrouped), the per-sample
+            # gradients and their squares.
+            work = max(work, 2 * block * size + 2 * block * positions * koff * cout + block * e.pre_size)
         elif e.fast in ("conv", "depthwise", *SEPARABLE_KINDS):
             shape = [int(d) for d in e.variable.shape]  # (*k, in/groups, out) or (*k, in, multiplier)
             koff = int(np.prod(shape[:-2]))

@@ -92,8 +92,8 @@ def register_layer(layer_class: type, extractor: Callable[[Any], list[KerasWeigh
 
     Registered layers are analyzed with the generic (per-sample Jacobian) GGN
     path; the built-in ``Dense``, ``EinsumDense``, ``Embedding``,
-    ``Conv1D/2D/3D``, ``DepthwiseConv1D/2D``, ``SeparableConv1D/2D``, the recurrent
-    cells and keras-hub's ``PositionEmbedding`` have faster ones.
+    ``Conv1D/2D/3D``, ``Conv1DTranspose/2D/3D``, ``DepthwiseConv1D/2D``,
+    ``SeparableConv1D/2D``, the recurrent cells and keras-hub's ``PositionEmbedding`` have faster ones.
 
     Args:
         layer_class: A ``keras.layers.Layer`` subclass; subclasses of it match too
@@ -136,6 +136,15 @@ def _conv_weights(layer: Any) -> list[KerasWeight]:
     # (*k, in/groups, out) -> (out, in/groups, *k)
     return [KerasWeight(layer.kernel, _transpose_fn((r + 1, r) + tuple(range(r))), f"conv{r}d",
                         groups=int(getattr(layer, "groups", 1) or 1), kernel_axes=tuple(range(r)))]
+
+
+def _conv_transpose_weights(layer: Any) -> list[KerasWeight]:
+    _refuse_lora(layer)
+    r = layer.rank
+    # (*k, out, in) -> (out, in, *k): Keras stores the kernel of the convolution whose input
+    # gradient the layer computes, whose input channels are the layer's outputs (method §3).
+    return [KerasWeight(layer.kernel, _transpose_fn((r, r + 1) + tuple(range(r))), f"conv_transpose{r}d",
+                        kernel_axes=tuple(range(r)))]
 
 
 def _depthwise_canonical(rank: int) -> Callable[[Any], Any]:
@@ -402,6 +411,9 @@ def _register_builtins() -> None:
     register_layer(L.SimpleRNNCell, _recurrent_weights(_GATES["SimpleRNNCell"], "simple_rnn"))
     for cls in (L.Conv1D, L.Conv2D, L.Conv3D):
         register_layer(cls, _conv_weights)
+    for name in ("Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose"):
+        if hasattr(L, name):
+            register_layer(getattr(L, name), _conv_transpose_weights)
     for name in ("DepthwiseConv1D", "DepthwiseConv2D"):
         if hasattr(L, name):
             register_layer(getattr(L, name), _depthwise_weights)
@@ -426,7 +438,7 @@ class Entry:
         name: Report name (layer path plus the weight's suffix).
         layer: The Keras layer.
         weight: Its :class:`KerasWeight`.
-        fast: ``"dense"``/``"conv"``/``"depthwise"``/``"einsum"``/``"embedding"``, a separable
+        fast: ``"dense"``/``"conv"``/``"conv_transpose"``/``"depthwise"``/``"einsum"``/``"embedding"``, a separable
             convolution's or a recurrent cell's kinds (:data:`SEPARABLE_KINDS`,
             :data:`RECURRENT_KINDS`), ``"position"``
             (keras-hub's ``PositionEmbedding``), ``"table"`` (a position table held as a loose
@@ -497,6 +509,9 @@ def fast_kind(layer: Any) -> str | None:
         and cls.convolution_op is base.convolution_op
     ):
         return "conv"
+    transposed = compat.base_conv_transpose_class()
+    if transposed is not None and isinstance(layer, transposed) and cls.call is transposed.call:
+        return "conv_transpose"
     depthwise = _base_depthwise_class()
     if (
         depthwise is not None
@@ -780,8 +795,8 @@ def walk(model: Any, on_unsupported: str,
     if not entries:
         raise ValueError(
             "The model has no layer normflat can analyze (Dense, EinsumDense, MultiHeadAttention, Embedding, "
-            "LSTM/GRU/SimpleRNN, Conv1D/2D/3D, DepthwiseConv, SeparableConv, or classes added with "
-            "register_layer)."
+            "LSTM/GRU/SimpleRNN, Conv1D/2D/3D, Conv1D/2D/3DTranspose, DepthwiseConv, SeparableConv, or classes "
+            "added with register_layer)."
         )
     return entries, unsupported, inventory.listing()
 
