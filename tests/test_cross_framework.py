@@ -70,9 +70,13 @@ def test_same_report_as_torch(torch_builder, other, spec_name, loss, estimator):
 
 
 @pytest.mark.parametrize("other", OTHERS)
-def test_same_hessian_diagonal_as_torch(torch_builder, other):
+@pytest.mark.parametrize("spec_name", ["cnn-grouped", "decoder-transposed-conv"])
+def test_same_hessian_diagonal_as_torch(torch_builder, other, spec_name):
+    """Entry by entry in the canonical layout (method §3): a transposed convolution's kernel in torch's
+    orientation in every framework, whichever way round each stores it."""
     builder = load_builder(other)
-    spec = netspec.cnn(seed=16, groups=2, channels=(2, 4, 6))
+    spec = netspec.cnn(seed=16, groups=2, channels=(2, 4, 6)) if spec_name == "cnn-grouped" else \
+        netspec.decoder(seed=18)
     x, y = netspec.data(spec, n=6, seed=4)
     ref = normflat.hessian_diagonal(torch_builder.build(spec), torch_builder.make_data(x, y, 3), loss="ce",
                                     estimator="exact", progress=False, **torch_builder.ANALYZE_KWARGS)

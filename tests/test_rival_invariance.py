@@ -19,6 +19,7 @@ SPECS = {
     "mlp": lambda: netspec.mlp((5, 7, 6, 3), seed=21),
     "cnn-batchnorm": lambda: netspec.cnn(batchnorm=True, seed=23),
     "cnn-grouped": lambda: netspec.cnn(seed=24, groups=2, channels=(2, 4, 6)),
+    "decoder-transposed-conv": lambda: netspec.decoder(seed=28),
 }
 
 
@@ -76,6 +77,17 @@ def test_channel_rescaling_into_a_grouped_convolution(name):
     spec = SPECS["cnn-grouped"]()
     factors = 10.0 ** np.random.default_rng(2).uniform(-1.5, 1.5, size=4)
     _check_invariance(builder, spec, netspec.rescale_units(spec, 0, factors), unit_wise=True)
+
+
+@pytest.mark.parametrize("name", CORE + ("flax_nnx",))
+def test_channel_rescaling_through_a_transposed_convolution(name):
+    # The first transposed convolution's output channels against the next one's inputs: its rows and
+    # the next one's columns, whichever axes each framework stores them on (flax's kernel moved and
+    # flipped, method §3).
+    builder = load_builder(name)
+    spec = SPECS["decoder-transposed-conv"]()
+    factors = 10.0 ** np.random.default_rng(3).uniform(-1.5, 1.5, size=4)
+    _check_invariance(builder, spec, netspec.rescale_units(spec, 1, factors), unit_wise=True)
 
 
 @pytest.mark.parametrize("name", CORE)

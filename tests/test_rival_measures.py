@@ -18,6 +18,9 @@ SPECS = {
     "cnn-grouped": lambda: netspec.cnn(seed=24, groups=2, channels=(2, 4, 6)),
     # A residual block: the path norm sums the skip paths too, the same in every framework.
     "resnet-block": lambda: netspec.resnet_block(seed=26),
+    # Transposed convolutions: the noise is drawn in the canonical layout, the same kernel entries
+    # in every framework (flax and equinox store them flipped, method §3).
+    "decoder-transposed-conv": lambda: netspec.decoder(seed=27),
 }
 
 

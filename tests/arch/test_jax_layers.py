@@ -1021,7 +1021,8 @@ def _transposed_model(api):
     if api == "eqx":
         x = jnp.asarray(RNG.normal(size=(4, 2, 3, 3)))
         model, variables = EqxTransposed(jax.random.key(5)), None
-        expected = {name: (f"{name}/weight", "eqx") for name in ("conv", "up0", "up1", "head")}
+        expected = {name: (f"{name}/weight", "eqx") for name in ("conv", "head")}
+        expected.update({name: (f"{name}/weight", "up_eqx") for name in ("up0", "up1")})
     else:
         x = jnp.asarray(RNG.normal(size=(4, 3, 3, 2)))
         if api == "nnx":
@@ -1029,18 +1030,23 @@ def _transposed_model(api):
         else:
             model = LinenTransposed()
             variables = model.init(jax.random.key(5), x)
-        expected = {name: (f"{name}/kernel", "conv_flax") for name in ("conv", "up0", "up1", "up2")}
+        expected = {"conv": ("conv/kernel", "conv_flax")}
+        expected.update({name: (f"{name}/kernel", "up_flax") for name in ("up0", "up1", "up2")})
         expected["head"] = ("head/kernel", "flax")
     return model, variables, (x, jnp.asarray([0, 1, 2, 1])), expected
 
 
 def _canonical_conv(a, kind):
     """A convolution kernel in the canonical ``(out, in/groups, *k)`` layout: flax ``(*k, in, out)``
-    moved, equinox's as is; a dense kernel by :func:`canon`."""
+    moved, equinox's as is; a transposed convolution's (``up_*``) also flipped on its kernel axes,
+    torch's orientation (flax and equinox correlate the dilated input with the kernel, method §3); a
+    dense kernel by :func:`canon`."""
     a = np.asarray(a)
-    if kind == "conv_flax":
-        return a.transpose((a.ndim - 1, a.ndim - 2) + tuple(range(a.ndim - 2)))
-    return canon(a, kind)
+    if kind in ("conv_flax", "up_flax"):
+        a = a.transpose((a.ndim - 1, a.ndim - 2) + tuple(range(a.ndim - 2)))
+    if kind.startswith("up_"):
+        return a[(slice(None), slice(None)) + (slice(None, None, -1),) * (a.ndim - 2)]
+    return a if kind == "conv_flax" else canon(a, kind)
 
 
 @pytest.mark.parametrize("api", ["nnx", "linen", "eqx"])

@@ -46,7 +46,7 @@ from normflat.engine.registry import (IGNORE, LayerRegistry, Skipped, Unsupporte
 
 __all__ = ["LayerRule", "Axes", "REGISTRY", "register_layer", "registered_layers", "ModelView", "WeightInfo",
            "make_view", "LAYOUT_ALIASES", "path_str", "pick_dtype", "to_canonical", "to_native",
-           "canonical_shape", "parse_layout"]
+           "canonical_shape", "parse_layout", "Flipped"]
 
 #: Accepted names of weight layouts in ``layouts=``: canonical (torch/equinox) or flax/Keras.
 LAYOUT_ALIASES = {
@@ -87,9 +87,31 @@ class Axes:
                 int(np.prod([self.shape[i] for i in self.inp], dtype=np.int64)))
 
 
+@dataclass(frozen=True)
+class Flipped:
+    """A transposed convolution's kernel as flax and equinox store it: in the ``base`` layout
+    (``"canonical"`` or ``"flax"``) and flipped on its kernel axes relative to torch's and Keras'
+    kernels of the same function, since they correlate the stride-dilated input with it. The
+    canonical layout flips it back, so that a canonical entry means the same in every framework
+    (method §3).
+
+    Attributes:
+        base: The layout of the channel axes.
+    """
+
+    base: str
+
+
+def _flip_kernel(a: Any, batch_dims: int) -> Any:
+    """``a`` (canonical ``(..., out, in, *k)``) reversed along its kernel axes."""
+    return a[(slice(None),) * (batch_dims + 2) + (slice(None, None, -1),) * (a.ndim - batch_dims - 2)]
+
+
 def canonical_shape(native_shape: tuple, layout: Any) -> tuple:
     """The canonical ``(out, in/groups, *k)`` shape of a weight of ``native_shape`` in ``layout``."""
     native_shape = tuple(native_shape)
+    if isinstance(layout, Flipped):
+        return canonical_shape(native_shape, layout.base)
     if isinstance(layout, Axes):
         return layout.canonical
     if layout == "flax":
@@ -102,6 +124,8 @@ def to_canonical(a: Any, layout: Any, batch_dims: int = 0) -> Any:
 
     Works on numpy and JAX arrays (inside or outside ``jit``).
     """
+    if isinstance(layout, Flipped):
+        return _flip_kernel(to_canonical(a, layout.base, batch_dims), batch_dims)
     if layout == "canonical":
         return a
     lead = tuple(range(batch_dims))
@@ -116,6 +140,8 @@ def to_canonical(a: Any, layout: Any, batch_dims: int = 0) -> Any:
 
 def to_native(a: Any, layout: Any, batch_dims: int = 0) -> Any:
     """The inverse of :func:`to_canonical`."""
+    if isinstance(layout, Flipped):
+        return to_native(_flip_kernel(a, batch_dims), layout.base, batch_dims)
     if layout == "canonical":
         return a
     lead = tuple(range(batch_dims))
@@ -176,8 +202,8 @@ class LayerRule:
             leaves (biases) are held fixed.
         layout: ``"canonical"`` (``(out, in/groups, *k)``, torch/equinox order),
             ``"flax"`` (``(*k, in/groups, out)``), or a function ``(module, shape) ->``
-            :class:`Axes` for multi-axis kernels (it returns a string, the reason,
-            to refuse a kernel it cannot describe).
+            :class:`Axes` for multi-axis kernels, or :class:`Flipped` (it returns a string,
+            the reason, to refuse a kernel it cannot describe).
         groups: Attribute of the module holding its number of groups (grouped
             convolutions), a function ``module -> int``, or ``None`` (1).
         kind: Short type label; ``None``: ``"dense"`` for 2-D weights, ``"conv{N}d"``
@@ -287,10 +313,10 @@ _TRANSPOSE_KERNEL = ("transpose_kernel=True: the kernel is stored (*k, out, in) 
                      "its kernel flipped on the kernel axes and with the last two axes swapped: the same function")
 
 
-def _conv_transpose_layout(module: Any, shape: tuple) -> str:
-    """A flax ``ConvTranspose`` kernel: ``(*k, in, out)`` like its convolution's (method §3); with
-    ``transpose_kernel=True`` (``(*k, out, in)``, flipped inside ``lax.conv_transpose``) refused."""
-    return _TRANSPOSE_KERNEL if getattr(module, "transpose_kernel", False) else "flax"
+def _conv_transpose_layout(module: Any, shape: tuple) -> Flipped | str:
+    """A flax ``ConvTranspose`` kernel: ``(*k, in, out)`` like its convolution's, flipped (method §3);
+    with ``transpose_kernel=True`` (``(*k, out, in)``, flipped inside ``lax.conv_transpose``) refused."""
+    return _TRANSPOSE_KERNEL if getattr(module, "transpose_kernel", False) else Flipped("flax")
 #: Packed recurrent weights of flax nnx cells: {cell class name: (child Linear attributes, gate order)}.
 #: Filled for the classes of flax.nnx when it is imported (the gate order of each framework, method §3).
 PACKED_CHILDREN: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
@@ -347,8 +373,8 @@ def _load_builtins() -> None:
         nn = eqx.nn
         REGISTRY.register(nn.Linear, LayerRule(leaf="weight", layout="canonical", kind="dense"))
         REGISTRY.register(nn.Conv, LayerRule(leaf="weight", layout="canonical", groups="groups"))
-        REGISTRY.register(nn.ConvTranspose, LayerRule(leaf="weight", layout="canonical", groups="groups",
-                                                      kind="conv_transpose"))
+        REGISTRY.register(nn.ConvTranspose, LayerRule(leaf="weight", layout=lambda m, shape: Flipped("canonical"),
+                                                      groups="groups", kind="conv_transpose"))
         # The table is (vocabulary, features): the map from one-hot entries to features, transposed (method §3).
         REGISTRY.register(nn.Embedding, LayerRule(leaf="weight", layout="flax", kind="embedding"))
         # Packed gates along the rows of (gates·hidden, in) and (gates·hidden, hidden), equinox's own order.
@@ -407,8 +433,8 @@ class WeightInfo:
         path: Full path of the leaf (``layers/0/weight``).
         leaf: Index in :attr:`ModelView.leaves`.
         kind: ``"dense"``, ``"conv2d"``, ``"embedding"``, ...
-        layout: ``"canonical"`` (out, in/groups, *k), ``"flax"`` (*k, in/groups, out) or
-            :class:`Axes` (a multi-axis kernel).
+        layout: ``"canonical"`` (out, in/groups, *k), ``"flax"`` (*k, in/groups, out),
+            :class:`Axes` (a multi-axis kernel) or :class:`Flipped` (a transposed convolution's kernel).
         groups: Groups of a grouped convolution.
         blocks: Packed maps along the canonical rows, ``[(suffix, start, stop), ...]``
             (:attr:`~normflat.engine.problems.LayerSpec.blocks`), or ``None``.

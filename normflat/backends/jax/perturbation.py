@@ -627,7 +627,7 @@ def _layer_problem(module: Any, own_parameters: int) -> str | None:
     if isinstance(entry, Unsupported):
         return f"is a layer normflat does not analyze ({entry.reason})"
     if isinstance(entry, LayerRule):
-        if entry.kind not in (None, "dense"):
+        if entry.kind not in (None, "dense", "conv_transpose"):  # a transposed convolution is linear too
             return f"is {'an' if entry.kind[0] in 'aeiou' else 'a'} {entry.kind} layer"
         return None
     if own_parameters:

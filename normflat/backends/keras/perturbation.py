@@ -517,8 +517,8 @@ def _keras_classes(*names: str) -> tuple[type, ...]:
 
 
 #: Linear layers whose kernels and biases are squared (Keras' own classes, not subclasses).
-_LINEAR = _keras_classes("Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D", "DepthwiseConv1D",
-                         "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D")
+_LINEAR = _keras_classes("Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose",
+                         "Conv3DTranspose", "DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D")
 #: Layers without parameters that commute with the path sum (or are inactive at inference).
 _STRUCTURAL = _keras_classes(
     "InputLayer", "Flatten", "Reshape", "Identity", "Dropout", "SpatialDropout1D", "SpatialDropout2D",
