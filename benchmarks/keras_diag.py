@@ -51,6 +51,10 @@ layer's ``EinsumDense``/``Dense`` weights is called 4 times per forward.
 and its untied output projection, 4 sequences of 32 tokens with next-token labels): ``auto``
 (``ggn-topk`` per sequence) against one gradient (:func:`llama_figures`).
 
+``--decoder`` times a convolutional encoder-decoder classifier (two strided ``Conv2D`` layers, two
+``Conv2DTranspose`` layers, 32×32 inputs, 16 images, 10 classes): ``ggn`` on the transposed
+convolutions' fast rule and on the generic path against one gradient (:func:`decoder_figures`).
+
 ``--separable`` times Keras' Xception (``keras.applications``, ``weights=None``, 71×71 inputs,
 10 classes, 8 images), whose blocks are ``SeparableConv2D`` layers: ``ggn`` against one gradient
 (:func:`separable_figures`).
@@ -62,6 +66,7 @@ Run::
     python -m benchmarks.keras_diag --tied-lm [--repeats 5] [--threads 1]
     python -m benchmarks.keras_diag --sequence-lm 8000 [--repeats 5] [--threads 1] [--memory]
     python -m benchmarks.keras_diag --separable [--repeats 5] [--threads 1]
+    python -m benchmarks.keras_diag --decoder [--repeats 5] [--threads 1]
     python -m benchmarks.keras_diag --recurrent [--repeats 5] [--threads 1] [--memory]
     python -m benchmarks.keras_diag --albert [--repeats 5] [--threads 1]
     python -m benchmarks.keras_diag --llama [--repeats 5] [--threads 1]
@@ -522,6 +527,39 @@ def separable_figures(repeats: int = 5) -> dict[str, float]:
     return time_interleaved(runs, repeats)
 
 
+def decoder_figures(repeats: int = 5) -> dict[str, float]:
+    """A convolutional encoder-decoder classifier (32×32×3, 16 images, 10 classes): two strided
+    ``Conv2D`` layers down, two ``Conv2DTranspose`` layers up (4×4, stride 2, ``"same"``), a 1×1
+    ``Conv2D``, global average pooling, a ``Dense`` head. ``{"gradient", "ggn", "ggn generic": s}``
+    (medians; ``ggn generic``: ``fast=False``, what the transposed convolutions cost before their
+    rule, when they were not read at all)."""
+    import keras
+    import tensorflow as tf
+
+    import normflat
+
+    keras.utils.set_random_seed(0)
+    L = keras.layers
+    model = keras.Sequential([
+        keras.Input((32, 32, 3)),
+        L.Conv2D(32, 3, strides=2, padding="same", activation="relu"),
+        L.Conv2D(64, 3, strides=2, padding="same", activation="relu"),
+        L.Conv2DTranspose(32, 4, strides=2, padding="same", activation="relu"),
+        L.Conv2DTranspose(16, 4, strides=2, padding="same", activation="relu"),
+        L.Conv2D(16, 1, activation="relu"), L.GlobalAveragePooling2D(), L.Dense(10)])
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(16, 32, 32, 3)).astype("float32"))
+    y = tf.constant(rng.integers(0, 10, size=16))
+
+    def generic():
+        out = normflat.hessian_diagonal(model, (x, y), loss="ce", estimator="ggn", fast=False, progress=False)
+        return [v.numpy() for v in out.values()]
+
+    runs = {"gradient": _runner("gradient", model, x, y), "ggn": _runner("normflat_ggn", model, x, y),
+            "ggn generic": generic}
+    return time_interleaved(runs, repeats)
+
+
 def _print_against_gradient(what: str, f: dict[str, float], args: argparse.Namespace) -> None:
     """The figures of a problem timed against one gradient (``f``: ``gradient`` and ``normflat`` seconds)."""
     print(f"{what}, device {_device()}, threads {args.threads or 'default'}, median of {args.repeats}")
@@ -560,6 +598,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="time ggn on keras-hub's ALBERT (one layer shared by 4) against a gradient")
     parser.add_argument("--separable", action="store_true",
                         help="time ggn on Keras' Xception (SeparableConv2D blocks) against a gradient")
+    parser.add_argument("--decoder", action="store_true",
+                        help="time ggn on a convolutional encoder-decoder classifier (Conv2DTranspose layers): "
+                             "fast rule, generic path, one gradient")
     args = parser.parse_args(argv)
     if args.threads:
         import tensorflow as tf
@@ -592,6 +633,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _print_against_gradient("keras-hub ALBERT (4 layers sharing one, width 128, 16 sequences of 32 tokens, "
                                 "10 classes), ggn", f, args)
         return {"albert": f}
+    if args.decoder:
+        f = decoder_figures(args.repeats)
+        print(f"encoder-decoder classifier (32x32x3, 16 images, two Conv2DTranspose layers, 10 classes), device "
+              f"{_device()}, threads {args.threads or 'default'}, median of {args.repeats}")
+        print(f"  gradient {f['gradient'] * 1e3:.1f} ms; ggn {f['ggn'] / f['gradient']:.1f}x, ggn generic path "
+              f"{f['ggn generic'] / f['gradient']:.1f}x a gradient")
+        return {"decoder": f}
     if args.separable:
         f = separable_figures(args.repeats)
         _print_against_gradient("Xception (keras.applications, 71x71, 10 classes, 8 images), ggn", f, args)
