@@ -317,6 +317,8 @@ def _conv_transpose_layout(module: Any, shape: tuple) -> Flipped | str:
     """A flax ``ConvTranspose`` kernel: ``(*k, in, out)`` like its convolution's, flipped (method §3);
     with ``transpose_kernel=True`` (``(*k, out, in)``, flipped inside ``lax.conv_transpose``) refused."""
     return _TRANSPOSE_KERNEL if getattr(module, "transpose_kernel", False) else Flipped("flax")
+
+
 #: Packed recurrent weights of flax nnx cells: {cell class name: (child Linear attributes, gate order)}.
 #: Filled for the classes of flax.nnx when it is imported (the gate order of each framework, method §3).
 PACKED_CHILDREN: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
