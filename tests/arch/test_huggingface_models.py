@@ -839,3 +839,27 @@ def test_attention_kernels_stored_raw_rescaling_invariance(family):
     for name in set(moved) - set(idle):
         assert abs(after.layer(name).hessian_trace - before.layer(name).hessian_trace) > \
             1e-3 * abs(before.layer(name).hessian_trace), name
+
+
+def test_cvt_on_one_sample_chunks_equals_larger_chunks():
+    """Hugging Face CvT normalizes its depthwise convolutions' outputs with an eval-mode BatchNorm2d and
+    reads them as tokens: torch's CPU backward of the normalization is wrong on a batch of one sample
+    there (the gradient at its output laid out channels-last, torch 2.14). The GGN diagonal on chunks of
+    one sample, and on batches of one sample, equals the one on larger chunks (which the generic path and
+    brute force confirm), per tensor."""
+    torch.manual_seed(0)
+    model = transformers.CvtForImageClassification(transformers.CvtConfig(
+        patch_sizes=[7, 3], patch_stride=[4, 2], patch_padding=[2, 1], embed_dim=[8, 16], num_heads=[1, 2],
+        depth=[1, 2], mlp_ratio=[2.0, 2.0], cls_token=[False, True], qkv_projection_method=["dw_bn", "dw_bn"],
+        num_labels=3)).double().eval()
+    g = torch.Generator().manual_seed(0)
+    data = [{"pixel_values": torch.randn(n, 3, 32, 32, generator=g, dtype=torch.float64),
+             "labels": torch.randint(0, 3, (n,), generator=g)} for n in (2, 3)]
+    singles = [{k: v[i:i + 1] for k, v in b.items()} for b in data for i in range(len(b["labels"]))]
+    kw = dict(loss="ce", estimator="ggn", progress=False)
+    want = normflat.hessian_diagonal(model, data, **kw)
+    for got in (normflat.hessian_diagonal(model, data, chunk_size=1, **kw),
+                normflat.hessian_diagonal(model, singles, **kw)):
+        for name, value in want.items():
+            scale = float(value.abs().max())
+            assert float((got[name] - value).abs().max()) <= 1e-10 * scale, name

@@ -1594,3 +1594,60 @@ def test_followed_layers_in_threads(meet):
     for got in results:
         for name in want:
             assert torch.equal(torch.as_tensor(got[name]), torch.as_tensor(want[name])), name
+
+
+# ----------------------------------------------------------------------------- one-sample batch norm
+
+
+class _NormTokens(nn.Module):
+    """A convolution, a normalization of its channels, then the channels read as tokens
+    (``flatten(2).transpose(1, 2)``, CvT's and LeViT's layout), a dense layer, the mean token, a
+    head. The gradient that reaches the normalization is laid out channels-last, and the
+    convolution's output, whose gradient the fast rule takes, is the normalization's input."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.norm = norm
+        self.mix = nn.Linear(4, 5)
+        self.head = nn.Linear(5, C)
+
+    def forward(self, x):
+        tokens = self.norm(self.conv(x)).flatten(2).transpose(1, 2)
+        return self.head(torch.tanh(self.mix(tokens)).mean(1))
+
+
+@pytest.mark.parametrize("norm", ["batch", "batch3d", "instance"])
+@pytest.mark.parametrize("estimator", ["ggn", "exact"])
+def test_norm_layers_on_one_sample_chunks(norm, estimator):
+    """Normalization layers (eval-mode BatchNorm2d/3d, InstanceNorm) read as tokens, on chunks of one
+    sample and on batches of one sample, against brute force, with the workaround for torch's CPU
+    backward of batch normalization on one sample in place (compat.one_sample_norm_gradients; the
+    bug itself shows in Hugging Face CvT, tests/arch/test_huggingface_models.py), whose hooks are
+    gone afterwards."""
+    if norm == "batch3d":
+        class Model3d(_NormTokens):
+            def forward(self, x):  # the same with a depth axis of 1 around the normalization
+                tokens = self.norm(self.conv(x)[:, :, None]).flatten(2).transpose(1, 2)
+                return self.head(torch.tanh(self.mix(tokens)).mean(1))
+
+        model = Model3d(nn.BatchNorm3d(4))
+    else:
+        model = _NormTokens(nn.BatchNorm2d(4) if norm == "batch" else nn.InstanceNorm2d(4, affine=True))
+    model = _init(model.to(DT), seed=3).eval()
+    with torch.no_grad():
+        if norm != "instance":
+            model.norm.running_mean.normal_(0.0, 0.5)
+            model.norm.running_var.uniform_(0.5, 2.0)
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(3, 2, 4, 4, generator=g, dtype=DT), torch.tensor([0, 3, 1])
+    singles = [(x[i:i + 1], y[i:i + 1]) for i in range(3)]
+    if estimator == "ggn":
+        want = ref.problems(model, ref.ggn_diagonal(model, [(x, y)], "nsce"))
+    else:
+        names = ["conv.weight", "mix.weight", "head.weight"]
+        want = ref.problems(model, ref.hessian_diagonal(model, [(x, y)], "nsce", names))
+    for data, kw in (((x, y), dict(chunk_size=1)), (singles, {})):
+        got = normflat.hessian_diagonal(model, data, loss="nsce", estimator=estimator, progress=False, **kw)
+        _close({k: got[k] for k in want}, want, rtol=1e-9)
+    assert not model.conv._forward_hooks and not model.norm._forward_hooks  # the workaround's hooks are gone

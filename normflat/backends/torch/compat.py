@@ -20,6 +20,7 @@ __all__ = [
     "RecurrentTanh",
     "MathAttention",
     "NORM_BASE",
+    "one_sample_norm_gradients",
     "tensor_version",
     "graph_node_name",
     "graph_leaf",
@@ -31,6 +32,47 @@ __all__ = [
 #: them (and user subclasses) at once, where the public classes would need a list that
 #: misses new variants (LazyBatchNorm, SyncBatchNorm).
 NORM_BASE: type = nn.modules.batchnorm._NormBase
+
+
+def _memory_format(x: torch.Tensor) -> torch.memory_format:
+    """The layout ``x`` is stored in: channels-last (2-D or 3-D) where it is that and not contiguous."""
+    if x.is_contiguous():
+        return torch.contiguous_format
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+@contextlib.contextmanager
+def one_sample_norm_gradients(model: nn.Module) -> Iterator[None]:
+    """Work around a torch CPU bug for the analysis of ``model``, inside the block.
+
+    The backward of batch normalization (eval-mode ``BatchNorm2d``/``3d``; ``InstanceNorm``,
+    which normalizes through it) on a batch of *one* sample returns a wrong input gradient
+    when the gradient at its output is laid out otherwise than its input: channels-last
+    strides, as after ``y.flatten(2).transpose(1, 2)``, the token layout of CvT, LeViT and
+    hybrid ViTs (torch 2.14; the GGN diagonal of such a model was off by up to 30× on chunks
+    of one sample; two samples or more, and ``torch.func``'s batching rules, are right).
+    Every such module's output on a one-sample batch hands the gradient on laid out like
+    its input, the same numbers in the layout the kernel reads correctly. Nothing changes for
+    larger batches or under ``torch.func`` transforms, and the hooks are removed on exit.
+    """
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        if (isinstance(output, torch.Tensor) and output.requires_grad and output.dim() >= 4
+                and output.shape[0] == 1 and not torch._C._are_functorch_transforms_active()):
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else output
+            fmt = _memory_format(x)
+            output.register_hook(lambda g: g.contiguous(memory_format=fmt))
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, NORM_BASE)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def tensor_version(t: torch.Tensor) -> int:
