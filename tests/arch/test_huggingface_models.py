@@ -863,3 +863,28 @@ def test_cvt_on_one_sample_chunks_equals_larger_chunks():
         for name, value in want.items():
             scale = float(value.abs().max())
             assert float((got[name] - value).abs().max()) <= 1e-10 * scale, name
+
+
+def test_encoder_decoder_without_prepare_decoder_input_ids():
+    """M2M100 (like NLLB, Whisper and Speech2Text) has no ``prepare_decoder_input_ids_from_labels``; its
+    forward shifts the labels right itself from ``decoder_start_token_id`` and ``pad_token_id``. A batch
+    of ``input_ids`` and ``labels`` gets those decoder inputs (it failed inside the model before, which
+    was then given none) and the report of the batch with them given."""
+    from transformers.models.m2m_100.modeling_m2m_100 import shift_tokens_right
+
+    torch.manual_seed(0)
+    model = transformers.M2M100ForConditionalGeneration(transformers.M2M100Config(
+        vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=1, decoder_layers=1, encoder_attention_heads=HEADS,
+        decoder_attention_heads=HEADS, encoder_ffn_dim=16, decoder_ffn_dim=16, max_position_embeddings=32)).double()
+    assert not hasattr(model, "prepare_decoder_input_ids_from_labels")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (3, 6), generator=g)
+    labels = torch.randint(3, VOCAB, (3, 4), generator=g)
+    labels[0, 3] = -100
+    implicit = normflat.analyze(model, {"input_ids": ids, "labels": labels}, loss="ce", estimator="ggn",
+                                progress=False)
+    decoder = shift_tokens_right(labels, model.config.pad_token_id, model.config.decoder_start_token_id)
+    explicit = normflat.analyze(model, {"input_ids": ids, "decoder_input_ids": decoder, "labels": labels}, loss="ce",
+                                estimator="ggn", progress=False)
+    assert implicit.metadata["loss_terms"] == explicit.metadata["loss_terms"] == 11
+    assert [layer.hessian_trace for layer in implicit.layers] == [layer.hessian_trace for layer in explicit.layers]

@@ -961,6 +961,14 @@ def is_causal_lm(model: Any) -> bool:
     return _causal_lm_class(type(model))
 
 
+def _shifted_right(labels: torch.Tensor, start: int, pad: int) -> torch.Tensor:
+    """``labels`` one position to the right, ``start`` first and ``pad`` for ``-100``: the decoder
+    inputs a Hugging Face encoder-decoder makes from its labels (``shift_tokens_right``)."""
+    shifted = labels.new_full(labels.shape, start)
+    shifted[:, 1:] = labels[:, :-1]
+    return shifted.masked_fill_(shifted == -100, pad)
+
+
 def with_decoder_inputs(model: Any, kwargs: dict, labels: Any, device: torch.device) -> dict:
     """The keyword inputs of a Hugging Face encoder-decoder (T5, BART, Marian, ...) with the decoder's
     inputs made from the labels, as the model's own forward does when it is given ``labels``.
@@ -970,11 +978,18 @@ def with_decoder_inputs(model: Any, kwargs: dict, labels: Any, device: torch.dev
     batch has ``decoder_input_ids`` or ``decoder_inputs_embeds`` of its own, they are the labels
     shifted right (``prepare_decoder_input_ids_from_labels``: the start token first, ``-100`` as
     the padding token), and the logits at ``t`` are scored against ``labels[:, t]``, unshifted.
-    Anything else: ``kwargs`` as they are.
+    A model without that method (M2M100, NLLB, Whisper, Speech2Text, Blenderbot) shifts its labels
+    in its forward the same way from its config's ``decoder_start_token_id`` and ``pad_token_id``:
+    so does this. Anything else: ``kwargs`` as they are.
     """
     model = _hf_model(model)
+    config = getattr(model, "config", None)
     prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
-    if (labels is None or prepare is None or not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+    if prepare is None:
+        start, pad = getattr(config, "decoder_start_token_id", None), getattr(config, "pad_token_id", None)
+        if isinstance(start, int) and isinstance(pad, int):
+            prepare = functools.partial(_shifted_right, start=start, pad=pad)
+    if (labels is None or prepare is None or not getattr(config, "is_encoder_decoder", False)
             or "decoder_input_ids" in kwargs or "decoder_inputs_embeds" in kwargs):
         return kwargs
     ids = torch.as_tensor(labels, device=device)
