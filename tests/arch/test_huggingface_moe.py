@@ -400,3 +400,26 @@ def test_router_is_recognized_by_how_its_forward_reads_the_weight():
     assert hf._linear_router(_RouterLike)
     assert not hf._linear_router(_RouterReadingTheWeightTwice)
     assert not hf._linear_router(torch.nn.Module)
+
+
+def test_switch_transformers_router_converting_its_classifier():
+    """Switch Transformers' router converts its classifier in its forward
+    (``self.classifier = self.classifier.to(self.dtype)``); its experts take the generic path, whose
+    ``torch.func`` transforms then failed inside torch and left the router's weight broken (the process
+    crashed). Now the analysis covers every weight, on the generic path for the experts, and leaves the
+    model as it was."""
+    torch.manual_seed(0)
+    model = transformers.SwitchTransformersForConditionalGeneration(transformers.SwitchTransformersConfig(
+        vocab_size=VOCAB, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_decoder_layers=1, num_heads=2,
+        decoder_start_token_id=0, num_experts=2, expert_capacity=64, num_sparse_encoder_layers=1,
+        num_sparse_decoder_layers=1)).double().eval()
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": torch.randint(3, VOCAB, (n, 6), generator=g),
+             "labels": torch.randint(3, VOCAB, (n, 4), generator=g)} for n in (2, 3)]
+    before = snapshot(model)
+    report = analyze_quietly(model, data, loss="ce")
+    assert report.metadata["coverage"] == 1.0
+    assert any("experts" in layer.name and layer.details["path"] == "generic" for layer in report.layers)
+    assert all(np.isfinite(layer.normalized_sharpness) for layer in report.layers)
+    assert_unchanged(model, before)
+    model(**data[0])  # still usable

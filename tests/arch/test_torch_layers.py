@@ -1651,3 +1651,45 @@ def test_norm_layers_on_one_sample_chunks(norm, estimator):
         got = normflat.hessian_diagonal(model, data, loss="nsce", estimator=estimator, progress=False, **kw)
         _close({k: got[k] for k in want}, want, rtol=1e-9)
     assert not model.conv._forward_hooks and not model.norm._forward_hooks  # the workaround's hooks are gone
+
+
+class _ConvertingRouter(nn.Module):
+    """A router that converts its classifier in its forward, as Hugging Face's Switch Transformers and
+    NLLB-MoE routers do (``self.classifier = self.classifier.to(self.dtype)``), before an expert."""
+
+    def __init__(self):
+        super().__init__()
+        self.classifier = nn.Linear(D, D)
+        self.expert = nn.Linear(D, C)
+        self.convert = True  # False: the same function without the conversion (the references')
+
+    def forward(self, x):
+        if self.convert:
+            self.classifier = self.classifier.to(self.expert.weight.dtype)
+        return self.expert(torch.softmax(self.classifier(x), -1) * x)
+
+
+@pytest.mark.parametrize("estimator", ["ggn", "exact"])
+def test_module_converted_in_its_forward_under_torch_func(estimator):
+    """A ``.to()`` that changes nothing, in the forward, under the ``torch.func`` transforms of the generic
+    path and of the Hessian-vector products: it used to re-assign the parameters' ``.data`` inside the
+    transform, which failed in torch and left the parameter broken (the next use crashed the process).
+    Now the numbers are brute force's, on the generic path, and the model is as it was."""
+    model = _init(_ConvertingRouter(), seed=5)
+    weights = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randn(4, D, generator=g, dtype=DT), torch.tensor([0, 1, 3, 2])
+    plain = copy.deepcopy(model)  # torch.func's references run the same function without the conversion
+    plain.convert = False
+    if estimator == "ggn":
+        want = ref.problems(plain, ref.ggn_diagonal(plain, [(x, y)], "nsce"))
+        _close(normflat.hessian_diagonal(model, (x, y), loss="nsce", estimator="ggn", fast=False, progress=False),
+               want)
+    else:
+        names = ["classifier.weight", "expert.weight"]
+        want = ref.problems(plain, ref.hessian_diagonal(plain, [(x, y)], "nsce", names))
+        _close(normflat.hessian_diagonal(model, (x, y), loss="nsce", estimator="exact", progress=False), want)
+    for name, (p, value) in weights.items():
+        assert model.get_parameter(name) is p and torch.equal(p, value), name
+    assert all("to" not in m.__dict__ for m in model.modules())
+    model(x)  # still usable

@@ -7,6 +7,7 @@ that breaks one of them breaks it here, visibly, and nowhere else.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +22,7 @@ __all__ = [
     "MathAttention",
     "NORM_BASE",
     "one_sample_norm_gradients",
+    "unchanging_conversions",
     "tensor_version",
     "graph_node_name",
     "graph_leaf",
@@ -73,6 +75,46 @@ def one_sample_norm_gradients(model: nn.Module) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _converts(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether ``module.to(*args, **kwargs)`` would change any of its tensors (dtype, device or layout)."""
+    device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    if memory_format is not None:
+        return True
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if device is not None and t.device != device:
+            return True
+        if dtype is not None and (t.is_floating_point() or t.is_complex()) and t.dtype != dtype:
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def unchanging_conversions(model: nn.Module) -> Iterator[None]:
+    """Inside the block, a ``.to(...)`` of a module of ``model`` that changes nothing returns the module
+    without touching its parameters.
+
+    Some models convert a submodule in their forward (Hugging Face's Switch Transformers and
+    NLLB-MoE routers: ``self.classifier = self.classifier.to(self.dtype)``). Even when nothing
+    changes, ``Module.to`` re-assigns every parameter's ``.data``, which under ``torch.func``
+    transforms (the generic path's ``vmap`` of a ``vjp``) fails inside torch and leaves the
+    parameter broken (the next use crashed the process). A conversion that changes something
+    runs as usual. The instance attributes are removed on exit.
+    """
+    modules = list(model.modules())
+    for module in modules:
+        def to(*args: Any, _module: nn.Module = module, **kwargs: Any) -> nn.Module:
+            if _converts(_module, args, kwargs):
+                return type(_module).to(_module, *args, **kwargs)
+            return _module
+        object.__setattr__(module, "to", to)
+    try:
+        yield
+    finally:
+        for module in modules:
+            if "to" in module.__dict__:
+                object.__delattr__(module, "to")
 
 
 def tensor_version(t: torch.Tensor) -> int:

@@ -282,6 +282,7 @@ class TorchPerturbationModel:
                     stack.enter_context(torch.no_grad())
                     stack.enter_context(hf.analysis_mode(self.model, self.options))
                     stack.enter_context(compat.one_sample_norm_gradients(self.model))  # a torch bug on one sample
+                    stack.enter_context(compat.unchanging_conversions(self.model))  # .to() under torch.func
                     if double_backward or self._recurrent:
                         # Double backward needs attention's math kernel; recurrent layers run as plain
                         # recurrences, as in the session (compat.FunctionalKernels).

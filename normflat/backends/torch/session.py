@@ -255,6 +255,7 @@ class TorchSession:
         with contextlib.ExitStack() as stack:
             stack.enter_context(hf.analysis_mode(self.model, self.options))
             stack.enter_context(compat.one_sample_norm_gradients(self.model))  # a torch bug on one sample
+            stack.enter_context(compat.unchanging_conversions(self.model))  # .to() in a forward under torch.func
             if self._recurrent:
                 # The fused recurrent kernels run as plain recurrences: vmap can batch those, and
                 # their backward is much faster on CPU (compat.FunctionalKernels). Only for models
