@@ -102,19 +102,25 @@ def unchanging_conversions(model: nn.Module) -> Iterator[None]:
     parameter broken (the next use crashed the process). A conversion that changes something
     runs as usual. The instance attributes are removed on exit.
     """
-    modules = list(model.modules())
-    for module in modules:
+    modules = []
+    for module in model.modules():
+        if "to" in getattr(module, "__dict__", {}):
+            continue  # an instance attribute of its own: left as it is
+
         def to(*args: Any, _module: nn.Module = module, **kwargs: Any) -> nn.Module:
             if _converts(_module, args, kwargs):
                 return type(_module).to(_module, *args, **kwargs)
             return _module
-        object.__setattr__(module, "to", to)
+        try:
+            object.__setattr__(module, "to", to)
+        except (AttributeError, TypeError):  # a module that takes no instance attributes (scripted)
+            continue
+        modules.append(module)
     try:
         yield
     finally:
         for module in modules:
-            if "to" in module.__dict__:
-                object.__delattr__(module, "to")
+            object.__delattr__(module, "to")
 
 
 def tensor_version(t: torch.Tensor) -> int:
