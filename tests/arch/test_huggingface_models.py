@@ -888,3 +888,21 @@ def test_encoder_decoder_without_prepare_decoder_input_ids():
                                 estimator="ggn", progress=False)
     assert implicit.metadata["loss_terms"] == explicit.metadata["loss_terms"] == 11
     assert [layer.hessian_trace for layer in implicit.layers] == [layer.hessian_trace for layer in explicit.layers]
+
+
+def test_models_keeping_a_cache_run_without_it():
+    """RWKV updates its recurrent state (its cache) in place inside the forward, which autograd refuses
+    in eval mode: a keyword batch runs with ``use_cache=False`` unless it says otherwise (the analysis
+    never generates), the same report as the model configured without its cache."""
+    torch.manual_seed(0)
+    model = transformers.RwkvForCausalLM(transformers.RwkvConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, attention_hidden_size=HIDDEN,
+        intermediate_size=16)).double()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (3, 5), generator=g)
+    implicit = normflat.analyze(model, {"input_ids": ids, "labels": ids}, loss="ce", estimator="ggn", progress=False)
+    plain = copy.deepcopy(model)
+    plain.config.use_cache = False  # the same model without its cache
+    explicit = normflat.analyze(plain, {"input_ids": ids, "labels": ids}, loss="ce", estimator="ggn", progress=False)
+    assert [layer.hessian_trace for layer in implicit.layers] == [layer.hessian_trace for layer in explicit.layers]
+    assert implicit.metadata["coverage"] == 1.0

@@ -961,6 +961,24 @@ def is_causal_lm(model: Any) -> bool:
     return _causal_lm_class(type(model))
 
 
+@functools.lru_cache(maxsize=None)
+def _takes_use_cache(cls: type) -> bool:
+    try:
+        return "use_cache" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _without_cache(model: Any, kwargs: dict) -> dict:
+    """``kwargs`` with ``use_cache=False`` for a transformers model whose forward takes it (unless given):
+    the analysis never generates, so the cache would only cost memory, and a model updating its cache
+    in place inside the forward (RWKV's recurrent state) cannot be differentiated in eval mode."""
+    base = _loaded_class("transformers.modeling_utils", "PreTrainedModel")
+    if base is None or not isinstance(model, base) or "use_cache" in kwargs or not _takes_use_cache(type(model)):
+        return kwargs
+    return {**kwargs, "use_cache": False}
+
+
 def _shifted_right(labels: torch.Tensor, start: int, pad: int) -> torch.Tensor:
     """``labels`` one position to the right, ``start`` first and ``pad`` for ``-100``: the decoder
     inputs a Hugging Face encoder-decoder makes from its labels (``shift_tokens_right``)."""
@@ -980,9 +998,12 @@ def with_decoder_inputs(model: Any, kwargs: dict, labels: Any, device: torch.dev
     the padding token), and the logits at ``t`` are scored against ``labels[:, t]``, unshifted.
     A model without that method (M2M100, NLLB, Whisper, Speech2Text, Blenderbot) shifts its labels
     in its forward the same way from its config's ``decoder_start_token_id`` and ``pad_token_id``:
-    so does this. Anything else: ``kwargs`` as they are.
+    so does this. Any transformers model whose forward takes ``use_cache`` runs with
+    ``use_cache=False`` unless the batch says otherwise (:func:`_without_cache`). Anything else:
+    ``kwargs`` as they are.
     """
     model = _hf_model(model)
+    kwargs = _without_cache(model, kwargs)
     config = getattr(model, "config", None)
     prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
     if prepare is None:
