@@ -1210,3 +1210,32 @@ def test_transposed_convolution_exact_hessian():
     model, x, y, expected = transposed_conv_model("2d")
     check_against(model, x, y, {k: expected[k] for k in ("up0", "up1")}, loss="nsce", estimator="exact",
                   reference=hessian_reference)
+
+
+class _SpareLayer(L.Layer):
+    """A block that creates a convolution it never calls (keras-hub EfficientNet's squeeze-excite
+    convolutions of blocks without one): never built, it has no weights."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.conv = L.Conv2D(3, 3, padding="same", activation="tanh", dtype=F64, name="conv")
+        self.spare = L.Conv2D(3, 1, dtype=F64, name="spare")
+
+    def call(self, x):
+        return self.conv(x)
+
+
+def test_a_layer_never_built_has_nothing_to_analyze():
+    """A layer created but never called is never built (reading its kernel raised inside the walk); it
+    has no weights and is not reported; the others are analyzed as usual, against brute force."""
+    rng = _rng(44)
+    inp = keras.Input((4, 4, 2), dtype=F64)
+    block = _SpareLayer(dtype=F64, name="block")
+    h = L.GlobalAveragePooling2D(dtype=F64)(block(inp))
+    model = keras.Model(inp, L.Dense(3, dtype=F64, name="head")(h))
+    _randomize(model, rng)
+    assert not block.spare.built
+    x, y = rng.normal(size=(4, 4, 4, 2)), rng.integers(0, 3, 4)
+    got = check_against(model, x, y, {"block/conv": ("block/conv/kernel", lambda k: k.transpose(3, 2, 0, 1)),
+                                      "head": ("head/kernel", _transposed)}, loss="nsce")
+    assert set(got) == {"block/conv", "head"}

@@ -1693,3 +1693,26 @@ def test_module_converted_in_its_forward_under_torch_func(estimator):
         assert model.get_parameter(name) is p and torch.equal(p, value), name
     assert all("to" not in m.__dict__ for m in model.modules())
     model(x)  # still usable
+
+
+class _InBatchScores(nn.Module):
+    """Each sample's embedding scored against every sample's of the batch (a contrastive model's
+    ``logits_per_image``): the logits of a sample depend on the others."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(D, 4)
+
+    def forward(self, x):
+        e = torch.tanh(self.embed(x))
+        return e @ e.T
+
+
+def test_logits_mixing_the_samples_are_refused_clearly():
+    """Logits whose width is the batch (scores against in-batch candidates) cannot be analyzed per sample:
+    a clear error naming the cause, not a shape mismatch from inside torch."""
+    model = _init(_InBatchScores(), seed=7)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(3, D, generator=g, dtype=DT)
+    with pytest.raises(ValueError, match="depend on the other samples"):
+        normflat.hessian_diagonal(model, (x, torch.arange(3)), loss="ce", estimator="ggn", progress=False)

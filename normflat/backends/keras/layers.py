@@ -722,6 +722,10 @@ def walk(model: Any, on_unsupported: str,
                     if v not in inventory:
                         inventory.set(v, "excluded", relative)
                 continue
+            if entry is not None and not child.built and not child.weights:
+                # Created but never called, so never built (keras-hub EfficientNet's squeeze-excite
+                # convolutions of blocks without one): it has no weights, nothing to analyze.
+                continue
             if entry is not None:
                 try:
                     weights = entry(child)

@@ -1751,6 +1751,13 @@ def _per_sample_loop(model, x_n, s_n, layers, k, owner, pick):
     ws = {layer.param_name: layer.param.detach().requires_grad_(True) for layer in layers}
     with torch.enable_grad():
         out = pick(functional_call(model, ws, x_n.args, x_n.kwargs, strict=False))[0]
+        if out.shape != s_n.shape[1:]:
+            raise ValueError(
+                f"The model's logits for one sample alone have shape {tuple(out.shape)}, but "
+                f"{tuple(s_n.shape[1:])} per sample within the batch: each sample's logits depend on the other "
+                "samples (scores against in-batch candidates, as a contrastive model's logits_per_image). The "
+                "measures need every sample's logits from that sample alone; analyze a classifier on the model's "
+                "embeddings instead.")
         total = {name: torch.zeros((k, *w.shape), dtype=w.dtype, device=w.device) for name, w in ws.items()}
         params = list(ws.values())
         for j, group in enumerate(owner):  # owner: the group of each signal
