@@ -1011,7 +1011,9 @@ def check_output_shape(shape: tuple[int, ...], options: AnalysisOptions, index: 
         raise ValueError(
             f"Batch {index}: the model's output has shape {shape}; normflat needs logits of shape "
             "(batch, classes), or token logits (batch, tokens, classes) with token labels (batch, tokens). "
-            "Flatten or pool extra axes in the model, or wrap it."
+            "Flatten or pool extra axes in the model, or wrap it; per-pixel logits (batch, H, W, classes) "
+            "of a segmenter are token logits once reshaped to (batch, H·W, classes) by a callable output=... "
+            "on the model's output, with labels (batch, H·W)."
         )
     if shape[0] != n:
         raise ValueError(f"Batch {index}: the model returned {shape[0]} rows of logits for {n} samples.")
