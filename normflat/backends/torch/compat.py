@@ -23,6 +23,7 @@ __all__ = [
     "NORM_BASE",
     "one_sample_norm_gradients",
     "unchanging_conversions",
+    "model_workarounds",
     "tensor_version",
     "graph_node_name",
     "graph_leaf",
@@ -121,6 +122,15 @@ def unchanging_conversions(model: nn.Module) -> Iterator[None]:
     finally:
         for module in modules:
             object.__delattr__(module, "to")
+
+
+@contextlib.contextmanager
+def model_workarounds(model: nn.Module) -> Iterator[None]:
+    """What an analysis sets on ``model``'s modules for its forwards, removed on exit: the batch-norm
+    gradient on one sample (:func:`one_sample_norm_gradients`) and the conversions that change
+    nothing (:func:`unchanging_conversions`)."""
+    with one_sample_norm_gradients(model), unchanging_conversions(model):
+        yield
 
 
 def tensor_version(t: torch.Tensor) -> int:

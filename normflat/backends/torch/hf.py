@@ -45,7 +45,7 @@ from normflat.backends.torch.ggn import (PER_SAMPLE_GRADIENTS, USE_INPUTS, Delta
                                          _conv_gradients, _conv_patches, _dense_squares, _first_of_tuple, _foldable,
                                          _inner_uses, _patch_squares, _takes_kernel_sums, _with_call, folded_patches)
 
-__all__ = ["register_known_layers", "packed_blocks", "is_causal_lm", "analysis_mode", "with_decoder_inputs"]
+__all__ = ["register_known_layers", "packed_blocks", "is_causal_lm", "analysis_mode", "keyword_inputs"]
 
 _REGISTER_LOCK = threading.Lock()
 
@@ -987,7 +987,15 @@ def _shifted_right(labels: torch.Tensor, start: int, pad: int) -> torch.Tensor:
     return shifted.masked_fill_(shifted == -100, pad)
 
 
-def with_decoder_inputs(model: Any, kwargs: dict, labels: Any, device: torch.device) -> dict:
+def keyword_inputs(model: Any, kwargs: dict, labels: Any, device: torch.device) -> dict:
+    """The keyword inputs of a Hugging Face model for the analysis: without its cache
+    (:func:`_without_cache`) and, for an encoder-decoder, with the decoder's inputs made from the
+    labels (:func:`_with_decoder_inputs`). Anything else: ``kwargs`` as they are."""
+    model = _hf_model(model)
+    return _with_decoder_inputs(model, _without_cache(model, kwargs), labels, device)
+
+
+def _with_decoder_inputs(model: Any, kwargs: dict, labels: Any, device: torch.device) -> dict:
     """The keyword inputs of a Hugging Face encoder-decoder (T5, BART, Marian, ...) with the decoder's
     inputs made from the labels, as the model's own forward does when it is given ``labels``.
 
@@ -998,21 +1006,18 @@ def with_decoder_inputs(model: Any, kwargs: dict, labels: Any, device: torch.dev
     the padding token), and the logits at ``t`` are scored against ``labels[:, t]``, unshifted.
     A model without that method (M2M100, NLLB, Whisper, Speech2Text, Blenderbot) shifts its labels
     in its forward the same way from its config's ``decoder_start_token_id`` and ``pad_token_id``:
-    so does this. Any transformers model whose forward takes ``use_cache`` runs with
-    ``use_cache=False`` unless the batch says otherwise (:func:`_without_cache`). Anything else:
-    ``kwargs`` as they are.
+    so does this. Anything else: ``kwargs`` as they are.
     """
-    model = _hf_model(model)
-    kwargs = _without_cache(model, kwargs)
     config = getattr(model, "config", None)
+    if (labels is None or not getattr(config, "is_encoder_decoder", False)
+            or "decoder_input_ids" in kwargs or "decoder_inputs_embeds" in kwargs):
+        return kwargs
     prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
     if prepare is None:
         start, pad = getattr(config, "decoder_start_token_id", None), getattr(config, "pad_token_id", None)
-        if isinstance(start, int) and isinstance(pad, int):
-            prepare = functools.partial(_shifted_right, start=start, pad=pad)
-    if (labels is None or prepare is None or not getattr(config, "is_encoder_decoder", False)
-            or "decoder_input_ids" in kwargs or "decoder_inputs_embeds" in kwargs):
-        return kwargs
+        if not (isinstance(start, int) and isinstance(pad, int)):
+            return kwargs
+        prepare = functools.partial(_shifted_right, start=start, pad=pad)
     ids = torch.as_tensor(labels, device=device)
     if ids.dtype.is_floating_point or ids.dim() != 2:
         return kwargs  # not token labels: the model's own error, on the labels it was given

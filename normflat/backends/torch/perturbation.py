@@ -281,8 +281,7 @@ class TorchPerturbationModel:
                     stack.enter_context(torch.inference_mode(False))
                     stack.enter_context(torch.no_grad())
                     stack.enter_context(hf.analysis_mode(self.model, self.options))
-                    stack.enter_context(compat.one_sample_norm_gradients(self.model))  # a torch bug on one sample
-                    stack.enter_context(compat.unchanging_conversions(self.model))  # .to() under torch.func
+                    stack.enter_context(compat.model_workarounds(self.model))
                     if double_backward or self._recurrent:
                         # Double backward needs attention's math kernel; recurrent layers run as plain
                         # recurrences, as in the session (compat.FunctionalKernels).
@@ -298,7 +297,7 @@ class TorchPerturbationModel:
         for batch in source:
             xs = inputs_to_model(batch.x, batch.index, self.device, self.dtype, batch.n, batch.keywords)
             if batch.keywords:
-                xs.kwargs = hf.with_decoder_inputs(self.model, xs.kwargs, batch.y, self.device)
+                xs.kwargs = hf.keyword_inputs(self.model, xs.kwargs, batch.y, self.device)
             if not self._inputs_checked:
                 # Inputs on an accelerator: the adapter leaves their check to the caller. Once, on
                 # the first pass over the data (the measures make several).

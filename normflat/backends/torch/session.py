@@ -236,7 +236,7 @@ class TorchSession:
         with torch.inference_mode(False), torch.enable_grad(), self._analysis_mode():
             xs = inputs_to_model(batch.x, batch.index, self.device, self.dtype, batch.n, batch.keywords)
             if batch.keywords:
-                xs.kwargs = hf.with_decoder_inputs(self.model, xs.kwargs, batch.y, self.device)
+                xs.kwargs = hf.keyword_inputs(self.model, xs.kwargs, batch.y, self.device)
             inputs_ok = deferred_inputs_finite(batch.x)
             if inputs_ok is not None:
                 self._pending.append((batch.index, "inputs", inputs_ok, None))
@@ -251,11 +251,11 @@ class TorchSession:
 
     @contextlib.contextmanager
     def _analysis_mode(self) -> Iterator[None]:
-        """What every forward of the analysis runs in (thread-local effects only)."""
+        """What every forward of the analysis runs in: thread-local switches, and the workarounds set on
+        the model's modules until the block ends (:func:`~normflat.backends.torch.compat.model_workarounds`)."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(hf.analysis_mode(self.model, self.options))
-            stack.enter_context(compat.one_sample_norm_gradients(self.model))  # a torch bug on one sample
-            stack.enter_context(compat.unchanging_conversions(self.model))  # .to() in a forward under torch.func
+            stack.enter_context(compat.model_workarounds(self.model))
             if self._recurrent:
                 # The fused recurrent kernels run as plain recurrences: vmap can batch those, and
                 # their backward is much faster on CPU (compat.FunctionalKernels). Only for models
