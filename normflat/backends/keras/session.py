@@ -68,6 +68,11 @@ class BackendConfig:
 _CACHE_GUARD = threading.Lock()
 _COMPILED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 _PROBES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+#: The canonical shapes of a model's analyzed weights: reading one transposes the weight itself
+#: (``to_canonical`` works on tensors), milliseconds per analysis of a small model.
+_SHAPES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+#: The input signatures each compiled step was traced for with its batch axis open.
+_OPEN_TRACES: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
 
 
 def _cached(cache: "weakref.WeakKeyDictionary[Any, dict]", model: Any, key: Any,
@@ -103,7 +108,8 @@ def trace_open_batch(fn: Any, args: tuple, batched: list[bool]) -> None:
     A later call with another batch size (a chunk, the last batch) then finds this trace, where
     TensorFlow would trace the second size again (``reduce_retracing`` only generalizes then):
     seconds for a step with second derivatives. Arguments that are not all tensors are left to
-    TensorFlow's own tracing rules.
+    TensorFlow's own tracing rules. Each signature is traced once per function, also across
+    analyses (looking an existing trace up again costs a millisecond per analysis).
     """
     if not all(isinstance(t, tf.Tensor) for t in tf.nest.flatten(args)):
         return
@@ -111,7 +117,18 @@ def trace_open_batch(fn: Any, args: tuple, batched: list[bool]) -> None:
     def spec(t: Any, open_batch: bool) -> Any:
         return tf.TensorSpec([None, *t.shape[1:]] if open_batch and t.shape.rank else t.shape, t.dtype)
 
-    fn.get_concrete_function(*[tf.nest.map_structure(lambda t, b=b: spec(t, b), a) for a, b in zip(args, batched)])
+    specs = [tf.nest.map_structure(lambda t, b=b: spec(t, b), a) for a, b in zip(args, batched)]
+    key = repr(specs)
+    with _CACHE_GUARD:
+        try:
+            done = _OPEN_TRACES.setdefault(fn, set())
+        except TypeError:  # not weak-referenceable: trace (a lookup if it exists)
+            done = set()
+        if key in done:
+            return
+    fn.get_concrete_function(*specs)
+    with _CACHE_GUARD:
+        done.add(key)
 
 
 class OpenBatchTraces:
@@ -357,10 +374,12 @@ class KerasSession:
         if self.hvp:
             return tuple(int(d) for d in entry.variable.shape)
         if self._canonical_shapes is None:
-            self._canonical_shapes = [
+            key = tuple((e.name, id(e.variable.value), tuple(int(d) for d in e.variable.shape), e.weight.kind)
+                        for e in self.entries)
+            self._canonical_shapes = _cached(_SHAPES, self.model, key, lambda: [
                 tuple(int(d) for d in e.weight.to_canonical(tf.convert_to_tensor(e.variable.value)).shape)
                 for e in self.entries
-            ]
+            ])
         return self._canonical_shapes[layer]
 
     def kernel_axes(self, layer: int) -> tuple[int, ...]:
