@@ -111,8 +111,10 @@ def _with_softmax(builder, model):
 
 
 def _followed_by(builder, model, what):
-    """The model followed by ``what``: ``"softmax"`` (its outputs are probabilities, not logits)
-    or ``"exp"`` (finite logits that overflow for large inputs)."""
+    """The model followed by ``what``: ``"softmax"`` (its outputs are probabilities, not logits),
+    ``"exp"`` (finite logits that overflow for large inputs) or ``"scores"`` (its outputs, as
+    embeddings, scored against every sample's of the batch: ``(n, n)`` logits that mix the samples,
+    a contrastive model's ``logits_per_image``)."""
     name = builder.NAME
     if name == "torch":
         import torch
@@ -120,6 +122,8 @@ def _followed_by(builder, model, what):
 
         class Then(nn.Module):
             def forward(self, z):
+                if what == "scores":
+                    return z @ z.T
                 return torch.softmax(z, dim=1) if what == "softmax" else torch.exp(z)
 
         return nn.Sequential(model, Then())
@@ -131,6 +135,8 @@ def _followed_by(builder, model, what):
         def then(t):
             if what == "exp":
                 return keras.ops.exp(t)
+            if what == "scores":
+                return keras.ops.matmul(t, keras.ops.transpose(t))
             e = keras.ops.exp(t - keras.ops.max(t, axis=-1, keepdims=True))
             return e / keras.ops.sum(e, axis=-1, keepdims=True)
 
@@ -139,6 +145,8 @@ def _followed_by(builder, model, what):
     import jax.numpy as jnp
 
     def then(z):
+        if what == "scores":
+            return z @ z.T
         return jax.nn.softmax(z, axis=-1) if what == "softmax" else jnp.exp(z)
 
     if name == "equinox":
@@ -148,6 +156,8 @@ def _followed_by(builder, model, what):
             net: eqx.Module
 
             def __call__(self, x):
+                if what == "scores":  # the builder's network takes one example: scores need the batch
+                    return then(jax.vmap(self.net)(x))
                 return then(self.net(x))
 
         return Then(model)
@@ -406,6 +416,54 @@ def test_single_output_unit(builder):
     x, _ = netspec.data(spec, n=6, seed=12)
     with pytest.raises(ValueError, match="single output unit"):
         normflat.analyze(builder.build(spec), builder.make_data(x, np.zeros(6, dtype=np.int64), 3), **_kw(builder))
+
+
+#: The distinctive part of the engine's error for logits whose classes follow the rows
+#: (normflat.engine.losses.check_same_classes).
+MIXED = (r"their number of classes \(the last axis\) follows the number of samples the model is called on, so "
+         r"each sample's logits depend on the other samples")
+
+
+def test_logits_that_mix_the_samples(builder):
+    """In-batch scores ``(n, n)``, each sample's logits depending on the others (a contrastive model's
+    ``logits_per_image``): the engine's one error in every framework, whatever the path that meets them
+    (PyTorch: the probe of 2 rows against the chunk, the one-row forward before refusing 2 classes with
+    ``nsce``, the batches of the Hessian-vector products and of the measures; Keras: the same, and the
+    compiled steps' traces; JAX: the per-example trace against the batch model), never a number that
+    depends on the batching, an error worded for a classifier, or one from inside the framework."""
+    spec = _mlp(15)
+    x, y = netspec.data(spec, n=7, seed=16)
+    binary = y % 2  # labels that 2 "classes" take, so that no label check refuses them first
+    model = _followed_by(builder, builder.build(spec), "scores")
+    xp = _xp(builder)
+
+    def custom(z, labels):
+        return xp.mean(z * z)
+
+    for labels, size, kw in [
+        (binary, 7, dict(loss="ce")),  # one batch, no chunks
+        (binary, 7, dict()),  # nsce: 2 classes in the probe of 2 rows
+        (y, 7, dict(loss="ce")),  # a label 2, out of the probe's range
+        (binary, 4, dict(loss="ce")),  # batches of 4 and 3
+        (binary, 4, dict(loss=custom, estimator="hutchinson", samples=2)),
+    ]:
+        with pytest.raises(ValueError, match=MIXED):
+            normflat.hessian_diagonal(model, builder.make_data(x, labels, size), **_kw(builder, **kw))
+    for labels in (binary, y):  # the perturbation models of normflat.measures
+        with pytest.raises(ValueError, match=MIXED):
+            normflat.measures(model, builder.make_data(x, labels, 4), ["fisher_rao_norm"], loss="ce", progress=False,
+                              backend_options=builder.ANALYZE_KWARGS)
+
+
+def test_two_classes_with_nsce_also_after_an_analysis_with_ce(builder):
+    """The shape checks apply each analysis' own options, also where the first forward's findings are
+    cached per model (Keras): a binary classifier analyzed with ``ce`` is still refused with ``nsce``."""
+    spec = _mlp(16, sizes=(4, 5, 2))
+    x, y = netspec.data(spec, n=6, seed=17)
+    model = builder.build(spec)
+    assert np.isfinite(normflat.analyze(model, builder.make_data(x, y, 3), **_kw(builder, loss="ce")).hessian_trace)
+    with pytest.raises(ValueError, match="The model has 2 classes"):
+        normflat.analyze(model, builder.make_data(x, y, 3), **_kw(builder, loss="nsce"))
 
 
 def test_custom_loss_errors(builder):

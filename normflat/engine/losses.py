@@ -29,9 +29,10 @@ backend passes a tiny adapter); the functions use only ``mean``, ``sum``,
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -69,6 +70,8 @@ __all__ = [
     "check_logit_stats",
     "CONSTANT_LOGITS_RMS",
     "check_output_shape",
+    "check_same_classes",
+    "classes_first",
     "check_loss_value",
     "namespace_check",
     "LOGIT_BLOCK_ENTRIES",
@@ -998,13 +1001,28 @@ def namespace_check(xp: Any) -> list[str]:
     return missing
 
 
-def check_output_shape(shape: tuple[int, ...], options: AnalysisOptions, index: int, n: int) -> int:
+def check_output_shape(shape: tuple[int, ...], options: AnalysisOptions, index: int, n: int,
+                       seen: tuple[int | None, ...] | None = None,
+                       other_rows: Callable[[], tuple[int | None, ...]] | None = None) -> int:
     """Check the model's output shape ``(n, C)`` or ``(n, T, C)`` (token logits); return ``C``.
+
+    Args:
+        shape: The logits' shape of this call of the model.
+        options: The analysis options (the loss).
+        index: The batch index, for the messages.
+        n: The samples the model was called on.
+        seen: The logits' shape of an earlier call of the model in this analysis (``None`` for
+            the first): the number of classes must be the same (:func:`check_same_classes`).
+        other_rows: The logits' shape of the model called on its first row alone, asked only
+            before refusing a number of classes (a single output unit, or 2 classes with
+            ``nsce``) for ``n >= 2``: few classes may be as many as the rows, scores against
+            in-batch candidates, whose own error is then the one raised (:func:`classes_first`).
 
     Raises:
         ValueError: For outputs that are neither ``(batch, classes)`` nor
-            ``(batch, tokens, classes)`` logits, and for a single output unit with a
-            built-in loss.
+            ``(batch, tokens, classes)`` logits, for a number of classes that differs from
+            ``seen``'s (:func:`check_same_classes`), and for a single output unit with a
+            built-in loss or 2 classes with ``nsce``.
     """
     shape = tuple(int(d) for d in shape)
     if len(shape) not in (2, 3):
@@ -1017,25 +1035,105 @@ def check_output_shape(shape: tuple[int, ...], options: AnalysisOptions, index: 
         )
     if shape[0] != n:
         raise ValueError(f"Batch {index}: the model returned {shape[0]} rows of logits for {n} samples.")
+    check_same_classes(shape, seen)
     c = shape[-1]
-    if c < 2 and not callable(options.loss):
-        raise ValueError(
-            f"The model has a single output unit (logits of shape {shape}); the built-in losses are the "
-            "softmax cross-entropy over at least 2 classes, for which one logit carries no curvature "
-            "(the measures would be 0). For a binary classifier return two logits, e.g. [0, z] "
-            "(torch.cat([torch.zeros_like(z), z], 1)), which is the same model as a sigmoid, with "
-            "loss='ce'; or pass "
-            "a custom loss callable with estimator='exact' or 'hutchinson'."
-        )
-    if c == 2 and options.loss == "nsce":
-        # Two centred logits are (d/2, -d/2): normalized they are always (+τ, -τ) or (-τ, +τ), so
-        # the normalized loss is piecewise constant in the weights and every measure would be 0.
-        raise ValueError(
-            f"The model has 2 classes (logits of shape {shape}); with two classes the normalized logits "
-            "of loss='nsce' are always ±temperature, so that loss does not change with the weights and "
-            "every measure would be 0. Pass loss='ce' for a binary classifier."
-        )
+    with classes_first(shape, other_rows):
+        if c < 2 and not callable(options.loss):
+            raise ValueError(
+                f"The model has a single output unit (logits of shape {shape}); the built-in losses are the "
+                "softmax cross-entropy over at least 2 classes, for which one logit carries no curvature "
+                "(the measures would be 0). For a binary classifier return two logits, e.g. [0, z] "
+                "(torch.cat([torch.zeros_like(z), z], 1)), which is the same model as a sigmoid, with "
+                "loss='ce'; or pass "
+                "a custom loss callable with estimator='exact' or 'hutchinson'."
+            )
+        if c == 2 and options.loss == "nsce":
+            # Two centred logits are (d/2, -d/2): normalized they are always (+τ, -τ) or (-τ, +τ), so
+            # the normalized loss is piecewise constant in the weights and every measure would be 0.
+            raise ValueError(
+                f"The model has 2 classes (logits of shape {shape}); with two classes the normalized logits "
+                "of loss='nsce' are always ±temperature, so that loss does not change with the weights and "
+                "every measure would be 0. Pass loss='ce' for a binary classifier."
+            )
     return c
+
+
+@contextlib.contextmanager
+def classes_first(seen: tuple[int | None, ...] | None,
+                  other_rows: Callable[[], tuple[int | None, ...]] | None) -> Iterator[None]:
+    """Checks worded for a classifier whose refusal first asks whether the model mixes the samples.
+
+    The first call of the model in an analysis has nothing to be compared with
+    (:func:`check_same_classes`), and its few "classes" may be the rows of scores against in-batch
+    candidates: a refusal of their number (one output unit, 2 classes with ``nsce``) or of labels
+    outside their range would name the wrong cause. So before a ``ValueError`` of the block leaves,
+    the logits of the model called on other rows (``other_rows()``, one row) are compared with
+    ``seen``, and logits whose classes follow the rows get their own error. Only on this path to
+    an error: a valid model never pays the call.
+
+    Args:
+        seen: The logits' shape of the model's first call (at least 2 rows, else nothing to compare).
+        other_rows: The logits' shape of the model called on its first row alone (``None``: no
+            comparison). If it fails, the block's refusal stands.
+    """
+    try:
+        yield
+        return
+    except ValueError as err:
+        refusal = err
+    if other_rows is not None and seen is not None and len(seen) >= 2 and seen[0] is not None and seen[0] >= 2:
+        try:
+            other = other_rows()
+        except Exception:  # noqa: BLE001 - a diagnosis only: the refusal stands
+            other = None
+        try:
+            check_same_classes(other, seen)
+        except ValueError as mixed:
+            raise mixed from None  # the cause, not shown as raised while handling the refusal it replaces
+    raise refusal
+
+
+def check_same_classes(shape: tuple[int | None, ...] | None, seen: tuple[int | None, ...] | None) -> None:
+    """Raise the one error every framework gives for logits whose number of classes follows the rows.
+
+    The measures need every sample's logits from that sample alone (method §6: per-sample
+    gradients of the logits). Scores against in-batch candidates, as a contrastive model's
+    ``logits_per_image`` of shape ``(n, n)``, have as many "classes" as the rows the model is
+    called on, and each sample's depend on the others; a per-batch check of the shape cannot
+    tell them from a classifier's. What tells them apart: a classifier has the same number of
+    classes (the last axis) on every call. So the backends compare every call of the model
+    within an analysis with the first: the probe of the first rows, every chunk and batch, the
+    one-sample forwards of PyTorch's generic path, JAX's per-example trace with an abstract call
+    on two rows, the shapes Keras' compiled steps are traced with. A batch of one row, or
+    chunks that all have as many rows as the first call, cannot reveal it.
+
+    Args:
+        shape: The logits' shape of this call, rows first, classes last; an axis may be
+            ``None`` in a trace for any number of rows (Keras' steps), where a class axis left
+            open follows the rows. ``None``: nothing to compare.
+        seen: The logits' shape of an earlier call of the model in the same analysis (``None``:
+            the first call, nothing to compare).
+
+    Raises:
+        ValueError: If the last axes differ.
+    """
+    if shape is None or seen is None or len(shape) < 2 or len(seen) < 2:
+        return  # a scalar or a vector is check_output_shape's error
+    shape, seen = (tuple(None if d is None else int(d) for d in s) for s in (shape, seen))
+    if shape[-1] == seen[-1]:
+        return
+
+    def samples(rows: int | None) -> str:
+        return "a batch of any size" if rows is None else f"{rows} sample{'' if rows == 1 else 's'}"
+
+    raise ValueError(
+        f"The model's logits have shape {shape} for {samples(shape[0])} but {seen} for {samples(seen[0])}: "
+        "their number of classes (the last axis) follows the number of samples the model is called on, so "
+        "each sample's logits depend on the other samples (scores against in-batch candidates, as a "
+        "contrastive model's logits_per_image). The measures need every sample's logits from that sample "
+        "alone: analyze a classifier on the model's per-sample outputs (e.g. its embeddings followed by a "
+        "classification head), or make the model return each sample's logits computed from that sample alone."
+    )
 
 
 def check_loss_value(shape: tuple[int, ...], finite: bool, index: int, options: AnalysisOptions) -> None:

@@ -1708,11 +1708,44 @@ class _InBatchScores(nn.Module):
         return e @ e.T
 
 
-def test_logits_mixing_the_samples_are_refused_clearly():
+class _QueriesAgainstInputs(nn.Module):
+    """Projections of each sample scored against the batch's raw inputs: ``(n, n)`` logits whose
+    layers all have fast rules, each sample's signal reaching only its own rows of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.query = nn.Linear(D, 6)
+        self.key = nn.Linear(6, D)
+
+    def forward(self, x):
+        return self.key(torch.tanh(self.query(x))) @ x.T
+
+
+#: The distinctive part of the engine's error (normflat.engine.losses.check_same_classes).
+MIXED = "follows the number of samples the model is called on, so each sample's logits depend on the other samples"
+
+
+@pytest.mark.parametrize("n,fast", [(3, True), (2, False)])
+def test_logits_mixing_the_samples_are_refused_clearly(n, fast):
     """Logits whose width is the batch (scores against in-batch candidates) cannot be analyzed per sample:
-    a clear error naming the cause, not a shape mismatch from inside torch."""
+    a clear error naming the cause, not a shape mismatch from inside torch. Found by the probe of 2 rows
+    against the batch of 3; in a batch of 2 (no probe) on the generic path, by its forwards of one sample."""
     model = _init(_InBatchScores(), seed=7)
     g = torch.Generator().manual_seed(8)
-    x = torch.randn(3, D, generator=g, dtype=DT)
-    with pytest.raises(ValueError, match="depend on the other samples"):
-        normflat.hessian_diagonal(model, (x, torch.arange(3)), loss="ce", estimator="ggn", progress=False)
+    x = torch.randn(n, D, generator=g, dtype=DT)
+    with pytest.raises(ValueError, match=MIXED):
+        normflat.hessian_diagonal(model, (x, torch.arange(n) % 2), loss="ce", estimator="ggn", fast=fast,
+                                  progress=False)
+
+
+def test_logits_mixing_the_samples_on_the_fast_path():
+    """In-batch scores whose layers all take the fast rules (no signal crosses the samples inside them, so
+    the rows check passes and no generic path meets them): numbers that depended on the chunking, now
+    refused where the rows of two calls differ, the probe's (2) and the batch's (8), or two batches'."""
+    model = _init(_QueriesAgainstInputs(), seed=9)
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(8, D, generator=g, dtype=DT)
+    y = torch.arange(8) % 2
+    for data, kw in [((x, y), {}), ([(x[:4], y[:4]), (x[4:7], y[4:7])], {"chunk_size": 4})]:
+        with pytest.raises(ValueError, match=MIXED):
+            normflat.hessian_diagonal(model, data, loss="ce", estimator="ggn", progress=False, **kw)

@@ -44,7 +44,7 @@ from normflat.backends.jax.program import UNUSED_REASON, trace_program
 from normflat.backends.jax.state import ModelState
 from normflat.engine.data import PENDING_CHECKS, Batch, labels_for, non_finite_inputs
 from normflat.engine.estimators import SumState
-from normflat.engine.losses import check_logit_stats, check_loss_value, check_output_shape
+from normflat.engine.losses import check_logit_stats, check_loss_value, check_output_shape, check_same_classes
 from normflat.engine.options import AnalysisOptions, resolve_estimator
 from normflat.engine.problems import UNUSED_NOTE, LayerSpec, ParameterStatus
 
@@ -117,10 +117,12 @@ def trace_layers(view: Any, batch: Batch, *, allow_half_precision: bool = False)
         outputs).
 
     Raises:
-        ValueError: For half-precision computation (unless allowed), or weight
-            layouts that do not fit the program.
+        ValueError: For half-precision computation (unless allowed), weight
+            layouts that do not fit the program, and logits whose number of classes
+            follows the rows the model is called on (:func:`_check_classes_apart`).
     """
-    x0 = jax.tree_util.tree_map(lambda a: a[0], cast_inputs(batch.x, view.dtype))
+    x = cast_inputs(batch.x, view.dtype)
+    x0 = jax.tree_util.tree_map(lambda a: a[0], x)
     tkey = None
     if view.struct is not None:
         tkey = (view.struct, tuple(w.path for w in view.weights),
@@ -135,12 +137,13 @@ def trace_layers(view: Any, batch: Batch, *, allow_half_precision: bool = False)
                              ws, others, jax.tree_util.tree_leaves(x0))
         order = sorted(range(len(ws)), key=lambda k: (prog.first_use[k], k))
         prog.reorder(order)
+        apart = False
         if tkey is not None:
             # The traced program depends only on the structure; the view's struct_refs keep the
             # objects whose ids the key holds alive while the entry is cached.
-            _TRACES.put(tkey, (prog, order, view.struct_refs))
+            _TRACES.put(tkey, (prog, order, view.struct_refs, apart))
     else:
-        prog, order, _ = entry
+        prog, order, _, apart = entry
     half = prog.half_precision_ops()
     if half and not allow_half_precision:
         raise ValueError(
@@ -154,7 +157,33 @@ def trace_layers(view: Any, batch: Batch, *, allow_half_precision: bool = False)
     check_layouts(view, prog)
     out = prog.out_refs[0] if len(prog.out_refs) == 1 else None
     per_example = tuple(prog.shapes.get(out[1], ())) if out is not None and out[0] == "ref" else ()
+    if not apart and out is not None and batch.n >= 2 and not view.vmap:
+        # Once per traced structure (the cached entry records it), before the shape checks that
+        # would misread the per-example logits of in-batch scores (one "class").
+        _check_classes_apart(view, x, per_example)
+        if tkey is not None:
+            _TRACES.put(tkey, (prog, order, view.struct_refs, True))
     return prog, (per_example if len(prog.out_refs) == 1 else (0, 0))
+
+
+def _check_classes_apart(view: Any, x: Any, per_example: tuple[int, ...]) -> None:
+    """Refuse logits whose classes follow the rows: those of the model called on a batch (of two
+    rows) must have as many classes as the per-example program's.
+
+    The analysis runs the model per example (a batch model on one row, :meth:`ModelView.example_fn`),
+    so the logits of scores against in-batch candidates (``(n, n)``) would be read as one class.
+    An abstract evaluation (``jax.eval_shape``, nothing computed) of the batch model tells them
+    apart (:func:`~normflat.engine.losses.check_same_classes`). A model called per example
+    (equinox's ``vmap=True``) cannot mix the samples and is not evaluated; nor is one that fails
+    on two rows (the analysis never calls it on a batch).
+    """
+    two = jax.tree_util.tree_map(lambda a: a[:2], x)
+    try:
+        out = jax.eval_shape(view.apply_batch, view.leaves, list(view.extra), two)
+    except Exception:  # noqa: BLE001 - nothing to compare: the per-example analysis stands
+        return
+    if hasattr(out, "shape"):
+        check_same_classes(tuple(out.shape), (1, *per_example))
 
 
 class JaxSession:

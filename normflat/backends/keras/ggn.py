@@ -64,9 +64,9 @@ from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for
 from normflat.engine.estimators import mean_weights
-from normflat.engine.losses import (LOGIT_BLOCK_ENTRIES, Factor, SequenceClasses, classes_factor,
-                                    combined_logit_stats, diagonal_signals, logit_stats, output_factor, output_signals,
-                                    sequence_classes, sequence_dense, sequence_factor, signal_slots)
+from normflat.engine.losses import (LOGIT_BLOCK_ENTRIES, Factor, SequenceClasses, check_same_classes,
+                                    classes_factor, combined_logit_stats, diagonal_signals, logit_stats, output_factor,
+                                    output_signals, sequence_classes, sequence_dense, sequence_factor, signal_slots)
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
 
@@ -115,13 +115,38 @@ def _is_tensor(a: Any) -> bool:
     return isinstance(a, tf.Tensor)
 
 
-def model_logits(model: Any, x: Any, options: AnalysisOptions) -> Any:
+def model_logits(model: Any, x: Any, options: AnalysisOptions, seen: tuple[int, ...] | None = None) -> Any:
     """The model's logits for inputs ``x``: its output reduced by ``options.output`` (method §9).
 
     Works eagerly and inside ``tf.function``; a dict of named inputs is passed
     positionally, as Keras functional models take it (keras-hub backbones).
+
+    Args:
+        model: The Keras model.
+        x: Its inputs.
+        options: The analysis options (``output``).
+        seen: The logits' shape of the model's first call in this analysis (the eager probe's):
+            the logits must have as many classes
+            (:func:`~normflat.engine.losses.check_same_classes`). Inside a compiled step it is
+            checked while tracing, on the static shape (no cost per step): traced for any number
+            of rows, logits whose classes follow the rows have no static class axis.
     """
-    return select_output(model(x, training=False), options.output, _is_tensor)
+    z = select_output(model(x, training=False), options.output, _is_tensor)
+    _check_same_classes(tuple(z.shape) if isinstance(z, tf.Tensor) else None, seen)
+    return z
+
+
+@tf.autograph.experimental.do_not_convert
+def _check_same_classes(shape: tuple[int | None, ...] | None, seen: tuple[int, ...] | None) -> None:
+    """:func:`~normflat.engine.losses.check_same_classes`, whose error leaves a compiled step's trace as
+    it is: autograph would re-raise it prefixed by "in user code" and the step's traceback, where every
+    framework gives the engine's message. Not converted, so that the error is marked before autograph
+    sees it."""
+    try:
+        check_same_classes(shape, seen)
+    except ValueError as err:
+        err.ag_pass_through = True  # type: ignore[attr-defined]  # autograph's mark: re-raised unchanged
+        raise
 
 
 class _ThreadTaps(threading.local):
@@ -1161,7 +1186,7 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
             for e in generic:
                 tape.watch(e.variable.value)
             with taps.expanded(x):  # loose position tables: each sample its own view (method §6.1)
-                z = model_logits(model_ref(), x, options)
+                z = model_logits(model_ref(), x, options, holder.get("logits"))
         taps.tape = None
         zc = tf.cast(tf.stop_gradient(z), compute_dtype(z.dtype))
         c = int(z.shape[-1])

@@ -80,7 +80,7 @@ def hvp_step_fns(model: Any, entries: list[Entry], options: AnalysisOptions, gro
             with tf.GradientTape() as inner:
                 for v in variables:
                     inner.watch(v)
-                z = model_logits(model_ref(), x, options)
+                z = model_logits(model_ref(), x, options, holder.get("logits"))
                 loss = _loss_sum(z, target, options, holder)
             g = inner.gradient(loss, variables)
             # Embedding gradients are IndexedSlices: dense, to be differentiated again.

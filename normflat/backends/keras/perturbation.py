@@ -42,7 +42,7 @@ from normflat.backends.keras.session import (HVP_CHUNK, OpenBatchTraces, _check_
                                              install_logit_calls)
 from normflat.backends.keras.state import ModelState
 from normflat.engine.data import Batch, batches, labels_for
-from normflat.engine.losses import check_output_shape
+from normflat.engine.losses import check_output_shape, classes_first
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.perturbation import (PATH_NORM_SCOPE, UnsupportedMeasureError, check_rival_options,
                                           prediction_losses, require_reiterable)
@@ -157,6 +157,9 @@ class KerasPerturbationModel:
         self._canonical_shapes: list[tuple[int, ...]] | None = None
         self._positions: list[np.ndarray] | None = None  # flat native index of each canonical entry
         self._outputs: dict[Any, tuple[int, int | None]] = {}  # input signature -> (classes, tokens)
+        # The logits' shape of the first forward (_output_shape): every later one, and every step as it is
+        # traced (_logits), must have as many classes.
+        self._first_logits: tuple[int, ...] | None = None
         self._compiled: dict[str, Any] = {}
         self._open_traces = OpenBatchTraces(callable(self.options.loss))
         self._closed = False
@@ -358,7 +361,11 @@ class KerasPerturbationModel:
             # A mapping batch (Hugging Face style) is passed positionally, as the session does.
             x = to_tensor(batch.x)
             num_classes, tokens = self._output_shape(kernels, x, batch)
-            labels = labels_for(batch, num_classes, ADAPTER, self.options, tokens=tokens, shift=self.shift)
+            # Before a label refused for the first forward's classes: logits whose classes follow the rows
+            # show only in the steps' traces, which come after the labels (2 rows against one row).
+            one_row = lambda: tuple(self._step("logits")(kernels, _slice(x, 0, 1)).shape)  # noqa: E731
+            with classes_first(self._first_logits, one_row):
+                labels = labels_for(batch, num_classes, ADAPTER, self.options, tokens=tokens, shift=self.shift)
             target = tf.constant(labels, tf.int32)
             count = -(-batch.n // self.chunk_size)
             size = -(-batch.n // count)  # balanced chunks: fewer distinct shapes to trace
@@ -371,8 +378,12 @@ class KerasPerturbationModel:
         key = _signature(x)
         if key not in self._outputs:
             rows = min(batch.n, 2)
-            z = self._step("logits")(kernels, _slice(x, 0, rows))
-            num_classes = check_output_shape(tuple(z.shape), self.options, batch.index, rows)
+            logits = self._step("logits")
+            z = logits(kernels, _slice(x, 0, rows))
+            num_classes = check_output_shape(tuple(z.shape), self.options, batch.index, rows, seen=self._first_logits,
+                                             other_rows=lambda: tuple(logits(kernels, _slice(x, 0, 1)).shape))
+            if self._first_logits is None:
+                self._first_logits = tuple(int(d) for d in z.shape)
             self._outputs[key] = (num_classes, int(z.shape[1]) if len(z.shape) == 3 else None)
         return self._outputs[key]
 
@@ -398,9 +409,10 @@ class KerasPerturbationModel:
         return self._compiled[name]
 
     def _logits(self, kernels: list[Any], x: Any) -> Any:
-        """The logits with the recognised kernels replaced by ``kernels`` (no variable assigned)."""
+        """The logits with the recognised kernels replaced by ``kernels`` (no variable assigned), with as
+        many classes as the first forward's (checked as a step is traced, :func:`model_logits`)."""
         with keras.StatelessScope(state_mapping=list(zip(self.variables, kernels))):
-            return model_logits(self.model, x, self.options)
+            return model_logits(self.model, x, self.options, self._first_logits)
 
     def _losses(self, kernels: list[Any], x: Any, target: Any) -> tuple[Any, Any, Any]:
         z = self._logits(kernels, x)

@@ -38,7 +38,8 @@ from normflat.core.memory import chunk_size_for, default_budget, equal_step, tra
 from normflat.engine import estimators
 from normflat.engine.data import PENDING_CHECKS, Batch, labels_for
 from normflat.engine.estimators import SumState
-from normflat.engine.losses import check_logit_stats, check_loss_value, check_output_shape, logit_stats
+from normflat.engine.losses import (check_logit_stats, check_loss_value, check_output_shape, classes_first,
+                                    logit_stats)
 from normflat.engine.options import AnalysisOptions, resolve_estimator
 from normflat.engine.problems import UNUSED_NOTE, LayerSpec
 from normflat.engine.random import sample_uniforms
@@ -332,6 +333,10 @@ class KerasSession:
         self._probed_for: Any = None
         self.input_size = 0
         self._logits_dense: Entry | None = None  # the Dense whose pre-activation is the logits (_probe_eager)
+        # The logits' shape of the first probe: every later call of the model must have as many classes
+        # (the probes, and the compiled steps while they are traced: model_logits).
+        self._first_logits: tuple[int, ...] | None = None
+        self._probe_logits: tuple[int, ...] | None = None  # the last probe's (cached with it)
         self.chunk: int | None = None
         self._probed = False
         self._step: Any = None
@@ -482,7 +487,10 @@ class KerasSession:
             # options back for the finalize and the metadata, and every compiled step is keyed on
             # them. Token logits count the signals per sequence (method §6.3).
             self.options = resolve_estimator(self.options, self.num_classes, tokens=self.tokens)
-        labels = labels_for(batch, self.num_classes, ADAPTER, self.options, tokens=self.tokens, shift=self.shift)
+        # Before a label refused for the probe's classes: logits whose classes follow the rows show
+        # only in the steps' traces, which come after the labels (the probe of 2 rows against one row).
+        with classes_first(self._first_logits, self._one_row(x)):
+            labels = labels_for(batch, self.num_classes, ADAPTER, self.options, tokens=self.tokens, shift=self.shift)
         if self.hvp:
             self._update_hvp(x, labels, batch, state)
         else:
@@ -516,7 +524,11 @@ class KerasSession:
         key = self._probe_key(x)
         cached = None if self.hvp else _cached(_PROBES, self.model, key, None)
         if cached is not None:
-            self.num_classes, self.tokens, self.input_size, fast, head = cached
+            self.num_classes, self.tokens, self.input_size, fast, head, self._probe_logits = cached
+            # The shape checks again (shapes only): this analysis' options may refuse what the cached
+            # probe's accepted (2 classes with nsce), and its first call is compared with the probe's.
+            check_output_shape(self._probe_logits, self.options, batch.index, self._probe_logits[0],
+                               seen=self._first_logits, other_rows=self._one_row(x))
             for entry, (f, rank, in_size, pre_size, fold, calls, reason) in zip(self.entries, fast):
                 entry.fast, entry.input_rank, entry.in_size, entry.pre_size, entry.fold, entry.calls, entry.reason = (
                     f, rank, in_size, pre_size, fold, calls, reason)
@@ -527,7 +539,9 @@ class KerasSession:
                 head = None if self._logits_dense is None else self.entries.index(self._logits_dense)
                 _store(_PROBES, self.model, key, (self.num_classes, self.tokens, self.input_size,
                                                   [(e.fast, e.input_rank, e.in_size, e.pre_size, e.fold, e.calls,
-                                                    e.reason) for e in self.entries], head))
+                                                    e.reason) for e in self.entries], head, self._probe_logits))
+        if self._first_logits is None:
+            self._first_logits = self._probe_logits
         if not self.hvp:
             for spec, e in zip(self.layers, self.entries):
                 spec.path, spec.reason = ("fast", None) if e.fast else ("generic", e.reason)
@@ -537,13 +551,20 @@ class KerasSession:
                     spec.extra.pop("unused", None)
         self._probed = True
 
+    def _one_row(self, x: Any) -> Callable[[], tuple[int, ...]]:
+        """The shape of the logits of the model called on the first row of ``x`` alone, as a function
+        (:func:`~normflat.engine.losses.classes_first`: asked before refusing the first logits' classes)."""
+        return lambda: tuple(model_logits(self.model, _slice(x, 0, 1), self.options).shape)
+
     def _probe_eager(self, x: Any, batch: Batch) -> None:
         rows = min(batch.n, 2)
         first = _slice(x, 0, rows)
         if self.taps is not None:
             self.taps.records.clear()
         z = model_logits(self.model, first, self.options)
-        self.num_classes = check_output_shape(tuple(z.shape), self.options, batch.index, rows)
+        self._probe_logits = tuple(int(d) for d in z.shape)
+        self.num_classes = check_output_shape(self._probe_logits, self.options, batch.index, rows,
+                                              seen=self._first_logits, other_rows=self._one_row(x))
         self.tokens = int(z.shape[1]) if len(z.shape) == 3 else None
         zc = tf.cast(tf.reshape(z, [-1, self.num_classes]), compute_dtype(z.dtype))
         check_logit_stats(logit_stats(TF, zc), self.options, batch.index, self.num_classes,
@@ -907,6 +928,7 @@ class KerasSession:
                 budget = None if self.config.memory_budget is not None else self._default_budget(rows)
                 self.chunk = ggn_chunk_size(linear, quadratic, self.config.memory_budget, block, budget)
         self._holder["taps"] = self.taps
+        self._holder["logits"] = self._first_logits  # checked as the step is traced (model_logits)
         return self._step, signals, block
 
     def _sequential_generic(self) -> bool:
@@ -1060,6 +1082,7 @@ class KerasSession:
     def _update_hvp(self, x: Any, labels: np.ndarray | None, batch: Batch, state: SumState) -> None:
         exact_step, hutchinson_step = self._hvp_steps()
         self._holder["index"] = batch.index
+        self._holder["logits"] = self._first_logits  # checked as the steps are traced (model_logits)
         if callable(self.options.loss):
             target = to_tensor(batch.y)
         else:

@@ -30,6 +30,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 
 from normflat.backends.torch import compat
+from normflat.engine import losses
 
 __all__ = [
     "NoFastPath",
@@ -1739,25 +1740,20 @@ def generic_ggn(model: nn.Module, inputs: Any, sig: torch.Tensor, layers: list[A
         try:
             r = per_sample(s[i], args_i, kw_i)
         except _VMAP_ERRORS:
-            r = _per_sample_loop(model, inputs.rows(slice(i, i + 1)), s[i], layers, k, owner, pick)
+            r = _per_sample_loop(model, inputs.rows(slice(i, i + 1)), s[i], layers, k, owner, pick, n)
         total = r if total is None else {name: total[name] + r[name] for name in r}
     assert total is not None
     return total
 
 
-def _per_sample_loop(model, x_n, s_n, layers, k, owner, pick):
+def _per_sample_loop(model, x_n, s_n, layers, k, owner, pick, rows):
     # Plain autograd on detached copies of the weights swapped in by functional_call: the
     # user's parameters (their requires_grad flags) are never touched.
     ws = {layer.param_name: layer.param.detach().requires_grad_(True) for layer in layers}
     with torch.enable_grad():
         out = pick(functional_call(model, ws, x_n.args, x_n.kwargs, strict=False))[0]
-        if out.shape != s_n.shape[1:]:
-            raise ValueError(
-                f"The model's logits for one sample alone have shape {tuple(out.shape)}, but "
-                f"{tuple(s_n.shape[1:])} per sample within the batch: each sample's logits depend on the other "
-                "samples (scores against in-batch candidates, as a contrastive model's logits_per_image). The "
-                "measures need every sample's logits from that sample alone; analyze a classifier on the model's "
-                "embeddings instead.")
+        # The chunk's logits had the signals' shape: a sample alone with other classes mixes the samples.
+        losses.check_same_classes((1, *out.shape), (rows, *s_n.shape[1:]))
         total = {name: torch.zeros((k, *w.shape), dtype=w.dtype, device=w.device) for name, w in ws.items()}
         params = list(ws.values())
         for j, group in enumerate(owner):  # owner: the group of each signal

@@ -40,7 +40,7 @@ from normflat.backends.torch.layers import collect_layers, unwrap
 from normflat.backends.torch.session import parse_settings
 from normflat.backends.torch.state import ModelState, claim, release
 from normflat.engine.data import Batch, batches, labels_for, non_finite_inputs
-from normflat.engine.losses import check_output_shape
+from normflat.engine.losses import check_output_shape, classes_first
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
 from normflat.engine.perturbation import PATH_NORM_SCOPE, UnsupportedMeasureError, prediction_losses
@@ -114,6 +114,7 @@ class TorchPerturbationModel:
         self._closed = False
         self._swappable = False  # the weights checked to be swappable by functional_call (_batches)
         self._inputs_checked = False  # the device inputs, on the first complete pass (_batches)
+        self._first_logits: tuple[int, ...] | None = None  # the first batch's logits' shape (_prediction_losses)
 
     # ------------------------------------------------------------------ the protocol
 
@@ -329,9 +330,20 @@ class TorchPerturbationModel:
         logits = select_output(out, self.options.output, _is_tensor)
         if not isinstance(logits, torch.Tensor):
             raise TypeError(_not_tensor(logits))
-        c = check_output_shape(tuple(logits.shape), self.options, batch.index, batch.n)
+
+        def one_row() -> tuple[int, ...]:
+            first = xs.rows(slice(0, 1))
+            return tuple(select_output(functional_call(self.model, params, first.args, first.kwargs, strict=False),
+                                       self.options.output, _is_tensor).shape)
+
+        # As many classes as the first batch's: logits whose classes follow the rows mix the samples.
+        c = check_output_shape(tuple(logits.shape), self.options, batch.index, batch.n,
+                               seen=self._first_logits, other_rows=one_row)
+        if self._first_logits is None:
+            self._first_logits = tuple(logits.shape)
         tokens = int(logits.shape[1]) if logits.dim() == 3 else None
-        ids = labels_for(batch, c, ADAPTER, self.options, tokens=tokens, shift=self.shift)
+        with classes_first(self._first_logits, one_row):
+            ids = labels_for(batch, c, ADAPTER, self.options, tokens=tokens, shift=self.shift)
         y = torch.as_tensor(ids, device=logits.device)
         losses, correct, counted = prediction_losses(_XP, logits, y, self.options)
         return losses[counted], correct[counted]

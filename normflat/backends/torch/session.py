@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import array_api_compat
 import numpy as np
@@ -188,6 +188,9 @@ class TorchSession:
         # (_run_checks): ``(batch index, kind, device tensor, what the message needs)`` in order.
         self._pending: list[tuple[int, str, torch.Tensor, Any]] = []
         self.token_logits = False  # whether the model returned (n, T, C) token logits (metadata)
+        # The logits' shape of the first forward (the probe's or the first chunk's): every later one
+        # must have as many classes (_check_logits).
+        self._first_logits: tuple[int, ...] | None = None
         self.probes = hvp.Probes(self._layers, options.seed) if est == "hutchinson" else None
         self.capture: ggn_kernels.Capture | None = None
         self._closed = False
@@ -336,23 +339,37 @@ class TorchSession:
 
     # ------------------------------------------------------------------ checks
 
-    def _check_logits(self, logits: Any, batch: Batch, rows: int, defer: bool = True) -> int:
+    def _check_logits(self, logits: Any, batch: Batch, rows: int, inputs: ModelInputs, defer: bool = True) -> int:
         """Check the logits' type and shape now and their values
         (:func:`~normflat.engine.losses.logit_stats`) after the loop, or now if not ``defer`` (the
         first batch, whose logits decide the fast rules and the chunk); return the number of
-        classes."""
+        classes. The shape is compared with the first call's (the probe's, or the first chunk's):
+        logits whose classes follow the rows mix the samples
+        (:func:`~normflat.engine.losses.check_same_classes`); ``inputs``, those of the call, give
+        the one-row forward asked before refusing few classes."""
         if not isinstance(logits, torch.Tensor):
             raise TypeError(
                 f"The model returned a {type(logits).__name__}; normflat needs a forward that maps inputs "
                 "to a (batch, classes) logits tensor."
             )
-        c = losses.check_output_shape(tuple(logits.shape), self.options, batch.index, rows)
+        c = losses.check_output_shape(tuple(logits.shape), self.options, batch.index, rows,
+                                      seen=self._first_logits, other_rows=self._one_row(inputs))
+        if self._first_logits is None:
+            self._first_logits = tuple(logits.shape)
         self.token_logits = self.token_logits or logits.dim() == 3
         stats = losses.logit_stats(_XP, logits.detach())
         self._pending.append((batch.index, "logits", stats, (c, float(torch.finfo(logits.dtype).eps))))
         if not defer:
             self._run_checks()
         return c
+
+    def _one_row(self, inputs: ModelInputs) -> Callable[[], tuple[int, ...]]:
+        """The shape of the logits of the model called on the first row of ``inputs`` alone, as a function
+        (:func:`~normflat.engine.losses.classes_first`: asked before refusing the first logits' classes)."""
+        def shape() -> tuple[int, ...]:
+            with torch.no_grad():
+                return tuple(self._pick(inputs.rows(slice(0, 1)).call(self.model)).shape)
+        return shape
 
     def _run_checks(self) -> None:
         """Read the deferred checks (:attr:`_pending`) with one transfer per dtype, in batch order,
@@ -447,8 +464,9 @@ class TorchSession:
     def _hvp_update(self, batch: Batch, xs: ModelInputs, state: SumState) -> int | None:
         with torch.no_grad():
             logits = self._pick(xs.call(self.model))
-        c = self._check_logits(logits, batch, batch.n, defer=self.batches_seen > 0)
-        y, terms = self._labels(batch, c, logits)
+        c = self._check_logits(logits, batch, batch.n, xs, defer=self.batches_seen > 0)
+        with losses.classes_first(self._first_logits, self._one_row(xs)):
+            y, terms = self._labels(batch, c, logits)
         self._check_loss(logits, y, batch.index)
         del logits
         self._check_swappable(xs, self._layers)
@@ -489,7 +507,7 @@ class TorchSession:
         self.capture.reset()
         xp = xs.rows(rows)
         logits = self._pick(self._forward(xp))
-        c = self._check_logits(logits, batch, PROBE_ROWS, defer=False)
+        c = self._check_logits(logits, batch, PROBE_ROWS, xp, defer=False)
         while True:
             while self._settle(logits, c, xp):  # a substitution refused, or calls to record one by one: again
                 self.capture.reset()
@@ -994,14 +1012,15 @@ class TorchSession:
             xc = xs.rows(sl)
             cap.reset()
             logits = self._pick(self._forward(xc))
-            c = self._check_logits(logits, batch, rows, defer=self.batches_seen > 0)
+            c = self._check_logits(logits, batch, rows, xc, defer=self.batches_seen > 0)
             while self._settle(logits, c, xc):  # a substitution refused, or calls to record one by one: again
                 cap.reset()
                 logits = self._pick(self._forward(xc))
             if not labelled:
                 # The data contract: labels in range. The GGN uses the labels of token logits only,
                 # for the counted tokens.
-                ids, terms = self._labels(batch, c, logits, on_device=logits.dim() == 3)
+                with losses.classes_first(self._first_logits, self._one_row(xc)):
+                    ids, terms = self._labels(batch, c, logits, on_device=logits.dim() == 3)
                 labelled = True
             fast = [layer for layer in self._layers if layer.fast]
             if self.chunk is None:
