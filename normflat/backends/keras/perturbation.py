@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import keras
 import numpy as np
@@ -38,8 +38,8 @@ from normflat.backends.keras.ggn import compute_dtype, model_logits
 from normflat.backends.keras.hvp import native_positions
 from normflat.backends.keras.layers import Entry, final_softmax, walk
 from normflat.backends.keras.ops import TF
-from normflat.backends.keras.session import (HVP_CHUNK, OpenBatchTraces, _check_model, grouped_convolutions,
-                                             install_logit_calls)
+from normflat.backends.keras.session import (HVP_CHUNK, OpenBatchTraces, _check_model, canonical_shapes,
+                                             grouped_convolutions, install_logit_calls)
 from normflat.backends.keras.state import ModelState
 from normflat.engine.data import Batch, batches, labels_for
 from normflat.engine.losses import check_output_shape, classes_first
@@ -306,9 +306,7 @@ class KerasPerturbationModel:
 
     def _shapes(self) -> list[tuple[int, ...]]:
         if self._canonical_shapes is None:
-            self._canonical_shapes = [
-                tuple(int(d) for d in e.weight.to_canonical(tf.convert_to_tensor(e.variable.value)).shape)
-                for e in self.entries]
+            self._canonical_shapes = canonical_shapes(self.model, self.entries)
         return self._canonical_shapes
 
     def _kernels(self, deltas: list[np.ndarray] | None) -> list[Any]:
@@ -363,8 +361,7 @@ class KerasPerturbationModel:
             num_classes, tokens = self._output_shape(kernels, x, batch)
             # Before a label refused for the first forward's classes: logits whose classes follow the rows
             # show only in the steps' traces, which come after the labels (2 rows against one row).
-            one_row = lambda: tuple(self._step("logits")(kernels, _slice(x, 0, 1)).shape)  # noqa: E731
-            with classes_first(self._first_logits, one_row):
+            with classes_first(self._first_logits, self._one_row(kernels, x)):
                 labels = labels_for(batch, num_classes, ADAPTER, self.options, tokens=tokens, shift=self.shift)
             target = tf.constant(labels, tf.int32)
             count = -(-batch.n // self.chunk_size)
@@ -378,10 +375,9 @@ class KerasPerturbationModel:
         key = _signature(x)
         if key not in self._outputs:
             rows = min(batch.n, 2)
-            logits = self._step("logits")
-            z = logits(kernels, _slice(x, 0, rows))
+            z = self._step("logits")(kernels, _slice(x, 0, rows))
             num_classes = check_output_shape(tuple(z.shape), self.options, batch.index, rows, seen=self._first_logits,
-                                             other_rows=lambda: tuple(logits(kernels, _slice(x, 0, 1)).shape))
+                                             other_rows=self._one_row(kernels, x))
             if self._first_logits is None:
                 self._first_logits = tuple(int(d) for d in z.shape)
             self._outputs[key] = (num_classes, int(z.shape[1]) if len(z.shape) == 3 else None)
@@ -407,6 +403,11 @@ class KerasPerturbationModel:
                 return fn(*args)
             self._compiled[name] = call
         return self._compiled[name]
+
+    def _one_row(self, kernels: list[Any], x: Any) -> Callable[[], tuple[int, ...]]:
+        """The shape of the logits of the model called on the first row of ``x`` alone, as a function
+        (:func:`~normflat.engine.losses.classes_first`: asked before refusing the first logits' classes)."""
+        return lambda: tuple(self._step("logits")(kernels, _slice(x, 0, 1)).shape)
 
     def _logits(self, kernels: list[Any], x: Any) -> Any:
         """The logits with the recognised kernels replaced by ``kernels`` (no variable assigned), with as

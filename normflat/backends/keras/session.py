@@ -98,6 +98,18 @@ def _store(cache: "weakref.WeakKeyDictionary[Any, dict]", model: Any, key: Any, 
             pass
 
 
+def canonical_shapes(model: Any, entries: list[Entry]) -> list[tuple[int, ...]]:
+    """The canonical ``(out, in/groups, *kernel)`` shape of each entry's weight, kept per model
+    (:data:`_SHAPES`): ``to_canonical`` works on tensors, so reading a shape transposes the weight
+    itself, milliseconds per analysis of a small model."""
+    key = tuple((e.name, id(e.variable.value), tuple(int(d) for d in e.variable.shape), e.weight.kind)
+                for e in entries)
+    return _cached(_SHAPES, model, key, lambda: [
+        tuple(int(d) for d in e.weight.to_canonical(tf.convert_to_tensor(e.variable.value)).shape)
+        for e in entries
+    ])
+
+
 def _per_sample_elements(t: Any) -> int:
     return int(np.prod([int(d) for d in t.shape[1:]], dtype=np.int64))
 
@@ -379,12 +391,7 @@ class KerasSession:
         if self.hvp:
             return tuple(int(d) for d in entry.variable.shape)
         if self._canonical_shapes is None:
-            key = tuple((e.name, id(e.variable.value), tuple(int(d) for d in e.variable.shape), e.weight.kind)
-                        for e in self.entries)
-            self._canonical_shapes = _cached(_SHAPES, self.model, key, lambda: [
-                tuple(int(d) for d in e.weight.to_canonical(tf.convert_to_tensor(e.variable.value)).shape)
-                for e in self.entries
-            ])
+            self._canonical_shapes = canonical_shapes(self.model, self.entries)
         return self._canonical_shapes[layer]
 
     def kernel_axes(self, layer: int) -> tuple[int, ...]:
