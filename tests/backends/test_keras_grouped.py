@@ -13,6 +13,7 @@ rescalings (method §8).
 
 from __future__ import annotations
 
+import functools
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -29,6 +30,7 @@ import tensorflow as tf  # noqa: E402
 
 import normflat  # noqa: E402
 from normflat.backends.keras import calls  # noqa: E402
+from normflat.backends.keras import ggn as kggn  # noqa: E402
 from tests.backends.test_keras import ungrouped_reference  # noqa: E402
 
 L = keras.layers
@@ -42,6 +44,17 @@ def grouped_form(request, monkeypatch):
     (Groups of one input channel always take the depthwise form.)
     """
     monkeypatch.setattr(calls, "DEPTHWISE_GROUPS_PER_CHANNEL", 0 if request.param == "depthwise-form" else 10**6)
+    return request.param
+
+
+@pytest.fixture(params=["chunks", "one-sample", "one-signal"])
+def squares_loop(request, monkeypatch):
+    """Form the per-sample gradients of the squares a few samples at a time (the default for these
+    small layers), one sample at a time, or one signal at a time (``ggn._summed_squares``)."""
+    if request.param == "one-sample":
+        monkeypatch.setattr(kggn, "SQUARES_CHUNK_ENTRIES", 1)
+    elif request.param == "one-signal":
+        monkeypatch.setattr(kggn, "SIGNAL_SPLIT_ENTRIES", 0)
     return request.param
 
 
@@ -159,7 +172,7 @@ def _assert_close(got, ref, rtol=1e-10):
 
 
 @pytest.mark.parametrize("make", [conv2d_net, conv1d_net])
-def test_fast_grouped_and_depthwise_squares_equal_brute_force(make, grouped_form):
+def test_fast_grouped_and_depthwise_squares_equal_brute_force(make, grouped_form, squares_loop):
     model = make()
     x, y = _data(model, 5)
     ref = brute_force_ggn(model, x)
@@ -169,6 +182,37 @@ def test_fast_grouped_and_depthwise_squares_equal_brute_force(make, grouped_form
         assert {l.name: l.details["path"] for l in report.layers} == {l.name: "fast" for l in _analyzed(model)}
         # The generic per-sample-Jacobian path (through the same replaced calls) agrees.
         _assert_close(_diag(model, (x, y), fast=False), ref)
+
+
+@pytest.mark.parametrize("conv_groups", [1, 3])
+@pytest.mark.parametrize("chunk_entries, split_entries", [(1 << 16, 1 << 22), (1, 1 << 22), (200, 0), (1, 0)])
+def test_summed_squares_equal_the_per_sample_gradients_squared(conv_groups, chunk_entries, split_entries,
+                                                               monkeypatch):
+    # 7 samples: chunks of 2 or 3 samples leave a shorter last chunk (200 entries: 96 per signal).
+    monkeypatch.setattr(kggn, "SQUARES_CHUNK_ENTRIES", chunk_entries)
+    monkeypatch.setattr(kggn, "SIGNAL_SPLIT_ENTRIES", split_entries)
+    rng = np.random.default_rng(0)
+    n, positions, signals, out, width = 7, 5, 4, 6, 4 * conv_groups
+    gs = [rng.normal(size=(n, positions, out)) for _ in range(signals)]
+    a = rng.normal(size=(n, positions, width))
+    # Reference: each signal's per-sample gradients, each output channel against its group's inputs.
+    out_g, width_g = out // conv_groups, width // conv_groups
+    expected = np.zeros((conv_groups, signals * out_g, width_g))
+    for b, g in enumerate(gs):
+        for k in range(conv_groups):
+            grads = np.einsum("npo,npw->now", g[..., k * out_g:(k + 1) * out_g], a[..., k * width_g:(k + 1) * width_g])
+            expected[k, b * out_g:(b + 1) * out_g] = (grads ** 2).sum(0)
+    if conv_groups == 1:
+        inputs, expected = a, expected[0]
+    else:
+        inputs = a.reshape(n, positions, conv_groups, width_g).transpose(0, 2, 1, 3)  # (n, G, P, W/G)
+    run = functools.partial(kggn._summed_squares, conv_groups=conv_groups)
+    np.testing.assert_allclose(run(tf.constant(inputs), [tf.constant(g) for g in gs]).numpy(), expected, rtol=1e-12)
+    # Traced as in the compiled step: the number of samples unknown.
+    traced = tf.function(run, input_signature=[tf.TensorSpec([None, *inputs.shape[1:]], tf.float64),
+                                               [tf.TensorSpec([None, *g.shape[1:]], tf.float64) for g in gs]])
+    np.testing.assert_allclose(traced(tf.constant(inputs), [tf.constant(g) for g in gs]).numpy(), expected,
+                               rtol=1e-12)
 
 
 def test_fast_and_generic_paths_agree_for_ggn_mc():

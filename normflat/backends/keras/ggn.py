@@ -71,7 +71,7 @@ from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
 
 __all__ = ["Taps", "ggn_step_fn", "model_logits", "signal_layout",
-           "ggn_bytes", "ggn_chunk_size", "SIGNAL_BLOCK", "compute_dtype", "exact_head", "starts_at_head_input",
+           "ggn_bytes", "ggn_chunk_size", "squares_working_set", "SIGNAL_BLOCK", "compute_dtype", "exact_head", "starts_at_head_input",
            "STRUCTURED_HEAD_CLASSES",
            "CHUNK_BYTES", "MAX_CHUNK"]
 
@@ -782,16 +782,81 @@ def _patches(x: Any, layer: Any) -> Any:
     return tf.reshape(stacked, [tf.shape(x)[0], math.prod(outs), len(windows), int(x.shape[-1])])
 
 
-def _per_sample_squares(a: Any, g: Any, seg: Any, groups: int) -> Any:
-    """``Σ_n (per-sample gradient)²`` per signal group, with per-sample gradients as batched matmuls.
+#: Entries of the per-sample gradients formed at once by :func:`_summed_squares` (a few samples'
+#: at a time, or one sample's when larger): they stay in cache while squared and summed.
+SQUARES_CHUNK_ENTRIES = 1 << 16
+#: Above this many entries, one sample's per-sample gradients of the signals are formed one signal
+#: at a time (:func:`_summed_squares`), which bounds the step's working set (16 MiB in float32).
+SIGNAL_SPLIT_ENTRIES = 1 << 22
 
-    ``a``: (n, T, K) layer inputs (patches); ``g``: (n, T, B, O) signals. The
-    per-sample gradient of signal b is ``g[n, :, b]ᵀ a[n]`` (O × K); returns (groups, O, K).
+
+def _summed_squares(a: Any, gs: list[Any], conv_groups: int = 1) -> Any:
+    """Each sample's gradients ``g_b[n]ᵀ a[n]`` over the positions, squared and summed over ``n``.
+
+    ``a``: ``(n, P, W)`` inputs over ``P`` positions, or ``(n, G, P, W/G)`` by group of a
+    convolution with ``conv_groups = G > 1``; ``gs``: the ``B`` signals ``(n, P, O)``, a
+    group's output channels one block of ``O``. Returns ``(B·O, W)``, or ``(G, B·O/G, W/G)``,
+    the signals major. The per-sample gradients are formed a few samples at a time
+    (:data:`SQUARES_CHUNK_ENTRIES`), one sample's when they are larger (and one signal's above
+    :data:`SIGNAL_SPLIT_ENTRIES`), in a loop, the signals joined per sample: forming all ``n``
+    in one batched matmul and then squaring them was 1.3-5x slower on one thread (a batched
+    matmul with a large output runs well below a plain one's speed, and its output leaves the
+    cache before it is squared), and stacking the signals of the whole chunk beforehand was a
+    copy about as slow as the squares (measured on the 3C3D CNN's convolutions and ResNet-sized
+    ones, 2026-12-06). The working set no longer grows with the chunk
+    (:func:`squares_working_set`).
     """
-    b, o, k = int(g.shape[-2]), int(g.shape[-1]), int(a.shape[-1])
-    n, t = tf.shape(a)[0], tf.shape(a)[1]
-    # transpose_a: no copy of the (large) signal tensor.
-    sq = tf.reduce_sum(tf.square(tf.matmul(tf.reshape(g, [n, t, b * o]), a, transpose_a=True)), axis=0)
+    b, o, w = len(gs), int(gs[0].shape[-1]), int(a.shape[-1])
+    one = o * w  # entries of one signal's per-sample gradient (o·w/G per group, G groups)
+    parts = [[g] for g in gs] if b > 1 and b * one > SIGNAL_SPLIT_ENTRIES else [gs]
+    per = max(1, SQUARES_CHUNK_ENTRIES // (len(parts[0]) * one))
+    n = tf.shape(a)[0]
+
+    def joined(signals: list[Any], rows: Any) -> Any:  # (..., P, k·O), or by group (..., G, P, k·O/G)
+        k = len(signals)
+        g = signals[0][rows] if k == 1 else tf.concat([s[rows] for s in signals], axis=-1)
+        if conv_groups == 1:
+            return g
+        lead = [] if per == 1 else [tf.shape(g)[0]]
+        p, first = int(a.shape[-2]), len(lead)
+        g = tf.reshape(g, [*lead, p, k, conv_groups, o // conv_groups])
+        g = tf.transpose(g, [*range(first), first + 2, first, first + 1, first + 3])
+        return tf.reshape(g, [*lead, conv_groups, p, k * o // conv_groups])
+
+    def body(start: Any, *totals: Any) -> tuple[Any, ...]:
+        rows = start if per == 1 else slice(start, start + per)
+        out = []
+        for signals, total in zip(parts, totals):
+            grads = tf.matmul(joined(signals, rows), a[rows], transpose_a=True)
+            out.append(total + (tf.square(grads) if per == 1 else tf.reduce_sum(tf.square(grads), axis=0)))
+        return (start + per, *out)
+
+    def zeros(k: int) -> Any:
+        return tf.zeros([k * o, w] if conv_groups == 1 else [conv_groups, k * o // conv_groups, w], a.dtype)
+
+    totals = tf.while_loop(lambda start, *_: start < n, body,
+                           [tf.constant(0), *(zeros(len(signals)) for signals in parts)], parallel_iterations=1)[1:]
+    return totals[0] if len(totals) == 1 else tf.concat(totals, axis=-2)
+
+
+def squares_working_set(signals: int, size: int, pre_size: int) -> int:
+    """Entries :func:`_summed_squares` holds at once for ``signals`` signals of a weight of ``size``
+    entries whose pre-activation has ``pre_size`` entries per sample: the signals joined (and
+    regrouped) for the samples of one iteration, their per-sample gradients and squares, and
+    the running sums. Not per sample of the chunk."""
+    k = 1 if signals > 1 and signals * size > SIGNAL_SPLIT_ENTRIES else signals
+    per = max(1, SQUARES_CHUNK_ENTRIES // (k * size))
+    return per * k * (2 * pre_size + 2 * size) + 2 * signals * size
+
+
+def _per_sample_squares(a: Any, gs: list[Any], seg: Any, groups: int) -> Any:
+    """``Σ_n (per-sample gradient)²`` per signal group (:func:`_summed_squares`).
+
+    ``a``: (n, T, K) layer inputs (patches); ``gs``: the B signals (n, T, O). The
+    per-sample gradient of signal b is ``gs[b][n]ᵀ a[n]`` (O × K); returns (groups, O, K).
+    """
+    b, o, k = len(gs), int(gs[0].shape[-1]), int(a.shape[-1])
+    sq = _summed_squares(a, gs)
     return tf.math.unsorted_segment_sum(tf.reshape(sq, [b, o, k]), seg, groups)
 
 
@@ -928,7 +993,7 @@ def _table_squares(entry: Entry, view: Any, gs: list[Any], seg: Any, groups: int
 
 
 def _einsum_positions(equation: str, x: Any, gs: list[Any]) -> tuple[Any, Any]:
-    """An ``EinsumDense`` input and its B signals as ``(n, P, ∏ contracted)`` and ``(n, P, B,
+    """An ``EinsumDense`` input and its B signals as ``(n, P, ∏ contracted)`` and B ``(n, P,
     ∏ output-only)``: the positions (shared axes) over which a sample's gradient sums."""
     inp, _, out, shared, input_only, contracted = einsum_fast_axes(equation)
     outputs = "".join(a for a in out[1:] if a not in shared)
@@ -939,13 +1004,10 @@ def _einsum_positions(equation: str, x: Any, gs: list[Any]) -> tuple[Any, Any]:
     x = tf.transpose(x, [inp.index(a) for a in inp[0] + shared + contracted])
     in_size = int(np.prod([int(x.shape[1 + len(shared) + i]) for i in range(len(contracted))]))
     xf = tf.reshape(x, [n, -1, in_size])
-    b = len(gs)
-    g = tf.stack(gs, axis=1)  # (n, B, *out[1:])
-    perm = [0, 1] + [2 + out[1:].index(a) for a in shared + outputs]
-    g = tf.transpose(g, perm)  # (n, B, shared..., outputs...)
-    out_size = int(np.prod([int(g.shape[2 + len(shared) + i]) for i in range(len(outputs))]))
-    g = tf.reshape(g, [n, b, -1, out_size])
-    return xf, tf.transpose(g, [0, 2, 1, 3])  # (n, P, B, O)
+    perm = [0] + [1 + out[1:].index(a) for a in shared + outputs]
+    out_size = int(np.prod([int(gs[0].shape[perm[1 + len(shared) + i]]) for i in range(len(outputs))]))
+    # Each signal (n, shared..., outputs...) as (n, P, O).
+    return xf, [tf.reshape(tf.transpose(g, perm), [n, -1, out_size]) for g in gs]
 
 
 def _einsum_squares(equation: str, x: Any, gs: list[Any], seg: Any, groups: int, samples: Any = None,
@@ -963,24 +1025,22 @@ def _einsum_squares(equation: str, x: Any, gs: list[Any], seg: Any, groups: int,
     return _per_sample_squares(xf, gf, seg, groups)
 
 
-def _blocks_per_sample(xf: Any, gf: Any, samples: Any, fold: int) -> tuple[Any, Any]:
-    """``(n·f, P, in)`` inputs and ``(n·f, P, B, O)`` signals of a batch folded into the leading
+def _blocks_per_sample(xf: Any, gf: list[Any], samples: Any, fold: int) -> tuple[Any, list[Any]]:
+    """``(n·f, P, in)`` inputs and B ``(n·f, P, O)`` signals of a batch folded into the leading
     axis (each sample's ``f`` rows one after the other, :attr:`Entry.fold`) as ``n`` samples of
     ``f·P`` positions: the per-sample gradient sums the sample's block."""
     tf.debugging.assert_equal(tf.shape(xf)[0], samples * fold, message=(
         f"normflat: a layer's leading axis does not hold {fold} rows per sample in this chunk, as it did on "
         "the first batch; pass fast=False"))
     return (tf.reshape(xf, [samples, -1, int(xf.shape[-1])]),
-            tf.reshape(gf, [samples, -1, int(gf.shape[-2]), int(gf.shape[-1])]))
+            [tf.reshape(g, [samples, -1, int(g.shape[-1])]) for g in gf])
 
 
-def _dense_positions(x: Any, gs: list[Any]) -> tuple[Any, Any]:
+def _dense_positions(x: Any, gs: list[Any]) -> tuple[Any, list[Any]]:
     """A ``Dense`` input ``(n, ..., in)`` and its B signals ``(n, ..., out)`` as ``(n, P, in)`` and
-    ``(n, P, B, out)``: the positions :func:`_per_sample_squares` sums each sample's gradient over."""
+    B ``(n, P, out)``: the positions :func:`_per_sample_squares` sums each sample's gradient over."""
     n = tf.shape(x)[0]
-    xf = tf.reshape(x, [n, -1, int(x.shape[-1])])
-    gf = tf.reshape(tf.stack(gs, axis=-2), [n, -1, len(gs), int(gs[0].shape[-1])])
-    return xf, gf
+    return tf.reshape(x, [n, -1, int(x.shape[-1])]), [tf.reshape(g, [n, -1, int(g.shape[-1])]) for g in gs]
 
 
 def _repeated_squares(calls: list[tuple[Any, list[Any]]], seg: Any, groups: int,
@@ -991,7 +1051,8 @@ def _repeated_squares(calls: list[tuple[Any, list[Any]]], seg: Any, groups: int,
     signal times the input, so the calls' positions are concatenated and the dense rule applied
     once (method §6.1, "Tied weights")."""
     xs, gs = zip(*((positions or _dense_positions)(x, signals) for x, signals in calls))
-    return _per_sample_squares(tf.concat(xs, 1), tf.concat(gs, 1), seg, groups)
+    joined = [tf.concat([call[j] for call in gs], 1) for j in range(len(gs[0]))]
+    return _per_sample_squares(tf.concat(xs, 1), joined, seg, groups)
 
 
 def _step_squares(x: Any, gs: list[Any], seg: Any, groups: int) -> Any:
@@ -1062,8 +1123,9 @@ def _conv_squares(layer: Any, x: Any, gs: list[Any], seg: Any, groups: int, conv
 
     The per-sample gradient of output channel ``o`` (group ``k``) and signal ``b``
     is ``Σ_positions g[b, o] ⊗ patch[group k's input channels]``: with the groups
-    as a batch axis of ONE batched matmul (``(n, groups, P, B·out/groups)ᵀ ×
-    (n, groups, P, koff·in/groups)``), never a loop over groups. A depthwise kernel
+    as a batch axis of one batched matmul per chunk of samples (``(groups, P, B·out/groups)ᵀ ×
+    (groups, P, koff·in/groups)`` per sample, :func:`_summed_squares`), never a loop over
+    groups. A depthwise kernel
     is the case ``in/groups = 1``, ``out/groups = depth_multiplier``. With a single
     output position (``P = 1``) the per-sample gradient is rank one and its square
     ``g² ⊗ patch²`` is summed over the samples by the matmul itself, so the
@@ -1083,24 +1145,22 @@ def _conv_squares(layer: Any, x: Any, gs: list[Any], seg: Any, groups: int, conv
         cin_g, cout_g = cin // conv_groups, cout // conv_groups
         # Group k's input channels k·cin_g ... and output channels k·cout_g ... (method §3, grouped layout).
         a_parts.append(tf.reshape(patches, [n, npos, koff, conv_groups, cin_g]))
-        g_parts.append(tf.reshape(tf.stack(gs, axis=-2), [n, npos, b, conv_groups, cout_g]))
+        g_parts.append([tf.reshape(g, [n, npos, cout]) for g in gs])
     a = a_parts[0] if len(a_parts) == 1 else tf.concat(a_parts, 1)
-    g = g_parts[0] if len(g_parts) == 1 else tf.concat(g_parts, 1)
+    # Each signal (n, P, out) over every call's positions.
+    gl = g_parts[0] if len(g_parts) == 1 else [tf.concat([p[j] for p in g_parts], 1) for j in range(b)]
     npos = int(a.shape[1])
     width = koff * cin_g
     if npos == 1:
+        g = tf.reshape(tf.stack(gl, axis=-2), [n, npos, b, conv_groups, cout_g])  # small: one position
         a2 = tf.reshape(tf.transpose(tf.square(a), [3, 0, 1, 2, 4]), [conv_groups, n, width])
         g2 = tf.reshape(tf.transpose(tf.square(g), [3, 0, 1, 2, 4]), [conv_groups, n, b * cout_g])
         sq = tf.matmul(g2, a2, transpose_a=True)  # (groups, B·cout_g, width)
+    elif conv_groups == 1:
+        sq = _summed_squares(tf.reshape(a, [n, npos, width]), gl)  # (B·cout, width)
     else:
-        if conv_groups == 1:
-            a = tf.reshape(a, [n, 1, npos, width])
-            g = tf.reshape(g, [n, 1, npos, b * cout_g])
-        else:
-            a = tf.reshape(tf.transpose(a, [0, 3, 1, 2, 4]), [n, conv_groups, npos, width])
-            g = tf.reshape(tf.transpose(g, [0, 3, 1, 2, 4]), [n, conv_groups, npos, b * cout_g])
-        # transpose_a: the signals are not copied once more.
-        sq = tf.reduce_sum(tf.square(tf.matmul(g, a, transpose_a=True)), axis=0)  # (groups, B·cout_g, width)
+        a = tf.reshape(tf.transpose(a, [0, 3, 1, 2, 4]), [n, conv_groups, npos, width])
+        sq = _summed_squares(a, gl, conv_groups)  # (groups, B·cout_g, width)
     sq = tf.transpose(tf.reshape(sq, [conv_groups, b, cout_g, width]), [1, 0, 2, 3])  # (B, groups, cout_g, width)
     sq = tf.math.unsorted_segment_sum(sq, seg, groups)  # (K, groups, cout_g, width)
     k = tuple(layer.kernel_size)
@@ -1126,22 +1186,18 @@ def _conv_transpose_squares(layer: Any, x: Any, gs: list[Any], seg: Any, groups:
     n = tf.shape(x)[0]
     cin, cout = int(x.shape[-1]), int(gs[0].shape[-1])
     npos = math.prod(int(d) for d in x.shape[1:-1])
-    # The samples' signals side by side, (n·B, *out, cout): one unfolding for all of them.
-    stacked = tf.reshape(tf.stack(gs, axis=1), [-1, *(int(d) for d in gs[0].shape[1:])])
-    patches = _patches(stacked, layer)  # (n·B, positions of the input, koff, cout)
-    if int(patches.shape[1]) != npos:
-        raise ValueError(f"{layer.name}: the transposed convolution's {int(patches.shape[1])} windows do not match "
-                         f"its input's {npos} positions")
-    width = int(patches.shape[2]) * cout
+    patches = [_patches(g, layer) for g in gs]  # each (n, positions of the input, koff, cout)
+    if int(patches[0].shape[1]) != npos:
+        raise ValueError(f"{layer.name}: the transposed convolution's {int(patches[0].shape[1])} windows do not "
+                         f"match its input's {npos} positions")
+    width = int(patches[0].shape[2]) * cout
+    patches = [tf.reshape(p, [n, npos, width]) for p in patches]
     if npos == 1:
-        p2 = tf.reshape(tf.square(patches), [n, b * width])
+        p2 = tf.reshape(tf.square(tf.concat(patches, axis=-1)), [n, b * width])
         x2 = tf.reshape(tf.square(x), [n, cin])
         sq = tf.reshape(tf.matmul(p2, x2, transpose_a=True), [b, width, cin])
     else:
-        patches = tf.reshape(patches, [n, b, npos, width])
-        xa = tf.reshape(x, [n, 1, npos, cin])
-        # (n, B, koff·cout, cin): transpose_a, the patches are not copied once more.
-        sq = tf.reduce_sum(tf.square(tf.matmul(patches, xa, transpose_a=True)), axis=0)
+        sq = tf.reshape(_summed_squares(tf.reshape(x, [n, npos, cin]), patches), [b, width, cin])
     sq = tf.math.unsorted_segment_sum(sq, seg, groups)  # (K, koff·cout, cin)
     sq = tf.reshape(sq, [groups, *layer.kernel_size, cout, cin])
     return tf.transpose(sq, [0, r + 1, r + 2] + list(range(1, r + 1)))  # (K, out, in, *k)
@@ -1345,16 +1401,17 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
 
 
 def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: int, block: int,
-              head: Entry | None = None, groups: int = 1) -> tuple[int, int]:
-    """Estimated bytes of one GGN step as ``linear * n + quadratic * n²`` for a chunk of n samples.
+              head: Entry | None = None, groups: int = 1) -> tuple[int, int, int]:
+    """Estimated bytes of one GGN step as ``fixed + linear * n + quadratic * n²`` for a chunk of n samples.
 
     Counts the per-sample intermediates that grow with the chunk: the
     back-propagated signals at every tapped pre-activation and layer input
     (the unrolled signals of a block may be live at once), the largest
-    per-layer per-sample-gradient work (batched matmul result and its square,
-    convolution patches), and for layers on the generic path the per-sample
-    Jacobian products, whose output-gradient tensor and vectorized backward
-    pass grow with n² (one signal per sample of the chunk).
+    per-layer work per sample (convolution patches, stacked squared signals), and for
+    layers on the generic path the per-sample Jacobian products, whose output-gradient
+    tensor and vectorized backward pass grow with n² (one signal per sample of the chunk);
+    and, as ``fixed``, the largest working set of the per-sample gradients formed a few
+    samples at a time (:func:`squares_working_set`), which does not grow with the chunk.
 
     Args:
         num_classes: Logits per sample (``T·C`` for token logits). A block's signals are formed
@@ -1369,7 +1426,7 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
     item = tf.as_dtype(dtype).size
     structured = head is not None and not any(not e.fast for e in entries)  # generic layers: signals at the logits
     linear = input_size + num_classes * (6 if structured else block + 2)
-    work = 0
+    work = fixed = 0
     for e in entries:
         if not e.fast or e.fast == UNUSED:
             continue
@@ -1397,9 +1454,9 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
             shape = [int(d) for d in e.variable.shape]  # (*k, out, in)
             koff, cout, cin = int(np.prod(shape[:-2])), shape[-2], shape[-1]
             positions = e.in_size // max(1, cin)
-            # The block's signals unfolded at the input's positions (and regrouped), the per-sample
-            # gradients and their squares.
-            work = max(work, 2 * block * size + 2 * block * positions * koff * cout + block * e.pre_size)
+            # The block's signals unfolded at the input's positions (and reshaped).
+            work = max(work, 2 * block * positions * koff * cout + block * e.pre_size)
+            fixed = max(fixed, squares_working_set(block, size, positions * koff * cout))
         elif e.fast in ("conv", "depthwise", *SEPARABLE_KINDS):
             shape = [int(d) for d in e.variable.shape]  # (*k, in/groups, out) or (*k, in, multiplier)
             koff = int(np.prod(shape[:-2]))
@@ -1408,25 +1465,32 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
             cout = shape[-1] if dense_kernel else shape[-2] * shape[-1]
             positions = e.pre_size // max(1, cout)
             patches = positions * koff * cin
-            # Patches and signals, each also regrouped (one copy); per-sample gradients and their
-            # squares unless a single position makes them rank one (summed inside the matmul).
-            per_sample = 0 if positions == 1 else 2 * block * size
-            work = max(work, per_sample + 2 * block * e.pre_size + 2 * patches)
+            # Patches, also regrouped (one copy); a single position's signals stacked and squared
+            # (rank one, summed inside a matmul), else the per-sample gradients a few samples at a time.
+            if positions == 1:
+                work = max(work, 2 * block * e.pre_size + 2 * patches)
+            else:
+                work = max(work, 2 * patches)
+                fixed = max(fixed, squares_working_set(block, size, e.pre_size))
         else:
-            work = max(work, 2 * block * size + block * e.pre_size + e.in_size)
+            # Dense on positions, EinsumDense: the signals transposed (einsum), the per-sample
+            # gradients a few samples at a time.
+            work = max(work, block * e.pre_size + e.in_size)
+            fixed = max(fixed, squares_working_set(block, size, e.pre_size))
     generic = [e for e in entries if not e.fast]
     quadratic = 0
     if generic:
         activations = input_size + num_classes + sum(e.in_size + e.pre_size for e in entries)
         linear += 2 * block * sum(int(np.prod(e.variable.shape)) for e in generic)
         quadratic = block * (num_classes + 2 * activations)
-    return (linear + work) * item, quadratic * item
+    return (linear + work) * item, quadratic * item, fixed * item
 
 
 def ggn_chunk_size(linear: int, quadratic: int, memory_budget: int | None, block: int,
-                   default_budget: int | None = None) -> int:
+                   default_budget: int | None = None, fixed: int = 0) -> int:
     """Samples per GGN step: the largest chunk whose estimated step fits the budget, at most :data:`MAX_CHUNK`.
 
+    The step takes ``fixed + linear · n + quadratic · n²`` bytes for ``n`` samples (:func:`ggn_bytes`).
     ``memory_budget``: the user's budget (an error if one sample does not fit). Without it,
     ``default_budget`` (about twice a training step, :func:`normflat.core.memory.default_budget`),
     at most :data:`CHUNK_BYTES` (also the budget when ``default_budget`` is ``None``), and at
@@ -1434,11 +1498,12 @@ def ggn_chunk_size(linear: int, quadratic: int, memory_budget: int | None, block
     """
     if memory_budget is None:
         budget = CHUNK_BYTES if default_budget is None else min(CHUNK_BYTES, int(default_budget))
-        chunk = int(max(1, min(MAX_CHUNK, budget // max(1, linear + quadratic))))
+        chunk = int(max(1, min(MAX_CHUNK, (budget - fixed) // max(1, linear + quadratic))))
     else:
         budget = memory_budget
         what = f"the GGN step ({block} back-propagated signals per sample, estimated)"
-        chunk = chunk_size_for(memory_budget, linear + quadratic, what=what, maximum=MAX_CHUNK)
-    while chunk > 1 and chunk * linear + chunk * chunk * quadratic > budget:
+        chunk_size_for(memory_budget, fixed + linear + quadratic, what=what)  # one sample fits, or the error
+        chunk = int(max(1, min(MAX_CHUNK, (budget - fixed) // max(1, linear + quadratic))))
+    while chunk > 1 and fixed + chunk * linear + chunk * chunk * quadratic > budget:
         chunk = max(1, min(chunk - 1, int(chunk * 0.9)))
     return chunk

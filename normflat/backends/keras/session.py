@@ -931,9 +931,9 @@ class KerasSession:
             if self.config.chunk_size is not None:
                 self.chunk = self.config.chunk_size
             else:
-                linear, quadratic = self._step_bytes(block)
+                linear, quadratic, fixed = self._step_bytes(block)
                 budget = None if self.config.memory_budget is not None else self._default_budget(rows)
-                self.chunk = ggn_chunk_size(linear, quadratic, self.config.memory_budget, block, budget)
+                self.chunk = ggn_chunk_size(linear, quadratic, self.config.memory_budget, block, budget, fixed)
         self._holder["taps"] = self.taps
         self._holder["logits"] = self._first_logits  # checked as the step is traced (model_logits)
         return self._step, signals, block
@@ -954,7 +954,7 @@ class KerasSession:
         return any(isinstance(e.layer, keras.layers.Embedding) for e in generic) or any(
             isinstance(layer, keras.layers.MultiHeadAttention) for layer in compat.flatten_layers(self.model))
 
-    def _step_bytes(self, block: int) -> tuple[int, int]:
+    def _step_bytes(self, block: int) -> tuple[int, int, int]:
         """:func:`~normflat.backends.keras.ggn.ggn_bytes` of a step of ``block`` signals per sample."""
         return ggn_bytes(self.entries, self.dtype, self.input_size, self.num_classes * (self.tokens or 1), block,
                          head=self._structured_head(), groups=self.options.sum_groups)
