@@ -47,14 +47,18 @@ def grouped_form(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["chunks", "one-sample", "one-signal"])
+@pytest.fixture(params=["chunks", "one-sample", "one-signal", "pairs"])
 def squares_loop(request, monkeypatch):
     """Form the per-sample gradients of the squares a few samples at a time (the default for these
-    small layers), one sample at a time, or one signal at a time (``ggn._summed_squares``)."""
+    small layers), one sample at a time, or one signal at a time (``ggn._summed_squares``); or
+    take every ungrouped convolution's and ``Dense``'s squares with 2 to 16 positions by pairs of
+    positions (``ggn._paired_squares``, chosen by cost for larger layers)."""
     if request.param == "one-sample":
         monkeypatch.setattr(kggn, "SQUARES_CHUNK_ENTRIES", 1)
     elif request.param == "one-signal":
         monkeypatch.setattr(kggn, "SIGNAL_SPLIT_ENTRIES", 0)
+    elif request.param == "pairs":
+        monkeypatch.setattr(kggn, "squares_by_pairs", lambda positions, *_: 1 < positions <= kggn.MAX_PAIR_POSITIONS)
     return request.param
 
 
@@ -85,6 +89,20 @@ def conv1d_net(seed=1):
     h = L.DepthwiseConv1D(2, dilation_rate=2, padding="same", dtype=F64, name="dw2")(h)
     h = L.Flatten(dtype=F64)(h)
     return keras.Model(inp, L.Dense(3, dtype=F64, name="head")(h), name="conv1d_net")
+
+
+def small_maps_net(seed=2):
+    """Ungrouped convolutions with 9 and 4 output positions, a ``Dense`` on 4 positions, shared by
+    two branches (8 positions per sample), then on one."""
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((5, 5, 3), dtype=F64)
+    h = L.Conv2D(6, 3, activation="tanh", dtype=F64, name="p9")(inp)  # 3×3
+    h = L.Conv2D(8, 2, strides=1, padding="valid", activation="tanh", dtype=F64, name="p4")(h)  # 2×2
+    h = L.Dense(5, activation="tanh", dtype=F64, name="dense_p4")(h)  # (n, 2, 2, 5)
+    shared = L.Dense(4, activation="tanh", dtype=F64, name="shared")
+    h = L.Concatenate(dtype=F64)([shared(h), shared(h[:, ::-1])])
+    h = L.Flatten(dtype=F64)(h)
+    return keras.Model(inp, L.Dense(3, dtype=F64, name="head")(h), name="small_maps_net")
 
 
 def _data(model, n, seed=0):
@@ -171,7 +189,7 @@ def _assert_close(got, ref, rtol=1e-10):
 # ----------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("make", [conv2d_net, conv1d_net])
+@pytest.mark.parametrize("make", [conv2d_net, conv1d_net, small_maps_net])
 def test_fast_grouped_and_depthwise_squares_equal_brute_force(make, grouped_form, squares_loop):
     model = make()
     x, y = _data(model, 5)
@@ -213,6 +231,28 @@ def test_summed_squares_equal_the_per_sample_gradients_squared(conv_groups, chun
                                                [tf.TensorSpec([None, *g.shape[1:]], tf.float64) for g in gs]])
     np.testing.assert_allclose(traced(tf.constant(inputs), [tf.constant(g) for g in gs]).numpy(), expected,
                                rtol=1e-12)
+
+
+@pytest.mark.parametrize("estimator", ["ggn-mc", "ggn-topk"])
+def test_squares_by_pairs_with_groups_agree_with_the_generic_path(estimator, monkeypatch):
+    # Several sums per layer (K' groups of signals), each signal's products summed into its group.
+    monkeypatch.setattr(kggn, "squares_by_pairs", lambda positions, *_: 1 < positions <= kggn.MAX_PAIR_POSITIONS)
+    model = small_maps_net(seed=5)
+    x, y = _data(model, 5, seed=3)
+    kw = dict(estimator=estimator, samples=3, seed=11)
+    report = normflat.analyze(model, (x, y), loss="ce", progress=False, **kw)
+    assert {l.name: l.details["path"] for l in report.layers} == {l.name: "fast" for l in _analyzed(model)}
+    _assert_close(_diag(model, (x, y), **kw), _diag(model, (x, y), fast=False, **kw))
+
+
+def test_squares_by_pairs_is_chosen_by_cost():
+    # ConvNeXt-Tiny's third stage (2×2 maps, Dense 384 -> 1536) against a 6×6 map and a tiny layer.
+    assert kggn.squares_by_pairs(4, 9, 1, 1536, 384)
+    assert kggn.squares_by_pairs(9, 9, 1, 512, 512)
+    assert not kggn.squares_by_pairs(36, 9, 1, 256, 256)  # more than MAX_PAIR_POSITIONS
+    assert not kggn.squares_by_pairs(16, 12, 6, 768, 192)  # many groups: a matmul per group
+    assert not kggn.squares_by_pairs(16, 2, 1, 8, 36)
+    assert not kggn.squares_by_pairs(1, 9, 1, 1536, 384)  # one position: rank one
 
 
 def test_fast_and_generic_paths_agree_for_ggn_mc():
