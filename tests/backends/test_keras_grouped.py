@@ -245,6 +245,19 @@ def test_squares_by_pairs_with_groups_agree_with_the_generic_path(estimator, mon
     _assert_close(_diag(model, (x, y), **kw), _diag(model, (x, y), fast=False, **kw))
 
 
+def test_chunk_counts_the_squares_working_set_once():
+    # fixed + linear · n <= budget: the loop's working set is not per sample.
+    assert kggn.ggn_chunk_size(10, 0, None, 9, default_budget=1000, fixed=400) == 60
+    assert kggn.ggn_chunk_size(10, 0, 1000, 9, fixed=400) == 60
+    assert kggn.ggn_chunk_size(10, 0, None, 9, default_budget=1000, fixed=995) == 1  # at least one sample
+    with pytest.raises(ValueError, match="too small"):  # a given budget: one sample must fit
+        kggn.ggn_chunk_size(10, 0, 1000, 9, fixed=995)
+    # 3C3D's third convolution (3×3, 96 -> 128 channels on 6×6 maps): one sample's gradients.
+    size, pre = 3 * 3 * 96 * 128, 6 * 6 * 128
+    assert kggn.squares_working_set(9, size, pre) == 9 * (2 * pre + 2 * size) + 2 * 9 * size
+    assert kggn.squares_working_set(40, size, pre) == (2 * pre + 2 * size) + 2 * 40 * size  # one signal at a time
+
+
 def test_squares_by_pairs_is_chosen_by_cost():
     # ConvNeXt-Tiny's third stage (2×2 maps, Dense 384 -> 1536) against a 6×6 map and a tiny layer.
     assert kggn.squares_by_pairs(4, 9, 1, 1536, 384)

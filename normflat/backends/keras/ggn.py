@@ -71,8 +71,8 @@ from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
 
 __all__ = ["Taps", "ggn_step_fn", "model_logits", "signal_layout",
-           "ggn_bytes", "ggn_chunk_size", "squares_working_set", "SIGNAL_BLOCK", "compute_dtype", "exact_head", "starts_at_head_input",
-           "STRUCTURED_HEAD_CLASSES",
+           "ggn_bytes", "ggn_chunk_size", "squares_working_set", "squares_by_pairs", "SIGNAL_BLOCK",
+           "compute_dtype", "exact_head", "starts_at_head_input", "STRUCTURED_HEAD_CLASSES",
            "CHUNK_BYTES", "MAX_CHUNK"]
 
 #: Most signals back-propagated per compiled step (unrolled in the graph; more are done in equal blocks).
@@ -866,7 +866,8 @@ def squares_by_pairs(positions: int, signals: int, groups: int, out: int, width:
     By pairs: ``P(P+1)/2`` products of each signal and of the input, and a matmul over the pairs per
     group; by samples: a matmul over the positions per signal and the per-sample gradients squared.
     Measured against each other on ConvNeXt's and ResNets' shapes: 8-10x faster at 4 positions,
-    2.6x at 9, from 0.6x to 1.6x at 16 (the signals' products grow with ``out``), 0.3x at 36.
+    2.6x at 9; at 16, 1.6x faster to 1.6x slower (the signals' products grow with ``out``); 3.6x
+    slower at 36.
     """
     if not 1 < positions <= MAX_PAIR_POSITIONS:
         return False
