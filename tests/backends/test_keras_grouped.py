@@ -258,6 +258,13 @@ def test_chunk_counts_the_squares_working_set_once():
     assert kggn.squares_working_set(40, size, pre) == (2 * pre + 2 * size) + 2 * 40 * size  # one signal at a time
 
 
+def test_squares_chunk_grows_where_tensorflow_sees_a_gpu(monkeypatch):
+    assert kggn.squares_chunk_entries() == kggn.SQUARES_CHUNK_ENTRIES  # the tests run on the CPU
+    monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind=None: ["GPU:0"] if kind == "GPU" else [])
+    assert kggn.squares_chunk_entries() == kggn.GPU_SQUARES_CHUNK_ENTRIES
+    assert kggn.squares_working_set(9, 1000, 100) == (1 << 22) // 9000 * 9 * 2200 + 18000
+
+
 def test_squares_by_pairs_is_chosen_by_cost():
     # ConvNeXt-Tiny's third stage (2×2 maps, Dense 384 -> 1536) against a 6×6 map and a tiny layer.
     assert kggn.squares_by_pairs(4, 9, 1, 1536, 384)

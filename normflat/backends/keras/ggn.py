@@ -785,6 +785,14 @@ def _patches(x: Any, layer: Any) -> Any:
 #: Entries of the per-sample gradients formed at once by :func:`_summed_squares` (a few samples'
 #: at a time, or one sample's when larger): they stay in cache while squared and summed.
 SQUARES_CHUNK_ENTRIES = 1 << 16
+#: The same where TensorFlow sees a GPU: there each iteration of the loop costs kernel launches,
+#: and a cache-sized chunk buys nothing (16 MiB in float32; not measured on a GPU yet).
+GPU_SQUARES_CHUNK_ENTRIES = 1 << 22
+
+
+def squares_chunk_entries() -> int:
+    """:data:`SQUARES_CHUNK_ENTRIES`, or :data:`GPU_SQUARES_CHUNK_ENTRIES` when TensorFlow sees a GPU."""
+    return GPU_SQUARES_CHUNK_ENTRIES if tf.config.list_logical_devices("GPU") else SQUARES_CHUNK_ENTRIES
 #: Above this many entries, one sample's per-sample gradients of the signals are formed one signal
 #: at a time (:func:`_summed_squares`), which bounds the step's working set (16 MiB in float32).
 SIGNAL_SPLIT_ENTRIES = 1 << 22
@@ -797,7 +805,7 @@ def _summed_squares(a: Any, gs: list[Any], conv_groups: int = 1) -> Any:
     convolution with ``conv_groups = G > 1``; ``gs``: the ``B`` signals ``(n, P, O)``, a
     group's output channels one block of ``O``. Returns ``(B·O, W)``, or ``(G, B·O/G, W/G)``,
     the signals major. The per-sample gradients are formed a few samples at a time
-    (:data:`SQUARES_CHUNK_ENTRIES`), one sample's when they are larger (and one signal's above
+    (:func:`squares_chunk_entries`), one sample's when they are larger (and one signal's above
     :data:`SIGNAL_SPLIT_ENTRIES`), in a loop, the signals joined per sample: forming all ``n``
     in one batched matmul and then squaring them was 1.3-5x slower on one thread (a batched
     matmul with a large output runs well below a plain one's speed, and its output leaves the
@@ -809,7 +817,7 @@ def _summed_squares(a: Any, gs: list[Any], conv_groups: int = 1) -> Any:
     b, o, w = len(gs), int(gs[0].shape[-1]), int(a.shape[-1])
     one = o * w  # entries of one signal's per-sample gradient (o·w/G per group, G groups)
     parts = [[g] for g in gs] if b > 1 and b * one > SIGNAL_SPLIT_ENTRIES else [gs]
-    per = max(1, SQUARES_CHUNK_ENTRIES // (len(parts[0]) * one))
+    per = max(1, squares_chunk_entries() // (len(parts[0]) * one))
     n = tf.shape(a)[0]
 
     def joined(signals: list[Any], rows: Any) -> Any:  # (..., P, k·O), or by group (..., G, P, k·O/G)
@@ -845,7 +853,7 @@ def squares_working_set(signals: int, size: int, pre_size: int) -> int:
     regrouped) for the samples of one iteration, their per-sample gradients and squares, and
     the running sums. Not per sample of the chunk."""
     k = 1 if signals > 1 and signals * size > SIGNAL_SPLIT_ENTRIES else signals
-    per = max(1, SQUARES_CHUNK_ENTRIES // (k * size))
+    per = max(1, squares_chunk_entries() // (k * size))
     return per * k * (2 * pre_size + 2 * size) + 2 * signals * size
 
 
