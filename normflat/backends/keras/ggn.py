@@ -887,11 +887,16 @@ def squares_by_pairs(positions: int, signals: int, groups: int, out: int, width:
     return by_pairs < by_samples
 
 
-def _paired_entries(positions: int, signals: int, groups: int, out: int, width: int) -> int:
-    """Entries per sample of :func:`_paired_squares`: the signals' products over the pairs
-    (stacked), their group sums (and a transposed copy), the input's products."""
-    pairs = positions * (positions + 1) // 2
-    return pairs * (2 * signals * out + 2 * groups * out + 2 * width)
+def _squares_entries(positions: int, signals: int, groups: int, out: int, width: int, pre_size: int,
+                     pairs: bool) -> tuple[int, int]:
+    """``(per sample, fixed)`` entries of :func:`_per_sample_squares` for a weight ``(out, width)``
+    over ``positions`` positions (``pre_size`` entries of signal per sample), as it chooses
+    (``pairs``: the pairs of positions allowed): by pairs, per sample, the signals' products over
+    the pairs (stacked), their group sums (and a transposed copy) and the input's products; in
+    the loop, its working set once (:func:`squares_working_set`)."""
+    if pairs and squares_by_pairs(positions, signals, groups, out, width):
+        return positions * (positions + 1) // 2 * (2 * signals * out + 2 * groups * out + 2 * width), 0
+    return 0, squares_working_set(signals, out * width, pre_size)
 
 
 def _paired_squares(a: Any, gs: list[Any], seg: Any, groups: int) -> Any:
@@ -1101,8 +1106,10 @@ def _blocks_per_sample(xf: Any, gf: list[Any], samples: Any, fold: int) -> tuple
     tf.debugging.assert_equal(tf.shape(xf)[0], samples * fold, message=(
         f"normflat: a layer's leading axis does not hold {fold} rows per sample in this chunk, as it did on "
         "the first batch; pass fast=False"))
-    return (tf.reshape(xf, [samples, -1, int(xf.shape[-1])]),
-            [tf.reshape(g, [samples, -1, int(g.shape[-1])]) for g in gf])
+    # f·P positions per sample, static where P is (squares_by_pairs, as ggn_bytes estimates it).
+    p = -1 if xf.shape[1] is None else fold * int(xf.shape[1])
+    return (tf.reshape(xf, [samples, p, int(xf.shape[-1])]),
+            [tf.reshape(g, [samples, p, int(g.shape[-1])]) for g in gf])
 
 
 def _dense_positions(x: Any, gs: list[Any]) -> tuple[Any, list[Any]]:
@@ -1222,21 +1229,18 @@ def _conv_squares(layer: Any, x: Any, gs: list[Any], seg: Any, groups: int, conv
     gl = g_parts[0] if len(g_parts) == 1 else [tf.concat([p[j] for p in g_parts], 1) for j in range(b)]
     npos = int(a.shape[1])
     width = koff * cin_g
-    # A few positions: by pairs of positions where faster (the groups' sums directly).
-    paired = conv_groups == 1 and squares_by_pairs(npos, b, groups, cout, width)
-    if npos == 1:
-        g = tf.reshape(tf.stack(gl, axis=-2), [n, npos, b, conv_groups, cout_g])  # small: one position
-        a2 = tf.reshape(tf.transpose(tf.square(a), [3, 0, 1, 2, 4]), [conv_groups, n, width])
-        g2 = tf.reshape(tf.transpose(tf.square(g), [3, 0, 1, 2, 4]), [conv_groups, n, b * cout_g])
-        sq = tf.matmul(g2, a2, transpose_a=True)  # (groups, B·cout_g, width)
-    elif paired:
-        sq = _paired_squares(tf.reshape(a, [n, npos, width]), gl, seg, groups)  # (K, cout, width)
-    elif conv_groups == 1:
-        sq = _summed_squares(tf.reshape(a, [n, npos, width]), gl)  # (B·cout, width)
+    if npos > 1 and conv_groups == 1:
+        # The dense rule over the positions (by pairs of them where faster): (K, cout, width).
+        sq = _per_sample_squares(tf.reshape(a, [n, npos, width]), gl, seg, groups, pairs=True)
     else:
-        a = tf.reshape(tf.transpose(a, [0, 3, 1, 2, 4]), [n, conv_groups, npos, width])
-        sq = _summed_squares(a, gl, conv_groups)  # (groups, B·cout_g, width)
-    if not paired:
+        if npos == 1:
+            g = tf.reshape(tf.stack(gl, axis=-2), [n, npos, b, conv_groups, cout_g])  # small: one position
+            a2 = tf.reshape(tf.transpose(tf.square(a), [3, 0, 1, 2, 4]), [conv_groups, n, width])
+            g2 = tf.reshape(tf.transpose(tf.square(g), [3, 0, 1, 2, 4]), [conv_groups, n, b * cout_g])
+            sq = tf.matmul(g2, a2, transpose_a=True)  # (groups, B·cout_g, width)
+        else:
+            a = tf.reshape(tf.transpose(a, [0, 3, 1, 2, 4]), [n, conv_groups, npos, width])
+            sq = _summed_squares(a, gl, conv_groups)  # (groups, B·cout_g, width)
         sq = tf.transpose(tf.reshape(sq, [conv_groups, b, cout_g, width]), [1, 0, 2, 3])  # (B, groups, cout_g, width)
         sq = tf.math.unsorted_segment_sum(sq, seg, groups)  # (K, groups, cout_g, width)
     k = tuple(layer.kernel_size)
@@ -1545,22 +1549,20 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
             # (rank one, summed inside a matmul), else the per-sample gradients a few samples at a time.
             if positions == 1:
                 work = max(work, 2 * block * e.pre_size + 2 * patches)
-            elif dense_kernel and int(e.weight.groups) == 1 \
-                    and squares_by_pairs(positions, block, groups, cout, koff * cin):
-                work = max(work, 2 * patches + _paired_entries(positions, block, groups, cout, koff * cin))
             else:
-                work = max(work, 2 * patches)
-                fixed = max(fixed, squares_working_set(block, size, e.pre_size))
+                ungrouped = dense_kernel and int(e.weight.groups) == 1
+                per_sample, once = _squares_entries(positions, block, groups, cout, size // cout, e.pre_size,
+                                                    pairs=ungrouped)
+                work, fixed = max(work, 2 * patches + per_sample), max(fixed, once)
         else:
             # Dense on positions, EinsumDense: the signals transposed (einsum), the per-sample
             # gradients a few samples at a time, or a Dense's by pairs of positions.
             out = int(e.variable.shape[-1])
             positions = max(1, e.fold) * e.pre_size // max(1, out)
-            if e.fast == "dense" and squares_by_pairs(positions, block, groups, out, size // max(1, out)):
-                work = max(work, e.in_size + _paired_entries(positions, block, groups, out, size // max(1, out)))
-            else:
-                work = max(work, block * e.pre_size + e.in_size)
-                fixed = max(fixed, squares_working_set(block, size, e.pre_size))
+            per_sample, once = _squares_entries(positions, block, groups, out, size // max(1, out), e.pre_size,
+                                                pairs=e.fast == "dense")
+            # (the signals' transposed copies only where the loop takes them)
+            work, fixed = max(work, e.in_size + (per_sample or block * e.pre_size)), max(fixed, once)
     generic = [e for e in entries if not e.fast]
     quadratic = 0
     if generic:
