@@ -245,6 +245,31 @@ def test_squares_by_pairs_with_groups_agree_with_the_generic_path(estimator, mon
     _assert_close(_diag(model, (x, y), **kw), _diag(model, (x, y), fast=False, **kw))
 
 
+def test_squares_by_pairs_keep_normalized_sharpness_under_rescaling(monkeypatch):
+    # The pairs route (forced) for a Conv2D on 4 positions and a Dense on 4 positions: a factor per
+    # channel between them (relu), another between the Dense and the head (method §8).
+    from tests.arch.test_keras_rescalings import _clone, _factors, assert_rescaling_invariant
+    from tests.arch.test_keras_layers import _randomize, _rng
+
+    monkeypatch.setattr(kggn, "squares_by_pairs", lambda positions, *_: 1 < positions <= kggn.MAX_PAIR_POSITIONS)
+    rng = _rng(7)
+    inp = keras.Input((3, 3, 2), dtype=F64)
+    h = L.Conv2D(4, 2, activation="relu", dtype=F64, name="conv")(inp)  # 2×2
+    h = L.Dense(5, activation="relu", dtype=F64, name="dense")(h)  # on the 4 positions
+    model = keras.Model(inp, L.Dense(3, dtype=F64, name="head")(L.Flatten(dtype=F64)(h)))
+    _randomize(model, rng, scale=0.6)
+    x, y = rng.normal(size=(5, 3, 3, 2)), rng.integers(0, 3, 5)
+    twin = _clone(model)
+    conv, dense, head = twin.get_layer("conv"), twin.get_layer("dense"), twin.get_layer("head")
+    f, g = _factors(rng, 4), _factors(rng, 5)
+    conv.kernel.assign(conv.kernel.numpy() * f)
+    conv.bias.assign(conv.bias.numpy() * f)
+    dense.kernel.assign(dense.kernel.numpy() / f[:, None] * g)
+    dense.bias.assign(dense.bias.numpy() * g)
+    head.kernel.assign(head.kernel.numpy() / np.tile(g, 4)[:, None])  # Flatten: position-major
+    assert_rescaling_invariant(model, twin, x, y, moved=("conv", "dense", "head"))
+
+
 def test_chunk_counts_the_squares_working_set_once():
     # fixed + linear · n <= budget: the loop's working set is not per sample.
     assert kggn.ggn_chunk_size(10, 0, None, 9, default_budget=1000, fixed=400) == 60
