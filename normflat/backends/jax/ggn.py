@@ -432,11 +432,21 @@ class GGN(Kernel):
         """Squares of back-propagated signals ``(signals, ...)`` -> their ``(bp, ...)`` group sums.
 
         ``groups`` None: all ``bp·cols`` signals, in order. Otherwise the group of each
-        (:meth:`_groups_of`: the real signals of a padded layout, or a step of them,
-        :meth:`_per_example`; a step's padding is zero).
+        (:meth:`_groups_of`: a numpy array for the real signals of a padded layout, a traced one
+        for a step of them, :meth:`_per_example`; a step's padding is zero).
+
+        Known groups are summed by a contraction with their constant ``(bp, signals)``
+        membership matrix, not by a sum over the signals' axis: under the ``vmap`` over a
+        chunk's examples that axis is an inner one, and XLA's CPU reduction over an inner axis
+        of ``(examples, signals, entries)`` ran 6–8× slower than the matrix product (3C3D's
+        ``ggn``: 0.92 s against 0.43 s, method §6.1). A step's groups (one example at a time,
+        the signals' axis leading) are added by a segment sum.
         """
         if groups is None:
-            return v.reshape((self.bp, self.cols) + v.shape[1:]).sum(axis=1)
+            groups = np.arange(v.shape[0]) // self.cols
+        if isinstance(groups, np.ndarray):
+            member = groups[None, :] == np.arange(self.bp)[:, None]
+            return jnp.tensordot(jnp.asarray(member, v.dtype), v, axes=1, precision=jax.lax.Precision.HIGHEST)
         return jax.ops.segment_sum(v, groups, num_segments=self.bp)
 
     def _real_index(self, index):
@@ -446,10 +456,10 @@ class GGN(Kernel):
         return index if self.real is None else jnp.take(jnp.asarray(self.real), index)
 
     def _groups_of(self, flat=None):
-        """The group of each signal at the flat positions ``flat`` (``None``: every real signal; then
-        ``None`` where they are all of them, in order: :meth:`_group_sum` reshapes)."""
+        """The group of each signal at the flat positions ``flat`` (``None``: every real signal, a
+        numpy array; then ``None`` where they are all of them, in order)."""
         if flat is None:
-            return None if self.real is None else jnp.asarray(self.real // self.cols)
+            return None if self.real is None else self.real // self.cols
         return jnp.minimum(flat // self.cols, self.bp - 1)
 
     def _pad_groups(self, v):
