@@ -1,4 +1,5 @@
-"""Keras grouped and depthwise convolutions on the fast GGN path (normflat issue 12, item 4).
+"""Keras grouped and depthwise convolutions on the fast GGN path (normflat issue 12, item 4), and the
+per-sample squares and signal products of the fast layers.
 
 The per-sample squares of a grouped ``Conv1D``/``Conv2D`` and of a
 ``DepthwiseConv1D/2D`` kernel are one batched matmul with the groups as a batch
@@ -8,7 +9,9 @@ with many small groups runs as one depthwise convolution while analyzing
 brute-force reference built from full per-sample Jacobians, against the generic
 per-sample-Jacobian path, and (second derivatives through the depthwise form)
 against the full Hessian; the depthwise form gets its function-preserving
-rescalings (method §8).
+rescalings (method §8). The squares' loop and pairs of positions, and the product a
+fast ``Dense`` back-propagates its signals through (``ggn.dense_product``), are checked
+against the same brute force in each of their forms.
 """
 
 from __future__ import annotations
@@ -481,3 +484,100 @@ def test_separable_convolution_rescaling_invariance():
     for name in ("sep2d/depthwise", "sep2d/pointwise", "sep1d/depthwise"):
         assert abs(after.layer(name).hessian_trace - before.layer(name).hessian_trace) > \
             1e-3 * abs(before.layer(name).hessian_trace), name
+
+
+# ----------------------------------------------------------------------------- Dense signals' product
+
+
+def mlp_net(seed=3):
+    """Dense layers on rank-2 inputs (one position per sample)."""
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((6,), dtype=F64)
+    h = L.Dense(7, activation="tanh", dtype=F64, name="d1")(inp)
+    h = L.Dense(5, activation="tanh", dtype=F64, name="d2")(h)
+    return keras.Model(inp, L.Dense(3, dtype=F64, name="head")(h), name="mlp_net")
+
+
+@pytest.mark.parametrize("form", ["columns", "rows", "onednn", "gpu"])
+@pytest.mark.parametrize("make", [small_maps_net, mlp_net])
+def test_dense_signals_go_back_through_either_product(make, form, monkeypatch):
+    """In the step a fast ``Dense`` runs through ``ggn.dense_product``, whose input gradient (each
+    signal's back-propagation) is ``(W gᵀ)ᵀ`` for few rows without oneDNN ("columns"), TensorFlow's
+    ``g Wᵀ`` for more rows ("rows", the threshold at 0), with oneDNN and where TensorFlow sees a GPU
+    (both faked for the rule): the same GGN diagonal as the brute force in every form, float64."""
+    used = []
+    product = kggn.dense_product
+    monkeypatch.setattr(kggn, "dense_product", lambda *args: used.append(args) or product(*args))
+    monkeypatch.setattr(kggn.compat, "onednn_enabled", lambda: False)  # whatever the CPU's default
+    if form == "rows":
+        monkeypatch.setattr(kggn, "DENSE_COLUMNS_ROWS", 0)
+    elif form == "onednn":
+        monkeypatch.setattr(kggn.compat, "onednn_enabled", lambda: True)
+    elif form == "gpu":
+        devices = tf.config.list_logical_devices
+        monkeypatch.setattr(tf.config, "list_logical_devices",
+                            lambda kind=None: ["GPU:0"] if kind == "GPU" else devices(kind))
+    model = make()
+    x, y = _data(model, 5)
+    ref = brute_force_ggn(model, x)
+    _assert_close(_diag(model, [(x[:3], y[:3]), (x[3:], y[3:])]), ref)
+    dense = {l.name for l in model.layers if isinstance(l, L.Dense)}
+    assert len(used) >= len(dense)  # every Dense of the step's forward went through the product
+
+
+def _gradient_graph_ops(x, w):
+    @tf.function
+    def back(x, g):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = kggn.dense_product(x, w)
+        return tape.gradient(y, x, output_gradients=g)
+
+    g = tf.zeros(list(x.shape[:-1]) + [int(w.shape[-1])], x.dtype)
+    return {op.type for op in back.get_concrete_function(x, g).graph.get_operations()}
+
+
+@pytest.mark.parametrize("shape", [(3, 6), (40, 6), (2, 4, 5, 6)])
+def test_dense_product_is_keras_product_and_its_input_gradient(shape, monkeypatch):
+    """``dense_product``: the forward is ``keras.ops.matmul`` (any rank, the kernel without a
+    gradient) and the input gradient is ``g Wᵀ``, with few rows (the transposed product) and with
+    many (TensorFlow's), float64; the choice is in the graph only without oneDNN and a GPU."""
+    monkeypatch.setattr(kggn.compat, "onednn_enabled", lambda: False)  # whatever the CPU's default
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal(shape))
+    kernel = tf.Variable(rng.standard_normal((6, 4)))
+    g = tf.constant(rng.standard_normal(shape[:-1] + (4,)))
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        y = kggn.dense_product(x, kernel)
+    np.testing.assert_array_equal(y.numpy(), keras.ops.matmul(x, kernel).numpy())
+    assert y.shape == shape[:-1] + (4,)
+    got = tape.gradient(y, x, output_gradients=g)
+    np.testing.assert_allclose(got.numpy(), g.numpy() @ kernel.numpy().T, rtol=1e-13, atol=1e-13)
+    assert tape.gradient(y, kernel) is None  # a fast kernel's squares come from its taps
+    assert {"If", "StatelessIf"} & _gradient_graph_ops(x, kernel)
+
+
+def test_dense_product_keeps_tensorflows_gradient_with_onednn(monkeypatch):
+    x, w = tf.zeros((3, 6)), tf.zeros((6, 4))
+    monkeypatch.setattr(kggn.compat, "onednn_enabled", lambda: True)
+    assert not {"If", "StatelessIf"} & _gradient_graph_ops(x, w)
+
+
+def test_dense_product_reads_the_kernel_as_a_mixed_precision_layer_does():
+    """Under a ``mixed_bfloat16`` policy the layer's call reads its float32 kernel cast to bfloat16:
+    the product's output is the layer's own, value and dtype."""
+    layer = L.Dense(4, dtype="mixed_bfloat16")
+    x = tf.constant(np.random.default_rng(1).standard_normal((3, 2, 6)), tf.float32)
+    want = layer(x)
+
+    def call(inputs, training=None):
+        return keras.ops.add(kggn.dense_product(inputs, layer.kernel), layer.bias)
+
+    try:
+        object.__setattr__(layer, "call", call)
+        got = layer(x)
+    finally:
+        layer.__dict__.pop("call")
+    assert got.dtype == want.dtype == tf.bfloat16
+    np.testing.assert_array_equal(got.numpy().astype(np.float32), want.numpy().astype(np.float32))

@@ -28,6 +28,7 @@ __all__ = [
     "instance_attr",
     "group_norm_helpers",
     "rnn_loop",
+    "onednn_enabled",
 ]
 
 _MISSING = object()
@@ -125,6 +126,21 @@ def rnn_loop() -> Callable[..., Any] | None:
     except ImportError:  # pragma: no cover - other Keras layouts
         return None
     return getattr(backend, "rnn", None)
+
+
+def onednn_enabled() -> bool:
+    """Whether TensorFlow runs its oneDNN kernels (``TF_ENABLE_ONEDNN_OPTS``, on by default only on
+    CPUs with AVX-512 and later).
+
+    TensorFlow has no public query; its ``_pywrap_util_port.IsMklEnabled`` reads the setting in
+    force. Without it the answer is ``False`` (Eigen's kernels), which only chooses between two
+    products of the same value (:func:`normflat.backends.keras.ggn.dense_product`).
+    """
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+    except ImportError:  # pragma: no cover - other TensorFlow layouts
+        return False
+    return bool(getattr(_pywrap_util_port, "IsMklEnabled", lambda: False)())
 
 
 def instance_attr(obj: Any, attr: str) -> Any:

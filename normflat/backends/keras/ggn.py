@@ -149,6 +149,52 @@ def _check_same_classes(shape: tuple[int | None, ...] | None, seen: tuple[int, .
         raise
 
 
+#: A signal of at most this many rows (samples × positions) goes back through a ``Dense`` kernel as
+#: ``(W gᵀ)ᵀ`` (:func:`dense_product`).
+DENSE_COLUMNS_ROWS = 32
+
+
+def dense_product(inputs: Any, kernel: Any) -> Any:
+    """``inputs @ kernel`` as Keras' ``Dense`` forms it, whose gradient with respect to ``inputs``
+    (the back-propagation of each GGN signal) is formed as ``(W gᵀ)ᵀ`` when ``g`` has few rows.
+
+    TensorFlow's own gradient is ``g Wᵀ``. Without oneDNN (TensorFlow's default on CPUs without
+    AVX-512) Eigen's product with few rows ran 2-6x slower than ``W gᵀ`` transposed: a signal of 16
+    rows through a ``768 × 3072`` kernel 12.5 ms against 2.3 ms, of 2 rows 12.6 ms against 2.5 ms,
+    of 6 rows through ``1152 × 512`` 2.8 ms against 0.9 ms; at 64 rows they are even and at 256
+    ``g Wᵀ`` is faster (one thread, 2026-12-06). With oneDNN, or on a GPU, they are within 15%
+    either way and TensorFlow's own gradient is kept. The forward product is Keras' (the inputs'
+    rows by the kernel, in the compute dtype) and no gradient reaches the kernel: a fast layer's
+    kernel is never differentiated in the step, its squares come from its taps.
+    """
+    x = tf.convert_to_tensor(inputs)
+    w = tf.convert_to_tensor(keras.ops.convert_to_tensor(kernel))  # the kernel's value, autocast as Keras reads it
+    compute = keras.backend.result_type(x.dtype.name, w.dtype.name, float)
+    result = keras.backend.result_type(x.dtype.name, w.dtype.name)
+    x, w = tf.cast(x, compute), tf.stop_gradient(tf.cast(w, compute))
+    by_columns = not compat.onednn_enabled() and not tf.config.list_logical_devices("GPU")
+
+    @tf.custom_gradient
+    def product(rows):
+        def gradient(g):
+            if not by_columns:
+                return tf.matmul(g, w, transpose_b=True)
+            return tf.cond(tf.shape(g)[0] <= DENSE_COLUMNS_ROWS,
+                           lambda: tf.transpose(tf.matmul(w, g, transpose_b=True)),
+                           lambda: tf.matmul(g, w, transpose_b=True))
+
+        return tf.matmul(rows, w), gradient
+
+    features = int(w.shape[-1])
+    if len(x.shape) == 2:
+        y = product(x)
+    else:
+        y = tf.reshape(product(tf.reshape(x, [-1, int(w.shape[0])])),
+                       tf.concat([tf.shape(x)[:-1], [features]], 0))
+        y = tf.ensure_shape(y, list(x.shape[:-1]) + [features])
+    return tf.cast(y, result)
+
+
 class _ThreadTaps(threading.local):
     """:class:`Taps`' per-thread state (each thread starts with none)."""
 
@@ -287,6 +333,14 @@ class Taps:
         def call(inputs, *args, **kwargs):
             self.records.setdefault(name, []).append([inputs, None])
             with self.own_read(entry):
+                if entry.fast == "dense" and self.tape is not None and not self.checking \
+                        and isinstance(inputs, tf.Tensor) and len(inputs.shape) >= 2:
+                    # Keras' Dense.call (fast_kind: no LoRA, not quantized, not overridden), its
+                    # product's input gradient chosen for the signals (dense_product).
+                    y = dense_product(inputs, layer.kernel)
+                    if layer.bias is not None:
+                        y = keras.ops.add(y, layer.bias)
+                    return layer.activation(y) if layer.activation is not None else y
                 return original_call(inputs, *args, **kwargs)
 
         def activation(y):
