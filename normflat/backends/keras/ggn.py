@@ -334,7 +334,7 @@ class Taps:
             self.records.setdefault(name, []).append([inputs, None])
             with self.own_read(entry):
                 if entry.fast == "dense" and self.tape is not None and not self.checking \
-                        and isinstance(inputs, tf.Tensor) and len(inputs.shape) >= 2:
+                        and isinstance(inputs, tf.Tensor) and (inputs.shape.rank or 0) >= 2:
                     # Keras' Dense.call (fast_kind: no LoRA, not quantized, not overridden), its
                     # product's input gradient chosen for the signals (dense_product).
                     y = dense_product(inputs, layer.kernel)
