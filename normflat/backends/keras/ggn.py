@@ -149,6 +149,12 @@ def _check_same_classes(shape: tuple[int | None, ...] | None, seen: tuple[int, .
         raise
 
 
+def _sees_gpu() -> bool:
+    """Whether TensorFlow sees a GPU (the step's kernels then run there: :func:`dense_product`,
+    :func:`squares_chunk_entries`)."""
+    return bool(tf.config.list_logical_devices("GPU"))
+
+
 #: A signal of at most this many rows (samples × positions) goes back through a ``Dense`` kernel as
 #: ``(W gᵀ)ᵀ`` (:func:`dense_product`).
 DENSE_COLUMNS_ROWS = 32
@@ -172,18 +178,20 @@ def dense_product(inputs: Any, kernel: Any) -> Any:
     compute = keras.backend.result_type(x.dtype.name, w.dtype.name, float)
     result = keras.backend.result_type(x.dtype.name, w.dtype.name)
     x, w = tf.cast(x, compute), tf.stop_gradient(tf.cast(w, compute))
-    by_columns = not compat.onednn_enabled() and not tf.config.list_logical_devices("GPU")
 
     @tf.custom_gradient
-    def product(rows):
+    def by_columns(rows):
         def gradient(g):
-            if not by_columns:
-                return tf.matmul(g, w, transpose_b=True)
             return tf.cond(tf.shape(g)[0] <= DENSE_COLUMNS_ROWS,
                            lambda: tf.transpose(tf.matmul(w, g, transpose_b=True)),
                            lambda: tf.matmul(g, w, transpose_b=True))
 
         return tf.matmul(rows, w), gradient
+
+    def own_gradient(rows):  # TensorFlow's g Wᵀ
+        return tf.matmul(rows, w)
+
+    product = own_gradient if compat.onednn_enabled() or _sees_gpu() else by_columns
 
     features = int(w.shape[-1])
     if len(x.shape) == 2:
@@ -846,7 +854,7 @@ GPU_SQUARES_CHUNK_ENTRIES = 1 << 22
 
 def squares_chunk_entries() -> int:
     """:data:`SQUARES_CHUNK_ENTRIES`, or :data:`GPU_SQUARES_CHUNK_ENTRIES` when TensorFlow sees a GPU."""
-    return GPU_SQUARES_CHUNK_ENTRIES if tf.config.list_logical_devices("GPU") else SQUARES_CHUNK_ENTRIES
+    return GPU_SQUARES_CHUNK_ENTRIES if _sees_gpu() else SQUARES_CHUNK_ENTRIES
 #: Above this many entries, one sample's per-sample gradients of the signals are formed one signal
 #: at a time (:func:`_summed_squares`), which bounds the step's working set (16 MiB in float32).
 SIGNAL_SPLIT_ENTRIES = 1 << 22
