@@ -112,9 +112,10 @@ def _with_softmax(builder, model):
 
 def _followed_by(builder, model, what):
     """The model followed by ``what``: ``"softmax"`` (its outputs are probabilities, not logits),
-    ``"exp"`` (finite logits that overflow for large inputs) or ``"scores"`` (its outputs, as
+    ``"exp"`` (finite logits that overflow for large inputs), ``"scores"`` (its outputs, as
     embeddings, scored against every sample's of the batch: ``(n, n)`` logits that mix the samples,
-    a contrastive model's ``logits_per_image``)."""
+    a contrastive model's ``logits_per_image``) or ``"batch mean"`` (its outputs plus their mean over
+    the batch: logits that mix the samples and keep the number of classes)."""
     name = builder.NAME
     if name == "torch":
         import torch
@@ -124,6 +125,8 @@ def _followed_by(builder, model, what):
             def forward(self, z):
                 if what == "scores":
                     return z @ z.T
+                if what == "batch mean":
+                    return z + z.mean(0, keepdim=True)
                 return torch.softmax(z, dim=1) if what == "softmax" else torch.exp(z)
 
         return nn.Sequential(model, Then())
@@ -137,6 +140,8 @@ def _followed_by(builder, model, what):
                 return keras.ops.exp(t)
             if what == "scores":
                 return keras.ops.matmul(t, keras.ops.transpose(t))
+            if what == "batch mean":
+                return t + keras.ops.mean(t, axis=0, keepdims=True)
             e = keras.ops.exp(t - keras.ops.max(t, axis=-1, keepdims=True))
             return e / keras.ops.sum(e, axis=-1, keepdims=True)
 
@@ -147,6 +152,8 @@ def _followed_by(builder, model, what):
     def then(z):
         if what == "scores":
             return z @ z.T
+        if what == "batch mean":
+            return z + z.mean(0, keepdims=True)
         return jax.nn.softmax(z, axis=-1) if what == "softmax" else jnp.exp(z)
 
     if name == "equinox":
@@ -156,7 +163,7 @@ def _followed_by(builder, model, what):
             net: eqx.Module
 
             def __call__(self, x):
-                if what == "scores":  # the builder's network takes one example: scores need the batch
+                if what in ("scores", "batch mean"):  # the builder's network takes one example: these need the batch
                     return then(jax.vmap(self.net)(x))
                 return then(self.net(x))
 
@@ -453,6 +460,50 @@ def test_logits_that_mix_the_samples(builder):
         with pytest.raises(ValueError, match=MIXED):
             normflat.measures(model, builder.make_data(x, labels, 4), ["fisher_rao_norm"], loss="ce", progress=False,
                               backend_options=builder.ANALYZE_KWARGS)
+
+
+#: The distinctive part of the engine's error for logits of a sample that depend on the other samples
+#: with the number of classes kept (normflat.engine.losses.check_samples_apart).
+MIXED_VALUES = r"The model's logits of a sample depend on the other samples of its batch: row 0 of the first batch"
+
+
+@pytest.mark.parametrize("estimator", ["ggn", "ggn-mc", "exact", "hutchinson"])
+def test_logits_that_mix_the_samples_with_the_classes_kept(builder, estimator):
+    """A model whose logits of one sample depend on the others with as many classes on every call (its
+    logits plus their mean over the batch, as a statistic over the batch axis would): every framework
+    compares the first two rows computed together with each alone and gives the engine's one error, for
+    every estimator. Before, each gave its own silent number: PyTorch's and Keras' generic paths and JAX
+    the curvature of each sample alone, their Hessian-vector products that of the batch."""
+    spec = _mlp(15)
+    x, y = netspec.data(spec, n=7, seed=16)
+    model = _followed_by(builder, builder.build(spec), "batch mean")
+    kw = dict(estimator=estimator, loss="ce")
+    if estimator == "hutchinson":
+        kw["samples"] = 2
+    for size in (7, 3):  # one batch; batches of 3, 3 and 1
+        with pytest.raises(ValueError, match=MIXED_VALUES):
+            normflat.hessian_diagonal(model, builder.make_data(x, y, size), **_kw(builder, **kw))
+    # The same network without the mean: no error, and a first batch of one row cannot reveal the mixing.
+    normflat.hessian_diagonal(builder.build(spec), builder.make_data(x, y, 7), **_kw(builder, **kw))
+    normflat.hessian_diagonal(model, builder.make_data(x[:1], y[:1], 1), **_kw(builder, **kw))
+
+
+def test_samples_apart_tolerance_and_comparison():
+    """The engine's comparison: rounding of the logits' dtype passes, a difference of their own order
+    fails; non-finite entries and rows of another shape are not compared."""
+    from normflat.engine.losses import check_samples_apart, samples_apart_tolerance
+
+    assert samples_apart_tolerance("float64") == pytest.approx(16 * np.finfo(np.float64).eps ** 0.5)
+    assert samples_apart_tolerance("float32") == pytest.approx(16 * np.finfo(np.float32).eps ** 0.5)
+    assert samples_apart_tolerance("bfloat16") == samples_apart_tolerance("torch.float16") == 0.1
+    z = np.random.default_rng(0).normal(size=(2, 5))
+    scale = np.abs(z).max(axis=1)  # each row's largest logit
+    for dtype, tol in (("float64", 2.38e-7), ("float32", 5.5e-3)):
+        check_samples_apart(z, [z[:1] + 0.5 * tol * scale[0], z[1]], dtype=dtype)
+        with pytest.raises(ValueError, match="row 1 of the first batch"):
+            check_samples_apart(z, [z[:1], z[1] + 2 * tol * scale[1]], dtype=dtype)
+    check_samples_apart(z, [z[:1, :3], np.where(np.arange(5) == 2, np.nan, z[1])])  # trimmed; NaN not compared
+    check_samples_apart(np.zeros((2, 3)), [np.zeros(3), np.zeros(3)])  # constant logits (a zero head)
 
 
 def test_two_classes_with_nsce_also_after_an_analysis_with_ce(builder):

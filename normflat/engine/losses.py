@@ -71,6 +71,8 @@ __all__ = [
     "CONSTANT_LOGITS_RMS",
     "check_output_shape",
     "check_same_classes",
+    "check_samples_apart",
+    "SAMPLES_APART_ROWS",
     "classes_first",
     "check_loss_value",
     "namespace_check",
@@ -1134,6 +1136,91 @@ def check_same_classes(shape: tuple[int | None, ...] | None, seen: tuple[int | N
         "alone: analyze a classifier on the model's per-sample outputs (e.g. its embeddings followed by a "
         "classification head), or make the model return each sample's logits computed from that sample alone."
     )
+
+
+#: The rows of the first batch whose logits the backends also compute one row at a time
+#: (:func:`check_samples_apart`): the first two, as the probe of the first forward.
+SAMPLES_APART_ROWS = 2
+
+
+#: Machine epsilon of the floating dtypes logits are computed in, by name (numpy has no bfloat16).
+_EPS_BY_NAME = {"float64": float(np.finfo(np.float64).eps), "float32": float(np.finfo(np.float32).eps),
+                "float16": float(np.finfo(np.float16).eps), "bfloat16": 2.0 ** -7}
+
+
+def samples_apart_tolerance(dtype: str) -> float:
+    """The relative difference :func:`check_samples_apart` accepts between a row's logits computed
+    alone and with the other rows: ``16·√ε`` of the dtype the logits were computed in (float64
+    2.4e-7, float32 5.5e-3), at most 0.1 (float16 and bfloat16).
+
+    Batched and one-row forwards may round differently (other matrix-product blockings and
+    convolution algorithms for other batch sizes), by far less than that; a model that mixes its
+    samples moves the logits by their own order of magnitude.
+
+    Args:
+        dtype: The dtype's name (``"float32"``, ``"bfloat16"``, ...); another name counts as float32.
+    """
+    eps = _EPS_BY_NAME.get(str(dtype).rsplit(".", 1)[-1], _EPS_BY_NAME["float32"])
+    return min(16.0 * math.sqrt(eps), 0.1)
+
+
+def check_samples_apart(together: Any, alone: list[Any], dtype: str | None = None) -> None:
+    """Raise the one error every framework gives for a model whose logits of one sample depend on
+    the other samples of its batch.
+
+    The measures are per sample (method §6: every sample's per-sample gradients of its own
+    logits). Every framework forms them its own way: PyTorch's and Keras' fast rules from the
+    batch's activations, their generic paths and JAX from each sample run alone. A model that
+    mixes the samples (statistics over the batch axis, as batch normalization in training mode or
+    an explicit mean over the samples; attention across the samples) has no per-sample curvature,
+    and each of those ways would give its own number without an error. Its logits for a sample
+    alone differ from those in a batch, which :func:`check_same_classes` does not see when the
+    number of classes stays. So every backend computes the first rows of the first batch
+    (:data:`SAMPLES_APART_ROWS`) together and each alone, once per analysis (per traced structure
+    in JAX, per model and input signature in Keras' cached probe), and hands them here. A first
+    batch of one row, or first rows that are equal, cannot reveal it; a model that cannot run on
+    one row is not compared (PyTorch and Keras), nor is one that cannot run on two (JAX: the
+    analysis runs it per example only).
+
+    Args:
+        together: ``(r, *out)`` host array: the logits of the first ``r`` rows from one forward.
+        alone: ``r`` host arrays ``(1, *out)`` (or ``out``): each row's logits from a forward of
+            that row alone. A shape other than the row's (token logits trimmed to a row's own
+            length) is not compared.
+        dtype: The name of the dtype the logits were computed in, where it is narrower than
+            ``together``'s (a mixed-precision model's float32 logits of a bfloat16 computation);
+            ``None``: ``together``'s.
+
+    Raises:
+        ValueError: If a row's logits alone differ from its logits together by more than
+            :func:`samples_apart_tolerance` of the larger logit of the two (finite values only:
+            non-finite logits are :func:`check_logit_stats`' error).
+    """
+    together = np.asarray(together)
+    tol = samples_apart_tolerance(dtype if dtype is not None else together.dtype.name)
+    for i, one in enumerate(alone):
+        row = together[i].astype(np.float64)
+        one = np.asarray(one, dtype=np.float64).reshape(-1) if np.size(one) == row.size else None
+        if one is None:
+            continue
+        row = row.reshape(-1)
+        finite = np.isfinite(row) & np.isfinite(one)
+        if not finite.any():
+            continue
+        scale = float(max(np.abs(row[finite]).max(), np.abs(one[finite]).max()))
+        diff = float(np.abs(row[finite] - one[finite]).max())
+        if diff > tol * scale:
+            raise ValueError(
+                f"The model's logits of a sample depend on the other samples of its batch: row {i} of the "
+                f"first batch gives logits that differ by up to {diff:.3g} (the largest logit is {scale:.3g}) "
+                f"when it runs alone and when it runs with the first {together.shape[0]} rows. The measures "
+                "are per sample (each sample's curvature from its own logits), so a model that mixes the "
+                "samples has none to measure: statistics over the batch axis (batch normalization in "
+                "training mode, a mean or a normalization over the samples), attention or message passing "
+                "across the samples, or a forward that is random in inference mode. Make each sample's "
+                "output depend on that sample only (e.g. use running statistics, apply the batch-level step "
+                "outside the model), or analyze the per-sample part of the model."
+            )
 
 
 def check_loss_value(shape: tuple[int, ...], finite: bool, index: int, options: AnalysisOptions) -> None:

@@ -362,8 +362,9 @@ def test_tied_embedding_feature_scaling_against_both_of_its_uses(padding_idx):
 
 class SharedTable(nn.Module):
     """BART's layout: ``shared``, a table the model never looks up itself, tied to the encoder's and
-    decoder's embeddings and the head. ``wake``: from the second forward on the model also looks
-    ``shared`` up (a use the first forward did not see)."""
+    decoder's embeddings and the head. ``wake``: from the second forward with gradients on the model
+    also looks ``shared`` up (a use the first forward did not see; normflat's forwards without
+    gradients, the first rows together and alone, are all of the first kind)."""
 
     def __init__(self, wake=False):
         super().__init__()
@@ -378,7 +379,7 @@ class SharedTable(nn.Module):
         self.wake, self.forwards = wake, 0
 
     def forward(self, ids):
-        self.forwards += 1
+        self.forwards += int(torch.is_grad_enabled())
         h = self.mix_out(torch.tanh(self.mix_in(self.enc(ids) + self.dec(ids.flip(1)))))
         if self.wake and self.forwards > 1:
             h = h + self.shared(ids)

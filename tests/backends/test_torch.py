@@ -299,7 +299,8 @@ class Repeated(nn.Module):
     """A dense layer, an embedding and a grouped convolution called several times per forward
     (ALBERT's shared layers, a siamese encoder). ``how``: ``plain``; ``functional`` (the shared
     weight also read by ``F.linear``); ``transposed`` (a transposed convolution called twice too);
-    ``dynamic`` (a fourth call from the second forward on)."""
+    ``dynamic`` (a fourth call from the second forward with gradients on: normflat's forwards
+    without gradients, the first rows together and alone, are all of the first kind)."""
 
     def __init__(self, how="plain"):
         super().__init__()
@@ -313,7 +314,7 @@ class Repeated(nn.Module):
         self.forwards = 0
 
     def forward(self, ids):  # ids: (N, 2, T): two token sequences per sample, one encoder
-        self.forwards += 1
+        self.forwards += int(torch.is_grad_enabled())
         a, b = self.emb(ids[:, 0]), self.emb(ids[:, 1])
         h = torch.relu(self.inp(a + 0.5 * b))
         for _ in range(4 if self.how == "dynamic" and self.forwards > 1 else 3):
@@ -1183,14 +1184,17 @@ def test_one_samples_signals_in_steps_when_they_exceed_the_memory(case, monkeypa
 
 def test_chunked_first_batch_is_never_run_whole():
     """The chunk size is chosen from a 2-row forward: the model never sees the whole first batch
-    (whose graph would double the time of the forward and hold the peak), only the chunks."""
+    (whose graph would double the time of the forward and hold the peak), only the chunks. Before
+    them, without gradients, the first 2 rows together and each alone (method §6, "Samples apart")."""
     model, x, y = make("cnn_smooth", n=9)
-    seen = []
-    handle = model.register_forward_pre_hook(lambda module, args: seen.append(int(args[0].shape[0])))
+    seen, checks = [], []
+    handle = model.register_forward_pre_hook(
+        lambda module, args: (seen if torch.is_grad_enabled() else checks).append(int(args[0].shape[0])))
     try:
         got = nf(model, (x, y), estimator="ggn", memory_budget=6_000)
     finally:
         handle.remove()
+    assert checks == [2, 1, 1], checks
     assert seen[0] == 2 and max(seen[1:]) < 9 and sum(seen[1:]) == 9, seen
     assert_diag_close(got, nf(model, (x, y), estimator="ggn"), model, atol=1e-14, rtol=1e-11)
 

@@ -44,7 +44,8 @@ from normflat.backends.jax.program import UNUSED_REASON, trace_program
 from normflat.backends.jax.state import ModelState
 from normflat.engine.data import PENDING_CHECKS, Batch, labels_for, non_finite_inputs
 from normflat.engine.estimators import SumState
-from normflat.engine.losses import check_logit_stats, check_loss_value, check_output_shape, check_same_classes
+from normflat.engine.losses import (check_logit_stats, check_loss_value, check_output_shape, check_same_classes,
+                                    check_samples_apart)
 from normflat.engine.options import AnalysisOptions, resolve_estimator
 from normflat.engine.problems import UNUSED_NOTE, LayerSpec, ParameterStatus
 
@@ -167,23 +168,33 @@ def trace_layers(view: Any, batch: Batch, *, allow_half_precision: bool = False)
 
 
 def _check_classes_apart(view: Any, x: Any, per_example: tuple[int, ...]) -> None:
-    """Refuse logits whose classes follow the rows: those of the model called on a batch (of two
-    rows) must have as many classes as the per-example program's.
+    """Refuse logits of a sample that depend on the other samples: the model called on a batch (of
+    two rows) must give as many classes as the per-example program
+    (:func:`~normflat.engine.losses.check_same_classes`) and, row by row, the same logits as each
+    row alone (:func:`~normflat.engine.losses.check_samples_apart`).
 
     The analysis runs the model per example (a batch model on one row, :meth:`ModelView.example_fn`),
-    so the logits of scores against in-batch candidates (``(n, n)``) would be read as one class.
-    An abstract evaluation (``jax.eval_shape``, nothing computed) of the batch model tells them
-    apart (:func:`~normflat.engine.losses.check_same_classes`). A model called per example
-    (equinox's ``vmap=True``) cannot mix the samples and is not evaluated; nor is one that fails
-    on two rows (the analysis never calls it on a batch).
+    so the logits of scores against in-batch candidates (``(n, n)``) would be read as one class,
+    and a model that mixes its samples (a mean over the batch axis, flax's ``BatchNorm`` with
+    ``use_running_average=False``) would be analyzed as another function, each sample alone. One
+    forward of the two rows and one of each row (computed, not compiled) tell them apart. A model
+    called per example (equinox's ``vmap=True``) cannot mix the samples and is not evaluated; nor
+    is one that fails on two rows (the analysis never calls it on a batch).
     """
     two = jax.tree_util.tree_map(lambda a: a[:2], x)
+    extra = list(view.extra)
     try:
-        out = jax.eval_shape(view.apply_batch, view.leaves, list(view.extra), two)
+        out = view.apply_batch(view.leaves, extra, two)
     except Exception:  # noqa: BLE001 - nothing to compare: the per-example analysis stands
         return
-    if hasattr(out, "shape"):
-        check_same_classes(tuple(out.shape), (1, *per_example))
+    if not hasattr(out, "shape"):
+        return
+    check_same_classes(tuple(out.shape), (1, *per_example))
+    if not (len(out.shape) >= 1 and out.shape[0] == 2 and jnp.issubdtype(out.dtype, jnp.floating)):
+        return
+    alone = [view.apply_example(view.leaves, extra, jax.tree_util.tree_map(lambda a: a[i], x)) for i in range(2)]
+    check_samples_apart(np.asarray(out, dtype=np.float64), [np.asarray(a, dtype=np.float64) for a in alone],
+                        dtype=jnp.dtype(out.dtype).name)
 
 
 class JaxSession:

@@ -38,8 +38,8 @@ from normflat.core.memory import chunk_size_for, default_budget, equal_step, tra
 from normflat.engine import estimators
 from normflat.engine.data import PENDING_CHECKS, Batch, labels_for
 from normflat.engine.estimators import SumState
-from normflat.engine.losses import (check_logit_stats, check_loss_value, check_output_shape, classes_first,
-                                    logit_stats)
+from normflat.engine.losses import (SAMPLES_APART_ROWS, check_logit_stats, check_loss_value, check_output_shape,
+                                    check_samples_apart, classes_first, logit_stats, samples_apart_tolerance)
 from normflat.engine.options import AnalysisOptions, resolve_estimator
 from normflat.engine.problems import UNUSED_NOTE, LayerSpec
 from normflat.engine.random import sample_uniforms
@@ -563,9 +563,27 @@ class KerasSession:
         (:func:`~normflat.engine.losses.classes_first`: asked before refusing the first logits' classes)."""
         return lambda: tuple(model_logits(self.model, _slice(x, 0, 1), self.options).shape)
 
+    def _rows_alone(self, x: Any, rows: int) -> list[Any] | None:
+        """The logits of each of the first ``rows`` rows of ``x`` from a forward of that row alone (host
+        arrays, :func:`~normflat.engine.losses.check_samples_apart`); ``None`` for a model that fails on
+        one row (the analysis' own forwards report what is wrong with it)."""
+        try:
+            return [np.asarray(model_logits(self.model, _slice(x, i, i + 1), self.options), dtype=np.float64)
+                    for i in range(rows)]
+        except Exception:  # noqa: BLE001 - nothing to compare (see the docstring)
+            return None
+
+    def _computed_in(self, z: Any) -> str:
+        """The narrower of the logits' dtype and the model's compute dtype (a mixed policy's float32
+        logits of a bfloat16 computation): the rounding the logits carry."""
+        names = [z.dtype.name, str(getattr(getattr(self.model, "dtype_policy", None), "compute_dtype", z.dtype.name))]
+        return max(names, key=samples_apart_tolerance)
+
     def _probe_eager(self, x: Any, batch: Batch) -> None:
         rows = min(batch.n, 2)
         first = _slice(x, 0, rows)
+        # Before the taps' records are cleared: these forwards must leave none of their own.
+        alone = self._rows_alone(x, rows) if rows == SAMPLES_APART_ROWS else None
         if self.taps is not None:
             self.taps.records.clear()
         z = model_logits(self.model, first, self.options)
@@ -576,6 +594,8 @@ class KerasSession:
         zc = tf.cast(tf.reshape(z, [-1, self.num_classes]), compute_dtype(z.dtype))
         check_logit_stats(logit_stats(TF, zc), self.options, batch.index, self.num_classes,
                           float(np.finfo(zc.dtype.as_numpy_dtype).eps))
+        if alone is not None:
+            check_samples_apart(np.asarray(z, dtype=np.float64), alone, dtype=self._computed_in(z))
         if self.taps is not None:
             # The one Dense whose pre-activation is the logits themselves (the step's head test).
             heads = [e for e in self.entries if e.fast == "dense"

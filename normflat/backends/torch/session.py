@@ -243,6 +243,8 @@ class TorchSession:
             inputs_ok = deferred_inputs_finite(batch.x)
             if inputs_ok is not None:
                 self._pending.append((batch.index, "inputs", inputs_ok, None))
+            if self.batches_seen == 0 and batch.n >= 2:
+                self._check_samples_apart(xs)
             if self.ggn:
                 terms = self._ggn_update(batch, xs, state)
             else:
@@ -370,6 +372,31 @@ class TorchSession:
             with torch.no_grad():
                 return tuple(self._pick(inputs.rows(slice(0, 1)).call(self.model)).shape)
         return shape
+
+    def _check_samples_apart(self, xs: ModelInputs) -> None:
+        """:func:`~normflat.engine.losses.check_samples_apart` on the first batch: its first rows in one
+        forward and each alone (no gradients, nothing recorded by the capture). A model that fails on
+        them is not compared: the analysis' own forwards report what is wrong with it."""
+        rows = min(losses.SAMPLES_APART_ROWS, xs.n)
+        cap = self.capture
+        active = cap.active if cap is not None else False
+        if cap is not None:
+            cap.active = False
+        try:
+            with torch.no_grad():
+                together = self._pick(xs.rows(slice(0, rows)).call(self.model))
+                alone = [self._pick(xs.rows(slice(i, i + 1)).call(self.model)) for i in range(rows)]
+        except Exception:  # noqa: BLE001 - nothing to compare (see the docstring)
+            return
+        finally:
+            if cap is not None:
+                cap.active = active
+        if not all(_is_tensor(z) and z.is_floating_point() for z in (together, *alone)):
+            return  # not logits: the output checks' error
+        if together.dim() < 1 or int(together.shape[0]) != rows:
+            return
+        host = [z.detach().to(torch.float64).cpu().numpy() for z in (together, *alone)]
+        losses.check_samples_apart(host[0], host[1:], dtype=str(together.dtype).removeprefix("torch."))
 
     def _run_checks(self) -> None:
         """Read the deferred checks (:attr:`_pending`) with one transfer per dtype, in batch order,
