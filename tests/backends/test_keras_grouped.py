@@ -581,3 +581,69 @@ def test_dense_product_reads_the_kernel_as_a_mixed_precision_layer_does():
         layer.__dict__.pop("call")
     assert got.dtype == want.dtype == tf.bfloat16
     np.testing.assert_array_equal(got.numpy().astype(np.float32), want.numpy().astype(np.float32))
+
+
+# ----------------------------------------------------------------------------- max pooling by argmax
+
+
+def pooled_net(seed=4):
+    """Convolutions feeding 2-D max poolings: 2×2 of stride 2 (``valid``) after a ReLU (windows of
+    tied zeros), 3×3 of stride 2 (``same``, the windows overlapping), then a ``Dense`` head."""
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((8, 8, 2), dtype=F64)
+    h = L.Conv2D(4, 3, padding="same", activation="relu", dtype=F64, name="c1")(inp)
+    h = L.MaxPooling2D(2, dtype=F64)(h)  # 4×4
+    h = L.Conv2D(5, 3, padding="same", activation="tanh", dtype=F64, name="c2")(h)
+    h = L.MaxPooling2D(3, strides=2, padding="same", dtype=F64)(h)  # 2×2
+    h = L.Flatten(dtype=F64)(h)
+    return keras.Model(inp, L.Dense(3, dtype=F64, name="head")(h), name="pooled_net")
+
+
+@pytest.mark.parametrize("form", ["argmax", "tensorflow", "generic"])
+def test_max_pooling_signals_by_argmax_or_tensorflow(form, monkeypatch):
+    """In the step a ``MaxPooling2D`` runs through ``ggn.max_pool_by_argmax`` where it wins (without
+    oneDNN on a CPU, forced here) and its signals go back one by one; TensorFlow's own pooling
+    otherwise (forced off; and with generic weights, whose backward is vectorized and has no rule for
+    ``MaxPoolGradWithArgmax``): the same GGN diagonal as the brute force in every form, float64."""
+    used = []
+    pool = kggn.max_pool_by_argmax
+    monkeypatch.setattr(kggn, "max_pool_by_argmax", lambda *args: used.append(args) or pool(*args))
+    monkeypatch.setattr(kggn, "argmax_pooling_wins", lambda: form != "tensorflow")
+    model = pooled_net()
+    x, y = _data(model, 5)
+    got = _diag(model, [(x[:3], y[:3]), (x[3:], y[3:])], fast=form != "generic")
+    _assert_close(got, brute_force_ggn(model, x))
+    assert (len(used) >= 2) == (form == "argmax") and (form == "argmax" or not used)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("pool_size, strides, padding", [(2, 2, "valid"), (3, 2, "same"), ((2, 3), (1, 2), "valid"),
+                                                         ((3, 2), (2, 1), "same")])
+def test_max_pool_by_argmax_is_the_pooling_and_its_gradient(pool_size, strides, padding, dtype):
+    """``max_pool_by_argmax``: Keras' pooling's values and TensorFlow's gradient, exactly, also with
+    windows of tied maxima (the zeros after a ReLU: the first one gets the gradient in both)."""
+    layer = L.MaxPooling2D(pool_size, strides=strides, padding=padding, dtype=dtype)
+    rng = np.random.default_rng(5)
+    x = tf.constant(np.maximum(rng.standard_normal((3, 7, 6, 4)), 0.0).astype(dtype))
+    want = layer(x)
+    g = tf.constant(rng.standard_normal(want.shape).astype(dtype))
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        ours = kggn.max_pool_by_argmax(x, layer.pool_size, layer.strides, layer.padding)
+        theirs = layer(x)
+    np.testing.assert_array_equal(ours.numpy(), want.numpy())
+    np.testing.assert_array_equal(tape.gradient(ours, x, output_gradients=g).numpy(),
+                                  tape.gradient(theirs, x, output_gradients=g).numpy())
+
+
+def test_max_pooling_by_argmax_only_for_plain_channels_last_layers():
+    """A ``MaxPooling2D`` subclass with its own call, or one on channels-first inputs, keeps Keras'
+    call."""
+    class Custom(L.MaxPooling2D):
+        def call(self, inputs):
+            return super().call(inputs) * 2.0
+
+    assert kggn._plain_max_pooling(L.MaxPooling2D(2))
+    assert not kggn._plain_max_pooling(Custom(2))
+    assert not kggn._plain_max_pooling(L.MaxPooling2D(2, data_format="channels_first"))
+    assert not kggn._plain_max_pooling(L.AveragePooling2D(2))
