@@ -497,13 +497,21 @@ def test_samples_apart_tolerance_and_comparison():
     assert samples_apart_tolerance("float32") == pytest.approx(16 * np.finfo(np.float32).eps ** 0.5)
     assert samples_apart_tolerance("bfloat16") == samples_apart_tolerance("torch.float16") == 0.1
     z = np.random.default_rng(0).normal(size=(2, 5))
-    scale = np.abs(z).max(axis=1)  # each row's largest logit
+    scale = np.abs(z - z.mean(1, keepdims=True)).max(axis=1)  # each row's largest centred logit
+    first = np.eye(5)[0]  # one class moved: centred, its difference is 0.8 of the move
     for dtype, tol in (("float64", 2.38e-7), ("float32", 5.5e-3)):
-        check_samples_apart(z, [z[:1] + 0.5 * tol * scale[0], z[1]], dtype=dtype)
+        check_samples_apart(z, [z[:1] + 0.3 * tol * scale[0] * first, z[1]], dtype=dtype)
         with pytest.raises(ValueError, match="row 1 of the first batch"):
-            check_samples_apart(z, [z[:1], z[1] + 2 * tol * scale[1]], dtype=dtype)
+            check_samples_apart(z, [z[:1], z[1] + 3 * tol * scale[1] * first], dtype=dtype)
     check_samples_apart(z, [z[:1, :3], np.where(np.arange(5) == 2, np.nan, z[1])])  # trimmed; NaN not compared
     check_samples_apart(np.zeros((2, 3)), [np.zeros(3), np.zeros(3)])  # constant logits (a zero head)
+    check_samples_apart(z, [z[:1] + 3.0, z[1] - 1.0])  # a shift of all logits changes no probability
+    with pytest.raises(ValueError, match="row 0 of the first batch"):  # a large common offset hides nothing
+        check_samples_apart(z + 1e4, [z[:1] + 1e4 + 0.1 * np.eye(5)[:1], z[1] + 1e4])
+    tokens = np.random.default_rng(1).normal(size=(2, 4, 5))  # token logits: each token's centred
+    check_samples_apart(tokens, [tokens[:1] + np.arange(4)[None, :, None], tokens[1]])
+    with pytest.raises(ValueError, match="row 1 of the first batch"):
+        check_samples_apart(tokens, [tokens[:1], tokens[1] + 0.1 * np.arange(5)])
 
 
 def test_two_classes_with_nsce_also_after_an_analysis_with_ce(builder):

@@ -1193,26 +1193,36 @@ def check_samples_apart(together: Any, alone: list[Any], dtype: str | None = Non
 
     Raises:
         ValueError: If a row's logits alone differ from its logits together by more than
-            :func:`samples_apart_tolerance` of the larger logit of the two (finite values only:
-            non-finite logits are :func:`check_logit_stats`' error).
+            :func:`samples_apart_tolerance` of the larger logit of the two, each prediction's
+            logits centred first (a common shift changes no probability: mixing that only
+            shifts them is harmless, and a large common offset would hide the rest); finite
+            values only (non-finite logits are :func:`check_logit_stats`' error).
     """
     together = np.asarray(together)
     tol = samples_apart_tolerance(dtype if dtype is not None else together.dtype.name)
+
     for i, one in enumerate(alone):
         row = together[i].astype(np.float64)
-        one = np.asarray(one, dtype=np.float64).reshape(-1) if np.size(one) == row.size else None
-        if one is None:
+        if np.size(one) != row.size:
             continue
-        row = row.reshape(-1)
+        one = np.asarray(one, dtype=np.float64).reshape(row.shape)
         finite = np.isfinite(row) & np.isfinite(one)
         if not finite.any():
             continue
+        if row.ndim >= 1 and row.shape[-1] > 1:
+            # A shift of all of a prediction's logits changes no probability and no loss: each
+            # prediction's logits are centred (over the entries finite in both) before comparing.
+            count = np.maximum(finite.sum(-1, keepdims=True), 1)
+            row = row - np.where(finite, row, 0.0).sum(-1, keepdims=True) / count
+            one = one - np.where(finite, one, 0.0).sum(-1, keepdims=True) / count
+        row, one, finite = row.reshape(-1), one.reshape(-1), finite.reshape(-1)
         scale = float(max(np.abs(row[finite]).max(), np.abs(one[finite]).max()))
         diff = float(np.abs(row[finite] - one[finite]).max())
         if diff > tol * scale:
             raise ValueError(
                 f"The model's logits of a sample depend on the other samples of its batch: row {i} of the "
-                f"first batch gives logits that differ by up to {diff:.3g} (the largest logit is {scale:.3g}) "
+                f"first batch gives logits that differ by up to {diff:.3g} (the largest logit is {scale:.3g}, "
+                "each prediction's logits centred) "
                 f"when it runs alone and when it runs with the first {together.shape[0]} rows. The measures "
                 "are per sample (each sample's curvature from its own logits), so a model that mixes the "
                 "samples has none to measure: statistics over the batch axis (batch normalization in "
