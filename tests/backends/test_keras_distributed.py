@@ -233,6 +233,19 @@ def test_memory_budget_chooses_chunk_and_keeps_result(mlp):
     assert large["chunk_size"] >= 20
 
 
+def test_default_budget_is_formed_once_per_step(mlp, monkeypatch):
+    """Without ``memory_budget`` the default budget (about twice a training step) decides both the
+    signals' block and the chunk of a new compiled step: it is formed once for both."""
+    model, data = mlp
+    from normflat.backends.keras import session as keras_session
+
+    calls, own = [], keras_session.KerasSession._default_budget
+    monkeypatch.setattr(keras_session.KerasSession, "_default_budget",
+                        lambda self, rows: calls.append(rows) or own(self, rows))
+    _diag(model, data)
+    assert calls == [20], calls
+
+
 def test_memory_budget_too_small_for_one_sample(mlp):
     model, data = mlp
     with pytest.raises(ValueError, match=r"memory_budget=100 bytes .* too small.*bytes .* for a single sample"):

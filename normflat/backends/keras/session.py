@@ -13,6 +13,7 @@ for the HVP kernels (:meth:`KerasSession.canonical` converts at the end).
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -924,13 +925,15 @@ class KerasSession:
         # (a compiled step has a fixed block), so 20 signals go as 10 + 10, not 16 + 16.
         block = equal_step(signals, SIGNAL_BLOCK) if signals else 1
         sequence = options.sequence_layout(self.tokens)
+        # The default budget, formed at most once per call (the block's and the chunk's choices).
+        budget_by_default = functools.cache(lambda: self._default_budget(rows))
         if self._step is not None and self._step_tokens[0] == self.tokens \
                 and self._step_tokens[2:] == (options.estimator, sequence):
             block = self._step_tokens[1]  # chosen with the step (a smaller last batch keeps it)
         elif self.config.chunk_size is None:
             explicit = self.config.memory_budget is not None
             block = self._budget_block(signals, block, self.config.memory_budget if explicit
-                                       else self._default_budget(rows), refuse=explicit)
+                                       else budget_by_default(), refuse=explicit)
         key_tokens = (self.tokens, block, options.estimator, sequence)
         if self._step is not None and self._step_tokens != key_tokens:
             self._step = None  # another sequence length: another signal layout
@@ -952,7 +955,7 @@ class KerasSession:
                 self.chunk = self.config.chunk_size
             else:
                 linear, quadratic, fixed = self._step_bytes(block)
-                budget = None if self.config.memory_budget is not None else self._default_budget(rows)
+                budget = None if self.config.memory_budget is not None else budget_by_default()
                 self.chunk = ggn_chunk_size(linear, quadratic, self.config.memory_budget, block, budget, fixed)
         self._holder["taps"] = self.taps
         self._holder["logits"] = self._first_logits  # checked as the step is traced (model_logits)
