@@ -1171,8 +1171,9 @@ def check_samples_apart(together: Any, alone: list[Any], dtype: str | None = Non
     The measures are per sample (method §6: every sample's per-sample gradients of its own
     logits). Every framework forms them its own way: PyTorch's and Keras' fast rules from the
     batch's activations, their generic paths and JAX from each sample run alone. A model that
-    mixes the samples (statistics over the batch axis, as batch normalization in training mode or
-    an explicit mean over the samples; attention across the samples) has no per-sample curvature,
+    mixes the samples (statistics over the batch axis, as an explicit mean over the samples or a
+    batch normalization that ignores inference mode; attention across the samples) has no
+    per-sample curvature,
     and each of those ways would give its own number without an error. Its logits for a sample
     alone differ from those in a batch, which :func:`check_same_classes` does not see when the
     number of classes stays. So every backend computes the first rows of the first batch
@@ -1225,8 +1226,9 @@ def check_samples_apart(together: Any, alone: list[Any], dtype: str | None = Non
                 "each prediction's logits centred) "
                 f"when it runs alone and when it runs with the first {together.shape[0]} rows. The measures "
                 "are per sample (each sample's curvature from its own logits), so a model that mixes the "
-                "samples has none to measure: statistics over the batch axis (batch normalization in "
-                "training mode, a mean or a normalization over the samples), attention or message passing "
+                "samples has none to measure: statistics over the batch axis (a mean or a normalization over "
+                "the samples in the forward pass, a batch normalization that ignores inference mode), "
+                "attention or message passing "
                 "across the samples, or a forward that is random in inference mode. Make each sample's "
                 "output depend on that sample only (e.g. use running statistics, apply the batch-level step "
                 "outside the model), or analyze the per-sample part of the model."
