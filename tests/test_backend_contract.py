@@ -472,7 +472,7 @@ def test_logits_that_mix_the_samples_with_the_classes_kept(builder, estimator):
     """A model whose logits of one sample depend on the others with as many classes on every call (its
     logits plus their mean over the batch, as a statistic over the batch axis would): every framework
     compares the first two rows computed together with each alone and gives the engine's one error, for
-    every estimator. Before, each gave its own silent number: PyTorch's and Keras' generic paths and JAX
+    every estimator and in the perturbation models of ``normflat.measures``. Before, each gave its own silent number: PyTorch's and Keras' generic paths and JAX
     the curvature of each sample alone, their Hessian-vector products that of the batch."""
     spec = _mlp(15)
     x, y = netspec.data(spec, n=7, seed=16)
@@ -483,6 +483,10 @@ def test_logits_that_mix_the_samples_with_the_classes_kept(builder, estimator):
     for size in (7, 3):  # one batch; batches of 3, 3 and 1
         with pytest.raises(ValueError, match=MIXED_VALUES):
             normflat.hessian_diagonal(model, builder.make_data(x, y, size), **_kw(builder, **kw))
+    if estimator == "ggn":  # the perturbation models of normflat.measures, the same error
+        with pytest.raises(ValueError, match=MIXED_VALUES):
+            normflat.measures(model, builder.make_data(x, y, 4), ["fisher_rao_norm"], loss="ce", progress=False,
+                              backend_options=builder.ANALYZE_KWARGS)
     # The same network without the mean: no error, and a first batch of one row cannot reveal the mixing.
     normflat.hessian_diagonal(builder.build(spec), builder.make_data(x, y, 7), **_kw(builder, **kw))
     normflat.hessian_diagonal(model, builder.make_data(x[:1], y[:1], 1), **_kw(builder, **kw))

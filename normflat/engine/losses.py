@@ -1184,7 +1184,8 @@ def check_samples_apart(together: Any, alone: list[Any], dtype: str | None = Non
     analysis runs it per example only).
 
     Args:
-        together: ``(r, *out)`` host array: the logits of the first ``r`` rows from one forward.
+        together: ``(r, *out)`` host array: the logits of the first ``r`` rows from one forward
+            (of those rows, or of a whole batch).
         alone: ``r`` host arrays ``(1, *out)`` (or ``out``): each row's logits from a forward of
             that row alone. A shape other than the row's (token logits trimmed to a row's own
             length) is not compared.
@@ -1224,7 +1225,7 @@ def check_samples_apart(together: Any, alone: list[Any], dtype: str | None = Non
                 f"The model's logits of a sample depend on the other samples of its batch: row {i} of the "
                 f"first batch gives logits that differ by up to {diff:.3g} (the largest logit is {scale:.3g}, "
                 "each prediction's logits centred) "
-                f"when it runs alone and when it runs with the first {together.shape[0]} rows. The measures "
+                "when it runs alone and when it runs in a batch with other rows. The measures "
                 "are per sample (each sample's curvature from its own logits), so a model that mixes the "
                 "samples has none to measure: statistics over the batch axis (a mean or a normalization over "
                 "the samples in the forward pass, a batch normalization that ignores inference mode), "

@@ -66,7 +66,8 @@ from normflat.core.memory import chunk_size_for
 from normflat.engine.estimators import mean_weights
 from normflat.engine.losses import (LOGIT_BLOCK_ENTRIES, Factor, SequenceClasses, check_same_classes,
                                     classes_factor, combined_logit_stats, diagonal_signals, logit_stats, output_factor,
-                                    output_signals, sequence_classes, sequence_dense, sequence_factor, signal_slots)
+                                    output_signals, samples_apart_tolerance, sequence_classes, sequence_dense,
+                                    sequence_factor, signal_slots)
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
 
@@ -109,6 +110,14 @@ def compute_dtype(dtype: Any) -> Any:
     """Losses and signals are formed in at least float32 (half-precision logits lose the curvature)."""
     dtype = tf.as_dtype(dtype)
     return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+
+
+def logits_rounding(model: Any, z: Any) -> str:
+    """The name of the narrower of the logits' dtype and the model's compute dtype (a mixed policy's
+    float32 logits of a bfloat16 computation): the rounding the logits carry
+    (:func:`~normflat.engine.losses.check_samples_apart`)."""
+    policy = str(getattr(getattr(model, "dtype_policy", None), "compute_dtype", z.dtype.name))
+    return max([z.dtype.name, policy], key=samples_apart_tolerance)
 
 
 def _is_tensor(a: Any) -> bool:

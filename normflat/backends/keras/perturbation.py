@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from normflat.backends.keras import compat
 from normflat.backends.keras.data import ADAPTER, to_tensor
-from normflat.backends.keras.ggn import compute_dtype, model_logits
+from normflat.backends.keras.ggn import compute_dtype, logits_rounding, model_logits
 from normflat.backends.keras.hvp import native_positions
 from normflat.backends.keras.layers import Entry, final_softmax, walk
 from normflat.backends.keras.ops import TF
@@ -42,7 +42,7 @@ from normflat.backends.keras.session import (HVP_CHUNK, OpenBatchTraces, _check_
                                              grouped_convolutions, install_logit_calls)
 from normflat.backends.keras.state import ModelState
 from normflat.engine.data import Batch, batches, labels_for
-from normflat.engine.losses import check_output_shape, classes_first
+from normflat.engine.losses import SAMPLES_APART_ROWS, check_output_shape, check_samples_apart, classes_first
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.perturbation import (PATH_NORM_SCOPE, UnsupportedMeasureError, check_rival_options,
                                           prediction_losses, require_reiterable)
@@ -379,6 +379,7 @@ class KerasPerturbationModel:
             num_classes = check_output_shape(tuple(z.shape), self.options, batch.index, rows, seen=self._first_logits,
                                              other_rows=self._one_row(kernels, x))
             if self._first_logits is None:
+                self._check_samples_apart(kernels, x, z, rows)
                 self._first_logits = tuple(int(d) for d in z.shape)
             self._outputs[key] = (num_classes, int(z.shape[1]) if len(z.shape) == 3 else None)
         return self._outputs[key]
@@ -403,6 +404,18 @@ class KerasPerturbationModel:
                 return fn(*args)
             self._compiled[name] = call
         return self._compiled[name]
+
+    def _check_samples_apart(self, kernels: list[Any], x: Any, z: Any, rows: int) -> None:
+        """:func:`~normflat.engine.losses.check_samples_apart` on the first rows, as the analysis does
+        (a model that fails on one row is not compared)."""
+        if rows != SAMPLES_APART_ROWS or not z.dtype.is_floating:
+            return
+        try:
+            alone = [np.asarray(self._step("logits")(kernels, _slice(x, i, i + 1)), dtype=np.float64)
+                     for i in range(rows)]
+        except Exception:  # noqa: BLE001 - nothing to compare: the measures' own forwards stand
+            return
+        check_samples_apart(np.asarray(z, dtype=np.float64), alone, dtype=logits_rounding(self.model, z))
 
     def _one_row(self, kernels: list[Any], x: Any) -> Callable[[], tuple[int, ...]]:
         """The shape of the logits of the model called on the first row of ``x`` alone, as a function

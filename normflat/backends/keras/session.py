@@ -28,7 +28,7 @@ from normflat.backends.keras.calls import grouped_conv_call, is_plain_norm, norm
 from normflat.backends.keras.data import ADAPTER, to_tensor
 from normflat.backends.keras.distributed import Replicas
 from normflat.backends.keras.ggn import (SIGNAL_BLOCK, TableRows, Taps, compute_dtype, exact_head, ggn_bytes,
-                                         ggn_chunk_size, ggn_step_fn, model_logits, signal_layout,
+                                         ggn_chunk_size, ggn_step_fn, logits_rounding, model_logits, signal_layout,
                                          starts_at_head_input)
 from normflat.backends.keras.hvp import (EXACT_BLOCK, PROBE_BLOCK, has_recurrence, hvp_step_fns, native_positions,
                                         native_probes)
@@ -40,7 +40,7 @@ from normflat.engine import estimators
 from normflat.engine.data import PENDING_CHECKS, Batch, labels_for
 from normflat.engine.estimators import SumState
 from normflat.engine.losses import (SAMPLES_APART_ROWS, check_logit_stats, check_loss_value, check_output_shape,
-                                    check_samples_apart, classes_first, logit_stats, samples_apart_tolerance)
+                                    check_samples_apart, classes_first, logit_stats)
 from normflat.engine.options import AnalysisOptions, resolve_estimator
 from normflat.engine.problems import UNUSED_NOTE, LayerSpec
 from normflat.engine.random import sample_uniforms
@@ -574,12 +574,6 @@ class KerasSession:
         except Exception:  # noqa: BLE001 - nothing to compare (see the docstring)
             return None
 
-    def _computed_in(self, z: Any) -> str:
-        """The narrower of the logits' dtype and the model's compute dtype (a mixed policy's float32
-        logits of a bfloat16 computation): the rounding the logits carry."""
-        names = [z.dtype.name, str(getattr(getattr(self.model, "dtype_policy", None), "compute_dtype", z.dtype.name))]
-        return max(names, key=samples_apart_tolerance)
-
     def _probe_eager(self, x: Any, batch: Batch) -> None:
         rows = min(batch.n, 2)
         first = _slice(x, 0, rows)
@@ -596,7 +590,7 @@ class KerasSession:
         check_logit_stats(logit_stats(TF, zc), self.options, batch.index, self.num_classes,
                           float(np.finfo(zc.dtype.as_numpy_dtype).eps))
         if alone is not None:
-            check_samples_apart(np.asarray(z, dtype=np.float64), alone, dtype=self._computed_in(z))
+            check_samples_apart(np.asarray(z, dtype=np.float64), alone, dtype=logits_rounding(self.model, z))
         if self.taps is not None:
             # The one Dense whose pre-activation is the logits themselves (the step's head test).
             heads = [e for e in self.entries if e.fast == "dense"
