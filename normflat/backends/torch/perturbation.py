@@ -37,10 +37,10 @@ from normflat.backends.torch import compat, hf
 from normflat.backends.torch.data import ADAPTER, ModelInputs, deferred_inputs_finite, inputs_to_model, to_model
 from normflat.backends.torch.ggn import unswapped, unswapped_error
 from normflat.backends.torch.layers import collect_layers, unwrap
-from normflat.backends.torch.session import parse_settings
+from normflat.backends.torch.session import check_samples_apart_of, parse_settings
 from normflat.backends.torch.state import ModelState, claim, release
 from normflat.engine.data import Batch, batches, labels_for, non_finite_inputs
-from normflat.engine.losses import SAMPLES_APART_ROWS, check_output_shape, check_samples_apart, classes_first
+from normflat.engine.losses import check_output_shape, classes_first
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
 from normflat.engine.perturbation import PATH_NORM_SCOPE, UnsupportedMeasureError, prediction_losses
@@ -113,7 +113,7 @@ class TorchPerturbationModel:
         self._recurrent = any(isinstance(m, nn.RNNBase) for m in self.model.modules())
         self._closed = False
         self._swappable = False  # the weights checked to be swappable by functional_call (_batches)
-        self._apart_checked = False  # the samples checked apart (_check_samples_apart), on the first batch
+        self._apart_checked = False  # the samples checked apart (check_samples_apart_of), on the first batch
         self._inputs_checked = False  # the device inputs, on the first complete pass (_batches)
         self._first_logits: tuple[int, ...] | None = None  # the first batch's logits' shape (_prediction_losses)
 
@@ -313,7 +313,8 @@ class TorchPerturbationModel:
                                      {layer.param_name: layer.param for layer in self._layers})
                 self._swappable = True
             if not self._apart_checked and xs.n >= 2:
-                self._check_samples_apart(xs)  # once, on the first batch of two rows or more
+                # Once, on the first batch of two rows or more, outside gradient()'s transforms.
+                check_samples_apart_of(self.model, xs, lambda out: select_output(out, self.options.output, _is_tensor))
                 self._apart_checked = True
             # Labels on the host before the torch.func transforms: inside them a tensor cannot be
             # read into numpy (labels_for does), and the data contract reads numpy labels alike.
@@ -351,28 +352,6 @@ class TorchPerturbationModel:
         y = torch.as_tensor(ids, device=logits.device)
         losses, correct, counted = prediction_losses(_XP, logits, y, self.options)
         return losses[counted], correct[counted]
-
-    def _check_samples_apart(self, xs: ModelInputs) -> None:
-        """:func:`~normflat.engine.losses.check_samples_apart` on the first batch, as the analysis
-        does: its first rows together and each alone, with the model's own weights and no gradients,
-        outside the ``torch.func`` transforms of :meth:`gradient` (a model that fails on them is not
-        compared: the measures' own forwards report what is wrong with it)."""
-        rows = min(SAMPLES_APART_ROWS, xs.n)
-        def pick(out: Any) -> Any:
-            return select_output(out, self.options.output, _is_tensor)
-
-        try:
-            with torch.no_grad():
-                together = pick(xs.rows(slice(0, rows)).call(self.model))
-                alone = [pick(xs.rows(slice(i, i + 1)).call(self.model)) for i in range(rows)]
-        except Exception:  # noqa: BLE001 - nothing to compare (see the docstring)
-            return
-        if not all(isinstance(z, torch.Tensor) and z.is_floating_point() for z in (together, *alone)):
-            return
-        if together.dim() < 1 or int(together.shape[0]) != rows:
-            return
-        host = [z.detach().to(torch.float64).cpu().numpy() for z in (together, *alone)]
-        check_samples_apart(host[0], host[1:], dtype=str(together.dtype).removeprefix("torch."))
 
     def _slot_shape(self, slot: tuple[int, tuple[int, int] | None]) -> tuple[int, ...]:
         index, row = slot

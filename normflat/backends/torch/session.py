@@ -374,29 +374,16 @@ class TorchSession:
         return shape
 
     def _check_samples_apart(self, xs: ModelInputs) -> None:
-        """:func:`~normflat.engine.losses.check_samples_apart` on the first batch: its first rows in one
-        forward and each alone (no gradients, nothing recorded by the capture). A model that fails on
-        them is not compared: the analysis' own forwards report what is wrong with it."""
-        rows = min(losses.SAMPLES_APART_ROWS, xs.n)
+        """:func:`check_samples_apart_of` on the first batch, nothing recorded by the capture."""
         cap = self.capture
         active = cap.active if cap is not None else False
         if cap is not None:
             cap.active = False
         try:
-            with torch.no_grad():
-                together = self._pick(xs.rows(slice(0, rows)).call(self.model))
-                alone = [self._pick(xs.rows(slice(i, i + 1)).call(self.model)) for i in range(rows)]
-        except Exception:  # noqa: BLE001 - nothing to compare (see the docstring)
-            return
+            check_samples_apart_of(self.model, xs, self._pick)
         finally:
             if cap is not None:
                 cap.active = active
-        if not all(_is_tensor(z) and z.is_floating_point() for z in (together, *alone)):
-            return  # not logits: the output checks' error
-        if together.dim() < 1 or int(together.shape[0]) != rows:
-            return
-        host = [z.detach().to(torch.float64).cpu().numpy() for z in (together, *alone)]
-        losses.check_samples_apart(host[0], host[1:], dtype=str(together.dtype).removeprefix("torch."))
 
     def _run_checks(self) -> None:
         """Read the deferred checks (:attr:`_pending`) with one transfer per dtype, in batch order,
@@ -1806,6 +1793,32 @@ def _is_logits(output: torch.Tensor | None, logits: torch.Tensor) -> bool:
     fn = logits.grad_fn
     return (fn is not None and output.grad_fn is not None and compat.graph_node_name(fn) == "CloneBackward0"
             and fn.next_functions[0][0] is output.grad_fn)
+
+
+def check_samples_apart_of(model: nn.Module, xs: ModelInputs, pick: Callable[[Any], Any]) -> None:
+    """:func:`~normflat.engine.losses.check_samples_apart` on a first batch ``xs``: its first rows in
+    one forward and each alone, with the model's own weights and no gradients (the analysis and the
+    perturbation models of ``normflat.measures`` alike, outside any ``torch.func`` transform). A
+    model that fails on them is not compared: the analysis' own forwards report what is wrong with it.
+
+    Args:
+        model: The module, in the analysis' mode.
+        xs: The first batch's inputs.
+        pick: The logits inside the model's output (the ``output`` option).
+    """
+    rows = min(losses.SAMPLES_APART_ROWS, xs.n)
+    try:
+        with torch.no_grad():
+            together = pick(xs.rows(slice(0, rows)).call(model))
+            alone = [pick(xs.rows(slice(i, i + 1)).call(model)) for i in range(rows)]
+    except Exception:  # noqa: BLE001 - nothing to compare (see the docstring)
+        return
+    if not all(_is_tensor(z) and z.is_floating_point() for z in (together, *alone)):
+        return  # not logits: the output checks' error
+    if together.dim() < 1 or int(together.shape[0]) != rows:
+        return
+    host = [z.detach().to(torch.float64).cpu().numpy() for z in (together, *alone)]
+    losses.check_samples_apart(host[0], host[1:], dtype=str(together.dtype).removeprefix("torch."))
 
 
 def _is_tensor(a: Any) -> bool:
