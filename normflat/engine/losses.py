@@ -1173,8 +1173,8 @@ def check_samples_apart(together: Any, alone: list[Any], dtype: str | None = Non
     batch's activations, their generic paths and JAX from each sample run alone. A model that
     mixes the samples (statistics over the batch axis, as an explicit mean over the samples or a
     batch normalization that ignores inference mode; attention across the samples) has no
-    per-sample curvature,
-    and each of those ways would give its own number without an error. Its logits for a sample
+    per-sample curvature, and each of those ways would give its own number without an error.
+    Its logits for a sample
     alone differ from those in a batch, which :func:`check_same_classes` does not see when the
     number of classes stays. So every backend computes the first rows of the first batch
     (:data:`SAMPLES_APART_ROWS`) together and each alone, once per analysis (per traced structure
@@ -1224,13 +1224,12 @@ def check_samples_apart(together: Any, alone: list[Any], dtype: str | None = Non
             raise ValueError(
                 f"The model's logits of a sample depend on the other samples of its batch: row {i} of the "
                 f"first batch gives logits that differ by up to {diff:.3g} (the largest logit is {scale:.3g}, "
-                "each prediction's logits centred) "
-                "when it runs alone and when it runs in a batch with other rows. The measures "
-                "are per sample (each sample's curvature from its own logits), so a model that mixes the "
-                "samples has none to measure: statistics over the batch axis (a mean or a normalization over "
-                "the samples in the forward pass, a batch normalization that ignores inference mode), "
-                "attention or message passing "
-                "across the samples, or a forward that is random in inference mode. Make each sample's "
+                "each prediction's logits centred) when it runs alone and when it runs in a batch with other "
+                "rows. The measures are per sample (each sample's curvature from its own logits), so a model "
+                "that mixes the samples has none to measure: statistics over the batch axis (a mean or a "
+                "normalization over the samples in the forward pass, a batch normalization that ignores "
+                "inference mode), attention or message passing across the samples, or a forward that is "
+                "random in inference mode. Make each sample's "
                 "output depend on that sample only (e.g. use running statistics, apply the batch-level step "
                 "outside the model), or analyze the per-sample part of the model."
             )

@@ -176,10 +176,10 @@ def _check_classes_apart(view: Any, x: Any, per_example: tuple[int, ...]) -> Non
     The analysis runs the model per example (a batch model on one row, :meth:`ModelView.example_fn`),
     so the logits of scores against in-batch candidates (``(n, n)``) would be read as one class,
     and a model that mixes its samples (a mean over the batch axis in its ``__call__``) would be
-    analyzed as another function, each sample alone. One
-    forward of the two rows and one of each row (computed, not compiled) tell them apart. A model
-    called per example (equinox's ``vmap=True``) cannot mix the samples and is not evaluated; nor
-    is one that fails on two rows (the analysis never calls it on a batch).
+    analyzed as another function, each sample alone. One forward of the two rows and one of each
+    row (computed, not compiled) tell them apart. A model called per example (equinox's
+    ``vmap=True``) cannot mix the samples and is not evaluated; nor is one that fails on two rows
+    (the analysis never calls it on a batch).
     """
     two = jax.tree_util.tree_map(lambda a: a[:2], x)
     extra = list(view.extra)

@@ -251,10 +251,8 @@ def max_pool_by_argmax(inputs: Any, pool_size: Any, strides: Any, padding: str) 
 
 def _plain_max_pooling(layer: Any) -> bool:
     """Keras' own ``MaxPooling2D`` on channels-last inputs (its call not overridden)."""
-    cls = getattr(keras.layers, "MaxPooling2D", None)
-    return (cls is not None and isinstance(layer, cls) and type(layer).call is cls.call
-            and getattr(layer, "data_format", None) == "channels_last"
-            and str(getattr(layer, "padding", "")).lower() in ("valid", "same"))
+    cls = keras.layers.MaxPooling2D
+    return isinstance(layer, cls) and type(layer).call is cls.call and layer.data_format == "channels_last"
 
 
 class _ThreadTaps(threading.local):
