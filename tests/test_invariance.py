@@ -105,6 +105,19 @@ def test_logit_scale_and_shift_with_nsce(builder, estimator):
 
 
 @pytest.mark.parametrize("estimator", ["exact", "ggn"])
+def test_conv_channel_rescaling_through_max_pooling(builder, estimator):
+    # The output channels of the first convolution scaled by positive factors against the input
+    # channels of the second, a ReLU and a 2×2 max pooling between them: both commute with a
+    # positive per-channel scaling, so the function is the same. The signals go back through the
+    # pooling (Keras: the forward's maxima, method §6.1; JAX: the program's argmax rule).
+    spec = netspec.cnn(seed=10, image=4, maxpool=True)
+    assert any(isinstance(layer, netspec.MaxPool2d) for layer in spec.layers)
+    factors = np.exp(np.random.default_rng(4).uniform(-2, 2, size=4))
+    _check(builder, spec, netspec.rescale_units(spec, 0, factors), loss="ce", estimator=estimator,
+           mns_invariant=False)
+
+
+@pytest.mark.parametrize("estimator", ["exact", "ggn"])
 @pytest.mark.parametrize("channels,groups", [((2, 4, 6), 2), ((2, 4, 4), 4)], ids=["grouped", "depthwise"])
 def test_grouped_conv_input_channel_rescaling(builder, estimator, channels, groups):
     # Input channels of a grouped (depthwise) convolution rescaled against the output
