@@ -55,6 +55,10 @@ and its untied output projection, 4 sequences of 32 tokens with next-token label
 ``Conv2DTranspose`` layers, 32×32 inputs, 16 images, 10 classes): ``ggn`` on the transposed
 convolutions' fast rule and on the generic path against one gradient (:func:`decoder_figures`).
 
+``--text-cnn`` times a 1-D convolutional text classifier (an embedding, three ``Conv1D`` layers, two
+``MaxPooling1D``, 32 sequences of 128 tokens, 10 classes): ``ggn`` as it runs and with TensorFlow's own
+max-pooling gradient in its step, against one gradient (:func:`text_cnn_figures`).
+
 ``--separable`` times Keras' Xception (``keras.applications``, ``weights=None``, 71×71 inputs,
 10 classes, 8 images), whose blocks are ``SeparableConv2D`` layers: ``ggn`` against one gradient
 (:func:`separable_figures`).
@@ -67,6 +71,7 @@ Run::
     python -m benchmarks.keras_diag --sequence-lm 8000 [--repeats 5] [--threads 1] [--memory]
     python -m benchmarks.keras_diag --separable [--repeats 5] [--threads 1]
     python -m benchmarks.keras_diag --decoder [--repeats 5] [--threads 1]
+    python -m benchmarks.keras_diag --text-cnn [--repeats 5] [--threads 1]
     python -m benchmarks.keras_diag --recurrent [--repeats 5] [--threads 1] [--memory]
     python -m benchmarks.keras_diag --albert [--repeats 5] [--threads 1]
     python -m benchmarks.keras_diag --llama [--repeats 5] [--threads 1]
@@ -92,7 +97,7 @@ import numpy as np  # noqa: E402
 from benchmarks._common import time_interleaved  # noqa: E402
 
 __all__ = ["mlp", "cnn_3c3d", "PROBLEMS", "METHODS", "make_problem", "keras_figures", "position_table_figures",
-           "tied_lm_figures", "separable_figures", "recurrent_figures", "recurrent_memory", "albert_figures", "llama_figures", "main"]
+           "tied_lm_figures", "separable_figures", "text_cnn_figures", "recurrent_figures", "recurrent_memory", "albert_figures", "llama_figures", "main"]
 
 METHODS = ("gradient", "normflat_ggn", "normflat_ggn_mc")
 
@@ -560,6 +565,49 @@ def decoder_figures(repeats: int = 5) -> dict[str, float]:
     return time_interleaved(runs, repeats)
 
 
+def text_cnn_figures(repeats: int = 5) -> dict[str, float]:
+    """A 1-D convolutional text classifier (an ``Embedding`` of 2000 tokens and 64 features, three
+    ``Conv1D`` layers of 128 filters of width 5 with ReLU, the first two followed by ``MaxPooling1D(2)``,
+    global max pooling, a 10-class ``Dense`` head; 32 sequences of 128 tokens).
+    ``{"gradient", "ggn", "ggn tensorflow pooling": s}`` (medians): ``ggn`` as it runs, and with
+    TensorFlow's own max-pooling gradient in its step (``ggn.argmax_pooling_wins`` answering no, on a
+    second copy of the model, whose step is traced that way) in place of the signals' scatter to the
+    maxima of the forward (Keras guide, "Signals back through ``MaxPooling2D``")."""
+    import keras
+    import tensorflow as tf
+
+    import normflat
+    from normflat.backends.keras import ggn as keras_ggn
+
+    L = keras.layers
+
+    def model():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([
+            keras.Input((128,), dtype="int32"), L.Embedding(2000, 64),
+            L.Conv1D(128, 5, activation="relu"), L.MaxPooling1D(2),
+            L.Conv1D(128, 5, activation="relu"), L.MaxPooling1D(2),
+            L.Conv1D(128, 5, activation="relu"), L.GlobalMaxPooling1D(), L.Dense(10)])
+
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.integers(0, 2000, size=(32, 128)).astype("int32"))
+    y = tf.constant(rng.integers(0, 10, size=32))
+    ours, twin = model(), model()
+    wins = keras_ggn.argmax_pooling_wins
+
+    def tensorflow_pooling():
+        keras_ggn.argmax_pooling_wins = lambda: False  # only while this copy runs (and traces)
+        try:
+            out = normflat.hessian_diagonal(twin, (x, y), loss="ce", estimator="ggn", progress=False)
+        finally:
+            keras_ggn.argmax_pooling_wins = wins
+        return [v.numpy() for v in out.values()]
+
+    runs = {"gradient": _runner("gradient", ours, x, y), "ggn": _runner("normflat_ggn", ours, x, y),
+            "ggn tensorflow pooling": tensorflow_pooling}
+    return time_interleaved(runs, repeats)
+
+
 def _print_against_gradient(what: str, f: dict[str, float], args: argparse.Namespace) -> None:
     """The figures of a problem timed against one gradient (``f``: ``gradient`` and ``normflat`` seconds)."""
     print(f"{what}, device {_device()}, threads {args.threads or 'default'}, median of {args.repeats}")
@@ -598,6 +646,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="time ggn on keras-hub's ALBERT (one layer shared by 4) against a gradient")
     parser.add_argument("--separable", action="store_true",
                         help="time ggn on Keras' Xception (SeparableConv2D blocks) against a gradient")
+    parser.add_argument("--text-cnn", action="store_true",
+                        help="time ggn on a 1-D convolutional text classifier (MaxPooling1D): as it runs, with "
+                             "TensorFlow's own pooling gradient, one gradient")
     parser.add_argument("--decoder", action="store_true",
                         help="time ggn on a convolutional encoder-decoder classifier (Conv2DTranspose layers): "
                              "fast rule, generic path, one gradient")
@@ -640,6 +691,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  gradient {f['gradient'] * 1e3:.1f} ms; ggn {f['ggn'] / f['gradient']:.1f}x, ggn generic path "
               f"{f['ggn generic'] / f['gradient']:.1f}x a gradient")
         return {"decoder": f}
+    if args.text_cnn:
+        f = text_cnn_figures(args.repeats)
+        print(f"1-D convolutional text classifier (32 sequences of 128 tokens, three Conv1D, two MaxPooling1D, 10 "
+              f"classes), device {_device()}, threads {args.threads or 'default'}, median of {args.repeats}")
+        print(f"  gradient {f['gradient'] * 1e3:.1f} ms; ggn {f['ggn'] / f['gradient']:.1f}x, ggn with TensorFlow's "
+              f"pooling gradient {f['ggn tensorflow pooling'] / f['gradient']:.1f}x a gradient "
+              f"(ggn / the latter {f['ggn'] / f['ggn tensorflow pooling']:.2f})")
+        return {"text_cnn": f}
     if args.separable:
         f = separable_figures(args.repeats)
         _print_against_gradient("Xception (keras.applications, 71x71, 10 classes, 8 images), ggn", f, args)

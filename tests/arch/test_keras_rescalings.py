@@ -18,7 +18,8 @@ in ``tests/arch/test_keras_moe.py``; grouped convolutions in their depthwise for
 multiplier, ``SeparableConv1D`` (depthwise and pointwise kernels), keras-hub's
 ``PositionEmbedding`` and DeBERTa-v3 ``RelativeEmbedding``, keras-hub's packed experts kernels
 (Qwen-MoE halves, GPT-OSS alternating), the input kernels of ``GRU(reset_after=True)`` and a
-tanh ``SimpleRNN`` against the features of an ``Embedding``, and ``Conv1DTranspose`` /
+tanh ``SimpleRNN`` against the features of an ``Embedding``, ``Conv1D`` channels through
+``MaxPooling1D``, and ``Conv1DTranspose`` /
 ``Conv2DTranspose`` / ``Conv3DTranspose`` (input and output channels). Every layer takes its fast
 rule unless a test names it generic.
 """
@@ -168,6 +169,37 @@ def test_conv_channel_rescaling_plain_and_grouped(rank):
     head.kernel.assign(head.kernel.numpy() / np.tile(g, positions)[:, None])
     before, _ = assert_rescaling_invariant(model, twin, x, y, moved=("plain", "grouped", "head"))
     assert before.layer("grouped").details["groups"] == 2
+
+
+def test_conv1d_channel_rescaling_through_max_pooling(monkeypatch):
+    """``Conv1D`` (relu), ``MaxPooling1D`` (2 ``valid``, then 3 of stride 2 ``same``), ``Conv1D``: the
+    first convolution's output channel ``o`` times its own factor, the second's input channel ``o``
+    divided by it (a positive factor per channel commutes with a relu and a max over positions). The
+    step's poolings run the signals' scatter to the forward's maxima (``ggn.max_pool_by_argmax``,
+    forced on and spied), as a 1-D pooling through its 2-D view."""
+    from normflat.backends.keras import ggn as keras_ggn
+
+    used = []
+    pool = keras_ggn.max_pool_by_argmax
+    monkeypatch.setattr(keras_ggn, "max_pool_by_argmax", lambda *args: used.append(args) or pool(*args))
+    monkeypatch.setattr(keras_ggn, "argmax_pooling_wins", lambda: True)
+    rng = _rng(5)
+    inp = keras.Input((11, 2), dtype=F64)
+    h = L.Conv1D(4, 3, padding="same", activation="relu", dtype=F64, name="first")(inp)
+    h = L.MaxPooling1D(2, dtype=F64)(h)
+    h = L.MaxPooling1D(3, strides=2, padding="same", dtype=F64)(h)
+    h = L.Conv1D(3, 2, activation="tanh", dtype=F64, name="second")(h)
+    model = keras.Model(inp, L.Dense(3, dtype=F64, name="head")(L.Flatten(dtype=F64)(h)))
+    _randomize(model, rng, scale=0.6)
+    x, y = rng.normal(size=(5, 11, 2)), rng.integers(0, 3, 5)
+    twin = _clone(model)
+    first, second = twin.get_layer("first"), twin.get_layer("second")
+    f = _factors(rng, 4)
+    first.kernel.assign(first.kernel.numpy() * f)  # (k, in, out): output channels last
+    first.bias.assign(first.bias.numpy() * f)
+    second.kernel.assign(second.kernel.numpy() / f[:, None])  # (k, in, out): input channels
+    assert_rescaling_invariant(model, twin, x, y, moved=("first", "second"))
+    assert used and all(len(args[1]) == 1 for args in used)
 
 
 @pytest.mark.parametrize("rank", [1, 2, 3])

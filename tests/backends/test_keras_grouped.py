@@ -599,8 +599,22 @@ def pooled_net(seed=4):
     return keras.Model(inp, L.Dense(3, dtype=F64, name="head")(h), name="pooled_net")
 
 
+def pooled_sequence_net(seed=4):
+    """1-D convolutions feeding 1-D max poolings (the same two forms as :func:`pooled_net`: 2 of
+    stride 2 ``valid`` after a ReLU, 3 of stride 2 ``same``), then a ``Dense`` head."""
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((9, 2), dtype=F64)
+    h = L.Conv1D(4, 3, padding="same", activation="relu", dtype=F64, name="c1")(inp)
+    h = L.MaxPooling1D(2, dtype=F64)(h)  # 4
+    h = L.Conv1D(5, 3, padding="same", activation="tanh", dtype=F64, name="c2")(h)
+    h = L.MaxPooling1D(3, strides=2, padding="same", dtype=F64)(h)  # 2
+    h = L.Flatten(dtype=F64)(h)
+    return keras.Model(inp, L.Dense(3, dtype=F64, name="head")(h), name="pooled_sequence_net")
+
+
+@pytest.mark.parametrize("net", [pooled_net, pooled_sequence_net], ids=["2d", "1d"])
 @pytest.mark.parametrize("form", ["argmax", "tensorflow", "generic"])
-def test_max_pooling_signals_by_argmax_or_tensorflow(form, monkeypatch):
+def test_max_pooling_signals_by_argmax_or_tensorflow(form, net, monkeypatch):
     """In the step a ``MaxPooling2D`` runs through ``ggn.max_pool_by_argmax`` where it wins (without
     oneDNN on a CPU, forced here) and its signals go back one by one; TensorFlow's own pooling
     otherwise (forced off; and with generic weights, whose backward is vectorized and has no rule for
@@ -609,11 +623,12 @@ def test_max_pooling_signals_by_argmax_or_tensorflow(form, monkeypatch):
     pool = kggn.max_pool_by_argmax
     monkeypatch.setattr(kggn, "max_pool_by_argmax", lambda *args: used.append(args) or pool(*args))
     monkeypatch.setattr(kggn, "argmax_pooling_wins", lambda: form != "tensorflow")
-    model = pooled_net()
+    model = net()
     x, y = _data(model, 5)
     got = _diag(model, [(x[:3], y[:3]), (x[3:], y[3:])], fast=form != "generic")
     _assert_close(got, brute_force_ggn(model, x))
     assert (len(used) >= 2) == (form == "argmax") and (form == "argmax" or not used)
+    assert all(len(args[1]) == len(model.input.shape) - 2 for args in used)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
@@ -636,14 +651,42 @@ def test_max_pool_by_argmax_is_the_pooling_and_its_gradient(pool_size, strides, 
                                   tape.gradient(theirs, x, output_gradients=g).numpy())
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("pool_size, strides, padding", [(2, 2, "valid"), (3, 2, "same"), (2, 1, "same"), (4, 3, "valid")])
+def test_max_pool_by_argmax_in_one_dimension(pool_size, strides, padding, dtype):
+    """``max_pool_by_argmax`` on ``(n, L, C)`` inputs: ``MaxPooling1D``'s values and TensorFlow's
+    gradient, exactly, also with windows of tied maxima."""
+    layer = L.MaxPooling1D(pool_size, strides=strides, padding=padding, dtype=dtype)
+    rng = np.random.default_rng(6)
+    x = tf.constant(np.maximum(rng.standard_normal((3, 11, 4)), 0.0).astype(dtype))
+    want = layer(x)
+    g = tf.constant(rng.standard_normal(want.shape).astype(dtype))
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        ours = kggn.max_pool_by_argmax(x, layer.pool_size, layer.strides, layer.padding)
+        theirs = layer(x)
+    assert ours.shape == want.shape
+    np.testing.assert_array_equal(ours.numpy(), want.numpy())
+    np.testing.assert_array_equal(tape.gradient(ours, x, output_gradients=g).numpy(),
+                                  tape.gradient(theirs, x, output_gradients=g).numpy())
+
+
 def test_max_pooling_by_argmax_only_for_plain_channels_last_layers():
-    """A ``MaxPooling2D`` subclass with its own call, or one on channels-first inputs, keeps Keras'
-    call."""
+    """A ``MaxPooling1D/2D`` subclass with its own call, or one on channels-first inputs, keeps Keras'
+    call; so does a ``MaxPooling3D`` (TensorFlow's argmax pooling is 2-D)."""
     class Custom(L.MaxPooling2D):
         def call(self, inputs):
             return super().call(inputs) * 2.0
 
+    class Custom1D(L.MaxPooling1D):
+        def call(self, inputs):
+            return super().call(inputs) * 2.0
+
     assert kggn._plain_max_pooling(L.MaxPooling2D(2))
+    assert kggn._plain_max_pooling(L.MaxPooling1D(2))
     assert not kggn._plain_max_pooling(Custom(2))
+    assert not kggn._plain_max_pooling(Custom1D(2))
+    assert not kggn._plain_max_pooling(L.MaxPooling1D(2, data_format="channels_first"))
+    assert not kggn._plain_max_pooling(L.MaxPooling3D(2))
     assert not kggn._plain_max_pooling(L.MaxPooling2D(2, data_format="channels_first"))
     assert not kggn._plain_max_pooling(L.AveragePooling2D(2))

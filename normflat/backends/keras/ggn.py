@@ -213,14 +213,16 @@ def dense_product(inputs: Any, kernel: Any) -> Any:
 
 
 def argmax_pooling_wins() -> bool:
-    """Whether :func:`max_pool_by_argmax` replaces a ``MaxPooling2D`` in the GGN step: TensorFlow
+    """Whether :func:`max_pool_by_argmax` replaces a ``MaxPooling1D/2D`` in the GGN step: TensorFlow
     without oneDNN on a CPU (measured there; elsewhere its own ``MaxPoolGrad`` is kept)."""
     return not compat.onednn_enabled() and not _sees_gpu()
 
 
 def max_pool_by_argmax(inputs: Any, pool_size: Any, strides: Any, padding: str) -> Any:
     """A channels-last 2-D max pooling whose gradient scatters each signal to the maxima found once in
-    the forward pass, rather than finding them again for every signal.
+    the forward pass, rather than finding them again for every signal; a 1-D one (``(n, L, C)``
+    inputs, one-entry ``pool_size`` and ``strides``) as the 2-D pooling of its ``(n, 1, L, C)`` view
+    with windows ``(1, k)``, which is TensorFlow's own 1-D pooling too.
 
     TensorFlow's gradient of ``max_pool2d`` is ``MaxPoolGrad``, which recomputes every window's
     maximum on each call; the GGN step calls it once per signal. Without oneDNN it took 11.4 ms for
@@ -232,6 +234,13 @@ def max_pool_by_argmax(inputs: Any, pool_size: Any, strides: Any, padding: str) 
     ``MaxPoolGradWithArgmax`` has no ``vectorized_map`` rule: the step uses this only when its
     signals go back one by one (no generic weights).
     """
+    if len(pool_size) == 1:  # (n, L, C): the (n, 1, L, C) view, windows of one row
+        return tf.squeeze(_pool_by_argmax(tf.expand_dims(inputs, 1), (1, *pool_size), (1, *strides), padding), 1)
+    return _pool_by_argmax(inputs, pool_size, strides, padding)
+
+
+def _pool_by_argmax(inputs: Any, pool_size: Any, strides: Any, padding: str) -> Any:
+    """:func:`max_pool_by_argmax` of ``(n, H, W, C)`` inputs."""
     ksize = [1, *pool_size, 1]
     stride = [1, *strides, 1]
     pad = padding.upper()
@@ -250,9 +259,10 @@ def max_pool_by_argmax(inputs: Any, pool_size: Any, strides: Any, padding: str) 
 
 
 def _plain_max_pooling(layer: Any) -> bool:
-    """Keras' own ``MaxPooling2D`` on channels-last inputs (its call not overridden)."""
-    cls = keras.layers.MaxPooling2D
-    return isinstance(layer, cls) and type(layer).call is cls.call and layer.data_format == "channels_last"
+    """Keras' own ``MaxPooling1D`` or ``MaxPooling2D`` on channels-last inputs (its call not
+    overridden)."""
+    return any(isinstance(layer, cls) and type(layer).call is cls.call and layer.data_format == "channels_last"
+               for cls in (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D))
 
 
 class _ThreadTaps(threading.local):
@@ -262,7 +272,7 @@ class _ThreadTaps(threading.local):
         self.records: dict[str, list] = {}
         self.tape: tf.GradientTape | None = None
         self.checking = False
-        self.pools_by_argmax = False  # the step's MaxPooling2D layers run max_pool_by_argmax
+        self.pools_by_argmax = False  # the step's MaxPooling1D/2D layers run max_pool_by_argmax
         self.samples: Any = None  # the batch size while Taps.expanded holds (a (1,) tensor)
         self.broadcast: set[str] = set()  # the lookups expanded over the batch (Taps.expanded)
         self.refused: dict[str, str] = {}  # the checking forward's refusals: {entry name: reason}
@@ -351,13 +361,14 @@ class Taps:
         self._mine.pools_by_argmax = value
 
     def _tap_pooling(self, state: ModelState, layer: Any) -> None:
-        """A ``MaxPooling2D`` whose signals' gradient reuses the forward's maxima while
-        :attr:`pools_by_argmax` holds (the same values; Keras' own call otherwise)."""
+        """A ``MaxPooling1D`` or ``MaxPooling2D`` whose signals' gradient reuses the forward's maxima
+        while :attr:`pools_by_argmax` holds (the same values; Keras' own call otherwise)."""
         original_call = layer.call
+        rank = len(layer.pool_size) + 2
 
         def call(inputs, *args, **kwargs):
             if self.pools_by_argmax and not args and not kwargs and isinstance(inputs, tf.Tensor) \
-                    and inputs.shape.rank == 4 and inputs.dtype.is_floating:
+                    and inputs.shape.rank == rank and inputs.dtype.is_floating:
                 return max_pool_by_argmax(inputs, layer.pool_size, layer.strides, layer.padding)
             return original_call(inputs, *args, **kwargs)
 
