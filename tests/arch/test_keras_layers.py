@@ -1239,3 +1239,45 @@ def test_a_layer_never_built_has_nothing_to_analyze():
     got = check_against(model, x, y, {"block/conv": ("block/conv/kernel", lambda k: k.transpose(3, 2, 0, 1)),
                                       "head": ("head/kernel", _transposed)}, loss="nsce")
     assert set(got) == {"block/conv", "head"}
+
+
+class _OpenFeatures(keras.layers.Layer):
+    """A ``Dense`` read through the model's own reshape, as keras-hub's RoFormerV2 attention reads its
+    output projection: ``ops.reshape(h, (b, t, -1))`` with ``b`` the batch size from ``ops.shape``
+    leaves the feature axis open in a compiled graph (the inner ``Dense`` built with it beforehand).
+    ``flat``: ``(b, -1)``, every position's features one vector (one position per sample)."""
+
+    def __init__(self, units, flat=False, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.flat = units, flat
+        self.inner = L.Dense(units, activation="tanh", dtype=F64, name="inner")
+
+    def build(self, input_shape):
+        self.inner.build((input_shape[0], input_shape[1] * input_shape[2]) if self.flat else input_shape)
+
+    def call(self, x):
+        b, t = keras.ops.shape(x)[0], keras.ops.shape(x)[1]
+        heads = keras.ops.reshape(x, (b, t, 2, -1))
+        return self.inner(keras.ops.reshape(heads, (b, -1) if self.flat else (b, t, -1)))
+
+    def compute_output_shape(self, shape):
+        return (shape[0], self.units) if self.flat else (*shape[:-1], self.units)
+
+
+def test_dense_whose_input_features_the_graph_leaves_open():
+    """A ``Dense`` whose input's feature axis is unknown in the compiled step (keras-hub's RoFormerV2
+    crashed inside the step, ``int(None)``, before the kernel's rows fixed it): on several positions
+    and on one, the fast rule against brute force and the generic path."""
+    rng = _rng(23)
+    inp = keras.Input((4, 6), dtype=F64)
+    h = L.Dense(6, activation="tanh", dtype=F64, name="a")(inp)
+    h = _OpenFeatures(6, dtype=F64, name="positions")(h)
+    h = _OpenFeatures(3, flat=True, dtype=F64, name="flat")(h)
+    model = keras.Model(inp, L.Dense(3, dtype=F64, name="head")(h))
+    _randomize(model, rng, scale=0.6)
+    x, y = rng.normal(size=(5, 4, 6)), rng.integers(0, 3, 5)
+    report = normflat.analyze(model, (x, y), loss="nsce", estimator="ggn", progress=False)
+    assert {layer.name: layer.details["path"] for layer in report.layers} == {
+        "a": "fast", "positions/inner": "fast", "flat/inner": "fast", "head": "fast"}
+    expected = {name: (f"{name}/kernel", _transposed) for name in ("a", "positions/inner", "flat/inner", "head")}
+    _fast_equals_brute_force_and_generic(model, x, y, expected, seed=3)

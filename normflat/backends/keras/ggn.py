@@ -429,6 +429,11 @@ class Taps:
         original_activation = layer.activation
 
         def call(inputs, *args, **kwargs):
+            if entry.fast == "dense" and isinstance(layer, keras.layers.Dense) and isinstance(inputs, tf.Tensor) \
+                    and (inputs.shape.rank or 0) >= 2 and inputs.shape[-1] is None:
+                # A feature axis left open by the model's own reshape (keras-hub's RoFormerV2 attention):
+                # the kernel's rows, static for the squares' shapes (the same tensor, the same forward).
+                inputs = tf.ensure_shape(inputs, [*inputs.shape[:-1], int(layer.kernel.shape[0])])
             self.records.setdefault(name, []).append([inputs, None])
             with self.own_read(entry):
                 if entry.fast == "dense" and self.tape is not None and not self.checking \
