@@ -346,3 +346,74 @@ def test_weights_no_forward_uses_take_no_path():
         for k in fast:
             np.testing.assert_allclose(np.asarray(fast[k]), np.asarray(generic[k]), rtol=RTOL,
                                        atol=1e-14 * float(np.abs(np.asarray(generic[k])).max()), err_msg=k)
+
+
+def _rwkv7(layers):
+    """A tiny keras-hub RWKV-7 causal LM (float64 weights; keras-hub keeps its recurrent state in
+    float32) with the time mixing's low-rank maps and mixing vectors drawn away from their zero
+    initialization, and 3 sequences of 5 tokens with next-token labels."""
+    keras.utils.set_random_seed(7)
+    backbone = keras_hub.models.RWKV7Backbone(hidden_size=8, head_size=4, num_layers=layers, vocabulary_size=11,
+                                              intermediate_dim=16, gate_lora=3, mv_lora=2, aaa_lora=2, decay_lora=3,
+                                              dtype=F64)
+    model = keras_hub.models.RWKV7CausalLM(backbone, preprocessor=None)
+    rng = np.random.default_rng(7)
+    for v in model.weights:
+        if "TIME_MIX" in v.path and v.path.rsplit("/", 1)[-1] in ("w1", "w2", "a1", "a2", "g1", "g2", "x_w", "x_a",
+                                                                      "x_g"):
+            v.assign(rng.normal(size=v.shape) * 0.8)
+    ids = rng.integers(1, 11, (3, 5)).astype("int32")
+    x = {"token_ids": ids, "padding_mask": np.ones((3, 5), "int32")}
+    return model, x, np.concatenate([ids[:, 1:], np.full((3, 1), -100)], axis=1)
+
+
+def test_keras_hub_rwkv7_own_matrices_inventory():
+    """RWKV-7's time mixing multiplies by low-rank matrices of its own (``w1``, ``w2``, ``a1``, ``a2``,
+    ``g1``, ``g2``, and ``v1``, ``v2`` from the second layer on) beside its ``Dense`` projections: each
+    is analyzed (it was skipped, coverage 0.33 on a small model); ``r_k`` scales entry by entry and is
+    excluded with its reason; the time mixing loops through time (per-sample gradients one by one)."""
+    from normflat.backends.keras.hvp import has_recurrence
+
+    model, _, _ = _rwkv7(2)
+    entries, unsupported, parameters = walk(model, "warn", None)
+    assert unsupported == [] and coverage(parameters) == 1.0
+    names = {e.name.rsplit("/", 1)[-1] for e in entries if "RWKV_TIME_MIX" in e.name}
+    assert names == {"receptance", "key", "value", "output_layer", "w1", "w2", "a1", "a2", "v1", "v2", "g1", "g2"}
+    assert {e.name.split("/", 1)[1] for e in entries if e.name.endswith(("/v1", "/v2"))} == {
+        "rwkv_layer_1/RWKV_TIME_MIX/v1", "rwkv_layer_1/RWKV_TIME_MIX/v2"}
+    own = [e for e in entries if e.name.rsplit("/", 1)[-1] in ("w1", "w2", "a1", "a2", "v1", "v2", "g1", "g2")]
+    assert all(e.fast is None and "multiplies by its own" in e.reason for e in own)
+    excluded = {p.name: p.reason for p in parameters if p.status == "excluded"}
+    assert "bonus scale" in excluded["rwkv_layer_0/RWKV_TIME_MIX/r_k"]
+    assert "bonus scale" in excluded["rwkv_layer_1/RWKV_TIME_MIX/r_k"]
+    assert has_recurrence(model)
+
+
+@pytest.mark.slow
+def test_keras_hub_rwkv7_own_matrices_brute_force_and_rescaling():
+    """The time mixing's own matrices, canonical ``(out, in)``: the GGN diagonal against brute force
+    (to keras-hub's float32 state), and ``a1 → a2`` (no nonlinearity between) rescaled, ``a1``'s
+    columns by positive factors and ``a2``'s rows by their inverses: the function unchanged, every
+    normalized sharpness unchanged, the two traces moved (the same model rescaled in place: its
+    compiled step is reused)."""
+    from tests._invariance import assert_reports_invariant
+
+    model, x, y = _rwkv7(1)
+    maps = ("w1", "w2", "a1", "a2", "g1", "g2")
+    got = normflat.hessian_diagonal(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    mix = next(name for name in got if name.endswith("/RWKV_TIME_MIX/w1")).rsplit("/", 1)[0]  # the model's name
+    variables = [next(v for v in model.weights if v.path == f"rwkv_layer_0/RWKV_TIME_MIX/{m}") for m in maps]
+    for m, ref in zip(maps, ggn_reference(model, variables, x, y, "ce")):
+        assert np.abs(ref).max() > 0
+        np.testing.assert_allclose(np.asarray(got[f"{mix}/{m}"]), ref.T, rtol=1e-4, atol=1e-6 * np.abs(ref).max(),
+                                   err_msg=m)
+    z = np.asarray(model(x))
+    before = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    a1, a2 = variables[2], variables[3]
+    factors = np.exp(np.random.default_rng(8).uniform(-1.0, 1.0, size=a1.shape[1]))
+    a1.assign(a1.numpy() * factors)
+    a2.assign(a2.numpy() / factors[:, None])
+    np.testing.assert_allclose(np.asarray(model(x)), z, rtol=1e-12, atol=1e-13)
+    after = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert_reports_invariant(before, after, moved=(f"{mix}/a1", f"{mix}/a2"),
+                             generic=lambda name: name.rsplit("/", 1)[-1] in maps)

@@ -18,13 +18,12 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 from normflat.backends.keras import compat
 from normflat.backends.keras.ggn import compute_dtype, model_logits
-from normflat.backends.keras.layers import Entry
+from normflat.backends.keras.layers import Entry, loops_through_time
 from normflat.backends.keras.ops import TF
 from normflat.engine.losses import check_loss_value, logit_stats, loss_sum
 from normflat.engine.options import AnalysisOptions
@@ -50,8 +49,8 @@ def _loss_sum(z: Any, target: Any, options: AnalysisOptions, holder: dict) -> An
 
 
 def has_recurrence(model: Any) -> bool:
-    """Whether the model runs a recurrent layer (a ``tf.while_loop`` through time)."""
-    return any(isinstance(layer, keras.layers.RNN) for layer in compat.flatten_layers(model))
+    """Whether the model runs a recurrent layer (a ``tf.while_loop`` through time, :func:`loops_through_time`)."""
+    return any(loops_through_time(layer) for layer in compat.flatten_layers(model))
 
 
 def hvp_step_fns(model: Any, entries: list[Entry], options: AnalysisOptions, groups: int,

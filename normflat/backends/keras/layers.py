@@ -42,6 +42,7 @@ __all__ = [
     "einsum_layout",
     "einsum_fast_axes",
     "RECURRENT_KINDS",
+    "loops_through_time",
 ]
 
 
@@ -376,6 +377,45 @@ def _hub_experts_weights(kernels: tuple[tuple[str, str], ...]) -> Callable[[Any]
     return extract
 
 
+#: keras-hub layers that multiply by weight matrices of their own (``ops.matmul`` inside their call,
+#: beside ``Dense`` sublayers, which are read as such): per class, ``{attribute: None}`` for a matrix
+#: ``(in, out)``, canonical ``(out, in)`` on the generic path, or ``{attribute: reason}`` for a
+#: weight that is no matrix although shaped as one. RWKV-7's time mixing: its low-rank maps (the
+#: decay ``w1 → tanh → w2``, the in-context learning rate ``a1 → a2``, the value residual
+#: ``v1 → v2`` of the layers after the first, the gate ``g1 → sigmoid → g2``), and ``r_k``, which
+#: scales the current token's ``r ⊙ k`` entry by entry (the bonus ``Σ (r ⊙ k ⊙ r_k) v`` per head).
+_HUB_OWN_MATRICES = {
+    ("keras_hub.src.models.rwkv7.rwkv7_layer", "RWKV7TimeMix"): {
+        **dict.fromkeys(("w1", "w2", "a1", "a2", "v1", "v2", "g1", "g2")),
+        "r_k": "RWKV-7's per-head, per-channel bonus scale of the current token (applied entry by entry, a "
+               "vector in a matrix's shape), not a weight matrix",
+    },
+}
+
+
+#: keras-hub layers whose call loops through time (``ops.fori_loop``, a ``tf.while_loop``) outside
+#: Keras' ``RNN``: RWKV-7's time mixing (its state of ``(heads, N, N)`` per sample, step by step).
+_HUB_LOOPS_THROUGH_TIME = (("keras_hub.src.models.rwkv7.rwkv7_layer", "RWKV7TimeMix"),)
+
+
+def loops_through_time(layer: Any) -> bool:
+    """Whether ``layer`` runs a loop through time: a Keras ``RNN`` or one of
+    :data:`_HUB_LOOPS_THROUGH_TIME`."""
+    if isinstance(layer, keras.layers.RNN):
+        return True
+    return any(isinstance(cls, type) and isinstance(layer, cls) for cls in (
+        getattr(sys.modules.get(module_name), cls_name, None) for module_name, cls_name in _HUB_LOOPS_THROUGH_TIME))
+
+
+def _own_matrices(layer: Any) -> dict[str, str | None]:
+    """:data:`_HUB_OWN_MATRICES` of ``layer``'s class (``{}``: none; keras-hub is never imported here)."""
+    for (module_name, cls_name), matrices in _HUB_OWN_MATRICES.items():
+        cls = getattr(sys.modules.get(module_name), cls_name, None)
+        if isinstance(cls, type) and isinstance(layer, cls):
+            return matrices
+    return {}
+
+
 _KERAS_HUB_REGISTERED = False
 
 
@@ -668,10 +708,19 @@ def walk(model: Any, on_unsupported: str,
     def loose(name: str, layer: Any, variables: list[Any]) -> None:
         """Variables of a layer without a registry entry: excluded, position tables, or skipped."""
         unknown = []
+        own = _own_matrices(layer)
         for v in variables:
             if v in inventory:
                 continue
             attr = _holding_attribute(layer, v)
+            if attr in own and own[attr] is not None:
+                inventory.set(v, "excluded", own[attr])
+                continue
+            if attr in own and len(_shape(v)) == 2:
+                entries.append(Entry(f"{name}/{attr}", layer, KerasWeight(v, _transpose_fn((1, 0)), "dense", f"/{attr}"),
+                                     None, f"{type(layer).__name__} multiplies by its own {attr} (no layer to tap)"))
+                inventory.set(v, "analyzed")
+                continue
             # keras-hub's T5 holds its relative-position bias table as `relative_attention_bias`.
             reason = excluded_reason(v.path, _shape(v)) or (relative_bias_table(attr) if attr else None)
             if reason is not None:
