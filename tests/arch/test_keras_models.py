@@ -382,7 +382,7 @@ def test_keras_hub_rwkv7_own_matrices_inventory():
     assert {e.name.split("/", 1)[1] for e in entries if e.name.endswith(("/v1", "/v2"))} == {
         "rwkv_layer_1/RWKV_TIME_MIX/v1", "rwkv_layer_1/RWKV_TIME_MIX/v2"}
     own = [e for e in entries if e.name.rsplit("/", 1)[-1] in ("w1", "w2", "a1", "a2", "v1", "v2", "g1", "g2")]
-    assert all(e.fast is None and "multiplies by its own" in e.reason for e in own)
+    assert all(e.fast is None and "applies its own" in e.reason for e in own)
     excluded = {p.name: p.reason for p in parameters if p.status == "excluded"}
     assert "bonus scale" in excluded["rwkv_layer_0/RWKV_TIME_MIX/r_k"]
     assert "bonus scale" in excluded["rwkv_layer_1/RWKV_TIME_MIX/r_k"]

@@ -19,7 +19,8 @@ multiplier, ``SeparableConv1D`` (depthwise and pointwise kernels), keras-hub's
 ``PositionEmbedding`` and DeBERTa-v3 ``RelativeEmbedding``, keras-hub's packed experts kernels
 (Qwen-MoE halves, GPT-OSS alternating), the input kernels of ``GRU(reset_after=True)`` and a
 tanh ``SimpleRNN`` against the features of an ``Embedding``, ``Conv1D`` channels through
-``MaxPooling1D``, and ``Conv1DTranspose`` /
+``MaxPooling1D``, keras-hub Qwen3.5's gated delta net's own causal convolution against its
+``in_proj_qkv`` channels, and ``Conv1DTranspose`` /
 ``Conv2DTranspose`` / ``Conv3DTranspose`` (input and output channels). Every layer takes its fast
 rule unless a test names it generic.
 """
@@ -415,3 +416,44 @@ def test_recurrent_input_kernels_against_embedding_features(kind):
     prefix = f"rnn/{cell.name}/kernel"
     kernels = [f"{prefix}.{g}" for g in gates] or [prefix]
     assert_rescaling_invariant(model, twin, x, y, moved=("emb",) + tuple(kernels))
+
+
+@pytest.mark.slow
+def test_keras_hub_gated_delta_net_conv_kernel_brute_force_and_rescaling():
+    """keras-hub Qwen3.5's gated delta net applies its own short causal convolution over the tokens,
+    ``conv1d_kernel`` ``(channels, kernel)`` through ``ops.depthwise_conv``: a depthwise kernel,
+    canonical ``(channels, 1, kernel)`` with one group per channel, on the generic path (it was
+    skipped). Its GGN diagonal against brute force; then channel ``c`` of the ``in_proj_qkv`` output
+    (the convolution's input) divided by its own factor and the kernel's row ``c`` multiplied by it:
+    the function unchanged, every normalized sharpness unchanged, both traces moved (the model
+    rescaled in place, its compiled step reused)."""
+    require_frameworks("keras_hub")
+    from keras_hub.src.models.qwen3_5.qwen3_5_gated_delta_net import Qwen3_5GatedDeltaNet
+
+    from tests.arch.test_keras_layers import ggn_reference
+
+    rng = _rng(9)
+    inp = keras.Input((4, 6), dtype=F64)
+    h = Qwen3_5GatedDeltaNet(hidden_size=6, linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=2,
+                             linear_value_head_dim=2, linear_conv_kernel_dim=3, dtype=F64, name="delta")(inp)
+    model = keras.Model(inp, L.Dense(3, dtype=F64, name="head")(L.GlobalAveragePooling1D(dtype=F64)(h)))
+    _randomize(model, rng, scale=0.5)
+    x, y = rng.normal(size=(3, 4, 6)), rng.integers(0, 3, 3)
+    conv = next(v for v in model.weights if v.path == "delta/conv1d_kernel")
+    got = normflat.hessian_diagonal(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    (want,) = ggn_reference(model, [conv], x, y, "ce")
+    assert got["delta/conv1d_kernel"].shape == (6, 1, 3) and np.abs(want).max() > 0
+    # keras-hub runs the delta rule in float32 (its decay cast so): agreement to that precision
+    np.testing.assert_allclose(np.asarray(got["delta/conv1d_kernel"]), want[:, None, :], rtol=1e-5,
+                               atol=1e-6 * np.abs(want).max())
+    z = np.asarray(model(x))
+    before = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert before.layer("delta/conv1d_kernel").details["groups"] == 6
+    qkv = model.get_layer("delta").in_proj_qkv.kernel  # (features, channels), no bias
+    factors = _factors(rng, 6)
+    qkv.assign(qkv.numpy() / factors)
+    conv.assign(conv.numpy() * factors[:, None])
+    np.testing.assert_allclose(np.asarray(model(x)), z, rtol=1e-12, atol=1e-13)
+    after = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert_reports_invariant(before, after, moved=("delta/in_proj_qkv", "delta/conv1d_kernel"),
+                             generic=("delta/conv1d_kernel",))

@@ -377,20 +377,52 @@ def _hub_experts_weights(kernels: tuple[tuple[str, str], ...]) -> Callable[[Any]
     return extract
 
 
-#: keras-hub layers that multiply by weight matrices of their own (``ops.matmul`` inside their call,
-#: beside ``Dense`` sublayers, which are read as such): per class, ``{attribute: None}`` for a matrix
-#: ``(in, out)``, canonical ``(out, in)`` on the generic path, or ``{attribute: reason}`` for a
-#: weight that is no matrix although shaped as one. RWKV-7's time mixing: its low-rank maps (the
-#: decay ``w1 → tanh → w2``, the in-context learning rate ``a1 → a2``, the value residual
-#: ``v1 → v2`` of the layers after the first, the gate ``g1 → sigmoid → g2``), and ``r_k``, which
-#: scales the current token's ``r ⊙ k`` entry by entry (the bonus ``Σ (r ⊙ k ⊙ r_k) v`` per head).
-_HUB_OWN_MATRICES = {
+#: keras-hub layers that multiply by weight matrices of their own (``ops.matmul`` or
+#: ``ops.depthwise_conv`` inside their call, beside ``Dense`` sublayers, which are read as such): per
+#: class and attribute, ``"dense"`` for a matrix ``(in, out)``, canonical ``(out, in)``;
+#: ``"depthwise"`` for a depthwise 1-D kernel ``(channels, kernel)``, canonical ``(channels, 1, kernel)``
+#: with ``groups = channels`` (as a ``DepthwiseConv1D``'s); or a reason, for a weight that is no
+#: matrix although shaped as one. All take the generic path (no layer to tap).
+#:
+#: * RWKV-7's time mixing: its low-rank maps (the decay ``w1 → tanh → w2``, the in-context learning
+#:   rate ``a1 → a2``, the value residual ``v1 → v2`` of the layers after the first, the gate
+#:   ``g1 → sigmoid → g2``), and ``r_k``, which scales the current token's ``r ⊙ k`` entry by entry
+#:   (the bonus ``Σ (r ⊙ k ⊙ r_k) v`` per head).
+#: * Qwen3.5's gated delta net (its linear-attention layers): the short causal convolution over the
+#:   tokens of its query, key and value channels, ``conv1d_weight`` (PyTorch's Qwen3-Next and Mamba
+#:   hold the same as an ``nn.Conv1d`` with one group per channel).
+_HUB_OWN_WEIGHTS: dict[tuple[str, str], dict[str, str]] = {
     ("keras_hub.src.models.rwkv7.rwkv7_layer", "RWKV7TimeMix"): {
-        **dict.fromkeys(("w1", "w2", "a1", "a2", "v1", "v2", "g1", "g2")),
+        **dict.fromkeys(("w1", "w2", "a1", "a2", "v1", "v2", "g1", "g2"), "dense"),
         "r_k": "RWKV-7's per-head, per-channel bonus scale of the current token (applied entry by entry, a "
                "vector in a matrix's shape), not a weight matrix",
     },
+    ("keras_hub.src.models.qwen3_5.qwen3_5_gated_delta_net", "Qwen3_5GatedDeltaNet"): {
+        "conv1d_weight": "depthwise",
+    },
 }
+
+
+def _own_weights_of(layer: Any) -> dict[str, str]:
+    """:data:`_HUB_OWN_WEIGHTS` of ``layer``'s class (``{}``: none; keras-hub is never imported here)."""
+    for (module_name, cls_name), weights in _HUB_OWN_WEIGHTS.items():
+        cls = getattr(sys.modules.get(module_name), cls_name, None)
+        if isinstance(cls, type) and isinstance(layer, cls):
+            return weights
+    return {}
+
+
+def _own_weight(variable: Any, layout: str) -> KerasWeight | None:
+    """A :data:`_HUB_OWN_WEIGHTS` entry's :class:`KerasWeight`, named after the variable (``None``: not
+    of its shape)."""
+    shape = _shape(variable)
+    if len(shape) != 2:
+        return None
+    suffix = f"/{variable.name}"
+    if layout == "dense":
+        return KerasWeight(variable, _transpose_fn((1, 0)), "dense", suffix)
+    return KerasWeight(variable, lambda t: tf.expand_dims(t, 1), "depthwise_conv1d", suffix, groups=shape[0],
+                       kernel_axes=(1,))
 
 
 #: keras-hub layers whose call loops through time (``ops.fori_loop``, a ``tf.while_loop``) outside
@@ -405,15 +437,6 @@ def loops_through_time(layer: Any) -> bool:
         return True
     return any(isinstance(cls, type) and isinstance(layer, cls) for cls in (
         getattr(sys.modules.get(module_name), cls_name, None) for module_name, cls_name in _HUB_LOOPS_THROUGH_TIME))
-
-
-def _own_matrices(layer: Any) -> dict[str, str | None]:
-    """:data:`_HUB_OWN_MATRICES` of ``layer``'s class (``{}``: none; keras-hub is never imported here)."""
-    for (module_name, cls_name), matrices in _HUB_OWN_MATRICES.items():
-        cls = getattr(sys.modules.get(module_name), cls_name, None)
-        if isinstance(cls, type) and isinstance(layer, cls):
-            return matrices
-    return {}
 
 
 _KERAS_HUB_REGISTERED = False
@@ -708,18 +731,20 @@ def walk(model: Any, on_unsupported: str,
     def loose(name: str, layer: Any, variables: list[Any]) -> None:
         """Variables of a layer without a registry entry: excluded, position tables, or skipped."""
         unknown = []
-        own = _own_matrices(layer)
+        own = _own_weights_of(layer)
         for v in variables:
             if v in inventory:
                 continue
             attr = _holding_attribute(layer, v)
-            if attr in own and own[attr] is not None:
-                inventory.set(v, "excluded", own[attr])
-                continue
-            if attr in own and len(_shape(v)) == 2:
-                entries.append(Entry(f"{name}/{attr}", layer, KerasWeight(v, _transpose_fn((1, 0)), "dense", f"/{attr}"),
-                                     None, f"{type(layer).__name__} multiplies by its own {attr} (no layer to tap)"))
+            layout = own.get(attr)
+            weight = _own_weight(v, layout) if layout in ("dense", "depthwise") else None
+            if weight is not None:
+                entries.append(Entry(name + weight.suffix, layer, weight, None,
+                                     f"{type(layer).__name__} applies its own {attr} (no layer to tap)"))
                 inventory.set(v, "analyzed")
+                continue
+            if layout is not None and layout not in ("dense", "depthwise"):
+                inventory.set(v, "excluded", layout)
                 continue
             # keras-hub's T5 holds its relative-position bias table as `relative_attention_bias`.
             reason = excluded_reason(v.path, _shape(v)) or (relative_bias_table(attr) if attr else None)
