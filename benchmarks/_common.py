@@ -129,3 +129,57 @@ def scaling_main(doc: str, throughput: Callable[[int, int], Any], memory: Callab
         throughput(args.samples, args.repeats)
     if args.section in ("memory", "all"):
         memory()
+
+
+#: The model-zoo tables' two header lines (``benchmarks/zoo.py``, ``benchmarks/keras_zoo.py``).
+ZOO_HEADER = ("| model | parameters | loss | layers | coverage | skipped (no extractor) | fast | generic | generic reasons | "
+              "fast vs generic | seconds |", "|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def zoo_row(name: str, build: Callable[[], tuple[Any, Callable[[int], Any]]], check: bool,
+            parameters: Callable[[Any], str], largest: Callable[[Any], float], check_options: dict | None = None,
+            reason: Callable[[str], str] = lambda r: r) -> str:
+    """One model-zoo table row for the model ``build()`` makes (its errors, too: the row says what failed).
+
+    ``normflat.analyze`` with the defaults on two batches (of 2 and 3 samples; ``loss="ce"`` where
+    ``nsce`` refuses random-init logits nearly equal across classes); with ``check``, the largest
+    difference between the fast and the generic path's GGN diagonals relative to each tensor's
+    largest entry. The framework's parts: ``parameters(model)`` (the column's text), ``largest(a)``
+    (an array's largest absolute entry), ``check_options`` (more options of the two diagonals) and
+    ``reason`` (a generic path's reason as the table shows it).
+    """
+    import re
+
+    import normflat
+
+    start = time.perf_counter()
+    try:
+        model, batch = build()
+        data = [batch(2), batch(3)]
+        loss = "nsce"
+        try:
+            report = normflat.analyze(model, data, progress=False)
+        except ValueError as err:
+            if "nearly) equal across classes" not in str(err):
+                raise
+            loss = "ce"
+            report = normflat.analyze(model, data, progress=False, loss=loss)
+        seconds = time.perf_counter() - start
+        generic = [layer.details.get("generic_reason") for layer in report.layers if layer.details["path"] == "generic"]
+        reasons = "; ".join(sorted({reason(str(r))[:120] for r in generic}))
+        skipped = sorted({m.group(1) for m in (re.search(r"\((\w+) has", str(u)) for u in report.metadata["unsupported"])
+                          if m})
+        agreement = "—"
+        if check:
+            options = dict(progress=False, loss="ce", estimator="ggn", **(check_options or {}))
+            fast = normflat.hessian_diagonal(model, data, **options)
+            slow = normflat.hessian_diagonal(model, data, fast=False, **options)
+            # Per tensor: a layer of small curvature is not hidden behind the model's largest entry.
+            worst = max((largest(fast[k] - slow[k]) / largest(slow[k]) for k in fast if largest(slow[k]) > 0),
+                        default=0.0)
+            agreement = f"{worst:.0e}"
+        return (f"| {name} | {parameters(model)} | {loss} | {len(report.layers)} | {report.metadata['coverage']:.2f} | "
+                f"{', '.join(skipped) or '—'} | {len(report.layers) - len(generic)} | {len(generic)} | "
+                f"{reasons or '—'} | {agreement} | {seconds:.1f} |")
+    except Exception as err:  # noqa: BLE001 - the row reports the failure
+        return f"| {name} | — | — | — | — | — | — | — | failed: {type(err).__name__}: {str(err)[:120]} | — | — |"

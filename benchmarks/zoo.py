@@ -22,10 +22,10 @@ A table, not a timing: the seconds are one analysis on two small batches, for or
 from __future__ import annotations
 
 import argparse
-import re
-import time
 import warnings
 from typing import Any, Callable
+
+from benchmarks._common import ZOO_HEADER, zoo_row
 
 __all__ = ["TIMM", "TORCHVISION", "hf_models", "survey", "main"]
 
@@ -198,41 +198,10 @@ def hf_models() -> dict[str, Callable[[], tuple[Any, Callable[[int], Any]]]]:
 
 
 def survey(name: str, build: Callable[[], tuple[Any, Callable[[int], Any]]], check: bool) -> str:
-    """One table row for the model ``build()`` makes (its errors, too: the row says what failed)."""
-    import normflat
-
-    start = time.perf_counter()
-    try:
-        model, batch = build()
-        data = [batch(2), batch(3)]
-        loss = "nsce"
-        try:
-            report = normflat.analyze(model, data, progress=False)
-        except ValueError as err:
-            if "nearly) equal across classes" not in str(err):
-                raise
-            loss = "ce"
-            report = normflat.analyze(model, data, progress=False, loss=loss)
-        seconds = time.perf_counter() - start
-        generic = [layer.details.get("generic_reason") for layer in report.layers if layer.details["path"] == "generic"]
-        reasons = "; ".join(sorted({str(r)[:120] for r in generic}))
-        skipped = sorted({m.group(1) for m in (re.search(r"\((\w+) has", str(u)) for u in report.metadata["unsupported"])
-                          if m})
-        agreement = "—"
-        if check:
-            fast = normflat.hessian_diagonal(model, data, progress=False, loss="ce", estimator="ggn", chunk_size=1)
-            slow = normflat.hessian_diagonal(model, data, progress=False, loss="ce", estimator="ggn", chunk_size=1,
-                                             fast=False)
-            # Per tensor: a layer of small curvature is not hidden behind the model's largest entry.
-            worst = max((float((fast[k] - slow[k]).abs().max()) / float(slow[k].abs().max())
-                         for k in fast if float(slow[k].abs().max()) > 0), default=0.0)
-            agreement = f"{worst:.0e}"
-        params = sum(p.numel() for p in model.parameters()) / 1e6
-        return (f"| {name} | {params:.2f}M | {loss} | {len(report.layers)} | {report.metadata['coverage']:.2f} | "
-                f"{', '.join(skipped) or '—'} | {len(report.layers) - len(generic)} | {len(generic)} | "
-                f"{reasons or '—'} | {agreement} | {seconds:.1f} |")
-    except Exception as err:  # noqa: BLE001 - the row reports the failure
-        return f"| {name} | — | — | — | — | — | — | — | failed: {type(err).__name__}: {str(err)[:120]} | — | — |"
+    """One table row for the model ``build()`` makes (its errors, too: the row says what failed;
+    :func:`benchmarks._common.zoo_row`, the diagonals checked with chunks of one sample)."""
+    return zoo_row(name, build, check, parameters=lambda model: f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M",
+                   largest=lambda a: float(a.abs().max()), check_options={"chunk_size": 1})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -251,9 +220,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
-    print("| model | parameters | loss | layers | coverage | skipped (no extractor) | fast | generic | generic reasons | "
-          "fast vs generic | seconds |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(ZOO_HEADER))
     if "timm" in args.family:
         for name in filter(wanted, TIMM):
             torch.manual_seed(0)
