@@ -632,33 +632,19 @@ def test_max_pooling_signals_by_argmax_or_tensorflow(form, net, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("pool_size, strides, padding", [(2, 2, "valid"), (3, 2, "same"), ((2, 3), (1, 2), "valid"),
-                                                         ((3, 2), (2, 1), "same")])
-def test_max_pool_by_argmax_is_the_pooling_and_its_gradient(pool_size, strides, padding, dtype):
-    """``max_pool_by_argmax``: Keras' pooling's values and TensorFlow's gradient, exactly, also with
-    windows of tied maxima (the zeros after a ReLU: the first one gets the gradient in both)."""
-    layer = L.MaxPooling2D(pool_size, strides=strides, padding=padding, dtype=dtype)
+@pytest.mark.parametrize("pool, shape, pool_size, strides, padding", [
+    (L.MaxPooling2D, (3, 7, 6, 4), 2, 2, "valid"), (L.MaxPooling2D, (3, 7, 6, 4), 3, 2, "same"),
+    (L.MaxPooling2D, (3, 7, 6, 4), (2, 3), (1, 2), "valid"), (L.MaxPooling2D, (3, 7, 6, 4), (3, 2), (2, 1), "same"),
+    (L.MaxPooling1D, (3, 11, 4), 2, 2, "valid"), (L.MaxPooling1D, (3, 11, 4), 3, 2, "same"),
+    (L.MaxPooling1D, (3, 11, 4), 2, 1, "same"), (L.MaxPooling1D, (3, 11, 4), 4, 3, "valid"),
+], ids=["2d-2", "2d-3-same", "2d-2x3", "2d-3x2-same", "1d-2", "1d-3-same", "1d-2-1-same", "1d-4-3"])
+def test_max_pool_by_argmax_is_the_pooling_and_its_gradient(pool, shape, pool_size, strides, padding, dtype):
+    """``max_pool_by_argmax``: Keras' ``MaxPooling2D``'s and ``MaxPooling1D``'s values (``(n, L, C)``
+    inputs through their 2-D view) and TensorFlow's gradient, exactly, also with windows of tied
+    maxima (the zeros after a ReLU: the first one gets the gradient in both)."""
+    layer = pool(pool_size, strides=strides, padding=padding, dtype=dtype)
     rng = np.random.default_rng(5)
-    x = tf.constant(np.maximum(rng.standard_normal((3, 7, 6, 4)), 0.0).astype(dtype))
-    want = layer(x)
-    g = tf.constant(rng.standard_normal(want.shape).astype(dtype))
-    with tf.GradientTape(persistent=True) as tape:
-        tape.watch(x)
-        ours = kggn.max_pool_by_argmax(x, layer.pool_size, layer.strides, layer.padding)
-        theirs = layer(x)
-    np.testing.assert_array_equal(ours.numpy(), want.numpy())
-    np.testing.assert_array_equal(tape.gradient(ours, x, output_gradients=g).numpy(),
-                                  tape.gradient(theirs, x, output_gradients=g).numpy())
-
-
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("pool_size, strides, padding", [(2, 2, "valid"), (3, 2, "same"), (2, 1, "same"), (4, 3, "valid")])
-def test_max_pool_by_argmax_in_one_dimension(pool_size, strides, padding, dtype):
-    """``max_pool_by_argmax`` on ``(n, L, C)`` inputs: ``MaxPooling1D``'s values and TensorFlow's
-    gradient, exactly, also with windows of tied maxima."""
-    layer = L.MaxPooling1D(pool_size, strides=strides, padding=padding, dtype=dtype)
-    rng = np.random.default_rng(6)
-    x = tf.constant(np.maximum(rng.standard_normal((3, 11, 4)), 0.0).astype(dtype))
+    x = tf.constant(np.maximum(rng.standard_normal(shape), 0.0).astype(dtype))
     want = layer(x)
     g = tf.constant(rng.standard_normal(want.shape).astype(dtype))
     with tf.GradientTape(persistent=True) as tape:

@@ -403,11 +403,18 @@ _HUB_OWN_WEIGHTS: dict[tuple[str, str], dict[str, str]] = {
 }
 
 
+def _loaded_class(module_name: str, cls_name: str) -> type | None:
+    """The class ``cls_name`` of the module ``module_name`` if that module is already imported (normflat
+    never imports keras-hub), else ``None``."""
+    cls = getattr(sys.modules.get(module_name), cls_name, None)
+    return cls if isinstance(cls, type) else None
+
+
 def _own_weights_of(layer: Any) -> dict[str, str]:
-    """:data:`_HUB_OWN_WEIGHTS` of ``layer``'s class (``{}``: none; keras-hub is never imported here)."""
+    """:data:`_HUB_OWN_WEIGHTS` of ``layer``'s class (``{}``: none)."""
     for (module_name, cls_name), weights in _HUB_OWN_WEIGHTS.items():
-        cls = getattr(sys.modules.get(module_name), cls_name, None)
-        if isinstance(cls, type) and isinstance(layer, cls):
+        cls = _loaded_class(module_name, cls_name)
+        if cls is not None and isinstance(layer, cls):
             return weights
     return {}
 
@@ -435,8 +442,8 @@ def loops_through_time(layer: Any) -> bool:
     :data:`_HUB_LOOPS_THROUGH_TIME`."""
     if isinstance(layer, keras.layers.RNN):
         return True
-    return any(isinstance(cls, type) and isinstance(layer, cls) for cls in (
-        getattr(sys.modules.get(module_name), cls_name, None) for module_name, cls_name in _HUB_LOOPS_THROUGH_TIME))
+    return any(cls is not None and isinstance(layer, cls)
+               for cls in (_loaded_class(module_name, cls_name) for module_name, cls_name in _HUB_LOOPS_THROUGH_TIME))
 
 
 _KERAS_HUB_REGISTERED = False
@@ -454,13 +461,12 @@ def _register_keras_hub() -> None:
         register_layer(cls, _position_embedding_weights)
     # DeBERTa-v3's table of relative positions (not exported; loaded with keras_hub): the embedding
     # of the relative-position buckets, read whole and layer-normalized (the generic path).
-    relative = getattr(sys.modules.get("keras_hub.src.models.deberta_v3.relative_embedding"), "RelativeEmbedding",
-                       None)
-    if isinstance(relative, type) and relative not in REGISTRY.entries():
+    relative = _loaded_class("keras_hub.src.models.deberta_v3.relative_embedding", "RelativeEmbedding")
+    if relative is not None and relative not in REGISTRY.entries():
         register_layer(relative, _relative_embedding_weights)
     for (module_name, cls_name), kernels in _HUB_EXPERTS.items():
-        experts = getattr(sys.modules.get(module_name), cls_name, None)
-        if isinstance(experts, type) and experts not in REGISTRY.entries():
+        experts = _loaded_class(module_name, cls_name)
+        if experts is not None and experts not in REGISTRY.entries():
             register_layer(experts, _hub_experts_weights(kernels))
 
 
