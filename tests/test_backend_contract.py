@@ -418,6 +418,32 @@ def test_zero_initialized_head(builder):
     assert np.isfinite(report.normalized_sharpness) and np.isfinite(report.hessian_trace)
 
 
+@pytest.mark.parametrize("estimator", ["ggn", "ggn-mc", "hutchinson", "exact"])
+def test_saturated_softmax_warns_the_same(builder, estimator):
+    """Logits so far apart that every sample's top probability rounds to 1 (inputs ×1e4 through a
+    bias-free ReLU net): every framework and estimator warns once with the engine's message
+    (method §7) and returns finite numbers; with one batch of ordinary inputs it does not warn."""
+    import warnings
+
+    spec = netspec.mlp((4, 5, 3), seed=12, bias=False)
+    x, y = netspec.data(spec, n=6, seed=13)
+    big = x * 1e4
+    opts = normflat.engine.validate_options(loss="ce")
+    eps = float(np.finfo(np.float64).eps)
+    stats = normflat.engine.losses.logit_stats(np, netspec.forward(spec, big))
+    assert normflat.engine.losses.softmax_saturation(stats, opts, 3, eps) > 10  # saturated in float64
+    model = builder.build(spec)
+    kw = _kw(builder, loss="ce", estimator=estimator)
+    with pytest.warns(UserWarning, match="softmax is saturated on every sample") as caught:
+        report = normflat.analyze(model, builder.make_data(big, y, 3), **kw)
+    assert sum("saturated" in str(w.message) for w in caught) == 1
+    assert np.isfinite(report.normalized_sharpness) and np.isfinite(report.hessian_trace)
+    mixed = _batches(builder, big, y, 3)[:1] + _batches(builder, x, y, 3)[1:]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*saturated")
+        normflat.analyze(model, mixed, **kw)
+
+
 def test_single_output_unit(builder):
     spec = _mlp(11, sizes=(4, 5, 1))
     x, _ = netspec.data(spec, n=6, seed=12)

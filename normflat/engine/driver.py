@@ -10,7 +10,8 @@ every framework:
    (:mod:`normflat.engine.distributed`);
 3. the estimator state (:mod:`normflat.engine.estimators`): the session adds
    each batch's per-layer ``(K, *shape)`` sums;
-4. the reduction over ranks, the group estimates and their mean;
+4. the reduction over ranks, the group estimates and their mean, and the one warning
+   for a softmax saturated on every sample (method §7);
 5. the model is restored by :meth:`Session.close`, also after an error or a
    ``KeyboardInterrupt``.
 
@@ -27,11 +28,12 @@ from typing import Any, Callable, Protocol
 from normflat.core.problem import LayerProblem
 from normflat.engine import data as data_contract
 from normflat.engine import distributed
-from normflat.engine import estimators, native
+from normflat.engine import estimators, losses, native
 from normflat.engine.data import Batch, DataAdapter
 from normflat.engine.distributed import Comm
 from normflat.engine.options import AnalysisOptions, adopt_estimator, progress_bar
 from normflat.engine.problems import LayerSpec, build_metadata, build_problems, split_diagonals
+from normflat.engine.registry import warn_user
 
 __all__ = ["Session", "Result", "run", "layer_problems", "hessian_diagonal"]
 
@@ -49,6 +51,10 @@ class Session(Protocol):
             with :func:`~normflat.engine.options.resolve_estimator`'s on its first batch,
             when the number of classes is known, and sizes its sums with
             ``options.state_groups``.
+        saturation: The least :func:`~normflat.engine.losses.softmax_saturation` of the
+            batches checked so far (``inf`` before the first): the engine warns when it is
+            ``>= 0`` once every check has been read (after the loop in a distributed run, whose
+            sessions read their checks in every step; else after the first :meth:`all_finite`).
 
     A session may also define ``kernel_axes(layer) -> tuple[int, ...]``: the kernel axes of
     one group's array of ``layer`` in the layout it adds in (``()`` for none), with
@@ -62,6 +68,7 @@ class Session(Protocol):
     layers: list[LayerSpec]
     unsupported: list[str]
     options: AnalysisOptions
+    saturation: float
 
     def signature(self) -> list[Any]:
         """What this rank will compute (layer names, shapes, dtypes), for the setup agreement."""
@@ -201,6 +208,7 @@ def run(make_session: Callable[[], Session], data: Any, options: AnalysisOptions
                                 kernel_axes=getattr(session, "kernel_axes", None) if with_groups else None,
                                 resolved=lambda: getattr(session, "options", options))
         examples, count, terms = _loop(session, data, options, state, comm)
+        saturation: float | None = None
         extra: dict[str, Any] = {}
         if comm is not None:
             if options.estimator == "auto":
@@ -217,7 +225,10 @@ def run(make_session: Callable[[], Session], data: Any, options: AnalysisOptions
             if compacted:
                 for i, mean in zip(compacted, comm.sum_arrays([state.means[i] for i in compacted])):
                     state.means[i] = mean
-            per_rank = comm.gather(examples)
+            # A distributed session reads its checks in every step: its saturation is complete.
+            gathered = comm.gather((examples, session.saturation))
+            per_rank = [e for e, _ in gathered]
+            saturation = min(s for _, s in gathered)
             examples, count, terms = comm.sum_ints([examples, count, terms])
             extra = {"world_size": comm.size, "examples_per_rank": per_rank}
             if examples == 0:
@@ -251,6 +262,10 @@ def run(make_session: Callable[[], Session], data: Any, options: AnalysisOptions
             loss_terms=terms, parameters=getattr(session, "parameters", None),
             token_logits=bool(meta.pop("token_logits", False)),
         )
+        # One process reads the last checks in finalize (Session.all_finite): only now complete.
+        saturated = losses.saturation_warning(session.saturation if saturation is None else saturation, options)
+        if saturated is not None:
+            warn_user(saturated)
         return Result(list(session.layers), weights, diags, samples, metadata)
     finally:
         if session is not None:

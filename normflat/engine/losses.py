@@ -68,6 +68,9 @@ __all__ = [
     "logit_stats",
     "combined_logit_stats",
     "check_logit_stats",
+    "softmax_saturation",
+    "saturation_warning",
+    "LOGIT_STATS",
     "CONSTANT_LOGITS_RMS",
     "check_output_shape",
     "check_same_classes",
@@ -916,13 +919,23 @@ def sequence_members(xp: Any, classes: SequenceClasses, options: AnalysisOptions
     return xp.reshape(sig, (k2, m, -1, int(tokens), int(classes.p.shape[-1])))
 
 
+#: Length of :func:`logit_stats`' vector.
+LOGIT_STATS = 7
+
+#: Entries of :func:`logit_stats` combined over blocks of rows by their least value (the
+#: others by their largest).
+_LEAST_STATS = (0, 1, 3, 5, 6)
+
+
 def logit_stats(xp: Any, logits: Any) -> Any:
-    """Five numbers summarizing ``(n, C)`` logits for :func:`check_logit_stats`.
+    """:data:`LOGIT_STATS` numbers summarizing ``(n, C)`` logits for :func:`check_logit_stats`.
 
     Computable inside compiled code (one small array, checked on the host later):
     ``[all finite, min entry, max |row sum − 1|, min row RMS of the centred logits,
-    max |entry|]``. Where arrays are mutable, many rows are summarized a block at a time
-    (:data:`LOGIT_BLOCK_ENTRIES`) and the blocks' numbers combined.
+    max |entry|, min top-two gap, min top-two gap / row RMS]``. The gap of a row is its
+    largest logit less the next one (0 for a tie); the last entry is that gap in units of
+    the normalized logits of ``nsce``. Where arrays are mutable, many rows are summarized a
+    block at a time (:data:`LOGIT_BLOCK_ENTRIES`) and the blocks' numbers combined.
     """
     rows = xp.reshape(logits, (-1, int(logits.shape[-1]))) if len(logits.shape) > 2 else logits
     blocks = _row_blocks(rows)
@@ -935,26 +948,37 @@ def logit_stats(xp: Any, logits: Any) -> Any:
     m1 = xp.where(m > 0, m, xp.ones_like(m))
     rms = m1 * xp.sqrt(xp.mean((zc / m1) ** 2, axis=-1, keepdims=True))
     rms = xp.where(m > 0, rms, xp.zeros_like(rms))
+    # The runner-up: the top entries replaced by the row's least (no infinity needed); a tie
+    # for the top leaves the others, so its gap is set to 0 by the count of top entries.
+    top = xp.max(zc, axis=-1, keepdims=True)
+    is_top = zc == top
+    runner_up = xp.max(xp.where(is_top, xp.min(zc, axis=-1, keepdims=True), zc), axis=-1, keepdims=True)
+    single = xp.sum(xp.astype(is_top, zc.dtype), axis=-1, keepdims=True) == 1
+    gap = xp.where(single, top - runner_up, xp.zeros_like(top))
+    scaled = xp.where(rms > 0, gap / xp.where(rms > 0, rms, xp.ones_like(rms)), xp.zeros_like(gap))
     return xp.stack([
         finite,
         xp.min(safe),
         xp.max(xp.abs(xp.sum(safe, axis=-1) - 1)),
         xp.min(rms),
         xp.max(xp.abs(safe)),
+        xp.min(gap),
+        xp.min(scaled),
     ])
 
 
 def combined_logit_stats(xp: Any, parts: list) -> Any:
     """The :func:`logit_stats` of rows taken in blocks, from each block's: the least of the
-    finite flags, minima and RMS, the largest of the row-sum and magnitude maxima."""
-    stacked = xp.stack(parts)  # (blocks, 5)
+    finite flags, minima, RMS and gaps, the largest of the row-sum and magnitude maxima."""
+    stacked = xp.stack(parts)  # (blocks, LOGIT_STATS)
     low, high = xp.min(stacked, axis=0), xp.max(stacked, axis=0)
-    return xp.stack([low[0], low[1], high[2], low[3], high[4]])
+    return xp.stack([low[i] if i in _LEAST_STATS else high[i] for i in range(LOGIT_STATS)])
 
 
 def check_logit_stats(stats: Any, options: AnalysisOptions, index: int, num_classes: int,
-                      dtype_eps: float) -> None:
-    """Raise the one error every framework gives for unusable logits.
+                      dtype_eps: float) -> float:
+    """Raise the one error every framework gives for unusable logits; return how saturated
+    the softmax of the batch is.
 
     Args:
         stats: :func:`logit_stats` of a batch (any array type; read on the host).
@@ -963,18 +987,23 @@ def check_logit_stats(stats: Any, options: AnalysisOptions, index: int, num_clas
         num_classes: ``C``.
         dtype_eps: Machine epsilon of the logits' dtype (``numpy.finfo(dtype).eps``).
 
+    Returns:
+        :func:`softmax_saturation` of the batch: ``>= 0`` when every row's softmax is
+        saturated (the loss has no curvature there), ``-inf`` for a custom loss.
+
     Raises:
         ValueError: For NaN/inf logits; for probabilities given as logits (built-in
             losses); for constant logits with ``nsce``.
     """
-    finite, lo, row_dev, min_rms, max_abs = (float(v) for v in np.asarray(stats, dtype=np.float64))
+    values = np.asarray(stats, dtype=np.float64).reshape(-1)
+    finite, lo, row_dev, min_rms, max_abs = (float(v) for v in values[:5])
     if not finite:
         raise ValueError(
             f"Batch {index}: the model's logits contain NaN or infinite values; check the weights "
             "(a diverged training run?) and the inputs."
         )
     if callable(options.loss):
-        return
+        return -math.inf
     if lo >= 0 and row_dev <= max(1e-6, 8 * num_classes * dtype_eps):
         raise ValueError(
             f"Batch {index}: the model's outputs are non-negative rows that sum to 1, i.e. "
@@ -989,6 +1018,43 @@ def check_logit_stats(stats: Any, options: AnalysisOptions, index: int, num_clas
             "normalized softmax cross-entropy divides by that RMS, so its curvature there is of order "
             "1/ε and the measures would be meaningless. Analyze a trained model, or pass loss='ce'."
         )
+    return softmax_saturation(values, options, num_classes, dtype_eps)
+
+
+def softmax_saturation(stats: Any, options: AnalysisOptions, num_classes: int, dtype_eps: float) -> float:
+    """How far past saturation the softmax of every row of a batch is (method §7).
+
+    A row whose top logit exceeds the next by ``g`` has ``1 − p_top ≤ (C − 1) e^{−g}``
+    (``g`` of the logits the softmax takes: ``τ`` times the normalized gap for ``nsce``).
+    When that bound is below the dtype's ``ε`` for every row, ``p_top`` rounds to 1 and the
+    loss has (numerically) no curvature at any sample: the measures are then ≈ 0 because
+    the model is saturated, not flat.
+
+    Returns:
+        ``min g − log((C − 1) / ε)``: ``>= 0`` when every row is saturated; ``-inf`` for a
+        custom loss or one class.
+    """
+    values = np.asarray(stats, dtype=np.float64).reshape(-1)
+    if callable(options.loss) or num_classes < 2:
+        return -math.inf
+    gap = options.temperature * values[6] if options.loss == "nsce" else values[5]
+    return float(gap - math.log((num_classes - 1) / dtype_eps))
+
+
+def saturation_warning(saturation: float, options: AnalysisOptions) -> str | None:
+    """The warning for an analysis whose every counted row had a saturated softmax
+    (:func:`softmax_saturation` ``>= 0`` over all batches and ranks), else ``None``."""
+    if not saturation >= 0 or math.isinf(saturation):
+        return None
+    fix = ("pass loss='nsce' (it normalizes the logits)" if options.loss == "ce"
+           else "pass a smaller temperature")
+    return (
+        "The softmax is saturated on every sample: each one's top class has probability 1 to "
+        "within the float precision, so the loss has (numerically) no curvature and the Hessian "
+        "trace and normalized sharpness are ≈ 0 because the model is over-confident, not because "
+        "its minimum is flat. Check the inputs' scale (e.g. raw 0–255 pixels fed to a model "
+        f"trained on [0, 1]), or {fix} (method §7, a saturated softmax)."
+    )
 
 
 def namespace_check(xp: Any) -> list[str]:

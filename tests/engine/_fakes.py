@@ -9,6 +9,7 @@ framework: :class:`NumpyAdapter` is the smallest :class:`DataAdapter`,
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -147,6 +148,7 @@ class LinearSession:
         self.unsupported = ["odd (Odd: no extractor)"]
         self.closed = 0
         self.updates = []
+        self.saturation = math.inf
 
     def signature(self):
         sig = [("fc", self.w.shape, "float64"), ("unused", self.unused_weight.shape, "float64")]
@@ -162,7 +164,8 @@ class LinearSession:
         z = x @ self.w.T
         c = losses.check_output_shape(z.shape, self.options, batch.index, batch.n)
         self.options = o = resolve_estimator(self.options, c)
-        losses.check_logit_stats(losses.logit_stats(np, z), o, batch.index, c, float(np.finfo(z.dtype).eps))
+        self.saturation = min(self.saturation, losses.check_logit_stats(
+            losses.logit_stats(np, z), o, batch.index, c, float(np.finfo(z.dtype).eps)))
         data_contract.labels_for(batch, c, self.adapter, o)  # the GGN needs no labels, the checks do
         if o.estimator == "hutchinson":
             probes = nf_random.rademacher(o.seed, 0, range(o.samples), self.w.shape).astype(np.float64)

@@ -207,3 +207,20 @@ def test_thread_comm_really_synchronizes():
 
     out = run_ranks(2, fn, timeout=0.5)
     assert isinstance(out[1][1], threading.BrokenBarrierError)
+
+
+@pytest.mark.parametrize("every_rank", [True, False])
+def test_driver_distributed_saturation_warning_is_decided_together(monkeypatch, every_rank):
+    """The saturated-softmax warning (method §7) needs every rank's every sample saturated;
+    the ranks decide together (an empty shard is neutral), so all warn or none does."""
+    options = validate_options(loss="ce", progress=False)
+    _, _, parts = _shards([3, 2, 4])
+    big = [(x * 1e4, y) for x, y in parts]
+    shards = {0: big[:2], 1: big[2:] if every_rank else parts[2:], 2: []}
+    warned = []
+    monkeypatch.setattr(driver, "warn_user", lambda message: warned.append(message))
+    out = run_ranks(3, lambda comm: driver.run(lambda: LinearSession(W, options, rank=comm.rank),
+                                               shards[comm.rank], options, comm))
+    assert all(err is None for _, err in out), out
+    assert len(warned) == (3 if every_rank else 0)
+    assert all("saturated on every sample" in m for m in warned)

@@ -8,11 +8,13 @@ and for ``ce`` equals the Hessian diagonal (a linear model).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
 from normflat.core.problem import LayerProblem
-from normflat.engine import DETAIL_KEYS, METADATA_KEYS, driver, validate_options
+from normflat.engine import DETAIL_KEYS, METADATA_KEYS, driver, losses, validate_options
 from normflat.engine import random as nf_random
 from tests.engine._fakes import LinearSession, linear_full_hessian, linear_ggn_diagonal
 
@@ -213,3 +215,20 @@ def test_progress_true_shows_a_bar(capsys):
     _run(_batches([4, 4, 3]), progress=True)
     out, err = capsys.readouterr()
     assert "normflat ggn" in out + err  # "auto" resolved to ggn on the first batch
+
+
+def test_saturated_softmax_on_every_sample_warns_once():
+    """Logits so far apart that every p_top rounds to 1: the analysis warns (method §7) and
+    still returns the true, tiny curvature; one batch that is not saturated silences it."""
+    big = [(X[:6] * 1e4, Y[:6]), (X[6:] * 1e4, Y[6:])]
+    assert losses.softmax_saturation(losses.logit_stats(np, X @ W.T * 1e4), validate_options(loss="ce"), 3,
+                                     float(np.finfo(np.float64).eps)) >= 0
+    with pytest.warns(UserWarning, match="saturated on every sample") as caught:
+        res, _ = _run(big, loss="ce")
+    assert len([w for w in caught if "saturated" in str(w.message)]) == 1
+    assert caught[0].filename == __file__  # attributed to the caller
+    np.testing.assert_allclose(res.diags[0], linear_ggn_diagonal(W, X * 1e4, "ce"), rtol=1e-9, atol=1e-300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _run([big[0], (X[6:], Y[6:])], loss="ce")
+        _run([(X, Y)], loss="ce")

@@ -221,8 +221,74 @@ def test_logit_stats_values():
     z = np.array([[1.0, 2.0, 6.0], [0.0, -3.0, 3.0]])
     stats = losses.logit_stats(np, z)
     rms = [np.sqrt(np.mean((r - r.mean()) ** 2)) for r in z]
-    np.testing.assert_allclose(stats, [1.0, -3.0, 8.0, min(rms), 6.0], rtol=1e-15)
+    gaps = [6.0 - 2.0, 3.0 - 0.0]
+    np.testing.assert_allclose(stats, [1.0, -3.0, 8.0, min(rms), 6.0, min(gaps), min(np.divide(gaps, rms))],
+                               rtol=1e-15)
+    assert len(stats) == losses.LOGIT_STATS
     assert losses.logit_stats(np, np.array([[1.0, np.nan]]))[0] == 0
+    # A tie for the top has no gap; one class has none either; a constant row neither.
+    assert losses.logit_stats(np, np.array([[5.0, 5.0, 1.0], [9.0, 0.0, 1.0]]))[5] == 0
+    assert losses.logit_stats(np, np.array([[5.0], [7.0]]))[5:].tolist() == [0.0, 0.0]
+    assert losses.logit_stats(np, np.array([[2.0, 2.0, 2.0], [9.0, 0.0, 1.0]]))[5:].tolist() == [0.0, 0.0]
+
+
+def _exact_one_minus_top(u):
+    """``1 − p_top`` of each row of ``u`` from the log-sum-exp of the others (no rounding to 1)."""
+    u = np.asarray(u, dtype=np.float64)
+    top = u.max(axis=-1, keepdims=True)
+    rest = np.where(u == top, -np.inf, u - top)
+    log_rest = np.log(np.sum(np.exp(rest), axis=-1))
+    return np.exp(log_rest - np.log1p(np.exp(log_rest)))
+
+
+@pytest.mark.parametrize("classes", [2, 10, 1000])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_softmax_saturation_bounds_one_minus_top(classes, dtype):
+    """Saturated (>= 0) only where every row's 1 − p_top is at most ε, checked against the
+    exact 1 − p_top; rows just past the threshold are saturated, rows well before it are not."""
+    eps = float(np.finfo(dtype).eps)
+    rng = np.random.default_rng(classes)
+    threshold = math.log((classes - 1) / eps)
+    for gap in (threshold - 5, threshold - 0.01, threshold + 0.01, threshold + 30):
+        z = rng.normal(size=(8, classes)) * 0.01
+        z[np.arange(8), rng.integers(0, classes, 8)] = z.max() + gap  # top class by at least ``gap``
+        stats = losses.logit_stats(np, z.astype(dtype))
+        value = losses.softmax_saturation(stats, _opts(loss="ce"), classes, eps)
+        if value >= 0:
+            assert np.all(_exact_one_minus_top(z.astype(dtype)) <= eps)
+        if gap > threshold + 0.02:  # past the threshold by more than the noise: saturated
+            assert value >= 0
+        if gap < threshold - 1:
+            assert value < 0 and np.any(_exact_one_minus_top(z) > eps / 10)
+
+
+def test_softmax_saturation_of_nsce_uses_the_normalized_gap():
+    """nsce sees τ ẑ: a row (√(C−1), −1/√(C−1), …) has the largest normalized gap C/√(C−1);
+    raw logits scaled by any factor give the same value; a smaller temperature lowers it."""
+    c = 2000
+    z = np.full((2, c), -1.0)
+    z[:, 0] = c - 1.0
+    eps = float(np.finfo(np.float32).eps)
+    values = [losses.softmax_saturation(losses.logit_stats(np, z * scale), _opts(loss="nsce"), c, eps)
+              for scale in (1.0, 1e-3, 1e6)]
+    np.testing.assert_allclose(values, c / math.sqrt(c - 1) - math.log((c - 1) / eps), rtol=1e-12)
+    assert values[0] >= 0
+    cooler = losses.softmax_saturation(losses.logit_stats(np, z), _opts(loss="nsce", temperature=0.5), c, eps)
+    assert cooler < 0
+    # Unscaled, the raw logits are far more saturated under ce.
+    assert losses.softmax_saturation(losses.logit_stats(np, z), _opts(loss="ce"), c, eps) > values[0]
+    # A custom loss and one class are never called saturated.
+    custom = _opts(loss=lambda logits, y: logits.mean(), estimator="exact")
+    assert losses.softmax_saturation(losses.logit_stats(np, z), custom, c, eps) == -math.inf
+    assert losses.check_logit_stats(losses.logit_stats(np, z), custom, 0, c, eps) == -math.inf
+
+
+def test_saturation_warning_text():
+    assert losses.saturation_warning(-0.5, _opts(loss="ce")) is None
+    assert losses.saturation_warning(math.inf, _opts(loss="ce")) is None  # no batch checked
+    assert losses.saturation_warning(-math.inf, _opts(loss="ce")) is None
+    assert "loss='nsce'" in losses.saturation_warning(0.0, _opts(loss="ce"))
+    assert "temperature" in losses.saturation_warning(3.0, _opts(loss="nsce"))
 
 
 @pytest.mark.parametrize("loss", ["nsce", "ce"])

@@ -27,22 +27,23 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from normflat.backends.jax.layers import to_canonical
 from normflat.core.memory import chunk_size_for
-from normflat.engine.losses import logit_stats
+from normflat.engine.losses import LOGIT_STATS, combined_logit_stats, logit_stats
 from normflat.engine.options import AnalysisOptions
 
 __all__ = ["Kernel", "Run", "GroupSums", "combine_stats", "STATS"]
 
 
-#: Length of a piece's statistics: the five :func:`~normflat.engine.losses.logit_stats`,
-#: then whether the loss value was finite (1) and its size (a custom loss must return 1 number).
-STATS = 7
+#: Length of a piece's statistics: the :data:`~normflat.engine.losses.LOGIT_STATS` of
+#: :func:`~normflat.engine.losses.logit_stats`, then whether the loss value was finite (1) and
+#: its size (a custom loss must return 1 number).
+STATS = LOGIT_STATS + 2
 
 
 def combine_stats(stats: Any) -> np.ndarray:
     """Combine rows of piece statistics (pieces, devices) into the batch's."""
     s = np.asarray(stats, dtype=np.float64).reshape(-1, STATS)
-    return np.asarray([s[:, 0].min(), s[:, 1].min(), s[:, 2].max(), s[:, 3].min(), s[:, 4].max(),
-                       s[:, 5].min(), s[:, 6].max()])
+    logits = combined_logit_stats(np, list(s[:, :LOGIT_STATS]))
+    return np.concatenate([logits, [s[:, LOGIT_STATS].min(), s[:, LOGIT_STATS + 1].max()]])
 
 
 class GroupSums:

@@ -25,6 +25,7 @@ session supplies what is JAX-specific:
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from dataclasses import replace
 from typing import Any
@@ -44,8 +45,8 @@ from normflat.backends.jax.program import UNUSED_REASON, trace_program
 from normflat.backends.jax.state import ModelState
 from normflat.engine.data import PENDING_CHECKS, Batch, labels_for, non_finite_inputs
 from normflat.engine.estimators import SumState
-from normflat.engine.losses import (check_logit_stats, check_loss_value, check_output_shape, check_same_classes,
-                                    check_samples_apart)
+from normflat.engine.losses import (LOGIT_STATS, check_logit_stats, check_loss_value, check_output_shape,
+                                    check_same_classes, check_samples_apart)
 from normflat.engine.options import AnalysisOptions, resolve_estimator
 from normflat.engine.problems import UNUSED_NOTE, LayerSpec, ParameterStatus
 
@@ -220,6 +221,7 @@ class JaxSession:
         self._mesh = distributed.mesh(settings)
         self._stream = comm.rank if comm is not None else 0
         self._pending: list = []
+        self.saturation = math.inf  # the least softmax saturation of the checked batches (driver)
         # Labels on an accelerator that only need checking (the GGN of (n, C) logits does not use
         # them): copied to the host without waiting, checked with the deferred checks.
         self._label_checks: dict[int, Batch] = {}
@@ -465,9 +467,10 @@ class JaxSession:
             if ok is not None and not bool(ok):
                 raise non_finite_inputs(index)
             st = combine_stats(stats)
-            check_logit_stats(st[:5], self.options, index, self.num_classes, eps)
+            self.saturation = min(self.saturation, check_logit_stats(st[:LOGIT_STATS], self.options, index,
+                                                                     self.num_classes, eps))
             check_loss_value(getattr(self.kernel, "loss_shape", ()) if callable(self.options.loss) else (),
-                             bool(st[5] > 0), index, self.options)
+                             bool(st[LOGIT_STATS] > 0), index, self.options)
 
 
 def _same_consts(a: dict, b: dict) -> bool:

@@ -14,6 +14,7 @@ for the HVP kernels (:meth:`KerasSession.canonical` converts at the end).
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -360,6 +361,7 @@ class KerasSession:
         # The value checks of the logits (and the loss) of every batch after the first, read in one
         # transfer after the loop (_run_checks): reading them per batch would wait for the device.
         self._pending: list[tuple[int, Any, Any, float]] = []
+        self.saturation = math.inf  # the least softmax saturation of the checked batches (driver)
         self._updates = 0
 
     # ------------------------------------------------------------------ model state
@@ -587,8 +589,9 @@ class KerasSession:
                                               seen=self._first_logits, other_rows=self._one_row(x))
         self.tokens = int(z.shape[1]) if len(z.shape) == 3 else None
         zc = tf.cast(tf.reshape(z, [-1, self.num_classes]), compute_dtype(z.dtype))
-        check_logit_stats(logit_stats(TF, zc), self.options, batch.index, self.num_classes,
-                          float(np.finfo(zc.dtype.as_numpy_dtype).eps))
+        self.saturation = min(self.saturation, check_logit_stats(
+            logit_stats(TF, zc), self.options, batch.index, self.num_classes,
+            float(np.finfo(zc.dtype.as_numpy_dtype).eps)))
         if alone is not None:
             check_samples_apart(np.asarray(z, dtype=np.float64), alone, dtype=logits_rounding(self.model, z))
         if self.taps is not None:
@@ -1098,7 +1101,8 @@ class KerasSession:
         values = iter(np.asarray(tf.concat(parts, 0)))
         for index, stats, loss, eps in pending:
             got = np.asarray([next(values) for _ in range(int(np.prod(stats.shape)))])
-            check_logit_stats(got, self.options, index, self.num_classes, eps)
+            self.saturation = min(self.saturation, check_logit_stats(got, self.options, index,
+                                                                     self.num_classes, eps))
             if loss is not None:
                 value = np.asarray([next(values) for _ in range(int(np.prod(loss.shape)))])
                 check_loss_value((), bool(np.all(np.isfinite(value))), index, self.options)

@@ -187,6 +187,7 @@ class TorchSession:
         # loss's statistics, the inputs on an accelerator), read in one go after the loop
         # (_run_checks): ``(batch index, kind, device tensor, what the message needs)`` in order.
         self._pending: list[tuple[int, str, torch.Tensor, Any]] = []
+        self.saturation = math.inf  # the least softmax saturation of the checked batches (driver)
         self.token_logits = False  # whether the model returned (n, T, C) token logits (metadata)
         # The logits' shape of the first forward (the probe's or the first chunk's): every later one
         # must have as many classes (_check_logits).
@@ -409,7 +410,8 @@ class TorchSession:
                 raise non_finite_inputs(index)
             if kind == "logits":
                 c, eps = extra
-                losses.check_logit_stats(np.asarray(got), self.options, index, c, eps)
+                self.saturation = min(self.saturation,
+                                      losses.check_logit_stats(np.asarray(got), self.options, index, c, eps))
             if kind == "loss":
                 losses.check_loss_value(extra, bool(got[0]), index, self.options)
 
