@@ -1470,7 +1470,7 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
     head_rule = exact_head(options, num_classes)
     pool = mean_weights(options) if options.pooled else None  # the K' sums' weights in their mean
 
-    @tf.function(reduce_retracing=True)
+    @tf.function(reduce_retracing=True, autograph=False)
     def step(x, uniforms, counted, start):
         taps = holder["taps"]
         taps.records.clear()

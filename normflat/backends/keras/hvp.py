@@ -100,7 +100,7 @@ def hvp_step_fns(model: Any, entries: list[Entry], options: AnalysisOptions, gro
             return tf.map_fn(hvp, probes, fn_output_signature=signature), loss, stats
         return tf.vectorized_map(hvp, probes), loss, stats
 
-    @tf.function(reduce_retracing=True)
+    @tf.function(reduce_retracing=True, autograph=False)
     def exact_step(x, target, indices):
         # One-hot probes over all variables at once: e_i H e_i needs H e_i only on the variable
         # holding entry i, but one trace for all is cheaper than a trace per variable.
@@ -113,7 +113,7 @@ def hvp_step_fns(model: Any, entries: list[Entry], options: AnalysisOptions, gro
                          for h, p in zip(hv, probes)])
         return diag, loss, stats
 
-    @tf.function(reduce_retracing=True)
+    @tf.function(reduce_retracing=True, autograph=False)
     def hutchinson_step(x, target, probes, seg):
         hv, loss, stats = grads_and_hvp(x, target, probes, None)
         return [tf.math.unsorted_segment_sum(p * h, seg, groups) for p, h in zip(probes, hv)], loss, stats

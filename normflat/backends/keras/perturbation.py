@@ -397,7 +397,7 @@ class KerasPerturbationModel:
         """The compiled ``_{name}_step(kernels, x[, target])``, traced with the batch axis open on
         its first call (:class:`~normflat.backends.keras.session.OpenBatchTraces`)."""
         if name not in self._compiled:
-            fn = tf.function(getattr(self, f"_{name}_step"), reduce_retracing=True)
+            fn = tf.function(getattr(self, f"_{name}_step"), reduce_retracing=True, autograph=False)
 
             def call(*args: Any, fn: Any = fn) -> Any:
                 self._open_traces.trace(fn, args, [False] + [True] * (len(args) - 1))
