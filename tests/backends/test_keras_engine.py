@@ -455,3 +455,30 @@ def test_compiled_steps_trace_once_for_every_layer_and_batch_size(estimator):
         [f.experimental_get_tracing_count() for f in used]
     for name in whole:
         np.testing.assert_allclose(np.asarray(split[name]), np.asarray(whole[name]), rtol=1e-10, atol=1e-14)
+
+
+def test_compiled_steps_are_traced_without_autograph(monkeypatch):
+    """normflat's steps (GGN, exact, Hutchinson, the rival measures' perturbations) are traced
+    with ``autograph=False``, as Keras 3 traces its training step: AutoGraph converting
+    normflat's own code took most of a first analysis (Keras guide, "Performance"). A spy on
+    AutoGraph's entry point sees no call while a fresh model is analyzed."""
+    from tensorflow.python.autograph.impl import api as autograph_api
+
+    calls = []
+    original = autograph_api.converted_call
+
+    def spy(f, *args, **kwargs):
+        calls.append(getattr(f, "__qualname__", repr(f)))
+        return original(f, *args, **kwargs)
+
+    monkeypatch.setattr(autograph_api, "converted_call", spy)
+    x, y = data(6, seed=3)
+    model = mlp(seed=3)
+    for estimator in ("ggn", "ggn-mc", "exact", "hutchinson"):
+        normflat.analyze(model, (x, y), loss="ce", estimator=estimator, samples=2 if estimator == "hutchinson" else None,
+                         progress=False)
+    normflat.measures(model, (x, y), ["adaptive_sharpness"], loss="ce", progress=False)
+    assert calls == []
+    # The spy does see AutoGraph when it runs (a test that can fail).
+    tf.function(lambda t: t + 1)(tf.constant(1.0))
+    assert calls
