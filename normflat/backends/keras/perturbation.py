@@ -17,7 +17,7 @@ instances through :class:`~normflat.backends.keras.state.ModelState` for the
 duration of each call only, then restored), and the data contract of
 :mod:`normflat.engine.data`.
 
-The per-chunk work is compiled with ``tf.function(reduce_retracing=True)``, once
+The per-chunk work is compiled with ``tf.function(reduce_retracing=True, autograph=False)``, once
 per :class:`KerasPerturbationModel`: the engine calls :meth:`~KerasPerturbationModel.evaluate`
 and :meth:`~KerasPerturbationModel.gradient` many times, with the same shapes.
 """
