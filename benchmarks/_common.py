@@ -63,16 +63,36 @@ def value_from_fresh_process(target: Callable[..., None], args: tuple, timeout: 
     The process starts inside :func:`mmap_freed_blocks`, so that its peak-memory figures
     are not hidden by memory freed after a warm-up run.
     """
+    return float(result_from_fresh_process(target, args, timeout, freed_blocks=True))
+
+
+def result_from_fresh_process(target: Callable[..., None], args: tuple, timeout: float = 1800,
+                              freed_blocks: bool = False) -> Any:
+    """Run ``target(*args, queue)`` in a fresh (spawned) process and return what it puts on the
+    queue; ``RuntimeError`` as soon as the process ends without a result. With ``freed_blocks``
+    the process starts inside :func:`mmap_freed_blocks` (for peak-memory figures)."""
     import multiprocessing as mp
+    import queue as queues
 
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=target, args=(*args, queue))
-    with mmap_freed_blocks():
+    results = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, results))
+    with mmap_freed_blocks() if freed_blocks else contextlib.nullcontext():
         proc.start()
-    value = queue.get(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = results.get(timeout=5)
+            break
+        except queues.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"{getattr(target, '__name__', target)}{args} ended without a result "
+                                   f"(exit {proc.exitcode})") from None
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise TimeoutError(f"{getattr(target, '__name__', target)}{args} gave no result in {timeout} s")
     proc.join()
-    return float(value)
+    return value
 
 
 @contextlib.contextmanager

@@ -22,11 +22,12 @@ Models: the ``mlp`` and ``3c3d`` problems of ``benchmarks.keras_diag`` (batches 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import time
 import warnings
 from typing import Any
+
+from benchmarks._common import result_from_fresh_process
 
 __all__ = ["first_call_figures", "main"]
 
@@ -81,22 +82,6 @@ def _worker(name: str, what: str, estimator: str, threads: int, queue: Any) -> N
     queue.put(out)
 
 
-def _fresh(name: str, what: str, estimator: str, threads: int) -> dict[str, float]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_worker, args=(name, what, estimator, threads, queue))
-    proc.start()
-    while True:
-        try:
-            out = queue.get(timeout=5)
-            break
-        except Exception:  # noqa: BLE001 - queue.Empty: still running, or failed without a result
-            if not proc.is_alive():
-                raise RuntimeError(f"{name} ({what}) failed in its process (exit {proc.exitcode})") from None
-    proc.join()
-    return out
-
-
 def first_call_figures(names: list[str], estimator: str = "ggn", threads: int = 1,
                        repeats: int = 1) -> dict[str, dict[str, float]]:
     """``{name: {"train", "first", "again"}}`` in seconds, each the least of ``repeats`` fresh
@@ -106,7 +91,7 @@ def first_call_figures(names: list[str], estimator: str = "ggn", threads: int = 
         best: dict[str, float] = {}
         for _ in range(repeats):
             for what in ("train", "analyze"):
-                for key, value in _fresh(name, what, estimator, threads).items():
+                for key, value in result_from_fresh_process(_worker, (name, what, estimator, threads)).items():
                     best[key] = min(best.get(key, float("inf")), value)
         figures[name] = best
     return figures
