@@ -201,8 +201,7 @@ def test_einsum_with_a_batch_like_kernel_axis_is_refused():
     assert rep.metadata["coverage"] < 0.5
 
 
-@pytest.fixture(scope="module")
-def attention_model():
+def attention_model_problem():
     rng = _rng(2)
     inp = keras.Input((3, 4), dtype=F64)
     a = L.MultiHeadAttention(num_heads=2, key_dim=2, dtype=F64, name="mha")(inp, inp)
@@ -210,6 +209,11 @@ def attention_model():
     model = keras.Model(inp, out)
     _randomize(model, rng)
     return model, rng.normal(size=(3, 3, 4)), rng.integers(0, 3, 3)
+
+
+@pytest.fixture(scope="module")
+def attention_model():
+    return attention_model_problem()
 
 
 def shared_attention_model(scales=None):
@@ -386,8 +390,7 @@ def test_loose_position_table_read_otherwise_takes_the_exact_generic_path(use, r
     check_against(model, x, y, POSITION_LAYERS, loss="nsce")
 
 
-@pytest.fixture(scope="module")
-def recurrent_model():
+def recurrent_model_problem():
     rng = _rng(4)
     inp = keras.Input((3, 2), dtype=F64)
     h = L.LSTM(2, return_sequences=True, dtype=F64, name="lstm")(inp)
@@ -398,6 +401,11 @@ def recurrent_model():
     model = keras.Model(inp, out)
     _randomize(model, rng)
     return model, rng.normal(size=(3, 3, 2)), rng.integers(0, 3, 3)
+
+
+@pytest.fixture(scope="module")
+def recurrent_model():
+    return recurrent_model_problem()
 
 
 def test_recurrent_layers_ggn_through_time(recurrent_model):
@@ -428,8 +436,7 @@ def test_lstm_exact():
                   loss="ce", estimator="exact", reference=hessian_reference)
 
 
-@pytest.fixture(scope="module")
-def token_model():
+def token_model_problem():
     """A token language model: Embedding, one attention block, a vocabulary head, logits (B, T, V)."""
     rng = _rng(6)
     inp = keras.Input((4,), dtype="int32")
@@ -443,6 +450,11 @@ def token_model():
     y = rng.integers(0, 5, (3, 4))
     y[0, 3] = y[2, 0] = y[2, 1] = -100  # padding and a prompt, not counted
     return model, x, y
+
+
+@pytest.fixture(scope="module")
+def token_model():
+    return token_model_problem()
 
 
 @pytest.mark.parametrize("loss", ["ce", "nsce"])

@@ -461,7 +461,8 @@ def test_compiled_steps_are_traced_without_autograph(monkeypatch):
     """normflat's steps (GGN, exact, Hutchinson, the rival measures' perturbations) are traced
     with ``autograph=False``, as Keras 3 traces its training step: AutoGraph converting
     normflat's own code took most of a first analysis (Keras guide, "Performance"). A spy on
-    AutoGraph's entry point sees no call while a fresh model is analyzed."""
+    AutoGraph's entry point sees no call while a fresh model is analyzed, also with the GGN
+    step's signals in a ``tf.map_fn``."""
     from tensorflow.python.autograph.impl import api as autograph_api
 
     calls = []
@@ -478,6 +479,11 @@ def test_compiled_steps_are_traced_without_autograph(monkeypatch):
         normflat.analyze(model, (x, y), loss="ce", estimator=estimator, samples=2 if estimator == "hutchinson" else None,
                          progress=False)
     normflat.measures(model, (x, y), ["adaptive_sharpness"], loss="ce", progress=False)
+    # The GGN step's loop over its signals (large graphs, ggn.UNROLL_OPS) is not converted either.
+    from normflat.backends.keras import ggn
+
+    monkeypatch.setattr(ggn, "UNROLL_OPS", 0)
+    normflat.analyze(mlp(seed=4), (x, y), loss="ce", progress=False)
     assert calls == []
     # The spy does see AutoGraph when it runs (a test that can fail).
     tf.function(lambda t: t + 1)(tf.constant(1.0))

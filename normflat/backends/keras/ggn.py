@@ -76,8 +76,13 @@ __all__ = ["Taps", "ggn_step_fn", "model_logits", "signal_layout",
            "compute_dtype", "exact_head", "starts_at_head_input", "STRUCTURED_HEAD_CLASSES",
            "CHUNK_BYTES", "MAX_CHUNK"]
 
-#: Most signals back-propagated per compiled step (unrolled in the graph; more are done in equal blocks).
+#: Most signals back-propagated per compiled step (more are done in equal blocks).
 SIGNAL_BLOCK = 16
+#: A step unrolls its block's back-propagations (one per signal) while ``block ×`` the forward
+#: pass's graph operations is at most this, and loops over them (``tf.map_fn``) above: building
+#: the graph of 16 backward passes of a small transformer took most of its first analysis
+#: (keras-hub's tiny GPT-2: 14 s, 5 s looped), where a small CNN runs about 20 % faster unrolled.
+UNROLL_OPS = 2048
 #: Upper bound on the estimated bytes of one GGN step without ``memory_budget`` (the default
 #: budget is about twice a training step, :func:`normflat.core.memory.default_budget`, at most this).
 CHUNK_BYTES = 2**28
@@ -1440,6 +1445,30 @@ def _conv_transpose_squares(layer: Any, x: Any, gs: list[Any], seg: Any, groups:
     return tf.transpose(sq, [0, r + 1, r + 2] + list(range(1, r + 1)))  # (K, out, in, *k)
 
 
+def _signal_gradients(tape: Any, target: Any, pre: list[Any], signals: Any, block: int,
+                      unrolled: bool) -> list[list[Any]]:
+    """``back[i][j]``: the gradient at ``pre[j]`` of signal ``i`` of ``signals`` (``(block, *target.shape)``,
+    each put at ``target``); ``None`` (unrolled) or zeros (looped) where ``target`` does not depend
+    on ``pre[j]``.
+
+    ``unrolled``: one back-propagation per signal in the graph, the fastest to run on a CPU (the
+    loop's per-iteration bookkeeping and the graph optimizations that stop at its boundary cost
+    3C3D about 20 %); otherwise one back-propagation in a ``tf.map_fn`` over the signals, which
+    builds ``block`` times less graph (:data:`UNROLL_OPS`).
+    """
+    if unrolled or block == 1:
+        return [tape.gradient(target, pre, output_gradients=signals[i]) for i in range(block)]
+
+    def one(signal):
+        grads = tape.gradient(target, pre, output_gradients=signal)
+        return [tf.zeros_like(p) if g is None else tf.convert_to_tensor(g) for g, p in zip(grads, pre)]
+
+    # As many signals in flight as the unrolled graph allows (the same working set).
+    stacked = tf.map_fn(one, signals, fn_output_signature=[tf.TensorSpec(p.shape, p.dtype) for p in pre],
+                        parallel_iterations=block)
+    return [[t[i] for t in stacked] for i in range(block)]
+
+
 def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, groups: int, block: int,
                 num_classes: int, holder: dict, tokens: int | None = None,
                 sequential: bool = False) -> Callable[..., Any]:
@@ -1474,6 +1503,8 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
     def step(x, uniforms, counted, start):
         taps = holder["taps"]
         taps.records.clear()
+        graph = tf.compat.v1.get_default_graph()
+        ops_before = len(graph.get_operations())
         with tf.GradientTape(persistent=True) as tape:
             taps.tape = tape
             # Only for signals that go back one by one: the generic path vectorizes its backward.
@@ -1486,6 +1517,8 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
             finally:
                 taps.pools_by_argmax = False
         taps.tape = None
+        # Unrolled, the graph to build grows with the block times the forward pass's operations.
+        unrolled = block * (len(graph.get_operations()) - ops_before) <= UNROLL_OPS
         zc = tf.cast(tf.stop_gradient(z), compute_dtype(z.dtype))
         c = int(z.shape[-1])
         if tokens is not None:
@@ -1563,7 +1596,7 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
             records = [taps.records[e.name] if e.fast in ("tied", *RECURRENT_KINDS) else taps.records[e.name][:e.calls]
                        for e in rest_fast]
             pre = [r[1] for rec in records for r in rec]
-            # One back-propagation per signal, unrolled: much faster on CPU than pfor here.
+            # One back-propagation per signal (unrolled or in a loop, not pfor: much faster on CPU here).
             if head_input is not None:
                 kernel = tf.cast(tf.stop_gradient(tf.convert_to_tensor(heads[0].variable.value)), zc.dtype)
                 if tokens is None:
@@ -1576,9 +1609,9 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                 sx = tf.ensure_shape(sx, [block, None, *head_input.shape[1:]])
                 if root_weight is not None:
                     sx = sx * tf.reshape(tf.cast(root_weight, sx.dtype), [block] + [1] * (len(sx.shape) - 1))
-                back = [tape.gradient(head_input, pre, output_gradients=sx[i]) for i in range(block)]
+                back = _signal_gradients(tape, head_input, pre, sx, block, unrolled)
             else:
-                back = [tape.gradient(z, pre, output_gradients=s[i]) for i in range(block)]
+                back = _signal_gradients(tape, z, pre, s, block, unrolled)
             j = 0
             for e, rec in zip(rest_fast, records):
                 # An output the logits do not reach (a backbone's pooler beside the sequence output a
