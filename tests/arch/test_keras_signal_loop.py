@@ -25,9 +25,8 @@ from tests.backends import test_keras as backend  # noqa: E402
 from tests.backends import test_keras_topk as topk  # noqa: E402
 
 
-@pytest.fixture
-def looped(monkeypatch):
-    """Every step of more than one signal loops; yields the ``(block, unrolled)`` of each step traced."""
+def _spy(monkeypatch):
+    """The ``(block, unrolled)`` of each GGN step traced from now on (filled as they are traced)."""
     traced = []
     original = ggn._signal_gradients
 
@@ -35,8 +34,15 @@ def looped(monkeypatch):
         traced.append((block, unrolled))
         return original(tape, target, pre, signals, block, unrolled)
 
-    monkeypatch.setattr(ggn, "UNROLL_OPS", 0)
     monkeypatch.setattr(ggn, "_signal_gradients", spy)
+    return traced
+
+
+@pytest.fixture
+def looped(monkeypatch):
+    """Every step of more than one signal loops; yields the ``(block, unrolled)`` of each step traced."""
+    traced = _spy(monkeypatch)
+    monkeypatch.setattr(ggn, "UNROLL_OPS", 0)
     yield traced
     assert any(block > 1 and not unrolled for block, unrolled in traced), traced
 
@@ -67,14 +73,7 @@ def test_looped_structured_head_signals_equal_generic(looped, monkeypatch):
 
 def test_small_graphs_unroll_and_large_ones_loop(monkeypatch):
     """The rule itself: the same model's step unrolls under the threshold and loops over it."""
-    traced = []
-    original = ggn._signal_gradients
-
-    def spy(tape, target, pre, signals, block, unrolled):
-        traced.append((block, unrolled))
-        return original(tape, target, pre, signals, block, unrolled)
-
-    monkeypatch.setattr(ggn, "_signal_gradients", spy)
+    traced = _spy(monkeypatch)
     layers.test_multi_head_attention_ggn(layers.attention_model_problem(), "ce")
     assert traced and all(unrolled for _, unrolled in traced), traced
     traced.clear()
