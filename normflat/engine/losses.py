@@ -246,13 +246,23 @@ def _householder(xp: Any, p: Any) -> tuple[Any, Any, Any, Any]:
     return root, v, sv, 2 / xp.sum(v * v, axis=-1)
 
 
-#: Draws compared with the cumulative class weights at once in :func:`_draw`.
-DRAWS_PER_COMPARISON = 2
+#: Comparisons of one sample's draws with its cumulative class weights formed at once in
+#: :func:`_draw`: ``w`` draws against ``C − 1`` weights, ``w·(C − 1)`` at most this (32 KiB per
+#: sample in float64). Two draws at a time at any ``C`` built one comparison per two draws: 750
+#: for 1500 draws, seconds of tracing in a compiled step and as many small operations per batch
+#: in eager code, where ten classes need no such bound.
+DRAW_COMPARISON_ENTRIES = 4096
 
 
 def _cumsum(xp: Any, x: Any) -> Any:
     fn = getattr(xp, "cumulative_sum", None) or xp.cumsum
     return fn(x, axis=-1)
+
+
+def draws_per_comparison(classes: int) -> int:
+    """Draws compared at once in :func:`_draw` among ``classes`` classes
+    (:data:`DRAW_COMPARISON_ENTRIES`, at least one)."""
+    return max(1, DRAW_COMPARISON_ENTRIES // max(classes - 1, 1))
 
 
 def _draw(xp: Any, weights: Any, uniforms: Any) -> Any:
@@ -268,10 +278,12 @@ def _draw(xp: Any, weights: Any, uniforms: Any) -> Any:
     cum = _cumsum(xp, weights)  # (n, C)
     target = uniforms * cum[:, c - 1:]
     counts = []
-    # A few draws at a time: the comparisons (n, draws, C − 1) of many classes would be the
-    # largest array of a whole analysis (4 MiB per 10 draws of 64 samples at 1000 classes).
-    for lo in range(0, draws, DRAWS_PER_COMPARISON):
-        hi = min(draws, lo + DRAWS_PER_COMPARISON)
+    # Some draws at a time: the comparisons (n, draws, C − 1) of all draws among many classes
+    # would be the largest array of a whole analysis (4 MiB per 10 draws of 64 samples at 1000
+    # classes); among few classes, all draws at once.
+    step = draws_per_comparison(c)
+    for lo in range(0, draws, step):
+        hi = min(draws, lo + step)
         below = xp.astype(cum[:, None, : c - 1] <= target[:, lo:hi, None], weights.dtype)  # (n, w, C-1)
         counts.append(xp.sum(below, axis=-1))
     return counts[0] if len(counts) == 1 else xp.concat(counts, axis=1)
