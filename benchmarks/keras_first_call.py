@@ -9,7 +9,8 @@ process start-up is paid by a small eager computation before the clock starts):
 
 * ``train``: the first ``train_on_batch`` (SGD, sparse cross-entropy from logits, ignoring the
   language models' label -100 as normflat does);
-* ``first``: the first ``normflat.hessian_diagonal(model, batch, estimator=..., loss="ce")``;
+* ``first``: the first ``normflat.hessian_diagonal(model, batch, estimator=..., loss="ce")``
+  (``samples=...`` with ``--samples``, the estimator's default without);
 * ``again``: the same call right after ``first`` in its process (nothing left to trace).
 
 Models: the ``mlp`` and ``3c3d`` problems of ``benchmarks.keras_diag`` (batches of 128 and
@@ -17,6 +18,7 @@ Models: the ``mlp`` and ``3c3d`` problems of ``benchmarks.keras_diag`` (batches 
 (batches of 3). Printed: the three times and ``first / train``.
 
 ``python -m benchmarks.keras_first_call --hub "GPT-2" "RWKV-7"``
+``python -m benchmarks.keras_first_call --hub --estimator ggn-mc --samples 1500``
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _problem(name: str) -> tuple[Any, Any, Any]:
     return model, x, y
 
 
-def _worker(name: str, what: str, estimator: str, threads: int, queue: Any) -> None:
+def _worker(name: str, what: str, estimator: str, threads: int, samples: int | None, queue: Any) -> None:
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     warnings.filterwarnings("ignore")
@@ -75,6 +77,8 @@ def _worker(name: str, what: str, estimator: str, threads: int, queue: Any) -> N
         import normflat
 
         options = dict(estimator=estimator, loss="ce", progress=False)
+        if samples is not None:
+            options["samples"] = samples
         for key in ("first", "again"):
             t0 = time.perf_counter()
             normflat.hessian_diagonal(model, (x, y), **options)
@@ -83,7 +87,7 @@ def _worker(name: str, what: str, estimator: str, threads: int, queue: Any) -> N
 
 
 def first_call_figures(names: list[str], estimator: str = "ggn", threads: int = 1,
-                       repeats: int = 1) -> dict[str, dict[str, float]]:
+                       repeats: int = 1, samples: int | None = None) -> dict[str, dict[str, float]]:
     """``{name: {"train", "first", "again"}}`` in seconds, each the least of ``repeats`` fresh
     processes (the two kinds alternate)."""
     figures: dict[str, dict[str, float]] = {}
@@ -91,7 +95,7 @@ def first_call_figures(names: list[str], estimator: str = "ggn", threads: int = 
         best: dict[str, float] = {}
         for _ in range(repeats):
             for what in ("train", "analyze"):
-                for key, value in result_from_fresh_process(_worker, (name, what, estimator, threads)).items():
+                for key, value in result_from_fresh_process(_worker, (name, what, estimator, threads, samples)).items():
                     best[key] = min(best.get(key, float("inf")), value)
         figures[name] = best
     return figures
@@ -103,11 +107,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--hub", nargs="*", default=list(HUB_DEFAULT), metavar="NAME",
                         help="keras-hub rows of benchmarks.keras_zoo")
     parser.add_argument("--estimator", default="ggn")
+    parser.add_argument("--samples", type=int, default=None, help="the estimator's samples (its default without)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=1, help="fresh processes per figure (the least is kept)")
     args = parser.parse_args(argv)
-    figures = first_call_figures([*args.problems, *args.hub], args.estimator, args.threads, args.repeats)
-    print(f"| model | first train step (s) | first {args.estimator} (s) | again (s) | first / train |")
+    figures = first_call_figures([*args.problems, *args.hub], args.estimator, args.threads, args.repeats,
+                                 args.samples)
+    what = args.estimator if args.samples is None else f"{args.estimator}, {args.samples} samples"
+    print(f"| model | first train step (s) | first {what} (s) | again (s) | first / train |")
     print("|---|---|---|---|---|")
     for name, f in figures.items():
         print(f"| {name} | {f['train']:.2f} | {f['first']:.2f} | {f['again']:.2f} | {f['first'] / f['train']:.2f} |")
