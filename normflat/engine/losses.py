@@ -248,10 +248,13 @@ def _householder(xp: Any, p: Any) -> tuple[Any, Any, Any, Any]:
 
 #: Comparisons of one sample's draws with its cumulative class weights formed at once in
 #: :func:`_draw`: ``w`` draws against ``C − 1`` weights, ``w·(C − 1)`` at most this (32 KiB per
-#: sample in float64). Two draws at a time at any ``C`` built one comparison per two draws: 750
-#: for 1500 draws, seconds of tracing in a compiled step and as many small operations per batch
-#: in eager code, where ten classes need no such bound.
+#: sample in float64), but always at least :data:`MIN_DRAWS_PER_COMPARISON` draws. Two draws at a
+#: time at any ``C`` built one comparison per two draws: 750 for 1500 draws, seconds of tracing
+#: in a compiled step and as many small operations per batch in eager code, where ten classes
+#: need no such bound.
 DRAW_COMPARISON_ENTRIES = 4096
+#: Fewest draws compared at once, however many the classes (two: the bound before the entries').
+MIN_DRAWS_PER_COMPARISON = 2
 
 
 def _cumsum(xp: Any, x: Any) -> Any:
@@ -261,8 +264,8 @@ def _cumsum(xp: Any, x: Any) -> Any:
 
 def draws_per_comparison(classes: int) -> int:
     """Draws compared at once in :func:`_draw` among ``classes`` classes
-    (:data:`DRAW_COMPARISON_ENTRIES`, at least one)."""
-    return max(1, DRAW_COMPARISON_ENTRIES // max(classes - 1, 1))
+    (:data:`DRAW_COMPARISON_ENTRIES`, at least :data:`MIN_DRAWS_PER_COMPARISON`)."""
+    return max(MIN_DRAWS_PER_COMPARISON, DRAW_COMPARISON_ENTRIES // max(classes - 1, 1))
 
 
 def _draw(xp: Any, weights: Any, uniforms: Any) -> Any:

@@ -212,14 +212,15 @@ def test_mc_signals_exact_classes_at_cumulative_boundaries():
 def test_draws_compared_in_batches_draw_the_same_classes(classes, monkeypatch):
     """The draws are compared with the cumulative probabilities some at a time
     (``losses.draws_per_comparison``): every batch width, a short last batch included, draws
-    each class a one-at-a-time comparison draws, for few and many classes."""
+    each class a one-at-a-time comparison draws, for few and many classes (two at a time at
+    least)."""
     p = softmax(RNG.normal(size=(3, classes)) * 3)
     u = np.random.default_rng(11).random((3, 23))
     cum = np.cumsum(p, axis=-1)
     want = np.minimum((cum[:, None, :] <= u[:, :, None] * cum[:, -1:, None]).sum(-1), classes - 1)
     default = losses.draws_per_comparison(classes)
-    assert default == max(1, losses.DRAW_COMPARISON_ENTRIES // (classes - 1))
-    for entries in (1, 2 * (classes - 1), 5 * (classes - 1), losses.DRAW_COMPARISON_ENTRIES):
+    assert default == max(2, losses.DRAW_COMPARISON_ENTRIES // (classes - 1))
+    for entries in (1, 3 * (classes - 1), 5 * (classes - 1), losses.DRAW_COMPARISON_ENTRIES):
         monkeypatch.setattr(losses, "DRAW_COMPARISON_ENTRIES", entries)
         got = losses._draw(np, p, u)
         assert got.shape == (3, 23)
