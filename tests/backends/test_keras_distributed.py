@@ -260,17 +260,22 @@ def test_memory_budget_validation(mlp):
         normflat.analyze(model, data, memory_budget="1GB", chunk_size=4, progress=False)
 
 
-def test_memory_budget_estimate_grows_with_chunk_on_generic_path(mlp):
+def test_memory_budget_on_the_generic_path_chunks_and_keeps_result(mlp):
+    """The generic path forms its per-sample gradients one sample at a time: its estimate counts
+    one sample's forward and weight gradients once and, per sample of the chunk, the signals at
+    the logits. A larger budget takes a larger chunk (3 KB: blocks of one signal), the numbers
+    unchanged; a budget that one sample with one signal does not fit is refused."""
     model, data = mlp
-    # The generic path's per-sample Jacobians grow quadratically with the chunk: a budget that
-    # fits 20 samples on the fast path fits fewer on the generic one.
-    fast = normflat.analyze(model, data, memory_budget="20KB", progress=False).metadata
-    generic = normflat.analyze(model, data, memory_budget="20KB", fast=False,
-                               progress=False).metadata
-    assert generic["chunk_size"] < fast["chunk_size"]
-    for a, b in zip(_diag(model, data, memory_budget="20KB", fast=False),
-                    _diag(model, data)):
-        np.testing.assert_allclose(a, b, rtol=1e-12)
+    ref = _diag(model, data)
+    chunks = []
+    for budget in ("3KB", "6KB"):
+        chunks.append(normflat.analyze(model, data, memory_budget=budget, fast=False, progress=False)
+                      .metadata["chunk_size"])
+        for a, b in zip(_diag(model, data, memory_budget=budget, fast=False), ref):
+            np.testing.assert_allclose(a, b, rtol=1e-12)
+    assert 1 <= chunks[0] < chunks[1] < 20, chunks  # a whole batch of 20 does not fit
+    with pytest.raises(ValueError, match="too small"):
+        normflat.analyze(model, data, memory_budget="2KB", fast=False, progress=False)
 
 
 @pytest.mark.parametrize("case", ["structured-head", "at-the-logits", "topk-groups", "default-budget"])

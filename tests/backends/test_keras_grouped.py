@@ -275,11 +275,11 @@ def test_squares_by_pairs_keep_normalized_sharpness_under_rescaling(monkeypatch)
 
 def test_chunk_counts_the_squares_working_set_once():
     # fixed + linear · n <= budget: the loop's working set is not per sample.
-    assert kggn.ggn_chunk_size(10, 0, None, 9, default_budget=1000, fixed=400) == 60
-    assert kggn.ggn_chunk_size(10, 0, 1000, 9, fixed=400) == 60
-    assert kggn.ggn_chunk_size(10, 0, None, 9, default_budget=1000, fixed=995) == 1  # at least one sample
+    assert kggn.ggn_chunk_size(10, None, 9, default_budget=1000, fixed=400) == 60
+    assert kggn.ggn_chunk_size(10, 1000, 9, fixed=400) == 60
+    assert kggn.ggn_chunk_size(10, None, 9, default_budget=1000, fixed=995) == 1  # at least one sample
     with pytest.raises(ValueError, match="too small"):  # a given budget: one sample must fit
-        kggn.ggn_chunk_size(10, 0, 1000, 9, fixed=995)
+        kggn.ggn_chunk_size(10, 1000, 9, fixed=995)
     # 3C3D's third convolution (3×3, 96 -> 128 channels on 6×6 maps): one sample's gradients.
     size, pre = 3 * 3 * 96 * 128, 6 * 6 * 128
     assert kggn.squares_working_set(9, size, pre) == 9 * (2 * pre + 2 * size) + 2 * 9 * size

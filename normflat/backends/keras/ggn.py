@@ -12,8 +12,9 @@ path) and forms the per-sample squares there (grouped and depthwise kernels in o
 batched matmul with the groups as a batch axis); an ``LSTM``/``GRU``/``SimpleRNN`` layer's
 loop runs as a recurrence that records each weight's products (method §6.1 "Recurrent
 weights", :func:`~normflat.backends.keras.calls.recorded_inner_loop`), the dense rule over
-the steps; other layers (shared, subclassed, registered) take the *generic* path of
-per-sample Jacobian products.
+the steps; other layers (shared, subclassed, registered) take the *generic* path:
+per-sample gradients of their weights from each sample's own forward, one sample at a
+time (:func:`_generic_squares`).
 Learned position tables (method §6.1 "Position tables") are fast too: keras-hub's
 ``PositionEmbedding`` by its output (per sample, so the signal there is each
 sample's gradient of the rows it reads, :meth:`Taps.rows`), a position table held
@@ -585,6 +586,19 @@ class Taps:
         quiet = self.tape.stop_recording() if self.tape is not None else contextlib.nullcontext()
         with quiet, keras.StatelessScope(state_mapping=[(variable, code)]):
             return call(inputs, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """A forward in this thread that records and watches nothing: the tapped layers compute what
+        they compute in the step (the same function), their records kept apart and dropped (the
+        generic path's per-sample forwards, :func:`_generic_squares`)."""
+        mine = self._mine
+        saved = mine.records, mine.tape, mine.pools_by_argmax, mine.samples
+        mine.records, mine.tape, mine.pools_by_argmax, mine.samples = {}, None, False, None
+        try:
+            yield
+        finally:
+            mine.records, mine.tape, mine.pools_by_argmax, mine.samples = saved
 
     @property
     def broadcast(self) -> set[str]:
@@ -1469,9 +1483,44 @@ def _signal_gradients(tape: Any, target: Any, pre: list[Any], signals: Any, bloc
     return [[t[i] for t in stacked] for i in range(block)]
 
 
+def _generic_squares(model: Any, x: Any, options: AnalysisOptions, taps: Taps, variables: list[Any], signals: Any,
+                     seg: Any, sums: int, block: int, unrolled: bool) -> list[Any]:
+    """The generic path's squares: each sample's gradients of ``variables`` for the block's
+    ``signals`` ``(block, n, *logits)``, squared and summed into the signals' groups ``seg``;
+    ``(sums, *variable shape)`` per variable.
+
+    One sample at a time (a ``tf.while_loop`` over the chunk): the sample's own forward (the
+    tapped layers quiet, :meth:`Taps.quiet`), then one back-propagation of each signal from its
+    logits (written out, or in a loop over the signals: :func:`_signal_gradients`, ``unrolled``).
+    The model's samples are apart (checked on the first forward), so these are the per-sample
+    gradients of the chunk's forward: ``n`` forwards and ``block·n`` back-propagations of one
+    sample each. A signal put at one sample of the chunk's logits instead would go back through
+    all ``n`` samples, ``block·n²`` sample-passes (vectorized, as this path ran before: a tiny
+    gated delta net took 18-37 s for 64 samples).
+    """
+    n = tf.shape(signals)[1]
+
+    def body(i: Any, *totals: Any) -> tuple[Any, ...]:
+        xi = tf.nest.map_structure(lambda t: t[i:i + 1], x)
+        with taps.quiet(), tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
+            for v in variables:
+                tape.watch(v)
+            zi = model_logits(model, xi, options)
+        back = _signal_gradients(tape, zi, variables, signals[:, i:i + 1], block, unrolled)
+        del tape
+        out = []
+        for j, (v, total) in enumerate(zip(variables, totals)):
+            # An embedding's gradient is sparse (IndexedSlices): made dense to be squared.
+            grads = [tf.zeros_like(v) if g[j] is None else tf.convert_to_tensor(g[j]) for g in back]
+            out.append(total + tf.math.unsorted_segment_sum(tf.square(tf.stack(grads)), seg, sums))
+        return (i + 1, *out)
+
+    zeros = [tf.zeros([sums, *v.shape], v.dtype) for v in variables]
+    return list(tf.while_loop(lambda i, *_: i < n, body, [tf.constant(0), *zeros], parallel_iterations=1)[1:])
+
+
 def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, groups: int, block: int,
-                num_classes: int, holder: dict, tokens: int | None = None,
-                sequential: bool = False) -> Callable[..., Any]:
+                num_classes: int, holder: dict, tokens: int | None = None) -> Callable[..., Any]:
     """The compiled GGN step of one chunk of samples and one block of signals.
 
     ``step(x, uniforms, counted, start)`` returns the ``(K', *canonical)`` sums per
@@ -1487,9 +1536,7 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
     (an exact head's squares (:func:`exact_head`) come with the block at ``start = 0``).
     ``holder["taps"]`` is the :class:`Taps` active when the function (re)traces; the model is
     held weakly.
-    ``sequential``: the generic path's per-sample gradients run one after the other
-    (``tf.map_fn``) rather than vectorized: vectorizing the backward pass of a
-    ``tf.while_loop`` (recurrent layers) takes far longer to compile than the loop runs.
+    The generic path's weights get their squares from per-sample forwards (:func:`_generic_squares`).
     """
     unused = [e for e in entries if e.fast == UNUSED]  # zero curvature, nothing to compute
     fast = [e for e in entries if e.fast and e.fast != UNUSED]
@@ -1507,10 +1554,7 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
         ops_before = len(graph.get_operations())
         with tf.GradientTape(persistent=True) as tape:
             taps.tape = tape
-            # Only for signals that go back one by one: the generic path vectorizes its backward.
-            taps.pools_by_argmax = not generic and argmax_pooling_wins()
-            for e in generic:
-                tape.watch(e.variable.value)
+            taps.pools_by_argmax = argmax_pooling_wins()
             try:
                 with taps.expanded(x):  # loose position tables: each sample its own view (method §6.1)
                     z = model_logits(model_ref(), x, options, holder.get("logits"))
@@ -1644,28 +1688,9 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                 else:
                     out[e.name] = _fast_squares(e, rec[0][0], per_call[0], seg, sums_per_layer, tf.shape(z)[0])
         if generic:
-            n = tf.shape(z)[0]
-            # One signal per (signal, sample): per-sample gradients through the whole model.
-            flat = tf.reshape(s, [-1, *rest])  # (B*n, C) or (B*n, T, C)
-            rows = tf.tile(tf.range(n), [block])
-            hot = tf.reshape(tf.one_hot(rows, n, dtype=z.dtype), [-1, n] + [1] * len(rest))
-            og = hot * flat[:, None]  # (B*n, n, *rest): the signal at one sample only
-            variables = [e.variable.value for e in generic]
-
-            def per_sample(o):
-                grads = tape.gradient(z, variables, output_gradients=o)
-                # An embedding's gradient is sparse (IndexedSlices): made dense to be squared.
-                return [tf.zeros_like(v) if gr is None else tf.convert_to_tensor(gr)
-                        for gr, v in zip(grads, variables)]
-
-            if sequential:
-                grads = tf.map_fn(per_sample, og, fn_output_signature=[tf.TensorSpec(v.shape, v.dtype)
-                                                                       for v in variables])
-            else:
-                grads = tf.vectorized_map(per_sample, og)
-            sample_seg = tf.repeat(seg, n)
-            for e, gr in zip(generic, grads):
-                sq = tf.math.unsorted_segment_sum(tf.square(gr), sample_seg, sums_per_layer)
+            squares = _generic_squares(model_ref(), x, options, taps, [e.variable.value for e in generic], s, seg,
+                                       sums_per_layer, block, unrolled)
+            for e, sq in zip(generic, squares):
                 out[e.name] = tf.vectorized_map(e.weight.to_canonical, sq)
         del tape
         # Pooled (options.pooled): one sum per weight, its signals weighted above; an exact head's
@@ -1676,17 +1701,18 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
 
 
 def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: int, block: int,
-              head: Entry | None = None, groups: int = 1) -> tuple[int, int, int]:
-    """Estimated bytes of one GGN step as ``fixed + linear * n + quadratic * n²`` for a chunk of n samples.
+              head: Entry | None = None, groups: int = 1) -> tuple[int, int]:
+    """Estimated bytes of one GGN step as ``fixed + linear * n`` for a chunk of n samples:
+    ``(linear, fixed)``.
 
     Counts the per-sample intermediates that grow with the chunk: the
     back-propagated signals at every tapped pre-activation and layer input
     (the unrolled signals of a block may be live at once), the largest
-    per-layer work per sample (convolution patches, stacked squared signals), and for
-    layers on the generic path the per-sample Jacobian products, whose output-gradient
-    tensor and vectorized backward pass grow with n² (one signal per sample of the chunk);
+    per-layer work per sample (convolution patches, stacked squared signals);
     and, as ``fixed``, the largest working set of the per-sample gradients formed a few
-    samples at a time (:func:`squares_working_set`), which does not grow with the chunk.
+    samples at a time (:func:`squares_working_set`), and for layers on the generic path one
+    sample's forward, its back-propagated signals and its gradients of those layers' weights
+    (:func:`_generic_squares`, one sample at a time), none of which grows with the chunk.
 
     Args:
         num_classes: Logits per sample (``T·C`` for token logits). A block's signals are formed
@@ -1759,19 +1785,21 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
             # (the signals' transposed copies only where the loop takes them)
             work, fixed = max(work, e.in_size + (per_sample or block * e.pre_size)), max(fixed, once)
     generic = [e for e in entries if not e.fast]
-    quadratic = 0
     if generic:
+        # One sample at a time (_generic_squares): its forward's activations and their gradients
+        # for the block's signals, its block of gradients of the generic weights and their
+        # squares, and the running sums (the old and the new).
         activations = input_size + num_classes + sum(e.in_size + e.pre_size for e in entries)
-        linear += 2 * block * sum(int(np.prod(e.variable.shape)) for e in generic)
-        quadratic = block * (num_classes + 2 * activations)
-    return (linear + work) * item, quadratic * item, fixed * item
+        size = sum(int(np.prod(e.variable.shape)) for e in generic)
+        fixed += (block + 1) * activations + 2 * block * size + 2 * groups * size
+    return (linear + work) * item, fixed * item
 
 
-def ggn_chunk_size(linear: int, quadratic: int, memory_budget: int | None, block: int,
-                   default_budget: int | None = None, fixed: int = 0) -> int:
+def ggn_chunk_size(linear: int, memory_budget: int | None, block: int, default_budget: int | None = None,
+                   fixed: int = 0) -> int:
     """Samples per GGN step: the largest chunk whose estimated step fits the budget, at most :data:`MAX_CHUNK`.
 
-    The step takes ``fixed + linear · n + quadratic · n²`` bytes for ``n`` samples (:func:`ggn_bytes`).
+    The step takes ``fixed + linear · n`` bytes for ``n`` samples (:func:`ggn_bytes`).
     ``memory_budget``: the user's budget (an error if one sample does not fit). Without it,
     ``default_budget`` (about twice a training step, :func:`normflat.core.memory.default_budget`),
     at most :data:`CHUNK_BYTES` (also the budget when ``default_budget`` is ``None``), and at
@@ -1779,12 +1807,9 @@ def ggn_chunk_size(linear: int, quadratic: int, memory_budget: int | None, block
     """
     if memory_budget is None:
         budget = CHUNK_BYTES if default_budget is None else min(CHUNK_BYTES, int(default_budget))
-        chunk = int(max(1, min(MAX_CHUNK, (budget - fixed) // max(1, linear + quadratic))))
     else:
         budget = memory_budget
         what = f"the GGN step ({block} back-propagated signals per sample, estimated)"
-        chunk_size_for(memory_budget, fixed + linear + quadratic, what=what)  # one sample fits, or the error
-        chunk = int(max(1, min(MAX_CHUNK, (budget - fixed) // max(1, linear + quadratic))))
-    while chunk > 1 and fixed + chunk * linear + chunk * chunk * quadratic > budget:
-        chunk = max(1, min(chunk - 1, int(chunk * 0.9)))
+        chunk_size_for(memory_budget, fixed + linear, what=what)  # one sample fits, or the error
+    chunk = int(max(1, min(MAX_CHUNK, (budget - fixed) // max(1, linear))))
     return chunk

@@ -945,36 +945,20 @@ class KerasSession:
             def factory():
                 holder: dict = {}
                 return ggn_step_fn(self.model, self.entries, options, options.state_groups, block, self.num_classes,
-                                   holder, tokens=self.tokens, sequential=self._sequential_generic()), holder
+                                   holder, tokens=self.tokens), holder
 
             self._step, self._holder = _cached(_COMPILED, self.model, key, factory)
             if self.config.chunk_size is not None:
                 self.chunk = self.config.chunk_size
             else:
-                linear, quadratic, fixed = self._step_bytes(block)
+                linear, fixed = self._step_bytes(block)
                 budget = None if self.config.memory_budget is not None else budget_by_default()
-                self.chunk = ggn_chunk_size(linear, quadratic, self.config.memory_budget, block, budget, fixed)
+                self.chunk = ggn_chunk_size(linear, self.config.memory_budget, block, budget, fixed)
         self._holder["taps"] = self.taps
         self._holder["logits"] = self._first_logits  # checked as the step is traced (model_logits)
         return self._step, signals, block
 
-    def _sequential_generic(self) -> bool:
-        """Whether the generic path's per-sample gradients run one after the other (``tf.map_fn``)
-        rather than vectorized: with a recurrent layer (vectorizing the backward pass of its
-        ``tf.while_loop`` compiles for longer than the loop runs), and with weights on the generic
-        path beside an attention layer or an embedding among them (vectorized, their gradients
-        crashed TensorFlow's CPU runtime, its default oneDNN kernels, with a segmentation fault:
-        keras-hub's ALBERT with its attention projections generic, an embedding of 2000 rows and
-        128 features beside a ``MultiHeadAttention``). The same numbers either way."""
-        if has_recurrence(self.model):
-            return True
-        generic = [e for e in self.entries if not e.fast]
-        if not generic:
-            return False
-        return any(isinstance(e.layer, keras.layers.Embedding) for e in generic) or any(
-            isinstance(layer, keras.layers.MultiHeadAttention) for layer in compat.flatten_layers(self.model))
-
-    def _step_bytes(self, block: int) -> tuple[int, int, int]:
+    def _step_bytes(self, block: int) -> tuple[int, int]:
         """:func:`~normflat.backends.keras.ggn.ggn_bytes` of a step of ``block`` signals per sample."""
         return ggn_bytes(self.entries, self.dtype, self.input_size, self.num_classes * (self.tokens or 1), block,
                          head=self._structured_head(), groups=self.options.sum_groups)
