@@ -745,9 +745,9 @@ def test_convolution_groups_kept_as_kernel_sums_give_the_full_groups_report(monk
 def test_generic_embedding_beside_attention_runs_and_equals_the_fast_path():
     """An embedding on the generic path beside an attention layer (a 2000-row table of 128 features,
     32 tokens): TensorFlow's vectorized per-sample gradients of that lookup crashed the process with
-    its default oneDNN kernels (a segmentation fault), so the generic path runs them one after the
-    other; in a subprocess with those kernels on, so a crash fails this test instead of the run, and
-    with the fast path's numbers."""
+    its default oneDNN kernels (a segmentation fault); the generic path now takes one sample at a
+    time, through its own forward. In a subprocess with those kernels on, so a crash fails this
+    test instead of the run, and with the fast path's numbers."""
     code = (
         "import keras, numpy as np, normflat\n"
         "keras.utils.set_random_seed(0)\n"
@@ -769,26 +769,36 @@ def test_generic_embedding_beside_attention_runs_and_equals_the_fast_path():
     assert diff < 1e-4, diff  # float32, the two paths' own orders of summation
 
 
-def test_generic_path_runs_one_sample_at_a_time_beside_attention_embeddings_or_recurrences():
-    """The policy of the generic path's per-sample gradients (``KerasSession._sequential_generic``):
-    vectorized, except with a recurrent layer, an embedding on the generic path, or generic weights
-    beside a ``MultiHeadAttention`` (where the vectorized form crashed TensorFlow)."""
-    import types
-
-    from normflat.backends.keras.session import KerasSession
+@pytest.mark.parametrize("kind", ["plain", "attention", "recurrent"])
+def test_generic_path_forms_each_samples_gradients_from_its_own_forward(kind, monkeypatch):
+    """The generic path's per-sample gradients come from each sample's own forward, one sample at a
+    time (``ggn._generic_squares``): the step traces the model on the chunk (its fast layers'
+    signals) and once more on one sample, never on the chunk's signals through all its samples;
+    the numbers those of the fast path. Beside an attention layer, an embedding on the generic path,
+    a recurrent layer (whose vectorized per-sample gradients crashed TensorFlow or compiled for
+    longer than they ran)."""
+    from normflat.backends.keras import ggn as kggn
 
     L = keras.layers
-
-    def decide(model, generic):
-        entries = [types.SimpleNamespace(fast=None if layer in generic else "dense", layer=layer)
-                   for layer in model.layers if layer.weights]
-        return KerasSession._sequential_generic(types.SimpleNamespace(model=model, entries=entries))
-
+    keras.utils.set_random_seed(5)
     ids = keras.Input((4,), dtype="int32")
-    emb, mix = L.Embedding(10, 4), L.Dense(4)
-    plain = keras.Model(ids, L.Dense(3)(mix(emb(ids))))
+    emb = L.Embedding(10, 4, dtype="float64", name="emb")
     h = emb(ids)
-    attention = keras.Model(ids, L.Dense(3)(mix(L.MultiHeadAttention(1, 2)(h, h))))
-    recurrent = keras.Model(ids, L.Dense(3)(L.SimpleRNN(2)(emb(ids))))
-    assert not decide(plain, []) and not decide(plain, [mix]) and not decide(attention, [])
-    assert decide(plain, [emb]) and decide(attention, [mix]) and decide(recurrent, [])
+    if kind == "attention":
+        h = L.MultiHeadAttention(1, 2, dtype="float64", name="mha")(h, h)
+    elif kind == "recurrent":
+        h = L.SimpleRNN(3, return_sequences=True, dtype="float64", name="rnn")(h)
+    h = L.Dense(4, activation="tanh", dtype="float64", name="mix")(L.Flatten(dtype="float64")(h))
+    model = keras.Model(ids, L.Dense(3, dtype="float64", name="head")(h))
+    rng = np.random.default_rng(5)
+    x, y = rng.integers(0, 10, (5, 4)).astype("int32"), rng.integers(0, 3, 5)
+    rows = []
+    logits = kggn.model_logits
+    monkeypatch.setattr(kggn, "model_logits", lambda model, x, *a, **k: (
+        rows.append(tf.nest.flatten(x)[0].shape[0]), logits(model, x, *a, **k))[1])
+    generic = normflat.hessian_diagonal(model, (x, y), loss="ce", fast=False, progress=False)
+    assert None in rows and 1 in rows and set(rows) <= {None, 1, 5}, rows  # chunk (open batch), one sample
+    fast = normflat.hessian_diagonal(model, (x, y), loss="ce", progress=False)
+    for name in fast:
+        np.testing.assert_allclose(np.asarray(generic[name]), np.asarray(fast[name]), rtol=1e-10,
+                                   atol=1e-14 * np.abs(np.asarray(fast[name])).max(), err_msg=name)

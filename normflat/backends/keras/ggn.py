@@ -237,8 +237,9 @@ def max_pool_by_argmax(inputs: Any, pool_size: Any, strides: Any, padding: str) 
     finds in the forward in about one ``MaxPoolGrad``'s time (9.9 ms); the 3×3 poolings of stride 2
     5.4 and 2.1 ms against 0.8 ms each (one thread, 2026-12-06). Both send a window's gradient to
     the same entry, the first maximum (ties: the zeros after a ReLU), so the signals are TensorFlow's.
-    ``MaxPoolGradWithArgmax`` has no ``vectorized_map`` rule: the step uses this only when its
-    signals go back one by one (no generic weights).
+    The step's signals go back one by one (unrolled or in a ``tf.map_fn``), never vectorized:
+    ``MaxPoolGradWithArgmax`` has no ``vectorized_map`` rule. The generic path's per-sample
+    forwards (:func:`_generic_squares`) use Keras' own pooling.
     """
     if len(pool_size) == 1:  # (n, L, C): the (n, 1, L, C) view, windows of one row
         return tf.squeeze(_pool_by_argmax(tf.expand_dims(inputs, 1), (1, *pool_size), (1, *strides), padding), 1)
@@ -1501,7 +1502,7 @@ def _generic_squares(model: Any, x: Any, options: AnalysisOptions, taps: Taps, v
     n = tf.shape(signals)[1]
 
     def body(i: Any, *totals: Any) -> tuple[Any, ...]:
-        xi = tf.nest.map_structure(lambda t: t[i:i + 1], x)
+        xi = tf.nest.map_structure(lambda t: tf.expand_dims(t[i], 0), x)  # a static batch of one
         with taps.quiet(), tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
             for v in variables:
                 tape.watch(v)
