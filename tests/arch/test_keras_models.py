@@ -343,9 +343,12 @@ def test_weights_no_forward_uses_take_no_path():
         fast, generic = (normflat.hessian_diagonal(model, data, loss="ce", estimator="ggn", fast=f, progress=False)
                          for f in (True, False))
         assert not np.any(np.asarray(fast[name]))
+        # keras-hub's rotary embedding computes its angles in float32: the generic path's one-sample
+        # forward rounds them apart from the chunk's (logits 1e-7 apart), float32's agreement there.
+        rtol = RTOL if model is idle else 1e-5
         for k in fast:
-            np.testing.assert_allclose(np.asarray(fast[k]), np.asarray(generic[k]), rtol=RTOL,
-                                       atol=1e-14 * float(np.abs(np.asarray(generic[k])).max()), err_msg=k)
+            np.testing.assert_allclose(np.asarray(fast[k]), np.asarray(generic[k]), rtol=rtol,
+                                       atol=rtol * 1e-4 * float(np.abs(np.asarray(generic[k])).max()), err_msg=k)
 
 
 def _rwkv7(layers):
