@@ -63,19 +63,12 @@ def _problem(name: str, n: int) -> tuple[Any, Any, Any]:
 
 
 def _gradient(model: Any, x: Any, y: Any) -> Callable[[], Any]:
+    """One gradient of the mean cross-entropy: ``benchmarks.keras_diag``'s compiled runner."""
     import tensorflow as tf
 
-    variables = model.trainable_variables
-    x, y = tf.constant(x), tf.constant(y)
+    from benchmarks.keras_diag import _runner
 
-    @tf.function
-    def gradient(x, y):
-        with tf.GradientTape() as tape:
-            logits = model(x, training=False)
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
-        return tape.gradient(loss, variables)
-
-    return lambda: [g.numpy() for g in gradient(x, y)]
+    return _runner("gradient", model, tf.constant(x), tf.constant(y))
 
 
 def generic_figures(problems: list[str], batches: list[int], repeats: int = 3) -> list[dict[str, Any]]:
