@@ -114,8 +114,10 @@ def _followed_by(builder, model, what):
     """The model followed by ``what``: ``"softmax"`` (its outputs are probabilities, not logits),
     ``"exp"`` (finite logits that overflow for large inputs), ``"scores"`` (its outputs, as
     embeddings, scored against every sample's of the batch: ``(n, n)`` logits that mix the samples,
-    a contrastive model's ``logits_per_image``) or ``"batch mean"`` (its outputs plus their mean over
-    the batch: logits that mix the samples and keep the number of classes)."""
+    a contrastive model's ``logits_per_image``), ``"batch mean"`` (its outputs plus their mean over
+    the batch: logits that mix the samples and keep the number of classes) or ``"pairs"`` (its outputs
+    reshaped to two halves of the batch and back: the same logits, and a forward written for an even
+    batch, which fails on one sample alone)."""
     name = builder.NAME
     if name == "torch":
         import torch
@@ -127,6 +129,8 @@ def _followed_by(builder, model, what):
                     return z @ z.T
                 if what == "batch mean":
                     return z + z.mean(0, keepdim=True)
+                if what == "pairs":
+                    return z.reshape(2, -1, z.shape[-1]).reshape(-1, z.shape[-1])
                 return torch.softmax(z, dim=1) if what == "softmax" else torch.exp(z)
 
         return nn.Sequential(model, Then())
@@ -142,6 +146,8 @@ def _followed_by(builder, model, what):
                 return keras.ops.matmul(t, keras.ops.transpose(t))
             if what == "batch mean":
                 return t + keras.ops.mean(t, axis=0, keepdims=True)
+            if what == "pairs":
+                return keras.ops.reshape(keras.ops.reshape(t, (2, -1, t.shape[-1])), (-1, t.shape[-1]))
             e = keras.ops.exp(t - keras.ops.max(t, axis=-1, keepdims=True))
             return e / keras.ops.sum(e, axis=-1, keepdims=True)
 
@@ -154,6 +160,8 @@ def _followed_by(builder, model, what):
             return z @ z.T
         if what == "batch mean":
             return z + z.mean(0, keepdims=True)
+        if what == "pairs":
+            return z.reshape(2, -1, z.shape[-1]).reshape(-1, z.shape[-1])
         return jax.nn.softmax(z, axis=-1) if what == "softmax" else jnp.exp(z)
 
     if name == "equinox":
@@ -163,7 +171,7 @@ def _followed_by(builder, model, what):
             net: eqx.Module
 
             def __call__(self, x):
-                if what in ("scores", "batch mean"):  # the builder's network takes one example: these need the batch
+                if what in ("scores", "batch mean", "pairs"):  # the builder's network takes one example: these need the batch
                     return then(jax.vmap(self.net)(x))
                 return then(self.net(x))
 
@@ -516,6 +524,38 @@ def test_logits_that_mix_the_samples_with_the_classes_kept(builder, estimator):
     # The same network without the mean: no error, and a first batch of one row cannot reveal the mixing.
     normflat.hessian_diagonal(builder.build(spec), builder.make_data(x, y, 7), **_kw(builder, **kw))
     normflat.hessian_diagonal(model, builder.make_data(x[:1], y[:1], 1), **_kw(builder, **kw))
+
+
+#: The distinctive part of the engine's error for a model that runs on its batches but fails on one
+#: sample alone (normflat.engine.losses.one_sample_error).
+ONE_SAMPLE = r"model runs on its batches but fails when called on one sample alone \("
+
+
+def test_model_that_fails_on_one_sample_alone(builder):
+    """A forward written for an even batch (its logits reshaped to two halves of the batch and back)
+    runs on batches of 4 and fails on one sample alone. Wherever the analysis runs each sample alone
+    (PyTorch's and Keras' generic paths, every weight in JAX), every framework gives the engine's one
+    error naming the cause and the fix, the framework's own error quoted and chained; before, each
+    raised its own error from deep inside the analysis (a reshape in a compiled loop, a ``vmap``-free
+    per-sample loop, a ``make_jaxpr`` trace). The fast rules of PyTorch and Keras read the batch's
+    activations: there the same model gives the plain network's numbers."""
+    spec = _mlp(17)
+    x, y = netspec.data(spec, n=8, seed=18)
+    plain = builder.build(spec)
+    model = _followed_by(builder, plain, "pairs")
+    data = builder.make_data(x, y, 4)
+    with pytest.raises(ValueError, match=ONE_SAMPLE + r".*\)\. normflat computes every weight's curvature") as info:
+        normflat.hessian_diagonal(model, data, **_kw(builder, fast=False))
+    assert info.value.__cause__ is not None  # the framework's own error, chained
+    assert "Make the model's forward accept a batch of one sample" in str(info.value)
+    if FRAMEWORK[builder.NAME] == "jax":  # per example: every estimator, fast or not
+        for estimator in ("ggn", "exact"):
+            with pytest.raises(ValueError, match=ONE_SAMPLE + ".*the JAX backend traces the model per example"):
+                normflat.hessian_diagonal(model, builder.make_data(x, y, 4), **_kw(builder, estimator=estimator))
+        return
+    _assert_same(_diag(builder, model, builder.make_data(x, y, 4)), _diag(builder, plain, builder.make_data(x, y, 4)))
+    _assert_same(_diag(builder, model, builder.make_data(x, y, 4), estimator="exact"),
+                 _diag(builder, plain, builder.make_data(x, y, 4), estimator="exact"))
 
 
 def test_samples_apart_tolerance_and_comparison():

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -75,6 +76,7 @@ __all__ = [
     "check_output_shape",
     "check_same_classes",
     "check_samples_apart",
+    "one_sample_error",
     "SAMPLES_APART_ROWS",
     "classes_first",
     "check_loss_value",
@@ -1261,8 +1263,9 @@ def check_samples_apart(together: Any, alone: list[Any], dtype: str | None = Non
     (:data:`SAMPLES_APART_ROWS`) together and each alone, once per analysis (per traced structure
     in JAX, per model and input signature in Keras' cached probe), and hands them here. A first
     batch of one row, or first rows that are equal, cannot reveal it; a model that cannot run on
-    one row is not compared (PyTorch and Keras), nor is one that cannot run on two (JAX: the
-    analysis runs it per example only).
+    one row is not compared (PyTorch and Keras: their generic paths refuse it with
+    :func:`one_sample_error`), nor is one that cannot run on two (JAX: the analysis runs it per
+    example only).
 
     Args:
         together: ``(r, *out)`` host array: the logits of the first ``r`` rows from one forward
@@ -1314,6 +1317,76 @@ def check_samples_apart(together: Any, alone: list[Any], dtype: str | None = Non
                 "output depend on that sample only (e.g. use running statistics, apply the batch-level step "
                 "outside the model), or analyze the per-sample part of the model."
             )
+
+
+#: Removed from a quoted error: terminal escapes (Keras prints parts of its errors in bold) and
+#: TensorFlow's names of the failing op's function and kernel.
+_ESCAPES = re.compile(r"\x1b\[[0-9;]*m|\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]")
+
+#: Where a quoted error's useful part ends: Keras appends the arguments of the failing call.
+_QUOTE_ENDS = ("Arguments received by",)
+
+#: Characters of a framework's error quoted in :func:`one_sample_error` (the whole error is chained).
+_QUOTE_CHARS = 400
+
+
+def _quoted(error: BaseException) -> str:
+    """``error`` as one line for a message: its type and text, terminal escapes and Keras' wrapper
+    line ("Exception encountered when calling …") and arguments removed, cut to a few hundred
+    characters (the error itself is chained)."""
+    lines = []
+    for line in _ESCAPES.sub("", str(error)).splitlines():
+        line = line.strip()
+        if line.startswith(_QUOTE_ENDS):
+            break
+        if line and not line.startswith("Exception encountered when calling"):
+            lines.append(line)
+    text = " ".join(lines) or "no message"
+    if len(text) > _QUOTE_CHARS:
+        text = text[:_QUOTE_CHARS].rstrip() + " …"
+    return f"{type(error).__name__}: {text}"
+
+
+def one_sample_error(framework: str, error: BaseException, weights: list[str] | None = None,
+                     fast: bool = True) -> ValueError:
+    """The one error every framework gives for a model that runs on its batches but fails on one
+    sample alone, where the analysis computes per-sample gradients from each sample's own forward.
+
+    Per-sample gradients (method §6, "Samples apart") come from the batch's activations (the fast
+    rules of PyTorch and Keras) or from a forward of each sample alone (their generic paths, and
+    every weight in JAX, which traces the model per example). A forward written for more than one
+    sample (a fixed batch size in a reshape, ``squeeze()`` without an axis dropping the batch axis
+    of one sample) fails there with the framework's own error from deep inside the analysis; each
+    backend catches it where it first calls the model on one sample and raises this instead, the
+    framework's error chained.
+
+    Args:
+        framework: ``"torch"``, ``"keras"`` or ``"jax"``, for the message.
+        error: The framework's error from the forward of one sample.
+        weights: The weights whose curvature comes from per-sample forwards (PyTorch and Keras: those
+            on the generic path), named in the message; ``None``: every weight (JAX).
+        fast: The ``fast`` option (``False`` sends every weight to the generic path).
+
+    Returns:
+        The ``ValueError`` to raise (``raise one_sample_error(...) from error``).
+    """
+    if weights is None:
+        which = "every weight's curvature (the JAX backend traces the model per example)"
+    elif not fast:
+        which = "every weight's curvature (fast=False: every weight on the generic path)"
+    else:
+        shown = ", ".join(weights[:5]) + (f" and {len(weights) - 5} more" if len(weights) > 5 else "")
+        which = f"the curvature of the weights that no fast rule reads ({shown}: the generic path)"
+    how = ("Make the model's forward accept a batch of one sample"
+           + (", or analyze with fast=True where every weight has a fast rule." if weights is not None and not fast
+              else "."))
+    return ValueError(
+        f"The {framework} model runs on its batches but fails when called on one sample alone "
+        f"({_quoted(error)}). normflat computes {which} from a forward of each sample alone (method §6, "
+        "\"Samples apart\"), so the forward must also run on a batch of one sample: no fixed batch size "
+        "(a reshape to (2, -1, ...) or to the training batch size) and no squeeze of the batch axis "
+        f"(squeeze() without an axis turns one sample's (1, d) into (d,)). {how}"
+    )
 
 
 def check_loss_value(shape: tuple[int, ...], finite: bool, index: int, options: AnalysisOptions) -> None:

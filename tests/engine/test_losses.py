@@ -454,3 +454,26 @@ def test_check_loss_value():
     for options in (custom, _opts()):
         with pytest.raises(ValueError, match="Batch 2: the loss is NaN or infinite"):
             losses.check_loss_value((), False, 2, options)
+
+
+def test_one_sample_error_names_the_weights_and_quotes_the_framework():
+    """The error for a model that fails on one sample alone (method §6, "Samples apart") names the
+    weights that run per sample (the first five, then a count), says ``fast=False`` where that sent
+    them there, and quotes the framework's error on one line: Keras' bold escapes, its wrapper line and
+    the arguments it appends, and TensorFlow's op names removed, a long message cut."""
+    keras_like = RuntimeError(
+        "Exception encountered when calling M.call().\n\n\x1b[1m{{function_node __wrapped__Reshape_device_/job:"
+        "localhost/replica:0/task:0/device:CPU:0}} Input to reshape is a tensor with 5 values [Op:Reshape]\x1b[0m\n\n"
+        "Arguments received by M.call():\n  • x=tf.Tensor(shape=(1, 6))")
+    err = losses.one_sample_error("keras", keras_like, [f"w{i}" for i in range(7)], fast=True)
+    text = str(err)
+    assert isinstance(err, ValueError)
+    assert "(RuntimeError: Input to reshape is a tensor with 5 values)" in text
+    assert "w0, w1, w2, w3, w4 and 2 more: the generic path" in text
+    assert "\x1b" not in text and "Arguments received" not in text and "Exception encountered" not in text
+    assert text.endswith("Make the model's forward accept a batch of one sample.")
+    off = str(losses.one_sample_error("torch", TypeError("x" * 1000), ["a"], fast=False))
+    assert "(TypeError: " + "x" * 400 + " …)" in off and "fast=False: every weight on the generic path" in off
+    assert off.endswith("or analyze with fast=True where every weight has a fast rule.")
+    jax_text = str(losses.one_sample_error("jax", ValueError("")))
+    assert "(ValueError: no message)" in jax_text and "the JAX backend traces the model per example" in jax_text

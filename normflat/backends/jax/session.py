@@ -46,7 +46,7 @@ from normflat.backends.jax.state import ModelState
 from normflat.engine.data import PENDING_CHECKS, Batch, labels_for, non_finite_inputs
 from normflat.engine.estimators import SumState
 from normflat.engine.losses import (LOGIT_STATS, check_logit_stats, check_loss_value, check_output_shape,
-                                    check_same_classes, check_samples_apart)
+                                    check_same_classes, check_samples_apart, one_sample_error)
 from normflat.engine.options import AnalysisOptions, resolve_estimator
 from normflat.engine.problems import UNUSED_NOTE, LayerSpec, ParameterStatus
 
@@ -135,8 +135,21 @@ def trace_layers(view: Any, batch: Batch, *, allow_half_precision: bool = False)
         ws, others = view.split()
         fn = view.example_fn()
         treedef = jax.tree_util.tree_structure(x0)
-        prog = trace_program(lambda w_, o_, xl: [fn(w_, o_, jax.tree_util.tree_unflatten(treedef, xl))],
-                             ws, others, jax.tree_util.tree_leaves(x0))
+        failed: list[Exception] = []  # the model's own error, apart from the program's checks
+
+        def example(w_: Any, o_: Any, xl: Any) -> list[Any]:
+            try:
+                return [fn(w_, o_, jax.tree_util.tree_unflatten(treedef, xl))]
+            except Exception as err:
+                failed.append(err)
+                raise
+
+        try:
+            prog = trace_program(example, ws, others, jax.tree_util.tree_leaves(x0))
+        except Exception as err:
+            if failed and failed[0] is err:
+                _check_runs_on_batches(view, x, err)
+            raise
         order = sorted(range(len(ws)), key=lambda k: (prog.first_use[k], k))
         prog.reorder(order)
         apart = False
@@ -166,6 +179,24 @@ def trace_layers(view: Any, batch: Batch, *, allow_half_precision: bool = False)
         if tkey is not None:
             _TRACES.put(tkey, (prog, order, view.struct_refs, True))
     return prog, (per_example if len(prog.out_refs) == 1 else (0, 0))
+
+
+def _check_runs_on_batches(view: Any, x: Any, err: Exception) -> None:
+    """Raise :func:`~normflat.engine.losses.one_sample_error` for a model whose per-example trace
+    failed with ``err`` but that runs on the batch's first two rows (a forward written for more
+    than one sample: a fixed batch size, a squeeze of the batch axis); return for one that fails
+    on them too (its own error stands) or is called per example by design (equinox's ``vmap=True``).
+    """
+    if view.vmap:
+        return
+    two = jax.tree_util.tree_map(lambda a: a[:2], x)
+    if int(jax.tree_util.tree_leaves(two)[0].shape[0]) < 2:
+        return  # a first batch of one row: that row is the batch
+    try:
+        jax.eval_shape(lambda t: view.apply_batch(view.leaves, list(view.extra), t), two)
+    except Exception:  # noqa: BLE001 - the model fails on batches too: its own error stands
+        return
+    raise one_sample_error("jax", err) from err
 
 
 def _check_classes_apart(view: Any, x: Any, per_example: tuple[int, ...]) -> None:

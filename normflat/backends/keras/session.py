@@ -41,7 +41,7 @@ from normflat.engine import estimators
 from normflat.engine.data import PENDING_CHECKS, Batch, labels_for
 from normflat.engine.estimators import SumState
 from normflat.engine.losses import (SAMPLES_APART_ROWS, check_logit_stats, check_loss_value, check_output_shape,
-                                    check_samples_apart, classes_first, logit_stats)
+                                    check_samples_apart, classes_first, logit_stats, one_sample_error)
 from normflat.engine.options import AnalysisOptions, resolve_estimator
 from normflat.engine.problems import UNUSED_NOTE, LayerSpec
 from normflat.engine.random import sample_uniforms
@@ -566,15 +566,17 @@ class KerasSession:
         (:func:`~normflat.engine.losses.classes_first`: asked before refusing the first logits' classes)."""
         return lambda: tuple(model_logits(self.model, _slice(x, 0, 1), self.options).shape)
 
-    def _rows_alone(self, x: Any, rows: int) -> list[Any] | None:
+    def _rows_alone(self, x: Any, rows: int) -> list[Any] | Exception:
         """The logits of each of the first ``rows`` rows of ``x`` from a forward of that row alone (host
-        arrays, :func:`~normflat.engine.losses.check_samples_apart`); ``None`` for a model that fails on
-        one row (the analysis' own forwards report what is wrong with it)."""
+        arrays, :func:`~normflat.engine.losses.check_samples_apart`), or the error of a model that fails
+        on one row: nothing to compare, and the generic path would fail the same way
+        (:func:`~normflat.engine.losses.one_sample_error`, raised by :meth:`_probe_eager` where a weight
+        takes it)."""
         try:
             return [np.asarray(model_logits(self.model, _slice(x, i, i + 1), self.options), dtype=np.float64)
                     for i in range(rows)]
-        except Exception:  # noqa: BLE001 - nothing to compare (see the docstring)
-            return None
+        except Exception as err:  # noqa: BLE001 - see the docstring
+            return err
 
     def _probe_eager(self, x: Any, batch: Batch) -> None:
         rows = min(batch.n, 2)
@@ -592,7 +594,7 @@ class KerasSession:
         self.saturation = min(self.saturation, check_logit_stats(
             logit_stats(TF, zc), self.options, batch.index, self.num_classes,
             float(np.finfo(zc.dtype.as_numpy_dtype).eps)))
-        if alone is not None:
+        if isinstance(alone, list):
             check_samples_apart(np.asarray(z, dtype=np.float64), alone, dtype=logits_rounding(self.model, z))
         if self.taps is not None:
             # The one Dense whose pre-activation is the logits themselves (the step's head test).
@@ -630,6 +632,11 @@ class KerasSession:
             self._unused(idle, first)
             self._first_checks(x, batch, z)
         self.input_size = sum(_per_sample_elements(t) for t in tf.nest.flatten(first))
+        if isinstance(alone, Exception) and not self.hvp:
+            # The weights are on their paths now: the generic path runs each sample alone.
+            generic = [e.name for e in self.entries if not e.fast]
+            if generic:
+                raise one_sample_error("keras", alone, generic, self.config.fast) from alone
 
     def _unused(self, idle: list[Entry], first: Any) -> None:
         """The weights whose layers the first forward never called and that the logits do not depend

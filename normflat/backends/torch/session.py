@@ -183,6 +183,9 @@ class TorchSession:
         self._swappable: set[int] = set()
         self.batched = False
         self.batches_seen = 0
+        # A model that runs on the first batch but fails on one row alone: its error, raised where the
+        # generic path would run a sample alone (_check_one_sample).
+        self._one_sample_failure: Exception | None = None
         # Value checks of the batches whose answer would wait for the device (the logits' and the
         # loss's statistics, the inputs on an accelerator), read in one go after the loop
         # (_run_checks): ``(batch index, kind, device tensor, what the message needs)`` in order.
@@ -375,16 +378,25 @@ class TorchSession:
         return shape
 
     def _check_samples_apart(self, xs: ModelInputs) -> None:
-        """:func:`check_samples_apart_of` on the first batch, nothing recorded by the capture."""
+        """:func:`check_samples_apart_of` on the first batch, nothing recorded by the capture; the error
+        of a model that fails on one row alone is kept for the generic path (:meth:`_check_one_sample`)."""
         cap = self.capture
         active = cap.active if cap is not None else False
         if cap is not None:
             cap.active = False
         try:
-            check_samples_apart_of(self.model, xs, self._pick)
+            self._one_sample_failure = check_samples_apart_of(self.model, xs, self._pick)
         finally:
             if cap is not None:
                 cap.active = active
+
+    def _check_one_sample(self, generic: list[TorchLayer]) -> None:
+        """Refuse a model that fails on one sample alone before the generic path runs it on one
+        (:func:`~normflat.engine.losses.one_sample_error`): the first batch's check found the error."""
+        err = self._one_sample_failure
+        if err is not None:
+            raise losses.one_sample_error("torch", err, [layer.name for layer in generic],
+                                          self.settings.fast) from err
 
     def _run_checks(self) -> None:
         """Read the deferred checks (:attr:`_pending`) with one transfer per dtype, in batch order,
@@ -1121,6 +1133,7 @@ class TorchSession:
             cap.reset()
             generic = [layer for layer in self._layers if not layer.fast]
             if generic:
+                self._check_one_sample(generic)
                 cap.active = False
                 try:
                     self._check_swappable(xc, generic)
@@ -1797,7 +1810,7 @@ def _is_logits(output: torch.Tensor | None, logits: torch.Tensor) -> bool:
             and fn.next_functions[0][0] is output.grad_fn)
 
 
-def check_samples_apart_of(model: nn.Module, xs: ModelInputs, pick: Callable[[Any], Any]) -> None:
+def check_samples_apart_of(model: nn.Module, xs: ModelInputs, pick: Callable[[Any], Any]) -> Exception | None:
     """:func:`~normflat.engine.losses.check_samples_apart` on a first batch ``xs``: its first rows in
     one forward and each alone, with the model's own weights and no gradients (the analysis and the
     perturbation models of ``normflat.measures`` alike, outside any ``torch.func`` transform). A
@@ -1807,20 +1820,30 @@ def check_samples_apart_of(model: nn.Module, xs: ModelInputs, pick: Callable[[An
         model: The module, in the analysis' mode.
         xs: The first batch's inputs.
         pick: The logits inside the model's output (the ``output`` option).
+
+    Returns:
+        The error of a model that runs on the first rows together but fails on one row alone
+        (the generic path's per-sample forwards would fail the same way:
+        :func:`~normflat.engine.losses.one_sample_error`), else ``None``.
     """
     rows = min(losses.SAMPLES_APART_ROWS, xs.n)
     try:
         with torch.no_grad():
             together = pick(xs.rows(slice(0, rows)).call(model))
-            alone = [pick(xs.rows(slice(i, i + 1)).call(model)) for i in range(rows)]
     except Exception:  # noqa: BLE001 - nothing to compare (see the docstring)
-        return
+        return None
+    try:
+        with torch.no_grad():
+            alone = [pick(xs.rows(slice(i, i + 1)).call(model)) for i in range(rows)]
+    except Exception as err:  # noqa: BLE001 - kept for the generic path (see Returns)
+        return err
     if not all(_is_tensor(z) and z.is_floating_point() for z in (together, *alone)):
-        return  # not logits: the output checks' error
+        return None  # not logits: the output checks' error
     if together.dim() < 1 or int(together.shape[0]) != rows:
-        return
+        return None
     host = [z.detach().to(torch.float64).cpu().numpy() for z in (together, *alone)]
     losses.check_samples_apart(host[0], host[1:], dtype=str(together.dtype).removeprefix("torch."))
+    return None
 
 
 def _is_tensor(a: Any) -> bool:
