@@ -558,6 +558,34 @@ def test_model_that_fails_on_one_sample_alone(builder):
                  _diag(builder, plain, builder.make_data(x, y, 4), estimator="exact"))
 
 
+#: The distinctive part of the engine's error for inputs the model fails on
+#: (normflat.engine.data.model_fails_on_inputs).
+FAILS_ON_INPUTS = r"model fails on the inputs of batch 0 \(\w+ \(6, 5\)\): "
+
+
+def test_inputs_the_model_fails_on(builder):
+    """Inputs that do not fit the model (one feature too many): every framework gives the engine's one
+    error, naming the batch and its inputs' dtype and shape, the model's own error quoted and chained,
+    for the analysis (a GGN and a Hessian-vector product estimator) and the perturbation models of
+    ``normflat.measures``. Before, each raised its own error from inside the framework (PyTorch's
+    matmul, Keras' input check, flax's parameter shape check, an equinox message about ``vmap``)."""
+    spec = _mlp(19)
+    x, y = netspec.data(spec, n=6, seed=20)
+    wide = np.concatenate([x, x[:, :1]], axis=1)
+    model = builder.build(spec)
+    for estimator in ("ggn", "exact"):
+        with pytest.raises(ValueError, match=FAILS_ON_INPUTS) as info:
+            normflat.analyze(model, builder.make_data(wide, y, 6), **_kw(builder, estimator=estimator))
+        assert info.value.__cause__ is not None  # the model's own error, chained
+        assert str(info.value).endswith("Check that the model runs on one batch of the data outside normflat.")
+    with pytest.raises(ValueError, match=FAILS_ON_INPUTS):
+        normflat.measures(model, builder.make_data(wide, y, 6), ["fisher_rao_norm"], loss="ce", progress=False,
+                          backend_options=builder.ANALYZE_KWARGS)
+    # normflat's own errors raised around the first forward keep their messages.
+    with pytest.raises(ValueError, match="probabilities"):
+        normflat.analyze(_with_softmax(builder, model), builder.make_data(x, y, 6), **_kw(builder))
+
+
 def test_samples_apart_tolerance_and_comparison():
     """The engine's comparison: rounding of the logits' dtype passes, a difference of their own order
     fails; non-finite entries and rows of another shape are not compared."""

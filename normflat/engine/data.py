@@ -35,12 +35,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Protocol
 
+import linecache
+import os
+
 import numpy as np
 
+from normflat.engine.losses import quoted_error
 from normflat.engine.options import AnalysisOptions, limited
 
 __all__ = ["INFINITE", "DataAdapter", "Batch", "EmptyDataError", "batches", "labels_for", "input_leaves",
-           "LABEL_KEYS", "non_finite_inputs", "PENDING_CHECKS"]
+           "LABEL_KEYS", "non_finite_inputs", "PENDING_CHECKS", "describe_inputs", "model_fails_on_inputs",
+           "raised_by_normflat"]
 
 #: Keys of a Hugging Face style mapping batch that hold the labels (the rest are inputs).
 LABEL_KEYS = ("labels", "label")
@@ -223,6 +228,77 @@ def non_finite_inputs(index: int) -> ValueError:
     return ValueError(
         f"Batch {index}: the inputs contain NaN or infinite values; clean or impute the data before analyzing."
     )
+
+
+#: Input arrays named in :func:`describe_inputs` (then a count).
+_DESCRIBED_INPUTS = 4
+
+
+def _describe_array(a: Any) -> str:
+    shape = tuple(None if d is None else int(d) for d in getattr(a, "shape", ()))
+    dtype = getattr(a, "dtype", None)
+    name = getattr(dtype, "name", None)  # numpy, TensorFlow; torch's dtypes print as "torch.float64"
+    return f"{name if isinstance(name, str) else str(dtype).rsplit('.', 1)[-1]} {shape}"
+
+
+def describe_inputs(x: Any) -> str:
+    """A batch's inputs for a message: each array's dtype and shape, by name in a mapping and by
+    position in a tuple or list, the first few (then a count)."""
+    if isinstance(x, Mapping):
+        items = [(f"{k} ", v) for k, v in x.items()]
+    elif isinstance(x, (tuple, list)):
+        items = [(f"[{i}] ", v) for i, v in enumerate(x)]
+    else:
+        return _describe_array(x)
+    parts = [name + (_describe_array(v) if not isinstance(v, (Mapping, tuple, list)) else type(v).__name__)
+             for name, v in items[:_DESCRIBED_INPUTS]]
+    more = len(items) - _DESCRIBED_INPUTS
+    return ", ".join(parts) + (f" and {more} more" if more > 0 else "")
+
+
+def model_fails_on_inputs(framework: str, error: BaseException, batch: Batch) -> ValueError:
+    """The one error every framework gives when the model's first forward fails on a batch's inputs
+    (inputs that do not fit the model: another number of features, another dtype, the axes in
+    another order), in place of an error from deep inside the framework; the model's own error is
+    quoted and chained (``raise model_fails_on_inputs(...) from error``).
+
+    Each backend calls it where it first runs the model on the data, without normflat's recording
+    (PyTorch and Keras: the first rows of the first batch; JAX: the first rows, after its per-example
+    trace failed). Errors that normflat raises itself (:func:`raised_by_normflat`) pass unchanged.
+
+    Args:
+        framework: ``"torch"``, ``"keras"`` or ``"jax"``, for the message.
+        error: The model's error.
+        batch: The batch whose inputs it failed on.
+    """
+    return ValueError(
+        f"The {framework} model fails on the inputs of batch {batch.index} ({describe_inputs(batch.x)}"
+        f"{', as keyword arguments' if batch.keywords else ''}): {quoted_error(error)}. normflat calls the "
+        "model on each batch's inputs as the data gives them, so they must be what the model takes: "
+        "their shape, with the samples along the first axis (any number of them: normflat also runs the "
+        "model on a few rows and on one sample), their dtype and their order. Check that "
+        "the model runs on one batch of the data outside normflat."
+    )
+
+
+#: normflat's own directory: an error raised in its code is its own (:func:`raised_by_normflat`).
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def raised_by_normflat(error: BaseException) -> bool:
+    """Whether normflat raised ``error`` itself, rather than the model or its framework: the
+    innermost Python frame of its traceback is a ``raise`` statement in normflat's code. A check's
+    own error keeps its message instead of :func:`model_fails_on_inputs`; a framework's error that
+    only passes through normflat's code (PyTorch's ``__torch_function__`` shims, the call of a JAX
+    model whose internal frames JAX filters out) ends at a call, not at a ``raise``."""
+    tb, last = error.__traceback__, None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    if last is None:
+        return False
+    filename = last.tb_frame.f_code.co_filename
+    return (filename.startswith(_PACKAGE_DIR)
+            and linecache.getline(filename, last.tb_lineno).lstrip().startswith("raise"))
 
 
 def batches(data: Any, adapter: DataAdapter, options: AnalysisOptions) -> tuple[Iterator[Batch], int | None]:

@@ -77,6 +77,7 @@ __all__ = [
     "check_same_classes",
     "check_samples_apart",
     "one_sample_error",
+    "quoted_error",
     "SAMPLES_APART_ROWS",
     "classes_first",
     "check_loss_value",
@@ -1326,11 +1327,11 @@ _ESCAPES = re.compile(r"\x1b\[[0-9;]*m|\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w
 #: Where a quoted error's useful part ends: Keras appends the arguments of the failing call.
 _QUOTE_ENDS = ("Arguments received by",)
 
-#: Characters of a framework's error quoted in :func:`one_sample_error` (the whole error is chained).
+#: Characters of a framework's error quoted in a message (the whole error is chained).
 _QUOTE_CHARS = 400
 
 
-def _quoted(error: BaseException) -> str:
+def quoted_error(error: BaseException) -> str:
     """``error`` as one line for a message: its type and text, terminal escapes and Keras' wrapper
     line ("Exception encountered when calling …") and arguments removed, cut to a few hundred
     characters (the error itself is chained)."""
@@ -1382,7 +1383,7 @@ def one_sample_error(framework: str, error: BaseException, weights: list[str] | 
               else "."))
     return ValueError(
         f"The {framework} model runs on its batches but fails when called on one sample alone "
-        f"({_quoted(error)}). normflat computes {which} from a forward of each sample alone (method §6, "
+        f"({quoted_error(error)}). normflat computes {which} from a forward of each sample alone (method §6, "
         "\"Samples apart\"), so the forward must also run on a batch of one sample: no fixed batch size "
         "(a reshape to (2, -1, ...) or to the training batch size) and no squeeze of the batch axis "
         f"(squeeze() without an axis turns one sample's (1, d) into (d,)). {how}"

@@ -161,10 +161,14 @@ def test_multi_worker_mirrored_strategy(workers, index):
     for est in ("ggn", "exact"):
         assert result[est] <= TOL
         assert result[f"{est}_metadata"] == {"examples": 23, "batches": 5, "replicas": 2, "workers": 2}
-    # Worker 1's batch fails inside its replica: worker 1 raises that error, worker 0 is told
-    # (through the engine's per-batch status step) and raises too, instead of waiting forever.
-    expected = "InvalidArgumentError" if index == 1 else "DistributedFailure: normflat stopped on rank 0"
+    # Worker 1's first batch fails in its model's first forward: worker 1 raises the engine's error for
+    # inputs the model fails on (the model's error quoted), worker 0 is told (through the engine's
+    # per-batch status step) and raises too, instead of waiting forever.
+    expected = ("ValueError: The keras model fails on the inputs of batch 0" if index == 1
+                else "DistributedFailure: normflat stopped on rank 0")
     assert result["failure"].startswith(expected), result["failure"]
+    if index == 1:
+        assert "InvalidArgumentError: replica failure" in result["failure"]
 
 
 # ----------------------------------------------------------------------------- in-process checks

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from normflat.engine import EmptyDataError, validate_options
-from normflat.engine.data import Batch, batches, input_leaves, labels_for
+from normflat.engine.data import (Batch, batches, describe_inputs, input_leaves, labels_for, model_fails_on_inputs,
+                                  raised_by_normflat)
 from tests.engine._fakes import Infinite, NumpyAdapter
 
 ADAPTER = NumpyAdapter()
@@ -258,3 +259,56 @@ def test_custom_loss_gets_y_as_given_but_integer_labels_are_checked():
     assert _labels(np.array([1, 3]), loss=my_loss).tolist() == [1, 3]
     with pytest.raises(ValueError, match=r"class indices in \[0, 3\]"):
         _labels(np.array([1, 4]), loss=my_loss)
+
+
+class _TorchLikeDtype:
+    """A dtype without ``name`` that prints as ``torch.float64`` does."""
+
+    def __str__(self):
+        return "torch.float64"
+
+
+class _Array:
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
+
+
+def test_describe_inputs_names_dtypes_and_shapes():
+    """Arrays by dtype and shape; a mapping's by name, a tuple's by position, the first four then a count."""
+    assert describe_inputs(np.zeros((8, 7))) == "float64 (8, 7)"
+    assert describe_inputs(_Array((2, 3), _TorchLikeDtype())) == "float64 (2, 3)"
+    assert describe_inputs({"input_ids": np.zeros((2, 5), np.int64), "mask": np.ones((2, 5), bool)}) == (
+        "input_ids int64 (2, 5), mask bool (2, 5)")
+    six = tuple(np.zeros((1, i), np.float32) for i in range(6))
+    assert describe_inputs(six) == ("[0] float32 (1, 0), [1] float32 (1, 1), [2] float32 (1, 2), "
+                                    "[3] float32 (1, 3) and 2 more")
+
+
+def test_model_fails_on_inputs_message():
+    batch = Batch(index=3, x={"input_ids": np.zeros((2, 5), np.int64)}, y=np.zeros(2), n=2, offset=0, keywords=True)
+    err = model_fails_on_inputs("keras", RuntimeError("\x1b[1mshapes do not match\x1b[0m"), batch)
+    assert isinstance(err, ValueError)
+    assert str(err).startswith("The keras model fails on the inputs of batch 3 (input_ids int64 (2, 5), as keyword "
+                               "arguments): RuntimeError: shapes do not match. normflat calls the model")
+
+
+def test_raised_by_normflat_tells_its_own_errors_from_the_models():
+    """An error raised by a ``raise`` in normflat's code is its own. One raised outside it (the model),
+    or by a builtin that normflat's code calls (as a framework's error whose frames are filtered out
+    ends at normflat's call of the model), is not; nor is one never raised."""
+    from normflat.engine import losses
+
+    with pytest.raises(ValueError) as own:
+        losses.check_samples_apart(np.array([[0.0, 1.0]]), [np.array([[0.0, 5.0]])])
+    assert raised_by_normflat(own.value)
+
+    def model(x):
+        raise RuntimeError("the model's own error")
+
+    with pytest.raises(RuntimeError) as outside:
+        model(None)
+    assert not raised_by_normflat(outside.value)
+    with pytest.raises(ValueError) as through:
+        describe_inputs(_Array((1, "x"), np.float64))  # int("x") fails on a line of normflat's that calls it
+    assert through.value.__traceback__ is not None and not raised_by_normflat(through.value)
+    assert not raised_by_normflat(RuntimeError("never raised"))

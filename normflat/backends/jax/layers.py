@@ -910,11 +910,18 @@ def _equinox(model, x0, dtype, vmap, state, invoke):
     return view, owners, parents
 
 
+def _call_signature_error(err: Exception) -> bool:
+    """Whether ``err`` is Python's error for a call with missing or unexpected arguments (a model that
+    needs ``state=``), which the options fix, rather than the model's error on its inputs."""
+    return isinstance(err, TypeError) and ("positional argument" in str(err) or "keyword argument" in str(err))
+
+
 def _detect_vmap(call, leaves, x0) -> bool:
     """Per-example model (equinox's own layers) if it maps one example to a 1-D logit vector."""
     n = jax.tree_util.tree_leaves(x0)[0].shape[0]
     errors = []
     one = None
+    batch_error: Exception | None = None
     try:
         out = jax.eval_shape(call, leaves, jax.tree_util.tree_map(lambda a: a[0], x0))
         one = getattr(out, "ndim", None)
@@ -930,8 +937,11 @@ def _detect_vmap(call, leaves, x0) -> bool:
         errors.append(f"called on a batch it returned shape {getattr(out, 'shape', type(out))}")
     except Exception as err:  # noqa: BLE001
         errors.append(f"called on a batch it raised {type(err).__name__}: {str(err)[:200].rstrip('.')}")
+        batch_error = err
     if one == 2:
         return True  # token logits (tokens, classes) of one example
+    if batch_error is not None and one is None and not _call_signature_error(batch_error):
+        raise batch_error  # it runs neither way: the inputs do not fit it (session.view_for's error)
     raise ValueError(
         "Cannot tell whether the equinox model takes one example (logits of shape (classes,) or token logits "
         "(tokens, classes)) or a batch (logits of shape (batch, classes) or (batch, tokens, classes)): "

@@ -43,7 +43,8 @@ from normflat.backends.jax.kernel import GroupSums, combine_stats
 from normflat.backends.jax.layers import canonical_shape, check_has_weights, check_layouts, make_view, to_canonical
 from normflat.backends.jax.program import UNUSED_REASON, trace_program
 from normflat.backends.jax.state import ModelState
-from normflat.engine.data import PENDING_CHECKS, Batch, labels_for, non_finite_inputs
+from normflat.engine.data import (PENDING_CHECKS, Batch, labels_for, model_fails_on_inputs, non_finite_inputs,
+                                  raised_by_normflat)
 from normflat.engine.estimators import SumState
 from normflat.engine.losses import (LOGIT_STATS, check_logit_stats, check_loss_value, check_output_shape,
                                     check_same_classes, check_samples_apart, one_sample_error)
@@ -90,10 +91,17 @@ def view_for(model: Any, batch: Batch, settings: dict, options: AnalysisOptions)
         settings: The backend's settings (``dtype``, ``vmap``, ``state``, ``apply_kwargs``, ``layouts``).
         options: The analysis options (``output``).
     """
-    return make_view(model, jax.tree_util.tree_map(to_jax, batch.x), dtype=settings["dtype"],
-                     vmap=settings["vmap"], state=settings["state"],
-                     apply_kwargs=dict(settings["apply_kwargs"] or {}), layouts=dict(settings["layouts"] or {}),
-                     keywords=batch.keywords, output=options.output)
+    try:
+        return make_view(model, jax.tree_util.tree_map(to_jax, batch.x), dtype=settings["dtype"],
+                         vmap=settings["vmap"], state=settings["state"],
+                         apply_kwargs=dict(settings["apply_kwargs"] or {}),
+                         layouts=dict(settings["layouts"] or {}), keywords=batch.keywords, output=options.output)
+    except Exception as err:
+        # The view calls the model on the batch (a linen module's owners, equinox's per-example test):
+        # a model that fails on the data's inputs fails here first.
+        if raised_by_normflat(err):
+            raise
+        raise model_fails_on_inputs("jax", err, batch) from err
 
 
 def trace_layers(view: Any, batch: Batch, *, allow_half_precision: bool = False) -> tuple[Any, tuple[int, ...]]:
@@ -147,8 +155,8 @@ def trace_layers(view: Any, batch: Batch, *, allow_half_precision: bool = False)
         try:
             prog = trace_program(example, ws, others, jax.tree_util.tree_leaves(x0))
         except Exception as err:
-            if failed and failed[0] is err:
-                _check_runs_on_batches(view, x, err)
+            if failed and failed[0] is err and not raised_by_normflat(err):
+                _check_runs_on_batches(view, batch, x, err)
             raise
         order = sorted(range(len(ws)), key=lambda k: (prog.first_use[k], k))
         prog.reorder(order)
@@ -181,22 +189,25 @@ def trace_layers(view: Any, batch: Batch, *, allow_half_precision: bool = False)
     return prog, (per_example if len(prog.out_refs) == 1 else (0, 0))
 
 
-def _check_runs_on_batches(view: Any, x: Any, err: Exception) -> None:
-    """Raise :func:`~normflat.engine.losses.one_sample_error` for a model whose per-example trace
-    failed with ``err`` but that runs on the batch's first two rows (a forward written for more
-    than one sample: a fixed batch size, a squeeze of the batch axis); return for one that fails
-    on them too (its own error stands) or is called per example by design (equinox's ``vmap=True``).
+def _check_runs_on_batches(view: Any, batch: Batch, x: Any, err: Exception) -> None:
+    """The model's per-example trace failed with ``err``: raise
+    :func:`~normflat.engine.losses.one_sample_error` for a model that runs on the batch's first two
+    rows (a forward written for more than one sample: a fixed batch size, a squeeze of the batch
+    axis), :func:`~normflat.engine.data.model_fails_on_inputs` for one that fails on them too (inputs
+    that do not fit it; the batch's error chained); return for a model called per example by
+    design (equinox's ``vmap=True``), whose error stands.
     """
     if view.vmap:
         return
-    two = jax.tree_util.tree_map(lambda a: a[:2], x)
-    if int(jax.tree_util.tree_leaves(two)[0].shape[0]) < 2:
-        return  # a first batch of one row: that row is the batch
+    first = jax.tree_util.tree_map(lambda a: a[:2], x)
     try:
-        jax.eval_shape(lambda t: view.apply_batch(view.leaves, list(view.extra), t), two)
-    except Exception:  # noqa: BLE001 - the model fails on batches too: its own error stands
-        return
-    raise one_sample_error("jax", err) from err
+        jax.eval_shape(lambda t: view.apply_batch(view.leaves, list(view.extra), t), first)
+    except Exception as on_rows:  # noqa: BLE001 - the inputs do not fit the model
+        if raised_by_normflat(on_rows):
+            return
+        raise model_fails_on_inputs("jax", on_rows, batch) from on_rows
+    if int(jax.tree_util.tree_leaves(first)[0].shape[0]) >= 2:
+        raise one_sample_error("jax", err) from err
 
 
 def _check_classes_apart(view: Any, x: Any, per_example: tuple[int, ...]) -> None:

@@ -306,16 +306,18 @@ class TorchPerturbationModel:
                 inputs_ok = deferred_inputs_finite(batch.x)
                 if inputs_ok is not None and not bool(inputs_ok):
                     raise non_finite_inputs(batch.index)
+            if not self._apart_checked:
+                # Once, on the first batch, outside gradient()'s transforms: the first forward (inputs
+                # the model fails on refused) and, from two rows, the samples apart.
+                check_samples_apart_of(self.model, xs, lambda out: select_output(out, self.options.output, _is_tensor),
+                                       batch)
+                self._apart_checked = True
             if not self._swappable:
                 # Every forward swaps the weights in with functional_call: a weight also reached
                 # another way would stay unperturbed (ggn.unswapped).
                 self._check_swappable(xs.rows(slice(0, min(2, xs.n))),
                                      {layer.param_name: layer.param for layer in self._layers})
                 self._swappable = True
-            if not self._apart_checked and xs.n >= 2:
-                # Once, on the first batch of two rows or more, outside gradient()'s transforms.
-                check_samples_apart_of(self.model, xs, lambda out: select_output(out, self.options.output, _is_tensor))
-                self._apart_checked = True
             # Labels on the host before the torch.func transforms: inside them a tensor cannot be
             # read into numpy (labels_for does), and the data contract reads numpy labels alike.
             yield dataclasses.replace(batch, y=ADAPTER.to_numpy(batch.y)), xs

@@ -32,7 +32,8 @@ from normflat.backends.torch.state import ModelState, claim, release
 from normflat.core.memory import equal_step
 from normflat.engine import estimators, losses
 from normflat.engine import random as nrandom
-from normflat.engine.data import PENDING_CHECKS, Batch, labels_for, non_finite_inputs
+from normflat.engine.data import (PENDING_CHECKS, Batch, labels_for, model_fails_on_inputs, non_finite_inputs,
+                                  raised_by_normflat)
 from normflat.engine.estimators import SumState
 from normflat.engine.problems import UNUSED_NOTE
 from normflat.engine.options import GGN_ESTIMATORS, AnalysisOptions, check_flags, resolve_estimator
@@ -247,8 +248,8 @@ class TorchSession:
             inputs_ok = deferred_inputs_finite(batch.x)
             if inputs_ok is not None:
                 self._pending.append((batch.index, "inputs", inputs_ok, None))
-            if self.batches_seen == 0 and batch.n >= 2:
-                self._check_samples_apart(xs)
+            if self.batches_seen == 0:
+                self._check_samples_apart(xs, batch)
             if self.ggn:
                 terms = self._ggn_update(batch, xs, state)
             else:
@@ -377,15 +378,16 @@ class TorchSession:
                 return tuple(self._pick(inputs.rows(slice(0, 1)).call(self.model)).shape)
         return shape
 
-    def _check_samples_apart(self, xs: ModelInputs) -> None:
-        """:func:`check_samples_apart_of` on the first batch, nothing recorded by the capture; the error
-        of a model that fails on one row alone is kept for the generic path (:meth:`_check_one_sample`)."""
+    def _check_samples_apart(self, xs: ModelInputs, batch: Batch) -> None:
+        """:func:`check_samples_apart_of` on the first batch, nothing recorded by the capture: the first
+        forward, which refuses inputs the model fails on; the error of a model that fails on one row
+        alone is kept for the generic path (:meth:`_check_one_sample`)."""
         cap = self.capture
         active = cap.active if cap is not None else False
         if cap is not None:
             cap.active = False
         try:
-            self._one_sample_failure = check_samples_apart_of(self.model, xs, self._pick)
+            self._one_sample_failure = check_samples_apart_of(self.model, xs, self._pick, batch)
         finally:
             if cap is not None:
                 cap.active = active
@@ -1810,27 +1812,37 @@ def _is_logits(output: torch.Tensor | None, logits: torch.Tensor) -> bool:
             and fn.next_functions[0][0] is output.grad_fn)
 
 
-def check_samples_apart_of(model: nn.Module, xs: ModelInputs, pick: Callable[[Any], Any]) -> Exception | None:
+def check_samples_apart_of(model: nn.Module, xs: ModelInputs, pick: Callable[[Any], Any],
+                           batch: Batch | None = None) -> Exception | None:
     """:func:`~normflat.engine.losses.check_samples_apart` on a first batch ``xs``: its first rows in
     one forward and each alone, with the model's own weights and no gradients (the analysis and the
-    perturbation models of ``normflat.measures`` alike, outside any ``torch.func`` transform). A
-    model that fails on them is not compared: the analysis' own forwards report what is wrong with it.
+    perturbation models of ``normflat.measures`` alike, outside any ``torch.func`` transform).
 
     Args:
         model: The module, in the analysis' mode.
-        xs: The first batch's inputs.
+        xs: The first batch's inputs (one row or more: one row is the first forward only).
         pick: The logits inside the model's output (the ``output`` option).
+        batch: The batch, where a model that fails on its first rows is refused with
+            :func:`~normflat.engine.data.model_fails_on_inputs` (the analysis); ``None``: such a
+            model is not compared, and the caller's own forwards report what is wrong with it.
 
     Returns:
         The error of a model that runs on the first rows together but fails on one row alone
         (the generic path's per-sample forwards would fail the same way:
         :func:`~normflat.engine.losses.one_sample_error`), else ``None``.
+
+    Raises:
+        ValueError: :func:`~normflat.engine.data.model_fails_on_inputs`, for ``batch``.
     """
     rows = min(losses.SAMPLES_APART_ROWS, xs.n)
     try:
         with torch.no_grad():
             together = pick(xs.rows(slice(0, rows)).call(model))
-    except Exception:  # noqa: BLE001 - nothing to compare (see the docstring)
+    except Exception as err:  # noqa: BLE001 - see batch
+        if batch is not None and not raised_by_normflat(err):
+            raise model_fails_on_inputs("torch", err, batch) from err
+        return None
+    if rows < 2:
         return None
     try:
         with torch.no_grad():
