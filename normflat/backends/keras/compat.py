@@ -29,6 +29,7 @@ __all__ = [
     "group_norm_helpers",
     "rnn_loop",
     "onednn_enabled",
+    "with_backward",
 ]
 
 _MISSING = object()
@@ -169,3 +170,40 @@ def del_instance_attr(obj: Any, attr: str, old: Any) -> None:
 def group_norm_helpers(layer: Any) -> tuple[Any, Any]:
     """``GroupNormalization``'s private reshape helpers (its own group layout, reused as is)."""
     return layer._reshape_into_groups, layer._create_broadcast_shape
+
+
+def with_backward(output: Any, inputs: list[Any], backward: Callable[[Any], list[Any]]) -> Any | None:
+    """``output`` (a graph tensor computed from ``inputs``) whose gradient a ``GradientTape`` takes as
+    ``backward(g)`` (one gradient per input), as ``tf.custom_gradient`` does, without its global
+    gradient registry entry; ``None`` where TensorFlow's tape API moved (the caller then uses
+    ``tf.custom_gradient``).
+
+    In a graph, ``tf.custom_gradient`` registers each call's gradient function under a fresh name
+    in TensorFlow's process-wide gradient registry, for symbolic ``tf.gradients``, and never
+    removes it: the function holds the graph it was traced in, so every analysis of a new model
+    kept its steps' graphs (about 2 MiB each for a small MLP, checkpoint after checkpoint). The tape
+    needs only the record of the operation, which it keeps as long as it lives: here
+    ``tf.identity_n`` of the output and the inputs, recorded with ``backward`` (private API:
+    ``tensorflow.python.eager.record.record_operation``, which ``tf.custom_gradient`` calls); the
+    output's own gradient path is cut, as ``tf.custom_gradient`` cuts it. Nothing differentiates
+    normflat's compiled steps symbolically.
+    """
+    import tensorflow as tf
+
+    try:
+        from tensorflow.python.eager import record
+    except ImportError:  # pragma: no cover - other TensorFlow layouts
+        return None
+    operation = getattr(record, "record_operation", None)
+    if operation is None:  # pragma: no cover - other TensorFlow layouts
+        return None
+    originals = [output, *inputs]
+    outputs = tf.identity_n(originals)
+
+    def gradient(*output_grads: Any) -> list[Any]:
+        g = output_grads[0]
+        grads = backward(g) if g is not None else [None] * len(inputs)
+        return [None, *grads]
+
+    operation("NormflatWithBackward", outputs, originals, gradient)
+    return outputs[0]

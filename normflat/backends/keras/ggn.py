@@ -46,6 +46,7 @@ The step returns the ``(K', *canonical)`` sums of one chunk of samples
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import itertools
 import math
@@ -174,6 +175,49 @@ def _sees_gpu() -> bool:
 #: ``(W gᵀ)ᵀ`` (:func:`dense_product`).
 DENSE_COLUMNS_ROWS = 32
 
+#: The batch size of the call whose step is being traced with its batch axis left open
+#: (:func:`open_batch`), for :func:`dense_product` to choose its backward product while tracing.
+_OPEN_BATCH: contextvars.ContextVar[int | None] = contextvars.ContextVar("normflat_keras_open_batch", default=None)
+
+
+@contextlib.contextmanager
+def open_batch(size: int | None) -> Iterator[None]:
+    """While a step is traced with an open batch axis (``session.trace_open_batch``), the batch size of
+    the call it is traced for: :func:`dense_product` reads its rows from it where the graph's batch
+    axis is unknown."""
+    token = _OPEN_BATCH.set(size)
+    try:
+        yield
+    finally:
+        _OPEN_BATCH.reset(token)
+
+
+def _product_rows(x: Any) -> int | None:
+    """The rows of ``x`` flattened to a matrix (all axes but the last), from its static shape, the
+    batch axis from :func:`open_batch` where the graph leaves it open; ``None`` if unknown."""
+    lead = x.shape[0] if x.shape[0] is not None else _OPEN_BATCH.get()
+    inner = list(x.shape[1:-1])
+    if lead is None or any(d is None for d in inner):
+        return None
+    return int(lead) * int(np.prod([int(d) for d in inner], dtype=np.int64))
+
+
+def _with_gradient(compute: Callable[[Any], tuple[Any, Callable[[Any], Any]]], x: Any) -> Any:
+    """``out`` of ``compute(x) = (out, gradient)``, whose gradient with respect to ``x`` a tape takes as
+    ``gradient(g)``, as ``tf.custom_gradient(compute)(x)`` gives it.
+
+    In a graph (the compiled steps) by :func:`~normflat.backends.keras.compat.with_backward`:
+    ``tf.custom_gradient`` there leaves every step's graph in TensorFlow's global gradient
+    registry, 3 MiB per analysis of a new MLP (the ``Dense`` products of every signal). Eagerly,
+    and where that shim finds no tape API, by ``tf.custom_gradient``.
+    """
+    if not tf.executing_eagerly():
+        out, gradient = compute(x)
+        wrapped = compat.with_backward(out, [x], lambda g: [gradient(g)])
+        if wrapped is not None:
+            return wrapped
+    return tf.custom_gradient(compute)(x)
+
 
 def dense_product(inputs: Any, kernel: Any) -> Any:
     """``inputs @ kernel`` as Keras' ``Dense`` forms it, whose gradient with respect to ``inputs``
@@ -194,14 +238,20 @@ def dense_product(inputs: Any, kernel: Any) -> Any:
     result = keras.backend.result_type(x.dtype.name, w.dtype.name)
     x, w = tf.cast(x, compute), tf.stop_gradient(tf.cast(w, compute))
 
-    @tf.custom_gradient
-    def by_columns(rows):
-        def gradient(g):
-            return tf.cond(tf.shape(g)[0] <= DENSE_COLUMNS_ROWS,
-                           lambda: tf.transpose(tf.matmul(w, g, transpose_b=True)),
-                           lambda: tf.matmul(g, w, transpose_b=True))
+    known = _product_rows(x)
 
-        return tf.matmul(rows, w), gradient
+    def backward(g: Any) -> Any:
+        if known is not None:
+            # Chosen while tracing: a tf.cond's branch functions stay in TensorFlow's context after
+            # the step is freed. A chunk of another size than the traced call's runs the same product.
+            by_rows = known <= DENSE_COLUMNS_ROWS
+            return tf.transpose(tf.matmul(w, g, transpose_b=True)) if by_rows else tf.matmul(g, w, transpose_b=True)
+        return tf.cond(tf.shape(g)[0] <= DENSE_COLUMNS_ROWS,
+                       lambda: tf.transpose(tf.matmul(w, g, transpose_b=True)),
+                       lambda: tf.matmul(g, w, transpose_b=True))
+
+    def by_columns(rows):
+        return _with_gradient(lambda r: (tf.matmul(r, w), backward), rows)
 
     def own_gradient(rows):  # TensorFlow's g Wᵀ
         return tf.matmul(rows, w)
@@ -252,7 +302,6 @@ def _pool_by_argmax(inputs: Any, pool_size: Any, strides: Any, padding: str) -> 
     stride = [1, *strides, 1]
     pad = padding.upper()
 
-    @tf.custom_gradient
     def pooled(x):
         out, where = tf.nn.max_pool_with_argmax(x, ksize, stride, pad, include_batch_in_index=True)
 
@@ -262,7 +311,7 @@ def _pool_by_argmax(inputs: Any, pool_size: Any, strides: Any, padding: str) -> 
 
         return out, gradient
 
-    return pooled(inputs)
+    return _with_gradient(pooled, inputs)
 
 
 def _plain_max_pooling(layer: Any) -> bool:

@@ -29,7 +29,7 @@ from normflat.backends.keras.calls import grouped_conv_call, is_plain_norm, norm
 from normflat.backends.keras.data import ADAPTER, to_tensor
 from normflat.backends.keras.distributed import Replicas
 from normflat.backends.keras.ggn import (SIGNAL_BLOCK, TableRows, Taps, compute_dtype, exact_head, ggn_bytes,
-                                         ggn_chunk_size, ggn_step_fn, logits_rounding, model_logits, signal_layout,
+                                         ggn_chunk_size, ggn_step_fn, logits_rounding, model_logits, open_batch, signal_layout,
                                          starts_at_head_input)
 from normflat.backends.keras.hvp import (EXACT_BLOCK, PROBE_BLOCK, has_recurrence, hvp_step_fns, native_positions,
                                         native_probes)
@@ -141,7 +141,9 @@ def trace_open_batch(fn: Any, args: tuple, batched: list[bool]) -> None:
             done = set()
         if key in done:
             return
-    fn.get_concrete_function(*specs)
+    batched_args = [t for a, b in zip(args, batched) if b for t in tf.nest.flatten(a) if t.shape.rank]
+    with open_batch(int(batched_args[0].shape[0]) if batched_args else None):
+        fn.get_concrete_function(*specs)
     with _CACHE_GUARD:
         done.add(key)
 
