@@ -598,7 +598,11 @@ def test_analyses_of_new_models_leave_nothing_in_tensorflow(monkeypatch):
     per call in a graph, holding that graph: 3 MiB per analysis of a small MLP and 7.6 MiB of a small
     CNN, measured), no function (a ``tf.cond``'s branches stay in the eager context). The ``Dense``
     products and argmax poolings of the step (without oneDNN, where they replace TensorFlow's own
-    gradients) go through ``compat.with_backward``, and the product is chosen while tracing."""
+    gradients) go through ``compat.with_backward``, and the product is chosen while tracing. A
+    convolutional model's ``hutchinson`` probes run one after the other (``hvp.probes_in_sequence``):
+    vectorized, TensorFlow's loops for the convolutions' second derivatives stayed (12 MiB per
+    analysis of a small CNN); an MLP's stay vectorized."""
+    from normflat.backends.keras.hvp import probes_in_sequence
     from tensorflow.python.eager import context
     from tensorflow.python.framework import ops
 
@@ -613,9 +617,10 @@ def test_analyses_of_new_models_leave_nothing_in_tensorflow(monkeypatch):
 
     rng = np.random.default_rng(4)
     x, y = rng.standard_normal((6, 8, 8, 2)), rng.integers(0, 3, 6)
+    assert probes_in_sequence(model()) and not probes_in_sequence(mlp_net())
 
     def analyses():
-        for estimator, kw in (("ggn", {}), ("ggn-mc", {"samples": 2})):
+        for estimator, kw in (("ggn", {}), ("ggn-mc", {"samples": 2}), ("hutchinson", {"samples": 2})):
             normflat.hessian_diagonal(model(), (x, y), estimator=estimator, progress=False, **kw)
         gc.collect()  # the models and their compiled steps
         # Less TensorFlow's own wrappers of single eager ops ("__wrapped__<op>_device_..."), a cache.

@@ -32,7 +32,7 @@ from normflat.backends.keras.ggn import (SIGNAL_BLOCK, TableRows, Taps, compute_
                                          ggn_chunk_size, ggn_step_fn, logits_rounding, model_logits, open_batch, signal_layout,
                                          starts_at_head_input)
 from normflat.backends.keras.hvp import (EXACT_BLOCK, PROBE_BLOCK, has_recurrence, hvp_step_fns, native_positions,
-                                        native_probes)
+                                        native_probes, probes_in_sequence)
 from normflat.backends.keras.layers import RECURRENT_KINDS, UNUSED, Entry, fast_kind, final_softmax, walk
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
@@ -1050,7 +1050,8 @@ class KerasSession:
             def factory():
                 holder: dict = {}
                 return hvp_step_fns(self.model, self.entries, options, options.groups, holder,
-                                    sequential=has_recurrence(self.model)), holder
+                                    sequential=has_recurrence(self.model),
+                                    probes_sequential=probes_in_sequence(self.model)), holder
 
             self._step, self._holder = _cached(_COMPILED, self.model, key, factory)
             self.chunk = self.config.chunk_size or HVP_CHUNK
