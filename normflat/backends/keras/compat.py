@@ -181,7 +181,7 @@ def with_backward(output: Any, inputs: list[Any], backward: Callable[[Any], list
     In a graph, ``tf.custom_gradient`` registers each call's gradient function under a fresh name
     in TensorFlow's process-wide gradient registry, for symbolic ``tf.gradients``, and never
     removes it: the function holds the graph it was traced in, so every analysis of a new model
-    kept its steps' graphs (about 2 MiB each for a small MLP, checkpoint after checkpoint). The tape
+    kept its steps' graphs (3 MiB per analysis of a new small MLP, checkpoint after checkpoint). The tape
     needs only the record of the operation, which it keeps as long as it lives: here
     ``tf.identity_n`` of the output and the inputs, recorded with ``backward`` (private API:
     ``tensorflow.python.eager.record.record_operation``, which ``tf.custom_gradient`` calls); the

@@ -63,9 +63,9 @@ def _convolution_classes() -> tuple[type, ...]:
 
 def probes_in_sequence(model: Any) -> bool:
     """Whether the Hessian-vector products of ``hutchinson``'s probes run one after the other
-    (``tf.map_fn``, :func:`hvp_step_fns`' ``probes_sequential``) rather than vectorized (``tf.vectorized_map``): for a model
-    with a recurrent layer (TensorFlow's vectorization cannot convert the second derivative of a
-    ``tf.while_loop``) or a convolution layer.
+    (``tf.map_fn``, :func:`hvp_step_fns`' ``probes_sequential``) rather than vectorized
+    (``tf.vectorized_map``): for a model with a recurrent layer (TensorFlow's vectorization cannot
+    convert the second derivative of a ``tf.while_loop``) or a convolution layer.
 
     TensorFlow's vectorization has no rule for a convolution's second derivative either
     (``Conv2DBackpropFilter`` and its kin): it falls back to a loop over the probes per operation,
@@ -74,7 +74,7 @@ def probes_in_sequence(model: Any) -> bool:
     as fast (0.186 s against 0.188 s for 8 probes, one thread, 2026-12-07), its first call faster
     (0.82 s against 1.27 s), with nothing left behind; an MLP keeps the vectorized products
     (0.297 s against 0.316 s one after the other, 16 probes of 784-512-256-10). ``exact`` keeps them
-    on a tiny CNN (0.16 s against 0.35 s) and recomputes them only for recurrent layers.
+    vectorized on a tiny CNN (0.16 s against 0.35 s), one after the other for recurrent layers only.
     """
     convolutions = _convolution_classes()
     return has_recurrence(model) or any(isinstance(layer, convolutions) for layer in compat.flatten_layers(model))

@@ -29,8 +29,8 @@ from normflat.backends.keras.calls import grouped_conv_call, is_plain_norm, norm
 from normflat.backends.keras.data import ADAPTER, to_tensor
 from normflat.backends.keras.distributed import Replicas
 from normflat.backends.keras.ggn import (SIGNAL_BLOCK, TableRows, Taps, compute_dtype, exact_head, ggn_bytes,
-                                         ggn_chunk_size, ggn_step_fn, logits_rounding, model_logits, open_batch, signal_layout,
-                                         starts_at_head_input)
+                                         ggn_chunk_size, ggn_step_fn, logits_rounding, model_logits, open_batch,
+                                         signal_layout, starts_at_head_input)
 from normflat.backends.keras.hvp import (EXACT_BLOCK, PROBE_BLOCK, has_recurrence, hvp_step_fns, native_positions,
                                         native_probes, probes_in_sequence)
 from normflat.backends.keras.layers import RECURRENT_KINDS, UNUSED, Entry, fast_kind, final_softmax, walk
