@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Protocol
 
+import contextlib
 import linecache
 import os
 
@@ -45,7 +46,7 @@ from normflat.engine.options import AnalysisOptions, limited
 
 __all__ = ["INFINITE", "DataAdapter", "Batch", "EmptyDataError", "batches", "labels_for", "input_leaves",
            "LABEL_KEYS", "non_finite_inputs", "PENDING_CHECKS", "describe_inputs", "model_fails_on_inputs",
-           "raised_by_normflat"]
+           "first_forward", "raised_by_normflat"]
 
 #: Keys of a Hugging Face style mapping batch that hold the labels (the rest are inputs).
 LABEL_KEYS = ("labels", "label")
@@ -279,6 +280,19 @@ def model_fails_on_inputs(framework: str, error: BaseException, batch: Batch) ->
         "model on a few rows and on one sample), their dtype and their order. Check that "
         "the model runs on one batch of the data outside normflat."
     )
+
+
+@contextlib.contextmanager
+def first_forward(framework: str, batch: Batch) -> Iterator[None]:
+    """Around a backend's first forward of the model on ``batch``: an error the model raises becomes
+    :func:`model_fails_on_inputs` (the model's error chained); normflat's own
+    (:func:`raised_by_normflat`) passes unchanged."""
+    try:
+        yield
+    except Exception as err:
+        if raised_by_normflat(err):
+            raise
+        raise model_fails_on_inputs(framework, err, batch) from err
 
 
 #: normflat's own directory: an error raised in its code is its own (:func:`raised_by_normflat`).

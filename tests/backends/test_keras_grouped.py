@@ -526,7 +526,8 @@ def test_dense_signals_go_back_through_either_product(make, form, monkeypatch):
     assert len(used) >= len(dense)  # every Dense of the step's forward went through the product
 
 
-def _gradient_graph_ops(x, w):
+def _input_gradient(w):
+    """A ``tf.function`` ``(x, g)`` → the input gradient of ``dense_product(x, w)`` for the signal ``g``."""
     @tf.function
     def back(x, g):
         with tf.GradientTape() as tape:
@@ -534,15 +535,24 @@ def _gradient_graph_ops(x, w):
             y = kggn.dense_product(x, w)
         return tape.gradient(y, x, output_gradients=g)
 
-    g = tf.zeros(list(x.shape[:-1]) + [int(w.shape[-1])], x.dtype)
-    return {op.type for op in back.get_concrete_function(x, g).graph.get_operations()}
+    return back
+
+
+def _graph_ops(back, *args):
+    """The operation types of ``back``'s graph traced for ``args`` (tensors or specs)."""
+    return {op.type for op in back.get_concrete_function(*args).graph.get_operations()}
+
+
+def _gradient_graph_ops(x, w):
+    return _graph_ops(_input_gradient(w), x, tf.zeros(list(x.shape[:-1]) + [int(w.shape[-1])], x.dtype))
 
 
 @pytest.mark.parametrize("shape", [(3, 6), (40, 6), (2, 4, 5, 6)])
 def test_dense_product_is_keras_product_and_its_input_gradient(shape, monkeypatch):
     """``dense_product``: the forward is ``keras.ops.matmul`` (any rank, the kernel without a
     gradient) and the input gradient is ``g Wᵀ``, with few rows (the transposed product) and with
-    many (TensorFlow's), float64; the choice is in the graph only without oneDNN and a GPU."""
+    many (TensorFlow's), float64; without oneDNN and a GPU the choice is made while tracing, from the
+    rows of the traced inputs."""
     monkeypatch.setattr(kggn.compat, "onednn_enabled", lambda: False)  # whatever the CPU's default
     rng = np.random.default_rng(0)
     x = tf.constant(rng.standard_normal(shape))
@@ -573,17 +583,10 @@ def test_dense_product_chooses_its_backward_for_the_traced_batch(batch, monkeypa
     monkeypatch.setattr(kggn.compat, "onednn_enabled", lambda: False)  # whatever the CPU's default
     rng = np.random.default_rng(3)
     w = tf.constant(rng.standard_normal((6, 4)))
-
-    @tf.function
-    def back(x, g):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = kggn.dense_product(x, w)
-        return tape.gradient(y, x, output_gradients=g)
-
+    back = _input_gradient(w)
     spec = tf.TensorSpec([None, 5, 6], tf.float64), tf.TensorSpec([None, 5, 4], tf.float64)
     with kggn.open_batch(batch):
-        ops = {op.type for op in back.get_concrete_function(*spec).graph.get_operations()}
+        ops = _graph_ops(back, *spec)
     assert bool({"If", "StatelessIf"} & ops) == (batch is None)
     if batch is not None:
         assert ("Transpose" in ops) == (batch * 5 <= kggn.DENSE_COLUMNS_ROWS)

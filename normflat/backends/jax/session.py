@@ -43,8 +43,8 @@ from normflat.backends.jax.kernel import GroupSums, combine_stats
 from normflat.backends.jax.layers import canonical_shape, check_has_weights, check_layouts, make_view, to_canonical
 from normflat.backends.jax.program import UNUSED_REASON, trace_program
 from normflat.backends.jax.state import ModelState
-from normflat.engine.data import (PENDING_CHECKS, Batch, labels_for, model_fails_on_inputs, non_finite_inputs,
-                                  raised_by_normflat)
+from normflat.engine.data import (PENDING_CHECKS, Batch, first_forward, labels_for, model_fails_on_inputs,
+                                  non_finite_inputs, raised_by_normflat)
 from normflat.engine.estimators import SumState
 from normflat.engine.losses import (LOGIT_STATS, check_logit_stats, check_loss_value, check_output_shape,
                                     check_same_classes, check_samples_apart, one_sample_error)
@@ -91,17 +91,13 @@ def view_for(model: Any, batch: Batch, settings: dict, options: AnalysisOptions)
         settings: The backend's settings (``dtype``, ``vmap``, ``state``, ``apply_kwargs``, ``layouts``).
         options: The analysis options (``output``).
     """
-    try:
+    # The view calls the model on the batch (a linen module's owners, equinox's per-example test):
+    # a model that fails on the data's inputs fails here first.
+    with first_forward("jax", batch):
         return make_view(model, jax.tree_util.tree_map(to_jax, batch.x), dtype=settings["dtype"],
                          vmap=settings["vmap"], state=settings["state"],
                          apply_kwargs=dict(settings["apply_kwargs"] or {}),
                          layouts=dict(settings["layouts"] or {}), keywords=batch.keywords, output=options.output)
-    except Exception as err:
-        # The view calls the model on the batch (a linen module's owners, equinox's per-example test):
-        # a model that fails on the data's inputs fails here first.
-        if raised_by_normflat(err):
-            raise
-        raise model_fails_on_inputs("jax", err, batch) from err
 
 
 def trace_layers(view: Any, batch: Batch, *, allow_half_precision: bool = False) -> tuple[Any, tuple[int, ...]]:

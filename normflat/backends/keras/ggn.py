@@ -240,15 +240,18 @@ def dense_product(inputs: Any, kernel: Any) -> Any:
 
     known = _product_rows(x)
 
+    def transposed(g: Any) -> Any:  # (W gᵀ)ᵀ
+        return tf.transpose(tf.matmul(w, g, transpose_b=True))
+
+    def tensorflows(g: Any) -> Any:  # g Wᵀ
+        return tf.matmul(g, w, transpose_b=True)
+
     def backward(g: Any) -> Any:
         if known is not None:
             # Chosen while tracing: a tf.cond's branch functions stay in TensorFlow's context after
             # the step is freed. A chunk of another size than the traced call's runs the same product.
-            by_rows = known <= DENSE_COLUMNS_ROWS
-            return tf.transpose(tf.matmul(w, g, transpose_b=True)) if by_rows else tf.matmul(g, w, transpose_b=True)
-        return tf.cond(tf.shape(g)[0] <= DENSE_COLUMNS_ROWS,
-                       lambda: tf.transpose(tf.matmul(w, g, transpose_b=True)),
-                       lambda: tf.matmul(g, w, transpose_b=True))
+            return transposed(g) if known <= DENSE_COLUMNS_ROWS else tensorflows(g)
+        return tf.cond(tf.shape(g)[0] <= DENSE_COLUMNS_ROWS, lambda: transposed(g), lambda: tensorflows(g))
 
     def by_columns(rows):
         return _with_gradient(lambda r: (tf.matmul(r, w), backward), rows)

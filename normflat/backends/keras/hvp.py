@@ -18,13 +18,12 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 from normflat.backends.keras import compat
 from normflat.backends.keras.ggn import compute_dtype, model_logits
-from normflat.backends.keras.layers import Entry, loops_through_time
+from normflat.backends.keras.layers import Entry, convolution_classes, loops_through_time
 from normflat.backends.keras.ops import TF
 from normflat.engine.losses import check_loss_value, logit_stats, loss_sum
 from normflat.engine.options import AnalysisOptions
@@ -54,13 +53,6 @@ def has_recurrence(model: Any) -> bool:
     return any(loops_through_time(layer) for layer in compat.flatten_layers(model))
 
 
-def _convolution_classes() -> tuple[type, ...]:
-    """Keras' convolution layers (plain, transposed, depthwise, separable; 1-D to 3-D)."""
-    names = ("Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
-             "DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D")
-    return tuple(cls for cls in (getattr(keras.layers, n, None) for n in names) if isinstance(cls, type))
-
-
 def probes_in_sequence(model: Any) -> bool:
     """Whether the Hessian-vector products of ``hutchinson``'s probes run one after the other
     (``tf.map_fn``, :func:`hvp_step_fns`' ``probes_sequential``) rather than vectorized
@@ -76,7 +68,7 @@ def probes_in_sequence(model: Any) -> bool:
     (0.297 s against 0.316 s one after the other, 16 probes of 784-512-256-10). ``exact`` keeps them
     vectorized on a tiny CNN (0.16 s against 0.35 s), one after the other for recurrent layers only.
     """
-    convolutions = _convolution_classes()
+    convolutions = convolution_classes()
     return has_recurrence(model) or any(isinstance(layer, convolutions) for layer in compat.flatten_layers(model))
 
 

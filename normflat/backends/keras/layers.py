@@ -470,6 +470,20 @@ def _register_keras_hub() -> None:
             register_layer(experts, _hub_experts_weights(kernels))
 
 
+#: Keras' convolution layers (1-D to 3-D; plain, transposed, depthwise, separable) by name, each
+#: group with the extractor of its weights.
+_CONVOLUTIONS = ((("Conv1D", "Conv2D", "Conv3D"), _conv_weights),
+                 (("Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose"), _conv_transpose_weights),
+                 (("DepthwiseConv1D", "DepthwiseConv2D"), _depthwise_weights),
+                 (("SeparableConv1D", "SeparableConv2D"), _separable_weights))
+
+
+def convolution_classes() -> tuple[type, ...]:
+    """Keras' convolution layer classes that this Keras has (:data:`_CONVOLUTIONS`)."""
+    return tuple(getattr(keras.layers, name) for names, _ in _CONVOLUTIONS for name in names
+                 if hasattr(keras.layers, name))
+
+
 def _register_builtins() -> None:
     L = keras.layers
     register_layer(L.Dense, _dense_weights)
@@ -478,17 +492,10 @@ def _register_builtins() -> None:
     register_layer(L.LSTMCell, _recurrent_weights(_GATES["LSTMCell"], "lstm"))
     register_layer(L.GRUCell, _recurrent_weights(_GATES["GRUCell"], "gru"))
     register_layer(L.SimpleRNNCell, _recurrent_weights(_GATES["SimpleRNNCell"], "simple_rnn"))
-    for cls in (L.Conv1D, L.Conv2D, L.Conv3D):
-        register_layer(cls, _conv_weights)
-    for name in ("Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose"):
-        if hasattr(L, name):
-            register_layer(getattr(L, name), _conv_transpose_weights)
-    for name in ("DepthwiseConv1D", "DepthwiseConv2D"):
-        if hasattr(L, name):
-            register_layer(getattr(L, name), _depthwise_weights)
-    for name in ("SeparableConv1D", "SeparableConv2D"):
-        if hasattr(L, name):
-            register_layer(getattr(L, name), _separable_weights)
+    for names, extractor in _CONVOLUTIONS:
+        for name in names:
+            if hasattr(L, name):
+                register_layer(getattr(L, name), extractor)
     # Normalization parameters never enter the measures (method §9).
     for name in ("BatchNormalization", "LayerNormalization", "GroupNormalization", "RMSNormalization",
                  "UnitNormalization", "Normalization", "SpectralNormalization"):

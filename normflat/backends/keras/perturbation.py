@@ -41,7 +41,7 @@ from normflat.backends.keras.ops import TF
 from normflat.backends.keras.session import (HVP_CHUNK, OpenBatchTraces, _check_model, canonical_shapes,
                                              grouped_convolutions, install_logit_calls)
 from normflat.backends.keras.state import ModelState
-from normflat.engine.data import Batch, batches, labels_for, model_fails_on_inputs, raised_by_normflat
+from normflat.engine.data import Batch, batches, first_forward, labels_for
 from normflat.engine.losses import SAMPLES_APART_ROWS, check_output_shape, check_samples_apart, classes_first
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.perturbation import (PATH_NORM_SCOPE, UnsupportedMeasureError, check_rival_options,
@@ -375,12 +375,8 @@ class KerasPerturbationModel:
         key = _signature(x)
         if key not in self._outputs:
             rows = min(batch.n, 2)
-            try:
+            with first_forward("keras", batch):
                 z = self._step("logits")(kernels, _slice(x, 0, rows))
-            except Exception as err:  # the first forward of these inputs
-                if raised_by_normflat(err):
-                    raise
-                raise model_fails_on_inputs("keras", err, batch) from err
             num_classes = check_output_shape(tuple(z.shape), self.options, batch.index, rows, seen=self._first_logits,
                                              other_rows=self._one_row(kernels, x))
             if self._first_logits is None:

@@ -38,7 +38,7 @@ from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for, default_budget, equal_step, training_step_bytes
 from normflat.engine import estimators
-from normflat.engine.data import PENDING_CHECKS, Batch, labels_for, model_fails_on_inputs, raised_by_normflat
+from normflat.engine.data import PENDING_CHECKS, Batch, first_forward, labels_for
 from normflat.engine.estimators import SumState
 from normflat.engine.losses import (SAMPLES_APART_ROWS, check_logit_stats, check_loss_value, check_output_shape,
                                     check_samples_apart, classes_first, logit_stats, one_sample_error)
@@ -587,12 +587,8 @@ class KerasSession:
         alone = self._rows_alone(x, rows) if rows == SAMPLES_APART_ROWS else None
         if self.taps is not None:
             self.taps.records.clear()
-        try:
+        with first_forward("keras", batch):
             z = model_logits(self.model, first, self.options)
-        except Exception as err:  # the first forward on the data
-            if raised_by_normflat(err):
-                raise
-            raise model_fails_on_inputs("keras", err, batch) from err
         self._probe_logits = tuple(int(d) for d in z.shape)
         self.num_classes = check_output_shape(self._probe_logits, self.options, batch.index, rows,
                                               seen=self._first_logits, other_rows=self._one_row(x))
