@@ -6,7 +6,8 @@ The figure printed is the growth of the process's resident memory per new model,
 
 * ``keras``: Keras' own use of each new model (``compile``, one ``train_on_batch``, one
   ``predict``), the baseline: what Keras itself leaves per model;
-* ``normflat``: ``normflat.hessian_diagonal`` (``ggn``) of each new model.
+* ``normflat``: ``normflat.hessian_diagonal`` of each new model (``--estimator``: ``ggn``, or
+  ``hutchinson`` with 2 probes).
 
 Problems (float32, 32 random samples, 10 classes): ``mlp`` (64-256-10, ReLU) and ``cnn`` (16×16×3
 images, ``Conv2D(16, 3)``, ``MaxPooling2D``, ``Conv2D(32, 3)``, global average pooling, ``Dense``).
@@ -15,7 +16,7 @@ then ``--models`` more, garbage collected after each; the growth is the least-sq
 resident memory over those models. It also prints how many functions each model left in
 TensorFlow's eager context (``tf.cond`` branches stay there after their step is freed).
 
-``python -m benchmarks.keras_retained [--problems mlp cnn] [--models 20] [--warmup 5]``
+``python -m benchmarks.keras_retained [--problems mlp cnn] [--models 20] [--warmup 5] [--estimator ggn]``
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _model_and_data(problem: str) -> tuple[Any, Any, Any]:
     return build, x, y
 
 
-def _child(problem: str, contender: str, models: int, warmup: int) -> dict[str, float]:
+def _child(problem: str, contender: str, models: int, warmup: int, estimator: str = "ggn") -> dict[str, float]:
     """One contender in this process: ``{"mib_per_model", "functions_per_model"}``."""
     import gc
 
@@ -77,7 +78,8 @@ def _child(problem: str, contender: str, models: int, warmup: int) -> dict[str, 
             model.train_on_batch(x, y)
             model.predict(x, verbose=0)
         else:
-            normflat.hessian_diagonal(model, (x, y), loss="ce", progress=False)
+            normflat.hessian_diagonal(model, (x, y), loss="ce", estimator=estimator, progress=False,
+                                      **({"samples": 2} if estimator == "hutchinson" else {}))
         del model
         gc.collect()
 
@@ -93,12 +95,13 @@ def _child(problem: str, contender: str, models: int, warmup: int) -> dict[str, 
             "functions_per_model": float(np.polyfit(steps, functions, 1)[0])}
 
 
-def retained(problem: str, contender: str, models: int = 20, warmup: int = 5) -> dict[str, float]:
+def retained(problem: str, contender: str, models: int = 20, warmup: int = 5,
+             estimator: str = "ggn") -> dict[str, float]:
     """:func:`_child` in a fresh Python process (its own TensorFlow), one thread."""
     env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1",
            "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
     code = ("import json, sys; from benchmarks.keras_retained import _child; "
-            f"print(json.dumps(_child({problem!r}, {contender!r}, {models}, {warmup})))")
+            f"print(json.dumps(_child({problem!r}, {contender!r}, {models}, {warmup}, {estimator!r})))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -109,14 +112,16 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
     parser.add_argument("--problems", nargs="+", choices=PROBLEMS, default=list(PROBLEMS))
     parser.add_argument("--models", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--estimator", choices=("ggn", "hutchinson"), default="ggn")
     args = parser.parse_args(argv)
     results: dict[str, dict[str, dict[str, float]]] = {}
     print(f"memory left per new model (MiB, slope over {args.models} models after {args.warmup}), one thread")
     for problem in args.problems:
-        results[problem] = {c: retained(problem, c, args.models, args.warmup) for c in CONTENDERS}
+        results[problem] = {c: retained(problem, c, args.models, args.warmup, args.estimator)
+                            for c in CONTENDERS}
         base, ours = results[problem]["keras"], results[problem]["normflat"]
         print(f"  {problem:4s} keras (compile, train_on_batch, predict) {base['mib_per_model']:.2f} MiB, "
-              f"{base['functions_per_model']:.1f} functions; normflat ggn {ours['mib_per_model']:.2f} MiB, "
+              f"{base['functions_per_model']:.1f} functions; normflat {args.estimator} {ours['mib_per_model']:.2f} MiB, "
               f"{ours['functions_per_model']:.1f} functions; normflat / keras "
               f"{ours['mib_per_model'] / max(base['mib_per_model'], 1e-3):.2f}")
     return results

@@ -603,7 +603,7 @@ def test_analyses_of_new_models_leave_nothing_in_tensorflow(monkeypatch):
     products and argmax poolings of the step (without oneDNN, where they replace TensorFlow's own
     gradients) go through ``compat.with_backward``, and the product is chosen while tracing. A
     convolutional model's ``hutchinson`` probes run one after the other (``hvp.probes_in_sequence``):
-    vectorized, TensorFlow's loops for the convolutions' second derivatives stayed (12 MiB per
+    vectorized, TensorFlow's loops for the convolutions' second derivatives stayed (7.2 MiB per
     analysis of a small CNN); an MLP's stay vectorized."""
     from normflat.backends.keras.hvp import probes_in_sequence
     from tensorflow.python.eager import context
