@@ -567,8 +567,9 @@ def test_inputs_the_model_fails_on(builder):
     """Inputs that do not fit the model (one feature too many): every framework gives the engine's one
     error, naming the batch and its inputs' dtype and shape, the model's own error quoted and chained,
     for the analysis (a GGN and a Hessian-vector product estimator) and the perturbation models of
-    ``normflat.measures``. Before, each raised its own error from inside the framework (PyTorch's
-    matmul, Keras' input check, flax's parameter shape check, an equinox message about ``vmap``)."""
+    ``normflat.measures``, on the first batch and on a later one. Before, each raised its own error
+    from inside the framework (PyTorch's matmul, Keras' input check, flax's parameter shape check, an
+    equinox message about ``vmap``; on a later batch also a broadcasting error from inside JAX)."""
     spec = _mlp(19)
     x, y = netspec.data(spec, n=6, seed=20)
     wide = np.concatenate([x, x[:, :1]], axis=1)
@@ -581,6 +582,17 @@ def test_inputs_the_model_fails_on(builder):
     with pytest.raises(ValueError, match=FAILS_ON_INPUTS):
         normflat.measures(model, builder.make_data(wide, y, 6), ["fisher_rao_norm"], loss="ce", progress=False,
                           backend_options=builder.ANALYZE_KWARGS)
+    # A later batch that the model does not take, after one it does: the same error, for that batch,
+    # wherever its work fails (a compiled step, a per-sample transform, a perturbed loss).
+    later = list(builder.make_data(x, y, 6)) + list(builder.make_data(wide, y, 6))
+    for estimator in ("ggn", "hutchinson"):
+        with pytest.raises(ValueError, match=FAILS_ON_INPUTS.replace("batch 0", "batch 1")) as info:
+            normflat.analyze(model, later, **_kw(builder, estimator=estimator))
+        assert info.value.__cause__ is not None
+    for measure in ("fisher_rao_norm", "adaptive_sharpness"):
+        with pytest.raises(ValueError, match=FAILS_ON_INPUTS.replace("batch 0", "batch 1")):
+            normflat.measures(model, later, [measure], loss="ce", progress=False,
+                              backend_options=builder.ANALYZE_KWARGS)
     # normflat's own errors raised around the first forward keep their messages.
     with pytest.raises(ValueError, match="probabilities"):
         normflat.analyze(_with_softmax(builder, model), builder.make_data(x, y, 6), **_kw(builder))

@@ -32,12 +32,11 @@ treated, and every error message — lives here, once:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping, Protocol
-
 import contextlib
 import linecache
 import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 
 import numpy as np
 
@@ -46,7 +45,7 @@ from normflat.engine.options import AnalysisOptions, limited
 
 __all__ = ["INFINITE", "DataAdapter", "Batch", "EmptyDataError", "batches", "labels_for", "input_leaves",
            "LABEL_KEYS", "non_finite_inputs", "PENDING_CHECKS", "describe_inputs", "model_fails_on_inputs",
-           "first_forward", "raised_by_normflat"]
+           "first_forward", "model_failures", "raised_by_normflat"]
 
 #: Keys of a Hugging Face style mapping batch that hold the labels (the rest are inputs).
 LABEL_KEYS = ("labels", "label")
@@ -183,9 +182,14 @@ def _check_batch(x: Any, y: Any, index: int, adapter: DataAdapter) -> int:
     leaves = input_leaves(x)
     if not leaves or not all(adapter.is_array(v) for v in leaves):
         bad = next((type(v).__name__ for v in leaves if not adapter.is_array(v)), "nothing")
+        hint = ""
+        if isinstance(x, (tuple, list)) and leaves and not any(adapter.is_array(v) for v in leaves):
+            # Nested Python lists of numbers (an array's .tolist()) read as one input per entry.
+            bad = f"a {type(x).__name__} of {len(x)} entries holding {bad} values"
+            hint = " Convert nested Python lists of numbers to an array (np.asarray(x)) first."
         raise TypeError(
             f"Batch {index}: the inputs x must be an array (or a tuple/list/dict of arrays) of the "
-            f"{adapter.framework} backend or numpy, got {bad}."
+            f"{adapter.framework} backend or numpy, got {bad}.{hint}"
         )
     shapes = [adapter.shape(v) for v in leaves]
     if any(len(s) == 0 for s in shapes):
@@ -293,6 +297,32 @@ def first_forward(framework: str, batch: Batch) -> Iterator[None]:
         if raised_by_normflat(err):
             raise
         raise model_fails_on_inputs(framework, err, batch) from err
+
+
+@contextlib.contextmanager
+def model_failures(framework: str, batch: Batch,
+                   forward_error: Callable[[Batch], BaseException | None]) -> Iterator[None]:
+    """Around a backend's work on ``batch``: an error that normflat did not raise itself
+    (:func:`raised_by_normflat`), where the model's own forward fails on the batch's inputs too,
+    becomes :func:`model_fails_on_inputs` (the forward's error chained); any other error stands.
+
+    :func:`first_forward` sees the first batch's inputs only; this covers a later batch of another
+    shape or dtype, wherever its work fails (a compiled step, a per-sample transform). The forward
+    runs only after a failure, so a batch that works costs nothing.
+
+    Args:
+        framework: ``"torch"``, ``"keras"`` or ``"jax"``, for the message.
+        batch: The batch being worked on.
+        forward_error: The model's error on the first rows of a batch's inputs, from its plain
+            forward (no recording, no gradients), or ``None`` where it runs.
+    """
+    try:
+        yield
+    except Exception as err:
+        cause = None if raised_by_normflat(err) else forward_error(batch)
+        if cause is None:
+            raise
+        raise model_fails_on_inputs(framework, cause, batch) from cause
 
 
 #: normflat's own directory: an error raised in its code is its own (:func:`raised_by_normflat`).

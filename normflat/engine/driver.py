@@ -105,6 +105,14 @@ class Session(Protocol):
     def close(self) -> None:
         """Restore everything of the user's model and process that the session touched."""
 
+    def forward_error(self, batch: Batch) -> BaseException | None:
+        """The error of the model's own forward on the first rows of ``batch``'s inputs, without
+        normflat's recording or gradients, or ``None`` where it runs. Asked only after
+        :meth:`update` failed on ``batch`` with an error that normflat did not raise itself
+        (:func:`~normflat.engine.data.raised_by_normflat`): where the model fails on those inputs
+        too, the driver raises :func:`~normflat.engine.data.model_fails_on_inputs` for that batch,
+        as the backends do at the first forward (:func:`~normflat.engine.data.model_failures`)."""
+
 
 @dataclass
 class Result:
@@ -139,7 +147,9 @@ def _loop(session: Session, data: Any, options: AnalysisOptions, state: estimato
             if not exhausted:
                 batch = next(bar)
                 active = True
-                added = session.update(batch, state)
+                # A later batch that the model does not take gets the first forward's error.
+                with data_contract.model_failures(session.framework, batch, session.forward_error):
+                    added = session.update(batch, state)
                 used = getattr(session, "options", options).estimator
                 if used != named and hasattr(shown, "set_description"):
                     named = used  # "auto" resolved on the first batch

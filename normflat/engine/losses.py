@@ -1324,6 +1324,12 @@ def check_samples_apart(together: Any, alone: list[Any], dtype: str | None = Non
 #: TensorFlow's names of the failing op's function and kernel.
 _ESCAPES = re.compile(r"\x1b\[[0-9;]*m|\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]")
 
+#: Lines of a framework's error that locate it rather than say it: TensorFlow's graph execution
+#: errors ("Graph execution error:", "Detected at node … defined at (most recent call last):", the
+#: Python frames of the node's creation, "[[{{node …}}]]").
+_LOCATING_LINES = re.compile(r"Graph execution error:$|Detected at node .* defined at \(most recent call last\):$"
+                             r"|File \"[^\"]*\", line \d+, in |\[\[\{\{node ")
+
 #: Where a quoted error's useful part ends: Keras appends the arguments of the failing call.
 _QUOTE_ENDS = ("Arguments received by",)
 
@@ -1332,15 +1338,16 @@ _QUOTE_CHARS = 400
 
 
 def quoted_error(error: BaseException) -> str:
-    """``error`` as one line for a message: its type and text, terminal escapes and Keras' wrapper
-    line ("Exception encountered when calling …") and arguments removed, cut to a few hundred
-    characters (the error itself is chained)."""
+    """``error`` as one line for a message: its type and text, terminal escapes, Keras' wrapper
+    line ("Exception encountered when calling …") and arguments, and TensorFlow's graph locations
+    (the node and the Python frames that created it) removed, cut to a few hundred characters (the
+    error itself is chained)."""
     lines = []
     for line in _ESCAPES.sub("", str(error)).splitlines():
         line = line.strip()
         if line.startswith(_QUOTE_ENDS):
             break
-        if line and not line.startswith("Exception encountered when calling"):
+        if line and not line.startswith("Exception encountered when calling") and not _LOCATING_LINES.match(line):
             lines.append(line)
     text = " ".join(lines) or "no message"
     if len(text) > _QUOTE_CHARS:

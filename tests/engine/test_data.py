@@ -84,8 +84,11 @@ def test_data_that_is_not_batches(bad):
 
 def test_batch_of_wrong_types():
     x, y = _xy(4)
-    with pytest.raises(TypeError, match="inputs x must be an array"):
+    with pytest.raises(TypeError, match=r"inputs x must be an array .* got a list of 4 entries holding float "
+                                        r"values\. Convert nested Python lists of numbers to an array"):
         _all([(x.tolist(), y)])
+    with pytest.raises(TypeError, match=r"got str\.$"):  # no hint where an entry is not a number
+        _all([((x, "mask"), y)])
     with pytest.raises(TypeError, match="labels y must be an array"):
         _all([(x, list(y))])
     with pytest.raises(TypeError, match="every batch must be an"):

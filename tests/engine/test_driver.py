@@ -154,6 +154,23 @@ def test_close_after_success_error_and_interrupt():
     assert _run.last.closed == 1 and _run.last.updates == [0]
 
 
+def test_a_later_batch_the_model_fails_on_gets_the_first_forwards_error():
+    """A later batch whose inputs the model does not take (one feature fewer) fails inside the
+    session's update; the model's own forward fails on it too, so the driver raises the first
+    forward's error for that batch, the model's error chained. An update that fails where the model's
+    forward runs keeps its error, and so do normflat's own errors (the session's label check)."""
+    narrow = X[4:, :3]
+    with pytest.raises(ValueError, match=r"The numpy model fails on the inputs of batch 1 \(float64 \(7, 3\)\): "
+                                         r"ValueError: matmul") as info:
+        _run([(X[:4], Y[:4]), (narrow, Y[4:])])
+    assert isinstance(info.value.__cause__, ValueError) and "matmul" in str(info.value.__cause__)
+    assert _run.last.closed == 1 and _run.last.updates == [0, 1]
+    with pytest.raises(ValueError, match="^update failed on batch 1$"):
+        _run(_batches([4, 7]), session_kw={"fail_on": 1})
+    with pytest.raises(ValueError, match=r"^Batch 1: labels must be class indices"):
+        _run([(X[:4], Y[:4]), (X[4:], np.full(7, 3))])
+
+
 def test_close_after_data_errors():
     def gen():
         yield X[:4], Y[:4]

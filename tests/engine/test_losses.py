@@ -460,7 +460,8 @@ def test_one_sample_error_names_the_weights_and_quotes_the_framework():
     """The error for a model that fails on one sample alone (method §6, "Samples apart") names the
     weights that run per sample (the first five, then a count), says ``fast=False`` where that sent
     them there, and quotes the framework's error on one line: Keras' bold escapes, its wrapper line and
-    the arguments it appends, and TensorFlow's op names removed, a long message cut."""
+    the arguments it appends, and TensorFlow's op names and graph locations removed, a long message
+    cut."""
     keras_like = RuntimeError(
         "Exception encountered when calling M.call().\n\n\x1b[1m{{function_node __wrapped__Reshape_device_/job:"
         "localhost/replica:0/task:0/device:CPU:0}} Input to reshape is a tensor with 5 values [Op:Reshape]\x1b[0m\n\n"
@@ -475,5 +476,11 @@ def test_one_sample_error_names_the_weights_and_quotes_the_framework():
     off = str(losses.one_sample_error("torch", TypeError("x" * 1000), ["a"], fast=False))
     assert "(TypeError: " + "x" * 400 + " …)" in off and "fast=False: every weight on the generic path" in off
     assert off.endswith("or analyze with fast=True where every weight has a fast rule.")
+    graph = RuntimeError(  # TensorFlow's error from a compiled step: the node and where it was created
+        'Graph execution error:\n\nDetected at node model/dense/MatMul defined at (most recent call last):\n'
+        '  File "/x/run.py", line 7, in <module>\n\n  File "/x/keras/layers/core/dense.py", line 224, in call\n\n'
+        "Matrix size-incompatible: In[0]: [2,7], In[1]: [8,16]\n\t [[{{node model/dense/MatMul}}]] "
+        "[Op:__inference_step_161]")
+    assert losses.quoted_error(graph) == "RuntimeError: Matrix size-incompatible: In[0]: [2,7], In[1]: [8,16]"
     jax_text = str(losses.one_sample_error("jax", ValueError("")))
     assert "(ValueError: no message)" in jax_text and "the JAX backend traces the model per example" in jax_text

@@ -41,9 +41,9 @@ from normflat.backends.jax.cache import LRU
 from normflat.backends.jax.compat import Literal, enable_x64, x64_enabled
 from normflat.backends.jax.data import ADAPTER, cast_inputs, device_inputs_finite
 from normflat.backends.jax.layers import REGISTRY, LayerRule, check_has_weights, path_str, to_canonical, to_native
-from normflat.backends.jax.session import trace_layers, view_for
+from normflat.backends.jax.session import example_signature, forward_error_of, trace_layers, view_for
 from normflat.backends.jax.state import ModelState
-from normflat.engine.data import batches, input_leaves, labels_for, non_finite_inputs
+from normflat.engine.data import Batch, batches, input_leaves, labels_for, model_failures, non_finite_inputs
 from normflat.engine.losses import check_output_shape
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
@@ -124,8 +124,10 @@ class JaxPerturbationModel:
         dtype = view.dtype
         # The session's model order, layouts and trace cache. Half precision stays allowed: the
         # measures evaluate losses, and the refusal is worded for the analysis' Hessians.
-        _, self._out_shape = trace_layers(view, first, allow_half_precision=True)
-        self._num_classes = check_output_shape((first.n,) + self._out_shape, options, first.index, first.n)
+        _, out_shape = trace_layers(view, first, allow_half_precision=True)
+        self._num_classes = check_output_shape((first.n,) + out_shape, options, first.index, first.n)
+        #: The per-example logits' shape for each input signature (a later batch of another sequence length).
+        self._out_shapes = {example_signature(first.x): out_shape}
         self._view, self.dtype = view, dtype
         self._weight_ids = [w.leaf for w in view.weights]
         ids = set(self._weight_ids)
@@ -160,13 +162,32 @@ class JaxPerturbationModel:
 
     # ------------------------------------------------------------------ data
 
+    def _out_shape(self, batch: Batch) -> tuple[int, ...]:
+        """The per-example logits' shape for this batch's inputs, traced once per input signature as
+        the session does (the first program's number of classes)."""
+        signature = example_signature(batch.x)
+        shape = self._out_shapes.get(signature)
+        if shape is None:
+            with model_failures("jax", batch, self._forward_error):
+                _, shape = trace_layers(self._view, batch, allow_half_precision=True)
+            first = next(iter(self._out_shapes.values()))
+            check_output_shape((batch.n,) + shape, self._options, batch.index, batch.n, seen=(batch.n,) + first)
+            self._out_shapes[signature] = shape
+        return shape
+
+    def _forward_error(self, batch: Batch) -> BaseException | None:
+        """The model's error on a batch's first rows (:func:`~normflat.engine.data.model_failures`)."""
+        return forward_error_of(self._view, batch, self.dtype)
+
     def _batches(self):
-        """``(inputs, device labels, host mask of the predictions)`` of every batch, in data order."""
+        """``(batch, inputs, device labels, host mask of the predictions)`` of every batch, in data
+        order."""
         options = self._options
-        tokens = self._out_shape[0] if len(self._out_shape) == 2 else None
         source, _ = batches(self._data, ADAPTER, options)
         for batch in source:
-            check_output_shape((batch.n,) + self._out_shape, options, batch.index, batch.n)
+            out_shape = self._out_shape(batch)
+            tokens = out_shape[0] if len(out_shape) == 2 else None
+            check_output_shape((batch.n,) + out_shape, options, batch.index, batch.n)
             if not self._inputs_checked:
                 # Device arrays: the adapter leaves their check to the caller. Once, on the first
                 # pass over the data (the measures make several), before any perturbed loss.
@@ -181,7 +202,7 @@ class JaxPerturbationModel:
                 self._block = batch.n
             elif batch.n < self._block:
                 x, labels = _padded(x, labels, self._block)
-            yield x, jnp.asarray(labels, jnp.int32), labels.reshape(-1) >= 0
+            yield batch, x, jnp.asarray(labels, jnp.int32), labels.reshape(-1) >= 0
         self._inputs_checked = True
 
     # ------------------------------------------------------------------ weights and deltas
@@ -233,8 +254,10 @@ class JaxPerturbationModel:
         self._check_open()
         with self._context():
             ws = self._moved(deltas)
-            pending = [(self._steps.losses(ws, self._rest, self._extra, x, y), counted)
-                       for x, y, counted in self._batches()]
+            pending = []
+            for batch, x, y, counted in self._batches():
+                with model_failures("jax", batch, self._forward_error):
+                    pending.append((self._steps.losses(ws, self._rest, self._extra, x, y), counted))
             # One synchronisation for all batches: the steps are dispatched asynchronously.
             fetched = jax.device_get([p for p, _ in pending])
         losses = np.concatenate([np.asarray(l, np.float64)[c] for (l, _), (_, c) in zip(fetched, pending)])
@@ -248,8 +271,9 @@ class JaxPerturbationModel:
             ws = self._moved(deltas)
             total = grads = None
             count = 0
-            for x, y, counted in self._batches():
-                value, g = self._steps.gradient(ws, self._rest, self._extra, x, y)
+            for batch, x, y, counted in self._batches():
+                with model_failures("jax", batch, self._forward_error):
+                    value, g = self._steps.gradient(ws, self._rest, self._extra, x, y)
                 total = value if total is None else total + value
                 grads = g if grads is None else [a + b for a, b in zip(grads, g)]
                 count += int(np.count_nonzero(counted))
@@ -263,8 +287,10 @@ class JaxPerturbationModel:
         """``<w, grad_w loss_i>`` for every prediction at the unperturbed weights (exact, forward mode)."""
         self._check_open()
         with self._context():
-            pending = [(self._steps.derivatives(self._ws, self._rest, self._extra, x, y), counted)
-                       for x, y, counted in self._batches()]
+            pending = []
+            for batch, x, y, counted in self._batches():
+                with model_failures("jax", batch, self._forward_error):
+                    pending.append((self._steps.derivatives(self._ws, self._rest, self._extra, x, y), counted))
             fetched = jax.device_get([p for p, _ in pending])
         return np.concatenate([np.asarray(d, np.float64)[c] for d, (_, c) in zip(fetched, pending)])
 

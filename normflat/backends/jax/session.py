@@ -46,8 +46,8 @@ from normflat.backends.jax.state import ModelState
 from normflat.engine.data import (PENDING_CHECKS, Batch, first_forward, labels_for, model_fails_on_inputs,
                                   non_finite_inputs, raised_by_normflat)
 from normflat.engine.estimators import SumState
-from normflat.engine.losses import (LOGIT_STATS, check_logit_stats, check_loss_value, check_output_shape,
-                                    check_same_classes, check_samples_apart, one_sample_error)
+from normflat.engine.losses import (LOGIT_STATS, SAMPLES_APART_ROWS, check_logit_stats, check_loss_value,
+                                    check_output_shape, check_same_classes, check_samples_apart, one_sample_error)
 from normflat.engine.options import AnalysisOptions, resolve_estimator
 from normflat.engine.problems import UNUSED_NOTE, LayerSpec, ParameterStatus
 
@@ -195,15 +195,41 @@ def _check_runs_on_batches(view: Any, batch: Batch, x: Any, err: Exception) -> N
     """
     if view.vmap:
         return
-    first = jax.tree_util.tree_map(lambda a: a[:2], x)
-    try:
-        jax.eval_shape(lambda t: view.apply_batch(view.leaves, list(view.extra), t), first)
-    except Exception as on_rows:  # noqa: BLE001 - the inputs do not fit the model
+    on_rows = _rows_error(view, x)
+    if on_rows is not None:  # the inputs do not fit the model
         if raised_by_normflat(on_rows):
             return
         raise model_fails_on_inputs("jax", on_rows, batch) from on_rows
-    if int(jax.tree_util.tree_leaves(first)[0].shape[0]) >= 2:
+    if int(jax.tree_util.tree_leaves(x)[0].shape[0]) >= 2:
         raise one_sample_error("jax", err) from err
+
+
+def _rows_error(view: Any, x: Any) -> Exception | None:
+    """The error of the model's batch call on the first rows (:data:`SAMPLES_APART_ROWS`) of the
+    inputs ``x``, traced abstractly (no computation), or ``None`` where it runs."""
+    first = jax.tree_util.tree_map(lambda a: a[:SAMPLES_APART_ROWS], x)
+    try:
+        jax.eval_shape(lambda t: view.apply_batch(view.leaves, list(view.extra), t), first)
+    except Exception as err:  # noqa: BLE001 - returned
+        return err
+    return None
+
+
+def example_signature(x: Any) -> tuple:
+    """The structure and per-example shapes and dtypes of a batch's inputs: what a traced program is
+    for."""
+    leaves, tree = jax.tree_util.tree_flatten(x)
+    return (str(tree),) + tuple((tuple(int(d) for d in np.shape(a)[1:]), str(getattr(a, "dtype", type(a).__name__)))
+                                for a in leaves)
+
+
+def forward_error_of(view: Any, batch: Batch, dtype: Any) -> BaseException | None:
+    """The model's error on the first rows of ``batch`` (inputs it does not take: a later batch of
+    another shape or dtype), its batch call traced abstractly on the inputs cast to ``dtype``, or
+    ``None`` where it runs or where normflat raised the error itself
+    (:func:`~normflat.engine.data.model_failures`)."""
+    err = _rows_error(view, cast_inputs(batch.x, dtype))
+    return None if err is None or raised_by_normflat(err) else err
 
 
 def _check_classes_apart(view: Any, x: Any, per_example: tuple[int, ...]) -> None:
@@ -284,6 +310,8 @@ class JaxSession:
     def update(self, batch: Batch, state: SumState) -> int | None:
         if self.view is None:
             self._prepare(batch)
+        elif example_signature(batch.x) != self._inputs:
+            self._switch_inputs(batch)
         n, index, options = batch.n, batch.index, self.options
         check_output_shape((n,) + self.out_shape, options, index, n)
         tokens = self.out_shape[0] if len(self.out_shape) == 2 else None
@@ -340,6 +368,11 @@ class JaxSession:
         if self.comm is not None or len(self._pending) >= PENDING_CHECKS:
             self._run_checks()  # every process must learn of a bad batch in this step
         return terms
+
+    def forward_error(self, batch: Batch) -> BaseException | None:
+        """:func:`forward_error_of` once the view exists (before, its first forward refuses such
+        inputs) (engine protocol)."""
+        return None if self.view is None else forward_error_of(self.view, batch, self.dtype)
 
     def zeros(self, layer: int) -> Any:
         shape = self._canonical_shape(layer) if self.kernel is not None else ()
@@ -437,6 +470,7 @@ class JaxSession:
         self.unsupported = view.skipped.report(options.on_unsupported)
         check_has_weights(view)
         dtype = view.dtype
+        self._inputs = example_signature(batch.x)
         prog, self.out_shape = trace_layers(view, batch)
         ws, others = view.split()
         num_classes = check_output_shape((batch.n,) + self.out_shape, options, batch.index, batch.n)
@@ -453,22 +487,11 @@ class JaxSession:
                     f"than max_exact_params={settings['max_exact_params']}). Use estimator='ggn' or "
                     "'hutchinson', or pass force=True if you really want it."
                 )
-        # per_sequence: the same program and estimator back-propagate other signals per token or per sequence.
-        key = (prog.text, tuple(str(w.dtype) for w in ws), options.estimator, options.samples,
-               options.top_classes, options.per_sequence, options.pooled,
-               options.loss if callable(options.loss) else str(options.loss), options.temperature,
-               settings["chunk_size"], settings["memory_budget"], settings["exact_chunk"], settings["probe_chunk"],
-               settings["fast"])
-        kernel = None
-        cached = _CACHE.get(key)
-        if cached is not None and _same_consts(cached[0], prog.consts):
-            kernel = cached[1]
-        if kernel is None:
-            kernel = _KERNELS[options.estimator](options, prog, ws, dtype, num_classes, settings)
-            _CACHE.put(key, (prog.consts, kernel))
+        kernel = self._kernel_for(prog, ws, dtype, num_classes)
         self.run = kernel.begin(ws, others, self._mesh, seed=options.seed, stream=self._stream,
                                 weights=view.weights)
         self.view, self.kernel, self.dtype, self.num_classes = view, kernel, dtype, num_classes
+        self._programs = {self._inputs: (kernel, self.run, self.out_shape)}
         self.layers = []
         for w, path, why in zip(view.weights, kernel.paths, kernel.reasons):
             spec = LayerSpec(w.name, w.kind, w.path, groups=w.groups, path=path, reason=why,
@@ -478,6 +501,58 @@ class JaxSession:
                 # symbolic zeros), reported as the other backends report it, unused, no path.
                 spec.path, spec.reason, spec.extra["unused"] = "fast", None, UNUSED_NOTE
             self.layers.append(spec)
+
+    def _kernel_for(self, prog: Any, ws: list, dtype: Any, num_classes: int) -> Any:
+        """The estimator's kernel for a traced program, shared by analyses of the same program."""
+        settings, options = self.settings, self.options
+        # per_sequence: the same program and estimator back-propagate other signals per token or per sequence.
+        key = (prog.text, tuple(str(w.dtype) for w in ws), options.estimator, options.samples,
+               options.top_classes, options.per_sequence, options.pooled,
+               options.loss if callable(options.loss) else str(options.loss), options.temperature,
+               settings["chunk_size"], settings["memory_budget"], settings["exact_chunk"], settings["probe_chunk"],
+               settings["fast"])
+        cached = _CACHE.get(key)
+        if cached is not None and _same_consts(cached[0], prog.consts):
+            return cached[1]
+        kernel = _KERNELS[self.options.estimator](options, prog, ws, dtype, num_classes, settings)
+        _CACHE.put(key, (prog.consts, kernel))
+        return kernel
+
+    def _switch_inputs(self, batch: Batch) -> None:
+        """Take the program traced for this batch's example shapes (a later batch of another
+        sequence length, as a collator that pads each batch gives), tracing it on the first batch
+        of those shapes: its own kernel and run, the same weights and sums. The number of classes
+        and the layers' paths must be the first program's."""
+        signature = example_signature(batch.x)
+        entry = self._programs.get(signature)
+        if entry is None:
+            view = self.view
+            names = [w.path for w in view.weights]
+            prog, out_shape = trace_layers(view, batch)
+            if [w.path for w in view.weights] != names:
+                raise RuntimeError("normflat: the model's weights came in another order for inputs of another "
+                                   "shape; please report this model")
+            classes = check_output_shape((batch.n,) + out_shape, self.options, batch.index, batch.n,
+                                         seen=(batch.n,) + self.out_shape)
+            ws, others = view.split()
+            kernel = self._kernel_for(prog, ws, self.dtype, classes)
+            self._merge_paths(kernel)
+            entry = (kernel, kernel.begin(ws, others, self._mesh, seed=self.options.seed, stream=self._stream,
+                                          weights=view.weights), out_shape)
+            self._programs[signature] = entry
+        self.kernel, self.run, self.out_shape = entry
+        self._inputs = signature
+
+    def _merge_paths(self, kernel: Any) -> None:
+        """Report each layer as the programs of all input shapes took it: the generic path, with its
+        reason, where any program's kernel took it; no longer unused where one uses it."""
+        for spec, path, why in zip(self.layers, kernel.paths, kernel.reasons):
+            if why == UNUSED_REASON:
+                continue
+            if spec.extra.pop("unused", None) is not None:
+                spec.path, spec.reason = path, why
+            elif path != "fast" and spec.path == "fast":
+                spec.path, spec.reason = path, why
 
     # ------------------------------------------------------------------ deferred checks
 

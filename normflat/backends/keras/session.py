@@ -38,7 +38,7 @@ from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for, default_budget, equal_step, training_step_bytes
 from normflat.engine import estimators
-from normflat.engine.data import PENDING_CHECKS, Batch, first_forward, labels_for
+from normflat.engine.data import PENDING_CHECKS, Batch, first_forward, labels_for, raised_by_normflat
 from normflat.engine.estimators import SumState
 from normflat.engine.losses import (SAMPLES_APART_ROWS, check_logit_stats, check_loss_value, check_output_shape,
                                     check_samples_apart, classes_first, logit_stats, one_sample_error)
@@ -579,6 +579,22 @@ class KerasSession:
                     for i in range(rows)]
         except Exception as err:  # noqa: BLE001 - see the docstring
             return err
+
+    def forward_error(self, batch: Batch) -> BaseException | None:
+        """The model's error on the first rows of ``batch`` (inputs it does not take), from an eager
+        forward without a tape, its taps' records left as they were; ``None`` where it runs or where
+        normflat raised the error itself (engine protocol)."""
+        records = None if self.taps is None else {k: list(v) for k, v in self.taps.records.items()}
+        try:
+            x = to_tensor(batch.x)
+            model_logits(self.model, _slice(x, 0, min(batch.n, SAMPLES_APART_ROWS)), self.options)
+        except Exception as err:  # noqa: BLE001 - returned, as the protocol asks
+            return None if raised_by_normflat(err) else err
+        finally:
+            if records is not None:
+                self.taps.records.clear()
+                self.taps.records.update(records)
+        return None
 
     def _probe_eager(self, x: Any, batch: Batch) -> None:
         rows = min(batch.n, 2)

@@ -37,9 +37,9 @@ from normflat.backends.torch import compat, hf
 from normflat.backends.torch.data import ADAPTER, ModelInputs, deferred_inputs_finite, inputs_to_model, to_model
 from normflat.backends.torch.ggn import unswapped, unswapped_error
 from normflat.backends.torch.layers import collect_layers, unwrap
-from normflat.backends.torch.session import check_samples_apart_of, parse_settings
+from normflat.backends.torch.session import check_samples_apart_of, forward_error_of, parse_settings
 from normflat.backends.torch.state import ModelState, claim, release
-from normflat.engine.data import Batch, batches, labels_for, non_finite_inputs
+from normflat.engine.data import Batch, batches, labels_for, model_failures, non_finite_inputs
 from normflat.engine.losses import check_output_shape, classes_first
 from normflat.engine.options import AnalysisOptions
 from normflat.engine.outputs import select_output
@@ -142,7 +142,8 @@ class TorchPerturbationModel:
             params = self._perturbed(deltas)
             losses, correct = [], []
             for batch, xs in self._batches():
-                batch_losses, batch_correct = self._prediction_losses(params, batch, xs)
+                with model_failures("torch", batch, self._forward_error):
+                    batch_losses, batch_correct = self._prediction_losses(params, batch, xs)
                 losses.append(batch_losses)
                 correct.append(batch_correct)
             # One transfer to the host for the whole pass, not one per batch.
@@ -170,7 +171,8 @@ class TorchPerturbationModel:
                     losses, _ = self._prediction_losses(ws, _batch, _xs)
                     return losses.sum(), losses.detach()  # the auxiliary output must be a tensor
 
-                g, (value, losses) = grad_and_value(loss_sum, has_aux=True)(params)
+                with model_failures("torch", batch, self._forward_error):
+                    g, (value, losses) = grad_and_value(loss_sum, has_aux=True)(params)
                 for name in grads:
                     grads[name] += g[name].to(torch.float64)
                 total += value.to(torch.float64)
@@ -201,9 +203,10 @@ class TorchPerturbationModel:
                               _xs: ModelInputs = xs) -> torch.Tensor:
                     return self._prediction_losses(ws, _batch, _xs)[0]
 
-                losses, pull = vjp(losses_of, params)  # pull(u) = J^T u, linear in u
-                _, push = vjp(pull, torch.zeros_like(losses))  # push(v) = (J^T)^T v = J v
-                out.append(push((params,))[0].detach())
+                with model_failures("torch", batch, self._forward_error):
+                    losses, pull = vjp(losses_of, params)  # pull(u) = J^T u, linear in u
+                    _, push = vjp(pull, torch.zeros_like(losses))  # push(v) = (J^T)^T v = J v
+                    out.append(push((params,))[0].detach())
             return _to_numpy(torch.cat(out))
 
     def squared_output(self) -> float:
@@ -293,6 +296,11 @@ class TorchPerturbationModel:
                 state.restore()
         finally:
             release(self.model)
+
+    def _forward_error(self, batch: Batch) -> BaseException | None:
+        """The model's error on a batch's first rows (:func:`~normflat.engine.data.model_failures`)."""
+        return forward_error_of(self.model, batch, self.device, self.dtype,
+                                lambda out: select_output(out, self.options.output, _is_tensor))
 
     def _batches(self) -> Iterator[tuple[Batch, ModelInputs]]:
         source, _ = batches(self.data, ADAPTER, self.options)

@@ -378,19 +378,30 @@ class TorchSession:
                 return tuple(self._pick(inputs.rows(slice(0, 1)).call(self.model)).shape)
         return shape
 
-    def _check_samples_apart(self, xs: ModelInputs, batch: Batch) -> None:
-        """:func:`check_samples_apart_of` on the first batch, nothing recorded by the capture: the first
-        forward, which refuses inputs the model fails on; the error of a model that fails on one row
-        alone is kept for the generic path (:meth:`_check_one_sample`)."""
+    @contextlib.contextmanager
+    def _unrecorded(self) -> Iterator[None]:
+        """Forwards that the capture does not record (the checks' own forwards)."""
         cap = self.capture
         active = cap.active if cap is not None else False
         if cap is not None:
             cap.active = False
         try:
-            self._one_sample_failure = check_samples_apart_of(self.model, xs, self._pick, batch)
+            yield
         finally:
             if cap is not None:
                 cap.active = active
+
+    def _check_samples_apart(self, xs: ModelInputs, batch: Batch) -> None:
+        """:func:`check_samples_apart_of` on the first batch, nothing recorded by the capture: the first
+        forward, which refuses inputs the model fails on; the error of a model that fails on one row
+        alone is kept for the generic path (:meth:`_check_one_sample`)."""
+        with self._unrecorded():
+            self._one_sample_failure = check_samples_apart_of(self.model, xs, self._pick, batch)
+
+    def forward_error(self, batch: Batch) -> BaseException | None:
+        """:func:`forward_error_of` in the analysis' mode, unrecorded by the capture (engine protocol)."""
+        with torch.inference_mode(False), self._analysis_mode(), self._unrecorded():
+            return forward_error_of(self.model, batch, self.device, self.dtype, self._pick)
 
     def _check_one_sample(self, generic: list[TorchLayer]) -> None:
         """Refuse a model that fails on one sample alone before the generic path runs it on one
@@ -1810,6 +1821,23 @@ def _is_logits(output: torch.Tensor | None, logits: torch.Tensor) -> bool:
     fn = logits.grad_fn
     return (fn is not None and output.grad_fn is not None and compat.graph_node_name(fn) == "CloneBackward0"
             and fn.next_functions[0][0] is output.grad_fn)
+
+
+def forward_error_of(model: nn.Module, batch: Batch, device: torch.device, dtype: torch.dtype,
+                     pick: Callable[[Any], Any]) -> BaseException | None:
+    """The model's error on the first rows of ``batch`` (inputs it does not take: a later batch of
+    another shape or dtype), from its forward without gradients, or ``None`` where it runs or where
+    normflat's own input handling refused the batch
+    (:func:`~normflat.engine.data.model_failures`)."""
+    try:
+        with torch.no_grad():
+            xs = inputs_to_model(batch.x, batch.index, device, dtype, batch.n, batch.keywords)
+            if batch.keywords:
+                xs.kwargs = hf.keyword_inputs(model, xs.kwargs, batch.y, device)
+            pick(xs.rows(slice(0, min(losses.SAMPLES_APART_ROWS, batch.n))).call(model))
+    except Exception as err:  # noqa: BLE001 - returned
+        return None if raised_by_normflat(err) else err
+    return None
 
 
 def check_samples_apart_of(model: nn.Module, xs: ModelInputs, pick: Callable[[Any], Any],
