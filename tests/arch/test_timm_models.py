@@ -435,3 +435,72 @@ def test_timm_linear_rescaling_invariance():
     for lb, la in zip(before.layers, after.layers):
         assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), lb.name
         assert abs(la.hessian_trace - lb.hessian_trace) > 1e-3 * abs(lb.hessian_trace), lb.name
+
+
+@pytest.mark.parametrize("build", [timm_resnet, timm_vit])
+def test_gradient_checkpointing_is_off_for_the_analysis_and_switched_back_on(build):
+    """A timm model trained with ``set_grad_checkpointing(True)`` (read in eval mode too): the
+    Hessian-vector products, the generic path and the measures' gradients failed inside torch
+    ("torch.func … don't yet support saved tensor hooks"). normflat runs the blocks directly for its
+    forwards: the same numbers as the model without checkpointing, for every estimator and measure,
+    and the switch is on again afterwards, the model otherwise untouched."""
+    torch.manual_seed(0)
+    plain = build().double()
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.set_grad_checkpointing(True)
+    x, y = _images(4, 16 if build is timm_vit else 32, 3)
+    switches = {name: m.grad_checkpointing for name, m in checkpointed.named_modules()
+                if "grad_checkpointing" in m.__dict__}
+    assert switches and all(switches.values())
+    before = snapshot(checkpointed)
+    for options in (dict(estimator="hutchinson", samples=2), dict(estimator="ggn", fast=False),
+                    dict(estimator="ggn")):
+        got = normflat.hessian_diagonal(checkpointed, (x, y), progress=False, **options)
+        want = normflat.hessian_diagonal(plain, (x, y), progress=False, **options)
+        assert list(got) == list(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=0, msg=lambda m: f"{name}: {m}")
+    measures = ["fisher_rao_norm", "adaptive_sharpness"]
+    got = normflat.measures(checkpointed, (x, y), measures, loss="ce", progress=False)
+    want = normflat.measures(plain, (x, y), measures, loss="ce", progress=False)
+    assert [got[m] for m in measures] == pytest.approx([want[m] for m in measures], rel=1e-10)
+    assert {name: m.grad_checkpointing for name, m in checkpointed.named_modules()
+            if "grad_checkpointing" in m.__dict__} == switches
+    assert_unchanged(checkpointed, before)
+
+
+def test_a_forward_that_checkpoints_by_itself_is_refused_with_the_fix():
+    """A forward that calls ``torch.utils.checkpoint`` itself (no switch to turn off): the Hessian-vector
+    products and the measures' gradients, under ``torch.func``, raise one error naming checkpointing and
+    the fix; ``ggn`` (its fast rules and its generic path, on autograd) gives the plain model's
+    numbers."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6))
+            self.head = torch.nn.Linear(6, 3)
+            self.checkpointed = True
+
+        def forward(self, x):
+            h = checkpoint(self.block, x, use_reentrant=False) if self.checkpointed else self.block(x)
+            return self.head(torch.tanh(h))
+
+    torch.manual_seed(0)
+    model = Checkpointed().double()
+    x, y = torch.randn(5, 6, dtype=torch.float64), torch.arange(5) % 3
+    refused = r"recomputes activations with torch\.utils\.checkpoint .*turn it off for the analysis"
+    for estimator in ("hutchinson", "exact"):
+        with pytest.raises(ValueError, match=refused) as info:
+            normflat.analyze(model, (x, y), estimator=estimator, progress=False)
+        assert "saved tensor hooks" in str(info.value.__cause__)
+    with pytest.raises(ValueError, match=refused):
+        normflat.measures(model, (x, y), ["fisher_rao_norm"], loss="ce", progress=False)
+    got = [normflat.hessian_diagonal(model, (x, y), estimator="ggn", fast=fast, progress=False)
+           for fast in (True, False)]
+    model.checkpointed = False
+    want = normflat.hessian_diagonal(model, (x, y), estimator="ggn", progress=False)
+    for diagonals in got:
+        for name in want:
+            torch.testing.assert_close(diagonals[name], want[name], rtol=1e-12, atol=1e-16)

@@ -338,3 +338,97 @@ def test_report_shapes_are_canonical(builder):
     report = normflat.analyze(builder.build(spec), builder.make_data(x, y, 3), progress=False)
     assert [l.shape for l in report.layers] == [l.weight.shape for l in spec.weight_layers()]
     assert [l.kind for l in report.layers] == ["conv2d", "conv2d", "dense"]
+
+
+# ----------------------------------------------------------------------------- rematerialization
+
+
+def _remat_models(remat: bool):
+    """The same two-block tanh network in flax linen, flax nnx and equinox, its first block under
+    ``jax.checkpoint`` (``nn.remat``, ``nnx.remat``, ``eqx.filter_checkpoint``) where ``remat``."""
+    import equinox as eqx
+    import flax.linen as nn
+    from flax import nnx
+
+    class LinenBlock(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(5, param_dtype=jnp.float64, name="b")(jnp.tanh(nn.Dense(6, param_dtype=jnp.float64,
+                                                                                     name="a")(x)))
+
+    class Linen(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            block = (nn.remat(LinenBlock) if remat else LinenBlock)(name="block")
+            return nn.Dense(3, param_dtype=jnp.float64, name="head")(jnp.tanh(block(x)))
+
+    class NnxBlock(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(4, 6, param_dtype=jnp.float64, rngs=rngs)
+            self.b = nnx.Linear(6, 5, param_dtype=jnp.float64, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jnp.tanh(self.a(x)))
+
+    class Nnx(nnx.Module):
+        def __init__(self):
+            rngs = nnx.Rngs(0)
+            self.block = NnxBlock(rngs)
+            self.head = nnx.Linear(5, 3, param_dtype=jnp.float64, rngs=rngs)
+
+        def __call__(self, x):
+            h = nnx.remat(lambda block, v: block(v))(self.block, x) if remat else self.block(x)
+            return self.head(jnp.tanh(h))
+
+    class Eqx(eqx.Module):
+        a: eqx.nn.Linear
+        b: eqx.nn.Linear
+        head: eqx.nn.Linear
+
+        def __init__(self):
+            k1, k2, k3 = jax.random.split(jax.random.PRNGKey(1), 3)
+            self.a, self.b = eqx.nn.Linear(4, 6, key=k1), eqx.nn.Linear(6, 5, key=k2)
+            self.head = eqx.nn.Linear(5, 3, key=k3)
+
+        def __call__(self, x):  # one example, as equinox's layers are written
+            def block(v):
+                return self.b(jnp.tanh(self.a(v)))
+            h = eqx.filter_checkpoint(block)(x) if remat else block(x)
+            return self.head(jnp.tanh(h))
+
+    x0 = jnp.zeros((2, 4), jnp.float64)
+    linen = Linen()
+    return {"flax_linen": (linen, linen.init(jax.random.PRNGKey(0), x0)), "flax_nnx": Nnx(),
+            "equinox": jax.tree_util.tree_map(lambda a: a.astype(jnp.float64) if eqx.is_inexact_array(a) else a,
+                                              Eqx())}
+
+
+def test_rematerialized_blocks_keep_their_fast_rules_and_numbers():
+    """A block under ``jax.checkpoint`` (its primitive ``remat2``, inlined in the traced program like a
+    ``jit``): the same layers in the same model order, on their fast rules, and the same numbers as
+    without it, for ``ggn``, ``hutchinson`` and the measures. Before, the block was one opaque
+    operation: its layers took the generic path and came in parameter order (which changed
+    ``hutchinson``'s draws)."""
+    rng = np.random.default_rng(7)
+    x, y = rng.normal(size=(6, 4)), rng.integers(0, 3, size=6)
+    plain, remat = _remat_models(False), _remat_models(True)
+    for name in plain:
+        for options in (dict(estimator="ggn"), dict(estimator="hutchinson", samples=3, seed=2)):
+            want = normflat.analyze(plain[name], (x, y), progress=False, **options)
+            got = normflat.analyze(remat[name], (x, y), progress=False, **options)
+            assert [layer.name for layer in got.layers] == [layer.name for layer in want.layers], name
+            assert len(got.layers) == 3
+            paths = {"ggn": "fast", "hutchinson": "hvp"}[options["estimator"]]
+            assert all(layer.details["path"] == paths for layer in got.layers), (name, options)
+            for a, b in zip(got.layers, want.layers):
+                assert (a.normalized_sharpness, a.hessian_trace) == pytest.approx(
+                    (b.normalized_sharpness, b.hessian_trace), rel=1e-12), (name, a.name, options)
+            got = normflat.hessian_diagonal(remat[name], (x, y), progress=False, **options)
+            want = normflat.hessian_diagonal(plain[name], (x, y), progress=False, **options)
+            for layer in want:
+                np.testing.assert_allclose(np.asarray(got[layer]), np.asarray(want[layer]), rtol=1e-12,
+                                           err_msg=(name, layer, options))
+        measures = ["fisher_rao_norm", "adaptive_sharpness"]
+        got = normflat.measures(remat[name], (x, y), measures, loss="ce", progress=False)
+        want = normflat.measures(plain[name], (x, y), measures, loss="ce", progress=False)
+        assert [got[m] for m in measures] == pytest.approx([want[m] for m in measures], rel=1e-10), name

@@ -433,6 +433,36 @@ def test_tied_weights_reported_once():
     assert_diag_close(nf(model, (x, y), loss="ce", estimator="exact"), brute_hessian_diag(model, x, y), model)
 
 
+def test_compiled_model_is_analyzed_through_its_eager_module():
+    """``torch.compile(model)`` gives the plain model's report (the same layer names, not
+    ``_orig_mod.…``, and the same numbers) and ``normflat.measures``' values, without ever calling the
+    compiler (the analysis runs the eager module inside the wrapper); the wrapper still compiles and
+    runs afterwards."""
+    torch.manual_seed(0)
+    model = mlp_tanh().to(DT)
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    compiled_graphs = []
+
+    def backend(graph, example_inputs):
+        compiled_graphs.append(graph)
+        return graph.forward
+
+    compiled = torch.compile(model, backend=backend)
+    for estimator in ("ggn", "exact"):
+        got = normflat.analyze(compiled, (x, y), estimator=estimator, progress=False)
+        want = normflat.analyze(model, (x, y), estimator=estimator, progress=False)
+        assert [layer.name for layer in got.layers] == [layer.name for layer in want.layers] == ["0", "2", "4"]
+        assert got.normalized_sharpness == want.normalized_sharpness
+        assert got.hessian_trace == want.hessian_trace
+    measures = ["fisher_rao_norm", "adaptive_sharpness"]
+    got = normflat.measures(compiled, (x, y), measures, loss="ce", progress=False)
+    want = normflat.measures(model, (x, y), measures, loss="ce", progress=False)
+    assert all(got[name] == want[name] for name in measures)
+    assert compiled_graphs == []  # the compiler never ran
+    torch.testing.assert_close(compiled(x), model(x))
+    assert len(compiled_graphs) == 1
+
+
 class _TiedThrice(nn.Module):
     """A weight used by two modules and once more functionally: the fast rule cannot see the third use."""
 

@@ -54,6 +54,10 @@ _CALLS = {
     "core_call": ("call_jaxpr", False),
     "checkpoint": ("jaxpr", False),
     "remat": ("jaxpr", False),
+    # jax.checkpoint's primitive (flax's nn.remat / nnx.remat, equinox's filter_checkpoint): the
+    # recomputation it asks of the backward changes no number, and inlined, the block's layers
+    # keep their fast rules and the program its model order.
+    "remat2": ("jaxpr", False),
 }
 # Unary operations that only permute, reshape or cast a weight: its Hessian
 # diagonal maps back through their (linear, entry-permuting) VJP.

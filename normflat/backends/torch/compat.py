@@ -24,6 +24,8 @@ __all__ = [
     "one_sample_norm_gradients",
     "unchanging_conversions",
     "model_workarounds",
+    "no_gradient_checkpointing",
+    "checkpointing_refusal",
     "tensor_version",
     "graph_node_name",
     "graph_leaf",
@@ -124,12 +126,78 @@ def unchanging_conversions(model: nn.Module) -> Iterator[None]:
             object.__delattr__(module, "to")
 
 
+#: The switches of gradient checkpointing that libraries keep on their modules: timm's
+#: ``set_grad_checkpointing`` (read in eval mode too) and Hugging Face's
+#: ``gradient_checkpointing_enable`` (read in training mode only).
+CHECKPOINTING_SWITCHES = ("grad_checkpointing", "gradient_checkpointing")
+
+
+@contextlib.contextmanager
+def no_gradient_checkpointing(model: nn.Module) -> Iterator[None]:
+    """Inside the block, the modules of ``model`` whose gradient checkpointing is switched on
+    (:data:`CHECKPOINTING_SWITCHES` set to ``True``) run their blocks directly; the switches are
+    set back on exit.
+
+    ``torch.utils.checkpoint`` recomputes a block's activations in the backward instead of keeping
+    them. It changes no number, but its saved-tensor hooks are not supported under ``torch.func``
+    transforms (the Hessian-vector products, the generic path's per-sample gradients and the
+    measures' gradients fail inside torch), and the fast rules' records would see the recomputed
+    forward too. A forward that calls ``torch.utils.checkpoint`` itself is refused by
+    :func:`checkpointing_refusal`.
+    """
+    switched = []
+    for module in model.modules():
+        for name in CHECKPOINTING_SWITCHES:
+            if getattr(module, "__dict__", {}).get(name) is True:
+                object.__setattr__(module, name, False)
+                switched.append((module, name))
+    try:
+        yield
+    finally:
+        for module, name in switched:
+            object.__setattr__(module, name, True)
+
+
+def _raised_in_checkpoint(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside ``torch.utils.checkpoint`` (a frame of its module)."""
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__") == "torch.utils.checkpoint":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+@contextlib.contextmanager
+def checkpointing_refusal() -> Iterator[None]:
+    """Around an analysis' forwards: an error raised inside ``torch.utils.checkpoint`` (a model that
+    checkpoints its blocks in its own forward, where no library switch turns it off:
+    :func:`no_gradient_checkpointing`) becomes a ``ValueError`` that names the cause and the fix."""
+    try:
+        yield
+    except Exception as err:
+        if not _raised_in_checkpoint(err):
+            raise
+        raise ValueError(
+            "The torch model recomputes activations with torch.utils.checkpoint (gradient checkpointing) "
+            f"in its forward, which normflat cannot differentiate through ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else 'no message'}): the Hessian-vector products and "
+            "per-sample gradients run the forward under torch.func, which does not support checkpointing's "
+            "saved-tensor hooks. Checkpointing changes no number: turn it off for the analysis (call the "
+            "blocks directly). The switches of timm (set_grad_checkpointing) and Hugging Face "
+            "(gradient_checkpointing_enable) need nothing: normflat turns them off for its forwards."
+        ) from err
+
+
 @contextlib.contextmanager
 def model_workarounds(model: nn.Module) -> Iterator[None]:
     """What an analysis sets on ``model``'s modules for its forwards, removed on exit: the batch-norm
-    gradient on one sample (:func:`one_sample_norm_gradients`) and the conversions that change
-    nothing (:func:`unchanging_conversions`)."""
-    with one_sample_norm_gradients(model), unchanging_conversions(model):
+    gradient on one sample (:func:`one_sample_norm_gradients`), the conversions that change
+    nothing (:func:`unchanging_conversions`) and no gradient checkpointing
+    (:func:`no_gradient_checkpointing`; a forward that checkpoints by itself is refused,
+    :func:`checkpointing_refusal`)."""
+    with (checkpointing_refusal(), one_sample_norm_gradients(model), unchanging_conversions(model),
+          no_gradient_checkpointing(model)):
         yield
 
 
@@ -177,6 +245,16 @@ def is_fsdp(module: nn.Module) -> bool:
     builds without distributed support.
     """
     return any(c.__name__ in ("FullyShardedDataParallel", "FSDPModule") for c in type(module).__mro__)
+
+
+def compiled_original(module: nn.Module) -> nn.Module | None:
+    """The eager module inside ``torch.compile``'s wrapper (``OptimizedModule``, a private class of
+    ``torch._dynamo``, checked by name), or ``None`` for any other module. It holds the same
+    parameters and buffers; the wrapper only routes its forward through the compiler."""
+    inner = getattr(module, "_orig_mod", None)
+    if type(module).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+        return inner
+    return None
 
 
 def is_dtensor(t: Any) -> bool:

@@ -415,15 +415,25 @@ class TiedUse:
 
 
 def unwrap(model: Any) -> nn.Module:
-    """The user's module inside a DDP / DataParallel wrapper (layer names without ``module.``).
+    """The user's module inside DDP / DataParallel wrappers and ``torch.compile``'s (layer names
+    without ``module.`` or ``_orig_mod.``: the same names as the plain model's).
+
+    A compiled model is analyzed through its eager module, which holds the same parameters: the
+    analysis' hooks and ``torch.func`` transforms would make the compiler retrace or fall back on
+    every call, and the numbers are the eager forward's either way.
 
     Raises:
         TypeError: For non-modules, TorchScript modules and FSDP-sharded models.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"The torch backend needs a torch.nn.Module, got {type(model).__name__}.")
-    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        model = model.module
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif compat.compiled_original(model) is not None:
+            model = compat.compiled_original(model)
+        else:
+            break
     if isinstance(model, torch.jit.ScriptModule):
         raise TypeError(
             "normflat cannot analyze a TorchScript module: its compiled graph bypasses the forward "
