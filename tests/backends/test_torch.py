@@ -463,6 +463,62 @@ def test_compiled_model_is_analyzed_through_its_eager_module():
     assert len(compiled_graphs) == 1
 
 
+def test_an_enclosing_autocast_is_off_for_the_analysis():
+    """An analysis called inside ``torch.autocast`` (a training loop's mixed-precision block): its
+    forwards run in the model's dtype, as outside, for every estimator and the measures; the block's
+    autocast is on again after each call. Before, the analysis failed on the bfloat16 logits
+    ("Got unsupported ScalarType BFloat16") and the measures returned bfloat16 values silently."""
+    torch.manual_seed(0)
+    model = mlp_tanh()
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    measures = ["fisher_rao_norm", "adaptive_sharpness"]
+    want = {estimator: normflat.hessian_diagonal(model, (x, y), estimator=estimator, progress=False)
+            for estimator in ("ggn", "hutchinson", "exact")}
+    want_measures = normflat.measures(model, (x, y), measures, loss="ce", progress=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(x).dtype == torch.bfloat16  # the block is in effect
+        for estimator, diagonals in want.items():
+            got = normflat.hessian_diagonal(model, (x, y), estimator=estimator, progress=False)
+            for name in diagonals:
+                assert got[name].dtype == torch.float32
+                torch.testing.assert_close(got[name], diagonals[name], rtol=1e-6, atol=1e-9)
+            assert torch.is_autocast_enabled("cpu")
+        report = normflat.analyze(model, (x, y), progress=False)
+        got_measures = normflat.measures(model, (x, y), measures, loss="ce", progress=False)
+        assert torch.is_autocast_enabled("cpu") and model(x).dtype == torch.bfloat16
+    assert report.metadata["dtype"] == "float32"
+    assert [got_measures[m] for m in measures] == pytest.approx([want_measures[m] for m in measures], rel=1e-6)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_a_half_precision_model_is_analyzed_in_float32_through_a_copy(half):
+    """A model whose weights are bfloat16 or float16 (loaded with ``torch_dtype=…``): the analysis
+    computes in float32 through a private copy, the numbers of ``copy.deepcopy(model).float()`` on
+    the same data, and the model keeps its dtype and everything else. Before, bfloat16 failed on the
+    logits' check ("Got unsupported ScalarType BFloat16") and float16 was analyzed in float16."""
+    torch.manual_seed(0)
+    model = mlp_tanh().to(half)
+    x, y = torch.randn(8, 4).to(half), torch.randint(0, 3, (8,))
+    widened = copy.deepcopy(model).float()
+    for estimator in ("ggn", "exact"):
+        got = normflat.analyze(model, (x, y), estimator=estimator, progress=False)
+        want = normflat.analyze(widened, (x.float(), y), estimator=estimator, progress=False)
+        assert got.metadata["dtype"] == "float32"
+        assert [layer.name for layer in got.layers] == [layer.name for layer in want.layers]
+        assert (got.normalized_sharpness, got.hessian_trace) == (want.normalized_sharpness, want.hessian_trace)
+        diagonals = normflat.hessian_diagonal(model, (x, y), estimator=estimator, progress=False)
+        assert all(d.dtype == torch.float32 for d in diagonals.values())
+    assert all(p.dtype == half and p.grad is None for p in model.parameters())
+
+    class Uncopyable(nn.Sequential):
+        def __deepcopy__(self, memo):
+            raise TypeError("holds a lock")
+
+    with pytest.raises(ValueError, match=rf"parameters are {str(half).removeprefix('torch.')} \(0.weight and 5 more\)"
+                                         r".*copy.deepcopy could not make \(TypeError: holds a lock\)"):
+        normflat.analyze(Uncopyable(*model), (x, y), progress=False)
+
+
 class _TiedThrice(nn.Module):
     """A weight used by two modules and once more functionally: the fast rule cannot see the third use."""
 

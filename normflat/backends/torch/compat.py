@@ -25,6 +25,7 @@ __all__ = [
     "unchanging_conversions",
     "model_workarounds",
     "no_gradient_checkpointing",
+    "without_autocast",
     "checkpointing_refusal",
     "tensor_version",
     "graph_node_name",
@@ -189,15 +190,40 @@ def checkpointing_refusal() -> Iterator[None]:
         ) from err
 
 
+#: The device types whose ``torch.autocast`` an analysis turns off for its forwards.
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
+
+
+@contextlib.contextmanager
+def without_autocast() -> Iterator[None]:
+    """Inside the block, the calling thread's ``torch.autocast`` regions are off (autocast is a
+    thread-local switch: nothing changes for other threads, and it is on again on exit).
+
+    An analysis called inside a mixed-precision block (a training loop's ``with torch.autocast(...)``)
+    would otherwise run the model's matrix products in bfloat16 or float16: its Hessians would be
+    those of the rounding (the analysis failed on the bfloat16 logits; ``normflat.measures`` returned
+    their values silently). normflat computes in the model's dtype or the ``dtype`` option's.
+    """
+    with contextlib.ExitStack() as stack:
+        for device_type in AUTOCAST_DEVICES:
+            try:
+                enabled = torch.is_autocast_enabled(device_type)
+            except (RuntimeError, ValueError):  # a device type this build does not know
+                continue
+            if enabled:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
 @contextlib.contextmanager
 def model_workarounds(model: nn.Module) -> Iterator[None]:
-    """What an analysis sets on ``model``'s modules for its forwards, removed on exit: the batch-norm
+    """What an analysis sets for its forwards, removed on exit: on ``model``'s modules the batch-norm
     gradient on one sample (:func:`one_sample_norm_gradients`), the conversions that change
     nothing (:func:`unchanging_conversions`) and no gradient checkpointing
     (:func:`no_gradient_checkpointing`; a forward that checkpoints by itself is refused,
-    :func:`checkpointing_refusal`)."""
-    with (checkpointing_refusal(), one_sample_norm_gradients(model), unchanging_conversions(model),
-          no_gradient_checkpointing(model)):
+    :func:`checkpointing_refusal`); in the calling thread, no autocast (:func:`without_autocast`)."""
+    with (checkpointing_refusal(), without_autocast(), one_sample_norm_gradients(model),
+          unchanging_conversions(model), no_gradient_checkpointing(model)):
         yield
 
 

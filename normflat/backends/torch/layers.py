@@ -11,6 +11,7 @@ subclasses of a registered type match too.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -450,6 +451,41 @@ def unwrap(model: Any) -> nn.Module:
             "across ranks, not the model."
         )
     return model
+
+
+#: Parameter dtypes that an analysis does not compute in (method §6: at least float32).
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def computing_copy(model: nn.Module) -> nn.Module:
+    """``model`` itself, or a private float32 copy of it where some of its floating parameters are
+    float16 or bfloat16 (a model loaded with ``torch_dtype=torch.bfloat16``).
+
+    A torch model computes in its parameters' dtype, and Hessians in half precision are those of the
+    rounding: the analysis computes in float32 through the copy, as JAX computes a float16 model's
+    forward in float32. The copy holds the same weights exactly (float16 and bfloat16 widen to float32
+    without rounding), so the report's layers, weights and numbers are those of the model's function at
+    float32; the user's model is never touched. It costs the float32 weights' memory once more.
+
+    Raises:
+        ValueError: If ``copy.deepcopy`` cannot copy the model (the fix: analyze a float32 copy made
+            by the caller).
+    """
+    half = [(name, p.dtype) for name, p in model.named_parameters() if p.dtype in HALF_DTYPES]
+    if not half:
+        return model
+    try:
+        duplicate = copy.deepcopy(model)
+    except Exception as err:  # noqa: BLE001 - any failure of the copy gets the same fix
+        name, dtype = half[0]
+        raise ValueError(
+            f"The torch model's parameters are {str(dtype).removeprefix('torch.')} ({name}"
+            f"{f' and {len(half) - 1} more' if len(half) > 1 else ''}): Hessians in half precision are "
+            "meaningless, so normflat computes in float32 through a private copy of the model, which "
+            f"copy.deepcopy could not make ({type(err).__name__}: {err}). Analyze a float32 copy that you "
+            "make (your model's own copy, then .float())."
+        ) from err
+    return duplicate.float()
 
 
 #: Extractor of learned position tables held as loose parameters (method §3, "Position tables";

@@ -27,7 +27,8 @@ from normflat.backends.torch import ggn as ggn_kernels
 from normflat.backends.torch.data import (ADAPTER, ModelInputs, deferred_inputs_finite, host_to_device,
                                           inputs_to_model, to_model)
 from normflat.backends.torch.distributed import TorchComm
-from normflat.backends.torch.layers import TiedUse, TorchLayer, all_finite, collect_layers, unwrap
+from normflat.backends.torch.layers import (TiedUse, TorchLayer, all_finite, collect_layers, computing_copy,
+                                           unwrap)
 from normflat.backends.torch.state import ModelState, claim, release
 from normflat.core.memory import equal_step
 from normflat.engine import estimators, losses
@@ -131,7 +132,8 @@ class TorchSession:
         self.comm = comm
         self.rank = comm.rank if comm is not None else 0
         self.settings = parse_settings(backend_options)
-        model = unwrap(model)
+        # A float16 or bfloat16 model is analyzed in float32, through a private copy.
+        model = computing_copy(unwrap(model))
         # The skipped-layer warning once per analysis: on rank 0 of a distributed run.
         on_unsupported = options.on_unsupported
         if self.rank != 0 and on_unsupported == "warn":
