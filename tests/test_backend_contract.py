@@ -13,6 +13,8 @@ Only the builders (``tests/builders``) and a few framework helpers below
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -328,6 +330,49 @@ def test_mismatched_lengths(builder):
     xb, yb = _pair(builder, x, y)
     with pytest.raises(ValueError, match="6 inputs but 5 labels"):
         normflat.analyze(builder.build(spec), (xb, yb[:5]), **_kw(builder))
+
+
+def _foreign(builder, a):
+    """An array of the builder's batches as another framework's tensor: TensorFlow's for PyTorch,
+    PyTorch's for the others."""
+    host = a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)  # the array's own dtype
+    if builder.NAME == "torch":
+        import tensorflow as tf
+
+        return tf.constant(host)
+    import torch
+
+    return torch.from_numpy(host)
+
+
+def test_batches_of_another_frameworks_tensors(builder):
+    """Batches of another framework's tensors (a torch DataLoader feeding a Keras or JAX model, a
+    tf.data pipeline feeding a PyTorch model) are read into numpy by the data contract: the same
+    numbers as the framework's own arrays, for the analysis and the measures, also as one (x, y) pair.
+    Before, PyTorch and Keras refused them ("the inputs x must be an array … of the keras backend or
+    numpy, got Tensor")."""
+    spec = _cnn(23)
+    x, y = netspec.data(spec, n=6, seed=23)
+    model = builder.build(spec)
+    native = _batches(builder, x, y, 3)
+    foreign = [(_foreign(builder, xb), _foreign(builder, yb)) for xb, yb in native]
+    for estimator in ("ggn", "hutchinson"):
+        want = normflat.analyze(model, native, **_kw(builder, estimator=estimator, seed=3))
+        got = normflat.analyze(model, foreign, **_kw(builder, estimator=estimator, seed=3))
+        assert (got.normalized_sharpness, got.hessian_trace) == (want.normalized_sharpness, want.hessian_trace)
+    (whole,) = _batches(builder, x, y, 6)
+    pair = normflat.analyze(model, (_foreign(builder, whole[0]), _foreign(builder, whole[1])), **_kw(builder))
+    assert pair.hessian_trace == pytest.approx(normflat.analyze(model, whole, **_kw(builder)).hessian_trace,
+                                               rel=1e-12)
+    measures = ["fisher_rao_norm"]
+    options = dict(loss="ce", progress=False, backend_options=builder.ANALYZE_KWARGS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        normflat.hessian_diagonal(model, foreign, **_kw(builder))
+    assert not [w for w in caught if "writable" in str(w.message)]  # no read-only view reached PyTorch
+    got = normflat.measures(model, foreign, measures, **options)
+    want = normflat.measures(model, native, measures, **options)
+    assert got["fisher_rao_norm"] == pytest.approx(want["fisher_rao_norm"], rel=1e-12)
 
 
 def test_labels_out_of_range(builder):

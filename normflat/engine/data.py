@@ -127,19 +127,62 @@ def input_leaves(x: Any) -> list[Any]:
     return [x]
 
 
+def _readable(a: Any) -> bool:
+    """An array of another framework that numpy can read: a torch tensor, a TensorFlow or JAX array
+    (it has a shape, a dtype and ``__array__``)."""
+    return (hasattr(a, "__array__") and hasattr(a, "shape") and hasattr(a, "dtype")
+            and not isinstance(a, (str, bytes, type, np.ndarray)))
+
+
+def _is_array(a: Any, adapter: DataAdapter) -> bool:
+    """An array the batch may hold: the backend's, numpy, or one numpy reads (:func:`_readable`)."""
+    return adapter.is_array(a) or _readable(a)
+
+
+def _to_host(a: Any) -> np.ndarray:
+    """Another framework's array as a writable numpy array: a torch tensor detached and copied from
+    its device first, a dtype numpy lacks (bfloat16) widened. A read-only view (TensorFlow's) is
+    copied: PyTorch warns about wrapping one."""
+    if hasattr(a, "detach"):
+        a = a.detach().cpu()
+    try:
+        out = np.asarray(a)
+    except TypeError:  # bfloat16, which numpy has no dtype for
+        out = np.asarray(a.float() if hasattr(a, "float") else a.astype("float32"))
+    return out if out.flags.writeable else out.copy()
+
+
+def _read_foreign(value: Any, adapter: DataAdapter) -> Any:
+    """``value`` (inputs or labels) with the arrays of other frameworks read into numpy, which every
+    backend takes (a torch ``DataLoader`` feeding a Keras model, as Keras' own ``fit`` accepts; a
+    ``tf.data`` pipeline feeding a PyTorch model); the structure and the backend's own arrays are kept,
+    and ``value`` itself is returned where nothing needed reading."""
+    if isinstance(value, Mapping):
+        items = {k: _read_foreign(v, adapter) for k, v in value.items()}
+        return value if all(items[k] is value[k] for k in items) else items
+    if isinstance(value, (tuple, list)):
+        parts = [_read_foreign(v, adapter) for v in value]
+        if all(p is v for p, v in zip(parts, value)):
+            return value
+        return type(value)(*parts) if hasattr(value, "_fields") else type(value)(parts)
+    if adapter.is_array(value) or not _readable(value):
+        return value
+    return _to_host(value)
+
+
 def _is_inputs(x: Any, adapter: DataAdapter) -> bool:
     if isinstance(x, (Mapping, tuple, list)):
         leaves = input_leaves(x)
-        return bool(leaves) and all(adapter.is_array(v) for v in leaves)
-    return adapter.is_array(x)
+        return bool(leaves) and all(_is_array(v, adapter) for v in leaves)
+    return _is_array(x, adapter)
 
 
 def _is_single_pair(data: Any, adapter: DataAdapter) -> bool:
     if isinstance(data, Mapping):  # one Hugging Face style batch ({"input_ids": ..., "labels": ...})
         key = _label_key(data)
-        return key is not None and adapter.is_array(data[key]) and all(
+        return key is not None and _is_array(data[key], adapter) and all(
             _is_inputs(v, adapter) for k, v in data.items() if k != key)
-    return (isinstance(data, (tuple, list)) and len(data) == 2 and adapter.is_array(data[1])
+    return (isinstance(data, (tuple, list)) and len(data) == 2 and _is_array(data[1], adapter)
             and _is_inputs(data[0], adapter))
 
 
@@ -365,7 +408,7 @@ def batches(data: Any, adapter: DataAdapter, options: AnalysisOptions) -> tuple[
         message = adapter.reject(data)
         if message:
             raise TypeError(message)
-        if isinstance(data, (str, bytes, Mapping)) or adapter.is_array(data) or not hasattr(data, "__iter__"):
+        if isinstance(data, (str, bytes, Mapping)) or _is_array(data, adapter) or not hasattr(data, "__iter__"):
             raise TypeError(
                 f"data must be one (x, y) pair of arrays or an iterable of (x, y) batches (a DataLoader, "
                 f"a tf.data.Dataset, a list, a generator), got {type(data).__name__}."
@@ -389,6 +432,7 @@ def _generate(source: Iterable[Any], adapter: DataAdapter, options: AnalysisOpti
     offset = 0
     for index, raw in enumerate(limited(source, options.max_batches)):
         x, y, keywords = _split(raw, index)
+        x, y = _read_foreign(x, adapter), _read_foreign(y, adapter)
         n = _check_batch(x, y, index, adapter)
         if n == 0:
             continue  # an empty batch adds nothing (the same in every framework)

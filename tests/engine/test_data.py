@@ -95,6 +95,43 @@ def test_batch_of_wrong_types():
         _all([x])
 
 
+class _Foreign:
+    """Another framework's array: a shape, a dtype and ``__array__`` (as torch, TensorFlow and JAX
+    arrays have), a read-only view like TensorFlow's."""
+
+    def __init__(self, a):
+        self._a = np.asarray(a)
+        self.shape, self.dtype = self._a.shape, self._a.dtype
+
+    def __array__(self, dtype=None, copy=None):
+        view = self._a.view()
+        view.flags.writeable = False
+        return view
+
+
+def test_another_frameworks_arrays_are_read_into_numpy():
+    """Arrays the backend does not take but numpy reads (another framework's tensors) become writable
+    numpy arrays, in every structure (one pair, a tuple of inputs, a named tuple, a mapping batch with
+    its labels); the backend's own arrays and anything that is not an array stay as they are."""
+    import collections
+
+    x, y = _xy(4)
+    (batch,), total = _all((_Foreign(x), _Foreign(y)))  # one pair
+    assert total == 1 and isinstance(batch.x, np.ndarray) and batch.x.flags.writeable
+    np.testing.assert_array_equal(batch.x, x)
+    np.testing.assert_array_equal(batch.y, y)
+    Inputs = collections.namedtuple("Inputs", "image mask")
+    (batch,), _ = _all([(Inputs(_Foreign(x), x), y)])
+    assert type(batch.x) is Inputs and isinstance(batch.x.image, np.ndarray) and batch.x.mask is x
+    (batch,), _ = _all([{"input_ids": _Foreign(x), "labels": _Foreign(y)}])
+    assert batch.keywords and isinstance(batch.x["input_ids"], np.ndarray) and isinstance(batch.y, np.ndarray)
+    own = (x, y)
+    (batch,), _ = _all([own])
+    assert batch.x is x and batch.y is y  # nothing to read: the batch's own objects
+    with pytest.raises(TypeError, match="got str"):
+        _all([((x, "mask"), y)])
+
+
 def test_no_data():
     with pytest.raises(ValueError, match="needs training data"):
         _all(None)
