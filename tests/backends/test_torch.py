@@ -519,6 +519,50 @@ def test_a_half_precision_model_is_analyzed_in_float32_through_a_copy(half):
         normflat.analyze(Uncopyable(*model), (x, y), progress=False)
 
 
+class _ScalesItsInputs(nn.Module):
+    """An MLP whose forward scales its input: in place (``x.mul_``), out of place, or by a clamp in place
+    that changes no value of these inputs."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.net, self.how = mlp_tanh(), how
+
+    def forward(self, x):
+        if self.how == "in place":
+            x.mul_(2.0)
+        elif self.how == "clamp":
+            x.clamp_(-1e6, 1e6)
+        else:
+            x = x * 2.0
+        return self.net(x)
+
+
+def test_a_forward_that_changes_its_inputs_in_place_is_refused():
+    """A forward that writes into its inputs: normflat runs the forward several times on a batch, so
+    each would see what the one before wrote (before, the samples-apart check refused it as logits that
+    depend on the other samples, a wrong cause). One error that says so, for the analysis and the
+    measures, and the data (a tensor, or a numpy array whose memory the tensor shares) left as it was.
+    A write that leaves the values (a clamp within their range) runs, with the numbers of the plain
+    forward."""
+    torch.manual_seed(0)
+    model = _ScalesItsInputs("in place")
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    kept, host = x.clone(), x.numpy().copy()
+    for data in ((x, y), (host, y.numpy())):
+        for estimator in ("ggn", "hutchinson"):
+            with pytest.raises(ValueError, match=r"changes its inputs in place in its forward .*out of place"):
+                normflat.analyze(model, data, estimator=estimator, progress=False)
+        with pytest.raises(ValueError, match="changes its inputs in place"):
+            normflat.measures(model, data, ["fisher_rao_norm"], loss="ce", progress=False)
+    assert torch.equal(x, kept) and np.array_equal(host, kept.numpy())
+    clamped, plain = _ScalesItsInputs("clamp"), _ScalesItsInputs("out of place")
+    plain.net.load_state_dict(clamped.net.state_dict())
+    got = normflat.hessian_diagonal(clamped, (x, y), progress=False)
+    want = normflat.hessian_diagonal(plain, (x / 2, y), progress=False)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name])
+
+
 class _TiedThrice(nn.Module):
     """A weight used by two modules and once more functionally: the fast rule cannot see the third use."""
 

@@ -136,6 +136,16 @@ class ModelInputs:
         """``model(*args, **kwargs)``."""
         return model(*self.args, **self.kwargs)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The input tensors, positional then keyword."""
+        return [v for v in (*self.args, *self.kwargs.values()) if isinstance(v, torch.Tensor)]
+
+    def cloned(self) -> "ModelInputs":
+        """A copy with tensors of its own: a forward that writes into its inputs writes into these."""
+        def own(v: Any) -> Any:
+            return v.clone() if isinstance(v, torch.Tensor) else v
+        return ModelInputs(tuple(own(a) for a in self.args), {k: own(v) for k, v in self.kwargs.items()}, self.n)
+
 
 def inputs_to_model(x: Any, index: int, device: torch.device, dtype: torch.dtype, n: int,
                     keywords: bool = False) -> ModelInputs:

@@ -1842,6 +1842,21 @@ def forward_error_of(model: nn.Module, batch: Batch, device: torch.device, dtype
     return None
 
 
+def _check_inputs_kept(called: ModelInputs, original: ModelInputs, versions: list[int]) -> None:
+    """Refuse a forward that changed its inputs in place (``x.mul_(2)``, ``x /= 255`` on an input):
+    ``called`` held copies of ``original``'s tensors at the ``versions`` given. Writes that leave the
+    values as they were (a clamp inside the range, a fill of what is already there) pass."""
+    for t, before, ref in zip(called.tensors(), versions, original.tensors()):
+        if compat.tensor_version(t) != before and not torch.equal(t, ref):
+            raise ValueError(
+                "The torch model changes its inputs in place in its forward (an in-place operation on an "
+                "input tensor, such as x.mul_(...), x /= 255 or x[:, 0] = 0): normflat runs the forward "
+                "several times on each batch (this check, chunks of samples, samples alone), so each forward "
+                "would see inputs that the one before changed, and the data you pass would be changed too. "
+                "Write those operations out of place (x = x / 255)."
+            )
+
+
 def check_samples_apart_of(model: nn.Module, xs: ModelInputs, pick: Callable[[Any], Any],
                            batch: Batch | None = None) -> Exception | None:
     """:func:`~normflat.engine.losses.check_samples_apart` on a first batch ``xs``: its first rows in
@@ -1865,13 +1880,18 @@ def check_samples_apart_of(model: nn.Module, xs: ModelInputs, pick: Callable[[An
         ValueError: :func:`~normflat.engine.data.model_fails_on_inputs`, for ``batch``.
     """
     rows = min(losses.SAMPLES_APART_ROWS, xs.n)
+    first = xs.rows(slice(0, rows))
+    # On a copy of the rows: a forward that writes into its inputs would change the user's data.
+    own = first.cloned()
+    versions = [compat.tensor_version(t) for t in own.tensors()]
     try:
         with torch.no_grad():
-            together = pick(xs.rows(slice(0, rows)).call(model))
+            together = pick(own.call(model))
     except Exception as err:  # noqa: BLE001 - see batch
         if batch is not None and not raised_by_normflat(err):
             raise model_fails_on_inputs("torch", err, batch) from err
         return None
+    _check_inputs_kept(own, first, versions)
     if rows < 2:
         return None
     try:
