@@ -906,3 +906,36 @@ def test_models_keeping_a_cache_run_without_it():
     explicit = normflat.analyze(plain, {"input_ids": ids, "labels": ids}, loss="ce", estimator="ggn", progress=False)
     assert [layer.hessian_trace for layer in implicit.layers] == [layer.hessian_trace for layer in explicit.layers]
     assert implicit.metadata["coverage"] == 1.0
+
+
+@pytest.mark.parametrize("build, loader", [(tiny_gpt2, lm_loader), (tiny_bert, bert_loader)])
+def test_gradient_checkpointing_enabled_model_gives_the_plain_models_numbers(build, loader):
+    """A model after ``activation_checkpointing_enable()`` (the non-deprecated name of
+    ``gradient_checkpointing_enable``): its ``enable_input_require_grads`` hook on the input embeddings
+    (``output.requires_grad_(True)``) failed inside ``torch.func`` in eval mode too, for ``hutchinson``,
+    ``exact``, the generic path and the measures. normflat suspends it and the checkpointing switches
+    for its forwards: the plain model's numbers, and the hook and the switches are back afterwards."""
+    plain, checkpointed = build(), build()
+    checkpointed.activation_checkpointing_enable()
+    handles = checkpointed._require_grads_hooks
+    assert handles  # the hook this test is about
+    embedding = checkpointed.get_input_embeddings()
+    hooks_before = list(embedding._forward_hooks)
+    switches = [m.gradient_checkpointing for m in checkpointed.modules() if "gradient_checkpointing" in m.__dict__]
+    assert switches and all(switches)
+    before = snapshot(checkpointed)
+    for options in (dict(estimator="hutchinson", samples=2, seed=1), dict(estimator="ggn", fast=False),
+                    dict(estimator="ggn")):
+        got = normflat.hessian_diagonal(checkpointed, loader(), progress=False, **options)
+        want = normflat.hessian_diagonal(plain, loader(), progress=False, **options)
+        assert list(got) == list(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-14, msg=lambda m: f"{name}: {m}")
+    measures = ["fisher_rao_norm"]
+    got = normflat.measures(checkpointed, loader(), measures, loss="ce", progress=False)
+    want = normflat.measures(plain, loader(), measures, loss="ce", progress=False)
+    assert got["fisher_rao_norm"] == pytest.approx(want["fisher_rao_norm"], rel=1e-10)
+    assert list(embedding._forward_hooks) == hooks_before and all(h.id in embedding._forward_hooks for h in handles)
+    assert [m.gradient_checkpointing for m in checkpointed.modules()
+            if "gradient_checkpointing" in m.__dict__] == switches
+    assert_unchanged(checkpointed, before)

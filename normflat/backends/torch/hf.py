@@ -1082,6 +1082,40 @@ _SDPA_IMPLEMENTATIONS = ("eager", "sdpa")
 
 
 @contextlib.contextmanager
+def without_input_grad_hooks(model: Any) -> Iterator[None]:
+    """Inside the block, the forward hooks of Hugging Face's ``enable_input_require_grads`` do not run;
+    they are back in their place among the modules' hooks on exit, also after an error.
+
+    ``gradient_checkpointing_enable()`` (and PEFT's adapters) register them on the input embeddings:
+    ``output.requires_grad_(True)``, so that a frozen embedding still passes gradients to the
+    checkpointed blocks. Under ``torch.func`` transforms (the Hessian-vector products, the generic
+    path, the measures' gradients) that call fails inside torch, in eval mode too; the analysis sets
+    ``requires_grad`` on the weights it differentiates itself, so the hooks change nothing it computes.
+    """
+    suspended: list[tuple[dict, list, int]] = []
+    modules = model.modules() if isinstance(model, nn.Module) else ()
+    for module in modules:
+        for handle in module.__dict__.get("_require_grads_hooks", None) or ():
+            hooks = handle.hooks_dict_ref() if hasattr(handle, "hooks_dict_ref") else None
+            if hooks is not None and handle.id in hooks:
+                suspended.append((hooks, list(hooks.items()), handle.id))
+                del hooks[handle.id]
+    try:
+        yield
+    finally:
+        for hooks, order, key in reversed(suspended):
+            # The hook back at its place: the module's hooks in the order they had, any registered
+            # meanwhile after them.
+            current = dict(hooks)
+            hooks.clear()
+            for k, fn in order:
+                if k == key or k in current:
+                    hooks[k] = current.get(k, fn)
+            for k, fn in current.items():
+                hooks.setdefault(k, fn)
+
+
+@contextlib.contextmanager
 def analysis_mode(model: Any, options: Any) -> Iterator[None]:
     """The context every forward and autodiff computation of the analysis runs in.
 
@@ -1100,7 +1134,8 @@ def analysis_mode(model: Any, options: Any) -> Iterator[None]:
     experts, the same way and for the same reasons. These changes are visible to
     another thread running the same model meanwhile (which then computes the same
     function another way); the session refuses two analyses of one model at a time.
-    Nothing is changed for models without such configs.
+    Nothing is changed for models without such configs. The input-gradient hooks of
+    gradient checkpointing and adapters are suspended (:func:`without_input_grad_hooks`).
 
     Args:
         model: The (unwrapped) model.
@@ -1122,7 +1157,8 @@ def analysis_mode(model: Any, options: Any) -> Iterator[None]:
                 if isinstance(current, str) and current not in _VMAP_EXPERTS:
                     experts.append((config, current))
                     config._experts_implementation_internal = "eager"
-        yield
+        with without_input_grad_hooks(model):
+            yield
     finally:
         for config, value in reversed(changed):
             config._attn_implementation_internal = value
