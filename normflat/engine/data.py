@@ -231,8 +231,8 @@ def _check_batch(x: Any, y: Any, index: int, adapter: DataAdapter) -> int:
             bad = f"a {type(x).__name__} of {len(x)} entries holding {bad} values"
             hint = " Convert nested Python lists of numbers to an array (np.asarray(x)) first."
         raise TypeError(
-            f"Batch {index}: the inputs x must be an array (or a tuple/list/dict of arrays) of the "
-            f"{adapter.framework} backend or numpy, got {bad}.{hint}"
+            f"Batch {index}: the inputs x must be an array (or a tuple/list/dict of arrays): the "
+            f"{adapter.framework} backend's, numpy's or another framework's that numpy reads, got {bad}.{hint}"
         )
     shapes = [adapter.shape(v) for v in leaves]
     if any(len(s) == 0 for s in shapes):
@@ -245,8 +245,8 @@ def _check_batch(x: Any, y: Any, index: int, adapter: DataAdapter) -> int:
         )
     if not adapter.is_array(y):
         raise TypeError(
-            f"Batch {index}: the labels y must be an array of the {adapter.framework} backend or numpy, "
-            f"got {type(y).__name__}."
+            f"Batch {index}: the labels y must be an array (the {adapter.framework} backend's, numpy's or "
+            f"another framework's that numpy reads), got {type(y).__name__}."
         )
     y_shape = adapter.shape(y)
     if len(y_shape) == 0:

@@ -522,7 +522,8 @@ class JaxSession:
         """Take the program traced for this batch's example shapes (a later batch of another
         sequence length, as a collator that pads each batch gives), tracing it on the first batch
         of those shapes: its own kernel and run, the same weights and sums. The number of classes
-        and the layers' paths must be the first program's."""
+        must be the first program's; the layers' reported paths merge over the programs
+        (:meth:`_merge_paths`)."""
         signature = example_signature(batch.x)
         entry = self._programs.get(signature)
         if entry is None:
