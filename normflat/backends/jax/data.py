@@ -2,8 +2,9 @@
 
 The data contract itself (pairs, batches, one-hot labels, empty and infinite
 data, every message) is the engine's (:mod:`normflat.engine.data`); this module
-only says what a JAX array is and how to read it. Inputs may be JAX arrays,
-numpy arrays, or torch tensors / ``tf.data`` tensors (anything with ``__array__``).
+only says what a JAX array is and how to read it. Inputs may be JAX arrays or
+numpy arrays; the engine reads other frameworks' tensors (a torch loader's, a
+``tf.data`` pipeline's) into numpy before they get here.
 """
 
 from __future__ import annotations
@@ -19,17 +20,13 @@ from normflat.engine.data import INFINITE
 __all__ = ["JaxAdapter", "ADAPTER", "to_jax", "cast_inputs", "device_inputs_finite"]
 
 
-def _is_tensor_like(a: Any) -> bool:
-    return hasattr(a, "shape") and hasattr(a, "dtype") and not isinstance(a, (str, bytes, type))
-
-
 class JaxAdapter:
-    """Arrays of the JAX backend: ``jax.Array``, numpy, and other framework tensors."""
+    """Arrays of the JAX backend: ``jax.Array`` and numpy."""
 
     framework = "jax"
 
     def is_array(self, a: Any) -> bool:
-        return isinstance(a, (jax.Array, np.ndarray)) or (_is_tensor_like(a) and hasattr(a, "__array__"))
+        return isinstance(a, (jax.Array, np.ndarray))
 
     def shape(self, a: Any) -> tuple[int, ...]:
         return tuple(int(d) for d in a.shape)
@@ -49,8 +46,6 @@ class JaxAdapter:
         return "?"
 
     def to_numpy(self, a: Any) -> np.ndarray:
-        if hasattr(a, "detach"):  # torch tensors
-            a = a.detach().cpu()
         return np.asarray(a)
 
     def all_finite(self, a: Any) -> bool:
@@ -80,16 +75,7 @@ class JaxAdapter:
 
 def _np_dtype(a: Any) -> Any:
     dt = getattr(a, "dtype", None)
-    if dt is None:
-        return None
-    try:
-        return np.dtype(dt)
-    except TypeError:
-        # torch dtypes are not numpy dtypes: ask a zero-size host copy.
-        try:
-            return np.asarray(a[:0].detach().cpu() if hasattr(a, "detach") else a[:0]).dtype
-        except Exception:  # noqa: BLE001 - an unknown array type
-            return None
+    return None if dt is None else np.dtype(dt)
 
 
 def _tf_dataset_cardinality(data: Any) -> Any:
@@ -111,8 +97,6 @@ def to_jax(a: Any) -> Any:
     """``a`` as a JAX array (JAX arrays are returned as they are)."""
     if isinstance(a, jax.Array):
         return a
-    if hasattr(a, "detach"):  # torch tensors
-        a = a.detach().cpu().numpy()
     return jnp.asarray(np.asarray(a))
 
 

@@ -62,9 +62,10 @@ def probes_in_sequence(model: Any) -> bool:
     TensorFlow's vectorization has no rule for a convolution's second derivative either
     (``Conv2DBackpropFilter`` and its kin): it falls back to a loop over the probes per operation,
     and the functions of those loops stay in TensorFlow's context after the step is freed, 7.2 MiB
-    per ``hutchinson`` analysis of a new small CNN (``benchmarks/keras_retained.py``). One after the other, the same CNN's step ran
-    as fast (0.186 s against 0.188 s for 8 probes, one thread, 2026-12-07), its first call faster
-    (0.82 s against 1.27 s), with nothing left behind; an MLP keeps the vectorized products
+    per ``hutchinson`` analysis of a new small CNN (``benchmarks/keras_retained.py``). One after
+    the other, the same CNN's step ran as fast (0.186 s against 0.188 s for 8 probes, one thread,
+    2026-12-07), its first call faster (0.82 s against 1.27 s), with nothing left behind; an MLP
+    keeps the vectorized products
     (0.297 s against 0.316 s one after the other, 16 probes of 784-512-256-10). ``exact`` keeps them
     vectorized on a tiny CNN (0.16 s against 0.35 s), one after the other for recurrent layers only.
     """

@@ -244,7 +244,7 @@ class TorchPerturbationModel:
             # one example of ones may not even run otherwise, batch statistics say).
             self._check_swappable(SimpleNamespace(args=(x,), kwargs={}),
                                   {name: p for name, p in self.model.named_parameters() if id(p) not in folded_params})
-            logits = select_output(out, self.options.output, _is_tensor)
+            logits = self._pick(out)
             if not isinstance(logits, torch.Tensor):
                 raise TypeError(_not_tensor(logits))
             return float(logits.detach().to(torch.float64).sum())
@@ -297,10 +297,13 @@ class TorchPerturbationModel:
         finally:
             release(self.model)
 
+    def _pick(self, out: Any) -> Any:
+        """The logits inside the model's output (the ``output`` option)."""
+        return select_output(out, self.options.output, _is_tensor)
+
     def _forward_error(self, batch: Batch) -> BaseException | None:
         """The model's error on a batch's first rows (:func:`~normflat.engine.data.model_failures`)."""
-        return forward_error_of(self.model, batch, self.device, self.dtype,
-                                lambda out: select_output(out, self.options.output, _is_tensor))
+        return forward_error_of(self.model, batch, self.device, self.dtype, self._pick)
 
     def _batches(self) -> Iterator[tuple[Batch, ModelInputs]]:
         source, _ = batches(self.data, ADAPTER, self.options)
@@ -317,8 +320,7 @@ class TorchPerturbationModel:
             if not self._apart_checked:
                 # Once, on the first batch, outside gradient()'s transforms: the first forward (inputs
                 # the model fails on refused) and, from two rows, the samples apart.
-                check_samples_apart_of(self.model, xs, lambda out: select_output(out, self.options.output, _is_tensor),
-                                       batch)
+                check_samples_apart_of(self.model, xs, self._pick, batch)
                 self._apart_checked = True
             if not self._swappable:
                 # Every forward swaps the weights in with functional_call: a weight also reached
@@ -334,7 +336,7 @@ class TorchPerturbationModel:
     def _check_swappable(self, inputs: Any, params: dict[str, torch.Tensor]) -> None:
         """Refuse parameters the model reaches without their module attribute (they would not be
         swapped: :func:`~normflat.backends.torch.ggn.unswapped`)."""
-        names = unswapped(self.model, inputs, params, lambda out: select_output(out, self.options.output, _is_tensor))
+        names = unswapped(self.model, inputs, params, self._pick)
         if names:
             raise unswapped_error(names)
 
@@ -342,14 +344,13 @@ class TorchPerturbationModel:
                            xs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The counted predictions' losses and correctness of one batch at ``params``."""
         out = functional_call(self.model, params, xs.args, xs.kwargs, strict=False)
-        logits = select_output(out, self.options.output, _is_tensor)
+        logits = self._pick(out)
         if not isinstance(logits, torch.Tensor):
             raise TypeError(_not_tensor(logits))
 
         def one_row() -> tuple[int, ...]:
             first = xs.rows(slice(0, 1))
-            return tuple(select_output(functional_call(self.model, params, first.args, first.kwargs, strict=False),
-                                       self.options.output, _is_tensor).shape)
+            return tuple(self._pick(functional_call(self.model, params, first.args, first.kwargs, strict=False)).shape)
 
         # As many classes as the first batch's: logits whose classes follow the rows mix the samples.
         c = check_output_shape(tuple(logits.shape), self.options, batch.index, batch.n,
