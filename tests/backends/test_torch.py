@@ -463,6 +463,51 @@ def test_compiled_model_is_analyzed_through_its_eager_module():
     assert len(compiled_graphs) == 1
 
 
+def _relu_mlp_with_block() -> nn.Sequential:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), block).to(DT)
+
+
+@pytest.mark.parametrize("how", ["compiled_child", "child_compile_in_place", "model_compile_in_place"])
+def test_compiled_submodules_run_eagerly_with_the_plain_names(how):
+    """Compiled parts inside the model (``model.block = torch.compile(model.block)``, regional
+    compilation with ``block.compile()``, or ``model.compile()`` in place) give the plain model's layer
+    names (no ``_orig_mod.``), numbers and measures (the path norm included) without calling the
+    compiler; the compiled parts compile again afterwards. Before, the compiler traced normflat's hooks
+    (with dynamo's errors logged), the names held ``_orig_mod`` and the path norm refused the wrapper."""
+    model = _relu_mlp_with_block()
+    plain = _relu_mlp_with_block()
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    compiled_graphs = []
+
+    def backend(graph, example_inputs):
+        compiled_graphs.append(graph)
+        return graph.forward
+
+    if how == "compiled_child":
+        model[2] = torch.compile(model[2], backend=backend)
+    elif how == "child_compile_in_place":
+        model[2].compile(backend=backend)
+    else:
+        model.compile(backend=backend)
+    for estimator in ("ggn", "hutchinson", "exact"):
+        got = normflat.analyze(model, (x, y), estimator=estimator, progress=False)
+        want = normflat.analyze(plain, (x, y), estimator=estimator, progress=False)
+        assert [layer.name for layer in got.layers] == [layer.name for layer in want.layers] == ["0", "2.0", "2.2"]
+        assert got.metadata["excluded"] == want.metadata["excluded"] and "2.0.bias" in got.metadata["excluded"]
+        assert got.metadata["coverage"] == want.metadata["coverage"]
+        assert got.normalized_sharpness == want.normalized_sharpness
+        assert got.hessian_trace == want.hessian_trace
+    measures = ["fisher_rao_norm", "adaptive_sharpness", "path_norm"]
+    got = normflat.measures(model, (x, y), measures, loss="ce", progress=False)
+    want = normflat.measures(plain, (x, y), measures, loss="ce", progress=False)
+    assert all(got[name] == want[name] for name in measures)
+    assert compiled_graphs == []  # the compiler never ran
+    torch.testing.assert_close(model(x), plain(x))
+    assert len(compiled_graphs) >= 1  # compiled again after the analysis
+
+
 def test_an_enclosing_autocast_is_off_for_the_analysis():
     """An analysis called inside ``torch.autocast`` (a training loop's mixed-precision block): its
     forwards run in the model's dtype, as outside, for every estimator and the measures; the block's

@@ -25,6 +25,8 @@ __all__ = [
     "unchanging_conversions",
     "model_workarounds",
     "no_gradient_checkpointing",
+    "no_compilation",
+    "plain_name",
     "without_autocast",
     "checkpointing_refusal",
     "tensor_version",
@@ -221,9 +223,10 @@ def model_workarounds(model: nn.Module) -> Iterator[None]:
     gradient on one sample (:func:`one_sample_norm_gradients`), the conversions that change
     nothing (:func:`unchanging_conversions`) and no gradient checkpointing
     (:func:`no_gradient_checkpointing`; a forward that checkpoints by itself is refused,
-    :func:`checkpointing_refusal`); in the calling thread, no autocast (:func:`without_autocast`)."""
+    :func:`checkpointing_refusal`) and no compiled submodule (:func:`no_compilation`); in the
+    calling thread, no autocast (:func:`without_autocast`)."""
     with (checkpointing_refusal(), without_autocast(), one_sample_norm_gradients(model),
-          unchanging_conversions(model), no_gradient_checkpointing(model)):
+          unchanging_conversions(model), no_gradient_checkpointing(model), no_compilation(model)):
         yield
 
 
@@ -281,6 +284,43 @@ def compiled_original(module: nn.Module) -> nn.Module | None:
     if type(module).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
         return inner
     return None
+
+
+def plain_name(name: str) -> str:
+    """A module or parameter name without the ``_orig_mod`` segments of ``torch.compile``'s wrappers
+    inside the model (``encoder._orig_mod.layer.0`` -> ``encoder.layer.0``): the plain model's name."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+@contextlib.contextmanager
+def no_compilation(model: nn.Module) -> Iterator[None]:
+    """Inside the block, the compiled modules of ``model`` run their eager forward; they compile
+    again after it.
+
+    Two forms are private state of ``torch.nn.Module`` and ``torch._dynamo``: ``module.compile()``
+    (in place) keeps the compiled call in ``module._compiled_call_impl``, which ``Module.__call__``
+    runs when it is set; ``torch.compile(submodule)`` assigned into the model leaves an
+    ``OptimizedModule`` whose instance ``forward`` is the compiled call of the eager module it
+    holds (``_orig_mod``). Compiling computes the same function, but the analysis' hooks and
+    ``torch.func`` transforms would make the compiler retrace (or fall back) on every forward and
+    run normflat's own hooks through it. The whole model compiled by ``torch.compile(model)`` is
+    unwrapped before the analysis instead (:func:`compiled_original`).
+    """
+    changed: list[tuple[nn.Module, str, Any]] = []
+    for module in model.modules():
+        state = getattr(module, "__dict__", {})
+        if state.get("_compiled_call_impl") is not None:
+            changed.append((module, "_compiled_call_impl", state["_compiled_call_impl"]))
+            object.__setattr__(module, "_compiled_call_impl", None)
+        inner = compiled_original(module)
+        if inner is not None and "forward" in state:
+            changed.append((module, "forward", state["forward"]))
+            object.__setattr__(module, "forward", inner.__call__)
+    try:
+        yield
+    finally:
+        for module, name, value in reversed(changed):
+            object.__setattr__(module, name, value)
 
 
 def is_dtensor(t: Any) -> bool:

@@ -516,7 +516,7 @@ class _Walk:
 
     def __init__(self, model: nn.Module, ggn: bool, use_fast: bool) -> None:
         self.ggn, self.use_fast = ggn, use_fast
-        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.names = {id(p): compat.plain_name(n) for n, p in model.named_parameters()}
         self.status: dict[str, ParameterStatus] = {}
         self.layers: list[TorchLayer] = []
         self.by_param: dict[int, TorchLayer] = {}
@@ -634,6 +634,7 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
     walk = _Walk(model, options.estimator in GGN_ESTIMATORS, use_fast)
     skip_prefixes: list[str] = []
     for name, module in model.named_modules():
+        name = compat.plain_name(name)
         if any(name == p or name.startswith(p + ".") for p in skip_prefixes):
             continue
         label = name or type(module).__name__
@@ -689,7 +690,7 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
         for pname, p in module.named_parameters():
             if id(p) in walk.by_param:
                 continue
-            full = f"{name}.{pname}" if name else pname
+            full = compat.plain_name(f"{name}.{pname}" if name else pname)
             why = excluded_reason(full, tuple(p.shape))
             table = position_table(full, tuple(p.shape))
             if why is not None:
@@ -723,8 +724,8 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
             f"The model's weights are on several devices {sorted(map(str, devices))}; normflat needs "
             "the whole model on one device (model.to(device))."
         )
-    names = [n for n, _ in model.named_parameters()]
-    params = dict(model.named_parameters())
+    params = {compat.plain_name(n): p for n, p in model.named_parameters()}
+    names = list(params)
     inventory = [walk.status.get(n) or ParameterStatus(n, tuple(params[n].shape), "skipped",
                                                        "not reached by the model walk")
                  for n in names]

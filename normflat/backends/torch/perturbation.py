@@ -493,7 +493,9 @@ def _check_path_modules(model: nn.Module) -> None:
     checked operation by operation while it runs (:class:`_PathNormGuard`).
     """
     for name, module in model.named_modules():
-        label = name or type(module).__name__
+        label = compat.plain_name(name) or type(module).__name__
+        if compat.compiled_original(module) is not None:
+            continue  # torch.compile's wrapper of a submodule: runs its eager module (compat.no_compilation)
         if isinstance(module, _PATH_MODULES):
             if type(module).forward not in _PATH_FORWARDS:
                 raise _refusal(label, module, f"it overrides the forward of {_path_base(module).__name__}")
