@@ -11,6 +11,13 @@ fi
 STAMP="$VENV/.normflat-install-stamp"
 WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/requirements-ci.txt" "$ROOT/requirements-nodeps.txt" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+    # The frameworks take about 7.5 GB in the venv (torch 2.14.1 is a CUDA build) and pip unpacks
+    # them beside it: say so at once rather than fail half-way with "No space left on device".
+    FREE_KB="$(df -Pk "$VENV" | awk 'NR==2 {print $4}')"
+    if [ "${FREE_KB:-0}" -lt $((10 * 1024 * 1024)) ]; then
+        echo "normflat: only $((FREE_KB / 1024)) MiB free on the disk of $VENV; installing the frameworks needs about 10 GiB (free some space, or set NORMFLAT_VENV to a venv on another disk)" >&2
+        exit 1
+    fi
     echo "normflat: installing normflat[dev] with the pinned CPU frameworks (requirements-ci.txt); takes ~2 minutes the first time"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "$ROOT[dev]" -r "$ROOT/requirements-ci.txt" 2>&1 \
         | grep -v "is ignored: it is neither a file nor a directory" || true
