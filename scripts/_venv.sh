@@ -27,7 +27,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     # import once TensorFlow is loaded (torch.func imports torch._dynamo, which imports it). These
     # machines have no GPU and torch treats triton as optional: remove it.
     "$VENV/bin/python" -m pip uninstall --quiet --disable-pip-version-check -y triton >/dev/null 2>&1 || true
-    "$VENV/bin/python" -c "import normflat, torch, torchvision, timm, transformers, tensorflow, keras, keras_hub, jax, flax, equinox" \
+    "$VENV/bin/python" -c "import normflat, torch, torchvision, timm, transformers, peft, tensorflow, keras, keras_hub, jax, flax, equinox" \
         || { echo "normflat: installation failed" >&2; exit 1; }
     echo "$WANT" > "$STAMP"
 fi

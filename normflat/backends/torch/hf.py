@@ -849,21 +849,48 @@ def _loaded_class(module_name: str, cls_name: str) -> type | None:
     return cls if isinstance(cls, type) else None
 
 
-def _hf_packed(module: nn.Module) -> tuple[nn.Module, list[tuple[str, int, int]]] | None:
+def _adapted(child: Any) -> tuple[Any, list[nn.Module]]:
+    """``(base layer, adapter layers with the same output rows)`` of a projection that PEFT wrapped
+    (a LoRA adapter's ``lora_B``: ``base(x) + lora_B(lora_A(x)) · s``), or ``(child, [])`` for any other.
+
+    PEFT's tuner layers (classes of ``peft.tuners``) keep the projection they adapt as
+    ``base_layer`` and add their output to it, so a packed projection stays packed: its blocks
+    apply to the base layer and to each ``lora_B`` linear map, whose output rows are the base's.
+    """
+    adapters: list[nn.Module] = []
+    while (isinstance(child, nn.Module) and type(child).__module__.startswith("peft.")
+           and isinstance(getattr(child, "base_layer", None), nn.Module)):
+        lora_b = child._modules.get("lora_B")
+        if isinstance(lora_b, nn.ModuleDict):
+            adapters.extend(m for m in lora_b.values() if isinstance(m, nn.Linear))
+        child = child.base_layer
+    return child, adapters
+
+
+def _row_blocks(base: nn.Module, adapters: list[nn.Module], rows: int,
+                blocks: list[tuple[str, int, int]]) -> tuple[list[nn.Module], list[tuple[str, int, int]]]:
+    """The packed projection and its adapters with ``rows`` output rows, each split into ``blocks``."""
+    return [base, *(m for m in adapters if m.out_features == rows)], blocks
+
+
+def _hf_packed(module: nn.Module) -> tuple[list[nn.Module], list[tuple[str, int, int]]] | None:
     """GPT-2-style attention: ``c_attn`` (a ``Conv1D``) packs query, key and value (self
     attention) or key and value (cross attention, the query is ``q_attn``), each
-    ``split_size`` wide, split in that order by the forward."""
+    ``split_size`` wide, split in that order by the forward (also under a PEFT adapter:
+    :func:`_adapted`)."""
     if not type(module).__module__.startswith("transformers.") or not type(module).__name__.endswith("Attention"):
         return None
     conv1d = _loaded_class("transformers.pytorch_utils", "Conv1D")
-    c_attn = module._modules.get("c_attn")
+    c_attn, adapters = _adapted(module._modules.get("c_attn"))
     width = getattr(module, "split_size", None)
     if conv1d is None or not isinstance(c_attn, conv1d) or not isinstance(width, int) or width < 1:
         return None
-    names = ("key", "value") if isinstance(module._modules.get("q_attn"), conv1d) else ("query", "key", "value")
+    q_attn, _ = _adapted(module._modules.get("q_attn"))
+    names = ("key", "value") if isinstance(q_attn, conv1d) else ("query", "key", "value")
     if c_attn.weight.shape[1] != len(names) * width:
         return None
-    return c_attn, [(s, i * width, (i + 1) * width) for i, s in enumerate(names)]
+    return _row_blocks(c_attn, adapters, len(names) * width,
+                       [(s, i * width, (i + 1) * width) for i, s in enumerate(names)])
 
 
 #: timm attention classes whose ``qkv`` output is reshaped ``(B, N, 3, heads, head_dim)``:
@@ -871,17 +898,18 @@ def _hf_packed(module: nn.Module) -> tuple[nn.Module, list[tuple[str, int, int]]
 _TIMM_QKV_CLASSES = (("timm.layers.attention", "Attention"), ("timm.layers.attention", "AttentionRope"))
 
 
-def _timm_packed(module: nn.Module) -> tuple[nn.Module, list[tuple[str, int, int]]] | None:
+def _timm_packed(module: nn.Module) -> tuple[list[nn.Module], list[tuple[str, int, int]]] | None:
     if not type(module).__module__.startswith("timm."):
         return None
     classes = tuple(c for c in (_loaded_class(*entry) for entry in _TIMM_QKV_CLASSES) if c is not None)
     if not classes or not isinstance(module, classes):
         return None
-    qkv = module._modules.get("qkv")
+    qkv, adapters = _adapted(module._modules.get("qkv"))
     width = getattr(module, "attn_dim", None)
     if not isinstance(qkv, nn.Linear) or not isinstance(width, int) or qkv.out_features != 3 * width:
         return None
-    return qkv, [(s, i * width, (i + 1) * width) for i, s in enumerate(("query", "key", "value"))]
+    return _row_blocks(qkv, adapters, 3 * width,
+                       [(s, i * width, (i + 1) * width) for i, s in enumerate(("query", "key", "value"))])
 
 
 def packed_blocks(model: nn.Module) -> dict[int, list[tuple[str, int, int]]]:
@@ -891,8 +919,9 @@ def packed_blocks(model: nn.Module) -> dict[int, list[tuple[str, int, int]]]:
     splits into query, key and value (method §3, "Packed maps are split"): GPT-2's
     ``c_attn`` (``Conv1D``, also OpenAI GPT, ImageGPT, Decision Transformer; a
     cross-attention ``c_attn`` packs key and value, its ``q_attn`` is one matrix)
-    and timm's ``Attention.qkv``. Only the parent module knows this, so the walk
-    asks here, once per model.
+    and timm's ``Attention.qkv``, also under a PEFT (LoRA) adapter, whose ``lora_B`` maps
+    get the same blocks. Only the parent module knows this, so the walk asks here, once
+    per model.
 
     Args:
         model: The (unwrapped) model.
@@ -909,7 +938,8 @@ def packed_blocks(model: nn.Module) -> dict[int, list[tuple[str, int, int]]]:
     for module in model.modules():
         hit = (_hf_packed(module) if hf else None) or (_timm_packed(module) if timm else None)
         if hit is not None:
-            found[id(hit[0])] = hit[1]
+            for projection in hit[0]:
+                found[id(projection)] = hit[1]
     return found
 
 
@@ -917,10 +947,19 @@ def packed_blocks(model: nn.Module) -> dict[int, list[tuple[str, int, int]]]:
 
 
 def _hf_model(model: Any) -> Any:
-    """The transformers model behind ``model`` (itself, or the model inside normflat's ``HFLogits`` view)."""
+    """The transformers model behind ``model``: itself, the model inside normflat's ``HFLogits`` view,
+    or the model a PEFT model adapts.
+
+    A PEFT model (``PeftModel`` and its task classes such as ``PeftModelForCausalLM``) passes its
+    inputs on to the transformers model it adapts (``get_base_model()``, PEFT's public accessor, the
+    adapters injected into it), so that model's class decides the label shift, the cache and an
+    encoder-decoder's decoder inputs.
+    """
     view = getattr(sys.modules.get("normflat.integrations.huggingface"), "HFLogits", None)
     if isinstance(view, type) and isinstance(model, view):
-        return model._inner
+        model = model._inner
+    if type(model).__module__.startswith("peft.") and callable(getattr(model, "get_base_model", None)):
+        model = model.get_base_model()
     return model
 
 

@@ -1,0 +1,142 @@
+"""PEFT (LoRA) adapters on Hugging Face and timm models in the torch backend (method §3, §6.3, §8).
+
+A LoRA projection computes ``base(x) + lora_B(lora_A(dropout(x))) · s``: PEFT keeps the
+adapted projection as ``base_layer`` and adds two linear maps beside it. normflat analyzes
+the three as the layers they are; a packed projection (GPT-2's ``c_attn``, timm's ``qkv``)
+stays packed, so its base layer *and* its ``lora_B`` map (whose output rows are the base's)
+are split into query / key / value. A ``PeftModelForCausalLM`` passes its inputs on to the
+language model it adapts, so its labels are shifted as that model's are.
+
+Checked on tiny float64 models built from configs: the GGN diagonal against the brute-force
+per-sample-Jacobian reference of ``test_huggingface_models``; with fresh adapters (``lora_B``
+zero: the plain model's function) the base layers' numbers equal the plain model's; the
+rank rescaling ``lora_A`` rows × c, ``lora_B`` columns / c leaves the function and every
+normalized sharpness unchanged and moves the traces; the model is left as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import peft
+import pytest
+import timm
+import torch
+
+import normflat
+from normflat.backends.torch import hf
+from tests.arch.test_huggingface_models import (
+    analyze_quietly, assert_close, assert_unchanged, canonical_reference, lm_loader, param_of, reference_ggn,
+    snapshot, tiny_gpt2)
+
+PREFIX = "base_model.model."
+GPT2_LORA_LAYERS = [
+    "transformer.wte", "transformer.wpe",
+    *(f"transformer.h.0.attn.c_attn.base_layer.{p}" for p in ("query", "key", "value")),
+    "transformer.h.0.attn.c_attn.lora_A.default",
+    *(f"transformer.h.0.attn.c_attn.lora_B.default.{p}" for p in ("query", "key", "value")),
+    "transformer.h.0.attn.c_proj.base_layer", "transformer.h.0.attn.c_proj.lora_A.default",
+    "transformer.h.0.attn.c_proj.lora_B.default",
+    "transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj",
+]
+
+
+def lora_gpt2(trained: bool = True) -> torch.nn.Module:
+    """Tiny GPT-2 with rank-2 LoRA adapters on the attention's packed ``c_attn`` and its ``c_proj``;
+    ``trained``: ``lora_B`` drawn at random (PEFT starts it at zero, the plain model's function)."""
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True,
+                             lora_dropout=0.1, task_type="CAUSAL_LM")
+    config.target_modules = {"attn.c_attn", "attn.c_proj"}  # the attention's c_proj, not the MLP's
+    model = peft.get_peft_model(tiny_gpt2(), config).double()
+    if trained:
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model.eval()
+
+
+def test_lora_gpt2_matches_the_brute_force_ggn():
+    """Every layer of a LoRA GPT-2 (packed base and ``lora_B`` split into query / key / value, the
+    tied embedding once) gets the brute-force GGN diagonal with the labels shifted, as the plain
+    language model's; the frozen base and the model's state are left as they were."""
+    model = lora_gpt2()
+    assert hf.is_causal_lm(model)
+    before = snapshot(model)
+    report = analyze_quietly(model, lm_loader())
+    assert_unchanged(model, before)
+    layers = [PREFIX + name for name in GPT2_LORA_LAYERS]
+    assert [layer.name for layer in report.layers] == layers
+    assert report.metadata["coverage"] >= 0.99
+
+    got = normflat.hessian_diagonal(model, lm_loader(), estimator="ggn", progress=False)
+    params = list(dict.fromkeys(param_of(model, name) for name in layers))
+    want = canonical_reference(model, reference_ggn(model, lm_loader(), params, shift=True), layers)
+    assert_close(got, want)
+
+
+def test_fresh_adapters_leave_the_base_layers_numbers():
+    """With ``lora_B`` at zero the LoRA model computes the plain model's function: each base layer
+    (each block of the packed ``c_attn``) has the plain layer's normalized sharpness and trace, for
+    the GGN and the exact Hessian (so the blocks and the label shift are the plain model's)."""
+    plain, model = tiny_gpt2(), lora_gpt2(trained=False)
+    for estimator in ("ggn", "exact"):
+        want = normflat.analyze(plain, lm_loader(), estimator=estimator, progress=False)
+        got = normflat.analyze(model, lm_loader(), estimator=estimator, progress=False)
+        assert got.metadata["loss_terms"] == want.metadata["loss_terms"]
+        for layer in want.layers:
+            name = PREFIX + layer.name.replace(".c_attn.", ".c_attn.base_layer.")
+            if ".attn.c_proj" in name:
+                name = name.replace(".c_proj", ".c_proj.base_layer")
+            other = got.layer(name)
+            assert other.normalized_sharpness == pytest.approx(layer.normalized_sharpness, rel=1e-10), name
+            assert other.hessian_trace == pytest.approx(layer.hessian_trace, rel=1e-10), name
+
+
+def test_lora_rank_rescaling_leaves_normalized_sharpness_unchanged():
+    """``lora_A``'s rows times positive factors and ``lora_B``'s columns divided by them (one factor
+    per rank): the logits are unchanged, every layer's normalized sharpness stays, the adapters'
+    traces move (method §8)."""
+    model = lora_gpt2()
+    other = copy.deepcopy(model)
+    factors = torch.tensor([4.0, 0.3], dtype=torch.float64)
+    with torch.no_grad():
+        for name, module in other.named_modules():
+            if name.endswith("lora_A.default"):
+                module.weight.mul_(factors[:, None])
+            elif name.endswith("lora_B.default"):
+                module.weight.div_(factors)
+    batch = next(iter(lm_loader()))
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        torch.testing.assert_close(other(**inputs).logits, model(**inputs).logits, rtol=1e-12, atol=1e-12)
+    before = normflat.analyze(model, [batch], estimator="ggn", progress=False)
+    after = normflat.analyze(other, [batch], estimator="ggn", progress=False)
+    for lb, la in zip(before.layers, after.layers):
+        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), lb.name
+    for lb, la in zip(before.layers, after.layers):
+        if ".lora_" in lb.name:
+            assert abs(la.hessian_trace - lb.hessian_trace) > 1e-3 * abs(lb.hessian_trace), lb.name
+
+
+def test_lora_on_timm_qkv_keeps_the_query_key_value_blocks():
+    """timm's packed ``qkv`` under a LoRA adapter: its base layer and its ``lora_B`` map are split into
+    query / key / value, and with fresh adapters the base blocks have the plain ViT's numbers."""
+    torch.manual_seed(0)
+    plain = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=3, img_size=16, patch_size=8,
+                              embed_dim=8, depth=1, num_heads=2, mlp_ratio=2.0).double().eval()
+    model = peft.get_peft_model(copy.deepcopy(plain), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["qkv"]))
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(4, 3, 16, 16, generator=g, dtype=torch.float64), torch.arange(4) % 3)
+    want = normflat.analyze(plain, data, estimator="ggn", progress=False)
+    got = normflat.analyze(model, data, estimator="ggn", progress=False)
+    qkv = PREFIX + "blocks.0.attn.qkv."
+    names = [layer.name for layer in got.layers]
+    for part in ("query", "key", "value"):
+        assert qkv + "base_layer." + part in names and qkv + "lora_B.default." + part in names
+        base = got.layer(qkv + "base_layer." + part)
+        plain_layer = want.layer("blocks.0.attn.qkv." + part)
+        assert base.normalized_sharpness == pytest.approx(plain_layer.normalized_sharpness, rel=1e-10), part
+    assert np.isfinite(got.normalized_sharpness)
