@@ -126,17 +126,62 @@ def _refuse_lora(layer: Any) -> None:
         raise UnsupportedLayer("LoRA-enabled or quantized layers are not supported")
 
 
+def _refuse_quantized(layer: Any) -> None:
+    if getattr(layer, "quantization_mode", None):
+        raise UnsupportedLayer(f"quantized layers ({layer.quantization_mode}) are not supported: their "
+                               "kernel is not a floating-point variable")
+
+
+#: Why a LoRA-enabled layer takes the generic path.
+LORA_REASON = ("LoRA-enabled: the layer computes its kernel as kernel + s·A·B from three variables "
+               "(no fast rule)")
+
+
+def is_lora(layer: Any) -> bool:
+    """Whether Keras' ``enable_lora`` was called on ``layer`` (its kernel is ``W + (α/r)·A·B``)."""
+    return bool(getattr(layer, "lora_enabled", False))
+
+
+def _lora_factors(layer: Any, a: Any, b: Any, a_canonical: Callable[[Any], Any], a_kind: str,
+                  b_into_rank: bool) -> list[KerasWeight]:
+    """The two LoRA factors of ``layer`` as the linear maps they are (method §3, "LoRA factors").
+
+    Keras' ``enable_lora`` keeps the frozen kernel ``W`` and adds ``(α/r) · A · B``, the product over the
+    rank axis of ``A`` (the kernel's axes but the last, then the rank) and ``B`` (the rank, then the
+    kernel's last axis). Where the kernel's last axis is an output, ``x ↦ (x·A)·B``: ``A`` maps the
+    layer's input to ``r`` values (``a_canonical``, of kind ``a_kind``) and ``B`` those to the outputs,
+    canonical ``(out, r)``. Where it is an input (``b_into_rank``), ``B`` maps it to the ``r`` values
+    first, canonical ``(r, in)`` as stored.
+    """
+    b_canonical = (lambda t: t) if b_into_rank else _transpose_fn((1, 0))
+    return [KerasWeight(a, a_canonical, a_kind, "/lora_a"), KerasWeight(b, b_canonical, "dense", "/lora_b")]
+
+
 def _dense_weights(layer: Any) -> list[KerasWeight]:
-    _refuse_lora(layer)
-    return [KerasWeight(compat.dense_kernel(layer), _transpose_fn((1, 0)), "dense")]
+    _refuse_quantized(layer)
+    weights = [KerasWeight(compat.dense_kernel(layer), _transpose_fn((1, 0)), "dense")]
+    if is_lora(layer):  # A (in, r), B (r, out)
+        weights += _lora_factors(layer, layer.lora_kernel_a, layer.lora_kernel_b, _transpose_fn((1, 0)), "dense",
+                                 b_into_rank=False)
+    return weights
 
 
 def _conv_weights(layer: Any) -> list[KerasWeight]:
-    _refuse_lora(layer)
+    _refuse_quantized(layer)
     r = layer.rank
+    groups = int(getattr(layer, "groups", 1) or 1)
     # (*k, in/groups, out) -> (out, in/groups, *k)
-    return [KerasWeight(layer.kernel, _transpose_fn((r + 1, r) + tuple(range(r))), f"conv{r}d",
-                        groups=int(getattr(layer, "groups", 1) or 1), kernel_axes=tuple(range(r)))]
+    to_canonical = _transpose_fn((r + 1, r) + tuple(range(r)))
+    weights = [KerasWeight(compat.dense_kernel(layer), to_canonical, f"conv{r}d", groups=groups,
+                           kernel_axes=tuple(range(r)))]
+    if is_lora(layer):
+        if groups > 1:
+            raise UnsupportedLayer("a LoRA-enabled grouped convolution (its B factor mixes the groups) is not "
+                                   "supported")
+        # A (*k, in, r): a convolution with r output channels; B (r, out): a 1x1 map of its outputs.
+        weights += _lora_factors(layer, layer.lora_kernel_a, layer.lora_kernel_b, to_canonical, f"conv{r}d",
+                                 b_into_rank=False)
+    return weights
 
 
 def _conv_transpose_weights(layer: Any) -> list[KerasWeight]:
@@ -252,10 +297,27 @@ def _einsum_canonical(perm: tuple[int, ...], rows: int) -> Callable[[Any], Any]:
 
 
 def _einsum_weights(layer: Any) -> list[KerasWeight]:
-    _refuse_lora(layer)
+    _refuse_quantized(layer)
     kernel = compat.dense_kernel(layer)
     perm, rows, _ = einsum_layout(layer.equation, len(kernel.shape))
-    return [KerasWeight(kernel, _einsum_canonical(perm, rows), "einsum_dense")]
+    weights = [KerasWeight(kernel, _einsum_canonical(perm, rows), "einsum_dense")]
+    if is_lora(layer):
+        equation, last_is_input = _rank_equation(layer.equation)
+        a_perm, a_rows, _ = einsum_layout(equation, len(kernel.shape))
+        weights += _lora_factors(layer, layer.lora_kernel_a, layer.lora_kernel_b, _einsum_canonical(a_perm, a_rows),
+                                 "einsum_dense", b_into_rank=last_is_input)
+    return weights
+
+
+def _rank_equation(equation: str) -> tuple[str, bool]:
+    """The ``EinsumDense`` equation of a LoRA ``A`` factor (the kernel's last axis replaced by the rank
+    axis, in the same role) and whether that axis is contracted with the input."""
+    text = equation.replace(" ", "")
+    lhs, out = text.split("->")
+    inp, ker = lhs.split(",")
+    last = ker[-1]
+    rank = next(c for c in "zyxwvutsrqponmlkjihgfedcba" if c not in text)
+    return f"{inp.replace(last, rank)},{ker[:-1] + rank}->{out.replace(last, rank)}", last in inp
 
 
 def _embedding_weights(layer: Any) -> list[KerasWeight]:
@@ -267,7 +329,7 @@ def _embedding_weights(layer: Any) -> list[KerasWeight]:
     through its own ``reverse_embeddings`` ``(features, vocabulary)``, a dense kernel
     (canonical ``(vocabulary, features)``).
     """
-    _refuse_lora(layer)
+    _refuse_quantized(layer)
     table = getattr(layer, "_embeddings", None)
     if table is None:
         table = layer.embeddings
@@ -275,6 +337,9 @@ def _embedding_weights(layer: Any) -> list[KerasWeight]:
     reverse = getattr(layer, "reverse_embeddings", None)
     if reverse is not None and not getattr(layer, "tie_weights", True) and reverse is not table:
         weights.append(KerasWeight(reverse, _transpose_fn((1, 0)), "dense", "/reverse"))
+    if is_lora(layer):  # A (vocabulary, r): a lookup of r features; B (r, features)
+        weights += _lora_factors(layer, layer.lora_embeddings_a, layer.lora_embeddings_b, _transpose_fn((1, 0)),
+                                 "embedding", b_into_rank=False)
     return weights
 
 
@@ -829,6 +894,7 @@ def walk(model: Any, on_unsupported: str,
                 untied = kind == "untied" and len(weights) == 2
                 reversible = _reversible_embedding()
                 reason = None if fast or separable or recurrent or untied else (
+                    LORA_REASON if is_lora(child) else
                     "several weight tensors in one layer" if kind else
                     tied_reversible_reason(child) if reversible is not None and isinstance(child, reversible) else
                     f"{type(child).__name__}: keras-hub experts (every expert on every token) have no fast rule"
