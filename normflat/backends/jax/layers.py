@@ -393,6 +393,9 @@ def _load_builtins() -> None:
             layout=_general_axes(lambda m: len(getattr(m, "batch_axis", None) or ()),
                                  lambda m: len(_tuple(m.out_features)), "batch_axis"), kind="dense"))
         REGISTRY.register(nnx.Einsum, LayerRule(layout=_einsum_axes(), kind="dense"))
+        # nnx.LoRA (alone, or as nnx.LoRALinear's `lora`): x @ lora_a @ lora_b, two linear maps stored
+        # like flax kernels, (in, r) and (r, out): canonical (r, in) and (out, r) (method §3, "LoRA adapters").
+        REGISTRY.register(nnx.LoRA, LayerRule(leaf=("lora_a", "lora_b"), kind="dense"))
         # nnx cells that pack their gates into one Linear per input (method §3: split per gate).
         PACKED_CHILDREN[nnx.OptimizedLSTMCell] = (("dense_i", "dense_h"), ("i", "f", "g", "o"))
         PACKED_CHILDREN[nnx.GRUCell] = (("dense_i", "dense_h"), ("r", "z", "n"))
