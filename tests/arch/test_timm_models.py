@@ -155,6 +155,10 @@ def test_timm_linear_takes_the_linear_fast_rule():
                          logits_of=_call)
     assert_close({"classifier": got["classifier"], "conv_head": got["conv_head"]},
                  {"classifier": want["classifier.weight"], "conv_head": want["conv_head.weight"]})
+    # Its squeeze-excite gates are hardsigmoids, which torch cannot differentiate twice: the
+    # Hessian-vector products run them as clamps (compat.FunctionalKernels; they failed inside torch).
+    hvp = normflat.analyze(model, [(x, y)], loss="ce", estimator="hutchinson", samples=2, progress=False)
+    assert np.isfinite(hvp.hessian_trace) and np.isfinite(hvp.normalized_sharpness)
 
 
 def _padded_and_standardized(eps: float | None = None) -> torch.nn.Module:

@@ -334,21 +334,26 @@ class FunctionalKernels(torch.overrides.TorchFunctionMode):
     * ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` run on the
       math kernel: torch's fused CPU attention kernel has no double backward
       (needed by ``exact`` and ``hutchinson``) and no ``vmap`` batching rule.
+    * ``F.hardsigmoid`` (MobileNetV3's and other squeeze-excite gates) runs as
+      ``clamp(x + 3, 0, 6) / 6``, the same function: torch has no derivative of its
+      backward (``hardsigmoid_backward``), so ``exact`` and ``hutchinson`` failed inside torch.
+      An in-place call returns the result without writing its input (the value is what
+      its caller uses; writing it would break the backward of the clamp).
     * ``torch.lstm`` / ``torch.gru`` / ``torch.rnn_tanh`` / ``torch.rnn_relu`` (the fused
       kernels behind ``nn.LSTM``/``nn.GRU``/``nn.RNN``) run as the same recurrence written
       in plain tensor operations (:func:`_recurrence`), which ``vmap`` batches over
       samples; packed sequences and training-mode dropout keep torch's kernel.
 
     The global ``torch.nn.attention.sdpa_kernel`` switch would affect every thread; a
-    torch function mode is thread-local and ends with the ``with`` block. Both
-    replacements compute the same function as torch's kernels (tested). The plain
+    torch function mode is thread-local and ends with the ``with`` block. The
+    replacements compute the same functions as torch's kernels (tested). The plain
     recurrence is also much faster to differentiate on CPU than the fused kernel
     (2.6 ms against 0.4 s for a forward and backward of a 32-unit LSTM over 4×20 steps,
     torch 2.14, measured), so the session uses it for every forward.
 
     Args:
-        attention: Also replace the fused attention kernels (``False``: only the
-            recurrent ones; the fused attention is kept where one backward suffices).
+        attention: Also replace the fused attention kernels and ``hardsigmoid`` (``False``: only
+            the recurrent ones; the fused kernels are kept where one backward suffices).
     """
 
     def __init__(self, attention: bool = True) -> None:
@@ -361,6 +366,8 @@ class FunctionalKernels(torch.overrides.TorchFunctionMode):
             pass
         elif func is torch.nn.functional.scaled_dot_product_attention:
             return _sdpa_math(*args, **kwargs)
+        elif func is torch.nn.functional.hardsigmoid:
+            return _hardsigmoid(*args, **kwargs)
         elif func is torch.nn.functional.multi_head_attention_forward and len(args) <= 15:
             # A mode is off inside its own handler, so the fused call inside this function would
             # not reach it; with need_weights=True it computes the attention explicitly instead.
@@ -379,6 +386,11 @@ class FunctionalKernels(torch.overrides.TorchFunctionMode):
 
 #: The name :mod:`normflat.backends.torch.hf` uses (the same mode).
 MathAttention = FunctionalKernels
+
+
+def _hardsigmoid(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """``F.hardsigmoid`` written with ``clamp``, which torch differentiates twice (see :class:`FunctionalKernels`)."""
+    return torch.clamp(input + 3.0, 0.0, 6.0) / 6.0
 
 
 def _padded_call(mode: str, args: tuple) -> bool:
