@@ -759,8 +759,16 @@ def _select_weights(view: ModelView, owners: dict, layouts: dict, parents: dict 
                 if gates is None and parent is not None and type(parent[0]) in PACKED_CHILDREN:
                     children, packed = PACKED_CHILDREN[type(parent[0])]
                     gates = packed if parent[1] in children else None
+                kind = entry.kind_of(np.ndim(leaf))
+                stacked = _stacked_axes(entry, owner, shape)
+                if stacked:
+                    stack = _stack_layout(entry, owner, gates, shape, stacked)
+                    if isinstance(stack, str):
+                        skip(path, leaf, owner, stack)
+                        continue
+                    layout, gates, kind = stack[0], stack[1], entry.kind or "dense"
                 lname = path if len(entry.leaves()) > 1 else name
-                add(lname, path, i, entry.kind_of(np.ndim(leaf)), layout, entry.groups_of(owner), gates)
+                add(lname, path, i, kind, layout, entry.groups_of(owner), gates)
             else:
                 mark(path, leaf, "excluded", excluded_reason(path, shape) or _RULE_REASON)
             continue  # the rule's other leaves (biases) are held fixed
@@ -774,6 +782,60 @@ def _select_weights(view: ModelView, owners: dict, layouts: dict, parents: dict 
     view.unsupported = skipped.messages()
     view.skipped = skipped  # type: ignore[attr-defined]
     view.parameters = status
+
+
+def _stacked_axes(entry: LayerRule, owner: Any, shape: tuple) -> int:
+    """The leading axes a stack of identical layers adds to a weight (0: none).
+
+    ``nn.scan`` / ``nn.vmap`` over a linen module, ``nnx.vmap`` / ``nnx.scan`` over the creation of
+    nnx layers and ``eqx.filter_vmap`` over equinox ones keep one weight per layer stacked along new
+    leading axes; the module that owns it is the single layer, whose weight has fewer axes: 2 for a
+    dense layer or an embedding, the kernel size's axes and 2 for a convolution, its input, output
+    (and batch) feature axes for a multi-axis kernel (nnx ``LinearGeneral``, linen ``DenseGeneral``,
+    so attention's projections).
+    """
+    expected = len(shape)
+    if entry.kind in ("dense", "embedding"):
+        if not callable(entry.layout):
+            expected = 2
+        elif hasattr(owner, "in_features") and hasattr(owner, "out_features"):  # nnx.LinearGeneral
+            expected = (len(_tuple(owner.in_features)) + len(_tuple(owner.out_features))
+                        + len(getattr(owner, "batch_axis", None) or ()))
+        elif hasattr(owner, "features") and hasattr(owner, "axis"):  # linen DenseGeneral
+            expected = (len(_tuple(owner.axis)) + len(_tuple(owner.features))
+                        + len(_tuple(getattr(owner, "batch_dims", ()) or ())))
+    elif entry.kind in (None, "conv_transpose") and isinstance(getattr(owner, "kernel_size", None), (tuple, list)):
+        # An int kernel size fits any number of spatial axes: no stack is read from it.
+        expected = len(owner.kernel_size) + 2
+    return max(len(shape) - expected, 0)
+
+
+def _stack_layout(entry: LayerRule, owner: Any, gates: tuple[str, ...] | None, shape: tuple,
+                  stacked: int) -> tuple[Axes, tuple[str, ...]] | str:
+    """``(layout, blocks)`` of a weight with ``stacked`` leading layer axes (method §3, "Stacked
+    layers"), or why it is refused.
+
+    Each layer of the stack is its own matrix: the canonical rows are the layers' rows one layer after
+    the other (:class:`Axes` with the stack's axes first among the outputs, then one layer's output
+    axes; its input axes as one layer's), split into one block per layer, named by its index
+    (flattened over several stack axes).
+    """
+    if entry.kind not in ("dense", "embedding") and not callable(entry.layout):
+        return ("a stack of convolution layers (nn.scan / nnx.vmap / eqx.filter_vmap over it) is not supported: "
+                "each layer's kernel would need its own convolution problem")
+    if gates is not None:
+        return "a stack of layers with packed gates is not supported"
+    inner_shape = tuple(shape[stacked:])
+    inner = entry.layout_of(owner, inner_shape)
+    if isinstance(inner, str) and inner in ("flax", "canonical"):
+        last, before = len(inner_shape) - 1, len(inner_shape) - 2
+        inner = Axes((last,), (before,), inner_shape) if inner == "flax" else Axes((before,), (last,), inner_shape)
+    if not isinstance(inner, Axes):
+        return inner if isinstance(inner, str) else "a stack of layers of this kind is not supported"
+    lead = tuple(range(stacked))
+    layout = Axes(lead + tuple(stacked + a for a in inner.out), tuple(stacked + a for a in inner.inp), tuple(shape))
+    layers = int(np.prod(shape[:stacked], dtype=np.int64))
+    return layout, tuple(str(j) for j in range(layers))
 
 
 def _matrix(shape: tuple) -> int:
