@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -253,6 +254,49 @@ def test_float16_nnx_model_computes_in_float32():
     assert r.metadata["dtype"] == "float32"
     assert r.normalized_sharpness == pytest.approx(plain.normalized_sharpness, rel=1e-6)
     assert half.l1.dtype == jnp.float16  # the user's module keeps its dtype
+
+
+@pytest.mark.parametrize("compute", ["bfloat16", "float16"])
+def test_linen_model_built_for_mixed_precision_is_analyzed_in_float32(compute):
+    """A linen model whose ``dtype`` field (flax's compute dtype, passed down to its layers) is bfloat16 or
+    float16 over float32 parameters is analyzed in float32 through a clone of the module, as PyTorch
+    under autocast and Keras under a mixed policy: every estimator and the measures equal the float32
+    model's, passed as ``(module, variables)`` or ``(module.apply, variables)``. It was refused ("computes
+    in half precision inside its forward pass"); a layer with its own half dtype still is."""
+    import flax.linen as nn
+
+    class Mixed(nn.Module):
+        dtype: Any = jnp.float32
+
+        @nn.compact
+        def __call__(self, x):
+            h = nn.LayerNorm(dtype=self.dtype)(jnp.tanh(nn.Dense(6, dtype=self.dtype)(x)))
+            return nn.Dense(3, dtype=self.dtype)(h)
+
+    x = X.astype(np.float32)
+    variables = Mixed().init(jax.random.PRNGKey(0), x[:1])
+    half = Mixed(dtype=jnp.dtype(compute))
+    assert half.apply(variables, x[:2]).dtype == jnp.dtype(compute)
+    for estimator in ("ggn", "hutchinson", "exact"):
+        want = normflat.analyze((Mixed(), variables), (x, Y), estimator=estimator, progress=False)
+        for model in ((half, variables), (half.apply, variables)):
+            got = normflat.analyze(model, (x, Y), estimator=estimator, progress=False)
+            assert got.metadata["dtype"] == "float32"
+            assert got.normalized_sharpness == want.normalized_sharpness
+            assert got.hessian_trace == want.hessian_trace
+    measures = ["fisher_rao_norm", "adaptive_sharpness"]
+    want_m = normflat.measures((Mixed(), variables), (x, Y), measures, progress=False)
+    got_m = normflat.measures((half, variables), (x, Y), measures, progress=False)
+    assert [got_m[m] for m in measures] == [want_m[m] for m in measures]
+    assert half.dtype == jnp.dtype(compute)  # the user's module keeps its dtype
+
+    class OwnHalf(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3, dtype=jnp.dtype(compute))(x)
+
+    with pytest.raises(ValueError, match="half precision"):
+        normflat.analyze((OwnHalf(), OwnHalf().init(jax.random.PRNGKey(0), x[:1])), (x, Y), progress=False)
 
 
 # ----------------------------------------------------------------------------- randomness

@@ -28,6 +28,7 @@ module is split into a private copy switched to evaluation mode.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -1100,6 +1101,7 @@ def _linen(module, variables, x0, dtype, apply_kwargs, invoke):
         )
     flat, treedef = jax.tree_util.tree_flatten_with_path(variables["params"])
     dtype = dtype or pick_dtype([a for _, a in flat])
+    module = _full_precision_linen(module, dtype)
     o_leaves, o_def = jax.tree_util.tree_flatten(_cast({k: v for k, v in variables.items() if k != "params"}, dtype))
     paths = [path_str(p) for p, _ in flat]
     leaves = [_as(a, dtype) for _, a in flat]
@@ -1135,6 +1137,29 @@ def _linen(module, variables, x0, dtype, apply_kwargs, invoke):
     return view, owners, {}
 
 
+def _full_precision_linen(module: Any, dtype: Any) -> Any:
+    """``module``, or a copy computing in ``dtype`` when its own ``dtype`` field is a narrower float.
+
+    flax's convention is a ``dtype`` field for the compute dtype (``param_dtype`` for the parameters),
+    which a model passes down to its layers (``nn.Dense(..., dtype=self.dtype)``): a model built for
+    mixed precision (``dtype=jnp.bfloat16`` over float32 parameters) rounds its function to bfloat16.
+    The analysis measures the function itself, as the PyTorch backend does under ``torch.autocast``
+    and the Keras backend under a mixed policy, and as the nnx view does for its layers
+    (:func:`_promote_compute_dtypes`). linen modules are immutable descriptions: ``clone`` makes the
+    copy, the user's module is untouched. A layer with a half-precision ``dtype`` of its own, not passed
+    down, still computes in it and is refused by the trace (``half_precision_ops``).
+    """
+    if not dataclasses.is_dataclass(module) or "dtype" not in {f.name for f in dataclasses.fields(module)}:
+        return module
+    own = getattr(module, "dtype", None)
+    try:
+        narrower = (own is not None and jnp.issubdtype(own, jnp.floating)
+                    and jnp.dtype(own).itemsize < jnp.dtype(dtype).itemsize)
+    except TypeError:
+        return module
+    return module.clone(dtype=jnp.dtype(dtype)) if narrower else module
+
+
 def _check_linen_call(fn):
     try:
         return fn()
@@ -1159,6 +1184,10 @@ def _pair(apply_fn, params, dtype, apply_kwargs, invoke):
     tree = params["params"] if collections else params
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     dtype = dtype or pick_dtype([a for _, a in flat])
+    owner = getattr(apply_fn, "__self__", None)
+    linen = sys.modules.get("flax.linen")
+    if linen is not None and isinstance(owner, linen.Module) and getattr(apply_fn, "__name__", "") == "apply":
+        apply_fn = _full_precision_linen(owner, dtype).apply  # module.apply passed as apply_fn
     o_leaves, o_def = jax.tree_util.tree_flatten(
         _cast({k: v for k, v in params.items() if k != "params"}, dtype) if collections else {})
     paths = [path_str(p) for p, _ in flat]
