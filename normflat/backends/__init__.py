@@ -45,8 +45,20 @@ def _is_keras_model(model: Any) -> bool:
         keras = sys.modules.get(mod_name)
         layer_cls = getattr(keras, "Layer", None) or getattr(getattr(keras, "layers", None), "Layer", None)
         if layer_cls is not None and isinstance(model, layer_cls):
-            return True
+            return not _is_keras_on_jax(model)
     return False
+
+
+def _is_keras_on_jax(model: Any) -> bool:
+    """A Keras 3 model on Keras' JAX backend: analyzed by the JAX backend (``model.stateless_call``)."""
+    keras = sys.modules.get("keras")
+    layer_cls = getattr(getattr(keras, "layers", None), "Layer", None)
+    if layer_cls is None or not isinstance(model, layer_cls):
+        return False
+    try:
+        return keras.backend.backend() == "jax"
+    except AttributeError:
+        return False
 
 
 def _is_torch_model(model: Any) -> bool:
@@ -55,6 +67,8 @@ def _is_torch_model(model: Any) -> bool:
 
 
 def _is_jax_model(model: Any) -> bool:
+    if _is_keras_on_jax(model):
+        return True
     eqx = sys.modules.get("equinox")
     if eqx is not None and isinstance(model, eqx.Module):
         return True

@@ -569,7 +569,8 @@ def test_mixed_precision_policy_is_analyzed_in_the_variables_dtype(policy):
     mixed.set_weights(plain.get_weights())
     half = mixed(x[:2])
     assert half.dtype == policy.split("_")[1] and plain(x[:2]).dtype == "float32"
-    for estimator in ("ggn", "hutchinson", "exact"):
+    # Every estimator under one policy, the GGN under the other (the suite's time).
+    for estimator in ("ggn", "hutchinson", "exact") if policy == "mixed_bfloat16" else ("ggn",):
         want = normflat.analyze(plain, (x, y), estimator=estimator, progress=False)
         got = normflat.analyze(mixed, (x, y), estimator=estimator, progress=False)
         assert got.metadata["dtype"] == "float32"
@@ -733,8 +734,9 @@ def _run_in_python(code: str, timeout: int, **env: str) -> Any:
                           timeout=timeout, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
 
-def test_other_keras_backends_get_a_clear_error():
-    require_frameworks("jax")
+def test_keras_on_the_torch_backend_gets_a_clear_error():
+    """Keras' torch backend is refused with the cause and the fix (its JAX backend is analyzed:
+    ``tests/backends/test_keras_on_jax.py``)."""
     code = (
         "import keras, numpy as np, normflat\n"
         "m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])\n"
@@ -743,9 +745,9 @@ def test_other_keras_backends_get_a_clear_error():
         "except RuntimeError as e:\n"
         "    print('ERR', e)\n"
     )
-    out = _run_in_python(code, 120, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+    out = _run_in_python(code, 180, KERAS_BACKEND="torch")
     assert "ERR" in out.stdout, out.stderr[-2000:]
-    assert "'jax'" in out.stdout and "KERAS_BACKEND=tensorflow" in out.stdout
+    assert "'torch'" in out.stdout and "KERAS_BACKEND=tensorflow" in out.stdout and "jax" in out.stdout
 
 
 @pytest.mark.parametrize("estimator, options", [("ggn-mc", dict(samples=6)), ("hutchinson", dict(samples=7))])

@@ -263,6 +263,9 @@ def _module_bases() -> tuple[type, ...]:
         m = sys.modules.get(mod)
         if m is not None:
             bases.append(getattr(m, attr))
+    keras = sys.modules.get("keras")
+    if keras is not None and _keras_on_jax(keras):
+        bases.append(keras.layers.Layer)
     return tuple(bases)
 
 
@@ -341,10 +344,11 @@ def _general_axes(n_batch: int, n_out: int, what: str) -> Callable[[Any, tuple],
     return layout
 
 
-def _einsum_axes() -> Callable[[Any, tuple], Any]:
-    """The layout of an ``Einsum`` kernel from its equation ``"lhs,kernel->out"``."""
+def _einsum_axes(attribute: str = "einsum_str") -> Callable[[Any, tuple], Any]:
+    """The layout of an ``Einsum`` kernel from its equation ``"lhs,kernel->out"`` (the module's
+    ``attribute``: flax's ``einsum_str``, Keras' ``EinsumDense.equation``)."""
     def layout(module, shape):
-        eq = getattr(module, "einsum_str", None)
+        eq = getattr(module, attribute, None)
         if not isinstance(eq, str) or "->" not in eq or eq.count(",") != 1:
             return "its einsum equation is not of the form 'inputs,kernel->outputs'; declare its layout with layouts="
         eq = eq.replace(" ", "").replace("...", "")
@@ -400,6 +404,10 @@ def _load_builtins() -> None:
         # nnx cells that pack their gates into one Linear per input (method §3: split per gate).
         PACKED_CHILDREN[nnx.OptimizedLSTMCell] = (("dense_i", "dense_h"), ("i", "f", "g", "o"))
         PACKED_CHILDREN[nnx.GRUCell] = (("dense_i", "dense_h"), ("r", "z", "n"))
+    keras = sys.modules.get("keras")
+    if keras is not None and "keras" not in _BUILTINS_LOADED and _keras_on_jax(keras):
+        _BUILTINS_LOADED.add("keras")
+        _register_keras(keras)
     linen = sys.modules.get("flax.linen")
     if linen is not None and "flax.linen" not in _BUILTINS_LOADED:
         _BUILTINS_LOADED.add("flax.linen")
@@ -411,6 +419,37 @@ def _load_builtins() -> None:
         # OptimizedLSTMCell's per-gate parameters (concatenated at call time): each gate its own matrix.
         from flax.linen.recurrent import DenseParams
         REGISTRY.register(DenseParams, LayerRule(kind="dense"))
+
+
+def _keras_on_jax(keras: Any) -> bool:
+    """Whether Keras 3 is loaded on its JAX backend (``KERAS_BACKEND=jax``)."""
+    try:
+        return keras.backend.backend() == "jax"
+    except AttributeError:
+        return False
+
+
+def _register_keras(keras: Any) -> None:
+    """Keras 3 layers on the JAX backend: their kernels are stored like flax's (method §3).
+
+    ``Dense`` ``(in, out)``, convolutions ``(*k, in/groups, out)``, ``Embedding`` ``(vocabulary,
+    features)``, ``EinsumDense`` by its equation (so ``MultiHeadAttention``'s projections); the
+    normalization layers' scales and shifts are held fixed. A LoRA-enabled or quantized layer computes
+    its kernel from other variables in its call: refused here (the TensorFlow backend analyzes LoRA).
+    """
+    L = keras.layers
+
+    REGISTRY.register(L.Dense, LayerRule(kind="dense"))
+    REGISTRY.register(L.EinsumDense, LayerRule(layout=_einsum_axes("equation"), kind="dense"))
+    REGISTRY.register(L.Embedding, LayerRule(leaf="embeddings", layout="flax", kind="embedding"))
+    for conv in (L.Conv1D, L.Conv2D, L.Conv3D):
+        REGISTRY.register(conv, LayerRule(groups="groups"))
+    for name in ("BatchNormalization", "LayerNormalization", "GroupNormalization", "RMSNormalization"):
+        if hasattr(L, name):
+            REGISTRY.register(getattr(L, name), IGNORE)
+    REGISTRY.register(_Refused, Unsupported(
+        "a LoRA-enabled or quantized Keras layer computes its kernel from other variables in its call; analyze "
+        "it on Keras' TensorFlow backend (KERAS_BACKEND=tensorflow), which reads its factors"))
 
 
 def _register_flax(api: Any, dense: type, embed: type) -> None:
@@ -636,13 +675,16 @@ def make_view(model: Any, x0: Any, *, dtype: Any, vmap: bool | None, state: Any,
     else:
         if vmap is not None or state is not None:
             raise TypeError("vmap= and state= are options of equinox models only.")
-        if nnx is not None and isinstance(model, nnx.Module):
+        keras = sys.modules.get("keras")
+        if keras is not None and isinstance(model, keras.layers.Layer):
+            view, owners, parents = _keras(model, dtype, invoke)
+        elif nnx is not None and isinstance(model, nnx.Module):
             view, owners, parents = _nnx(model, dtype, invoke)
         elif linen is not None and isinstance(model, tuple) and isinstance(model[0], linen.Module):
             view, owners, parents = _linen(model[0], model[1], x0, dtype, apply_kwargs, invoke)
         else:
             view, owners, parents = _pair(model[0], model[1], dtype, apply_kwargs, invoke)
-    if apply_kwargs and view.framework in ("equinox", "flax.nnx"):
+    if apply_kwargs and view.framework in ("equinox", "flax.nnx", "keras"):
         raise TypeError("apply_kwargs= is an option of (flax linen module, variables) and (apply_fn, params) "
                         "models; call options of equinox / nnx modules belong in the module.")
     view.struct = None if view.struct is None else view.struct + (bool(keywords), _output_key(output))
@@ -1083,6 +1125,67 @@ def _promote_compute_dtypes(nnx, clone, dtype) -> None:
             low = False
         if low:
             object.__setattr__(m, "dtype", target)
+
+
+# ----------------------------------------------------------------------------- Keras 3 on JAX
+
+
+def _keras(model, dtype, invoke):
+    """A Keras 3 model on Keras' JAX backend, as a pure function of its variables' values.
+
+    Keras' own ``model.stateless_call(trainable, non_trainable, x, training=False)`` runs the model
+    on given values without touching its variables (inference mode: no dropout, BatchNormalization on
+    its moving statistics); it traces to a jaxpr like any JAX function, so the same program analysis
+    and kernels apply. The leaves are the floating variables' values, trainable or not, named by
+    ``variable.path`` (``dense/kernel``: the layer ``dense``, as the TensorFlow backend names it);
+    integer state (seed generators) rides along unchanged. The model is only read.
+    """
+    if not model.built:
+        raise ValueError(
+            f"The Keras model {model.name!r} is not built (it has no weights yet). Call it on a batch "
+            "(model(x)) or call model.build(input_shape) before analyzing it.")
+    trainable, frozen = list(model.trainable_variables), list(model.non_trainable_variables)
+    # Every floating variable is a leaf, trainable or not (a frozen layer's kernel is analyzed, as a
+    # torch weight without requires_grad is; BatchNormalization's moving statistics are excluded by
+    # their layer's rule); the others (seed generators' states) ride along.
+    floating = [v for v in trainable + frozen if _is_floating(v.value)]
+    rest = [v for v in trainable + frozen if not _is_floating(v.value)]
+    dtype = dtype or pick_dtype([v.value for v in floating])
+    leaves = [_as(v.value, dtype) for v in floating]
+    extra = [v.value for v in rest]
+    paths = [v.path for v in floating]
+    slot = {id(v): ("leaf", i) for i, v in enumerate(floating)}
+    slot.update({id(v): ("extra", i) for i, v in enumerate(rest)})
+    order_t, order_n = [slot[id(v)] for v in trainable], [slot[id(v)] for v in frozen]
+    owners: dict[str, Any] = {}
+    for layer in model._flatten_layers(include_self=True):
+        refused = getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None)
+        for v in list(getattr(layer, "_trainable_variables", [])) + list(getattr(layer, "_non_trainable_variables", [])):
+            owners.setdefault(v.path, _Refused(layer) if refused else layer)
+
+    def call(leaves, extra, x):
+        pick = {"leaf": leaves, "extra": extra}
+        tv = [pick[kind][i] for kind, i in order_t]
+        ntv = [pick[kind][i] for kind, i in order_n]
+        return model.stateless_call(tv, ntv, x, training=False)[0]
+
+    def apply_batch(leaves, extra, x):
+        return invoke(call, x, list(leaves), list(extra))
+
+    def apply_example(leaves, extra, x):
+        return apply_batch(leaves, extra, jax.tree_util.tree_map(lambda a: a[None], x))[0]
+
+    view = ModelView("keras", leaves, paths, [], extra, apply_batch, apply_example, dtype=dtype)
+    view.struct = _struct("keras", ("id", id(model)), _avals(leaves), _avals(extra), refs=view.struct_refs)
+    view.struct_refs.append(model)
+    return view, {p: owners.get(p) for p in paths}, {}
+
+
+class _Refused:
+    """The owner of a LoRA-enabled or quantized Keras layer's variables (skipped with the reason)."""
+
+    def __init__(self, layer: Any) -> None:
+        self.layer = layer
 
 
 # ----------------------------------------------------------------------------- flax linen

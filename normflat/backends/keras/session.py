@@ -219,9 +219,10 @@ def _check_model(model: Any) -> None:
         )
     if keras.backend.backend() != "tensorflow":
         raise RuntimeError(
-            f"This Keras model runs on Keras' {keras.backend.backend()!r} backend; normflat's Keras support "
-            "needs the 'tensorflow' backend. Set the environment variable KERAS_BACKEND=tensorflow before "
-            "importing keras (for JAX models, pass an equinox/flax model or an (apply_fn, params) pair)."
+            f"This Keras model runs on Keras' {keras.backend.backend()!r} backend; normflat analyzes Keras "
+            "models on the 'tensorflow' backend and on the 'jax' one. Set the environment variable "
+            "KERAS_BACKEND=tensorflow (or jax) before importing keras, and build or load the model there "
+            "(a .keras file loads on either)."
         )
     if not model.built:
         raise ValueError(

@@ -1,0 +1,106 @@
+"""Keras 3 models on Keras' JAX backend (``KERAS_BACKEND=jax``), analyzed by normflat's JAX backend.
+
+The backend of Keras is fixed per process when keras is imported, so the JAX side runs in a fresh
+interpreter. The same architecture with the same weights is analyzed here on the TensorFlow backend
+(normflat's Keras backend, a different code path end to end) and there on the JAX one
+(``model.stateless_call`` traced into normflat's JAX program analysis): the same layer names in the
+same order, everything covered, the same numbers for ``ggn`` and ``exact``. Keras' JAX backend
+computes some of its operations (``tanh``, normalization, pooling) at float32's accuracy also for
+float64 inputs, so the models are float32 and the tolerance is float32's. The JAX side also checks
+that the model's variables are left as they were, that ``normflat.measures`` runs, and that a
+LoRA-enabled layer is reported unsupported with the reason. One layer is frozen (``trainable=False``):
+its kernel is analyzed in both, BatchNormalization's moving statistics are excluded in both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.builders import require_frameworks
+
+require_frameworks("keras", "tensorflow", "jax")
+
+import keras  # noqa: E402
+
+import normflat  # noqa: E402
+
+#: The model, built the same way under either backend (``keras`` and ``np`` in scope).
+BUILD = """
+keras.utils.set_random_seed(0)
+ids = keras.Input((5,), dtype="int32", name="ids")
+h = keras.layers.Embedding(11, 8, name="emb")(ids)
+h = h + keras.layers.MultiHeadAttention(2, 4, name="mha")(h, h)
+h = keras.layers.LayerNormalization(name="norm")(h)
+h = keras.layers.Conv1D(6, 3, padding="same", activation="tanh", name="conv")(h)
+h = keras.layers.BatchNormalization(name="bn")(h)
+h = keras.layers.Dense(7, activation="tanh", name="dense")(h)
+model = keras.Model(ids, keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling1D()(h)))
+rng = np.random.default_rng(5)
+model.set_weights([(np.abs(rng.normal(size=w.shape)) + 0.5 if "variance" in v.path else rng.normal(size=w.shape) * 0.5)
+                   .astype("float32") for w, v in zip(model.get_weights(), model.weights)])
+x = rng.integers(0, 11, (8, 5)).astype("int32")
+y = rng.integers(0, 3, 8)
+model.get_layer("conv").trainable = False  # a frozen layer is analyzed too (non-trainable variables)
+"""
+
+JAX_SIDE = BUILD + """
+import json, normflat
+before = [np.array(v.value) for v in model.weights]
+out = {"backend": keras.backend.backend()}
+for estimator in ("ggn", "exact"):
+    report = normflat.analyze(model, (x, y), loss="ce", estimator=estimator, progress=False)
+    out[estimator] = [[l.name, l.normalized_sharpness, l.hessian_trace] for l in report.layers]
+    out[estimator + "_meta"] = [report.metadata["framework"], report.metadata["coverage"],
+                                report.metadata["unsupported"], sorted(report.metadata["excluded"])]
+measures = normflat.measures(model, (x, y), ["fisher_rao_norm", "adaptive_sharpness"], loss="ce", progress=False)
+out["measures"] = [measures["fisher_rao_norm"], measures["adaptive_sharpness"]]
+out["unchanged"] = all(np.array_equal(a, np.array(v.value)) for a, v in zip(before, model.weights))
+model.get_layer("dense").enable_lora(2)
+import warnings
+with warnings.catch_warnings(record=True):
+    warnings.simplefilter("always")
+    lora = normflat.analyze(model, (x, y), loss="ce", progress=False)
+out["lora_unsupported"] = lora.metadata["unsupported"]
+print("RESULT", json.dumps(out))
+"""
+
+
+def _jax_side() -> dict:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = "import keras, numpy as np\n" + JAX_SIDE
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=root,
+                          env=dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu"))
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_keras_model_on_the_jax_backend_equals_the_tensorflow_backend():
+    assert keras.backend.backend() == "tensorflow"
+    scope: dict = {"keras": keras, "np": np}
+    exec(BUILD, scope)  # noqa: S102 - the shared model definition above
+    model, x, y = scope["model"], scope["x"], scope["y"]
+    got = _jax_side()
+    assert got["backend"] == "jax"
+    for estimator in ("ggn", "exact"):
+        want = normflat.analyze(model, (x, y), loss="ce", estimator=estimator, progress=False)
+        framework, coverage, unsupported, excluded = got[estimator + "_meta"]
+        assert framework == "jax" and coverage == 1.0 and unsupported == []
+        assert excluded == sorted(want.metadata["excluded"])
+        assert [name for name, _, _ in got[estimator]] == [layer.name for layer in want.layers]
+        assert [layer.name for layer in want.layers] == [
+            "emb", "mha/query", "mha/key", "mha/value", "mha/attention_output", "conv", "dense", "head"]
+        for (name, sharpness, trace), layer in zip(got[estimator], want.layers):
+            assert sharpness == pytest.approx(layer.normalized_sharpness, rel=2e-4), (estimator, name)
+            assert trace == pytest.approx(layer.hessian_trace, rel=2e-4, abs=1e-6), (estimator, name)
+    measures = normflat.measures(model, (x, y), ["fisher_rao_norm", "adaptive_sharpness"], loss="ce", progress=False)
+    assert got["measures"] == pytest.approx([measures["fisher_rao_norm"], measures["adaptive_sharpness"]], rel=1e-3)
+    assert got["unchanged"]
+    assert any(m.startswith("dense/") and "LoRA-enabled" in m and "KERAS_BACKEND=tensorflow" in m
+               for m in got["lora_unsupported"]), got["lora_unsupported"]
