@@ -4,7 +4,9 @@ The backend of Keras is fixed per process when keras is imported, so the JAX sid
 interpreter. The same architecture with the same weights is analyzed here on the TensorFlow backend
 (normflat's Keras backend, a different code path end to end) and there on the JAX one
 (``model.stateless_call`` traced into normflat's JAX program analysis): the same layer names in the
-same order, everything covered, the same numbers for ``ggn`` and ``exact``. Keras' JAX backend
+same order, everything covered, the same numbers for ``ggn`` and ``exact``; and a keras-hub BERT
+classifier (a nested backbone named as the TensorFlow backend names it, a position table, a mapping
+of named inputs). Keras' JAX backend
 computes some of its operations (``tanh``, normalization, pooling) at float32's accuracy also for
 float64 inputs, so the models are float32 and the tolerance is float32's. The JAX side also checks
 that the model's variables are left as they were, that ``normflat.measures`` runs, and that a
@@ -49,7 +51,20 @@ y = rng.integers(0, 3, 8)
 model.get_layer("conv").trainable = False  # a frozen layer is analyzed too (non-trainable variables)
 """
 
-JAX_SIDE = BUILD + """
+#: A keras-hub BERT classifier (a nested backbone, named inputs, a position table), ``hub_*`` names.
+BUILD_HUB = """
+import keras_hub
+keras.utils.set_random_seed(3)
+hub_backbone = keras_hub.models.BertBackbone(vocabulary_size=30, num_layers=1, num_heads=2, hidden_dim=8,
+                                             intermediate_dim=16, max_sequence_length=8)
+hub_model = keras_hub.models.BertTextClassifier(hub_backbone, num_classes=2, preprocessor=None)
+hub_rng = np.random.default_rng(3)
+hub_model.set_weights([hub_rng.normal(size=w.shape).astype("float32") * 0.5 for w in hub_model.get_weights()])
+hub_batch = {"token_ids": hub_rng.integers(0, 30, (4, 6)).astype("int32"), "segment_ids": np.zeros((4, 6), "int32"),
+             "padding_mask": np.array([[1] * 6, [1] * 4 + [0] * 2] * 2, "int32"), "labels": np.array([0, 1, 1, 0])}
+"""
+
+JAX_SIDE = BUILD + BUILD_HUB + """
 import json, normflat
 before = [np.array(v.value) for v in model.weights]
 out = {"backend": keras.backend.backend()}
@@ -67,6 +82,9 @@ with warnings.catch_warnings(record=True):
     warnings.simplefilter("always")
     lora = normflat.analyze(model, (x, y), loss="ce", progress=False)
 out["lora_unsupported"] = lora.metadata["unsupported"]
+hub = normflat.analyze(hub_model, hub_batch, loss="ce", progress=False)
+out["hub"] = [hub.metadata["coverage"], hub.metadata["unsupported"],
+              {l.name: l.normalized_sharpness for l in hub.layers}]
 print("RESULT", json.dumps(out))
 """
 
@@ -84,7 +102,7 @@ def _jax_side() -> dict:
 def test_keras_model_on_the_jax_backend_equals_the_tensorflow_backend():
     assert keras.backend.backend() == "tensorflow"
     scope: dict = {"keras": keras, "np": np}
-    exec(BUILD, scope)  # noqa: S102 - the shared model definition above
+    exec(BUILD + BUILD_HUB, scope)  # noqa: S102 - the shared model definitions above
     model, x, y = scope["model"], scope["x"], scope["y"]
     got = _jax_side()
     assert got["backend"] == "jax"
@@ -104,3 +122,11 @@ def test_keras_model_on_the_jax_backend_equals_the_tensorflow_backend():
     assert got["unchanged"]
     assert any(m.startswith("dense/") and "LoRA-enabled" in m and "KERAS_BACKEND=tensorflow" in m
                for m in got["lora_unsupported"]), got["lora_unsupported"]
+    # keras-hub: the TensorFlow backend's names (the backbone's prefix), the position table, named inputs.
+    hub = normflat.analyze(scope["hub_model"], scope["hub_batch"], loss="ce", progress=False)
+    coverage, unsupported, sharpness = got["hub"]
+    assert coverage == 1.0 and unsupported == []
+    assert sorted(sharpness) == sorted(layer.name for layer in hub.layers)
+    assert "bert_backbone/position_embedding" in sharpness
+    for layer in hub.layers:
+        assert sharpness[layer.name] == pytest.approx(layer.normalized_sharpness, rel=2e-4), layer.name

@@ -408,6 +408,14 @@ def _load_builtins() -> None:
     if keras is not None and "keras" not in _BUILTINS_LOADED and _keras_on_jax(keras):
         _BUILTINS_LOADED.add("keras")
         _register_keras(keras)
+    hub = sys.modules.get("keras_hub")
+    if hub is not None and "keras_hub" not in _BUILTINS_LOADED and keras is not None and _keras_on_jax(keras):
+        _BUILTINS_LOADED.add("keras_hub")
+        position = getattr(getattr(hub, "layers", None), "PositionEmbedding", None)
+        if isinstance(position, type):
+            # The table (positions, features) is the embedding of the positions: canonical (features, positions).
+            REGISTRY.register(position, LayerRule(leaf="embeddings", layout="flax",
+                                                  kind="position_embedding"))
     linen = sys.modules.get("flax.linen")
     if linen is not None and "flax.linen" not in _BUILTINS_LOADED:
         _BUILTINS_LOADED.add("flax.linen")
@@ -447,9 +455,12 @@ def _register_keras(keras: Any) -> None:
     for name in ("BatchNormalization", "LayerNormalization", "GroupNormalization", "RMSNormalization"):
         if hasattr(L, name):
             REGISTRY.register(getattr(L, name), IGNORE)
-    REGISTRY.register(_Refused, Unsupported(
+    REGISTRY.register(_LoraOrQuantized, Unsupported(
         "a LoRA-enabled or quantized Keras layer computes its kernel from other variables in its call; analyze "
         "it on Keras' TensorFlow backend (KERAS_BACKEND=tensorflow), which reads its factors"))
+    REGISTRY.register(_UntiedReverse, Unsupported(
+        "an untied ReversibleEmbedding holds two matrices (the table and the reverse projection); analyze it on "
+        "Keras' TensorFlow backend (KERAS_BACKEND=tensorflow), which reads both"))
 
 
 def _register_flax(api: Any, dense: type, embed: type) -> None:
@@ -677,7 +688,8 @@ def make_view(model: Any, x0: Any, *, dtype: Any, vmap: bool | None, state: Any,
             raise TypeError("vmap= and state= are options of equinox models only.")
         keras = sys.modules.get("keras")
         if keras is not None and isinstance(model, keras.layers.Layer):
-            view, owners, parents = _keras(model, dtype, invoke)
+            # A Keras model takes a mapping of named inputs as its one input (keras-hub backbones).
+            view, owners, parents = _keras(model, dtype, _invoker(False, output))
         elif nnx is not None and isinstance(model, nnx.Module):
             view, owners, parents = _nnx(model, dtype, invoke)
         elif linen is not None and isinstance(model, tuple) and isinstance(model[0], linen.Module):
@@ -756,9 +768,10 @@ def _select_weights(view: ModelView, owners: dict, layouts: dict, parents: dict 
         skipped.add(label, obj, reason)
         mark(path, leaf, "skipped", skipped.items[-1].reason)
 
+    layer_names = getattr(view, "layer_names", {})  # Keras: the TensorFlow backend's names
     for i, (path, leaf) in enumerate(zip(view.paths, view.leaves)):
         name, _, last = path.rpartition("/")
-        name = name or last
+        name = layer_names.get(path) or name or last
         shape = tuple(np.shape(leaf))
         if path in layouts:
             lay = layouts[path]
@@ -1158,10 +1171,12 @@ def _keras(model, dtype, invoke):
     slot.update({id(v): ("extra", i) for i, v in enumerate(rest)})
     order_t, order_n = [slot[id(v)] for v in trainable], [slot[id(v)] for v in frozen]
     owners: dict[str, Any] = {}
-    for layer in model._flatten_layers(include_self=True):
-        refused = getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None)
+    names: dict[str, str] = {}
+    for layer, name in _keras_layers(model):
         for v in list(getattr(layer, "_trainable_variables", [])) + list(getattr(layer, "_non_trainable_variables", [])):
-            owners.setdefault(v.path, _Refused(layer) if refused else layer)
+            if v.path not in owners:
+                owners[v.path] = _keras_owner(layer)
+                names[v.path] = name
 
     def call(leaves, extra, x):
         pick = {"leaf": leaves, "extra": extra}
@@ -1178,14 +1193,55 @@ def _keras(model, dtype, invoke):
     view = ModelView("keras", leaves, paths, [], extra, apply_batch, apply_example, dtype=dtype)
     view.struct = _struct("keras", ("id", id(model)), _avals(leaves), _avals(extra), refs=view.struct_refs)
     view.struct_refs.append(model)
+    view.layer_names = {p: names.get(p, p.rpartition("/")[0] or p) for p in paths}  # type: ignore[attr-defined]
     return view, {p: owners.get(p) for p in paths}, {}
 
 
-class _Refused:
-    """The owner of a LoRA-enabled or quantized Keras layer's variables (skipped with the reason)."""
+def _keras_layers(model: Any) -> list[tuple[Any, str]]:
+    """Every layer of a Keras model with the name the TensorFlow backend reports it under: its name,
+    prefixed by those of the layers holding it (``bert_backbone/token_embedding``), from the direct
+    children (``Layer._layers``, the only list of them) down."""
+    found: list[tuple[Any, str]] = []
+    seen: set[int] = set()
+
+    def visit(layer: Any, prefix: str) -> None:
+        for child in getattr(layer, "_layers", []):
+            if id(child) in seen or not hasattr(child, "_layers"):
+                continue
+            seen.add(id(child))
+            found.append((child, prefix + child.name))
+            visit(child, prefix + child.name + "/")
+
+    visit(model, "")
+    return [*found, (model, model.name)]
+
+
+class _KerasRefused:
+    """The owner of a Keras layer's variables that this backend refuses (:func:`_keras_owner`)."""
+
+    reason = ""
 
     def __init__(self, layer: Any) -> None:
         self.layer = layer
+
+
+class _LoraOrQuantized(_KerasRefused):
+    pass
+
+
+class _UntiedReverse(_KerasRefused):
+    pass
+
+
+def _keras_owner(layer: Any) -> Any:
+    """The registry's view of a Keras layer: the layer, or a refusal (a LoRA-enabled or quantized layer
+    computes its kernel from other variables; an untied ``ReversibleEmbedding`` holds a second matrix
+    under the same layer)."""
+    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+        return _LoraOrQuantized(layer)
+    if getattr(layer, "reverse_embeddings", None) is not None and not getattr(layer, "tie_weights", True):
+        return _UntiedReverse(layer)
+    return layer
 
 
 # ----------------------------------------------------------------------------- flax linen
