@@ -1149,9 +1149,10 @@ def _keras(model, dtype, invoke):
     Keras' own ``model.stateless_call(trainable, non_trainable, x, training=False)`` runs the model
     on given values without touching its variables (inference mode: no dropout, BatchNormalization on
     its moving statistics); it traces to a jaxpr like any JAX function, so the same program analysis
-    and kernels apply. The leaves are the floating variables' values, trainable or not, named by
-    ``variable.path`` (``dense/kernel``: the layer ``dense``, as the TensorFlow backend names it);
-    integer state (seed generators) rides along unchanged. The model is only read.
+    and kernels apply. The leaves are the floating variables' values, trainable or not, listed by
+    ``variable.path``; the layers are named as the TensorFlow backend names them
+    (:func:`_keras_layers`). Integer state (seed generators) rides along unchanged. The model is
+    only read.
     """
     if not model.built:
         raise ValueError(
@@ -1200,7 +1201,7 @@ def _keras(model, dtype, invoke):
 def _keras_layers(model: Any) -> list[tuple[Any, str]]:
     """Every layer of a Keras model with the name the TensorFlow backend reports it under: its name,
     prefixed by those of the layers holding it (``bert_backbone/token_embedding``), from the direct
-    children (``Layer._layers``, the only list of them) down."""
+    children down (``Layer._layers``, private: Keras has no public list of a layer's direct children)."""
     found: list[tuple[Any, str]] = []
     seen: set[int] = set()
 
