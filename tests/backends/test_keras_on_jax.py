@@ -6,7 +6,8 @@ interpreter. The same architecture with the same weights is analyzed here on the
 (``model.stateless_call`` traced into normflat's JAX program analysis): the same layer names in the
 same order, everything covered, the same numbers for ``ggn`` and ``exact``; and a keras-hub BERT
 classifier (a nested backbone named as the TensorFlow backend names it, a position table, a mapping
-of named inputs). Keras' JAX backend
+of named inputs); and an LSTM and a GRU (each cell kernel split per gate), with the Keras training
+callback run during a ``fit`` on the JAX backend. Keras' JAX backend
 computes some of its operations (``tanh``, normalization, pooling) at float32's accuracy also for
 float64 inputs, so the models are float32 and the tolerance is float32's. The JAX side also checks
 that the model's variables are left as they were, that ``normflat.measures`` runs, and that a
@@ -64,7 +65,18 @@ hub_batch = {"token_ids": hub_rng.integers(0, 30, (4, 6)).astype("int32"), "segm
              "padding_mask": np.array([[1] * 6, [1] * 4 + [0] * 2] * 2, "int32"), "labels": np.array([0, 1, 1, 0])}
 """
 
-JAX_SIDE = BUILD + BUILD_HUB + """
+#: Recurrent layers (an LSTM and a GRU, each cell's kernels split per gate), ``rnn_*`` names.
+BUILD_RNN = """
+keras.utils.set_random_seed(1)
+rnn_ids = keras.Input((6,), dtype="int32")
+rnn_h = keras.layers.LSTM(4, return_sequences=True, name="lstm")(keras.layers.Embedding(9, 5, name="emb")(rnn_ids))
+rnn_model = keras.Model(rnn_ids, keras.layers.Dense(3, name="head")(keras.layers.GRU(3, name="gru")(rnn_h)))
+rnn_rng = np.random.default_rng(1)
+rnn_model.set_weights([rnn_rng.normal(size=w.shape).astype("float32") * 0.5 for w in rnn_model.get_weights()])
+rnn_x, rnn_y = rnn_rng.integers(0, 9, (6, 6)).astype("int32"), rnn_rng.integers(0, 3, 6)
+"""
+
+JAX_SIDE = BUILD + BUILD_HUB + BUILD_RNN + """
 import json, normflat
 before = [np.array(v.value) for v in model.weights]
 out = {"backend": keras.backend.backend()}
@@ -85,6 +97,14 @@ out["lora_unsupported"] = lora.metadata["unsupported"]
 hub = normflat.analyze(hub_model, hub_batch, loss="ce", progress=False)
 out["hub"] = [hub.metadata["coverage"], hub.metadata["unsupported"],
               {l.name: l.normalized_sharpness for l in hub.layers}]
+rnn = normflat.analyze(rnn_model, (rnn_x, rnn_y), loss="ce", progress=False)
+out["rnn"] = [rnn.metadata["coverage"], [[l.name, l.normalized_sharpness] for l in rnn.layers]]
+# The Keras training callback, during a fit on this backend.
+from normflat.integrations.keras import SharpnessCallback
+rnn_model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+callback = SharpnessCallback((rnn_x, rnn_y), every_n_epochs=1, progress=False)
+rnn_model.fit(rnn_x, rnn_y, epochs=1, verbose=0, callbacks=[callback])
+out["callback"] = [entry.totals["normalized_sharpness"] for entry in callback.history]
 print("RESULT", json.dumps(out))
 """
 
@@ -102,7 +122,7 @@ def _jax_side() -> dict:
 def test_keras_model_on_the_jax_backend_equals_the_tensorflow_backend():
     assert keras.backend.backend() == "tensorflow"
     scope: dict = {"keras": keras, "np": np}
-    exec(BUILD + BUILD_HUB, scope)  # noqa: S102 - the shared model definitions above
+    exec(BUILD + BUILD_HUB + BUILD_RNN, scope)  # noqa: S102 - the shared model definitions above
     model, x, y = scope["model"], scope["x"], scope["y"]
     got = _jax_side()
     assert got["backend"] == "jax"
@@ -130,3 +150,11 @@ def test_keras_model_on_the_jax_backend_equals_the_tensorflow_backend():
     assert "bert_backbone/position_embedding" in sharpness
     for layer in hub.layers:
         assert sharpness[layer.name] == pytest.approx(layer.normalized_sharpness, rel=2e-4), layer.name
+    # Recurrent layers: each gate of each cell kernel, in the same order; and the training callback ran.
+    rnn = normflat.analyze(scope["rnn_model"], (scope["rnn_x"], scope["rnn_y"]), loss="ce", progress=False)
+    coverage, layers = got["rnn"]
+    assert coverage == 1.0 and [name for name, _ in layers] == [layer.name for layer in rnn.layers]
+    assert "lstm/lstm_cell/recurrent_kernel.f" in dict(layers) and "gru/gru_cell/kernel.h" in dict(layers)
+    for (name, sharpness), layer in zip(layers, rnn.layers):
+        assert sharpness == pytest.approx(layer.normalized_sharpness, rel=2e-4), name
+    assert len(got["callback"]) == 1 and np.isfinite(got["callback"][0])

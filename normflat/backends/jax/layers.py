@@ -452,6 +452,11 @@ def _register_keras(keras: Any) -> None:
     REGISTRY.register(L.Embedding, LayerRule(leaf="embeddings", layout="flax", kind="embedding"))
     for conv in (L.Conv1D, L.Conv2D, L.Conv3D):
         REGISTRY.register(conv, LayerRule(groups="groups"))
+    # The cells' kernel (in, G·H) and recurrent kernel (H, G·H), each one matrix per gate in Keras' gate
+    # order (method §3, "Packed maps are split"), as the TensorFlow backend reads them.
+    for cell, gates in ((L.LSTMCell, ("i", "f", "c", "o")), (L.GRUCell, ("z", "r", "h")), (L.SimpleRNNCell, None)):
+        REGISTRY.register(cell, LayerRule(leaf=("kernel", "recurrent_kernel"), layout="flax", kind="recurrent",
+                                          gates=gates))
     for name in ("BatchNormalization", "LayerNormalization", "GroupNormalization", "RMSNormalization"):
         if hasattr(L, name):
             REGISTRY.register(getattr(L, name), IGNORE)
