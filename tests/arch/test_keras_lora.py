@@ -172,7 +172,7 @@ def test_keras_hub_backbone_with_fresh_adapters_keeps_the_plain_numbers():
     before = [(v.path, v.trainable, v.numpy().copy()) for v in model.weights]
     report = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False)
     assert report.metadata["unsupported"] == [] and report.metadata["coverage"] == 1.0
-    query = "llama_backbone/transformer_layer_0/self_attention/query"
+    query = f"{backbone.name}/transformer_layer_0/self_attention/query"  # llama_backbone, _1, ... per process
     names = [layer.name for layer in report.layers]
     assert query + "/lora_a" in names and query + "/lora_b" in names
     for layer in plain.layers:

@@ -57,7 +57,8 @@ BUILD_HUB = """
 import keras_hub
 keras.utils.set_random_seed(3)
 hub_backbone = keras_hub.models.BertBackbone(vocabulary_size=30, num_layers=1, num_heads=2, hidden_dim=8,
-                                             intermediate_dim=16, max_sequence_length=8)
+                                             intermediate_dim=16, max_sequence_length=8,
+                                             name="bert_backbone")  # not bert_backbone_1 after another one
 hub_model = keras_hub.models.BertTextClassifier(hub_backbone, num_classes=2, preprocessor=None)
 hub_rng = np.random.default_rng(3)
 hub_model.set_weights([hub_rng.normal(size=w.shape).astype("float32") * 0.5 for w in hub_model.get_weights()])
