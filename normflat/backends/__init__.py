@@ -49,16 +49,19 @@ def _is_keras_model(model: Any) -> bool:
     return False
 
 
-def _is_keras_on_jax(model: Any) -> bool:
-    """A Keras 3 model on Keras' JAX backend: analyzed by the JAX backend (``model.stateless_call``)."""
+def keras_runs_on_jax() -> bool:
+    """Whether Keras 3 is loaded, on its JAX backend (``KERAS_BACKEND=jax``); imports nothing."""
     keras = sys.modules.get("keras")
-    layer_cls = getattr(getattr(keras, "layers", None), "Layer", None)
-    if layer_cls is None or not isinstance(model, layer_cls):
-        return False
     try:
-        return keras.backend.backend() == "jax"
+        return keras is not None and keras.backend.backend() == "jax"
     except AttributeError:
         return False
+
+
+def _is_keras_on_jax(model: Any) -> bool:
+    """A Keras 3 model on Keras' JAX backend: analyzed by the JAX backend (``model.stateless_call``)."""
+    layer_cls = getattr(getattr(sys.modules.get("keras"), "layers", None), "Layer", None)
+    return layer_cls is not None and isinstance(model, layer_cls) and keras_runs_on_jax()
 
 
 def _is_torch_model(model: Any) -> bool:

@@ -11,6 +11,7 @@ kernel positions (a single, different normalized sharpness, silently).
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -54,10 +55,15 @@ class _Block(nn.Module):
         return h + jnp.tanh(nn.Dense(8, param_dtype=F64)(h)), None
 
 
-class _Scanned(nn.Module):
+class _Stack(nn.Module):
+    """``LAYERS`` copies of ``block`` (a linen module ``(h, _) -> (h, None)``) under ``nn.scan``, then a
+    dense head on the mean over the tokens."""
+
+    block: Any
+
     @nn.compact
     def __call__(self, x):
-        h, _ = nn.scan(_Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS)()(x, None)
+        h, _ = nn.scan(self.block, variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS)()(x, None)
         return nn.Dense(3, param_dtype=F64)(h.mean(1))
 
 
@@ -74,15 +80,16 @@ class _Unrolled(nn.Module):
 def test_linen_scan_over_attention_blocks_equals_the_unrolled_network(estimator):
     """``nn.scan`` over an attention + dense block: every projection of every layer (multi-axis
     ``DenseGeneral`` kernels included) is its own matrix, with the unrolled network's numbers."""
-    stacked = _Scanned().init(jax.random.PRNGKey(0), X[:1])
+    scanned = _Stack(_Block)
+    stacked = scanned.init(jax.random.PRNGKey(0), X[:1])
     scan = next(k for k in stacked["params"] if k.startswith("Scan"))  # linen's name of the scanned block
     layer = stacked["params"][scan]
     unrolled = {"params": {"Dense_0": stacked["params"]["Dense_0"],
                            **{f"b{i}": jax.tree_util.tree_map(lambda a, i=i: a[i], layer) for i in range(LAYERS)}}}
-    np.testing.assert_array_equal(_Scanned().apply(stacked, X), _Unrolled().apply(unrolled, X))
+    np.testing.assert_array_equal(scanned.apply(stacked, X), _Unrolled().apply(unrolled, X))
     parts = ["Dense_0"] + [f"MultiHeadDotProductAttention_0/{p}" for p in ("query", "key", "value", "out")]
     names = [("Dense_0", "Dense_0")] + [(f"{scan}/{p}.{i}", f"b{i}/{p}") for p in parts for i in range(LAYERS)]
-    _assert_same(_numbers((_Scanned(), stacked), estimator), _numbers((_Unrolled(), unrolled), estimator), names)
+    _assert_same(_numbers((scanned, stacked), estimator), _numbers((_Unrolled(), unrolled), estimator), names)
 
 
 class _NnxBlock(nnx.Module):
@@ -183,24 +190,18 @@ class _ReluBlock(nn.Module):
         return nn.relu(nn.Dense(8, use_bias=False, param_dtype=F64)(h)), None
 
 
-class _ReluStack(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        h, _ = nn.scan(_ReluBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS)()(x, None)
-        return nn.Dense(3, param_dtype=F64)(h.mean(1))
-
-
 def test_unit_rescaling_between_stacked_layers_leaves_normalized_sharpness_unchanged():
     """Layer 0's output units times c_k, layer 1's input columns times 1/c_k (ReLU between, no bias): the
     same function; every layer's normalized sharpness unchanged, their traces moved (method §8 item 2)."""
-    params = _ReluStack().init(jax.random.PRNGKey(1), X[:1])
+    stack = _Stack(_ReluBlock)
+    params = stack.init(jax.random.PRNGKey(1), X[:1])
     c = jnp.exp(jnp.linspace(-1.0, 1.0, 8))
     scan = next(k for k in params["params"] if k.startswith("Scan"))
     kernel = params["params"][scan]["Dense_0"]["kernel"]  # (layers, in, out)
     moved = jax.tree_util.tree_map(lambda a: a, params)
     moved["params"][scan]["Dense_0"]["kernel"] = kernel.at[0].multiply(c[None, :]).at[1].divide(c[:, None])
-    np.testing.assert_allclose(_ReluStack().apply(moved, X), _ReluStack().apply(params, X), rtol=1e-12, atol=1e-13)
-    before, after = _numbers((_ReluStack(), params), "exact"), _numbers((_ReluStack(), moved), "exact")
+    np.testing.assert_allclose(stack.apply(moved, X), stack.apply(params, X), rtol=1e-12, atol=1e-13)
+    before, after = _numbers((stack, params), "exact"), _numbers((stack, moved), "exact")
     for name in before:
         assert after[name][0] == pytest.approx(before[name][0], rel=1e-8), name
     for i in range(LAYERS):
@@ -214,20 +215,14 @@ class _ConvBlock(nn.Module):
         return jnp.tanh(nn.Conv(8, (3,), padding="SAME", param_dtype=F64)(h)), None
 
 
-class _ConvStack(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        h, _ = nn.scan(_ConvBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS)()(x, None)
-        return nn.Dense(3, param_dtype=F64)(h.mean(1))
-
-
 def test_a_stack_of_convolutions_is_skipped_with_the_reason():
     """A scanned convolution's kernel ``(layers, k, in, out)`` is not read as one 2-D convolution kernel:
     it is skipped, named in the warning and in ``unsupported``, with the reason."""
-    params = _ConvStack().init(jax.random.PRNGKey(2), X[:1])
+    stack = _Stack(_ConvBlock)
+    params = stack.init(jax.random.PRNGKey(2), X[:1])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = normflat.analyze((_ConvStack(), params), (X, Y), loss="ce", progress=False)
+        report = normflat.analyze((stack, params), (X, Y), loss="ce", progress=False)
     assert [layer.name for layer in report.layers] == ["Dense_0"]
     assert any("a stack of convolution layers" in str(w.message) for w in caught)
     assert any("/Conv_0/kernel (2, 3, 8, 8)" in m and "stack of convolution" in m

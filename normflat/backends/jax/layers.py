@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from normflat.backends import keras_runs_on_jax
 from normflat.backends.jax.cache import LRU
 from normflat.backends.jax.compat import is_frozen_collection_error
 from normflat.engine.outputs import select_output
@@ -263,9 +264,8 @@ def _module_bases() -> tuple[type, ...]:
         m = sys.modules.get(mod)
         if m is not None:
             bases.append(getattr(m, attr))
-    keras = sys.modules.get("keras")
-    if keras is not None and _keras_on_jax(keras):
-        bases.append(keras.layers.Layer)
+    if keras_runs_on_jax():
+        bases.append(sys.modules["keras"].layers.Layer)
     return tuple(bases)
 
 
@@ -404,12 +404,12 @@ def _load_builtins() -> None:
         # nnx cells that pack their gates into one Linear per input (method §3: split per gate).
         PACKED_CHILDREN[nnx.OptimizedLSTMCell] = (("dense_i", "dense_h"), ("i", "f", "g", "o"))
         PACKED_CHILDREN[nnx.GRUCell] = (("dense_i", "dense_h"), ("r", "z", "n"))
-    keras = sys.modules.get("keras")
-    if keras is not None and "keras" not in _BUILTINS_LOADED and _keras_on_jax(keras):
+    on_jax = keras_runs_on_jax()
+    if on_jax and "keras" not in _BUILTINS_LOADED:
         _BUILTINS_LOADED.add("keras")
-        _register_keras(keras)
+        _register_keras(sys.modules["keras"])
     hub = sys.modules.get("keras_hub")
-    if hub is not None and "keras_hub" not in _BUILTINS_LOADED and keras is not None and _keras_on_jax(keras):
+    if on_jax and hub is not None and "keras_hub" not in _BUILTINS_LOADED:
         _BUILTINS_LOADED.add("keras_hub")
         position = getattr(getattr(hub, "layers", None), "PositionEmbedding", None)
         if isinstance(position, type):
@@ -427,14 +427,6 @@ def _load_builtins() -> None:
         # OptimizedLSTMCell's per-gate parameters (concatenated at call time): each gate its own matrix.
         from flax.linen.recurrent import DenseParams
         REGISTRY.register(DenseParams, LayerRule(kind="dense"))
-
-
-def _keras_on_jax(keras: Any) -> bool:
-    """Whether Keras 3 is loaded on its JAX backend (``KERAS_BACKEND=jax``)."""
-    try:
-        return keras.backend.backend() == "jax"
-    except AttributeError:
-        return False
 
 
 def _register_keras(keras: Any) -> None:
@@ -1179,7 +1171,8 @@ def _keras(model, dtype, invoke):
     owners: dict[str, Any] = {}
     names: dict[str, str] = {}
     for layer, name in _keras_layers(model):
-        for v in list(getattr(layer, "_trainable_variables", [])) + list(getattr(layer, "_non_trainable_variables", [])):
+        own = [*getattr(layer, "_trainable_variables", []), *getattr(layer, "_non_trainable_variables", [])]
+        for v in own:
             if v.path not in owners:
                 owners[v.path] = _keras_owner(layer)
                 names[v.path] = name
@@ -1199,7 +1192,7 @@ def _keras(model, dtype, invoke):
     view = ModelView("keras", leaves, paths, [], extra, apply_batch, apply_example, dtype=dtype)
     view.struct = _struct("keras", ("id", id(model)), _avals(leaves), _avals(extra), refs=view.struct_refs)
     view.struct_refs.append(model)
-    view.layer_names = {p: names.get(p, p.rpartition("/")[0] or p) for p in paths}  # type: ignore[attr-defined]
+    view.layer_names = names  # type: ignore[attr-defined]  (_select_weights: the path's layer otherwise)
     return view, {p: owners.get(p) for p in paths}, {}
 
 
@@ -1224,8 +1217,6 @@ def _keras_layers(model: Any) -> list[tuple[Any, str]]:
 
 class _KerasRefused:
     """The owner of a Keras layer's variables that this backend refuses (:func:`_keras_owner`)."""
-
-    reason = ""
 
     def __init__(self, layer: Any) -> None:
         self.layer = layer

@@ -142,9 +142,9 @@ def is_lora(layer: Any) -> bool:
     return bool(getattr(layer, "lora_enabled", False))
 
 
-def _lora_factors(layer: Any, a: Any, b: Any, a_canonical: Callable[[Any], Any], a_kind: str,
+def _lora_factors(a: Any, b: Any, a_canonical: Callable[[Any], Any], a_kind: str,
                   b_into_rank: bool) -> list[KerasWeight]:
-    """The two LoRA factors of ``layer`` as the linear maps they are (method §3, "LoRA factors").
+    """The two LoRA factors ``a`` and ``b`` of a layer as the linear maps they are (method §3, "LoRA adapters").
 
     Keras' ``enable_lora`` keeps the frozen kernel ``W`` and adds ``(α/r) · A · B``, the product over the
     rank axis of ``A`` (the kernel's axes but the last, then the rank) and ``B`` (the rank, then the
@@ -161,7 +161,7 @@ def _dense_weights(layer: Any) -> list[KerasWeight]:
     _refuse_quantized(layer)
     weights = [KerasWeight(compat.dense_kernel(layer), _transpose_fn((1, 0)), "dense")]
     if is_lora(layer):  # A (in, r), B (r, out)
-        weights += _lora_factors(layer, layer.lora_kernel_a, layer.lora_kernel_b, _transpose_fn((1, 0)), "dense",
+        weights += _lora_factors(layer.lora_kernel_a, layer.lora_kernel_b, _transpose_fn((1, 0)), "dense",
                                  b_into_rank=False)
     return weights
 
@@ -179,7 +179,7 @@ def _conv_weights(layer: Any) -> list[KerasWeight]:
             raise UnsupportedLayer("a LoRA-enabled grouped convolution (its B factor mixes the groups) is not "
                                    "supported")
         # A (*k, in, r): a convolution with r output channels; B (r, out): a 1x1 map of its outputs.
-        weights += _lora_factors(layer, layer.lora_kernel_a, layer.lora_kernel_b, to_canonical, f"conv{r}d",
+        weights += _lora_factors(layer.lora_kernel_a, layer.lora_kernel_b, to_canonical, f"conv{r}d",
                                  b_into_rank=False)
     return weights
 
@@ -304,7 +304,7 @@ def _einsum_weights(layer: Any) -> list[KerasWeight]:
     if is_lora(layer):
         equation, last_is_input = _rank_equation(layer.equation)
         a_perm, a_rows, _ = einsum_layout(equation, len(kernel.shape))
-        weights += _lora_factors(layer, layer.lora_kernel_a, layer.lora_kernel_b, _einsum_canonical(a_perm, a_rows),
+        weights += _lora_factors(layer.lora_kernel_a, layer.lora_kernel_b, _einsum_canonical(a_perm, a_rows),
                                  "einsum_dense", b_into_rank=last_is_input)
     return weights
 
@@ -338,7 +338,7 @@ def _embedding_weights(layer: Any) -> list[KerasWeight]:
     if reverse is not None and not getattr(layer, "tie_weights", True) and reverse is not table:
         weights.append(KerasWeight(reverse, _transpose_fn((1, 0)), "dense", "/reverse"))
     if is_lora(layer):  # A (vocabulary, r): a lookup of r features; B (r, features)
-        weights += _lora_factors(layer, layer.lora_embeddings_a, layer.lora_embeddings_b, _transpose_fn((1, 0)),
+        weights += _lora_factors(layer.lora_embeddings_a, layer.lora_embeddings_b, _transpose_fn((1, 0)),
                                  "embedding", b_into_rank=False)
     return weights
 

@@ -867,10 +867,9 @@ def _adapted(child: Any) -> tuple[Any, list[nn.Module]]:
     return child, adapters
 
 
-def _row_blocks(base: nn.Module, adapters: list[nn.Module], rows: int,
-                blocks: list[tuple[str, int, int]]) -> tuple[list[nn.Module], list[tuple[str, int, int]]]:
-    """The packed projection and its adapters with ``rows`` output rows, each split into ``blocks``."""
-    return [base, *(m for m in adapters if m.out_features == rows)], blocks
+def _sharing_rows(base: nn.Module, adapters: list[nn.Module], rows: int) -> list[nn.Module]:
+    """The packed projection and those of its adapters with its ``rows`` output rows (split alike)."""
+    return [base, *(m for m in adapters if m.out_features == rows)]
 
 
 def _hf_packed(module: nn.Module) -> tuple[list[nn.Module], list[tuple[str, int, int]]] | None:
@@ -889,8 +888,8 @@ def _hf_packed(module: nn.Module) -> tuple[list[nn.Module], list[tuple[str, int,
     names = ("key", "value") if isinstance(q_attn, conv1d) else ("query", "key", "value")
     if c_attn.weight.shape[1] != len(names) * width:
         return None
-    return _row_blocks(c_attn, adapters, len(names) * width,
-                       [(s, i * width, (i + 1) * width) for i, s in enumerate(names)])
+    return (_sharing_rows(c_attn, adapters, len(names) * width),
+            [(s, i * width, (i + 1) * width) for i, s in enumerate(names)])
 
 
 #: timm attention classes whose ``qkv`` output is reshaped ``(B, N, 3, heads, head_dim)``:
@@ -908,8 +907,8 @@ def _timm_packed(module: nn.Module) -> tuple[list[nn.Module], list[tuple[str, in
     width = getattr(module, "attn_dim", None)
     if not isinstance(qkv, nn.Linear) or not isinstance(width, int) or qkv.out_features != 3 * width:
         return None
-    return _row_blocks(qkv, adapters, 3 * width,
-                       [(s, i * width, (i + 1) * width) for i, s in enumerate(("query", "key", "value"))])
+    return (_sharing_rows(qkv, adapters, 3 * width),
+            [(s, i * width, (i + 1) * width) for i, s in enumerate(("query", "key", "value"))])
 
 
 def packed_blocks(model: nn.Module) -> dict[int, list[tuple[str, int, int]]]:
