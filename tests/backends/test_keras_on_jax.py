@@ -6,8 +6,10 @@ interpreter. The same architecture with the same weights is analyzed here on the
 (``model.stateless_call`` traced into normflat's JAX program analysis): the same layer names in the
 same order, everything covered, the same numbers for ``ggn`` and ``exact``; and a keras-hub BERT
 classifier (a nested backbone named as the TensorFlow backend names it, a position table, a mapping
-of named inputs); and an LSTM and a GRU (each cell kernel split per gate), with the Keras training
-callback run during a ``fit`` on the JAX backend. Keras' JAX backend
+of named inputs); an LSTM and a GRU (each cell kernel split per gate), with the Keras training
+callback run during a ``fit`` on the JAX backend; and every convolution kind (plain, grouped,
+depthwise, separable, transposed). The rescaling tests of the convolution kinds
+(``tests/arch/test_keras_rescalings.py``) also run on the JAX backend, in float64. Keras' JAX backend
 computes some of its operations (``tanh``, normalization, pooling) at float32's accuracy also for
 float64 inputs, so the models are float32 and the tolerance is float32's. The JAX side also checks
 that the model's variables are left as they were, that ``normflat.measures`` runs, and that a
@@ -77,7 +79,31 @@ rnn_model.set_weights([rnn_rng.normal(size=w.shape).astype("float32") * 0.5 for 
 rnn_x, rnn_y = rnn_rng.integers(0, 9, (6, 6)).astype("int32"), rnn_rng.integers(0, 3, 6)
 """
 
-JAX_SIDE = BUILD + BUILD_HUB + BUILD_RNN + """
+#: Every convolution kind (plain, grouped, depthwise, separable, transposed; 1-D and 2-D), ``conv_*`` names.
+BUILD_CONV = """
+keras.utils.set_random_seed(2)
+conv_in = keras.Input((8, 8, 3))
+conv_h = keras.layers.Conv2D(4, 3, padding="same", activation="tanh", name="c")(conv_in)
+conv_h = keras.layers.DepthwiseConv2D(3, depth_multiplier=2, padding="same", activation="tanh", name="dw")(conv_h)
+conv_h = keras.layers.SeparableConv2D(6, 3, depth_multiplier=2, padding="same", activation="tanh", name="sep")(conv_h)
+conv_h = keras.layers.Conv2D(4, 3, groups=2, activation="tanh", name="g")(conv_h)
+conv_h = keras.layers.Conv2DTranspose(3, 3, strides=2, padding="same", activation="tanh", name="tr")(conv_h)
+conv_h = keras.layers.Reshape((12 * 12, 3))(conv_h)
+conv_h = keras.layers.DepthwiseConv1D(3, depth_multiplier=2, strides=2, activation="tanh", name="dw1")(conv_h)
+conv_h = keras.layers.SeparableConv1D(4, 3, activation="tanh", name="sep1")(conv_h)
+conv_h = keras.layers.Conv1DTranspose(3, 3, strides=2, activation="tanh", name="tr1")(conv_h)
+conv_model = keras.Model(conv_in, keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling1D()(conv_h)))
+conv_rng = np.random.default_rng(2)
+conv_model.set_weights([conv_rng.normal(size=w.shape).astype("float32") * 0.5 for w in conv_model.get_weights()])
+conv_x, conv_y = conv_rng.normal(size=(4, 8, 8, 3)).astype("float32"), np.array([0, 1, 2, 0])
+"""
+
+#: The convolution kinds' rescaling tests (method §8), run on the JAX backend as they are on the TensorFlow one.
+RESCALINGS = ("test_conv_channel_rescaling_plain_and_grouped or test_transposed_conv_channel_rescaling or "
+              "test_depthwise_conv_with_depth_multiplier_rescaling or test_separable_conv1d_depthwise_and_pointwise"
+              " or test_einsum_dense_multi_axis_feature_rescaling")
+
+JAX_SIDE = BUILD + BUILD_HUB + BUILD_RNN + BUILD_CONV + """
 import json, normflat
 before = [np.array(v.value) for v in model.weights]
 out = {"backend": keras.backend.backend()}
@@ -100,6 +126,14 @@ out["hub"] = [hub.metadata["coverage"], hub.metadata["unsupported"],
               {l.name: l.normalized_sharpness for l in hub.layers}]
 rnn = normflat.analyze(rnn_model, (rnn_x, rnn_y), loss="ce", progress=False)
 out["rnn"] = [rnn.metadata["coverage"], [[l.name, l.normalized_sharpness] for l in rnn.layers]]
+for estimator in ("ggn", "exact"):
+    conv = normflat.analyze(conv_model, (conv_x, conv_y), loss="ce", estimator=estimator, progress=False)
+    out["conv_" + estimator] = [conv.metadata["coverage"], conv.metadata["unsupported"],
+                                [[l.name, l.kind, list(l.shape), l.details["groups"], l.details["path"],
+                                  l.normalized_sharpness, l.hessian_trace] for l in conv.layers]]
+conv_measures = normflat.measures(conv_model, (conv_x, conv_y), ["fisher_rao_norm", "adaptive_sharpness"], loss="ce",
+                                  progress=False)
+out["conv_measures"] = [conv_measures["fisher_rao_norm"], conv_measures["adaptive_sharpness"]]
 # The Keras training callback, during a fit on this backend.
 from normflat.integrations.keras import SharpnessCallback
 rnn_model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -123,7 +157,7 @@ def _jax_side() -> dict:
 def test_keras_model_on_the_jax_backend_equals_the_tensorflow_backend():
     assert keras.backend.backend() == "tensorflow"
     scope: dict = {"keras": keras, "np": np}
-    exec(BUILD + BUILD_HUB + BUILD_RNN, scope)  # noqa: S102 - the shared model definitions above
+    exec(BUILD + BUILD_HUB + BUILD_RNN + BUILD_CONV, scope)  # noqa: S102 - the shared model definitions above
     model, x, y = scope["model"], scope["x"], scope["y"]
     got = _jax_side()
     assert got["backend"] == "jax"
@@ -159,3 +193,49 @@ def test_keras_model_on_the_jax_backend_equals_the_tensorflow_backend():
     for (name, sharpness), layer in zip(layers, rnn.layers):
         assert sharpness == pytest.approx(layer.normalized_sharpness, rel=2e-4), name
     assert len(got["callback"]) == 1 and np.isfinite(got["callback"][0])
+    # Every convolution kind: the TensorFlow backend's names, kinds, canonical shapes and groups, each on
+    # its fast rule for ggn (a depthwise kernel reshaped, a transposed one flipped inside lax.conv_transpose), the
+    # same numbers.
+    for estimator in ("ggn", "exact"):
+        want = normflat.analyze(scope["conv_model"], (scope["conv_x"], scope["conv_y"]), loss="ce",
+                                estimator=estimator, progress=False)
+        coverage, unsupported, layers = got["conv_" + estimator]
+        assert coverage == 1.0 and unsupported == []
+        assert [row[0] for row in layers] == [layer.name for layer in want.layers] == [
+            "c", "dw", "sep/depthwise", "sep/pointwise", "g", "tr", "dw1", "sep1/depthwise", "sep1/pointwise",
+            "tr1", "head"]
+        for (name, kind, shape, groups, path, sharpness, trace), layer in zip(layers, want.layers):
+            assert (kind, tuple(shape), groups) == (layer.kind, tuple(layer.shape), layer.details["groups"]), name
+            assert path == ("fast" if estimator == "ggn" else "hvp"), name
+            assert sharpness == pytest.approx(layer.normalized_sharpness, rel=2e-4, abs=1e-6), (estimator, name)
+            assert trace == pytest.approx(layer.hessian_trace, rel=2e-4, abs=1e-6), (estimator, name)
+    # The perturbation measures draw their noise in the canonical layouts and apply it in the native ones.
+    measures = normflat.measures(scope["conv_model"], (scope["conv_x"], scope["conv_y"]),
+                                 ["fisher_rao_norm", "adaptive_sharpness"], loss="ce", progress=False)
+    assert got["conv_measures"] == pytest.approx([measures["fisher_rao_norm"], measures["adaptive_sharpness"]],
+                                                 rel=1e-3)
+
+
+def test_keras_convolution_rescalings_hold_on_the_jax_backend():
+    """The rescaling tests of the convolution kinds (plain and grouped 1-D to 3-D, transposed 1-D to 3-D,
+    depthwise with a depth multiplier, separable) and of multi-axis ``EinsumDense`` kernels, run on Keras'
+    JAX backend in float64: the function unchanged, every normalized sharpness unchanged, the traces
+    moved, each layer on its fast rule (method §8)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # Every analysis of the run must be the JAX backend's (not a TensorFlow fallback).
+    code = f"""
+import sys, keras, normflat, pytest
+assert keras.backend.backend() == "jax"
+analyze = normflat.analyze
+def on_jax(*args, **kwargs):
+    report = analyze(*args, **kwargs)
+    assert report.metadata["framework"] == "jax", report.metadata["framework"]
+    return report
+normflat.analyze = on_jax
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning",
+                      "tests/arch/test_keras_rescalings.py", "-k", {RESCALINGS!r}]))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=root,
+        env=dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", JAX_ENABLE_X64="1"))
+    assert done.returncode == 0 and "9 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]

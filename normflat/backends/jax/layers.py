@@ -29,6 +29,7 @@ module is split into a private copy switched to evaluation mode.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,7 +49,7 @@ from normflat.engine.registry import (IGNORE, LayerRegistry, Skipped, Unsupporte
 
 __all__ = ["LayerRule", "Axes", "REGISTRY", "register_layer", "registered_layers", "ModelView", "WeightInfo",
            "make_view", "LAYOUT_ALIASES", "path_str", "pick_dtype", "to_canonical", "to_native",
-           "canonical_shape", "parse_layout", "Flipped"]
+           "canonical_shape", "parse_layout", "Flipped", "Permuted"]
 
 #: Accepted names of weight layouts in ``layouts=``: canonical (torch/equinox) or flax/Keras.
 LAYOUT_ALIASES = {
@@ -104,6 +105,32 @@ class Flipped:
     base: str
 
 
+@dataclass(frozen=True)
+class Permuted:
+    """A kernel whose canonical form is its native axes permuted, then reshaped.
+
+    Keras' transposed convolutions ``(*k, out, in)`` (permuted to ``(out, in, *k)``) and its
+    depthwise kernels ``(*k, in, multiplier)``: permuted to ``(in, multiplier, *k)`` and reshaped to
+    ``(in·multiplier, 1, *k)``, the convolution with one group per input channel whose output
+    channel ``i·multiplier + j`` reads input channel ``i`` (method §3).
+
+    Attributes:
+        perm: The native axes in canonical order.
+        shape: The native shape.
+        canonical: The canonical shape (the permuted shape, or a reshape of it).
+    """
+
+    perm: tuple[int, ...]
+    shape: tuple[int, ...]
+    canonical: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        permuted = tuple(self.shape[i] for i in self.perm)
+        if sorted(self.perm) != list(range(len(self.shape))) or math.prod(permuted) != math.prod(self.canonical):
+            raise ValueError(f"Permuted(perm={self.perm}, canonical={self.canonical}) does not fit a weight of "
+                             f"shape {self.shape}.")
+
+
 def _flip_kernel(a: Any, batch_dims: int) -> Any:
     """``a`` (canonical ``(..., out, in, *k)``) reversed along its kernel axes."""
     return a[(slice(None),) * (batch_dims + 2) + (slice(None, None, -1),) * (a.ndim - batch_dims - 2)]
@@ -114,8 +141,8 @@ def canonical_shape(native_shape: tuple, layout: Any) -> tuple:
     native_shape = tuple(native_shape)
     if isinstance(layout, Flipped):
         return canonical_shape(native_shape, layout.base)
-    if isinstance(layout, Axes):
-        return layout.canonical
+    if isinstance(layout, (Axes, Permuted)):
+        return tuple(layout.canonical)
     if layout == "flax":
         return (native_shape[-1], native_shape[-2]) + native_shape[:-2]
     return native_shape
@@ -134,6 +161,9 @@ def to_canonical(a: Any, layout: Any, batch_dims: int = 0) -> Any:
     if isinstance(layout, Axes):
         perm = lead + tuple(batch_dims + i for i in layout.out + layout.inp)
         return a.transpose(perm).reshape(tuple(a.shape[:batch_dims]) + layout.canonical)
+    if isinstance(layout, Permuted):
+        perm = lead + tuple(batch_dims + i for i in layout.perm)
+        return a.transpose(perm).reshape(tuple(a.shape[:batch_dims]) + layout.canonical)
     nd = a.ndim - batch_dims
     # flax (*k, in, out) -> canonical (out, in, *k)
     perm = lead + (batch_dims + nd - 1, batch_dims + nd - 2) + tuple(batch_dims + i for i in range(nd - 2))
@@ -151,6 +181,10 @@ def to_native(a: Any, layout: Any, batch_dims: int = 0) -> Any:
         order = layout.out + layout.inp
         a = a.reshape(tuple(a.shape[:batch_dims]) + tuple(layout.shape[i] for i in order))
         inv = tuple(int(j) for j in np.argsort(order))
+        return a.transpose(lead + tuple(batch_dims + j for j in inv))
+    if isinstance(layout, Permuted):
+        a = a.reshape(tuple(a.shape[:batch_dims]) + tuple(layout.shape[i] for i in layout.perm))
+        inv = tuple(int(j) for j in np.argsort(layout.perm))
         return a.transpose(lead + tuple(batch_dims + j for j in inv))
     nd = a.ndim - batch_dims
     perm = lead + tuple(batch_dims + 2 + i for i in range(nd - 2)) + (batch_dims + 1, batch_dims)
@@ -204,12 +238,13 @@ class LayerRule:
             leaves (biases) are held fixed.
         layout: ``"canonical"`` (``(out, in/groups, *k)``, torch/equinox order),
             ``"flax"`` (``(*k, in/groups, out)``), or a function ``(module, shape) ->``
-            :class:`Axes` for multi-axis kernels, or :class:`Flipped` (it returns a string,
-            the reason, to refuse a kernel it cannot describe).
+            :class:`Axes` for multi-axis kernels, :class:`Flipped` or :class:`Permuted` (it
+            returns a string, the reason, to refuse a kernel it cannot describe).
         groups: Attribute of the module holding its number of groups (grouped
             convolutions), a function ``module -> int``, or ``None`` (1).
         kind: Short type label; ``None``: ``"dense"`` for 2-D weights, ``"conv{N}d"``
-            otherwise; ``"conv_transpose"``: ``"conv_transpose{N}d"``.
+            otherwise; ``"conv_transpose"``: ``"conv_transpose{N}d"``; ``"depthwise"``:
+            ``"depthwise_conv{N}d"``.
         gates: Names of the maps packed along the canonical rows in equal blocks
             (recurrent gates, method §3 "Packed maps are split"), or ``None``.
     """
@@ -239,6 +274,8 @@ class LayerRule:
         """The layer kind for a weight with ``ndim`` dimensions."""
         if self.kind == "conv_transpose":
             return f"conv_transpose{ndim - 2}d"
+        if self.kind == "depthwise":
+            return f"depthwise_conv{ndim - 2}d"
         return self.kind or _conv_kind(ndim)
 
 
@@ -444,6 +481,19 @@ def _register_keras(keras: Any) -> None:
     REGISTRY.register(L.Embedding, LayerRule(leaf="embeddings", layout="flax", kind="embedding"))
     for conv in (L.Conv1D, L.Conv2D, L.Conv3D):
         REGISTRY.register(conv, LayerRule(groups="groups"))
+    # Keras' JAX backend applies these kernels as is (a depthwise kernel reshaped to one with one group
+    # per input channel, a transposed one flipped and swapped inside lax.conv_transpose): the canonical
+    # layouts are the TensorFlow backend's (method §3).
+    for transposed in (L.Conv1DTranspose, L.Conv2DTranspose, L.Conv3DTranspose):
+        REGISTRY.register(transposed, LayerRule(layout=_keras_transpose_layout, kind="conv_transpose"))
+    for depthwise in (L.DepthwiseConv1D, L.DepthwiseConv2D):
+        REGISTRY.register(depthwise, LayerRule(layout=_depthwise_layout, groups=lambda m: m.kernel.shape[-2],
+                                               kind="depthwise"))
+    # A SeparableConv's two kernels, each its own layer (:func:`_keras_owner`).
+    REGISTRY.register(_SeparableDepthwise, LayerRule(
+        leaf="depthwise_kernel", layout=_depthwise_layout, groups=lambda m: m.layer.depthwise_kernel.shape[-2],
+        kind="depthwise"))
+    REGISTRY.register(_SeparablePointwise, LayerRule(leaf="pointwise_kernel"))
     # The cells' kernel (in, G·H) and recurrent kernel (H, G·H), each one matrix per gate in Keras' gate
     # order (method §3, "Packed maps are split"), as the TensorFlow backend reads them.
     for cell, gates in ((L.LSTMCell, ("i", "f", "c", "o")), (L.GRUCell, ("z", "r", "h")), (L.SimpleRNNCell, None)):
@@ -458,6 +508,23 @@ def _register_keras(keras: Any) -> None:
     REGISTRY.register(_UntiedReverse, Unsupported(
         "an untied ReversibleEmbedding holds two matrices (the table and the reverse projection); analyze it on "
         "Keras' TensorFlow backend (KERAS_BACKEND=tensorflow), which reads both"))
+
+
+def _keras_transpose_layout(module: Any, shape: tuple) -> Permuted:
+    """A Keras ``ConvNDTranspose`` kernel ``(*k, out, in)``: the kernel of the convolution whose input
+    gradient the layer computes, whose input channels are the layer's outputs; canonical
+    ``(out, in, *k)`` (method §3)."""
+    r = len(shape) - 2
+    perm = (r, r + 1) + tuple(range(r))
+    return Permuted(perm, tuple(shape), tuple(shape[i] for i in perm))
+
+
+def _depthwise_layout(module: Any, shape: tuple) -> Permuted:
+    """A Keras depthwise kernel ``(*k, in, multiplier)``: canonical ``(in·multiplier, 1, *k)``, one group
+    per input channel, output channel ``i·multiplier + j`` reading input channel ``i`` (method §3)."""
+    r = len(shape) - 2
+    return Permuted((r, r + 1) + tuple(range(r)), tuple(shape),
+                    (shape[r] * shape[r + 1], 1) + tuple(shape[:r]))
 
 
 def _register_flax(api: Any, dense: type, embed: type) -> None:
@@ -487,7 +554,8 @@ class WeightInfo:
         leaf: Index in :attr:`ModelView.leaves`.
         kind: ``"dense"``, ``"conv2d"``, ``"embedding"``, ...
         layout: ``"canonical"`` (out, in/groups, *k), ``"flax"`` (*k, in/groups, out),
-            :class:`Axes` (a multi-axis kernel) or :class:`Flipped` (a transposed convolution's kernel).
+            :class:`Axes` (a multi-axis kernel), :class:`Flipped` (a flax or equinox transposed
+            convolution's kernel) or :class:`Permuted` (Keras' transposed and depthwise kernels).
         groups: Groups of a grouped convolution.
         blocks: Packed maps along the canonical rows, ``[(suffix, start, stop), ...]``
             (:attr:`~normflat.engine.problems.LayerSpec.blocks`), or ``None``.
@@ -1174,8 +1242,8 @@ def _keras(model, dtype, invoke):
         own = [*getattr(layer, "_trainable_variables", []), *getattr(layer, "_non_trainable_variables", [])]
         for v in own:
             if v.path not in owners:
-                owners[v.path] = _keras_owner(layer)
-                names[v.path] = name
+                owners[v.path], suffix = _keras_owner(layer, v)
+                names[v.path] = name + suffix
 
     def call(leaves, extra, x):
         pick = {"leaf": leaves, "extra": extra}
@@ -1230,15 +1298,38 @@ class _UntiedReverse(_KerasRefused):
     pass
 
 
-def _keras_owner(layer: Any) -> Any:
-    """The registry's view of a Keras layer: the layer, or a refusal (a LoRA-enabled or quantized layer
-    computes its kernel from other variables; an untied ``ReversibleEmbedding`` holds a second matrix
-    under the same layer)."""
+class _SeparablePart:
+    """One of the two kernels of a Keras ``SeparableConv1D/2D`` (a depthwise, then a pointwise
+    convolution), the owner of its variables for the registry."""
+
+    def __init__(self, layer: Any) -> None:
+        self.layer = layer
+
+
+class _SeparableDepthwise(_SeparablePart):
+    pass
+
+
+class _SeparablePointwise(_SeparablePart):
+    pass
+
+
+def _keras_owner(layer: Any, variable: Any) -> tuple[Any, str]:
+    """The registry's view of the Keras layer holding ``variable``, and the suffix of the layer name it
+    is reported under: the layer; a refusal (a LoRA-enabled or quantized layer computes its kernel from
+    other variables; an untied ``ReversibleEmbedding`` holds a second matrix under the same layer); or
+    one part of a ``SeparableConv`` (``/depthwise``, ``/pointwise``, as the TensorFlow backend names
+    them)."""
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
-        return _LoraOrQuantized(layer)
+        return _LoraOrQuantized(layer), ""
     if getattr(layer, "reverse_embeddings", None) is not None and not getattr(layer, "tie_weights", True):
-        return _UntiedReverse(layer)
-    return layer
+        return _UntiedReverse(layer), ""
+    L = sys.modules["keras"].layers
+    if isinstance(layer, (L.SeparableConv1D, L.SeparableConv2D)):
+        if variable is getattr(layer, "depthwise_kernel", None):
+            return _SeparableDepthwise(layer), "/depthwise"
+        return _SeparablePointwise(layer), "/pointwise"
+    return layer, ""
 
 
 # ----------------------------------------------------------------------------- flax linen

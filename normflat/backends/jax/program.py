@@ -60,8 +60,9 @@ _CALLS = {
     "remat2": ("jaxpr", False),
 }
 # Unary operations that only permute, reshape or cast a weight: its Hessian
-# diagonal maps back through their (linear, entry-permuting) VJP.
-_LAYOUT = {"transpose", "reshape", "convert_element_type", "copy", "copy_p", "squeeze", "expand_dims"}
+# diagonal maps back through their (linear, entry-permuting) VJP. ``rev`` reverses axes: the
+# kernel flip of lax.conv_transpose(transpose_kernel=True) (Keras' transposed convolutions).
+_LAYOUT = {"transpose", "reshape", "convert_element_type", "copy", "copy_p", "squeeze", "expand_dims", "rev"}
 _TAP_PRIMS = {"dot_general", "conv_general_dilated"}
 # Row lookups of a table: the per-example gradient is a scatter of the output signals into the rows.
 _LOOKUP_PRIMS = {"gather", "dynamic_slice"}
