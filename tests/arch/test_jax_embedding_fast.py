@@ -230,7 +230,7 @@ class NnxTiedLM(nnx.Module):
     scales the features (a third use), ``"scaled"`` the head reads a scaled copy of it, ``"row"`` its
     row 0 is added to every token (a fixed row, e.g. a start token's)."""
 
-    def __init__(self, rngs, use="attend"):
+    def __init__(self, rngs, use="attend"):  # "float32": the head computes in float32 (float32 logits)
         self.use = use
         self.emb = nnx.Embed(V, D, param_dtype=F64, rngs=rngs)
         self.mix = nnx.Linear(D, D, param_dtype=F64, rngs=rngs)
@@ -246,6 +246,8 @@ class NnxTiedLM(nnx.Module):
             h = h * jnp.tanh(self.emb.embedding[...].mean(axis=0))
         if self.use == "scaled":
             return h @ (0.5 * self.emb.embedding[...]).T
+        if self.use == "float32":
+            return h.astype(jnp.float32) @ self.emb.embedding[...].astype(jnp.float32).T
         return self.emb.attend(h)
 
 
@@ -341,6 +343,24 @@ def test_tied_table_fast_equals_generic_and_brute_force(kind, kw, every_estimato
             assert set(f) == set(g) == set(layers)
             for k in f:
                 assert_close(f[k], g[k])
+
+
+def test_tied_head_in_float32_of_a_float64_model():
+    """A float64 model whose tied head computes in float32 (float32 logits; Keras' ``reverse_dtype``):
+    the signals go back through that use, and through the whole model on the generic path, in the
+    logits' dtype, as the model's own VJP takes them; the fast and generic paths agree with the brute
+    force to float32's precision, the diagonal in float64."""
+    model, ref, layers = _tied("nnx", use="float32")
+    data = (TIED_IDS, jnp.asarray(TIED_LABELS))
+    assert model(TIED_IDS).dtype == jnp.float32
+    fast = _hd(model, data, estimator="ggn", shift_labels=True)
+    assert _paths(model, data, estimator="ggn")["emb"] == "fast"
+    generic = _hd(model, data, estimator="ggn", shift_labels=True, fast=False)
+    want = ref(TIED_IDS, _shifted(TIED_LABELS), "nsce")
+    for name, (leaf, native) in layers.items():
+        assert np.asarray(fast[name]).dtype == np.float64
+        assert_close(fast[name], canon(want[leaf], native), rtol=1e-5)
+        assert_close(generic[name], canon(want[leaf], native), rtol=1e-5)
 
 
 def test_tied_table_signals_in_steps(monkeypatch):

@@ -505,7 +505,7 @@ class GGN(Kernel):
                 z, rec = fwd(eps, wg)
                 return rec[hop], (z, rec)
 
-            _, vjp_fn, (z, rec) = jax.vjp(fwd_input, eps0, [ws[k] for k in gen], has_aux=True)
+            pulled, vjp_fn, (z, rec) = jax.vjp(fwd_input, eps0, [ws[k] for k in gen], has_aux=True)
             if counted is None:
                 factor = output_factor(_XP, z.reshape(1, -1), self.options, uniforms)
             else:
@@ -527,6 +527,7 @@ class GGN(Kernel):
                 return head.to_activation(through.reshape((-1,) + through.shape[2:]))
         else:
             z, vjp_fn, rec = jax.vjp(fwd, eps0, [ws[k] for k in gen], has_aux=True)
+            pulled = z
             if counted is None and step is not None:
                 factor = output_factor(_XP, z[None], self.options, uniforms)
 
@@ -562,15 +563,21 @@ class GGN(Kernel):
                     return jnp.where(valid.reshape((-1,) + (1,) * z.ndim), picked, jnp.zeros_like(picked))
         lookups = {k: self._lookup_segments(t, rec[t.op]) for k, t in taps.items()
                    if t.lookup is not None and k not in self.heads}
+
+        def pull(signal):
+            # Logits computed in another dtype than the analysis (a float32 head of a float64 model)
+            # take their signals in their own dtype, as the model's own VJP does.
+            return vjp_fn(signal.astype(pulled.dtype))
+
         if step is None:
-            d_eps, d_wg = jax.vmap(vjp_fn)(signals())
+            d_eps, d_wg = jax.vmap(pull)(signals())
             sums, scales = self._signal_squares(ws, rec, lookups, d_eps, d_wg, self._groups_of())
         else:
             def one_step(i, scales):
                 index = i * step + jnp.arange(step)
                 valid = index < total
                 flat = self._real_index(index)  # the step's signals' positions in the (bp, cols) layout
-                d_eps, d_wg = jax.vmap(vjp_fn)(signals((flat, valid)))
+                d_eps, d_wg = jax.vmap(pull)(signals((flat, valid)))
                 return self._signal_squares(ws, rec, lookups, d_eps, d_wg, self._groups_of(flat), scales,
                                             stepped=True)
 
@@ -800,12 +807,15 @@ class GGN(Kernel):
             for members, f, layout in fns:
                 if len(members) == 1:
                     r, sig = recs[members[0]], sigs[members[0]]
-                    _, pull = jax.vjp(lambda w_, f=f, layout=layout, r=r: f(r, layout(w_)), w)
+                    out, pull = jax.vjp(lambda w_, f=f, layout=layout, r=r: f(r, layout(w_)), w)
                 else:
                     r = jnp.stack([recs[m] for m in members])
                     sig = jnp.stack([sigs[m] for m in members])
-                    _, pull = jax.vjp(lambda w_, f=f, layout=layout, r=r: jax.vmap(lambda a: f(a, layout(w_)))(r), w)
-                part = pull(sig)[0]
+                    out, pull = jax.vjp(lambda w_, f=f, layout=layout, r=r: jax.vmap(lambda a: f(a, layout(w_)))(r),
+                                        w)
+                # A use computing in another dtype than the analysis (a float32 reverse projection of a
+                # float64 table) takes its signals in its own dtype, as its VJP in the model does.
+                part = pull(sig.astype(out.dtype))[0]
                 g = part if g is None else g + part
             return g
 
