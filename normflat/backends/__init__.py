@@ -59,7 +59,7 @@ def keras_runs_on_jax() -> bool:
 
 
 def _is_keras_on_jax(model: Any) -> bool:
-    """A Keras 3 model on Keras' JAX backend: analyzed by the JAX backend (``model.stateless_call``)."""
+    """A Keras 3 model on Keras' JAX backend: analyzed by the JAX backend (called inside ``keras.StatelessScope``)."""
     layer_cls = getattr(getattr(sys.modules.get("keras"), "layers", None), "Layer", None)
     return layer_cls is not None and isinstance(model, layer_cls) and keras_runs_on_jax()
 

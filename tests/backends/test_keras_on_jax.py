@@ -8,7 +8,9 @@ same order, everything covered, the same numbers for ``ggn`` and ``exact``; and 
 classifier (a nested backbone named as the TensorFlow backend names it, a position table, a mapping
 of named inputs); an LSTM and a GRU (each cell kernel split per gate), with the Keras training
 callback run during a ``fit`` on the JAX backend; and every convolution kind (plain, grouped,
-depthwise, separable, transposed). The rescaling tests of the convolution kinds
+depthwise, separable, transposed); and models called as the TensorFlow backend calls them (a
+final softmax stripped, a mixed precision layer computed in its variables' dtype, a subclassed
+model whose ``call`` takes no ``training``). The rescaling tests of the convolution kinds
 (``tests/arch/test_keras_rescalings.py``) also run on the JAX backend, in float64. Keras' JAX backend
 computes some of its operations (``tanh``, normalization, pooling) at float32's accuracy also for
 float64 inputs, so the models are float32 and the tolerance is float32's. The JAX side also checks
@@ -98,12 +100,41 @@ conv_model.set_weights([conv_rng.normal(size=w.shape).astype("float32") * 0.5 fo
 conv_x, conv_y = conv_rng.normal(size=(4, 8, 8, 3)).astype("float32"), np.array([0, 1, 2, 0])
 """
 
+#: How the model is called, as on the TensorFlow backend: a functional model's final softmax stripped
+#: (the built-in losses take logits), a mixed precision layer computed in its variables' dtype, and a
+#: subclassed model whose ``call`` takes no ``training`` argument; ``calls_*`` names.
+BUILD_CALLS = """
+keras.utils.set_random_seed(4)
+calls_in = keras.Input((6,))
+calls_h = keras.layers.Dense(5, activation="tanh", name="hidden")(calls_in)
+calls_h = keras.layers.Dense(4, activation="tanh", name="half", dtype="mixed_bfloat16")(calls_h)
+calls_soft = keras.Model(calls_in, keras.layers.Dense(3, activation="softmax", name="probs")(calls_h))
+
+
+class NoTrainingArgument(keras.Model):
+    def __init__(self):
+        super().__init__(name="plain_call")
+        self.hidden = keras.layers.Dense(5, activation="tanh", name="hidden")
+        self.head = keras.layers.Dense(3, name="head")
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+
+calls_plain = NoTrainingArgument()
+calls_plain(np.zeros((1, 6), "float32"))
+calls_rng = np.random.default_rng(4)
+for calls_model in (calls_soft, calls_plain):
+    calls_model.set_weights([calls_rng.normal(size=w.shape).astype("float32") for w in calls_model.get_weights()])
+calls_x, calls_y = calls_rng.normal(size=(5, 6)).astype("float32"), np.array([0, 1, 2, 0, 1])
+"""
+
 #: The convolution kinds' rescaling tests (method §8), run on the JAX backend as they are on the TensorFlow one.
 RESCALINGS = ("test_conv_channel_rescaling_plain_and_grouped or test_transposed_conv_channel_rescaling or "
               "test_depthwise_conv_with_depth_multiplier_rescaling or test_separable_conv1d_depthwise_and_pointwise"
               " or test_einsum_dense_multi_axis_feature_rescaling")
 
-JAX_SIDE = BUILD + BUILD_HUB + BUILD_RNN + BUILD_CONV + """
+JAX_SIDE = BUILD + BUILD_HUB + BUILD_RNN + BUILD_CONV + BUILD_CALLS + """
 import json, normflat
 before = [np.array(v.value) for v in model.weights]
 out = {"backend": keras.backend.backend()}
@@ -134,6 +165,11 @@ for estimator in ("ggn", "exact"):
 conv_measures = normflat.measures(conv_model, (conv_x, conv_y), ["fisher_rao_norm", "adaptive_sharpness"], loss="ce",
                                   progress=False)
 out["conv_measures"] = [conv_measures["fisher_rao_norm"], conv_measures["adaptive_sharpness"]]
+for key, calls_model in (("calls_soft", calls_soft), ("calls_plain", calls_plain)):
+    calls = normflat.analyze(calls_model, (calls_x, calls_y), loss="ce", progress=False)
+    out[key] = [calls.metadata["backend"].get("stripped_softmax"), calls.metadata["dtype"],
+                [[l.name, l.normalized_sharpness, l.hessian_trace] for l in calls.layers]]
+out["calls_policy"] = calls_soft.get_layer("half").dtype_policy.name  # restored after the analysis
 # The Keras training callback, during a fit on this backend.
 from normflat.integrations.keras import SharpnessCallback
 rnn_model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -157,7 +193,7 @@ def _jax_side() -> dict:
 def test_keras_model_on_the_jax_backend_equals_the_tensorflow_backend():
     assert keras.backend.backend() == "tensorflow"
     scope: dict = {"keras": keras, "np": np}
-    exec(BUILD + BUILD_HUB + BUILD_RNN + BUILD_CONV, scope)  # noqa: S102 - the shared model definitions above
+    exec(BUILD + BUILD_HUB + BUILD_RNN + BUILD_CONV + BUILD_CALLS, scope)  # noqa: S102 - the shared definitions
     model, x, y = scope["model"], scope["x"], scope["y"]
     got = _jax_side()
     assert got["backend"] == "jax"
@@ -209,6 +245,19 @@ def test_keras_model_on_the_jax_backend_equals_the_tensorflow_backend():
             assert path == ("fast" if estimator == "ggn" else "hvp"), name
             assert sharpness == pytest.approx(layer.normalized_sharpness, rel=2e-4, abs=1e-6), (estimator, name)
             assert trace == pytest.approx(layer.hessian_trace, rel=2e-4, abs=1e-6), (estimator, name)
+    # Called as the TensorFlow backend calls the model: the final softmax stripped and reported, the
+    # bfloat16 layer computed in float32, a `call` without `training` called without it.
+    for key in ("calls_soft", "calls_plain"):
+        want = normflat.analyze(scope[key], (scope["calls_x"], scope["calls_y"]), loss="ce", progress=False)
+        stripped, dtype, layers = got[key]
+        assert stripped == want.metadata["backend"].get("stripped_softmax") == (
+            "probs" if key == "calls_soft" else None)
+        assert dtype == want.metadata["dtype"] == "float32"
+        assert [row[0] for row in layers] == [layer.name for layer in want.layers]
+        for (name, sharpness, trace), layer in zip(layers, want.layers):
+            assert sharpness == pytest.approx(layer.normalized_sharpness, rel=2e-5), (key, name)
+            assert trace == pytest.approx(layer.hessian_trace, rel=2e-5), (key, name)
+    assert got["calls_policy"] == "mixed_bfloat16"
     # The perturbation measures draw their noise in the canonical layouts and apply it in the native ones.
     measures = normflat.measures(scope["conv_model"], (scope["conv_x"], scope["conv_y"]),
                                  ["fisher_rao_norm", "adaptive_sharpness"], loss="ce", progress=False)

@@ -729,7 +729,7 @@ def _conv_kind(ndim: int) -> str:
 
 
 def make_view(model: Any, x0: Any, *, dtype: Any, vmap: bool | None, state: Any, apply_kwargs: dict,
-              layouts: dict, keywords: bool = False, output: Any = None) -> ModelView:
+              layouts: dict, keywords: bool = False, output: Any = None, strip_softmax: bool = True) -> ModelView:
     """Build the :class:`ModelView` of any supported model (``x0``: the first input batch).
 
     Args:
@@ -737,6 +737,8 @@ def make_view(model: Any, x0: Any, *, dtype: Any, vmap: bool | None, state: Any,
             the model is called as ``model(**x)`` (linen ``apply(variables, **x)``).
         output: The ``output`` option: what to take from a model that returns a
             mapping, tuple or object (:func:`normflat.engine.outputs.select_output`).
+        strip_softmax: A Keras model's final softmax is made the identity (the built-in losses
+            take logits; ``False`` for a custom loss callable, which takes the model's outputs).
 
     The unsupported leaves are listed in :attr:`ModelView.unsupported`; the caller
     reports them according to ``on_unsupported``.
@@ -754,7 +756,7 @@ def make_view(model: Any, x0: Any, *, dtype: Any, vmap: bool | None, state: Any,
         keras = sys.modules.get("keras")
         if keras is not None and isinstance(model, keras.layers.Layer):
             # A Keras model takes a mapping of named inputs as its one input (keras-hub backbones).
-            view, owners, parents = _keras(model, dtype, _invoker(False, output))
+            view, owners, parents = _keras(model, dtype, _invoker(False, output), strip_softmax)
         elif nnx is not None and isinstance(model, nnx.Module):
             view, owners, parents = _nnx(model, dtype, invoke)
         elif linen is not None and isinstance(model, tuple) and isinstance(model[0], linen.Module):
@@ -1208,17 +1210,25 @@ def _promote_compute_dtypes(nnx, clone, dtype) -> None:
 # ----------------------------------------------------------------------------- Keras 3 on JAX
 
 
-def _keras(model, dtype, invoke):
+def _keras(model, dtype, invoke, strip_softmax=True):
     """A Keras 3 model on Keras' JAX backend, as a pure function of its variables' values.
 
-    Keras' own ``model.stateless_call(trainable, non_trainable, x, training=False)`` runs the model
-    on given values without touching its variables (inference mode: no dropout, BatchNormalization on
-    its moving statistics); it traces to a jaxpr like any JAX function, so the same program analysis
-    and kernels apply. The leaves are the floating variables' values, trainable or not, listed by
-    ``variable.path``; the layers are named as the TensorFlow backend names them
-    (:func:`_keras_layers`). Integer state (seed generators) rides along unchanged. The model is
-    only read.
+    The model is called as the TensorFlow backend calls it, ``model(x, training=False)``, inside
+    Keras' public ``keras.StatelessScope``, which maps every variable to a given value: it runs on
+    those values without touching its variables (inference mode: no dropout, BatchNormalization on
+    its moving statistics) and traces to a jaxpr like any JAX function, so the same program analysis
+    and kernels apply. (``model.stateless_call`` would call ``model.call`` directly, passing
+    ``training`` to a ``call`` that does not take it.) The leaves are the floating variables'
+    values, trainable or not, listed by ``variable.path``; the layers are named as the TensorFlow backend names them
+    (:func:`_keras_layers`). Integer state (seed generators) rides along unchanged. As on the
+    TensorFlow backend, each call makes the model compute logits
+    (:func:`normflat.backends.keras_shared.logits_only`: the final softmax made the identity, unless
+    ``strip_softmax`` is false; a mixed precision policy computing in its variables' dtype), as
+    instance attributes set for the call under the model's lock and restored after it: the
+    variables are only read.
     """
+    from normflat.backends.keras_shared import ModelState, final_softmax, logits_only
+
     if not model.built:
         raise ValueError(
             f"The Keras model {model.name!r} is not built (it has no weights yet). Call it on a batch "
@@ -1245,11 +1255,26 @@ def _keras(model, dtype, invoke):
                 owners[v.path], suffix = _keras_owner(layer, v)
                 names[v.path] = name + suffix
 
+    variables = trainable + frozen
+    order = order_t + order_n
+    stateless = sys.modules["keras"].StatelessScope
+    state = ModelState(model)  # the detection reads instance attributes another analysis may set
+    try:
+        strip = final_softmax(model) if strip_softmax else None
+    finally:
+        state.restore()
+
     def call(leaves, extra, x):
         pick = {"leaf": leaves, "extra": extra}
-        tv = [pick[kind][i] for kind, i in order_t]
-        ntv = [pick[kind][i] for kind, i in order_n]
-        return model.stateless_call(tv, ntv, x, training=False)[0]
+        state = ModelState(model)
+        try:
+            logits_only(state, strip)
+            # The model's own __call__ (as the TensorFlow backend calls it: `training` passed only to
+            # a call that takes it, inputs converted and cast as Keras does), reading the given values.
+            with stateless(state_mapping=[(v, pick[kind][i]) for v, (kind, i) in zip(variables, order)]):
+                return model(x, training=False)
+        finally:
+            state.restore()
 
     def apply_batch(leaves, extra, x):
         return invoke(call, x, list(leaves), list(extra))
@@ -1258,7 +1283,9 @@ def _keras(model, dtype, invoke):
         return apply_batch(leaves, extra, jax.tree_util.tree_map(lambda a: a[None], x))[0]
 
     view = ModelView("keras", leaves, paths, [], extra, apply_batch, apply_example, dtype=dtype)
-    view.struct = _struct("keras", ("id", id(model)), _avals(leaves), _avals(extra), refs=view.struct_refs)
+    view.struct = _struct("keras", ("id", id(model)), strip is not None, _avals(leaves), _avals(extra),
+                          refs=view.struct_refs)
+    view.stripped_softmax = None if strip is None else strip[0].name  # type: ignore[attr-defined]
     view.struct_refs.append(model)
     view.layer_names = names  # type: ignore[attr-defined]  (_select_weights: the path's layer otherwise)
     return view, {p: owners.get(p) for p in paths}, {}

@@ -97,7 +97,8 @@ def view_for(model: Any, batch: Batch, settings: dict, options: AnalysisOptions)
         return make_view(model, jax.tree_util.tree_map(to_jax, batch.x), dtype=settings["dtype"],
                          vmap=settings["vmap"], state=settings["state"],
                          apply_kwargs=dict(settings["apply_kwargs"] or {}),
-                         layouts=dict(settings["layouts"] or {}), keywords=batch.keywords, output=options.output)
+                         layouts=dict(settings["layouts"] or {}), keywords=batch.keywords, output=options.output,
+                         strip_softmax=not callable(options.loss))
 
 
 def trace_layers(view: Any, batch: Batch, *, allow_half_precision: bool = False) -> tuple[Any, tuple[int, ...]]:
@@ -445,6 +446,8 @@ class JaxSession:
                    "processes": self.comm.size if self.comm is not None else 1}
         if self.view.vmap is not None:
             backend["vmap"] = self.view.vmap
+        if getattr(self.view, "stripped_softmax", None) is not None:  # a Keras model's, as on TensorFlow
+            backend["stripped_softmax"] = self.view.stripped_softmax
         chunk = self.run.chunk if self.run is not None and self.run.chunk is not None else self.kernel.max_block
         return {"dtype": str(jnp.dtype(self.dtype)), "device": device, "chunk_size": chunk,
                 "memory_budget": self.settings["memory_budget"], "backend": backend,

@@ -5,7 +5,9 @@ layer producing a functional model's output, to tell Keras' own ``call`` of a
 convolution from a user's override, or to read the strategy a model was built
 under. Each helper below says why it needs the internal name and degrades to a
 safe answer (the generic path, no stripping, no strategy) when a Keras release
-moves it.
+moves it. Those that Keras on the JAX backend needs too (a functional model's output layer,
+the recursive layer listing, the instance attributes) live in
+:mod:`normflat.backends.keras_shared`, which imports no TensorFlow, and are re-exported here.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import keras
+
+# The helpers that Keras on the JAX backend needs too live where no TensorFlow is imported.
+from normflat.backends.keras_shared import (del_instance_attr, flatten_layers, functional_class, instance_attr,
+                                            output_layer, set_instance_attr)
 
 __all__ = [
     "children",
@@ -32,9 +38,6 @@ __all__ = [
     "with_backward",
 ]
 
-_MISSING = object()
-
-
 def children(layer: Any) -> list[Any]:
     """Direct sub-layers of ``layer`` in tracking order.
 
@@ -43,11 +46,6 @@ def children(layer: Any) -> list[Any]:
     needs them to prefix the names of nested models.
     """
     return [child for child in getattr(layer, "_layers", []) if isinstance(child, keras.layers.Layer)]
-
-
-def flatten_layers(model: Any) -> list[Any]:
-    """All layers below ``model`` (``Layer._flatten_layers``: Keras has no public recursive listing)."""
-    return list(model._flatten_layers(include_self=False))
 
 
 def base_conv_class() -> type | None:
@@ -72,24 +70,6 @@ def base_conv_transpose_class() -> type | None:
     except ImportError:  # pragma: no cover - other Keras layouts
         return None
     return BaseConvTranspose
-
-
-def functional_class() -> type:
-    """Keras' internal ``Functional`` model class (to find the layer of a functional model's output)."""
-    try:
-        from keras.src.models.functional import Functional
-    except ImportError:  # pragma: no cover - other Keras layouts: only Sequential models are inspected
-        return keras.Sequential
-    return Functional
-
-
-def output_layer(model: Any) -> Any | None:
-    """The layer that produced a functional model's single output.
-
-    ``KerasTensor._keras_history`` is the only link from a symbolic output to its layer.
-    """
-    history = getattr(model.outputs[0], "_keras_history", None)
-    return None if history is None else history[0]
 
 
 def dense_kernel(layer: Any) -> Any:
@@ -142,29 +122,6 @@ def onednn_enabled() -> bool:
     except ImportError:  # pragma: no cover - other TensorFlow layouts
         return False
     return bool(getattr(_pywrap_util_port, "IsMklEnabled", lambda: False)())
-
-
-def instance_attr(obj: Any, attr: str) -> Any:
-    """The instance's own value of ``attr`` (``_MISSING`` when it falls back to the class)."""
-    return obj.__dict__.get(attr, _MISSING)
-
-
-def set_instance_attr(obj: Any, attr: str, value: Any) -> None:
-    """Set an attribute on one layer instance, bypassing Keras' attribute tracking.
-
-    ``Layer.__setattr__`` would track a function as a sub-object and change the
-    layer's state; ``object.__setattr__`` only shadows the class attribute of
-    this one instance (no module or class is changed).
-    """
-    object.__setattr__(obj, attr, value)
-
-
-def del_instance_attr(obj: Any, attr: str, old: Any) -> None:
-    """Restore ``attr`` of one instance to ``old`` (an earlier :func:`instance_attr` value)."""
-    if old is _MISSING:
-        obj.__dict__.pop(attr, None)
-    else:
-        object.__setattr__(obj, attr, old)
 
 
 def group_norm_helpers(layer: Any) -> tuple[Any, Any]:

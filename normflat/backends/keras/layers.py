@@ -37,7 +37,6 @@ __all__ = [
     "Entry",
     "walk",
     "fast_kind",
-    "final_softmax",
     "UnsupportedLayer",
     "einsum_layout",
     "einsum_fast_axes",
@@ -961,39 +960,3 @@ def walk(model: Any, on_unsupported: str,
 def _position_table_canonical(features: int, positions: int) -> Callable[[Any], Any]:
     """A loose position table (``(1, N, d)``, ``(N, d)``, ...) as its ``(features, positions)`` matrix."""
     return lambda t: tf.transpose(tf.reshape(t, [positions, features]))
-
-
-def _is_softmax(fn: Any) -> bool:
-    return fn is keras.activations.softmax or getattr(fn, "__name__", "") == "softmax"
-
-
-def final_softmax(model: Any) -> tuple[Any, str] | None:
-    """The ``(layer, attribute)`` applying a final softmax of a Sequential/functional model.
-
-    The built-in losses take logits, so that softmax is made the identity while
-    analyzing (the report says so in ``metadata["backend"]["stripped_softmax"]``).
-    """
-    functional = compat.functional_class()
-    layer = model
-    for _ in range(16):
-        if isinstance(layer, keras.Sequential):
-            inner = list(layer.layers)
-            if not inner:
-                return None
-            layer = inner[-1]
-        elif isinstance(layer, functional) and layer.outputs:
-            if len(layer.outputs) != 1:
-                return None
-            layer = compat.output_layer(layer)
-            if layer is None:
-                return None
-        else:
-            break
-    act = getattr(layer, "activation", None)
-    if isinstance(layer, keras.layers.Softmax):
-        return layer, "call"
-    if isinstance(layer, keras.layers.Activation) and _is_softmax(act):
-        return layer, "call"
-    if _is_softmax(act) and isinstance(layer, keras.layers.Layer):
-        return layer, "activation"
-    return None

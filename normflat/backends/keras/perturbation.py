@@ -36,11 +36,12 @@ from normflat.backends.keras import compat
 from normflat.backends.keras.data import ADAPTER, to_tensor
 from normflat.backends.keras.ggn import compute_dtype, logits_rounding, model_logits
 from normflat.backends.keras.hvp import native_positions
-from normflat.backends.keras.layers import Entry, final_softmax, walk
+from normflat.backends.keras.layers import Entry, walk
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.session import (HVP_CHUNK, OpenBatchTraces, _check_model, canonical_shapes,
                                              grouped_convolutions, install_logit_calls)
 from normflat.backends.keras.state import ModelState
+from normflat.backends.keras_shared import final_softmax
 from normflat.engine.data import Batch, batches, first_forward, labels_for
 from normflat.engine.losses import SAMPLES_APART_ROWS, check_output_shape, check_samples_apart, classes_first
 from normflat.engine.options import AnalysisOptions

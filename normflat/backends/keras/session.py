@@ -33,9 +33,10 @@ from normflat.backends.keras.ggn import (SIGNAL_BLOCK, TableRows, Taps, compute_
                                          signal_layout, starts_at_head_input)
 from normflat.backends.keras.hvp import (EXACT_BLOCK, PROBE_BLOCK, has_recurrence, hvp_step_fns, native_positions,
                                         native_probes, probes_in_sequence)
-from normflat.backends.keras.layers import RECURRENT_KINDS, UNUSED, Entry, fast_kind, final_softmax, walk
+from normflat.backends.keras.layers import RECURRENT_KINDS, UNUSED, Entry, fast_kind, walk
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
+from normflat.backends.keras_shared import final_softmax, logits_only
 from normflat.core.memory import chunk_size_for, default_budget, equal_step, training_step_bytes
 from normflat.engine import estimators
 from normflat.engine.data import PENDING_CHECKS, Batch, first_forward, labels_for, raised_by_normflat
@@ -251,48 +252,21 @@ def grouped_convolutions(model: Any) -> list[Any]:
             and getattr(layer, "groups", 1) > 1 and fast_kind(layer)]
 
 
-def full_precision_policies(state: ModelState) -> None:
-    """Give each layer of ``state.model`` (the model included) whose dtype policy computes in half
-    precision over float32 or float64 variables (``mixed_float16``, ``mixed_bfloat16``, a keras-hub
-    ``DTypePolicyMap``'s entry) the plain policy of its variables' dtype, as an instance attribute on
-    ``state``.
-
-    A mixed policy rounds a float32 model's function to float16 or bfloat16 for training speed; the
-    analysis measures the function itself, as the PyTorch backend does under an enclosing
-    ``torch.autocast`` (turned off) and the JAX backend for a half-precision model (analyzed in
-    float32). Keras' ``Layer.__call__`` reads ``dtype_policy`` on every call to cast the inputs and
-    to autocast the variables. A quantized policy is left as it is.
-    """
-    for layer in [state.model, *compat.flatten_layers(state.model)]:
-        policy = getattr(layer, "dtype_policy", None)
-        if policy is None or getattr(policy, "quantization_mode", None) is not None:
-            continue
-        compute, variables = policy.compute_dtype, policy.variable_dtype
-        if compute in ("float16", "bfloat16") and variables in ("float32", "float64"):
-            state.set(layer, "_dtype_policy", keras.dtype_policies.get(variables))
-
-
 def install_logit_calls(state: ModelState, strip: tuple[Any, str] | None, grouped: list[Any]) -> None:
     """Make the model compute the logits the analysis differentiates, as instance attributes on ``state``.
 
-    The final softmax (:func:`~normflat.backends.keras.layers.final_softmax`) becomes
-    the identity, since the built-in losses take logits, the grouped
-    convolutions (:func:`grouped_convolutions`) get their CPU-differentiable call, and the
-    layers of a mixed precision policy compute in their variables' dtype
-    (:func:`full_precision_policies`). ``state.restore()`` puts the user's attributes back.
+    The final softmax (:func:`~normflat.backends.keras_shared.final_softmax`) becomes
+    the identity, since the built-in losses take logits, and the layers of a mixed precision
+    policy compute in their variables' dtype (:func:`~normflat.backends.keras_shared.logits_only`,
+    as Keras on the JAX backend does); the grouped convolutions (:func:`grouped_convolutions`)
+    get their CPU-differentiable call. ``state.restore()`` puts the user's attributes back.
 
     Args:
         state: The model state that records and restores the attributes.
         strip: The ``(layer, attribute)`` of the final softmax, or None to keep it.
         grouped: The grouped convolutions.
     """
-    full_precision_policies(state)
-    if strip is not None:
-        layer, attr = strip
-        if attr == "activation":
-            state.set(layer, "activation", keras.activations.linear)
-        else:
-            state.set(layer, "call", lambda inputs, *a, **k: inputs)
+    logits_only(state, strip)
     for layer in grouped:
         state.set(layer, "call", grouped_conv_call(layer))
 

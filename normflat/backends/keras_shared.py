@@ -1,0 +1,201 @@
+"""What both Keras paths do to a user's Keras 3 model, importing Keras only (never TensorFlow).
+
+normflat analyzes a Keras model on Keras' TensorFlow backend (:mod:`normflat.backends.keras`) and
+on its JAX backend (:mod:`normflat.backends.jax`, ``layers._keras``). Both compute the same logits
+of the same model, so both change the same few attributes of single layer *instances* for the
+duration of an analysis (never of a class or a module), recorded and restored by
+:class:`ModelState`, under a per-model lock (two analyses of the same model in two threads
+would see each other's attributes, so they run one after the other; analyses of different
+models run concurrently):
+
+* the final softmax of a Sequential or functional model becomes the identity
+  (:func:`final_softmax`), since the built-in losses take logits;
+* a layer under a mixed precision policy computes in its variables' dtype
+  (:func:`full_precision_policies`);
+
+both set by :func:`logits_only`.
+
+The TensorFlow backend sets more (its taps, the calls of grouped convolutions and of
+normalization layers), also through :class:`ModelState`. The private Keras names this module
+reads (``Functional``, ``KerasTensor._keras_history``, ``Layer._flatten_layers``) are re-exported
+by :mod:`normflat.backends.keras.compat`, the home of every other private touch.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import keras
+
+__all__ = ["ModelState", "model_lock", "final_softmax", "full_precision_policies", "logits_only", "functional_class",
+           "output_layer", "flatten_layers", "instance_attr", "set_instance_attr", "del_instance_attr"]
+
+_MISSING = object()
+
+
+def flatten_layers(model: Any) -> list[Any]:
+    """All layers below ``model`` (``Layer._flatten_layers``: Keras has no public recursive listing)."""
+    return list(model._flatten_layers(include_self=False))
+
+
+def functional_class() -> type:
+    """Keras' internal ``Functional`` model class (to find the layer of a functional model's output)."""
+    try:
+        from keras.src.models.functional import Functional
+    except ImportError:  # pragma: no cover - other Keras layouts: only Sequential models are inspected
+        return keras.Sequential
+    return Functional
+
+
+def output_layer(model: Any) -> Any | None:
+    """The layer that produced a functional model's single output.
+
+    ``KerasTensor._keras_history`` is the only link from a symbolic output to its layer.
+    """
+    history = getattr(model.outputs[0], "_keras_history", None)
+    return None if history is None else history[0]
+
+
+def instance_attr(obj: Any, attr: str) -> Any:
+    """The instance's own value of ``attr`` (``_MISSING`` when it falls back to the class)."""
+    return obj.__dict__.get(attr, _MISSING)
+
+
+def set_instance_attr(obj: Any, attr: str, value: Any) -> None:
+    """Set an attribute on one layer instance, bypassing Keras' attribute tracking.
+
+    ``Layer.__setattr__`` would track a function as a sub-object and change the
+    layer's state; ``object.__setattr__`` only shadows the class attribute of
+    this one instance (no module or class is changed).
+    """
+    object.__setattr__(obj, attr, value)
+
+
+def del_instance_attr(obj: Any, attr: str, old: Any) -> None:
+    """Restore ``attr`` of one instance to ``old`` (an earlier :func:`instance_attr` value)."""
+    if old is _MISSING:
+        obj.__dict__.pop(attr, None)
+    else:
+        object.__setattr__(obj, attr, old)
+
+
+_LOCKS_GUARD = threading.Lock()
+_LOCKS: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
+_UNHASHABLE: dict[int, threading.RLock] = {}
+
+
+def model_lock(model: Any) -> threading.RLock:
+    """The lock serializing analyses of ``model`` (re-entrant: the same thread may nest)."""
+    with _LOCKS_GUARD:
+        try:
+            lock = _LOCKS.get(model)
+            if lock is None:
+                lock = _LOCKS[model] = threading.RLock()
+        except TypeError:  # not weak-referenceable: key on the id while it is alive
+            lock = _UNHASHABLE.setdefault(id(model), threading.RLock())
+        return lock
+
+
+class ModelState:
+    """The instance attributes an analysis set on a model, and the lock it holds.
+
+    Args:
+        model: The user's model; its lock is acquired here (blocking) and
+            released by :meth:`restore`.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._lock = model_lock(model)
+        self._lock.acquire()
+        self._held = True
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def set(self, obj: Any, attr: str, value: Any) -> None:
+        """Set ``obj.attr`` on the instance, remembering its previous instance value."""
+        self._saved.append((obj, attr, instance_attr(obj, attr)))
+        set_instance_attr(obj, attr, value)
+
+    def restore(self) -> None:
+        """Undo every :meth:`set` (last first) and release the model's lock; idempotent."""
+        try:
+            while self._saved:
+                obj, attr, old = self._saved.pop()
+                del_instance_attr(obj, attr, old)
+        finally:
+            if self._held:
+                self._held = False
+                self._lock.release()
+
+
+def full_precision_policies(state: ModelState) -> None:
+    """Give each layer of ``state.model`` (the model included) whose dtype policy computes in half
+    precision over float32 or float64 variables (``mixed_float16``, ``mixed_bfloat16``, a keras-hub
+    ``DTypePolicyMap``'s entry) the plain policy of its variables' dtype, as an instance attribute on
+    ``state``.
+
+    A mixed policy rounds a float32 model's function to float16 or bfloat16 for training speed; the
+    analysis measures the function itself, as the PyTorch backend does under an enclosing
+    ``torch.autocast`` (turned off) and the JAX backend for a half-precision model (analyzed in
+    float32). Keras' ``Layer.__call__`` reads ``dtype_policy`` on every call to cast the inputs and
+    to autocast the variables. A quantized policy is left as it is.
+    """
+    for layer in [state.model, *flatten_layers(state.model)]:
+        policy = getattr(layer, "dtype_policy", None)
+        if policy is None or getattr(policy, "quantization_mode", None) is not None:
+            continue
+        compute, variables = policy.compute_dtype, policy.variable_dtype
+        if compute in ("float16", "bfloat16") and variables in ("float32", "float64"):
+            state.set(layer, "_dtype_policy", keras.dtype_policies.get(variables))
+
+
+def _is_softmax(fn: Any) -> bool:
+    return fn is keras.activations.softmax or getattr(fn, "__name__", "") == "softmax"
+
+
+def final_softmax(model: Any) -> tuple[Any, str] | None:
+    """The ``(layer, attribute)`` applying a final softmax of a Sequential/functional model.
+
+    The built-in losses take logits, so that softmax is made the identity while
+    analyzing (the report says so in ``metadata["backend"]["stripped_softmax"]``).
+    """
+    functional = functional_class()
+    layer = model
+    for _ in range(16):
+        if isinstance(layer, keras.Sequential):
+            inner = list(layer.layers)
+            if not inner:
+                return None
+            layer = inner[-1]
+        elif isinstance(layer, functional) and layer.outputs:
+            if len(layer.outputs) != 1:
+                return None
+            layer = output_layer(layer)
+            if layer is None:
+                return None
+        else:
+            break
+    act = getattr(layer, "activation", None)
+    if isinstance(layer, keras.layers.Softmax):
+        return layer, "call"
+    if isinstance(layer, keras.layers.Activation) and _is_softmax(act):
+        return layer, "call"
+    if _is_softmax(act) and isinstance(layer, keras.layers.Layer):
+        return layer, "activation"
+    return None
+
+
+def logits_only(state: ModelState, strip: tuple[Any, str] | None) -> None:
+    """Make ``state.model`` compute the logits the analysis differentiates, as instance attributes on
+    ``state``: its layers of a mixed precision policy in their variables' dtype
+    (:func:`full_precision_policies`), and the final softmax ``strip`` (:func:`final_softmax`; ``None``:
+    none, or a custom loss that takes the model's own outputs) made the identity."""
+    full_precision_policies(state)
+    if strip is not None:
+        layer, attr = strip
+        if attr == "activation":
+            state.set(layer, "activation", keras.activations.linear)
+        else:
+            state.set(layer, "call", lambda inputs, *a, **k: inputs)
