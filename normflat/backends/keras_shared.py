@@ -29,10 +29,31 @@ from typing import Any
 
 import keras
 
-__all__ = ["ModelState", "model_lock", "final_softmax", "full_precision_policies", "logits_only", "functional_class",
-           "output_layer", "flatten_layers", "instance_attr", "set_instance_attr", "del_instance_attr"]
+__all__ = ["HUB_EXPERTS", "ModelState", "model_lock", "final_softmax", "full_precision_policies", "logits_only",
+           "functional_class", "output_layer", "flatten_layers", "instance_attr", "set_instance_attr",
+           "del_instance_attr"]
 
 _MISSING = object()
+
+#: keras-hub's experts layers (every expert on every token, weighted by the routing), read by both
+#: Keras paths (method §3, "Mixture-of-experts layers"): per class, its stacked kernels
+#: ``(attribute, map)``, each ``(experts, in, out)``; ``"gate_up"`` packs the gate then the up map
+#: along its output axis, ``"gate_up_interleaved"`` alternates them.
+HUB_EXPERTS = {
+    ("keras_hub.src.models.mixtral.mixtral_decoder", "MixtralMoeExperts"): (
+        ("_expert_feedforward_gate_dense", "gate"), ("_expert_feedforward_intermediate_dense", "up"),
+        ("_expert_feedforward_output_dense", "down")),
+    ("keras_hub.src.models.qwen_moe.qwen_moe_decoder", "QwenMoeExperts"): (
+        ("_expert_feedforward_gate_dense", "gate_up"), ("_expert_feedforward_output_dense", "down")),
+    ("keras_hub.src.models.qwen3_moe.qwen3_moe_decoder", "Qwen3MoeExperts"): (
+        ("_expert_feedforward_gate_dense", "gate_up"), ("_expert_feedforward_output_dense", "down")),
+    ("keras_hub.src.models.qwen3_5_moe.qwen3_5_moe_decoder", "Qwen3_5MoeExperts"): (
+        ("_expert_feedforward_gate_dense", "gate_up"), ("_expert_feedforward_output_dense", "down")),
+    ("keras_hub.src.models.gpt_oss.gpt_oss_decoder", "GptOssExperts"): (
+        ("gate_up_proj", "gate_up_interleaved"), ("down_proj", "down")),
+    ("keras_hub.src.models.gemma4.gemma4_moe", "Gemma4MoEBlock"): (
+        ("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")),
+}
 
 
 def flatten_layers(model: Any) -> list[Any]:

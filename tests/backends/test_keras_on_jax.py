@@ -10,7 +10,8 @@ of named inputs); an LSTM and a GRU (each cell kernel split per gate), with the 
 callback run during a ``fit`` on the JAX backend; and every convolution kind (plain, grouped,
 depthwise, separable, transposed); and models called as the TensorFlow backend calls them (a
 final softmax stripped, a mixed precision layer computed in its variables' dtype, a subclassed
-model whose ``call`` takes no ``training``). The rescaling tests of the convolution kinds
+model whose ``call`` takes no ``training``); and keras-hub's experts layers (one matrix per expert
+and map) and DeBERTa-v3's relative position table. The rescaling tests of the convolution kinds
 (``tests/arch/test_keras_rescalings.py``) also run on the JAX backend, in float64. Keras' JAX backend
 computes some of its operations (``tanh``, normalization, pooling) at float32's accuracy also for
 float64 inputs, so the models are float32 and the tolerance is float32's. The JAX side also checks
@@ -129,12 +130,58 @@ for calls_model in (calls_soft, calls_plain):
 calls_x, calls_y = calls_rng.normal(size=(5, 6)).astype("float32"), np.array([0, 1, 2, 0, 1])
 """
 
+#: keras-hub mixture-of-experts layers (separate, packed and alternating gate/up kernels, one matrix per
+#: expert and map) in a routed classifier, and a DeBERTa-v3 classifier (its relative position table);
+#: ``moe_*`` names.
+BUILD_MOE = """
+import keras_hub
+from keras import ops
+from keras_hub.src.models.gpt_oss.gpt_oss_decoder import GptOssExperts
+from keras_hub.src.models.mixtral.mixtral_decoder import MixtralMoeExperts
+from keras_hub.src.models.qwen_moe.qwen_moe_decoder import QwenMoeExperts
+
+
+class Routed(keras.Model):
+    def __init__(self, experts):
+        super().__init__(name="routed")
+        self.embed = keras.layers.Dense(6, name="embed")
+        self.router = keras.layers.Dense(3, use_bias=False, name="router")
+        self.experts = experts
+        self.head = keras.layers.Dense(3, name="head")
+
+    def call(self, x):
+        h = ops.reshape(self.embed(x), (-1, 6))
+        weights = ops.transpose(ops.softmax(self.router(h), axis=-1))
+        mixed = ops.sum(self.experts(h) * weights[:, :, None], axis=0)
+        return self.head(ops.mean(ops.reshape(mixed, (-1, 3, 6)), axis=1))
+
+
+moe_rng = np.random.default_rng(6)
+moe_x, moe_y = moe_rng.normal(size=(4, 3, 5)).astype("float32"), moe_rng.integers(0, 3, 4)
+moe_models = {}
+for moe_kind, moe_cls in (("mixtral", MixtralMoeExperts), ("qwen_moe", QwenMoeExperts), ("gpt_oss", GptOssExperts)):
+    moe_models[moe_kind] = Routed(moe_cls(num_experts=3, hidden_dim=6, intermediate_dim=4, name="experts"))
+    moe_models[moe_kind](moe_x)
+    moe_models[moe_kind].set_weights([moe_rng.normal(size=w.shape).astype("float32") * 0.5
+                                      for w in moe_models[moe_kind].get_weights()])
+keras.utils.set_random_seed(7)
+moe_deberta = keras_hub.models.DebertaV3TextClassifier(
+    keras_hub.models.DebertaV3Backbone(vocabulary_size=20, num_layers=1, num_heads=2, hidden_dim=8,
+                                       intermediate_dim=16, max_sequence_length=8, bucket_size=4,
+                                       name="deberta_v3_backbone"), num_classes=3, preprocessor=None)
+moe_deberta.set_weights([moe_rng.normal(size=w.shape).astype("float32") * 0.5 for w in moe_deberta.get_weights()])
+moe_ids = moe_rng.integers(1, 20, (3, 6)).astype("int32")
+moe_batch = ({"token_ids": moe_ids, "padding_mask": np.ones_like(moe_ids, bool)}, moe_rng.integers(0, 3, 3))
+"""
+
 #: The convolution kinds' rescaling tests (method §8), run on the JAX backend as they are on the TensorFlow one.
 RESCALINGS = ("test_conv_channel_rescaling_plain_and_grouped or test_transposed_conv_channel_rescaling or "
               "test_depthwise_conv_with_depth_multiplier_rescaling or test_separable_conv1d_depthwise_and_pointwise"
               " or test_einsum_dense_multi_axis_feature_rescaling")
 
-JAX_SIDE = BUILD + BUILD_HUB + BUILD_RNN + BUILD_CONV + BUILD_CALLS + """
+MODELS = BUILD + BUILD_HUB + BUILD_RNN + BUILD_CONV + BUILD_CALLS + BUILD_MOE
+
+JAX_SIDE = MODELS + """
 import json, normflat
 before = [np.array(v.value) for v in model.weights]
 out = {"backend": keras.backend.backend()}
@@ -170,6 +217,11 @@ for key, calls_model in (("calls_soft", calls_soft), ("calls_plain", calls_plain
     out[key] = [calls.metadata["backend"].get("stripped_softmax"), calls.metadata["dtype"],
                 [[l.name, l.normalized_sharpness, l.hessian_trace] for l in calls.layers]]
 out["calls_policy"] = calls_soft.get_layer("half").dtype_policy.name  # restored after the analysis
+for key, (moe_model, moe_data) in {**{k: (m, (moe_x, moe_y)) for k, m in moe_models.items()},
+                                   "deberta": (moe_deberta, moe_batch)}.items():
+    moe = normflat.analyze(moe_model, moe_data, loss="ce", progress=False)
+    out["moe_" + key] = [moe.metadata["coverage"], moe.metadata["unsupported"],
+                         [[l.name, l.kind, l.normalized_sharpness, l.hessian_trace] for l in moe.layers]]
 # The Keras training callback, during a fit on this backend.
 from normflat.integrations.keras import SharpnessCallback
 rnn_model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -193,7 +245,7 @@ def _jax_side() -> dict:
 def test_keras_model_on_the_jax_backend_equals_the_tensorflow_backend():
     assert keras.backend.backend() == "tensorflow"
     scope: dict = {"keras": keras, "np": np}
-    exec(BUILD + BUILD_HUB + BUILD_RNN + BUILD_CONV + BUILD_CALLS, scope)  # noqa: S102 - the shared definitions
+    exec(MODELS, scope)  # noqa: S102 - the shared model definitions above
     model, x, y = scope["model"], scope["x"], scope["y"]
     got = _jax_side()
     assert got["backend"] == "jax"
@@ -258,6 +310,24 @@ def test_keras_model_on_the_jax_backend_equals_the_tensorflow_backend():
             assert sharpness == pytest.approx(layer.normalized_sharpness, rel=2e-5), (key, name)
             assert trace == pytest.approx(layer.hessian_trace, rel=2e-5), (key, name)
     assert got["calls_policy"] == "mixed_bfloat16"
+    # keras-hub: one matrix per expert and map (gate and up de-interleaved for GPT-OSS), DeBERTa's
+    # relative position table, as the TensorFlow backend names and reads them.
+    moe_data = {**{k: (m, (scope["moe_x"], scope["moe_y"])) for k, m in scope["moe_models"].items()},
+                "deberta": (scope["moe_deberta"], scope["moe_batch"])}
+    for key, (moe_model, data) in moe_data.items():
+        want = normflat.analyze(moe_model, data, loss="ce", progress=False)
+        coverage, unsupported, layers = got["moe_" + key]
+        assert coverage == 1.0 and unsupported == [], (key, unsupported)
+        # (the JAX backend lists layers by first use: DeBERTa's table after the first query projection)
+        assert sorted(row[0] for row in layers) == sorted(layer.name for layer in want.layers), key
+        for name, kind, sharpness, trace in layers:
+            layer = want.layer(name)
+            assert kind == layer.kind, (key, name)
+            assert sharpness == pytest.approx(layer.normalized_sharpness, rel=2e-4, abs=1e-7), (key, name)
+            assert trace == pytest.approx(layer.hessian_trace, rel=2e-4, abs=1e-7), (key, name)
+    names = [row[0] for row in got["moe_gpt_oss"][2]]
+    assert "experts/gate_up.2.up" in names and "experts/down.0" in names
+    assert "deberta_v3_backbone/rel_embedding" in [row[0] for row in got["moe_deberta"][2]]
     # The perturbation measures draw their noise in the canonical layouts and apply it in the native ones.
     measures = normflat.measures(scope["conv_model"], (scope["conv_x"], scope["conv_y"]),
                                  ["fisher_rao_norm", "adaptive_sharpness"], loss="ce", progress=False)

@@ -114,21 +114,33 @@ class Permuted:
     ``(in·multiplier, 1, *k)``, the convolution with one group per input channel whose output
     channel ``i·multiplier + j`` reads input channel ``i`` (method §3).
 
+    A keras-hub experts kernel ``(experts, in, out)`` is permuted to ``(experts, out, in)`` and
+    reshaped to ``(experts·out, in)``; one that alternates two maps along its output axis is first
+    split to ``(experts, in, out/2, 2)``, so that each expert's first map comes before its second.
+
     Attributes:
-        perm: The native axes in canonical order.
+        perm: The native axes (of :attr:`split`, when given) in canonical order.
         shape: The native shape.
         canonical: The canonical shape (the permuted shape, or a reshape of it).
+        split: A reshape of the native array before the permutation, or ``None``.
     """
 
     perm: tuple[int, ...]
     shape: tuple[int, ...]
     canonical: tuple[int, ...]
+    split: tuple[int, ...] | None = None
+
+    @property
+    def permuted(self) -> tuple[int, ...]:
+        """The shape after the permutation (of :attr:`split`, when given, else of :attr:`shape`)."""
+        return tuple((self.split or self.shape)[i] for i in self.perm)
 
     def __post_init__(self) -> None:
-        permuted = tuple(self.shape[i] for i in self.perm)
-        if sorted(self.perm) != list(range(len(self.shape))) or math.prod(permuted) != math.prod(self.canonical):
-            raise ValueError(f"Permuted(perm={self.perm}, canonical={self.canonical}) does not fit a weight of "
-                             f"shape {self.shape}.")
+        axes = self.split or self.shape
+        if (sorted(self.perm) != list(range(len(axes))) or math.prod(self.permuted) != math.prod(self.canonical)
+                or math.prod(axes) != math.prod(self.shape)):
+            raise ValueError(f"Permuted(perm={self.perm}, canonical={self.canonical}, split={self.split}) does not "
+                             f"fit a weight of shape {self.shape}.")
 
 
 def _flip_kernel(a: Any, batch_dims: int) -> Any:
@@ -162,8 +174,11 @@ def to_canonical(a: Any, layout: Any, batch_dims: int = 0) -> Any:
         perm = lead + tuple(batch_dims + i for i in layout.out + layout.inp)
         return a.transpose(perm).reshape(tuple(a.shape[:batch_dims]) + layout.canonical)
     if isinstance(layout, Permuted):
+        batch = tuple(a.shape[:batch_dims])
+        if layout.split is not None:
+            a = a.reshape(batch + layout.split)
         perm = lead + tuple(batch_dims + i for i in layout.perm)
-        return a.transpose(perm).reshape(tuple(a.shape[:batch_dims]) + layout.canonical)
+        return a.transpose(perm).reshape(batch + layout.canonical)
     nd = a.ndim - batch_dims
     # flax (*k, in, out) -> canonical (out, in, *k)
     perm = lead + (batch_dims + nd - 1, batch_dims + nd - 2) + tuple(batch_dims + i for i in range(nd - 2))
@@ -183,9 +198,10 @@ def to_native(a: Any, layout: Any, batch_dims: int = 0) -> Any:
         inv = tuple(int(j) for j in np.argsort(order))
         return a.transpose(lead + tuple(batch_dims + j for j in inv))
     if isinstance(layout, Permuted):
-        a = a.reshape(tuple(a.shape[:batch_dims]) + tuple(layout.shape[i] for i in layout.perm))
+        batch = tuple(a.shape[:batch_dims])
+        a = a.reshape(batch + layout.permuted)
         inv = tuple(int(j) for j in np.argsort(layout.perm))
-        return a.transpose(lead + tuple(batch_dims + j for j in inv))
+        return a.transpose(lead + tuple(batch_dims + j for j in inv)).reshape(batch + layout.shape)
     nd = a.ndim - batch_dims
     perm = lead + tuple(batch_dims + 2 + i for i in range(nd - 2)) + (batch_dims + 1, batch_dims)
     return a.transpose(perm)
@@ -234,8 +250,8 @@ class LayerRule:
     Attributes:
         leaf: Name of the module's weight leaf (``"weight"`` in equinox, ``"kernel"``
             in flax), or a tuple of names (a recurrent cell's input and recurrent
-            weights, each its own layer named by its leaf path); the module's other
-            leaves (biases) are held fixed.
+            weights, each its own layer named by its leaf path), or a function
+            ``module ->`` names; the module's other leaves (biases) are held fixed.
         layout: ``"canonical"`` (``(out, in/groups, *k)``, torch/equinox order),
             ``"flax"`` (``(*k, in/groups, out)``), or a function ``(module, shape) ->``
             :class:`Axes` for multi-axis kernels, :class:`Flipped` or :class:`Permuted` (it
@@ -246,18 +262,25 @@ class LayerRule:
             otherwise; ``"conv_transpose"``: ``"conv_transpose{N}d"``; ``"depthwise"``:
             ``"depthwise_conv{N}d"``.
         gates: Names of the maps packed along the canonical rows in equal blocks
-            (recurrent gates, method §3 "Packed maps are split"), or ``None``.
+            (recurrent gates, method §3 "Packed maps are split"), a function
+            ``(module, shape) ->`` names (the experts of a keras-hub block), or ``None``.
     """
 
-    leaf: str | tuple[str, ...] = "kernel"
+    leaf: str | tuple[str, ...] | Callable[[Any], tuple[str, ...]] = "kernel"
     layout: str | Callable[[Any, tuple], Any] = "flax"
     groups: str | Callable[[Any], int] | None = None
     kind: str | None = None
-    gates: tuple[str, ...] | None = None
+    gates: tuple[str, ...] | Callable[[Any, tuple], tuple[str, ...] | None] | None = None
 
-    def leaves(self) -> tuple[str, ...]:
-        """The weight leaves' names."""
+    def leaves(self, module: Any = None) -> tuple[str, ...]:
+        """The weight leaves' names (of ``module``, for a rule whose ``leaf`` is a function)."""
+        if callable(self.leaf):
+            return tuple(self.leaf(module)) if module is not None else ()
         return (self.leaf,) if isinstance(self.leaf, str) else tuple(self.leaf)
+
+    def gates_of(self, module: Any, shape: tuple) -> tuple[str, ...] | None:
+        """The names of the maps packed along the rows of ``module``'s weight of ``shape``."""
+        return self.gates(module, tuple(shape)) if callable(self.gates) else self.gates
 
     def layout_of(self, module: Any, shape: tuple) -> Any:
         """The layout of this rule's weight of ``shape`` (a string reason: refused)."""
@@ -453,6 +476,11 @@ def _load_builtins() -> None:
             # The table (positions, features) is the embedding of the positions: canonical (features, positions).
             REGISTRY.register(position, LayerRule(leaf="embeddings", layout="flax",
                                                   kind="position_embedding"))
+        # DeBERTa-v3's table of relative positions (2·buckets, features): the embedding of the buckets.
+        relative = getattr(sys.modules.get("keras_hub.src.models.deberta_v3.relative_embedding"),
+                           "RelativeEmbedding", None)
+        if isinstance(relative, type):
+            REGISTRY.register(relative, LayerRule(leaf="rel_embedding", layout="flax", kind="position_embedding"))
     linen = sys.modules.get("flax.linen")
     if linen is not None and "flax.linen" not in _BUILTINS_LOADED:
         _BUILTINS_LOADED.add("flax.linen")
@@ -477,7 +505,7 @@ def _register_keras(keras: Any) -> None:
     L = keras.layers
 
     REGISTRY.register(L.Dense, LayerRule(kind="dense"))
-    REGISTRY.register(L.EinsumDense, LayerRule(layout=_einsum_axes("equation"), kind="dense"))
+    REGISTRY.register(L.EinsumDense, LayerRule(layout=_einsum_axes("equation"), kind="einsum_dense"))
     REGISTRY.register(L.Embedding, LayerRule(leaf="embeddings", layout="flax", kind="embedding"))
     for conv in (L.Conv1D, L.Conv2D, L.Conv3D):
         REGISTRY.register(conv, LayerRule(groups="groups"))
@@ -489,6 +517,9 @@ def _register_keras(keras: Any) -> None:
     for depthwise in (L.DepthwiseConv1D, L.DepthwiseConv2D):
         REGISTRY.register(depthwise, LayerRule(layout=_depthwise_layout, groups=lambda m: m.kernel.shape[-2],
                                                kind="depthwise"))
+    # keras-hub's stacked experts kernels, one (out, in) matrix per expert and map (:func:`_keras_owner`).
+    REGISTRY.register(_ExpertsKernel, LayerRule(leaf=lambda m: (m.leaf,), layout=_experts_layout,
+                                                gates=_experts_blocks, kind="expert"))
     # A SeparableConv's two kernels, each its own layer (:func:`_keras_owner`).
     REGISTRY.register(_SeparableDepthwise, LayerRule(
         leaf="depthwise_kernel", layout=_depthwise_layout, groups=lambda m: m.layer.depthwise_kernel.shape[-2],
@@ -517,6 +548,26 @@ def _keras_transpose_layout(module: Any, shape: tuple) -> Permuted:
     r = len(shape) - 2
     perm = (r, r + 1) + tuple(range(r))
     return Permuted(perm, tuple(shape), tuple(shape[i] for i in perm))
+
+
+def _experts_layout(module: Any, shape: tuple) -> Permuted | str:
+    """A keras-hub experts kernel ``(experts, in, out)``: canonical ``(experts·out, in)``, expert after
+    expert, each expert's gate rows before its up rows (de-interleaved where they alternate), as the
+    TensorFlow backend reads it (method §3, "Mixture-of-experts layers")."""
+    if len(shape) != 3 or (module.maps.startswith("gate_up") and shape[2] % 2):
+        return f"{type(module.layer).__name__}.{module.attribute} is not an (experts, in, out) kernel"
+    experts, cols, rows = shape
+    if module.maps == "gate_up_interleaved":
+        return Permuted((0, 3, 2, 1), tuple(shape), (experts * rows, cols), split=(experts, cols, rows // 2, 2))
+    return Permuted((0, 2, 1), tuple(shape), (experts * rows, cols))
+
+
+def _experts_blocks(module: Any, shape: tuple) -> tuple[str, ...]:
+    """The blocks of an experts kernel's canonical rows: ``<e>``, or ``<e>.gate`` and ``<e>.up``."""
+    experts = int(shape[0])
+    if module.maps.startswith("gate_up"):
+        return tuple(f"{e}.{part}" for e in range(experts) for part in ("gate", "up"))
+    return tuple(str(e) for e in range(experts))
 
 
 def _depthwise_layout(module: Any, shape: tuple) -> Permuted:
@@ -872,12 +923,12 @@ def _select_weights(view: ModelView, owners: dict, layouts: dict, parents: dict 
             if relative is not None:  # T5's relative_attention_bias: added to the scores (method §3)
                 mark(path, leaf, "excluded", relative)
                 continue
-            if last in entry.leaves() and np.ndim(leaf) >= 2:
+            if last in entry.leaves(owner) and np.ndim(leaf) >= 2:
                 layout = entry.layout_of(owner, shape)
                 if isinstance(layout, str) and layout not in ("canonical", "flax"):
                     skip(path, leaf, owner, layout)
                     continue
-                gates = entry.gates
+                gates = entry.gates_of(owner, shape)
                 parent = parents.get(path)
                 if gates is None and parent is not None and type(parent[0]) in PACKED_CHILDREN:
                     children, packed = PACKED_CHILDREN[type(parent[0])]
@@ -890,7 +941,7 @@ def _select_weights(view: ModelView, owners: dict, layouts: dict, parents: dict 
                         skip(path, leaf, owner, stack)
                         continue
                     layout, gates, kind = stack[0], stack[1], entry.kind or "dense"
-                lname = path if len(entry.leaves()) > 1 else name
+                lname = path if len(entry.leaves(owner)) > 1 else name
                 add(lname, path, i, kind, layout, entry.groups_of(owner), gates)
             else:
                 mark(path, leaf, "excluded", excluded_reason(path, shape) or _RULE_REASON)
@@ -1341,16 +1392,44 @@ class _SeparablePointwise(_SeparablePart):
     pass
 
 
+class _ExpertsKernel:
+    """One stacked kernel ``(experts, in, out)`` of a keras-hub experts layer
+    (:data:`~normflat.backends.keras_shared.HUB_EXPERTS`), the owner of its variable for the registry."""
+
+    def __init__(self, layer: Any, attribute: str, maps: str, leaf: str) -> None:
+        self.layer, self.attribute, self.maps, self.leaf = layer, attribute, maps, leaf
+
+
+def _hub_experts(layer: Any, variable: Any) -> tuple[Any, str] | None:
+    """``(owner, name suffix)`` of a keras-hub experts layer's variable (``None``: not such a layer);
+    its biases and scales get the layer itself (no rule: held fixed)."""
+    from normflat.backends.keras_shared import HUB_EXPERTS
+
+    for (module_name, cls_name), kernels in HUB_EXPERTS.items():
+        cls = getattr(sys.modules.get(module_name), cls_name, None)
+        if isinstance(cls, type) and isinstance(layer, cls):
+            for attribute, maps in kernels:
+                if getattr(layer, attribute, None) is variable:
+                    leaf = variable.path.rpartition("/")[2]
+                    suffix = "/gate_up" if maps.startswith("gate_up") else f"/{maps}"
+                    return _ExpertsKernel(layer, attribute, maps, leaf), suffix
+            return _ExpertsKernel(layer, "", "", ""), ""
+    return None
+
+
 def _keras_owner(layer: Any, variable: Any) -> tuple[Any, str]:
     """The registry's view of the Keras layer holding ``variable``, and the suffix of the layer name it
     is reported under: the layer; a refusal (a LoRA-enabled or quantized layer computes its kernel from
     other variables; an untied ``ReversibleEmbedding`` holds a second matrix under the same layer); or
     one part of a ``SeparableConv`` (``/depthwise``, ``/pointwise``, as the TensorFlow backend names
-    them)."""
+    them); one kernel of a keras-hub experts layer (``/gate``, ``/up``, ``/gate_up``, ``/down``)."""
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
         return _LoraOrQuantized(layer), ""
     if getattr(layer, "reverse_embeddings", None) is not None and not getattr(layer, "tie_weights", True):
         return _UntiedReverse(layer), ""
+    experts = _hub_experts(layer, variable)
+    if experts is not None:
+        return experts
     L = sys.modules["keras"].layers
     if isinstance(layer, (L.SeparableConv1D, L.SeparableConv2D)):
         if variable is getattr(layer, "depthwise_kernel", None):

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from normflat.backends.keras import compat
 from normflat.backends.keras.calls import recurrent_cell
+from normflat.backends.keras_shared import HUB_EXPERTS
 from normflat.engine.problems import ParameterStatus
 from normflat.engine.registry import (IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table,
                                       relative_bias_table)
@@ -394,26 +395,6 @@ def _experts_canonical(interleaved: bool) -> Callable[[Any], Any]:
     return convert
 
 
-#: keras-hub's experts layers (every expert on every token, weighted by the routing): per class,
-#: its stacked kernels ``(attribute, map)``, each ``(experts, in, out)``; ``"gate_up"`` packs the
-#: gate then the up map along its output axis, ``"gate_up_interleaved"`` alternates them.
-_HUB_EXPERTS = {
-    ("keras_hub.src.models.mixtral.mixtral_decoder", "MixtralMoeExperts"): (
-        ("_expert_feedforward_gate_dense", "gate"), ("_expert_feedforward_intermediate_dense", "up"),
-        ("_expert_feedforward_output_dense", "down")),
-    ("keras_hub.src.models.qwen_moe.qwen_moe_decoder", "QwenMoeExperts"): (
-        ("_expert_feedforward_gate_dense", "gate_up"), ("_expert_feedforward_output_dense", "down")),
-    ("keras_hub.src.models.qwen3_moe.qwen3_moe_decoder", "Qwen3MoeExperts"): (
-        ("_expert_feedforward_gate_dense", "gate_up"), ("_expert_feedforward_output_dense", "down")),
-    ("keras_hub.src.models.qwen3_5_moe.qwen3_5_moe_decoder", "Qwen3_5MoeExperts"): (
-        ("_expert_feedforward_gate_dense", "gate_up"), ("_expert_feedforward_output_dense", "down")),
-    ("keras_hub.src.models.gpt_oss.gpt_oss_decoder", "GptOssExperts"): (
-        ("gate_up_proj", "gate_up_interleaved"), ("down_proj", "down")),
-    ("keras_hub.src.models.gemma4.gemma4_moe", "Gemma4MoEBlock"): (
-        ("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")),
-}
-
-
 def _hub_experts_weights(kernels: tuple[tuple[str, str], ...]) -> Callable[[Any], list[KerasWeight]]:
     """The stacked kernels of a keras-hub experts layer as one problem per expert and linear map
     (method §3, "Mixture-of-experts layers"): ``<layer>/gate.<e>``, ``/up.<e>``, ``/down.<e>``, and
@@ -528,7 +509,7 @@ def _register_keras_hub() -> None:
     relative = _loaded_class("keras_hub.src.models.deberta_v3.relative_embedding", "RelativeEmbedding")
     if relative is not None and relative not in REGISTRY.entries():
         register_layer(relative, _relative_embedding_weights)
-    for (module_name, cls_name), kernels in _HUB_EXPERTS.items():
+    for (module_name, cls_name), kernels in HUB_EXPERTS.items():
         experts = _loaded_class(module_name, cls_name)
         if experts is not None and experts not in REGISTRY.entries():
             register_layer(experts, _hub_experts_weights(kernels))
