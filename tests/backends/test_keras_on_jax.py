@@ -10,7 +10,7 @@ of named inputs); an LSTM and a GRU (each cell kernel split per gate), with the 
 callback run during a ``fit`` on the JAX backend; and every convolution kind (plain, grouped,
 depthwise, separable, transposed); and models called as the TensorFlow backend calls them (a
 final softmax stripped, a mixed precision layer computed in its variables' dtype, a subclassed
-model whose ``call`` takes no ``training``); and keras-hub's experts layers (one matrix per expert
+model whose ``call`` takes no ``training``, an untied ``ReversibleEmbedding``); and keras-hub's experts layers (one matrix per expert
 and map) and DeBERTa-v3's relative position table. The rescaling tests of the convolution kinds
 (``tests/arch/test_keras_rescalings.py``) also run on the JAX backend, in float64. Keras' JAX backend
 computes some of its operations (``tanh``, normalization, pooling) at float32's accuracy also for
@@ -122,12 +122,17 @@ class NoTrainingArgument(keras.Model):
         return self.head(self.hidden(x))
 
 
+calls_ids = keras.Input((4,), dtype="int32")
+calls_table = keras.layers.ReversibleEmbedding(9, 4, tie_weights=False, name="emb")
+calls_mixed = keras.layers.Dense(4, activation="tanh", name="mix")(calls_table(calls_ids))
+calls_untied = keras.Model(calls_ids, calls_table(calls_mixed, reverse=True))  # token logits, an untied head
 calls_plain = NoTrainingArgument()
 calls_plain(np.zeros((1, 6), "float32"))
 calls_rng = np.random.default_rng(4)
-for calls_model in (calls_soft, calls_plain):
+for calls_model in (calls_soft, calls_plain, calls_untied):
     calls_model.set_weights([calls_rng.normal(size=w.shape).astype("float32") for w in calls_model.get_weights()])
 calls_x, calls_y = calls_rng.normal(size=(5, 6)).astype("float32"), np.array([0, 1, 2, 0, 1])
+calls_tokens = (calls_rng.integers(0, 9, (3, 4)).astype("int32"), calls_rng.integers(0, 9, (3, 4)))
 """
 
 #: keras-hub mixture-of-experts layers (separate, packed and alternating gate/up kernels, one matrix per
@@ -212,8 +217,10 @@ for estimator in ("ggn", "exact"):
 conv_measures = normflat.measures(conv_model, (conv_x, conv_y), ["fisher_rao_norm", "adaptive_sharpness"], loss="ce",
                                   progress=False)
 out["conv_measures"] = [conv_measures["fisher_rao_norm"], conv_measures["adaptive_sharpness"]]
-for key, calls_model in (("calls_soft", calls_soft), ("calls_plain", calls_plain)):
-    calls = normflat.analyze(calls_model, (calls_x, calls_y), loss="ce", progress=False)
+for key, calls_model, calls_data in (("calls_soft", calls_soft, (calls_x, calls_y)),
+                                     ("calls_plain", calls_plain, (calls_x, calls_y)),
+                                     ("calls_untied", calls_untied, calls_tokens)):
+    calls = normflat.analyze(calls_model, calls_data, loss="ce", progress=False)
     out[key] = [calls.metadata["backend"].get("stripped_softmax"), calls.metadata["dtype"],
                 [[l.name, l.normalized_sharpness, l.hessian_trace] for l in calls.layers]]
 out["calls_policy"] = calls_soft.get_layer("half").dtype_policy.name  # restored after the analysis
@@ -299,17 +306,22 @@ def test_keras_model_on_the_jax_backend_equals_the_tensorflow_backend():
             assert trace == pytest.approx(layer.hessian_trace, rel=2e-4, abs=1e-6), (estimator, name)
     # Called as the TensorFlow backend calls the model: the final softmax stripped and reported, the
     # bfloat16 layer computed in float32, a `call` without `training` called without it.
-    for key in ("calls_soft", "calls_plain"):
-        want = normflat.analyze(scope[key], (scope["calls_x"], scope["calls_y"]), loss="ce", progress=False)
+    data = {"calls_soft": (scope["calls_x"], scope["calls_y"]), "calls_plain": (scope["calls_x"], scope["calls_y"]),
+            "calls_untied": scope["calls_tokens"]}
+    for key in ("calls_soft", "calls_plain", "calls_untied"):
+        want = normflat.analyze(scope[key], data[key], loss="ce", progress=False)
         stripped, dtype, layers = got[key]
         assert stripped == want.metadata["backend"].get("stripped_softmax") == (
             "probs" if key == "calls_soft" else None)
         assert dtype == want.metadata["dtype"] == "float32"
-        assert [row[0] for row in layers] == [layer.name for layer in want.layers]
-        for (name, sharpness, trace), layer in zip(layers, want.layers):
+        # (in the order of first use in the forward on JAX: the untied head after the mixing layer)
+        assert sorted(row[0] for row in layers) == sorted(layer.name for layer in want.layers)
+        for name, sharpness, trace in layers:
+            layer = want.layer(name)
             assert sharpness == pytest.approx(layer.normalized_sharpness, rel=2e-5), (key, name)
             assert trace == pytest.approx(layer.hessian_trace, rel=2e-5), (key, name)
     assert got["calls_policy"] == "mixed_bfloat16"
+    assert [row[0] for row in got["calls_untied"][2]] == ["emb", "mix", "emb/reverse"]  # the untied head too
     # keras-hub: one matrix per expert and map (gate and up de-interleaved for GPT-OSS), DeBERTa's
     # relative position table, as the TensorFlow backend names and reads them.
     moe_data = {**{k: (m, (scope["moe_x"], scope["moe_y"])) for k, m in scope["moe_models"].items()},

@@ -536,9 +536,9 @@ def _register_keras(keras: Any) -> None:
     REGISTRY.register(_LoraOrQuantized, Unsupported(
         "a LoRA-enabled or quantized Keras layer computes its kernel from other variables in its call; analyze "
         "it on Keras' TensorFlow backend (KERAS_BACKEND=tensorflow), which reads its factors"))
-    REGISTRY.register(_UntiedReverse, Unsupported(
-        "an untied ReversibleEmbedding holds two matrices (the table and the reverse projection); analyze it on "
-        "Keras' TensorFlow backend (KERAS_BACKEND=tensorflow), which reads both"))
+    # An untied ReversibleEmbedding's reverse projection (features, vocabulary): a dense kernel,
+    # `name/reverse` (the table takes the Embedding rule), as the TensorFlow backend reads it.
+    REGISTRY.register(_ReverseProjection, LayerRule(leaf="reverse_embeddings", kind="dense"))
 
 
 def _keras_transpose_layout(module: Any, shape: tuple) -> Permuted:
@@ -1372,8 +1372,12 @@ class _LoraOrQuantized(_KerasRefused):
     pass
 
 
-class _UntiedReverse(_KerasRefused):
-    pass
+class _ReverseProjection:
+    """The ``reverse_embeddings`` of an untied ``ReversibleEmbedding``, the owner of its variable for
+    the registry (the layer itself owns the table)."""
+
+    def __init__(self, layer: Any) -> None:
+        self.layer = layer
 
 
 class _SeparablePart:
@@ -1402,7 +1406,7 @@ class _ExpertsKernel:
 
 def _hub_experts(layer: Any, variable: Any) -> tuple[Any, str] | None:
     """``(owner, name suffix)`` of a keras-hub experts layer's variable (``None``: not such a layer);
-    its biases and scales get the layer itself (no rule: held fixed)."""
+    its biases and scales get an owner with no weight leaf (held fixed)."""
     from normflat.backends.keras_shared import HUB_EXPERTS
 
     for (module_name, cls_name), kernels in HUB_EXPERTS.items():
@@ -1420,13 +1424,13 @@ def _hub_experts(layer: Any, variable: Any) -> tuple[Any, str] | None:
 def _keras_owner(layer: Any, variable: Any) -> tuple[Any, str]:
     """The registry's view of the Keras layer holding ``variable``, and the suffix of the layer name it
     is reported under: the layer; a refusal (a LoRA-enabled or quantized layer computes its kernel from
-    other variables; an untied ``ReversibleEmbedding`` holds a second matrix under the same layer); or
+    other variables); the reverse projection of an untied ``ReversibleEmbedding`` (``/reverse``); or
     one part of a ``SeparableConv`` (``/depthwise``, ``/pointwise``, as the TensorFlow backend names
     them); one kernel of a keras-hub experts layer (``/gate``, ``/up``, ``/gate_up``, ``/down``)."""
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
         return _LoraOrQuantized(layer), ""
-    if getattr(layer, "reverse_embeddings", None) is not None and not getattr(layer, "tie_weights", True):
-        return _UntiedReverse(layer), ""
+    if variable is getattr(layer, "reverse_embeddings", None) and not getattr(layer, "tie_weights", True):
+        return _ReverseProjection(layer), "/reverse"
     experts = _hub_experts(layer, variable)
     if experts is not None:
         return experts
