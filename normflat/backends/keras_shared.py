@@ -29,8 +29,8 @@ from typing import Any
 
 import keras
 
-__all__ = ["HUB_EXPERTS", "ModelState", "model_lock", "final_softmax", "full_precision_policies", "logits_only",
-           "functional_class", "output_layer", "flatten_layers", "instance_attr", "set_instance_attr",
+__all__ = ["HUB_EXPERTS", "HUB_OWN_WEIGHTS", "ModelState", "model_lock", "final_softmax", "full_precision_policies",
+           "logits_only", "functional_class", "output_layer", "flatten_layers", "instance_attr", "set_instance_attr",
            "del_instance_attr"]
 
 _MISSING = object()
@@ -53,6 +53,32 @@ HUB_EXPERTS = {
         ("gate_up_proj", "gate_up_interleaved"), ("down_proj", "down")),
     ("keras_hub.src.models.gemma4.gemma4_moe", "Gemma4MoEBlock"): (
         ("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")),
+}
+
+
+#: keras-hub layers that multiply by weight matrices of their own (``ops.matmul`` or
+#: ``ops.depthwise_conv`` inside their call, beside ``Dense`` sublayers, which are read as such): per
+#: class and attribute, ``"dense"`` for a matrix ``(in, out)``, canonical ``(out, in)``;
+#: ``"depthwise"`` for a depthwise 1-D kernel ``(channels, kernel)``, canonical ``(channels, 1, kernel)``
+#: with ``groups = channels`` (as a ``DepthwiseConv1D``'s); or a reason, for a weight that is no
+#: matrix although shaped as one. All take the generic path (no layer to tap). Read by both Keras paths.
+#:
+#: * RWKV-7's time mixing: its low-rank maps (the decay ``w1 → tanh → w2``, the in-context learning
+#:   rate ``a1 → a2``, the value residual ``v1 → v2`` of the layers after the first, the gate
+#:   ``g1 → sigmoid → g2``), and ``r_k``, which scales the current token's ``r ⊙ k`` entry by entry
+#:   (the bonus ``Σ (r ⊙ k ⊙ r_k) v`` per head).
+#: * Qwen3.5's gated delta net (its linear-attention layers): the short causal convolution over the
+#:   tokens of its query, key and value channels, ``conv1d_weight`` (PyTorch's Qwen3-Next and Mamba
+#:   hold the same as an ``nn.Conv1d`` with one group per channel).
+HUB_OWN_WEIGHTS: dict[tuple[str, str], dict[str, str]] = {
+    ("keras_hub.src.models.rwkv7.rwkv7_layer", "RWKV7TimeMix"): {
+        **dict.fromkeys(("w1", "w2", "a1", "a2", "v1", "v2", "g1", "g2"), "dense"),
+        "r_k": "RWKV-7's per-head, per-channel bonus scale of the current token (applied entry by entry, a "
+               "vector in a matrix's shape), not a weight matrix",
+    },
+    ("keras_hub.src.models.qwen3_5.qwen3_5_gated_delta_net", "Qwen3_5GatedDeltaNet"): {
+        "conv1d_weight": "depthwise",
+    },
 }
 
 

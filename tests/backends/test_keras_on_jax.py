@@ -11,7 +11,8 @@ callback run during a ``fit`` on the JAX backend; and every convolution kind (pl
 depthwise, separable, transposed); and models called as the TensorFlow backend calls them (a
 final softmax stripped, a mixed precision layer computed in its variables' dtype, a subclassed
 model whose ``call`` takes no ``training``, an untied ``ReversibleEmbedding``); and keras-hub's experts layers (one matrix per expert
-and map) and DeBERTa-v3's relative position table. The rescaling tests of the convolution kinds
+and map), DeBERTa-v3's relative position table, and the matrices keras-hub layers multiply by in
+their own call (Qwen3.5's causal convolution, RWKV-7's low-rank maps). The rescaling tests of the convolution kinds
 (``tests/arch/test_keras_rescalings.py``) also run on the JAX backend, in float64. Keras' JAX backend
 computes some of its operations (``tanh``, normalization, pooling) at float32's accuracy also for
 float64 inputs, so the models are float32 and the tolerance is float32's. The JAX side also checks
@@ -177,6 +178,21 @@ moe_deberta = keras_hub.models.DebertaV3TextClassifier(
 moe_deberta.set_weights([moe_rng.normal(size=w.shape).astype("float32") * 0.5 for w in moe_deberta.get_weights()])
 moe_ids = moe_rng.integers(1, 20, (3, 6)).astype("int32")
 moe_batch = ({"token_ids": moe_ids, "padding_mask": np.ones_like(moe_ids, bool)}, moe_rng.integers(0, 3, 3))
+# keras-hub layers multiplying by matrices of their own: Qwen3.5's causal convolution, RWKV-7's maps.
+from keras_hub.src.models.qwen3_5.qwen3_5_gated_delta_net import Qwen3_5GatedDeltaNet
+moe_in = keras.Input((4, 6))
+moe_h = Qwen3_5GatedDeltaNet(hidden_size=6, linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=2,
+                             linear_value_head_dim=2, linear_conv_kernel_dim=3, name="delta")(moe_in)
+moe_delta = keras.Model(moe_in, keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling1D()(moe_h)))
+moe_rwkv = keras_hub.models.RWKV7CausalLM(keras_hub.models.RWKV7Backbone(
+    hidden_size=8, head_size=4, num_layers=2, vocabulary_size=11, intermediate_dim=16, gate_lora=3, mv_lora=2,
+    aaa_lora=2, decay_lora=3), preprocessor=None)
+for moe_model in (moe_delta, moe_rwkv):
+    moe_model.set_weights([moe_rng.normal(size=w.shape).astype("float32") * 0.5 for w in moe_model.get_weights()])
+moe_tokens = moe_rng.integers(1, 11, (3, 5)).astype("int32")
+moe_own = {"delta": (moe_delta, (moe_rng.normal(size=(3, 4, 6)).astype("float32"), moe_rng.integers(0, 3, 3))),
+           "rwkv": (moe_rwkv, ({"token_ids": moe_tokens, "padding_mask": np.ones((3, 5), "int32")},
+                               np.concatenate([moe_tokens[:, 1:], np.full((3, 1), -100)], axis=1)))}
 """
 
 #: The convolution kinds' rescaling tests (method §8), run on the JAX backend as they are on the TensorFlow one.
@@ -224,11 +240,18 @@ for key, calls_model, calls_data in (("calls_soft", calls_soft, (calls_x, calls_
     out[key] = [calls.metadata["backend"].get("stripped_softmax"), calls.metadata["dtype"],
                 [[l.name, l.normalized_sharpness, l.hessian_trace] for l in calls.layers]]
 out["calls_policy"] = calls_soft.get_layer("half").dtype_policy.name  # restored after the analysis
+half_in = keras.Input((6,))
+half_model = keras.Model(half_in, keras.layers.Dense(3, dtype="float16", name="head")(half_in))
+try:
+    normflat.analyze(half_model, (calls_x, calls_y), loss="ce", progress=False)
+except ValueError as err:
+    out["half_error"] = str(err)
 for key, (moe_model, moe_data) in {**{k: (m, (moe_x, moe_y)) for k, m in moe_models.items()},
-                                   "deberta": (moe_deberta, moe_batch)}.items():
+                                   "deberta": (moe_deberta, moe_batch), **moe_own}.items():
     moe = normflat.analyze(moe_model, moe_data, loss="ce", progress=False)
     out["moe_" + key] = [moe.metadata["coverage"], moe.metadata["unsupported"],
-                         [[l.name, l.kind, l.normalized_sharpness, l.hessian_trace] for l in moe.layers]]
+                         [[l.name, l.kind, l.normalized_sharpness, l.hessian_trace] for l in moe.layers],
+                         moe.metadata["excluded"]]
 # The Keras training callback, during a fit on this backend.
 from normflat.integrations.keras import SharpnessCallback
 rnn_model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -321,14 +344,20 @@ def test_keras_model_on_the_jax_backend_equals_the_tensorflow_backend():
             assert sharpness == pytest.approx(layer.normalized_sharpness, rel=2e-5), (key, name)
             assert trace == pytest.approx(layer.hessian_trace, rel=2e-5), (key, name)
     assert got["calls_policy"] == "mixed_bfloat16"
+    # Half-precision variables: refused, with the Keras advice (float32 copy, a mixed policy, TensorFlow).
+    assert "layers whose variables are float16" in got["half_error"] and "set_weights" in got["half_error"]
     assert [row[0] for row in got["calls_untied"][2]] == ["emb", "mix", "emb/reverse"]  # the untied head too
     # keras-hub: one matrix per expert and map (gate and up de-interleaved for GPT-OSS), DeBERTa's
     # relative position table, as the TensorFlow backend names and reads them.
     moe_data = {**{k: (m, (scope["moe_x"], scope["moe_y"])) for k, m in scope["moe_models"].items()},
-                "deberta": (scope["moe_deberta"], scope["moe_batch"])}
+                "deberta": (scope["moe_deberta"], scope["moe_batch"]), **scope["moe_own"]}
     for key, (moe_model, data) in moe_data.items():
         want = normflat.analyze(moe_model, data, loss="ce", progress=False)
-        coverage, unsupported, layers = got["moe_" + key]
+        coverage, unsupported, layers, excluded = got["moe_" + key]
+        assert sorted(excluded) == sorted(want.metadata["excluded"]), key
+        for name, reason in want.metadata["excluded"].items():
+            if name.endswith("/r_k"):  # RWKV-7's bonus scale: the same reason
+                assert excluded[name] == reason
         assert coverage == 1.0 and unsupported == [], (key, unsupported)
         # (the JAX backend lists layers by first use: DeBERTa's table after the first query projection)
         assert sorted(row[0] for row in layers) == sorted(layer.name for layer in want.layers), key
@@ -340,6 +369,8 @@ def test_keras_model_on_the_jax_backend_equals_the_tensorflow_backend():
     names = [row[0] for row in got["moe_gpt_oss"][2]]
     assert "experts/gate_up.2.up" in names and "experts/down.0" in names
     assert "deberta_v3_backbone/rel_embedding" in [row[0] for row in got["moe_deberta"][2]]
+    assert ["delta/conv1d_kernel", "depthwise_conv1d"] in [row[:2] for row in got["moe_delta"][2]]
+    assert any(row[0].endswith("/RWKV_TIME_MIX/a2") for row in got["moe_rwkv"][2])
     # The perturbation measures draw their noise in the canonical layouts and apply it in the native ones.
     measures = normflat.measures(scope["conv_model"], (scope["conv_x"], scope["conv_y"]),
                                  ["fisher_rao_norm", "adaptive_sharpness"], loss="ce", progress=False)

@@ -520,6 +520,13 @@ def _register_keras(keras: Any) -> None:
     # keras-hub's stacked experts kernels, one (out, in) matrix per expert and map (:func:`_keras_owner`).
     REGISTRY.register(_ExpertsKernel, LayerRule(leaf=lambda m: (m.leaf,), layout=_experts_layout,
                                                 gates=_experts_blocks, kind="expert"))
+    # keras-hub layers' own matrices (RWKV-7's low-rank maps, Qwen3.5's causal convolution), read as the
+    # TensorFlow backend reads them; a weight that is no matrix is held fixed with the reason.
+    REGISTRY.register(_HubOwnDense, LayerRule(leaf=lambda m: (m.leaf,), kind="dense"))
+    REGISTRY.register(_HubOwnDepthwise, LayerRule(
+        leaf=lambda m: (m.leaf,), layout=lambda m, shape: Permuted((0, 1), tuple(shape), (shape[0], 1, shape[1])),
+        groups=lambda m: m.channels, kind="depthwise_conv1d"))
+    REGISTRY.register(_HubOwnExcluded, LayerRule(leaf=lambda m: ()))
     # A SeparableConv's two kernels, each its own layer (:func:`_keras_owner`).
     REGISTRY.register(_SeparableDepthwise, LayerRule(
         leaf="depthwise_kernel", layout=_depthwise_layout, groups=lambda m: m.layer.depthwise_kernel.shape[-2],
@@ -944,7 +951,8 @@ def _select_weights(view: ModelView, owners: dict, layouts: dict, parents: dict 
                 lname = path if len(entry.leaves(owner)) > 1 else name
                 add(lname, path, i, kind, layout, entry.groups_of(owner), gates)
             else:
-                mark(path, leaf, "excluded", excluded_reason(path, shape) or _RULE_REASON)
+                reason = getattr(owner, "excluded_because", None) if isinstance(owner, _HubOwn) else None
+                mark(path, leaf, "excluded", reason or excluded_reason(path, shape) or _RULE_REASON)
             continue  # the rule's other leaves (biases) are held fixed
         if isinstance(entry, Unsupported):
             if np.ndim(leaf) < 2 or excluded_reason(path, shape):
@@ -1421,17 +1429,59 @@ def _hub_experts(layer: Any, variable: Any) -> tuple[Any, str] | None:
     return None
 
 
+class _HubOwn:
+    """A weight a keras-hub layer multiplies by in its own call
+    (:data:`~normflat.backends.keras_shared.HUB_OWN_WEIGHTS`), the owner of its variable for the registry."""
+
+    def __init__(self, layer: Any, leaf: str, channels: int = 0, excluded_because: str | None = None) -> None:
+        self.layer, self.leaf, self.channels, self.excluded_because = layer, leaf, channels, excluded_because
+
+
+class _HubOwnDense(_HubOwn):
+    """A matrix ``(in, out)``: canonical ``(out, in)``."""
+
+
+class _HubOwnDepthwise(_HubOwn):
+    """A depthwise 1-D kernel ``(channels, kernel)``: canonical ``(channels, 1, kernel)``, one group per channel."""
+
+
+class _HubOwnExcluded(_HubOwn):
+    """A weight in a matrix's shape that is no weight matrix: held fixed, with the reason."""
+
+
+def _hub_own(layer: Any, variable: Any) -> tuple[Any, str] | None:
+    """``(owner, name suffix)`` of a variable a keras-hub layer multiplies by itself (``None``: not one),
+    named ``<layer>/<variable>`` as on the TensorFlow backend."""
+    from normflat.backends.keras_shared import HUB_OWN_WEIGHTS
+
+    for (module_name, cls_name), weights in HUB_OWN_WEIGHTS.items():
+        cls = getattr(sys.modules.get(module_name), cls_name, None)
+        if not (isinstance(cls, type) and isinstance(layer, cls)):
+            continue
+        attributes = [k for k, v in vars(layer).items() if v is variable]
+        role = weights.get(attributes[0]) if len(attributes) == 1 else None
+        leaf = variable.path.rpartition("/")[2]
+        if role == "dense":
+            return _HubOwnDense(layer, leaf), f"/{variable.name}"
+        if role == "depthwise":
+            return _HubOwnDepthwise(layer, leaf, channels=int(variable.shape[0])), f"/{variable.name}"
+        if role is not None:
+            return _HubOwnExcluded(layer, leaf, excluded_because=role), ""
+    return None
+
+
 def _keras_owner(layer: Any, variable: Any) -> tuple[Any, str]:
     """The registry's view of the Keras layer holding ``variable``, and the suffix of the layer name it
     is reported under: the layer; a refusal (a LoRA-enabled or quantized layer computes its kernel from
     other variables); the reverse projection of an untied ``ReversibleEmbedding`` (``/reverse``); or
     one part of a ``SeparableConv`` (``/depthwise``, ``/pointwise``, as the TensorFlow backend names
-    them); one kernel of a keras-hub experts layer (``/gate``, ``/up``, ``/gate_up``, ``/down``)."""
+    them); one kernel of a keras-hub experts layer (``/gate``, ``/up``, ``/gate_up``, ``/down``); a
+    weight a keras-hub layer multiplies by in its own call (``/<variable>``)."""
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
         return _LoraOrQuantized(layer), ""
     if variable is getattr(layer, "reverse_embeddings", None) and not getattr(layer, "tie_weights", True):
         return _ReverseProjection(layer), "/reverse"
-    experts = _hub_experts(layer, variable)
+    experts = _hub_experts(layer, variable) or _hub_own(layer, variable)
     if experts is not None:
         return experts
     L = sys.modules["keras"].layers

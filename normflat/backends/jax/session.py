@@ -165,6 +165,15 @@ def trace_layers(view: Any, batch: Batch, *, allow_half_precision: bool = False)
     else:
         prog, order, _, apart = entry
     half = prog.half_precision_ops()
+    if half and not allow_half_precision and view.framework == "keras":
+        raise ValueError(
+            f"The Keras model computes in half precision inside its forward pass ({', '.join(half)} in "
+            "float16/bfloat16): layers whose variables are float16 or bfloat16 (dtype='float16'). Hessians in "
+            "half precision are meaningless and normflat's JAX backend computes in at least float32: build the "
+            "model in float32 and set_weights its weights, or use a mixed precision policy ('mixed_float16': "
+            "float32 variables, analyzed in float32); Keras' TensorFlow backend analyzes such a model in its "
+            "variables' dtype and says so in the report's dtype."
+        )
     if half and not allow_half_precision:
         raise ValueError(
             f"The {view.framework} model computes in half precision inside its forward pass "

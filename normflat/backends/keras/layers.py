@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from normflat.backends.keras import compat
 from normflat.backends.keras.calls import recurrent_cell
-from normflat.backends.keras_shared import HUB_EXPERTS
+from normflat.backends.keras_shared import HUB_EXPERTS, HUB_OWN_WEIGHTS
 from normflat.engine.problems import ParameterStatus
 from normflat.engine.registry import (IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table,
                                       relative_bias_table)
@@ -422,32 +422,6 @@ def _hub_experts_weights(kernels: tuple[tuple[str, str], ...]) -> Callable[[Any]
     return extract
 
 
-#: keras-hub layers that multiply by weight matrices of their own (``ops.matmul`` or
-#: ``ops.depthwise_conv`` inside their call, beside ``Dense`` sublayers, which are read as such): per
-#: class and attribute, ``"dense"`` for a matrix ``(in, out)``, canonical ``(out, in)``;
-#: ``"depthwise"`` for a depthwise 1-D kernel ``(channels, kernel)``, canonical ``(channels, 1, kernel)``
-#: with ``groups = channels`` (as a ``DepthwiseConv1D``'s); or a reason, for a weight that is no
-#: matrix although shaped as one. All take the generic path (no layer to tap).
-#:
-#: * RWKV-7's time mixing: its low-rank maps (the decay ``w1 → tanh → w2``, the in-context learning
-#:   rate ``a1 → a2``, the value residual ``v1 → v2`` of the layers after the first, the gate
-#:   ``g1 → sigmoid → g2``), and ``r_k``, which scales the current token's ``r ⊙ k`` entry by entry
-#:   (the bonus ``Σ (r ⊙ k ⊙ r_k) v`` per head).
-#: * Qwen3.5's gated delta net (its linear-attention layers): the short causal convolution over the
-#:   tokens of its query, key and value channels, ``conv1d_weight`` (PyTorch's Qwen3-Next and Mamba
-#:   hold the same as an ``nn.Conv1d`` with one group per channel).
-_HUB_OWN_WEIGHTS: dict[tuple[str, str], dict[str, str]] = {
-    ("keras_hub.src.models.rwkv7.rwkv7_layer", "RWKV7TimeMix"): {
-        **dict.fromkeys(("w1", "w2", "a1", "a2", "v1", "v2", "g1", "g2"), "dense"),
-        "r_k": "RWKV-7's per-head, per-channel bonus scale of the current token (applied entry by entry, a "
-               "vector in a matrix's shape), not a weight matrix",
-    },
-    ("keras_hub.src.models.qwen3_5.qwen3_5_gated_delta_net", "Qwen3_5GatedDeltaNet"): {
-        "conv1d_weight": "depthwise",
-    },
-}
-
-
 def _loaded_class(module_name: str, cls_name: str) -> type | None:
     """The class ``cls_name`` of the module ``module_name`` if that module is already imported (normflat
     never imports keras-hub), else ``None``."""
@@ -456,8 +430,8 @@ def _loaded_class(module_name: str, cls_name: str) -> type | None:
 
 
 def _own_weights_of(layer: Any) -> dict[str, str]:
-    """:data:`_HUB_OWN_WEIGHTS` of ``layer``'s class (``{}``: none)."""
-    for (module_name, cls_name), weights in _HUB_OWN_WEIGHTS.items():
+    """:data:`HUB_OWN_WEIGHTS` of ``layer``'s class (``{}``: none)."""
+    for (module_name, cls_name), weights in HUB_OWN_WEIGHTS.items():
         cls = _loaded_class(module_name, cls_name)
         if cls is not None and isinstance(layer, cls):
             return weights
@@ -465,7 +439,7 @@ def _own_weights_of(layer: Any) -> dict[str, str]:
 
 
 def _own_weight(variable: Any, layout: str) -> KerasWeight | None:
-    """A :data:`_HUB_OWN_WEIGHTS` entry's :class:`KerasWeight`, named after the variable (``None``: not
+    """A :data:`HUB_OWN_WEIGHTS` entry's :class:`KerasWeight`, named after the variable (``None``: not
     of its shape)."""
     shape = _shape(variable)
     if len(shape) != 2:
