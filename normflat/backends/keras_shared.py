@@ -30,7 +30,7 @@ from typing import Any
 import keras
 
 __all__ = ["HUB_EXPERTS", "HUB_OWN_WEIGHTS", "ModelState", "model_lock", "final_softmax", "full_precision_policies",
-           "logits_only", "functional_class", "output_layer", "flatten_layers", "instance_attr", "set_instance_attr",
+           "logits_only", "rank_equation", "functional_class", "output_layer", "flatten_layers", "instance_attr", "set_instance_attr",
            "del_instance_attr"]
 
 _MISSING = object()
@@ -246,3 +246,14 @@ def logits_only(state: ModelState, strip: tuple[Any, str] | None) -> None:
             state.set(layer, "activation", keras.activations.linear)
         else:
             state.set(layer, "call", lambda inputs, *a, **k: inputs)
+
+
+def rank_equation(equation: str) -> tuple[str, bool]:
+    """The ``EinsumDense`` equation of a LoRA ``A`` factor (the kernel's last axis replaced by the rank
+    axis, in the same role) and whether that axis is contracted with the input."""
+    text = equation.replace(" ", "")
+    lhs, out = text.split("->")
+    inp, ker = lhs.split(",")
+    last = ker[-1]
+    rank = next(c for c in "zyxwvutsrqponmlkjihgfedcba" if c not in text)
+    return f"{inp.replace(last, rank)},{ker[:-1] + rank}->{out.replace(last, rank)}", last in inp

@@ -16,8 +16,9 @@ rescaling tests of the convolution kinds (``tests/arch/test_keras_rescalings.py`
 JAX backend, in float64. Keras' JAX backend computes some of its operations (``tanh``,
 normalization, pooling) at float32's accuracy also for float64 inputs, so the models are float32 and
 the tolerance is float32's. The JAX side also checks that the model's variables are left as they
-were, that ``normflat.measures`` runs, and that a LoRA-enabled layer is reported unsupported with the
-reason. One layer is frozen (``trainable=False``): its kernel is analyzed in both, BatchNormalization's
+were, that ``normflat.measures`` runs, that LoRA-enabled layers (Dense, Embedding, an attention
+projection) give the TensorFlow backend's factors and numbers, and that a LoRA-enabled grouped
+convolution is reported unsupported with the reason. One layer is frozen (``trainable=False``): its kernel is analyzed in both, BatchNormalization's
 moving statistics are excluded in both.
 """
 
@@ -122,6 +123,16 @@ calls_x, calls_y = calls_rng.normal(size=(5, 6)).astype("float32"), np.array([0,
 calls_tokens = (calls_rng.integers(0, 9, (3, 4)).astype("int32"), calls_rng.integers(0, 9, (3, 4)))
 """
 
+#: LoRA enabled on a Dense, an Embedding and an attention projection (an EinsumDense) of ``model``,
+#: with factors drawn away from their zero initialization.
+LORA = """
+for lora_layer in (model.get_layer("dense"), model.get_layer("emb"), model.get_layer("mha").query_dense):
+    lora_layer.enable_lora(2)
+lora_rng = np.random.default_rng(8)
+for lora_v in sorted((v for v in model.weights if "lora" in v.path), key=lambda v: v.path):
+    lora_v.assign(lora_rng.normal(size=lora_v.shape).astype("float32") * 0.5)
+"""
+
 #: The convolution kinds' rescaling tests (method §8), run on the JAX backend as they are on the TensorFlow one.
 RESCALINGS = ("test_conv_channel_rescaling_plain_and_grouped or test_transposed_conv_channel_rescaling or "
               "test_depthwise_conv_with_depth_multiplier_rescaling or test_separable_conv1d_depthwise_and_pointwise"
@@ -129,7 +140,7 @@ RESCALINGS = ("test_conv_channel_rescaling_plain_and_grouped or test_transposed_
 
 MODELS = BUILD + BUILD_RNN + BUILD_CONV + BUILD_CALLS
 
-JAX_SIDE = MODELS + """
+JAX_SIDE = MODELS + "LORA = " + repr(LORA) + """
 import normflat
 before = [np.array(v.value) for v in model.weights]
 out = {"backend": keras.backend.backend()}
@@ -141,12 +152,6 @@ for estimator in ("ggn", "exact"):
 measures = normflat.measures(model, (x, y), ["fisher_rao_norm", "adaptive_sharpness"], loss="ce", progress=False)
 out["measures"] = [measures["fisher_rao_norm"], measures["adaptive_sharpness"]]
 out["unchanged"] = all(np.array_equal(a, np.array(v.value)) for a, v in zip(before, model.weights))
-model.get_layer("dense").enable_lora(2)
-import warnings
-with warnings.catch_warnings(record=True):
-    warnings.simplefilter("always")
-    lora = normflat.analyze(model, (x, y), loss="ce", progress=False)
-out["lora_unsupported"] = lora.metadata["unsupported"]
 rnn = normflat.analyze(rnn_model, (rnn_x, rnn_y), loss="ce", progress=False)
 out["rnn"] = [rnn.metadata["coverage"], [[l.name, l.normalized_sharpness] for l in rnn.layers]]
 for estimator in ("ggn", "exact"):
@@ -170,6 +175,21 @@ try:
     normflat.analyze(half_model, (calls_x, calls_y), loss="ce", progress=False)
 except ValueError as err:
     out["half_error"] = str(err)
+# LoRA (Dense, Embedding, an attention projection) with the same factors as on TensorFlow; a grouped
+# convolution's LoRA refused with the reason.
+exec(LORA)
+lora = normflat.analyze(model, (x, y), loss="ce", progress=False)
+out["lora"] = [lora.metadata["coverage"], [[l.name, l.kind, l.normalized_sharpness] for l in lora.layers]]
+lora_in = keras.Input((6, 4))
+lora_conv = keras.layers.Conv1D(4, 3, groups=2, name="gconv")
+lora_model = keras.Model(lora_in, keras.layers.Dense(3)(keras.layers.Flatten()(lora_conv(lora_in))))
+lora_conv.enable_lora(2)
+import warnings
+with warnings.catch_warnings(record=True):
+    warnings.simplefilter("always")
+    lora_refused = normflat.analyze(lora_model, (np.ones((2, 6, 4), "float32"), np.array([0, 1])), loss="ce",
+                                    progress=False)
+out["lora_unsupported"] = lora_refused.metadata["unsupported"]
 # The Keras training callback, during a fit on this backend.
 from normflat.integrations.keras import SharpnessCallback
 rnn_model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -200,8 +220,6 @@ def test_keras_model_on_the_jax_backend_equals_the_tensorflow_backend():
     measures = normflat.measures(model, (x, y), ["fisher_rao_norm", "adaptive_sharpness"], loss="ce", progress=False)
     assert got["measures"] == pytest.approx([measures["fisher_rao_norm"], measures["adaptive_sharpness"]], rel=1e-3)
     assert got["unchanged"]
-    assert any(m.startswith("dense/") and "LoRA-enabled" in m and "KERAS_BACKEND=tensorflow" in m
-               for m in got["lora_unsupported"]), got["lora_unsupported"]
     # Recurrent layers: each gate of each cell kernel, in the same order; and the training callback ran.
     rnn = normflat.analyze(scope["rnn_model"], (scope["rnn_x"], scope["rnn_y"]), loss="ce", progress=False)
     coverage, layers = got["rnn"]
@@ -246,6 +264,18 @@ def test_keras_model_on_the_jax_backend_equals_the_tensorflow_backend():
     # Half-precision variables: refused, with the Keras advice (float32 copy, a mixed policy, TensorFlow).
     assert "layers whose variables are float16" in got["half_error"] and "set_weights" in got["half_error"]
     assert [row[0] for row in got["calls_untied"][2]] == ["emb", "mix", "emb/reverse"]  # the untied head too
+    # LoRA: the frozen kernels and both factors of each layer, as the TensorFlow backend reads them.
+    exec(LORA, scope)  # noqa: S102
+    want = normflat.analyze(model, (x, y), loss="ce", progress=False)
+    coverage, layers = got["lora"]
+    assert coverage == 1.0
+    assert sorted(row[0] for row in layers) == sorted(layer.name for layer in want.layers)
+    assert {"emb/lora_a", "mha/query/lora_b", "dense/lora_a"} <= {row[0] for row in layers}
+    for name, kind, sharpness in layers:
+        assert kind == want.layer(name).kind, name
+        assert sharpness == pytest.approx(want.layer(name).normalized_sharpness, rel=2e-4), name
+    assert any(m.startswith("gconv/") and "grouped convolution" in m for m in got["lora_unsupported"]), got[
+        "lora_unsupported"]
     # The perturbation measures draw their noise in the canonical layouts and apply it in the native ones.
     measures = normflat.measures(scope["conv_model"], (scope["conv_x"], scope["conv_y"]),
                                  ["fisher_rao_norm", "adaptive_sharpness"], loss="ce", progress=False)

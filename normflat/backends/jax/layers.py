@@ -499,8 +499,8 @@ def _register_keras(keras: Any) -> None:
 
     ``Dense`` ``(in, out)``, convolutions ``(*k, in/groups, out)``, ``Embedding`` ``(vocabulary,
     features)``, ``EinsumDense`` by its equation (so ``MultiHeadAttention``'s projections); the
-    normalization layers' scales and shifts are held fixed. A LoRA-enabled or quantized layer computes
-    its kernel from other variables in its call: refused here (the TensorFlow backend analyzes LoRA).
+    normalization layers' scales and shifts are held fixed. A LoRA-enabled layer gives its frozen kernel
+    and its two factors (as on the TensorFlow backend); a quantized layer is refused.
     """
     L = keras.layers
 
@@ -540,9 +540,21 @@ def _register_keras(keras: Any) -> None:
     for name in ("BatchNormalization", "LayerNormalization", "GroupNormalization", "RMSNormalization"):
         if hasattr(L, name):
             REGISTRY.register(getattr(L, name), IGNORE)
-    REGISTRY.register(_LoraOrQuantized, Unsupported(
-        "a LoRA-enabled or quantized Keras layer computes its kernel from other variables in its call; analyze "
-        "it on Keras' TensorFlow backend (KERAS_BACKEND=tensorflow), which reads its factors"))
+    REGISTRY.register(_Quantized, Unsupported(
+        "a quantized Keras layer's kernel is not a floating-point variable (its call computes it from integer "
+        "values and scales); analyze the float model"))
+    REGISTRY.register(_LoraRefused, Unsupported(
+        "a LoRA-enabled grouped convolution (its B factor mixes the groups) or LoRA on a layer kind without "
+        "LoRA factors in normflat (Dense, EinsumDense, Embedding and Conv1D/2D/3D have them) is not supported"))
+    # The factors of a LoRA-enabled layer (enable_lora), each the linear map it is (method §3, "LoRA
+    # adapters"), as the TensorFlow backend reads them; the frozen kernel takes the layer's own rule.
+    lora_leaf = lambda m: (m.leaf,)  # noqa: E731
+    REGISTRY.register(_LoraDense, LayerRule(
+        leaf=lora_leaf, layout=lambda m, shape: "canonical" if m.b_into_rank else "flax", kind="dense"))
+    REGISTRY.register(_LoraEmbedding, LayerRule(leaf=lora_leaf, kind="embedding"))
+    REGISTRY.register(_LoraConv, LayerRule(leaf=lora_leaf))
+    REGISTRY.register(_LoraEinsum, LayerRule(leaf=lora_leaf, layout=_einsum_axes("rank_equation"),
+                                             kind="einsum_dense"))
     # An untied ReversibleEmbedding's reverse projection (features, vocabulary): a dense kernel,
     # `name/reverse` (the table takes the Embedding rule), as the TensorFlow backend reads it.
     REGISTRY.register(_ReverseProjection, LayerRule(leaf="reverse_embeddings", kind="dense"))
@@ -1376,8 +1388,74 @@ class _KerasRefused:
         self.layer = layer
 
 
-class _LoraOrQuantized(_KerasRefused):
+class _Quantized(_KerasRefused):
     pass
+
+
+class _LoraRefused(_KerasRefused):
+    pass
+
+
+class _LoraFactor:
+    """One factor of a LoRA-enabled Keras layer (``enable_lora``: the kernel ``W + (α/r)·A·B``), the
+    owner of its variable for the registry (method §3, "LoRA adapters"): ``A`` has the kernel's axes but
+    the last, then the rank; ``B`` the rank, then the kernel's last axis.
+
+    Attributes:
+        leaf: The factor variable's name.
+        b_into_rank: For ``B``, whether the kernel's last axis is an input (``B`` maps it to the rank:
+            canonical ``(r, in)`` as stored; else ``(out, r)``).
+        rank_equation: For an ``EinsumDense``'s ``A``, the equation with the rank as the last axis.
+    """
+
+    def __init__(self, layer: Any, leaf: str, b_into_rank: bool = False, rank_equation: str | None = None) -> None:
+        self.layer, self.leaf, self.b_into_rank, self.rank_equation = layer, leaf, b_into_rank, rank_equation
+
+
+class _LoraDense(_LoraFactor):
+    """``A`` of a ``Dense`` ``(in, r)``, or any ``B``: a dense matrix."""
+
+
+class _LoraEmbedding(_LoraFactor):
+    """``A`` of an ``Embedding`` ``(vocabulary, r)``: a lookup of ``r`` features."""
+
+
+class _LoraConv(_LoraFactor):
+    """``A`` of a convolution ``(*k, in, r)``: a convolution with ``r`` output channels."""
+
+
+class _LoraEinsum(_LoraFactor):
+    """``A`` of an ``EinsumDense``: read by its rank equation."""
+
+
+def _lora_supported(layer: Any) -> bool:
+    """Whether normflat reads the LoRA factors of ``layer``'s kind (as the TensorFlow backend does)."""
+    L = sys.modules["keras"].layers
+    if isinstance(layer, (L.Conv1D, L.Conv2D, L.Conv3D)):
+        return int(getattr(layer, "groups", 1) or 1) == 1
+    return isinstance(layer, (L.Dense, L.EinsumDense, L.Embedding))
+
+
+def _lora(layer: Any, variable: Any) -> tuple[Any, str] | None:
+    """``(owner, name suffix)`` of a LoRA factor of a :func:`_lora_supported` ``layer`` (``None``:
+    ``variable`` is none; the frozen kernel and the bias take the layer's own rule), named ``/lora_a``
+    and ``/lora_b`` as on TensorFlow."""
+    from normflat.backends.keras_shared import rank_equation
+
+    L = sys.modules["keras"].layers
+    embedding = isinstance(layer, L.Embedding)
+    a = getattr(layer, "lora_embeddings_a" if embedding else "lora_kernel_a", None)
+    b = getattr(layer, "lora_embeddings_b" if embedding else "lora_kernel_b", None)
+    if variable is not a and variable is not b:
+        return None
+    leaf = variable.path.rpartition("/")[2]
+    equation, last_is_input = rank_equation(layer.equation) if isinstance(layer, L.EinsumDense) else (None, False)
+    if variable is b:
+        return _LoraDense(layer, leaf, b_into_rank=last_is_input), "/lora_b"
+    if equation is not None:
+        return _LoraEinsum(layer, leaf, rank_equation=equation), "/lora_a"
+    kind = _LoraEmbedding if embedding else _LoraDense if isinstance(layer, L.Dense) else _LoraConv
+    return kind(layer, leaf), "/lora_a"
 
 
 class _ReverseProjection:
@@ -1472,13 +1550,19 @@ def _hub_own(layer: Any, variable: Any) -> tuple[Any, str] | None:
 
 def _keras_owner(layer: Any, variable: Any) -> tuple[Any, str]:
     """The registry's view of the Keras layer holding ``variable``, and the suffix of the layer name it
-    is reported under: the layer; a refusal (a LoRA-enabled or quantized layer computes its kernel from
-    other variables); the reverse projection of an untied ``ReversibleEmbedding`` (``/reverse``); or
+    is reported under: the layer; a refusal (a quantized layer; LoRA on a grouped convolution or a kind
+    without LoRA factors); a LoRA factor (``/lora_a``, ``/lora_b``); the reverse projection of an untied ``ReversibleEmbedding`` (``/reverse``); or
     one part of a ``SeparableConv`` (``/depthwise``, ``/pointwise``, as the TensorFlow backend names
     them); one kernel of a keras-hub experts layer (``/gate``, ``/up``, ``/gate_up``, ``/down``); a
     weight a keras-hub layer multiplies by in its own call (``/<variable>``)."""
-    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
-        return _LoraOrQuantized(layer), ""
+    if getattr(layer, "quantization_mode", None):
+        return _Quantized(layer), ""
+    if getattr(layer, "lora_enabled", False):
+        if not _lora_supported(layer):
+            return _LoraRefused(layer), ""
+        lora = _lora(layer, variable)
+        if lora is not None:
+            return lora
     if variable is getattr(layer, "reverse_embeddings", None) and not getattr(layer, "tie_weights", True):
         return _ReverseProjection(layer), "/reverse"
     experts = _hub_experts(layer, variable) or _hub_own(layer, variable)

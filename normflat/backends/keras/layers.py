@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from normflat.backends.keras import compat
 from normflat.backends.keras.calls import recurrent_cell
-from normflat.backends.keras_shared import HUB_EXPERTS, HUB_OWN_WEIGHTS
+from normflat.backends.keras_shared import HUB_EXPERTS, HUB_OWN_WEIGHTS, rank_equation
 from normflat.engine.problems import ParameterStatus
 from normflat.engine.registry import (IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table,
                                       relative_bias_table)
@@ -302,22 +302,11 @@ def _einsum_weights(layer: Any) -> list[KerasWeight]:
     perm, rows, _ = einsum_layout(layer.equation, len(kernel.shape))
     weights = [KerasWeight(kernel, _einsum_canonical(perm, rows), "einsum_dense")]
     if is_lora(layer):
-        equation, last_is_input = _rank_equation(layer.equation)
+        equation, last_is_input = rank_equation(layer.equation)
         a_perm, a_rows, _ = einsum_layout(equation, len(kernel.shape))
         weights += _lora_factors(layer.lora_kernel_a, layer.lora_kernel_b, _einsum_canonical(a_perm, a_rows),
                                  "einsum_dense", b_into_rank=last_is_input)
     return weights
-
-
-def _rank_equation(equation: str) -> tuple[str, bool]:
-    """The ``EinsumDense`` equation of a LoRA ``A`` factor (the kernel's last axis replaced by the rank
-    axis, in the same role) and whether that axis is contracted with the input."""
-    text = equation.replace(" ", "")
-    lhs, out = text.split("->")
-    inp, ker = lhs.split(",")
-    last = ker[-1]
-    rank = next(c for c in "zyxwvutsrqponmlkjihgfedcba" if c not in text)
-    return f"{inp.replace(last, rank)},{ker[:-1] + rank}->{out.replace(last, rank)}", last in inp
 
 
 def _embedding_weights(layer: Any) -> list[KerasWeight]:
