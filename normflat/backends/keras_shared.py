@@ -30,8 +30,8 @@ from typing import Any
 import keras
 
 __all__ = ["HUB_EXPERTS", "HUB_OWN_WEIGHTS", "ModelState", "model_lock", "final_softmax", "full_precision_policies",
-           "logits_only", "rank_equation", "functional_class", "output_layer", "flatten_layers", "instance_attr", "set_instance_attr",
-           "del_instance_attr"]
+           "logits_only", "rank_equation", "functional_class", "output_layer", "flatten_layers", "instance_attr",
+           "set_instance_attr", "del_instance_attr"]
 
 _MISSING = object()
 

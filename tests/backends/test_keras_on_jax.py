@@ -18,8 +18,8 @@ normalization, pooling) at float32's accuracy also for float64 inputs, so the mo
 the tolerance is float32's. The JAX side also checks that the model's variables are left as they
 were, that ``normflat.measures`` runs, that LoRA-enabled layers (Dense, Embedding, an attention
 projection) give the TensorFlow backend's factors and numbers, and that a LoRA-enabled grouped
-convolution is reported unsupported with the reason. One layer is frozen (``trainable=False``): its kernel is analyzed in both, BatchNormalization's
-moving statistics are excluded in both.
+convolution is reported unsupported with the reason. One layer is frozen (``trainable=False``): its
+kernel is analyzed in both, BatchNormalization's moving statistics are excluded in both.
 """
 
 from __future__ import annotations

@@ -1551,10 +1551,11 @@ def _hub_own(layer: Any, variable: Any) -> tuple[Any, str] | None:
 def _keras_owner(layer: Any, variable: Any) -> tuple[Any, str]:
     """The registry's view of the Keras layer holding ``variable``, and the suffix of the layer name it
     is reported under: the layer; a refusal (a quantized layer; LoRA on a grouped convolution or a kind
-    without LoRA factors); a LoRA factor (``/lora_a``, ``/lora_b``); the reverse projection of an untied ``ReversibleEmbedding`` (``/reverse``); or
-    one part of a ``SeparableConv`` (``/depthwise``, ``/pointwise``, as the TensorFlow backend names
-    them); one kernel of a keras-hub experts layer (``/gate``, ``/up``, ``/gate_up``, ``/down``); a
-    weight a keras-hub layer multiplies by in its own call (``/<variable>``)."""
+    without LoRA factors); a LoRA factor (``/lora_a``, ``/lora_b``); the reverse projection of an untied
+    ``ReversibleEmbedding`` (``/reverse``); or one part of a ``SeparableConv`` (``/depthwise``,
+    ``/pointwise``, as the TensorFlow backend names them); one kernel of a keras-hub experts layer
+    (``/gate``, ``/up``, ``/gate_up``, ``/down``); a weight a keras-hub layer multiplies by in its own
+    call (``/<variable>``)."""
     if getattr(layer, "quantization_mode", None):
         return _Quantized(layer), ""
     if getattr(layer, "lora_enabled", False):
