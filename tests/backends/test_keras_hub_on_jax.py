@@ -6,8 +6,9 @@ layers): a BERT classifier (a nested backbone named as the TensorFlow backend na
 table, a mapping of named inputs); the experts layers of Mixtral, Qwen-MoE and GPT-OSS (separate,
 packed and alternating gate/up kernels, one matrix per expert and map) in a routed classifier;
 a DeBERTa-v3 classifier (its relative position table); and the matrices keras-hub layers multiply
-by in their own call (Qwen3.5's gated delta net's causal convolution, RWKV-7's low-rank maps, its
-``r_k`` held fixed with the same reason). Both backends give the same names, kinds, coverage 1
+by in their own call (RWKV-7's low-rank maps, its ``r_k`` held fixed with the same reason; Qwen3.5's
+gated delta net's causal convolution, compared as read, not analyzed: its analysis compiles for a
+minute on JAX). Both backends give the same names, kinds, coverage 1
 and numbers, at float32's agreement.
 """
 
@@ -88,13 +89,12 @@ moe_h = Qwen3_5GatedDeltaNet(hidden_size=6, linear_num_key_heads=1, linear_num_v
                              linear_value_head_dim=2, linear_conv_kernel_dim=3, name="delta")(moe_in)
 moe_delta = keras.Model(moe_in, keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling1D()(moe_h)))
 moe_rwkv = keras_hub.models.RWKV7CausalLM(keras_hub.models.RWKV7Backbone(
-    hidden_size=8, head_size=4, num_layers=2, vocabulary_size=11, intermediate_dim=16, gate_lora=3, mv_lora=2,
+    hidden_size=8, head_size=4, num_layers=1, vocabulary_size=11, intermediate_dim=16, gate_lora=3, mv_lora=2,
     aaa_lora=2, decay_lora=3), preprocessor=None)
 for moe_model in (moe_delta, moe_rwkv):
     moe_model.set_weights([moe_rng.normal(size=w.shape).astype("float32") * 0.5 for w in moe_model.get_weights()])
 moe_tokens = moe_rng.integers(1, 11, (2, 4)).astype("int32")
-moe_own = {"delta": (moe_delta, (moe_rng.normal(size=(2, 3, 6)).astype("float32"), moe_rng.integers(0, 3, 2))),
-           "rwkv": (moe_rwkv, ({"token_ids": moe_tokens, "padding_mask": np.ones((2, 4), "int32")},
+moe_own = {"rwkv": (moe_rwkv, ({"token_ids": moe_tokens, "padding_mask": np.ones((2, 4), "int32")},
                                np.concatenate([moe_tokens[:, 1:], np.full((2, 1), -100)], axis=1)))}
 """
 
@@ -112,6 +112,12 @@ for key, (moe_model, moe_data) in {**{k: (m, (moe_x, moe_y)) for k, m in moe_mod
     out["moe_" + key] = [moe.metadata["coverage"], moe.metadata["unsupported"],
                          [[l.name, l.kind, l.normalized_sharpness, l.hessian_trace] for l in moe.layers],
                          moe.metadata["excluded"]]
+from normflat.backends.jax.layers import make_view
+delta_view = make_view(moe_delta, np.zeros((2, 3, 6), "float32"), dtype=None, vmap=None, state=None, apply_kwargs={},
+                       layouts={})
+delta_conv = next(w for w in delta_view.weights if w.name == "delta/conv1d_kernel")
+out["delta_view"] = [[w.name for w in delta_view.weights], {w.name: w.kind for w in delta_view.weights},
+                     delta_conv.groups, np.asarray(delta_conv.to_canonical(delta_view.leaves[delta_conv.leaf])).tolist()]
 """
 
 
@@ -151,5 +157,17 @@ def test_keras_hub_models_on_the_jax_backend_equal_the_tensorflow_backend():
     names = [row[0] for row in got["moe_gpt_oss"][2]]
     assert "experts/gate_up.2.up" in names and "experts/down.0" in names
     assert "deberta_v3_backbone/rel_embedding" in [row[0] for row in got["moe_deberta"][2]]
-    assert ["delta/conv1d_kernel", "depthwise_conv1d"] in [row[:2] for row in got["moe_delta"][2]]
+    # Qwen3.5's gated delta net: its analysis on JAX compiles for a minute (its chunked scan), so its
+    # weights are compared as read (names, kinds, groups, the canonical convolution kernel), not analyzed.
+    from normflat.backends.keras.layers import walk
+
+    entries, unsupported, _ = walk(scope["moe_delta"], "warn", None)
+    assert unsupported == []
+    names, kinds, groups, canonical = got["delta_view"]
+    assert sorted(names) == sorted(e.name for e in entries)
+    conv = next(e for e in entries if e.name == "delta/conv1d_kernel")
+    channels = conv.variable.shape[0]
+    assert (kinds["delta/conv1d_kernel"], groups) == (conv.weight.kind, conv.weight.groups) == ("depthwise_conv1d",
+                                                                                               channels)
+    np.testing.assert_array_equal(np.asarray(canonical), np.expand_dims(conv.variable.numpy(), 1))
     assert any(row[0].endswith("/RWKV_TIME_MIX/a2") for row in got["moe_rwkv"][2])
