@@ -1381,11 +1381,16 @@ def _keras_layers(model: Any) -> list[tuple[Any, str]]:
     return [*found, (model, model.name)]
 
 
-class _KerasRefused:
-    """The owner of a Keras layer's variables that this backend refuses (:func:`_keras_owner`)."""
+class _KerasPart:
+    """What the registry sees as the owner of some of a Keras layer's variables, in place of the layer
+    (:func:`_keras_owner`): a refusal, or one of several weights the layer holds."""
 
     def __init__(self, layer: Any) -> None:
         self.layer = layer
+
+
+class _KerasRefused(_KerasPart):
+    """The owner of a Keras layer's variables that this backend refuses."""
 
 
 class _Quantized(_KerasRefused):
@@ -1458,20 +1463,14 @@ def _lora(layer: Any, variable: Any) -> tuple[Any, str] | None:
     return kind(layer, leaf), "/lora_a"
 
 
-class _ReverseProjection:
+class _ReverseProjection(_KerasPart):
     """The ``reverse_embeddings`` of an untied ``ReversibleEmbedding``, the owner of its variable for
     the registry (the layer itself owns the table)."""
 
-    def __init__(self, layer: Any) -> None:
-        self.layer = layer
 
-
-class _SeparablePart:
+class _SeparablePart(_KerasPart):
     """One of the two kernels of a Keras ``SeparableConv1D/2D`` (a depthwise, then a pointwise
     convolution), the owner of its variables for the registry."""
-
-    def __init__(self, layer: Any) -> None:
-        self.layer = layer
 
 
 class _SeparableDepthwise(_SeparablePart):
