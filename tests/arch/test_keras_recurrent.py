@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 import keras  # noqa: E402
 
 import normflat  # noqa: E402
+from tests.arch._keras_invariance import invariance_tolerance, jax_generic  # noqa: E402
 from tests.arch.test_keras_layers import (F64, RTOL, _assert_invariant, _clone, _randomize, _rng,  # noqa: E402
                                           _transposed, check_against)
 
@@ -204,7 +205,9 @@ def test_input_feature_rescaling_is_invariant(recurrent):
     proj.kernel.assign(proj.kernel.numpy() * c[None, :])
     proj.bias.assign(proj.bias.numpy() * c)
     rnn.kernel.assign(rnn.kernel.numpy() / c[:, None])
-    np.testing.assert_allclose(twin(x).numpy(), model(x).numpy(), rtol=1e-12)
+    rtol = invariance_tolerance(twin(x), model(x))
     before = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
-    assert all(layer.details["path"] == "fast" for layer in before.layers)
-    _assert_invariant(before, normflat.analyze(twin, (x, y), loss="ce", estimator="ggn", progress=False))
+    # On Keras' JAX backend the cell's kernels, used inside the traced scan, take the generic path.
+    assert all(layer.details["path"] == ("generic" if jax_generic("_cell/")(layer.name) else "fast")
+               for layer in before.layers), [(layer.name, layer.details["path"]) for layer in before.layers]
+    _assert_invariant(before, normflat.analyze(twin, (x, y), loss="ce", estimator="ggn", progress=False), rtol)

@@ -12,10 +12,10 @@ depthwise, separable, transposed); and models called as the TensorFlow backend c
 softmax stripped, a mixed precision layer computed in its variables' dtype, a subclassed model whose
 ``call`` takes no ``training``, an untied ``ReversibleEmbedding``; a half-precision model refused
 with the Keras advice). keras-hub models are in ``tests/backends/test_keras_hub_on_jax.py``. The
-rescaling tests of the convolution kinds (``tests/arch/test_keras_rescalings.py``) also run on the
-JAX backend, in float64. Keras' JAX backend computes some of its operations (``tanh``,
-normalization, pooling) at float32's accuracy also for float64 inputs, so the models are float32 and
-the tolerance is float32's. The JAX side also checks that the model's variables are left as they
+rescaling tests of every Keras layer kind run on the JAX backend in
+``tests/backends/test_keras_rescalings_on_jax.py``. Keras' JAX backend computes some of its operations
+(``tanh``, normalization, pooling) in float32 also for float64 inputs (its type promotion maps float64
+to float32), so the models here are float32 and the tolerance is float32's. The JAX side also checks that the model's variables are left as they
 were, that ``normflat.measures`` runs, that LoRA-enabled layers (Dense, Embedding, an attention
 projection) give the TensorFlow backend's factors and numbers, and that a LoRA-enabled grouped
 convolution is reported unsupported with the reason. One layer is frozen (``trainable=False``): its
@@ -23,10 +23,6 @@ kernel is analyzed in both, BatchNormalization's moving statistics are excluded 
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -132,11 +128,6 @@ lora_rng = np.random.default_rng(8)
 for lora_v in sorted((v for v in model.weights if "lora" in v.path), key=lambda v: v.path):
     lora_v.assign(lora_rng.normal(size=lora_v.shape).astype("float32") * 0.5)
 """
-
-#: The convolution kinds' rescaling tests (method §8), run on the JAX backend as they are on the TensorFlow one.
-RESCALINGS = ("test_conv_channel_rescaling_plain_and_grouped or test_transposed_conv_channel_rescaling or "
-              "test_depthwise_conv_with_depth_multiplier_rescaling or test_separable_conv1d_depthwise_and_pointwise"
-              " or test_einsum_dense_multi_axis_feature_rescaling")
 
 MODELS = BUILD + BUILD_RNN + BUILD_CONV + BUILD_CALLS
 
@@ -281,28 +272,3 @@ def test_keras_model_on_the_jax_backend_equals_the_tensorflow_backend():
                                  ["fisher_rao_norm", "adaptive_sharpness"], loss="ce", progress=False)
     assert got["conv_measures"] == pytest.approx([measures["fisher_rao_norm"], measures["adaptive_sharpness"]],
                                                  rel=1e-3)
-
-
-def test_keras_convolution_rescalings_hold_on_the_jax_backend():
-    """The rescaling tests of the convolution kinds (plain and grouped 1-D to 3-D, transposed 1-D to 3-D,
-    depthwise with a depth multiplier, separable) and of multi-axis ``EinsumDense`` kernels, run on Keras'
-    JAX backend in float64: the function unchanged, every normalized sharpness unchanged, the traces
-    moved, each layer on its fast rule (method §8)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    # Every analysis of the run must be the JAX backend's (not a TensorFlow fallback).
-    code = f"""
-import sys, keras, normflat, pytest
-assert keras.backend.backend() == "jax"
-analyze = normflat.analyze
-def on_jax(*args, **kwargs):
-    report = analyze(*args, **kwargs)
-    assert report.metadata["framework"] == "jax", report.metadata["framework"]
-    return report
-normflat.analyze = on_jax
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning",
-                      "tests/arch/test_keras_rescalings.py", "-k", {RESCALINGS!r}]))
-"""
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=root,
-        env=dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", JAX_ENABLE_X64="1"))
-    assert done.returncode == 0 and "9 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
