@@ -20,6 +20,7 @@ import pytest
 
 import normflat
 from normflat.engine import DETAIL_KEYS, METADATA_KEYS
+from normflat.engine.registry import IGNORED_REASON
 from tests import netspec
 from tests.builders import BUILDERS, load_builder
 
@@ -802,6 +803,11 @@ def test_metadata_and_details(builder):
     assert len(report.layers) == len(spec.weight_layers())
     for layer in report.layers:
         assert set(layer.details) >= set(DETAIL_KEYS), layer.name
+    # The batch normalizations' scales, shifts and running statistics (where the framework holds them
+    # as parameters or variables) are excluded with one reason in every framework, the head's bias as a bias.
+    reasons = meta["excluded"]
+    assert sum(1 for name, reason in reasons.items() if reason == IGNORED_REASON) >= 4
+    assert set(reasons.values()) == {IGNORED_REASON, "bias"}, reasons
 
 
 # ----------------------------------------------------------------------------- determinism

@@ -17,7 +17,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-__all__ = ["IGNORE", "Unsupported", "LayerRegistry", "Skipped", "warn_user", "excluded_reason",
+__all__ = ["IGNORE", "IGNORED_REASON", "Unsupported", "LayerRegistry", "Skipped", "warn_user", "excluded_reason",
            "relative_bias_table", "RELATIVE_BIAS_TABLES",
            "position_table", "ADDED_TABLE_NAMES", "POSITION_TABLE_NAMES"]
 
@@ -117,8 +117,13 @@ class _Ignore:
         return "IGNORE"
 
 
-#: Registered for types whose parameters are not weight matrices (method §9).
+#: Registered for types whose parameters are not weight matrices (normalization and activation
+#: layers; method §4).
 IGNORE: Any = _Ignore()
+
+#: Why a parameter of a layer registered as :data:`IGNORE` is excluded: one text in every backend,
+#: so that the same layer gets the same reason whatever the framework (method §4).
+IGNORED_REASON = "a normalization or activation layer's scale, shift or statistics, not a weight matrix"
 
 
 @dataclass(frozen=True)

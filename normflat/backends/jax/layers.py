@@ -44,8 +44,8 @@ from normflat.backends.jax.cache import LRU
 from normflat.backends.jax.compat import is_frozen_collection_error
 from normflat.engine.outputs import select_output
 from normflat.engine.problems import ParameterStatus
-from normflat.engine.registry import (IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table,
-                                      relative_bias_table)
+from normflat.engine.registry import (IGNORE, IGNORED_REASON, LayerRegistry, Skipped, Unsupported, excluded_reason,
+                                      position_table, relative_bias_table)
 
 __all__ = ["LayerRule", "Axes", "REGISTRY", "register_layer", "registered_layers", "ModelView", "WeightInfo",
            "make_view", "LAYOUT_ALIASES", "path_str", "pick_dtype", "to_canonical", "to_native",
@@ -450,6 +450,7 @@ def _load_builtins() -> None:
         REGISTRY.register(nn.GRUCell, LayerRule(leaf=("weight_ih", "weight_hh"), layout="canonical",
                                                 kind="recurrent", gates=("r", "z", "n")))
         _ignore_norms(nn)
+        REGISTRY.register(nn.State, IGNORE)  # the running statistics of stateful layers
     nnx = sys.modules.get("flax.nnx")
     if nnx is not None and "flax.nnx" not in _BUILTINS_LOADED:
         _BUILTINS_LOADED.add("flax.nnx")
@@ -608,7 +609,7 @@ def _register_flax(api: Any, dense: type, embed: type) -> None:
 
 
 def _ignore_norms(api: Any) -> None:
-    """Normalization layers: their scales and shifts never enter the measures (method §9)."""
+    """Normalization layers: their scales and shifts never enter the measures (method §4)."""
     for name in ("LayerNorm", "BatchNorm", "GroupNorm", "RMSNorm"):
         if hasattr(api, name):
             REGISTRY.register(getattr(api, name), IGNORE)
@@ -863,7 +864,6 @@ def _output_key(output: Any) -> Any:
 
 _PAIR_REASON = ("a parameter leaf of an (apply_fn, params) model not named 'kernel'; declare its layout with "
                 "layouts={path: 'out,in,*k' or '*k,in,out'}")
-_NORM_REASON = "a normalization layer's scale or shift (held fixed, method §9)"
 _RULE_REASON = "a parameter of a recognised layer that is not its weight (held fixed)"
 
 
@@ -935,8 +935,8 @@ def _select_weights(view: ModelView, owners: dict, layouts: dict, parents: dict 
         owner = owners[path]
         entry = REGISTRY.lookup(owner) if owner is not None else None
         if entry is IGNORE:
-            mark(path, leaf, "excluded", _NORM_REASON)
-            continue  # normalization layers: their parameters are held fixed (method §9)
+            mark(path, leaf, "excluded", IGNORED_REASON)
+            continue  # normalization layers: their parameters are held fixed (method §4)
         if isinstance(entry, LayerRule):
             relative = relative_bias_table(name) if entry.kind_of(np.ndim(leaf)) == "embedding" else None
             if relative is not None:  # T5's relative_attention_bias: added to the scores (method §3)
@@ -1127,7 +1127,7 @@ def _equinox(model, x0, dtype, vmap, state, invoke):
     dtype = dtype or pick_dtype([a for _, a in flat])
     leaves = [_as(a, dtype) for _, a in flat]
     st_leaves, st_def = jax.tree_util.tree_flatten(_cast(state, dtype)) if state is not None else ([], None)
-    owners = {path: _walk(model, p[:-1]) for (p, _), path in zip(flat, paths)}
+    owners = {path: _equinox_owner(model, p) for (p, _), path in zip(flat, paths)}
     parents = {path: (_walk(model, p[:-2]), path_str(p[-2:-1])) for (p, _), path in zip(flat, paths) if len(p) >= 2}
 
     def call(leaves, extra, x):
@@ -1167,6 +1167,22 @@ def _equinox(model, x0, dtype, vmap, state, invoke):
     view.struct = None if struct is None else struct + (vmap,)
     view.struct_refs = refs + [static]
     return view, owners, parents
+
+
+def _equinox_owner(model: Any, keys: tuple) -> Any:
+    """The module an equinox leaf belongs to: the object holding it, except for the running statistics
+    of a stateful layer (BatchNorm's mean and variance), which belong to that layer where its
+    ``eqx.nn.StateIndex`` holds their initial values, or to the ``eqx.nn.State`` holding them (both
+    registered as ignored: excluded with the normalization layers' reason)."""
+    import equinox as eqx
+
+    for depth in range(len(keys) - 1, 0, -1):
+        node = _walk(model, keys[:depth])
+        if isinstance(node, eqx.nn.StateIndex):
+            return _walk(model, keys[:depth - 1])
+        if isinstance(node, eqx.nn.State):
+            return node
+    return _walk(model, keys[:-1])
 
 
 def _call_signature_error(err: Exception) -> bool:

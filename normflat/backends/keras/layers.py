@@ -27,8 +27,8 @@ from normflat.backends.keras import compat
 from normflat.backends.keras.calls import recurrent_cell
 from normflat.backends.keras_shared import HUB_EXPERTS, HUB_OWN_WEIGHTS, rank_equation
 from normflat.engine.problems import ParameterStatus
-from normflat.engine.registry import (IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table,
-                                      relative_bias_table)
+from normflat.engine.registry import (IGNORE, IGNORED_REASON, LayerRegistry, Skipped, Unsupported, excluded_reason,
+                                      position_table, relative_bias_table)
 
 __all__ = [
     "KerasWeight",
@@ -504,7 +504,7 @@ def _register_builtins() -> None:
         for name in names:
             if hasattr(L, name):
                 register_layer(getattr(L, name), extractor)
-    # Normalization parameters never enter the measures (method §9).
+    # Normalization parameters never enter the measures (method §4).
     for name in ("BatchNormalization", "LayerNormalization", "GroupNormalization", "RMSNormalization",
                  "UnitNormalization", "Normalization", "SpectralNormalization"):
         if hasattr(L, name):
@@ -700,8 +700,6 @@ def _shape(variable: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in variable.shape)
 
 
-#: Why the parameters of a normalization layer (registered as IGNORE) are not weight matrices.
-NORMALIZATION_REASON = "a normalization layer's scale, shift or statistics, not a weight matrix"
 
 
 class _Inventory:
@@ -801,7 +799,7 @@ def walk(model: Any, on_unsupported: str,
             if entry is IGNORE:
                 for v in child.weights:
                     if v not in inventory:
-                        inventory.set(v, "excluded", NORMALIZATION_REASON)
+                        inventory.set(v, "excluded", IGNORED_REASON)
                 continue
             if isinstance(entry, Unsupported):
                 skipped.add(name, child, entry.reason)
@@ -863,6 +861,13 @@ def walk(model: Any, on_unsupported: str,
                     entries.append(Entry(name + w.suffix, child, w, fast, reason))
                     by_variable[id(w.variable)] = entries[-1]
                     inventory.set(w.variable, "analyzed")
+                # The normalization layers inside it (DeBERTa's relative table's LayerNormalization):
+                # excluded as such, as on every backend.
+                for inner in compat.flatten_layers(child):
+                    if REGISTRY.lookup(inner) is IGNORE:
+                        for v in inner.weights:
+                            if v not in inventory:
+                                inventory.set(v, "excluded", IGNORED_REASON)
                 for v in child.weights:  # its other weights: biases by definition, or skipped
                     if v not in inventory:
                         reason_v = excluded_reason(v.path, _shape(v))

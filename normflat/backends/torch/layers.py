@@ -26,8 +26,8 @@ from normflat.backends.torch.ggn import (
     weight_normalization)
 from normflat.engine.options import GGN_ESTIMATORS, AnalysisOptions
 from normflat.engine.problems import LayerSpec, ParameterStatus
-from normflat.engine.registry import (IGNORE, LayerRegistry, Skipped, Unsupported, excluded_reason, position_table,
-                                      relative_bias_table)
+from normflat.engine.registry import (IGNORE, IGNORED_REASON, LayerRegistry, Skipped, Unsupported, excluded_reason,
+                                      position_table, relative_bias_table)
 
 __all__ = [
     "LayerExtractor",
@@ -286,7 +286,7 @@ def _register_builtins() -> None:
     for cls, kind in ((nn.LSTM, "lstm"), (nn.GRU, "gru"), (nn.RNN, "rnn")):
         register_layer(cls, kind=kind, weights=_recurrent_weights)
     register_layer(nn.RNNBase, unsupported="a recurrent layer type other than nn.RNN, nn.LSTM and nn.GRU")
-    # Normalization and activation parameters never enter the measures (method §9).
+    # Normalization and activation parameters never enter the measures (method §4).
     ignored = [compat.NORM_BASE, nn.LayerNorm, nn.GroupNorm, nn.PReLU]
     if hasattr(nn, "RMSNorm"):
         ignored.append(nn.RMSNorm)
@@ -491,7 +491,6 @@ def computing_copy(model: nn.Module) -> nn.Module:
 #: Extractor of learned position tables held as loose parameters (method §3, "Position tables";
 #: the fast rule, method §6.1: the session runs the model with the table expanded over the batch).
 POSITION_TABLE = LayerExtractor(kind="position_embedding", ggn_squares=position_table_squares)
-_NORM_REASON = "a normalization or activation parameter, not a weight matrix"
 
 
 def _position_convert(shape: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -641,7 +640,7 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
         entry = REGISTRY.lookup(module)
         if entry is IGNORE:
             for p in module.parameters(recurse=False):
-                walk.mark(p, "excluded", _NORM_REASON)
+                walk.mark(p, "excluded", IGNORED_REASON)
             continue
         if isinstance(entry, Unsupported):
             if any(True for _ in module.parameters()):
