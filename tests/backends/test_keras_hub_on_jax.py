@@ -8,7 +8,8 @@ packed and alternating gate/up kernels, one matrix per expert and map) in a rout
 a DeBERTa-v3 classifier (its relative position table); and the matrices keras-hub layers multiply
 by in their own call (RWKV-7's low-rank maps, its ``r_k`` held fixed with the same reason; Qwen3.5's
 gated delta net's causal convolution, compared as read, not analyzed: its analysis compiles for a
-minute on JAX). Both backends give the same names, kinds, coverage 1
+minute on JAX); T5's attention (its relative-position bias table excluded with the same reason, it
+was skipped as unsupported on JAX). Both backends give the same names, kinds, coverage 1
 and numbers, at float32's agreement.
 """
 
@@ -27,6 +28,7 @@ require_frameworks("keras", "tensorflow", "jax", "keras_hub")
 import keras  # noqa: E402
 
 import normflat  # noqa: E402
+from normflat.engine.registry import RELATIVE_BIAS_REASON  # noqa: E402
 
 #: A keras-hub BERT classifier (a nested backbone, named inputs, a position table), ``hub_*`` names.
 BUILD_HUB = """
@@ -98,6 +100,25 @@ for moe_model in (moe_delta, moe_rwkv):
 moe_tokens = moe_rng.integers(1, 11, (2, 4)).astype("int32")
 moe_own = {"rwkv": (moe_rwkv, ({"token_ids": moe_tokens, "padding_mask": np.ones((2, 4), "int32")},
                                np.concatenate([moe_tokens[:, 1:], np.full((2, 1), -100)], axis=1)))}
+# keras-hub T5's attention, holding its relative-position bias table as `relative_attention_bias`.
+from keras_hub.src.models.t5.t5_multi_head_attention import T5MultiHeadAttention
+
+
+class T5Attending(keras.Model):
+    def __init__(self):
+        super().__init__(name="t5_attending")
+        self.attention = T5MultiHeadAttention(is_decoder=False, hidden_dim=6, key_value_dim=2, num_heads=2,
+                                              dropout=0.0, use_relative_attention_bias=True, name="t5_attention")
+        self.head = keras.layers.Dense(3, name="head")
+
+    def call(self, x):
+        return self.head(ops.mean(self.attention(x)[0], axis=1))  # (output, position bias, cache)
+
+
+moe_t5 = T5Attending()
+moe_t5(np.zeros((1, 4, 6), "float32"))
+moe_t5.set_weights([moe_rng.normal(size=w.shape).astype("float32") * 0.5 for w in moe_t5.get_weights()])
+moe_own["t5"] = (moe_t5, (moe_rng.normal(size=(3, 4, 6)).astype("float32"), moe_rng.integers(0, 3, 3)))
 """
 
 MODELS = BUILD_HUB + BUILD_MOE
@@ -181,3 +202,5 @@ def test_keras_hub_models_on_the_jax_backend_equal_the_tensorflow_backend():
                                                                                                channels)
     np.testing.assert_array_equal(np.asarray(canonical), np.expand_dims(conv.variable.numpy(), 1))
     assert any(row[0].endswith("/RWKV_TIME_MIX/a2") for row in got["moe_rwkv"][2])
+    # T5's relative-position bias table: excluded (added to the scores), not skipped as unsupported.
+    assert got["moe_t5"][3]["t5_attention/embeddings"] == RELATIVE_BIAS_REASON

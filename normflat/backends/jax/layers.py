@@ -1570,7 +1570,7 @@ def _keras_owner(layer: Any, variable: Any) -> tuple[Any, str]:
     ``ReversibleEmbedding`` (``/reverse``); or one part of a ``SeparableConv`` (``/depthwise``,
     ``/pointwise``, as the TensorFlow backend names them); one kernel of a keras-hub experts layer
     (``/gate``, ``/up``, ``/gate_up``, ``/down``); a weight a keras-hub layer multiplies by in its own
-    call (``/<variable>``)."""
+    call (``/<variable>``); a relative-position bias table held by its layer (keras-hub's T5), excluded."""
     if getattr(layer, "quantization_mode", None):
         return _Quantized(layer), ""
     if getattr(layer, "lora_enabled", False):
@@ -1584,6 +1584,12 @@ def _keras_owner(layer: Any, variable: Any) -> tuple[Any, str]:
     experts = _hub_experts(layer, variable) or _hub_own(layer, variable)
     if experts is not None:
         return experts
+    attributes = [k for k, v in vars(layer).items() if v is variable]
+    if len(attributes) == 1 and relative_bias_table(attributes[0]) is not None:
+        # keras-hub's T5 holds its relative-position bias table as `relative_attention_bias`: added to
+        # the scores, no weight matrix (method §3), as on the TensorFlow backend.
+        leaf = variable.path.rpartition("/")[2]
+        return _HubOwnExcluded(layer, leaf, excluded_because=relative_bias_table(attributes[0])), ""
     L = sys.modules["keras"].layers
     if isinstance(layer, (L.SeparableConv1D, L.SeparableConv2D)):
         if variable is getattr(layer, "depthwise_kernel", None):
