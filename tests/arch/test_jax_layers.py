@@ -797,6 +797,87 @@ def test_invariance_nnx_shared_layers_conjugated():
             before.layer(name).hessian_trace)
 
 
+class NnxRelative(nnx.Module):
+    """A projection applied to the activations and to a table the data does not reach, as DeBERTa's
+    query and key projections are to its relative-position embeddings: ``q = proj(inp(x))`` per token,
+    ``r = proj(rel(arange(T)))`` (every row of the table), the scores ``tanh(q_t · r_t)`` to the head."""
+
+    def __init__(self, rngs):
+        self.inp = nnx.Linear(2, 4, param_dtype=F64, rngs=rngs)
+        self.rel = nnx.Embed(6, 4, param_dtype=F64, rngs=rngs)
+        self.proj = nnx.Linear(4, 4, param_dtype=F64, rngs=rngs)
+        self.head = nnx.Linear(6, 3, param_dtype=F64, rngs=rngs)
+
+    def __call__(self, x):  # x: (n, 6, 2)
+        q = self.proj(self.inp(x))
+        r = self.proj(self.rel(jnp.arange(6)))  # (6, 4): the same for every sample
+        return self.head(jnp.tanh(jnp.einsum("...td,td->...t", q, r)))
+
+
+class NnxConstantOnly(nnx.Module):
+    """A layer applied to a constant only, its output added to the logits: a learned offset, not a map
+    of the activations."""
+
+    def __init__(self, rngs):
+        self.inp = nnx.Linear(2, 3, param_dtype=F64, rngs=rngs)
+        self.offset = nnx.Linear(4, 3, use_bias=False, param_dtype=F64, rngs=rngs)
+
+    def __call__(self, x):  # x: (n, 6, 2)
+        return self.inp(x.mean(-2)) + self.offset(jnp.linspace(-1.0, 1.0, 4, dtype=F64))
+
+
+def _relative_data():
+    g = np.random.default_rng(12)
+    return jnp.asarray(g.normal(size=(5, 6, 2))), jnp.asarray(g.integers(0, 3, size=5))
+
+
+def test_projection_also_applied_to_a_table_the_data_does_not_reach():
+    """The projection's product with the table's rows is one more use of a weight used several times
+    (method §6.1, "Tied weights"): it takes the fast rule (it took the generic path, as DeBERTa-v3's
+    query and key projections on Keras' JAX backend), and every diagonal equals brute force and the
+    generic path (``ggn``, ``ggn-mc``, chunks of 2). A weight multiplied by such values only (a
+    penalty, not a layer) is not tapped."""
+    model = NnxRelative(nnx.Rngs(4))
+    x, y = _relative_data()
+    report = normflat.analyze(model, (x, y), estimator="ggn", progress=False)
+    assert {layer.name: layer.details["path"] for layer in report.layers} == {
+        "inp": "fast", "rel": "fast", "proj": "fast", "head": "fast"}
+    want = ref_ggn(model, x, y, "nsce")
+    brute = {"inp": canon(want["inp/kernel"], "flax"), "proj": canon(want["proj/kernel"], "flax"),
+             "rel": canon(want["rel/embedding"], "flax"), "head": canon(want["head/kernel"], "flax")}
+    for kw in (dict(estimator="ggn"), dict(estimator="ggn", chunk_size=2), dict(estimator="ggn-mc", samples=3, seed=2)):
+        fast = _hd(model, (x, y), **kw)
+        generic = _hd(model, (x, y), fast=False, **kw)
+        for name in fast:
+            assert_close(fast[name], generic[name])
+            if kw["estimator"] == "ggn":
+                assert_close(fast[name], brute[name])
+    offset = NnxConstantOnly(nnx.Rngs(5))
+    report = normflat.analyze(offset, (x, y), estimator="ggn", progress=False)
+    assert report.layer("offset").details["path"] == "generic" and report.layer("inp").details["path"] == "fast"
+    want = ref_ggn(offset, x, y, "nsce")
+    assert_close(_hd(offset, (x, y), estimator="ggn")["offset"], canon(want["offset/kernel"], "flax"))
+
+
+def test_invariance_projection_also_applied_to_a_table():
+    """Feature j entering the projection times c_j from both sides, the input layer's output column
+    (and bias) and the table's feature j, the projection's input row j times 1/c_j: the same function,
+    every normalized sharpness unchanged (the projection on its fast rule), the traces moved."""
+    model = NnxRelative(nnx.Rngs(4))
+    other = nnx.clone(model)
+    c = jnp.asarray([2.0, 0.5, 3.0, 0.25])
+    other.inp.kernel[...] = other.inp.kernel[...] * c
+    other.inp.bias[...] = other.inp.bias[...] * c
+    other.rel.embedding[...] = other.rel.embedding[...] * c
+    other.proj.kernel[...] = other.proj.kernel[...] / c[:, None]
+    x, y = _relative_data()
+    before, after = _assert_invariant(model, other, (x, y), model, other)
+    for name in ("inp", "rel", "proj"):
+        assert before.layer(name).details["path"] == after.layer(name).details["path"] == "fast"
+        assert abs(before.layer(name).hessian_trace - after.layer(name).hessian_trace) > 1e-3 * abs(
+            before.layer(name).hessian_trace), name
+
+
 # ----------------------------------------------------------------------------- weight normalization (method §3)
 
 

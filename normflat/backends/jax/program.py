@@ -478,6 +478,7 @@ def _analyse(prog: Program, n_weights: int) -> None:
     first_use = [np.inf] * n_weights
     weight_uses: list[list] = [[] for _ in range(n_weights)]
     candidates: dict[int, list] = {}
+    constant_uses: dict[int, list] = {}  # products with values the data does not reach
     blocked: set[int] = set()
     for i, op in enumerate(prog.ops):
         refs = [a[1] for a in op.ins if a[0] == "ref"]
@@ -510,11 +511,17 @@ def _analyse(prog: Program, n_weights: int) -> None:
             if (name in _TAP_PRIMS and len(w_ins) == 1 and is_data and len(op.ins) == 2
                     and op.ins[1 - pos][1] not in derived):
                 candidates.setdefault(k, []).append((i, pos, chain, None))
+            elif (name == "dot_general" and len(w_ins) == 1 and not is_data and len(op.ins) == 2
+                  and op.ins[1 - pos][0] == "ref" and op.ins[1 - pos][1] not in derived):
+                # A product with a value the data does not reach (DeBERTa's query and key projections
+                # applied to its relative-position table as well as to the activations): one more
+                # use, kept only if the weight is also used on the activations (a tied weight).
+                constant_uses.setdefault(k, []).append((i, pos, chain, None))
             elif lookup is not None and len(w_ins) == 1 and pos == 0:
                 candidates.setdefault(k, []).append((i, pos, chain, lookup))
             else:
                 blocked.add(k)
-        if not is_data and w_ins and lookup is None:
+        if not is_data and w_ins and lookup is None and not (name == "dot_general" and len(w_ins) == 1):
             # A weight combined with constants only, e.g. a regularizer: not a plain layer.
             for _, (k, _) in w_ins:
                 blocked.add(k)
@@ -524,6 +531,11 @@ def _analyse(prog: Program, n_weights: int) -> None:
         reached = table.get(a[1], derived.get(a[1])) if a[0] == "ref" else None
         if reached is not None:
             ends[reached[0]].append((-1, 0, reached[1]))
+    for k, extra in constant_uses.items():
+        if k in candidates:
+            candidates[k] = sorted(candidates[k] + extra, key=lambda c: c[0])
+        else:  # a weight applied to constants only (a regularizer): not a layer
+            blocked.add(k)
     for k, cands in candidates.items():
         if k in blocked:
             continue
