@@ -700,8 +700,6 @@ def _shape(variable: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in variable.shape)
 
 
-
-
 class _Inventory:
     """Every variable of the model, once, with what became of it (method §3, ``ParameterStatus``)."""
 
