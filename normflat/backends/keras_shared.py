@@ -29,11 +29,18 @@ from typing import Any
 
 import keras
 
-__all__ = ["HUB_EXPERTS", "HUB_OWN_WEIGHTS", "ModelState", "model_lock", "final_softmax", "full_precision_policies",
-           "logits_only", "rank_equation", "functional_class", "output_layer", "flatten_layers", "instance_attr",
-           "set_instance_attr", "del_instance_attr"]
+__all__ = ["HUB_EXPERTS", "HUB_OWN_WEIGHTS", "KERAS_IGNORED_LAYERS", "ModelState", "model_lock", "final_softmax",
+           "full_precision_policies", "logits_only", "rank_equation", "functional_class", "output_layer",
+           "flatten_layers", "instance_attr", "set_instance_attr", "del_instance_attr"]
 
 _MISSING = object()
+
+#: The ``keras.layers`` classes whose weights never enter the measures, on both Keras paths (method §4):
+#: normalization layers (their scales, shifts and statistics) and ``PReLU`` (its slopes: one per input
+#: entry unless ``shared_axes`` says otherwise, so a matrix's shape after a convolution), as
+#: PyTorch's ``nn.PReLU``.
+KERAS_IGNORED_LAYERS = ("BatchNormalization", "LayerNormalization", "GroupNormalization", "RMSNormalization",
+                        "UnitNormalization", "Normalization", "SpectralNormalization", "PReLU")
 
 #: keras-hub's experts layers (every expert on every token, weighted by the routing), read by both
 #: Keras paths (method §3, "Mixture-of-experts layers"): per class, its stacked kernels

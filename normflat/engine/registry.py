@@ -123,7 +123,7 @@ IGNORE: Any = _Ignore()
 
 #: Why a parameter of a layer registered as :data:`IGNORE` is excluded: one text in every backend,
 #: so that the same layer gets the same reason whatever the framework (method §4).
-IGNORED_REASON = "a normalization or activation layer's scale, shift or statistics, not a weight matrix"
+IGNORED_REASON = "a normalization or activation layer's scale, shift, statistics or slope, not a weight matrix"
 
 
 @dataclass(frozen=True)

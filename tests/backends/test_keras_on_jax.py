@@ -19,7 +19,8 @@ to float32), so the models here are float32 and the tolerance is float32's. The 
 were, that ``normflat.measures`` runs, that LoRA-enabled layers (Dense, Embedding, an attention
 projection) give the TensorFlow backend's factors and numbers, and that a LoRA-enabled grouped
 convolution is reported unsupported with the reason. One layer is frozen (``trainable=False``): its
-kernel is analyzed in both, BatchNormalization's moving statistics are excluded in both.
+kernel is analyzed in both, BatchNormalization's moving statistics and a PReLU's slopes are excluded
+in both, with the same reasons.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ h = keras.layers.Embedding(11, 8, name="emb")(ids)
 h = h + keras.layers.MultiHeadAttention(2, 4, name="mha")(h, h)
 h = keras.layers.LayerNormalization(name="norm")(h)
 h = keras.layers.Conv1D(6, 3, padding="same", activation="tanh", name="conv")(h)
+h = keras.layers.PReLU(name="prelu")(h)  # slopes (5, 6), one per input entry: held fixed with the norms' reason
 h = keras.layers.BatchNormalization(name="bn")(h)
 h = keras.layers.Dense(7, activation="tanh", name="dense")(h)
 model = keras.Model(ids, keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling1D()(h)))

@@ -500,9 +500,11 @@ def _register_keras(keras: Any) -> None:
 
     ``Dense`` ``(in, out)``, convolutions ``(*k, in/groups, out)``, ``Embedding`` ``(vocabulary,
     features)``, ``EinsumDense`` by its equation (so ``MultiHeadAttention``'s projections); the
-    normalization layers' scales and shifts are held fixed. A LoRA-enabled layer gives its frozen kernel
-    and its two factors (as on the TensorFlow backend); a quantized layer is refused.
+    normalization layers' scales and shifts and PReLU's slopes are held fixed. A LoRA-enabled layer gives
+    its frozen kernel and its two factors (as on the TensorFlow backend); a quantized layer is refused.
     """
+    from normflat.backends.keras_shared import KERAS_IGNORED_LAYERS  # imports Keras: loaded only with it
+
     L = keras.layers
 
     REGISTRY.register(L.Dense, LayerRule(kind="dense"))
@@ -538,7 +540,7 @@ def _register_keras(keras: Any) -> None:
     for cell, gates in ((L.LSTMCell, ("i", "f", "c", "o")), (L.GRUCell, ("z", "r", "h")), (L.SimpleRNNCell, None)):
         REGISTRY.register(cell, LayerRule(leaf=("kernel", "recurrent_kernel"), layout="flax", kind="recurrent",
                                           gates=gates))
-    for name in ("BatchNormalization", "LayerNormalization", "GroupNormalization", "RMSNormalization"):
+    for name in KERAS_IGNORED_LAYERS:
         if hasattr(L, name):
             REGISTRY.register(getattr(L, name), IGNORE)
     REGISTRY.register(_Quantized, Unsupported(
@@ -609,8 +611,8 @@ def _register_flax(api: Any, dense: type, embed: type) -> None:
 
 
 def _ignore_norms(api: Any) -> None:
-    """Normalization layers: their scales and shifts never enter the measures (method §4)."""
-    for name in ("LayerNorm", "BatchNorm", "GroupNorm", "RMSNorm"):
+    """Normalization layers and PReLU: their scales, shifts and slopes never enter the measures (method §4)."""
+    for name in ("LayerNorm", "BatchNorm", "GroupNorm", "RMSNorm", "PReLU"):
         if hasattr(api, name):
             REGISTRY.register(getattr(api, name), IGNORE)
 

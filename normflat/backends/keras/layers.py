@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from normflat.backends.keras import compat
 from normflat.backends.keras.calls import recurrent_cell
-from normflat.backends.keras_shared import HUB_EXPERTS, HUB_OWN_WEIGHTS, rank_equation
+from normflat.backends.keras_shared import HUB_EXPERTS, HUB_OWN_WEIGHTS, KERAS_IGNORED_LAYERS, rank_equation
 from normflat.engine.problems import ParameterStatus
 from normflat.engine.registry import (IGNORE, IGNORED_REASON, LayerRegistry, Skipped, Unsupported, excluded_reason,
                                       position_table, relative_bias_table)
@@ -504,9 +504,9 @@ def _register_builtins() -> None:
         for name in names:
             if hasattr(L, name):
                 register_layer(getattr(L, name), extractor)
-    # Normalization parameters never enter the measures (method §4).
-    for name in ("BatchNormalization", "LayerNormalization", "GroupNormalization", "RMSNormalization",
-                 "UnitNormalization", "Normalization", "SpectralNormalization"):
+    # Normalization and activation parameters never enter the measures (method §4): PReLU's slopes
+    # (one per input entry by default, so shaped like a matrix after a convolution) as in PyTorch.
+    for name in KERAS_IGNORED_LAYERS:
         if hasattr(L, name):
             register_layer(getattr(L, name), IGNORE)
 
