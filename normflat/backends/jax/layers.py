@@ -1343,6 +1343,12 @@ def _keras(model, dtype, invoke, strip_softmax=True):
             if v.path not in owners:
                 owners[v.path], suffix = _keras_owner(layer, v)
                 names[v.path] = name + suffix
+    for layer, _ in _keras_layers(model):
+        if REGISTRY.lookup(layer) is IGNORE:
+            # Every variable inside an ignored layer is held fixed with it (SpectralNormalization's
+            # wrapped kernel and bias), as the TensorFlow backend holds them.
+            for v in layer.weights:
+                owners[v.path] = layer
 
     variables = trainable + frozen
     order = order_t + order_n
