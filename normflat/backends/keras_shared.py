@@ -31,7 +31,7 @@ import keras
 
 __all__ = ["HUB_EXPERTS", "HUB_OWN_WEIGHTS", "KERAS_IGNORED_LAYERS", "ModelState", "model_lock", "final_softmax",
            "full_precision_policies", "logits_only", "rank_equation", "functional_class", "output_layer",
-           "flatten_layers", "instance_attr", "set_instance_attr", "del_instance_attr"]
+           "flatten_layers", "holding_attribute", "instance_attr", "set_instance_attr", "del_instance_attr"]
 
 _MISSING = object()
 
@@ -110,6 +110,13 @@ def output_layer(model: Any) -> Any | None:
     """
     history = getattr(model.outputs[0], "_keras_history", None)
     return None if history is None else history[0]
+
+
+def holding_attribute(layer: Any, value: Any) -> str | None:
+    """The one instance attribute of ``layer`` that holds ``value`` (a variable or a sub-layer; ``None``:
+    none, or several)."""
+    names = [k for k, v in vars(layer).items() if v is value]
+    return names[0] if len(names) == 1 else None
 
 
 def instance_attr(obj: Any, attr: str) -> Any:

@@ -1337,13 +1337,14 @@ def _keras(model, dtype, invoke, strip_softmax=True):
     order_t, order_n = [slot[id(v)] for v in trainable], [slot[id(v)] for v in frozen]
     owners: dict[str, Any] = {}
     names: dict[str, str] = {}
-    for layer, name in _keras_layers(model):
+    layers = _keras_layers(model)
+    for layer, name in layers:
         own = [*getattr(layer, "_trainable_variables", []), *getattr(layer, "_non_trainable_variables", [])]
         for v in own:
             if v.path not in owners:
                 owners[v.path], suffix = _keras_owner(layer, v)
                 names[v.path] = name + suffix
-    for layer, _ in _keras_layers(model):
+    for layer, _ in layers:
         if REGISTRY.lookup(layer) is IGNORE:
             # Every variable inside an ignored layer is held fixed with it (SpectralNormalization's
             # wrapped kernel and bias), as the TensorFlow backend holds them.
@@ -1553,14 +1554,14 @@ class _HubOwnExcluded(_HubOwn):
 def _hub_own(layer: Any, variable: Any) -> tuple[Any, str] | None:
     """``(owner, name suffix)`` of a variable a keras-hub layer multiplies by itself (``None``: not one),
     named ``<layer>/<variable>`` as on the TensorFlow backend."""
-    from normflat.backends.keras_shared import HUB_OWN_WEIGHTS
+    from normflat.backends.keras_shared import HUB_OWN_WEIGHTS, holding_attribute
 
     for (module_name, cls_name), weights in HUB_OWN_WEIGHTS.items():
         cls = getattr(sys.modules.get(module_name), cls_name, None)
         if not (isinstance(cls, type) and isinstance(layer, cls)):
             continue
-        attributes = [k for k, v in vars(layer).items() if v is variable]
-        role = weights.get(attributes[0]) if len(attributes) == 1 else None
+        attribute = holding_attribute(layer, variable)
+        role = weights.get(attribute) if attribute is not None else None
         leaf = variable.path.rpartition("/")[2]
         if role == "dense":
             return _HubOwnDense(layer, leaf), f"/{variable.name}"
@@ -1579,6 +1580,8 @@ def _keras_owner(layer: Any, variable: Any) -> tuple[Any, str]:
     ``/pointwise``, as the TensorFlow backend names them); one kernel of a keras-hub experts layer
     (``/gate``, ``/up``, ``/gate_up``, ``/down``); a weight a keras-hub layer multiplies by in its own
     call (``/<variable>``); a relative-position bias table held by its layer (keras-hub's T5), excluded."""
+    from normflat.backends.keras_shared import holding_attribute
+
     if getattr(layer, "quantization_mode", None):
         return _Quantized(layer), ""
     if getattr(layer, "lora_enabled", False):
@@ -1592,12 +1595,11 @@ def _keras_owner(layer: Any, variable: Any) -> tuple[Any, str]:
     experts = _hub_experts(layer, variable) or _hub_own(layer, variable)
     if experts is not None:
         return experts
-    attributes = [k for k, v in vars(layer).items() if v is variable]
-    if len(attributes) == 1 and relative_bias_table(attributes[0]) is not None:
-        # keras-hub's T5 holds its relative-position bias table as `relative_attention_bias`: added to
-        # the scores, no weight matrix (method §3), as on the TensorFlow backend.
-        leaf = variable.path.rpartition("/")[2]
-        return _HubOwnExcluded(layer, leaf, excluded_because=relative_bias_table(attributes[0])), ""
+    # keras-hub's T5 holds its relative-position bias table as `relative_attention_bias`: added to the
+    # scores, no weight matrix (method §3), as on the TensorFlow backend.
+    relative = relative_bias_table(holding_attribute(layer, variable) or "")
+    if relative is not None:
+        return _HubOwnExcluded(layer, variable.path.rpartition("/")[2], excluded_because=relative), ""
     L = sys.modules["keras"].layers
     if isinstance(layer, (L.SeparableConv1D, L.SeparableConv2D)):
         if variable is getattr(layer, "depthwise_kernel", None):

@@ -25,7 +25,8 @@ import tensorflow as tf
 
 from normflat.backends.keras import compat
 from normflat.backends.keras.calls import recurrent_cell
-from normflat.backends.keras_shared import HUB_EXPERTS, HUB_OWN_WEIGHTS, KERAS_IGNORED_LAYERS, rank_equation
+from normflat.backends.keras_shared import (HUB_EXPERTS, HUB_OWN_WEIGHTS, KERAS_IGNORED_LAYERS, holding_attribute,
+                                           rank_equation)
 from normflat.engine.problems import ParameterStatus
 from normflat.engine.registry import (IGNORE, IGNORED_REASON, LayerRegistry, Skipped, Unsupported, excluded_reason,
                                       position_table, relative_bias_table)
@@ -675,12 +676,6 @@ def _hub_position_embedding() -> type | None:
     return cls if isinstance(cls, type) else None
 
 
-def _holding_attribute(layer: Any, variable: Any) -> str | None:
-    """The one instance attribute of ``layer`` that holds ``variable`` (``None``: none, or several)."""
-    names = [k for k, v in vars(layer).items() if v is variable]
-    return names[0] if len(names) == 1 else None
-
-
 def _base_depthwise_class() -> type | None:
     """Keras' internal ``BaseDepthwiseConv`` (``DepthwiseConv1D/2D``): its ``call`` is tapped as is."""
     try:
@@ -752,7 +747,7 @@ def walk(model: Any, on_unsupported: str,
         for v in variables:
             if v in inventory:
                 continue
-            attr = _holding_attribute(layer, v)
+            attr = holding_attribute(layer, v)
             layout = own.get(attr)
             weight = _own_weight(v, layout) if layout in ("dense", "depthwise") else None
             if weight is not None:
@@ -771,7 +766,7 @@ def walk(model: Any, on_unsupported: str,
                 features, positions = position_table(v.path, _shape(v))
                 # The fast rule replaces the attribute holding the table by the table expanded over
                 # the batch (checked on the first forward, method §6.1 "Position tables").
-                attr = _holding_attribute(layer, v)
+                attr = holding_attribute(layer, v)
                 entries.append(Entry(f"{name}/{v.name}", layer, KerasWeight(
                     v, _position_table_canonical(features, positions), "position_table", f"/{v.name}"),
                     "table" if attr else None,
@@ -787,6 +782,12 @@ def walk(model: Any, on_unsupported: str,
             skipped.add(name, layer, f"{type(layer).__name__} has weights {paths} but no registered extractor; "
                                      f"register it with {REGISTRY.hint}")
 
+    def hold_fixed(layer: Any) -> None:
+        """Every variable of an ignored layer (normalization, PReLU) not settled yet: excluded."""
+        for v in layer.weights:
+            if v not in inventory:
+                inventory.set(v, "excluded", IGNORED_REASON)
+
     def visit(layer: Any, prefix: str) -> None:
         for child in compat.children(layer):
             if id(child) in seen:
@@ -795,9 +796,7 @@ def walk(model: Any, on_unsupported: str,
             name = prefix + child.name
             entry = REGISTRY.lookup(child)
             if entry is IGNORE:
-                for v in child.weights:
-                    if v not in inventory:
-                        inventory.set(v, "excluded", IGNORED_REASON)
+                hold_fixed(child)
                 continue
             if isinstance(entry, Unsupported):
                 skipped.add(name, child, entry.reason)
@@ -806,7 +805,7 @@ def walk(model: Any, on_unsupported: str,
                         inventory.set(v, "skipped", entry.reason)
                 continue
             # Named so, or held by its parent under that attribute (a layer's name is not its attribute).
-            relative = (relative_bias_table(child.name) or relative_bias_table(_holding_attribute(layer, child) or "")
+            relative = (relative_bias_table(child.name) or relative_bias_table(holding_attribute(layer, child) or "")
                         if isinstance(child, keras.layers.Embedding) else None)
             if entry is not None and relative is not None:  # a table added to the scores (method §3)
                 for v in child.weights:
@@ -863,9 +862,7 @@ def walk(model: Any, on_unsupported: str,
                 # excluded as such, as on every backend.
                 for inner in compat.flatten_layers(child):
                     if REGISTRY.lookup(inner) is IGNORE:
-                        for v in inner.weights:
-                            if v not in inventory:
-                                inventory.set(v, "excluded", IGNORED_REASON)
+                        hold_fixed(inner)
                 for v in child.weights:  # its other weights: biases by definition, or skipped
                     if v not in inventory:
                         reason_v = excluded_reason(v.path, _shape(v))
