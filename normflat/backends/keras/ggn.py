@@ -26,6 +26,9 @@ embedding) is fast too: tapped at the outputs of its lookup call and of its
 ``reverse=True`` call, its per-sample gradient is the sum of the two uses' (the signals
 scattered into the rows of the sample's ids, and ``Σ_t s_t a_tᵀ``), squared one signal
 at a time (:func:`_tied_squares`, method §6.1 "Tied weights"); it is never a head.
+A LoRA-enabled ``Dense`` or ``EinsumDense`` (kernel ``W + s·A·B``) is tapped once, and its frozen
+kernel and both factors take their rules from that record (:func:`_lora_squares`, method §6.1
+"LoRA adapters"); it is never a head either.
 With ``ggn-topk``, and ``ggn`` above :data:`STRUCTURED_HEAD_CLASSES` classes
 (:func:`exact_head`), a ``Dense`` head whose pre-activation is the logits takes its
 exact squares from the logit-Hessian diagonal; for ``(n, C)`` logits the other fast
@@ -60,9 +63,10 @@ import tensorflow as tf
 
 from normflat.backends.keras import compat
 from normflat.backends.keras.calls import recorded_inner_loop
-from normflat.backends.keras.layers import (RECURRENT_KINDS, SEPARABLE_KINDS, UNUSED, Entry, einsum_fast_axes,
-                                            fast_kind)
+from normflat.backends.keras.layers import (LORA_KINDS, RECURRENT_KINDS, SEPARABLE_KINDS, UNUSED, Entry,
+                                            einsum_fast_axes, fast_kind, is_lora)
 from normflat.backends.keras.ops import TF
+from normflat.backends.keras_shared import rank_equation
 from normflat.backends.keras.state import ModelState
 from normflat.core.memory import chunk_size_for
 from normflat.engine.estimators import mean_weights
@@ -360,8 +364,11 @@ class Taps:
         separable: dict[int, list[Entry]] = {}
         recurrent: dict[int, list[Entry]] = {}
         reversible: dict[int, list[Entry]] = {}
+        lora: dict[int, list[Entry]] = {}
         for entry in tapped:
-            if entry.fast in SEPARABLE_KINDS:
+            if entry.fast in ("dense", "einsum", *LORA_KINDS) and is_lora(entry.layer):
+                lora.setdefault(id(entry.layer), []).append(entry)
+            elif entry.fast in SEPARABLE_KINDS:
                 separable.setdefault(id(entry.layer), []).append(entry)
             elif entry.fast in ("embedding", "dense") and fast_kind(entry.layer) == "untied":
                 reversible.setdefault(id(entry.layer), []).append(entry)
@@ -373,6 +380,9 @@ class Taps:
             self._tap_separable(state, pair[0].layer, pair)
         for pair in reversible.values():
             self._tap_untied(state, pair[0].layer, pair)
+        for group in lora.values():
+            # The frozen kernel and both factors from the one call (method §6.1, "LoRA adapters").
+            self._tap(state, group[0], group[1:])
         for layer in compat.flatten_layers(state.model):
             if _plain_max_pooling(layer):
                 self._tap_pooling(state, layer)
@@ -433,8 +443,12 @@ class Taps:
 
         state.set(layer, "call", call)
 
-    def _tap(self, state: ModelState, entry: Entry) -> None:
+    def _tap(self, state: ModelState, entry: Entry, partners: list[Entry] = ()) -> None:
+        """Wraps the layer's call (and activation) to record ``[input, pre-activation]`` under ``entry``'s
+        name, and under each of ``partners``' (the other weights of a LoRA-enabled layer, formed from the
+        same record), every weight read without a gradient while :attr:`checking`."""
         layer, name = entry.layer, entry.name
+        names = [name, *(partner.name for partner in partners)]
         original_call = layer.call  # bound method (or an instance attribute set before)
         if entry.fast == "embedding":
             # A lookup has no activation: its output is what the signals are pulled back to.
@@ -493,12 +507,15 @@ class Taps:
                 # A feature axis left open by the model's own reshape (keras-hub's RoFormerV2 attention):
                 # the kernel's rows, static for the squares' shapes (the same tensor, the same forward).
                 inputs = tf.ensure_shape(inputs, [*inputs.shape[:-1], int(layer.kernel.shape[0])])
-            self.records.setdefault(name, []).append([inputs, None])
-            with self.own_read(entry):
+            record = [inputs, None]  # one record for every weight of the layer: the pre-activation set below
+            for each in names:
+                self.records.setdefault(each, []).append(record)
+            with self.own_read(entry, *partners):
                 if entry.fast == "dense" and self.tape is not None and not self.checking \
                         and isinstance(inputs, tf.Tensor) and (inputs.shape.rank or 0) >= 2:
-                    # Keras' Dense.call (fast_kind: no LoRA, not quantized, not overridden), its
-                    # product's input gradient chosen for the signals (dense_product).
+                    # Keras' Dense.call (fast_kind: not quantized, not overridden; with LoRA its kernel
+                    # property forms W + s·A·B), its product's input gradient chosen for the signals
+                    # (dense_product).
                     y = dense_product(inputs, layer.kernel)
                     if layer.bias is not None:
                         y = keras.ops.add(y, layer.bias)
@@ -1382,7 +1399,6 @@ def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int, sa
     """
     folded = samples if entry.fold > 1 else None
     layer = entry.layer
-    b = len(gs)
     if entry.fast == "embedding":
         return _embedding_squares(x, gs, seg, groups, int(entry.variable.shape[0]))
     if entry.fast == "position":
@@ -1398,18 +1414,79 @@ def _fast_squares(entry: Entry, x: Any, gs: list[Any], seg: Any, groups: int, sa
     if entry.fast == "conv_transpose":
         return _conv_transpose_squares(layer, x, gs, seg, groups)
     if entry.fast == "dense":
-        if folded is None and (len(x.shape) == 2 or all(int(d or 0) == 1 for d in x.shape[1:-1])):
-            # One position (also (n, 1, 1, in) after a global pooling): the per-sample gradient
-            # x ⊗ g is rank one, its square x² ⊗ g², summed over n by a matmul.
-            x2 = tf.square(tf.reshape(x, [-1, int(x.shape[-1])]))
-            g2 = tf.square(tf.reshape(tf.stack(gs), [b, -1, int(gs[0].shape[-1])]))
-            g2 = tf.math.unsorted_segment_sum(g2, seg, groups)  # (K, n, out)
-            return tf.matmul(g2, x2[None], transpose_a=True)  # (K, out, in)
-        xf, gf = _dense_positions(x, gs)
-        if folded is not None:
-            xf, gf = _blocks_per_sample(xf, gf, folded, entry.fold)
-        return _per_sample_squares(xf, gf, seg, groups, pairs=True)
+        return _dense_squares(x, gs, seg, groups, folded, entry.fold)
     return _conv_squares(layer, x, gs, seg, groups, int(entry.weight.groups))
+
+
+def _dense_squares(x: Any, gs: list[Any], seg: Any, groups: int, folded: Any = None, fold: int = 1) -> Any:
+    """``(K, out, in)`` squares of a ``Dense`` kernel from its input ``x`` ``(n, ..., in)`` (``(n·f, ...)``
+    on a batch folded into the leading axis: ``folded`` the samples ``n``, ``fold`` the ``f``) and the
+    B signals at its pre-activation ``(n, ..., out)``."""
+    if folded is None and (len(x.shape) == 2 or all(int(d or 0) == 1 for d in x.shape[1:-1])):
+        # One position (also (n, 1, 1, in) after a global pooling): the per-sample gradient
+        # x ⊗ g is rank one, its square x² ⊗ g², summed over n by a matmul.
+        x2 = tf.square(tf.reshape(x, [-1, int(x.shape[-1])]))
+        g2 = tf.square(tf.reshape(tf.stack(gs), [len(gs), -1, int(gs[0].shape[-1])]))
+        g2 = tf.math.unsorted_segment_sum(g2, seg, groups)  # (K, n, out)
+        return tf.matmul(g2, x2[None], transpose_a=True)  # (K, out, in)
+    xf, gf = _dense_positions(x, gs)
+    if folded is not None:
+        xf, gf = _blocks_per_sample(xf, gf, folded, fold)
+    return _per_sample_squares(xf, gf, seg, groups, pairs=True)
+
+
+def _lora_views(layer: Any, factor: str, x: Any, gs: list[Any]) -> tuple[Any, list[Any], str | None]:
+    """One call of a LoRA-enabled ``Dense`` or ``EinsumDense`` as the product of one of its factors:
+    ``(input, B signals at the product, equation)`` (method §6.1, "LoRA adapters").
+
+    The layer's kernel is ``K = W + s·A·B`` (``s = α/r``; ``A`` the kernel's axes but the last, then the
+    rank; ``B`` the rank, then the kernel's last axis, an output). A sample's gradient of ``K`` is the
+    kernel rule's ``Σ x ⊗ g`` over the call's positions; of ``A`` it is that contracted with ``s·B``
+    over the last axis, which is ``A``'s own rule (equation ``equation``, or a ``Dense``'s) on the input
+    ``x`` and the signals ``s·g·Bᵀ``; of ``B`` it is ``s·Aᵀ`` times it, the dense rule on ``B``'s
+    input ``u = s·(x through A)`` and ``g``, the other output axes positions too (``equation``
+    ``None``). ``x`` and ``gs``: the layer's input and the B signals at its pre-activation.
+    """
+    scale = float(layer.lora_alpha) / float(layer.lora_rank)
+    a = tf.cast(tf.stop_gradient(tf.convert_to_tensor(layer.lora_kernel_a.value)), gs[0].dtype)
+    b = tf.cast(tf.stop_gradient(tf.convert_to_tensor(layer.lora_kernel_b.value)), gs[0].dtype)
+    if isinstance(layer, keras.layers.EinsumDense):
+        equation, _ = rank_equation(layer.equation)
+        last = layer.equation.replace(" ", "").split("->")[0].split(",")[1][-1]
+        out = layer.equation.replace(" ", "").split("->")[1]
+        rank_out = equation.split("->")[1]
+        rank = rank_out[out.index(last)]
+        if factor == "lora_a":
+            into_rank = f"{out},{rank}{last}->{rank_out}"
+            return x, [scale * tf.einsum(into_rank, g, b) for g in gs], equation
+        u = scale * tf.einsum(equation, tf.cast(x, a.dtype), a)  # (…, r) where the output has the last axis
+        axis = out.index(last)
+        perm = [i for i in range(len(out)) if i != axis] + [axis]  # the rank (last axis) to the end
+        return tf.transpose(u, perm), [tf.transpose(g, perm) for g in gs], None
+    if factor == "lora_a":
+        return x, [scale * tf.tensordot(g, b, [[len(g.shape) - 1], [1]]) for g in gs], None
+    return scale * tf.tensordot(tf.cast(x, a.dtype), a, [[len(x.shape) - 1], [0]]), gs, None
+
+
+def _lora_squares(entry: Entry, calls: list[tuple[Any, list[Any]]], seg: Any, groups: int, samples: Any) -> Any:
+    """Canonical per-group squares of one weight of a LoRA-enabled ``Dense`` or ``EinsumDense`` from its
+    recorded calls, each ``(input, B signals at the pre-activation)``: the frozen kernel by its layer's
+    rule, a factor by its own (:func:`_lora_views`; method §6.1, "LoRA adapters")."""
+    layer = entry.layer
+    if entry.fast in LORA_KINDS:
+        views = [_lora_views(layer, entry.fast, x, gs) for x, gs in calls]
+        equation = views[0][2]
+        calls = [(x, gs) for x, gs, _ in views]
+    else:
+        equation = layer.equation if entry.fast == "einsum" else None
+    if len(calls) > 1:  # every call's positions (method §6.1, "Tied weights")
+        return _repeated_squares(calls, seg, groups,
+                                 None if equation is None else functools.partial(_einsum_positions, equation))
+    (x, gs), = calls
+    folded = samples if entry.fold > 1 else None
+    if equation is not None:
+        return _einsum_squares(equation, x, gs, seg, groups, folded, entry.fold)
+    return _dense_squares(x, gs, seg, groups, folded, entry.fold)
 
 
 class _Pointwise:
@@ -1645,7 +1722,9 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
         # A Dense head whose pre-activation is the logits themselves (ggn-topk; ggn above
         # STRUCTURED_HEAD_CLASSES classes) gets its exact squares from the logit-Hessian diagonal,
         # once per chunk (the first block), and nothing is back-propagated to it (method §6.1-6.2).
-        heads = [e for e in fast if head_rule and e.fast == "dense" and e.calls == 1 and taps.records[e.name][0][1] is z]
+        # (Not a LoRA-enabled head: its factors need the signals at its output.)
+        heads = [e for e in fast if head_rule and e.fast == "dense" and not is_lora(e.layer) and e.calls == 1
+                 and taps.records[e.name][0][1] is z]
         for e in heads:
             x_in = taps.records[e.name][0][0]
             shape = [1, c, int(x_in.shape[-1])]  # the shared group only (exact)
@@ -1721,6 +1800,9 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                     uses = {mode: [(r[0], gs) for r, gs in zip(rec, per_call) if r[2] is mode] for mode in (False, True)}
                     out[e.name] = _tied_squares(e, _joined_lookups(uses[False]) if uses[False] else None,
                                                 [*uses[True][0]] if uses[True] else None, seg, sums_per_layer)
+                elif is_lora(e.layer):
+                    out[e.name] = _lora_squares(e, [(r[0], gs) for r, gs in zip(rec, per_call)], seg, sums_per_layer,
+                                                tf.shape(z)[0])
                 elif e.fast in RECURRENT_KINDS:
                     parts = [_step_squares(r[0], gs, seg, sums_per_layer) for r, gs in zip(rec, per_call)]
                     # Range after range of the weight's rows (a GRU's candidate columns multiply r ⊙ h_{t-1}).
@@ -1789,6 +1871,20 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
             # its input, the block's signals there, its output; its squares from one signal per row
             linear += e.in_size * (block + 1) + e.pre_size
             work = max(work, 2 * e.pre_size + e.in_size)
+            continue
+        if e.fast in LORA_KINDS:
+            # The layer's record and signals are its frozen kernel's (counted there); a factor adds its
+            # own view of them (_lora_views): the rank in place of the kernel's last axis, A's signals
+            # or B's input, and its squares as the dense or einsum rule forms them.
+            out, width = (int(d) for d in e.weight.to_canonical(tf.zeros(e.variable.shape, e.variable.dtype)).shape)
+            last = int(e.layer.lora_kernel_b.shape[-1])
+            view = e.pre_size * int(e.layer.lora_rank) // max(1, last)
+            linear += view * (block if e.fast == "lora_a" else 1)
+            pre = view if e.fast == "lora_a" else e.pre_size
+            positions = max(1, e.fold) * pre // max(1, out)
+            per_sample, once = _squares_entries(positions, block, groups, out, width, pre,
+                                                pairs=e.fast == "lora_b" or isinstance(e.layer, keras.layers.Dense))
+            work, fixed = max(work, view + (per_sample or block * pre)), max(fixed, once)
             continue
         linear += e.in_size * (block + 1) + e.pre_size * (block + 1)
         if e.fast == "dense" and (e.input_rank == 2 or e.pre_size == int(e.variable.shape[-1])):

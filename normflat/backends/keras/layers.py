@@ -43,6 +43,8 @@ __all__ = [
     "einsum_layout",
     "einsum_fast_axes",
     "RECURRENT_KINDS",
+    "LORA_KINDS",
+    "is_lora",
     "loops_through_time",
 ]
 
@@ -133,9 +135,14 @@ def _refuse_quantized(layer: Any) -> None:
                                "kernel is not a floating-point variable")
 
 
-#: Why a LoRA-enabled layer takes the generic path.
+#: Why a LoRA-enabled layer other than a ``Dense`` or an ``EinsumDense`` whose kernel's last axis is an
+#: output takes the generic path.
 LORA_REASON = ("LoRA-enabled: the layer computes its kernel as kernel + s·A·B from three variables "
-               "(no fast rule)")
+               "(a fast rule for a Dense, or an EinsumDense whose kernel's last axis is an output, only)")
+
+#: The fast kinds of a LoRA-enabled ``Dense``'s or ``EinsumDense``'s factors ``A`` and ``B`` (the frozen
+#: kernel keeps its layer's kind): all three from the layer's one tapped call (method §6.1, "LoRA adapters").
+LORA_KINDS = ("lora_a", "lora_b")
 
 
 def is_lora(layer: Any) -> bool:
@@ -528,7 +535,9 @@ class Entry:
             :data:`RECURRENT_KINDS`), ``"position"``
             (keras-hub's ``PositionEmbedding``), ``"table"`` (a position table held as a loose
             weight, :attr:`attr`) or ``"tied"`` (a ``ReversibleEmbedding`` whose table is also
-            its reverse projection, method §6.1 "Tied weights") for the fast GGN path,
+            its reverse projection, method §6.1 "Tied weights"), a LoRA-enabled ``Dense``'s or
+            ``EinsumDense``'s factors' kinds (:data:`LORA_KINDS`, beside the frozen kernel's layer
+            kind, method §6.1 "LoRA adapters") for the fast GGN path,
             ``"unused"`` (:data:`UNUSED`: no forward calls its layer and the logits do not depend
             on it; zero curvature, no path), ``None`` for the generic one.
         reason: Why the generic path is used.
@@ -569,8 +578,10 @@ class Entry:
 def fast_kind(layer: Any) -> str | None:
     """Whether a layer's pre-activation and input can be tapped (its call is Keras' own)."""
     cls = type(layer)
-    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+    if getattr(layer, "quantization_mode", None):
         return None
+    if is_lora(layer):
+        return _lora_fast_kind(layer)
     reversible = _reversible_embedding()
     if reversible is not None and isinstance(layer, reversible):
         reason = tied_reversible_reason(layer)
@@ -611,6 +622,19 @@ def fast_kind(layer: Any) -> str | None:
         return "separable"
     if recurrent_cell(layer) is not None:
         return "recurrent"
+    return None
+
+
+def _lora_fast_kind(layer: Any) -> str | None:
+    """A LoRA-enabled layer's kind where its factors have the fast rule (method §6.1, "LoRA adapters"):
+    Keras' own ``Dense`` call, or ``EinsumDense`` call on the fast path's equations whose kernel's last
+    axis (the one ``A·B`` forms) is an output; ``None`` otherwise (the generic path)."""
+    cls = type(layer)
+    if isinstance(layer, keras.layers.Dense) and cls.call is keras.layers.Dense.call:
+        return "dense"
+    if isinstance(layer, keras.layers.EinsumDense) and cls.call is keras.layers.EinsumDense.call \
+            and einsum_fast_axes(layer.equation) is not None and not rank_equation(layer.equation)[1]:
+        return "einsum"
     return None
 
 
@@ -830,8 +854,9 @@ def walk(model: Any, on_unsupported: str,
                 separable = kind == "separable" and len(weights) == 2
                 recurrent = kind == "recurrent" and len(weights) == 2
                 untied = kind == "untied" and len(weights) == 2
+                lora = kind in ("dense", "einsum") and is_lora(child) and len(weights) == 3
                 reversible = _reversible_embedding()
-                reason = None if fast or separable or recurrent or untied else (
+                reason = None if fast or separable or recurrent or untied or lora else (
                     LORA_REASON if is_lora(child) else
                     "several weight tensors in one layer" if kind else
                     tied_reversible_reason(child) if reversible is not None and isinstance(child, reversible) else
@@ -845,6 +870,8 @@ def walk(model: Any, on_unsupported: str,
                         fast = RECURRENT_KINDS[j]  # the kernel, then the recurrent kernel
                     elif untied:
                         fast = ("embedding", "dense")[j]  # the table, then the reverse projection
+                    elif lora:
+                        fast = (kind, *LORA_KINDS)[j]  # the frozen kernel, then A and B
                     first = by_variable.get(id(w.variable))
                     if first is not None:  # shared with an earlier layer: analyzed there, as torch does
                         first.shared_with.append(name + w.suffix)

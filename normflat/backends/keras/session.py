@@ -33,7 +33,7 @@ from normflat.backends.keras.ggn import (SIGNAL_BLOCK, TableRows, Taps, compute_
                                          signal_layout, starts_at_head_input)
 from normflat.backends.keras.hvp import (EXACT_BLOCK, PROBE_BLOCK, has_recurrence, hvp_step_fns, native_positions,
                                         native_probes, probes_in_sequence)
-from normflat.backends.keras.layers import RECURRENT_KINDS, UNUSED, Entry, fast_kind, walk
+from normflat.backends.keras.layers import LORA_KINDS, RECURRENT_KINDS, UNUSED, Entry, fast_kind, is_lora, walk
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras.state import ModelState
 from normflat.backends.keras_shared import final_softmax, logits_only
@@ -615,7 +615,7 @@ class KerasSession:
             check_samples_apart(np.asarray(z, dtype=np.float64), alone, dtype=logits_rounding(self.model, z))
         if self.taps is not None:
             # The one Dense whose pre-activation is the logits themselves (the step's head test).
-            heads = [e for e in self.entries if e.fast == "dense"
+            heads = [e for e in self.entries if e.fast == "dense" and not is_lora(e.layer)
                      and any(r[1] is z for r in self.taps.records.get(e.name, []))]
             self._logits_dense = heads[0] if len(heads) == 1 else None
             idle: list[Entry] = []  # called by no forward: perhaps unused (_unused)
@@ -629,7 +629,8 @@ class KerasSession:
                 elif entry.fast and entry.fast != "table":  # a loose table has no call: _first_checks
                     recs = self.taps.records.get(entry.name, [])
                     entry.calls = 1
-                    if (entry.fast in ("dense", "einsum", "conv", "depthwise", "embedding") and len(recs) > 1
+                    if (entry.fast in ("dense", "einsum", "conv", "depthwise", "embedding", *LORA_KINDS)
+                            and len(recs) > 1
                             and all(r[1] is not None for r in recs) and entry is not self._logits_dense):
                         # A Dense, EinsumDense, convolution or Embedding called several times per
                         # forward (shared by branches, applied in a loop): every call is recorded,
@@ -850,7 +851,7 @@ class KerasSession:
                     f"called {e.calls} times per forward with a leading axis ({size if size > 0 else 'varies'}) "
                     "that is not one row per sample")
                 continue
-            if size != 2 and (e.fast not in ("dense", "einsum") or size < 2 or size % 2):
+            if size != 2 and (e.fast not in ("dense", "einsum", *LORA_KINDS) or size < 2 or size % 2):
                 e.fast, e.reason = None, (
                     f"its input or output's leading axis ({size if size > 0 else 'varies'}) is not one row (or, for a "
                     "dense layer, one block of rows) per sample")
@@ -929,7 +930,9 @@ class KerasSession:
         if self.replicas is not None:
             rows = -(-rows // max(1, self.replicas.local))
         params = sum(int(np.prod(v.shape, dtype=np.int64)) for v in self.model.weights)
-        per_sample = sum(e.pre_size for e in self.entries if e.fast) + self.num_classes * (self.tokens or 1)
+        # (A LoRA factor's record is its frozen kernel's: one pre-activation.)
+        per_sample = sum(e.pre_size for e in self.entries if e.fast and e.fast not in LORA_KINDS) \
+            + self.num_classes * (self.tokens or 1)
         step = training_step_bytes(params, per_sample * rows, item)
         state = item * estimators.state_entries(self.options, [
             (int(np.prod(e.variable.shape, dtype=np.int64)),
