@@ -38,9 +38,11 @@ _MISSING = object()
 #: The ``keras.layers`` classes whose weights never enter the measures, on both Keras paths (method §4):
 #: normalization layers (their scales, shifts and statistics) and ``PReLU`` (its slopes: one per input
 #: entry unless ``shared_axes`` says otherwise, so a matrix's shape after a convolution), as
-#: PyTorch's ``nn.PReLU``.
+#: PyTorch's ``nn.PReLU``. Not ``SpectralNormalization``: it renormalizes its layer's kernel in place
+#: during training only, and at inference applies the layer as it is, its kernel a weight matrix like
+#: any (method §3, "Spectral normalization").
 KERAS_IGNORED_LAYERS = ("BatchNormalization", "LayerNormalization", "GroupNormalization", "RMSNormalization",
-                        "UnitNormalization", "Normalization", "SpectralNormalization", "PReLU")
+                        "UnitNormalization", "Normalization", "PReLU")
 
 #: keras-hub's experts layers (every expert on every token, weighted by the routing), read by both
 #: Keras paths (method §3, "Mixture-of-experts layers"): per class, its stacked kernels

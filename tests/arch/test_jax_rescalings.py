@@ -24,6 +24,8 @@ unless a test names it generic.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -543,6 +545,114 @@ def test_equinox_weight_norm_direction_row_rescaling():
                                            moved=("conv/layer", "fc/layer"),
                                            generic=("conv/layer", "fc/layer"))
     assert before.metadata["coverage"] == 1.0
+
+
+# ----------------------------------------------------------------------------- spectral normalization
+
+
+#: flax's power iteration normalizes by ``1/sqrt(‖w‖² + ε)``: with its default ε (1e-12), ``σ`` scales with
+#: the kernel only to about ``ε/‖w‖²``, above the functions' 1e-12 check.
+EPSILON = 1e-30
+
+
+class NnxSpectral(nnx.Module):
+    """``SpectralNorm(Conv)`` (tanh) -> ``SpectralNorm(Linear)`` (tanh) -> a plain head; ``update``: the
+    power iteration's ``u`` updated (a training call) or used as stored (an evaluation call)."""
+
+    def __init__(self, rngs):
+        sn = functools.partial(nnx.SpectralNorm, param_dtype=F64, epsilon=EPSILON, rngs=rngs)
+        self.conv = sn(nnx.Conv(2, 3, (3,), param_dtype=F64, rngs=rngs))
+        self.fc = sn(nnx.Linear(12, 4, param_dtype=F64, rngs=rngs))
+        self.head = nnx.Linear(4, 3, param_dtype=F64, rngs=rngs)
+
+    def __call__(self, x, update=False):  # x (n, 4, 2): channels last
+        h = jnp.tanh(self.conv(x, update_stats=update)).reshape(x.shape[0], -1)
+        return self.head(jnp.tanh(self.fc(h, update_stats=update)))
+
+
+class LinenSpectral(nn.Module):
+    """The same with linen's ``SpectralNorm`` (its ``u`` in the ``batch_stats`` collection)."""
+
+    update: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        sn = functools.partial(nn.SpectralNorm, epsilon=EPSILON)
+        h = sn(nn.Conv(3, (3,), param_dtype=F64, name="conv"), name="sn_conv")(x, update_stats=self.update)
+        h = jnp.tanh(h).reshape(x.shape[0], -1)
+        h = sn(nn.Dense(4, param_dtype=F64, name="fc"), name="sn_fc")(h, update_stats=self.update)
+        return nn.Dense(3, param_dtype=F64, name="head")(jnp.tanh(h))
+
+
+class EqxSpectral(eqx.Module):
+    """Per example: equinox's ``SpectralNorm(Conv1d)`` -> ``SpectralNorm(Linear)`` -> a head, called as
+    ``model(x, state)`` (its ``u``, ``v`` in the state) in inference mode."""
+
+    conv: eqx.nn.SpectralNorm
+    fc: eqx.nn.SpectralNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3, k4, k5 = jax.random.split(key, 5)
+        self.conv = eqx.nn.SpectralNorm(eqx.nn.Conv1d(2, 3, 3, key=k1, dtype=F64), "weight", key=k4)
+        self.fc = eqx.nn.SpectralNorm(eqx.nn.Linear(12, 4, key=k2, dtype=F64), "weight", key=k5)
+        self.head = eqx.nn.Linear(4, 3, key=k3, dtype=F64)
+
+    def __call__(self, x, state, inference=True):  # x (2, 6): channels first
+        h, state = self.conv(x, state, inference=inference)
+        h, state = self.fc(jnp.tanh(h).reshape(-1), state, inference=inference)
+        return self.head(jnp.tanh(h)), state
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen", "equinox"])
+def test_spectral_norm_kernel_scale_invariance(api):
+    """A spectrally normalized layer (``W = K / σ(K)``, ``σ`` from the stored power-iteration vectors,
+    which stay; a few training calls first, as after training): its kernel ``K`` times a positive
+    factor leaves ``W`` and the function as they are (``σ`` scales with it), so every layer's
+    normalized sharpness stays and the normalized kernels' traces move (method §3 "Spectral
+    normalization", §8). The kernels are analyzed (coverage 1) on the generic path, which
+    differentiates the normalization."""
+    y = jnp.asarray([0, 1, 2, 0, 1])
+    kw = {}
+    if api == "nnx":
+        x = _normal(21, 5, 4, 2, scale=1.0)
+        model = NnxSpectral(nnx.Rngs(3))
+        for _ in range(5):
+            model(x, update=True)
+        twin = nnx.clone(model)
+        for layer, factor in ((twin.conv, 2.5), (twin.fc, 0.3)):
+            layer.layer_instance.kernel[...] = layer.layer_instance.kernel[...] * factor
+        apply, twin_apply = nnx.clone(model), nnx.clone(twin)
+        names = ("conv/layer_instance", "fc/layer_instance")
+    elif api == "linen":
+        x = _normal(21, 5, 4, 2, scale=1.0)
+        variables = LinenSpectral().init(jax.random.key(4), x)
+        for _ in range(5):
+            _, updates = LinenSpectral(update=True).apply(variables, x, mutable=["batch_stats"])
+            variables = {**variables, **updates}
+        params = variables["params"]
+        twin_params = _edit(_edit(params, "conv/kernel", lambda k: k * 2.5), "fc/kernel", lambda k: k * 0.3)
+        module = LinenSpectral()
+        model = (module, variables)
+        twin = (module, {**variables, "params": twin_params})
+        apply, twin_apply = (lambda x: module.apply(model[1], x)), (lambda x: module.apply(twin[1], x))
+        names = ("conv", "fc")
+    else:
+        x = _normal(21, 5, 2, 6, scale=1.0)  # channels first
+        model, state = eqx.nn.make_with_state(EqxSpectral)(jax.random.key(5))
+        for i in range(5):
+            _, state = model(x[i], state, inference=False)
+        twin = eqx.tree_at(lambda m: (m.conv.layer.weight, m.fc.layer.weight), model,
+                           (model.conv.layer.weight * 2.5, model.fc.layer.weight * 0.3))
+
+        def applied(m):
+            return lambda x: jax.vmap(lambda xi: m(xi, state)[0])(x)
+
+        apply, twin_apply, kw = applied(model), applied(twin), {"state": state, "vmap": True}
+        names = ("conv/layer", "fc/layer")
+    before, _ = assert_rescaling_invariant(model, twin, (x, y), apply, twin_apply, moved=names, generic=names, **kw)
+    assert before.metadata["coverage"] == 1.0 and before.metadata["unsupported"] == []
+    assert {layer.name for layer in before.layers} >= set(names)
 
 
 # ----------------------------------------------------------------------------- transposed convolutions

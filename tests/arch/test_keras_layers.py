@@ -935,6 +935,55 @@ def test_dense_layer_on_a_batch_folded_into_windows(layout, generic, kind):
         check_against(model, x[:n], y[:n], expected, loss="ce", **kw)
 
 
+def spectral_model(activation="tanh"):
+    """``SpectralNormalization(Conv1D)`` -> ``SpectralNormalization(Dense)`` (``activation``) -> head, float64."""
+    rng = _rng(31)
+    inp = keras.Input((5, 3), dtype=F64)
+    h = L.SpectralNormalization(L.Conv1D(4, 2, activation="tanh", dtype=F64, name="conv"), dtype=F64, name="sn_conv")(inp)
+    h = L.SpectralNormalization(L.Dense(4, activation=activation, dtype=F64, name="inner"), dtype=F64, name="sn")(h)
+    model = keras.Model(inp, L.Dense(3, dtype=F64, name="head")(L.Flatten(dtype=F64)(h)))
+    _randomize(model, rng)
+    return model, rng.normal(size=(6, 5, 3)), rng.integers(0, 3, 6)
+
+
+def _conv1d(k):  # (k, in, out) -> (out, in, k)
+    return k.transpose(2, 1, 0)
+
+
+def test_spectrally_normalized_layers_are_their_layers():
+    """Keras' ``SpectralNormalization`` renormalizes its layer's kernel in place in training calls only;
+    at inference, where normflat calls the model, it applies the layer as it is. So the wrapped kernel
+    is a weight matrix like any, analyzed on its layer's fast rule (method §3, "Spectral
+    normalization"; before, it was held fixed with the normalization layers): against brute force,
+    the wrapper's ``vector_u`` excluded, every variable left as it was."""
+    model, x, y = spectral_model()
+    before = [v.numpy().copy() for v in model.weights]
+    rep = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert rep.metadata["coverage"] == 1.0 and rep.metadata["unsupported"] == []
+    assert {layer.name: layer.details["path"] for layer in rep.layers} == {"sn_conv/conv": "fast", "sn/inner": "fast",
+                                                                             "head": "fast"}
+    assert "not a weight matrix" in rep.metadata["excluded"]["sn/vector_u"]
+    assert all(np.array_equal(v.numpy(), b) for v, b in zip(model.weights, before))
+    expected = {"sn_conv/conv": ("sn_conv/conv/kernel", _conv1d), "sn/inner": ("sn/inner/kernel", _transposed),
+                "head": ("head/kernel", _transposed)}
+    for kw in ({}, {"chunk_size": 2}):
+        check_against(model, x, y, expected, **kw)
+
+
+def test_spectrally_normalized_dense_feature_rescaling():
+    """The wrapped ``Dense`` (no activation): its output feature j times ``c_j`` (kernel column and bias)
+    and the head's matching input rows divided by it, the same function at inference; every normalized
+    sharpness stays, the two kernels' traces move (method §8)."""
+    model, x, y = spectral_model(activation=None)
+    other = _copy(model)
+    c = np.exp(np.random.default_rng(32).uniform(-1.0, 1.0, 4))
+    inner, head = other.get_layer("sn").layer, other.get_layer("head")
+    inner.kernel.assign(inner.kernel.numpy() * c)
+    inner.bias.assign(inner.bias.numpy() * c)
+    head.kernel.assign(head.kernel.numpy() / np.tile(c, 4)[:, None])  # (5 - 1 positions, 4 features) flattened
+    _assert_rescaling_invariant(model, other, x, y, moved=("sn/inner", "head"))
+
+
 class PositionIds(L.Layer):
     """Adds an ``Embedding`` of the position ids ``(1, N)`` to its input, broadcast over the batch
     (keras-hub's ``ViTPatchingAndEmbedding`` does so).

@@ -19,8 +19,9 @@ to float32), so the models here are float32 and the tolerance is float32's. The 
 were, that ``normflat.measures`` runs, that LoRA-enabled layers (Dense, Embedding, an attention
 projection) give the TensorFlow backend's factors and numbers, and that a LoRA-enabled grouped
 convolution is reported unsupported with the reason. One layer is frozen (``trainable=False``): its
-kernel is analyzed in both, BatchNormalization's moving statistics, a PReLU's slopes and the
-variables of a ``SpectralNormalization``-wrapped layer are excluded in both, with the same reasons.
+kernel is analyzed in both, BatchNormalization's moving statistics and a PReLU's slopes are excluded in
+both, with the same reasons, and a ``SpectralNormalization``-wrapped layer is its layer in both (its
+kernel analyzed, the wrapper's ``vector_u`` excluded).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ h = keras.layers.LayerNormalization(name="norm")(h)
 h = keras.layers.Conv1D(6, 3, padding="same", activation="tanh", name="conv")(h)
 h = keras.layers.PReLU(name="prelu")(h)  # slopes (5, 6), one per input entry: held fixed with the norms' reason
 h = keras.layers.BatchNormalization(name="bn")(h)
-# a spectrally normalized layer: its kernel and bias held fixed with the wrapper, as on TensorFlow
+# a spectrally normalized layer: its layer at inference (the kernel analyzed, vector_u excluded), as on TensorFlow
 h = keras.layers.SpectralNormalization(keras.layers.Dense(6, activation="tanh", name="inner"), name="sn")(h)
 h = keras.layers.Dense(7, activation="tanh", name="dense")(h)
 model = keras.Model(ids, keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling1D()(h)))
@@ -208,7 +209,7 @@ def test_keras_model_on_the_jax_backend_equals_the_tensorflow_backend():
         assert excluded == want.metadata["excluded"]  # the same names, with the same reasons
         assert [name for name, _, _ in got[estimator]] == [layer.name for layer in want.layers]
         assert [layer.name for layer in want.layers] == [
-            "emb", "mha/query", "mha/key", "mha/value", "mha/attention_output", "conv", "dense", "head"]
+            "emb", "mha/query", "mha/key", "mha/value", "mha/attention_output", "conv", "sn/inner", "dense", "head"]
         for (name, sharpness, trace), layer in zip(got[estimator], want.layers):
             assert sharpness == pytest.approx(layer.normalized_sharpness, rel=2e-4), (estimator, name)
             assert trace == pytest.approx(layer.hessian_trace, rel=2e-4, abs=1e-6), (estimator, name)

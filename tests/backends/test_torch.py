@@ -1650,6 +1650,22 @@ class WeightNormalizedKinds(nn.Module):
 _KIND_DIRECTIONS = {name: f"{name}.parametrizations.weight.original1" for name in ("up", "conv", "seq", "twice")}
 
 
+def _assert_kinds_against_brute_force(model, x, y, params):
+    """The ``ggn`` diagonal of each layer's parameter (``{layer: parameter name}``, the ``up`` transposed
+    convolution's in the canonical ``(out, in, k)``) is the brute-force one in one chunk or two, and
+    ``ggn-mc`` equals the generic path's on the same signals."""
+    want = _parameter_ggn(model, x, y, list(params.values()))
+    want[params["up"]] = want[params["up"]].transpose(0, 1)
+    for chunk in (None, 2):
+        got = nf(model, (x, y), estimator="ggn", chunk_size=chunk)
+        for name, param in params.items():
+            torch.testing.assert_close(got[name], want[param], rtol=1e-10, atol=1e-13)
+    mc = nf(model, (x, y), estimator="ggn-mc", samples=3, seed=2)
+    generic = nf(model, (x, y), estimator="ggn-mc", samples=3, seed=2, fast=False)
+    for name in params:
+        torch.testing.assert_close(mc[name], generic[name], rtol=1e-10, atol=1e-13)
+
+
 @pytest.mark.parametrize("dims", [(0, 0, 0, 0), (1, 2, 1, None), (2, 3, None, 1), (None, 1, 1, 0)])
 def test_weight_normalized_layer_kinds_against_brute_force(dims):
     """Every fast layer kind under weight normalization over any axis, or the whole tensor (``None``):
@@ -1662,16 +1678,7 @@ def test_weight_normalized_layer_kinds_against_brute_force(dims):
     report = normflat.analyze(model, (x, y), estimator="ggn", progress=False)
     assert report.metadata["coverage"] == 1.0
     assert all(layer.details["path"] == "fast" for layer in report.layers), [lb.details for lb in report.layers]
-    want = _parameter_ggn(model, x, y, list(_KIND_DIRECTIONS.values()))
-    want["up.parametrizations.weight.original1"] = want["up.parametrizations.weight.original1"].transpose(0, 1)
-    for chunk in (None, 2):  # the diagonal in the canonical layout: a transposed kernel is (out, in, k)
-        got = nf(model, (x, y), estimator="ggn", chunk_size=chunk)
-        for name, param in _KIND_DIRECTIONS.items():
-            torch.testing.assert_close(got[name], want[param], rtol=1e-10, atol=1e-13)
-    mc = nf(model, (x, y), estimator="ggn-mc", samples=3, seed=2)
-    generic = nf(model, (x, y), estimator="ggn-mc", samples=3, seed=2, fast=False)
-    for name in _KIND_DIRECTIONS:
-        torch.testing.assert_close(mc[name], generic[name], rtol=1e-10, atol=1e-13)
+    _assert_kinds_against_brute_force(model, x, y, _KIND_DIRECTIONS)
 
 
 def test_weight_normalized_jacobian_is_formed_once_per_pass_not_per_signal(monkeypatch):
@@ -1691,25 +1698,49 @@ def test_weight_normalized_jacobian_is_formed_once_per_pass_not_per_signal(monke
     assert counts[0] == counts[1] and 4 <= counts[0] <= 8, counts
 
 
+def _refused_once_its_stored_weight_changes(normalize, read, match):
+    """A ``Linear`` under an older normalization hook (``normalize``), in eval mode: once the hook's stored
+    weight is changed after the forward that computed it, ``read`` (the rule's Jacobian) refuses it with
+    ``match``; the layer is returned after one more forward (the stored weight recomputed)."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the older APIs are deprecated
+        layer = normalize(nn.Linear(4, 3)).double().eval()
+    x = torch.randn(2, 4, dtype=DT)
+    layer(x)
+    with pytest.raises(ggn_kernels.NoFastPath, match=match):
+        with torch.no_grad():
+            layer.weight.mul_(2.0)  # the hook's stored weight, recomputed at the next forward
+            read(layer)
+    layer(x)
+    return layer
+
+
 def test_weight_normalized_rule_refuses_a_weight_it_does_not_read():
     """A weight normalization whose applied weight no longer is ``g · v / ‖v‖`` (the older hook's
     stored weight, changed after the forward that computed it) sends the layer to the generic path,
     which differentiates the forward itself."""
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        layer = nn.utils.weight_norm(nn.Linear(4, 3)).double()
-    x = torch.randn(2, 4, dtype=DT)
-    layer(x)
-    with pytest.raises(ggn_kernels.NoFastPath, match="not g · v / ‖v‖"):
-        with torch.no_grad():
-            layer.weight.mul_(2.0)  # the hook's stored weight, recomputed at the next forward
-            ggn_kernels._direction_jacobian(layer)
-    layer(x)
+    layer = _refused_once_its_stored_weight_changes(nn.utils.weight_norm, ggn_kernels._direction_jacobian,
+                                                    "not g · v / ‖v‖")
     direction, factor, axes = ggn_kernels._direction_jacobian(layer)
     torch.testing.assert_close(layer.weight_g.detach() * direction, layer.weight.detach())  # W = g · û
     torch.testing.assert_close(factor * layer.weight_v.detach(), layer.weight.detach())
     assert axes == (1,)
+
+
+def _assert_normalized_rescaling(model, other, g):
+    """``other`` is ``model`` with its normalized weights rescaled: the same function on a batch drawn from
+    ``g``, every layer on its fast rule, every normalized sharpness the same, every trace but the head's
+    moved (method §8)."""
+    x, y = torch.randn(6, 3, 6, generator=g, dtype=DT), torch.tensor([0, 1, 2, 0, 1, 2])
+    torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-13)
+    before = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
+    after = normflat.analyze(other, (x, y), loss="ce", estimator="ggn", progress=False)
+    assert all(layer.details["path"] == "fast" for layer in after.layers)
+    for lb, la in zip(before.layers, after.layers):
+        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), lb.name
+        if lb.name != "head":
+            assert abs(la.hessian_trace - lb.hessian_trace) > 1e-3 * abs(lb.hessian_trace), lb.name
 
 
 @pytest.mark.parametrize("dims", [(0, 0, 0, 0), (1, 1, 1, None), (None, None, None, 1)])
@@ -1730,15 +1761,92 @@ def test_weight_normalized_direction_rescaling_invariance(dims):
             v = getattr(other, name).parametrizations.weight.original1
             shape = torch.norm_except_dim(v, 2, -1 if dim is None else dim).shape
             v.mul_(torch.exp(torch.randn(shape, generator=g, dtype=DT)))
-    x, y = torch.randn(6, 3, 6, generator=g, dtype=DT), torch.tensor([0, 1, 2, 0, 1, 2])
-    torch.testing.assert_close(other(x), model(x), rtol=1e-12, atol=1e-13)
-    before = normflat.analyze(model, (x, y), loss="ce", estimator="ggn", progress=False)
-    after = normflat.analyze(other, (x, y), loss="ce", estimator="ggn", progress=False)
-    assert all(layer.details["path"] == "fast" for layer in after.layers)
-    for lb, la in zip(before.layers, after.layers):
-        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), lb.name
-        if lb.name != "head":
-            assert abs(la.hessian_trace - lb.hessian_trace) > 1e-3 * abs(lb.hessian_trace), lb.name
+    _assert_normalized_rescaling(model, other, g)
+
+
+class SpectrallyNormalized(WeightNormalizedKinds):
+    """torch's spectral normalization on every layer kind with a fast rule (``W = V / σ``, ``σ = uᵀ V v``
+    from the power iteration's buffers): a transposed convolution (its ``dim=1``), a 2-D convolution,
+    a dense layer on a sequence with the older ``torch.nn.utils.spectral_norm`` hook, a dense layer
+    called twice (its per-sample gradients summed before the map to ``V``), then a head. ``dims``:
+    the axis each is normalized over (the layer kinds' defaults, or others)."""
+
+    def __init__(self, dims: tuple = (None, None, None, None)) -> None:
+        nn.Module.__init__(self)  # the same layers and forward as WeightNormalizedKinds, spectrally normalized
+        sn = nn.utils.parametrizations.spectral_norm
+
+        def kw(dim):
+            return {} if dim is None else {"dim": dim}
+
+        self.up = sn(nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1), **kw(dims[0]))
+        self.conv = sn(nn.Conv2d(1, 2, (2, 3)), **kw(dims[1]))
+        self.seq = nn.utils.spectral_norm(nn.Linear(4, 4), **kw(dims[2]))
+        self.twice = sn(nn.Linear(4, 4, bias=False), **kw(dims[3]))
+        self.head = nn.Linear(4, 3)
+
+
+_SPECTRAL_PARAMS = {"up": "up.parametrizations.weight.original", "conv": "conv.parametrizations.weight.original",
+                    "seq": "seq.weight_orig", "twice": "twice.parametrizations.weight.original"}
+
+
+def _spectral_model(dims=(None, None, None, None)):
+    """:class:`SpectrallyNormalized` in float64 with its power iteration run a few steps in train mode
+    (``u``, ``v`` near the top singular vectors, as after training), then left in train mode."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the older API is deprecated
+        model = SpectrallyNormalized(dims).double()
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        model(torch.randn(2, 3, 6, generator=g, dtype=DT))
+    return model
+
+
+@pytest.mark.parametrize("dims", [(None, None, None, None), (0, 1, 1, 1)])
+def test_spectrally_normalized_layers_against_brute_force(dims):
+    """torch's spectral normalization (both APIs, every fast layer kind, any axis): ``V`` is the weight
+    analyzed (method §3, "Spectral normalization"), on its fast rule (method §6.1, "Spectrally
+    normalized layers"); the diagonal is the brute-force one (per-sample Jacobians with respect to ``V``), in
+    one chunk or two, and the Monte-Carlo estimator's equals the generic path's. The model is in
+    train mode: its power-iteration buffers and modes are left as they were (before, the layers were
+    skipped, coverage 0.2, and reading the weights took a power-iteration step on the buffers)."""
+    model = _spectral_model(dims)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(5, 3, 6, generator=g, dtype=DT), torch.tensor([0, 1, 2, 0, 1])
+    report = normflat.analyze(model, (x, y), estimator="ggn", progress=False)
+    assert report.metadata["coverage"] == 1.0 and report.metadata["unsupported"] == []
+    for name, param in _SPECTRAL_PARAMS.items():
+        details = report.layer(name).details
+        assert details["param"] == param and details["path"] == "fast", details
+    assert all(m.training for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    model.eval()
+    _assert_kinds_against_brute_force(model, x, y, _SPECTRAL_PARAMS)
+
+
+def test_spectrally_normalized_rule_refuses_a_weight_it_does_not_read():
+    """A spectral normalization whose applied weight no longer is ``V / σ`` (the older hook's stored
+    weight, changed after the forward that computed it) sends the layer to the generic path."""
+    layer = _refused_once_its_stored_weight_changes(nn.utils.spectral_norm, ggn_kernels._spectral_norm_map,
+                                                    "not V / σ")
+    parameter, of_weight = ggn_kernels._spectral_norm_map(layer)
+    assert parameter is not None and of_weight(torch.zeros(1, 3, 4, dtype=DT)).abs().max() == 0
+
+
+@pytest.mark.parametrize("dims", [(None, None, None, None), (0, 1, 1, 1)])
+def test_spectrally_normalized_scale_invariance(dims):
+    """``W = V / σ`` does not change when ``V`` is multiplied by a positive factor (``σ`` scales with it,
+    ``u`` and ``v`` stay), and the Hessian in ``V`` is divided by its square: every layer's normalized
+    sharpness stays and the normalized layers' traces move (method §3, §8)."""
+    model, other = _spectral_model(dims), _spectral_model(dims)
+    model.eval()
+    other.eval()
+    with torch.no_grad():
+        for factor, param in zip((3.0, 0.4, 2.5, 0.7), _SPECTRAL_PARAMS.values()):
+            other.get_parameter(param).mul_(factor)
+    g = torch.Generator().manual_seed(2)
+    _assert_normalized_rescaling(model, other, g)
 
 
 class DeadPooler(nn.Module):

@@ -1339,15 +1339,19 @@ def _keras(model, dtype, invoke, strip_softmax=True):
     names: dict[str, str] = {}
     layers = _keras_layers(model)
     for layer, name in layers:
-        own = [*getattr(layer, "_trainable_variables", []), *getattr(layer, "_non_trainable_variables", [])]
+        # Its own variables, not its sub-layers' (SpectralNormalization also tracks its layer's kernel as
+        # its own `kernel`), as the TensorFlow backend reads them.
+        inner = {id(v) for child in getattr(layer, "_layers", []) for v in getattr(child, "weights", [])}
+        own = [v for v in (*getattr(layer, "_trainable_variables", []), *getattr(layer, "_non_trainable_variables", []))
+               if id(v) not in inner]
         for v in own:
             if v.path not in owners:
                 owners[v.path], suffix = _keras_owner(layer, v)
                 names[v.path] = name + suffix
     for layer, _ in layers:
         if REGISTRY.lookup(layer) is IGNORE:
-            # Every variable inside an ignored layer is held fixed with it (SpectralNormalization's
-            # wrapped kernel and bias), as the TensorFlow backend holds them.
+            # Every variable inside an ignored layer is held fixed with it, as the TensorFlow backend
+            # holds them.
             for v in layer.weights:
                 owners[v.path] = layer
 

@@ -22,7 +22,7 @@ import inspect
 import math
 import threading
 import weakref
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,8 @@ __all__ = [
     "tied_squares",
     "weight_normalization",
     "weight_norm_rule",
+    "spectral_normalization",
+    "spectral_norm_rule",
     "normalizes_weight",
     "weight_norm_edges",
     "Capture",
@@ -890,30 +892,126 @@ def _direction_gradients(gw: torch.Tensor, direction: torch.Tensor, factor: torc
     return (gw - direction * along).mul_(factor)
 
 
-#: The fast rules of weight-normalized layers, one per rule of the layer beneath (made once: a
-#: rule object is a layer kind's identity).
-_WEIGHT_NORM_RULES: dict[Any, Any] = {}
-_WEIGHT_NORM_LOCK = threading.Lock()
+def spectral_normalization(module: nn.Module) -> tuple[nn.Parameter, torch.Tensor, torch.Tensor, int] | None:
+    """``(original, u, v, dim)`` of a module whose ``weight`` is torch's spectral normalization
+    ``W = V / σ``, ``σ = uᵀ V_dim v`` (``V_dim``: ``V`` with axis ``dim`` first, the others flattened;
+    ``u``, ``v`` the power iteration's vectors, buffers), by
+    ``torch.nn.utils.parametrizations.spectral_norm`` or the older ``torch.nn.utils.spectral_norm``
+    hook; ``None`` otherwise (any other parametrization, or a vector's ``V / ‖V‖``)."""
+    from torch.nn.utils import parametrize
+
+    if parametrize.is_parametrized(module, "weight"):
+        chain = module.parametrizations["weight"]
+        norm = chain[0] if len(chain) == 1 else None
+        if type(norm).__name__ == "_SpectralNorm" and type(norm).__module__.startswith("torch.nn.utils"):
+            original = getattr(chain, "original", None)
+            if isinstance(original, nn.Parameter) and original.dim() > 1:
+                return original, norm._u, norm._v, int(norm.dim)
+        return None
+    hooks = [h for h in module._forward_pre_hooks.values()
+             if type(h).__name__ == "SpectralNorm" and type(h).__module__ == "torch.nn.utils.spectral_norm"
+             and getattr(h, "name", None) == "weight"]
+    original = getattr(module, "weight_orig", None)
+    u, v = getattr(module, "weight_u", None), getattr(module, "weight_v", None)
+    if len(hooks) == 1 and isinstance(original, nn.Parameter) and isinstance(u, torch.Tensor) \
+            and isinstance(v, torch.Tensor):
+        return original, u, v, int(hooks[0].dim)
+    return None
+
+
+class _WeightMap(NamedTuple):
+    """How a normalized layer's per-sample gradients of its applied weight ``W`` become those of the
+    parameter it is computed from: ``parameter`` (detached: its shape, dtype and device) and
+    ``of_weight``, the map ``(n, *W.shape) -> (n, *parameter.shape)`` (the transposed Jacobian)."""
+
+    parameter: torch.Tensor
+    of_weight: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _weight_norm_map(module: nn.Module) -> _WeightMap:
+    """:class:`_WeightMap` of a weight-normalized layer: to the direction ``v`` (:func:`_direction_jacobian`)."""
+    direction, factor, axes = _direction_jacobian(module)
+    return _WeightMap(direction, lambda gw: _direction_gradients(gw, direction, factor, axes))
+
+
+def _spectral_norm_map(module: nn.Module) -> _WeightMap:
+    """:class:`_WeightMap` of a spectrally normalized layer (method §6.1, "Spectrally normalized layers"): with
+    ``u``, ``v`` fixed (no power iteration in eval mode), ``∂σ/∂V = u vᵀ`` (laid out as ``V``), so a
+    per-sample gradient of ``V`` is ``(G − ⟨G, W⟩ u vᵀ) / σ`` of the applied weight's ``G``, the inner
+    product over the whole weight. Checks that the weight the forward applies is ``V / σ``."""
+    read = spectral_normalization(module)
+    if read is None:
+        raise NoFastPath("its spectral normalization is no longer torch's spectral_norm")
+    original, u, v, dim = read[0].detach(), read[1].detach(), read[2].detach(), read[3]
+    if not -original.dim() <= dim < original.dim():
+        raise NoFastPath(f"spectral normalization over dim={dim}, which is no axis of the weight")
+    dim %= original.dim()
+    order = [dim, *(d for d in range(original.dim()) if d != dim)]
+    shape = [original.shape[d] for d in order]
+    sigma = torch.dot(u, original.permute(order).reshape(shape[0], -1) @ v)
+    if not bool(sigma.abs() > 0):
+        raise NoFastPath("its spectral normalization divides by σ = uᵀ W v = 0")
+    outer = torch.outer(u, v).reshape(shape).permute([order.index(d) for d in range(len(order))])
+    weight = original / sigma
+    with torch.no_grad():
+        applied = module.weight.detach()
+    eps = torch.finfo(original.dtype).eps
+    if applied.shape != weight.shape or not torch.allclose(applied, weight, rtol=64 * eps,
+                                                           atol=64 * eps * float(applied.abs().max())):
+        raise NoFastPath("the weight its forward applies is not V / σ of its spectral normalization")
+    axes = tuple(range(1, original.dim() + 1))
+
+    def of_weight(gw: torch.Tensor) -> torch.Tensor:
+        along = (gw * weight).sum(axes, keepdim=True)
+        return (gw - outer * along).div_(sigma)
+
+    return _WeightMap(original, of_weight)
+
+
+#: The fast rules of normalized layers, one per normalization and rule of the layer beneath (made
+#: once: a rule object is a layer kind's identity).
+_NORMALIZED_RULES: dict[tuple[str, Any], Any] = {}
+_NORMALIZED_LOCK = threading.Lock()
+#: Each normalization's :class:`_WeightMap` maker.
+_WEIGHT_MAPS: dict[str, Callable[[nn.Module], _WeightMap]] = {"weight_norm": _weight_norm_map,
+                                                              "spectral_norm": _spectral_norm_map}
 
 
 def normalizes_weight(rule: Any) -> bool:
-    """Whether a fast rule is a weight-normalized layer's (:func:`weight_norm_rule`)."""
-    return bool(getattr(rule, "_normflat_weight_norm", False))
+    """Whether a fast rule is a normalized layer's (:func:`weight_norm_rule`, :func:`spectral_norm_rule`)."""
+    return bool(getattr(rule, "_normflat_normalized", False))
 
 
 def weight_norm_edges(module: nn.Module) -> int:
-    """The autograd graph's edges from one evaluation of a weight-normalized module's weight to its
-    direction ``v``: one through torch's fused kernel (norms over the first or the last axis), two
-    where it composes the norm and the division (over any other axis, or the whole tensor). The
-    graph's count of a direction's uses is this many per application of the weight."""
+    """The autograd graph's edges from one evaluation of a normalized module's weight to the parameter
+    analyzed: for weight normalization's direction ``v``, one through torch's fused kernel (norms over
+    the first or the last axis), two where it composes the norm and the division (over any other
+    axis, or the whole tensor); for spectral normalization's ``V``, the division's and ``σ``'s. The
+    graph's count of the parameter's uses is this many per application of the weight."""
     read = weight_normalization(module)
-    if read is None:
+    if read is not None:
+        v, g, dim = read
+        with torch.enable_grad():
+            applied = compat.weight_norm(v, g, dim)
+        edges, _ = inspect_graph(applied.grad_fn, {id(v): v}, [])
+        return max(edges[id(v)], 1)
+    spectral = spectral_normalization(module)
+    if spectral is None:
         return 1
-    v, g, dim = read
+    original = spectral[0]
+    from torch.nn.utils import parametrize
+
     with torch.enable_grad():
-        applied = compat.weight_norm(v, g, dim)
-    edges, _ = inspect_graph(applied.grad_fn, {id(v): v}, [])
-    return max(edges[id(v)], 1)
+        if parametrize.is_parametrized(module, "weight"):
+            norm = module.parametrizations["weight"][0]
+            if norm.training:  # its forward would take a power-iteration step on the buffers
+                return 2
+            applied = norm(original)
+        else:
+            hook = next(h for h in module._forward_pre_hooks.values() if type(h).__name__ == "SpectralNorm")
+            applied = hook.compute_weight(module, do_power_iteration=False)
+    edges, _ = inspect_graph(applied.grad_fn, {id(original): original}, [])
+    return max(edges[id(original)], 1)
 
 
 def weight_norm_rule(base: Any) -> Any:
@@ -927,47 +1025,60 @@ def weight_norm_rule(base: Any) -> Any:
     norms are over any axes (per output channel, per kernel position, the whole tensor), so the
     map needs the whole ``G``; its cost is that of the per-sample gradients.
     """
-    with _WEIGHT_NORM_LOCK:
-        if base not in _WEIGHT_NORM_RULES:
-            _WEIGHT_NORM_RULES[base] = _weight_norm_rule(base)
-        return _WEIGHT_NORM_RULES[base]
+    return _normalized_rule("weight_norm", base)
 
 
-def _weight_norm_rule(base: Any) -> Any:
+def spectral_norm_rule(base: Any) -> Any:
+    """The fast GGN rule of a layer whose weight is torch's spectral normalization ``W = V / σ``, for
+    ``V``, on top of the layer's own rule ``base`` (which must have per-sample gradients), or ``None``
+    where it has none: each per-sample gradient of the applied weight ``G`` is formed a chunk of
+    samples at a time for every signal and mapped to ``(G − ⟨G, W⟩ u vᵀ) / σ``
+    (:func:`_spectral_norm_map`), squared and summed; its cost is that of the per-sample gradients."""
+    return _normalized_rule("spectral_norm", base)
+
+
+def _normalized_rule(kind: str, base: Any) -> Any:
+    with _NORMALIZED_LOCK:
+        if (kind, base) not in _NORMALIZED_RULES:
+            _NORMALIZED_RULES[kind, base] = _make_normalized_rule(kind, base)
+        return _NORMALIZED_RULES[kind, base]
+
+
+def _make_normalized_rule(kind: str, base: Any) -> Any:
     gradients = PER_SAMPLE_GRADIENTS.get(base)
     if gradients is None or not wants_deltas(base) or any(
             check(base) for check in (wants_call, first_of_tuple, inner_uses, recorded_inside)):
         return None  # a rule whose module does more than apply its weight to one input
     prepare = USE_INPUTS.get(base)
+    weight_map = _WEIGHT_MAPS[kind]
 
-    def direction_gradients(module: nn.Module, a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    def parameter_gradients(module: nn.Module, a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         return prepared_gradients(module)(a, d)
 
     def prepared_gradients(module: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        jacobian = _direction_jacobian(module)
-        return lambda a, d: _direction_gradients(gradients(module, a, d), *jacobian)
+        of_weight = weight_map(module).of_weight
+        return lambda a, d: of_weight(gradients(module, a, d))
 
     @_builtin
     def squares(module: nn.Module, a: torch.Tensor, deltas: Deltas, out: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        direction, factor, axes = _direction_jacobian(module)
+        parameter, of_weight = weight_map(module)
         prepared = prepare(module, a) if prepare is not None else a
-        res = _accumulator(out, deltas.k, *direction.shape, like=direction)
+        res = _accumulator(out, deltas.k, *parameter.shape, like=parameter)
         n = a.shape[0]
         for j, part in enumerate(deltas.parts):
             if part is None:
                 continue
             deltas.parts[j] = None
-            for sl in _chunks(n, direction.numel()):
-                gv = _direction_gradients(gradients(module, prepared[sl], part[sl]), direction, factor, axes)
-                res[j // deltas.m] += gv.square_().sum(0)
+            for sl in _chunks(n, parameter.numel()):
+                res[j // deltas.m] += of_weight(gradients(module, prepared[sl], part[sl])).square_().sum(0)
         deltas.parts.clear()
         return res
 
-    squares._normflat_weight_norm = True  # type: ignore[attr-defined]
-    squares.__doc__ = weight_norm_rule.__doc__
-    squares.__name__ = squares.__qualname__ = f"weight_norm_squares[{getattr(base, '__name__', 'rule')}]"
-    PER_SAMPLE_GRADIENTS[squares] = direction_gradients
+    squares._normflat_normalized = True  # type: ignore[attr-defined]
+    squares.__doc__ = (weight_norm_rule if kind == "weight_norm" else spectral_norm_rule).__doc__
+    squares.__name__ = squares.__qualname__ = f"{kind}_squares[{getattr(base, '__name__', 'rule')}]"
+    PER_SAMPLE_GRADIENTS[squares] = parameter_gradients
     PREPARED_GRADIENTS[squares] = prepared_gradients
     if prepare is not None:
         USE_INPUTS[squares] = prepare

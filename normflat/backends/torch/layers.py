@@ -11,10 +11,11 @@ subclasses of a registered type match too.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -22,8 +23,8 @@ from torch import nn
 from normflat.backends.torch import compat
 from normflat.backends.torch.ggn import (
     PER_SAMPLE_GRADIENTS, attention_squares, conv_squares, conv_transpose_squares, embedding_bag_squares, embedding_squares,
-    linear_squares, position_table_squares, recorded_lookup_squares, recurrent_squares, weight_norm_rule,
-    weight_normalization)
+    linear_squares, position_table_squares, recorded_lookup_squares, recurrent_squares, spectral_norm_rule,
+    spectral_normalization, weight_norm_rule, weight_normalization)
 from normflat.engine.options import GGN_ESTIMATORS, AnalysisOptions
 from normflat.engine.problems import LayerSpec, ParameterStatus
 from normflat.engine.registry import (IGNORE, IGNORED_REASON, LayerRegistry, Skipped, Unsupported, excluded_reason,
@@ -250,6 +251,27 @@ _WEIGHT_NORM_REASON = ("its weight is weight-normalized (g · v / ‖v‖) and i
                        "gradients to map to the direction v; the generic path differentiates through the "
                        "normalization")
 _WEIGHT_NORM_SCALE = "the norms g of a weight normalization (a vector of scales), not a weight matrix"
+#: Why a spectrally normalized layer's weight takes the generic path.
+_SPECTRAL_NORM_REASON = ("its weight is spectrally normalized (V / σ) and its layer's rule has no per-sample "
+                         "gradients to map to V; the generic path differentiates through the normalization")
+
+
+@contextlib.contextmanager
+def _parametrizations_in_eval(model: nn.Module) -> Iterator[None]:
+    """Every parametrization of ``model`` in eval mode while the walk reads the weights, put back after:
+    reading a parametrized weight runs its parametrization, and torch's ``spectral_norm`` in train
+    mode then takes a power-iteration step on its buffers (the user's model must stay as it was)."""
+    from torch.nn.utils import parametrize
+
+    held = [(m, m.training) for lst in model.modules() if isinstance(lst, parametrize.ParametrizationList)
+            for m in lst.modules()]
+    for m, _ in held:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m, mode in held:
+            m.training = mode
 
 
 def check_embedding(module: nn.Module) -> str | None:
@@ -625,6 +647,12 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
             ``on_unsupported="error"``.
         TypeError: For non-floating weights.
     """
+    with _parametrizations_in_eval(model):
+        return _collect_layers(model, options, use_fast, on_unsupported)
+
+
+def _collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
+                    on_unsupported: str) -> tuple[list[TorchLayer], list[str], list[ParameterStatus]]:
     from normflat.backends.torch import hf
 
     hf.register_known_layers()
@@ -674,7 +702,9 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
                          blocks=mw.blocks, rule=mw.ggn_squares is not None, groups=mw.groups)
         else:
             w = ext.weight(module)
-            normed = weight_normalization(module) if w is not None and not isinstance(w, nn.Parameter) else None
+            computed = w is not None and not isinstance(w, nn.Parameter)
+            normed = weight_normalization(module) if computed else None
+            spectral = spectral_normalization(module) if computed and normed is None else None
             if normed is not None:
                 # W = g · v / ‖v‖: the direction v is the kernel analyzed (method §3, "Weight
                 # normalization"), its norms g a vector like a normalization's scale.
@@ -682,6 +712,11 @@ def collect_layers(model: nn.Module, options: AnalysisOptions, use_fast: bool,
                 walk.mark(scale, "excluded", _WEIGHT_NORM_SCALE)
                 rule = weight_norm_rule(ext.ggn_squares) if ext.ggn_squares is not None else None
                 ext = replace(ext, ggn_squares=rule, generic_reason=None if rule else _WEIGHT_NORM_REASON)
+            elif spectral is not None:
+                # W = V / σ(V): V is the kernel analyzed (method §3, "Spectral normalization").
+                w = spectral[0]
+                rule = spectral_norm_rule(ext.ggn_squares) if ext.ggn_squares is not None else None
+                ext = replace(ext, ggn_squares=rule, generic_reason=None if rule else _SPECTRAL_NORM_REASON)
             if w is not None:
                 walk.add(label, module, w, ext, blocks=packed.get(id(module)) or _blocks_of(ext, module))
         # The module's other parameters (biases; sub-modules are not walked): excluded
