@@ -2,9 +2,10 @@
 
 Keras computes such a layer's kernel as ``W + (α/r)·A·B`` in its call. normflat reports
 the frozen kernel and the two factors as the linear maps they are (method §3, "LoRA
-adapters"): ``<layer>``, ``<layer>/lora_a``, ``<layer>/lora_b``. On a ``Dense`` and on an
-``EinsumDense`` whose kernel's last axis is an output all three take the fast rule from the
-layer's one tapped call (method §6.1, "LoRA adapters"), on the others the generic path.
+adapters"): ``<layer>``, ``<layer>/lora_a``, ``<layer>/lora_b``. On a ``Dense``, an ``Embedding``, a
+(channels-last, ungrouped) convolution and an ``EinsumDense`` whose kernel's last axis is an output
+all three take the fast rule from the layer's one tapped call (method §6.1, "LoRA adapters"); on an
+``EinsumDense`` whose kernel's last axis is contracted the generic path.
 
 The reference is the same function written with separate layers (the base layer, then
 ``A`` and ``B`` as layers of their own, their outputs added), whose diagonals take the
@@ -117,7 +118,7 @@ def test_lora_weights_equal_the_separate_layers(kind):
         report = normflat.analyze(model, data, loss="ce", estimator=estimator, progress=False)
         assert report.metadata["unsupported"] == [] and report.metadata["coverage"] == 1.0
         assert [layer.name for layer in report.layers] == list(names)
-        fast = kind in ("dense", "einsum_out_last")
+        fast = kind != "einsum_in_last"
         details = report.layer("layer/lora_a").details
         assert details["path"] == ("hvp" if estimator == "exact" else "fast" if fast else "generic")
         if estimator == "ggn" and not fast:
@@ -219,6 +220,25 @@ class _EinsumDense64(_Lora64, L.EinsumDense):
     pass
 
 
+class _Embedding64(_Lora64, L.Embedding):
+    pass
+
+
+class _Conv1D64(_Lora64, L.Conv1D):
+    pass
+
+
+def _factor_variables(layer):
+    """``(frozen kernel or table, A, B)`` of a LoRA-enabled layer."""
+    if hasattr(layer, "lora_embeddings_a"):
+        return layer._embeddings, layer.lora_embeddings_a, layer.lora_embeddings_b
+    return layer._kernel, layer.lora_kernel_a, layer.lora_kernel_b
+
+
+def _conv1d_canonical(k):  # W (k, in, out) -> (out, in, k); A (k, in, r) -> (r, in, k)
+    return k.transpose(2, 1, 0)
+
+
 def _canonical_dense(k):  # (in, out) -> (out, in); A (in, r) -> (r, in); B (r, out) -> (out, r)
     return k.T
 
@@ -230,32 +250,41 @@ def _einsum_btd_dnh(k):  # W (d, n, h) -> (n·h, d); A (d, n, r) -> (n·r, d)
 def _lora64(layer, rng, alpha=3):
     """Rank 2, α = 3 (the factor s = 1.5, not 1), every factor entry drawn."""
     layer.enable_lora(RANK, lora_alpha=alpha)
-    for v in (layer.lora_kernel_a, layer.lora_kernel_b):
+    for v in _factor_variables(layer)[1:]:
         v.assign(0.6 * rng.normal(size=v.shape))
 
 
 def _lora_model(case, activation="tanh"):
     """``(model, x, y, {report name: (variable path, canonical)})`` for a LoRA-enabled layer in float64:
-    ``"dense"`` (on positions), ``"einsum"`` (an attention projection ``btd,dnh->btnh``), ``"twice"``
-    (a Dense called on two branches), ``"head"`` (a LoRA head of 40 classes: ``ggn``'s exact head rule
-    would start the others' signals at its input), ``"windows"`` (a Dense on the batch folded into
-    windows). ``activation``: the LoRA layer's in the ``"dense"`` and ``"einsum"`` cases."""
+    ``"dense"`` (on positions), ``"einsum"`` (an attention projection ``btd,dnh->btnh``), ``"embedding"``
+    (a table looked up at token ids), ``"conv"`` (a ``Conv1D``), ``"twice"`` (a Dense called on two branches), ``"head"`` (a LoRA head of 40 classes:
+    ``ggn``'s exact head rule would start the others' signals at its input), ``"windows"`` (a Dense on
+    the batch folded into windows). ``activation``: the LoRA layer's in the ``"dense"``, ``"einsum"``
+    and convolution cases."""
     keras.utils.set_random_seed(11)
     rng = np.random.default_rng(11)
     classes = 40 if case == "head" else 3
-    inp = keras.Input((4, 3), dtype=F64)
-    h = L.Dense(5, activation="tanh", dtype=F64, name="embed")(inp)
+    if case == "embedding":
+        inp = keras.Input((4,), dtype="int32")
+        lora = _Embedding64(9, 5, dtype=F64, name="lora")
+        h = lora(inp)
+    else:
+        inp = keras.Input((4, 3), dtype=F64)
+        h = L.Dense(5, activation="tanh", dtype=F64, name="embed")(inp)
     if case == "einsum":
         lora = _EinsumDense64("btd,dnh->btnh", (4, 2, 3), bias_axes="nh", activation=activation, dtype=F64,
                               name="lora")
         h = L.Reshape((4, 6), dtype=F64)(lora(h))
+    elif case == "conv":
+        lora = _Conv1D64(4, 2, padding="same", activation=activation, dtype=F64, name="lora")
+        h = lora(h)
     elif case == "twice":
         lora = _Dense64(5, activation="tanh", dtype=F64, name="lora")
         h = lora(h) + lora(L.Dense(5, dtype=F64, name="branch")(h))
     elif case == "windows":
         lora = _Dense64(5, activation="tanh", dtype=F64, name="lora")
         h = _Windows("blocks", inverse=True, dtype=F64)(lora(_Windows("blocks", dtype=F64)(h)))
-    else:
+    elif case != "embedding":
         lora = _Dense64(5, activation=activation, dtype=F64, name="lora")
         h = lora(h) if case == "dense" else h
     h = L.GlobalAveragePooling1D(dtype=F64)(h)
@@ -264,23 +293,25 @@ def _lora_model(case, activation="tanh"):
     for v in model.weights:
         v.assign(0.7 * rng.normal(size=v.shape))
     _lora64(head if case == "head" else lora, rng)
-    x, y = rng.normal(size=(6, 4, 3)), rng.integers(0, classes, 6)
+    x = rng.integers(0, 9, (6, 4)).astype("int32") if case == "embedding" else rng.normal(size=(6, 4, 3))
+    y = rng.integers(0, classes, 6)
     name = "head" if case == "head" else "lora"
-    canonical = _einsum_btd_dnh if case == "einsum" else _canonical_dense
-    expected = {"embed": ("embed/kernel", _canonical_dense)}
+    canonical = {"einsum": _einsum_btd_dnh, "conv": _conv1d_canonical}.get(case, _canonical_dense)
+    expected = {} if case == "embedding" else {"embed": ("embed/kernel", _canonical_dense)}
     if case == "twice":
         expected["branch"] = ("branch/kernel", _canonical_dense)
-    expected.update({name: (f"{name}/kernel", canonical), f"{name}/lora_a": (f"{name}/lora_kernel_a", canonical),
-                     f"{name}/lora_b": (f"{name}/lora_kernel_b", _canonical_dense)})
+    table, a, b = _factor_variables(head if case == "head" else lora)
+    expected.update({name: (table.path, canonical), f"{name}/lora_a": (a.path, canonical),
+                     f"{name}/lora_b": (b.path, _canonical_dense)})
     if case != "head":
         expected["head"] = ("head/kernel", _canonical_dense)
     return model, x, y, expected
 
 
-@pytest.mark.parametrize("case", ["dense", "einsum", "twice", "head", "windows"])
+@pytest.mark.parametrize("case", ["dense", "einsum", "embedding", "conv", "twice", "head", "windows"])
 def test_lora_fast_rule_equals_brute_force(case):
-    """The frozen kernel and both factors of a LoRA-enabled ``Dense`` or ``EinsumDense`` take the fast rule
-    (method §6.1, "LoRA adapters"): against float64 brute force, whole, in chunks of 2 and on one sample;
+    """The frozen kernel and both factors of a LoRA-enabled ``Dense``, ``EinsumDense``, ``Embedding`` or
+    convolution take the fast rule (method §6.1, "LoRA adapters"): against float64 brute force, whole, in chunks of 2 and on one sample;
     ``ggn-mc`` and ``ggn-topk`` against the generic path. Before, all three took the generic path
     (2.5x the time of the plain model on a keras-hub Llama)."""
     model, x, y, expected = _lora_model(case)
@@ -298,7 +329,7 @@ def test_lora_fast_rule_equals_brute_force(case):
                                        err_msg=name)
 
 
-@pytest.mark.parametrize("case", ["dense", "einsum"])
+@pytest.mark.parametrize("case", ["dense", "einsum", "embedding", "conv"])
 def test_lora_rescalings_on_the_fast_rule(case):
     """On the fast rule, in float64 (the LoRA layer without activation): the rank rescaling (``A``'s column
     k × c_k, ``B``'s row k / c_k), then the layer's output features × d_h (the frozen kernel's and ``B``'s
@@ -308,14 +339,16 @@ def test_lora_rescalings_on_the_fast_rule(case):
     model, x, y, _ = _lora_model(case, activation=None)
     other, _, _, _ = _lora_model(case, activation=None)
     lora, head = other.get_layer("lora"), other.get_layer("head")
+    table, a, b = _factor_variables(lora)
     rank = np.array([2.5, 0.3])
-    lora.lora_kernel_a.assign(lora.lora_kernel_a.numpy() * rank)
-    lora.lora_kernel_b.assign(lora.lora_kernel_b.numpy() / rank[:, None])
-    features = np.array([0.5, 3.0, 1.5, 0.8, 2.0])[:int(lora.lora_kernel_b.shape[-1])]
-    lora._kernel.assign(lora._kernel.numpy() * features)
-    lora.lora_kernel_b.assign(lora.lora_kernel_b.numpy() * features)
-    lora.bias.assign(lora.bias.numpy() * features)
-    rows = np.tile(features, int(head.kernel.shape[0]) // features.size)  # (n, h) flattened h fastest
+    a.assign(a.numpy() * rank)
+    b.assign(b.numpy() / rank[:, None])
+    features = np.array([0.5, 3.0, 1.5, 0.8, 2.0])[:int(b.shape[-1])]
+    table.assign(table.numpy() * features)
+    b.assign(b.numpy() * features)
+    if getattr(lora, "bias", None) is not None:
+        lora.bias.assign(lora.bias.numpy() * features)
+    rows = np.tile(features, int(head.kernel.shape[0]) // features.size)  # (positions, features) flattened
     head.kernel.assign(head.kernel.numpy() / rows[:, None])
     np.testing.assert_allclose(np.asarray(other(x)), np.asarray(model(x)), rtol=1e-12, atol=1e-12)
     before = normflat.analyze(model, (x, y), loss="ce", progress=False)

@@ -26,8 +26,8 @@ embedding) is fast too: tapped at the outputs of its lookup call and of its
 ``reverse=True`` call, its per-sample gradient is the sum of the two uses' (the signals
 scattered into the rows of the sample's ids, and ``Σ_t s_t a_tᵀ``), squared one signal
 at a time (:func:`_tied_squares`, method §6.1 "Tied weights"); it is never a head.
-A LoRA-enabled ``Dense`` or ``EinsumDense`` (kernel ``W + s·A·B``) is tapped once, and its frozen
-kernel and both factors take their rules from that record (:func:`_lora_squares`, method §6.1
+A LoRA-enabled ``Dense``, ``EinsumDense``, ``Embedding`` or convolution (kernel ``W + s·A·B``) is
+tapped once, and its frozen kernel and both factors take their rules from that record (:func:`_lora_squares`, method §6.1
 "LoRA adapters"); it is never a head either.
 With ``ggn-topk``, and ``ggn`` above :data:`STRUCTURED_HEAD_CLASSES` classes
 (:func:`exact_head`), a ``Dense`` head whose pre-activation is the logits takes its
@@ -63,8 +63,8 @@ import tensorflow as tf
 
 from normflat.backends.keras import compat
 from normflat.backends.keras.calls import recorded_inner_loop
-from normflat.backends.keras.layers import (LORA_KINDS, RECURRENT_KINDS, SEPARABLE_KINDS, UNUSED, Entry,
-                                            einsum_fast_axes, fast_kind, is_lora)
+from normflat.backends.keras.layers import (LORA_BASE_KINDS, LORA_KINDS, RECURRENT_KINDS, SEPARABLE_KINDS, UNUSED,
+                                            Entry, einsum_fast_axes, fast_kind, is_lora)
 from normflat.backends.keras.ops import TF
 from normflat.backends.keras_shared import rank_equation
 from normflat.backends.keras.state import ModelState
@@ -366,7 +366,7 @@ class Taps:
         reversible: dict[int, list[Entry]] = {}
         lora: dict[int, list[Entry]] = {}
         for entry in tapped:
-            if entry.fast in ("dense", "einsum", *LORA_KINDS) and is_lora(entry.layer):
+            if entry.fast in (*LORA_BASE_KINDS, *LORA_KINDS) and is_lora(entry.layer):
                 lora.setdefault(id(entry.layer), []).append(entry)
             elif entry.fast in SEPARABLE_KINDS:
                 separable.setdefault(id(entry.layer), []).append(entry)
@@ -460,12 +460,14 @@ class Taps:
                     # later: looked up once per sample, so that the signal at each row is that
                     # sample's (method §6.1, "Position tables"); checked by the first forward.
                     inputs = tf.broadcast_to(inputs, tf.concat([samples, tf.shape(inputs)[1:]], 0))
-                    self._mine.broadcast.add(name)
-                with self.own_read(entry):
+                    self._mine.broadcast.update(names)
+                with self.own_read(entry, *partners):
                     out = original_call(inputs, *args, **kwargs)
                 if self.tape is not None:
                     self.tape.watch(out)
-                self.records.setdefault(name, []).append([inputs, out])
+                record = [inputs, out]
+                for each in names:
+                    self.records.setdefault(each, []).append(record)
                 return out
 
             state.set(layer, "call", lookup)
@@ -1435,51 +1437,77 @@ def _dense_squares(x: Any, gs: list[Any], seg: Any, groups: int, folded: Any = N
     return _per_sample_squares(xf, gf, seg, groups, pairs=True)
 
 
-def _lora_views(layer: Any, factor: str, x: Any, gs: list[Any]) -> tuple[Any, list[Any], str | None]:
-    """One call of a LoRA-enabled ``Dense`` or ``EinsumDense`` as the product of one of its factors:
-    ``(input, B signals at the product, equation)`` (method §6.1, "LoRA adapters").
+def _lora_factors(layer: Any) -> tuple[Any, Any]:
+    """The ``A`` and ``B`` variables of a LoRA-enabled layer (an ``Embedding``'s are ``lora_embeddings_*``)."""
+    if hasattr(layer, "lora_embeddings_a"):
+        return layer.lora_embeddings_a, layer.lora_embeddings_b
+    return layer.lora_kernel_a, layer.lora_kernel_b
+
+
+def _into_rank(g: Any, b: Any, axis: int) -> Any:
+    """``g`` with its axis ``axis`` (the kernel's last axis) contracted with ``B``'s last one: ``g Bᵀ``, the
+    rank in that axis' place."""
+    out = tf.tensordot(g, b, [[axis], [1]])  # the rank last
+    last = len(out.shape) - 1
+    return out if axis == last else tf.transpose(out, [*range(axis), last, *range(axis, last)])
+
+
+def _lora_views(layer: Any, factor: str, x: Any, gs: list[Any]) -> tuple[Any, list[Any], Any]:
+    """One call of a LoRA-enabled layer as the product of one of its factors: ``(input, B signals at the
+    product, rule)`` (method §6.1, "LoRA adapters"), ``rule`` as :func:`_lora_squares` reads it.
 
     The layer's kernel is ``K = W + s·A·B`` (``s = α/r``; ``A`` the kernel's axes but the last, then the
     rank; ``B`` the rank, then the kernel's last axis, an output). A sample's gradient of ``K`` is the
-    kernel rule's ``Σ x ⊗ g`` over the call's positions; of ``A`` it is that contracted with ``s·B``
-    over the last axis, which is ``A``'s own rule (equation ``equation``, or a ``Dense``'s) on the input
-    ``x`` and the signals ``s·g·Bᵀ``; of ``B`` it is ``s·Aᵀ`` times it, the dense rule on ``B``'s
-    input ``u = s·(x through A)`` and ``g``, the other output axes positions too (``equation``
-    ``None``). ``x`` and ``gs``: the layer's input and the B signals at its pre-activation.
+    layer's rule on its input and signals; of ``A`` it is that contracted with ``s·B`` over the last
+    axis, which is ``A``'s own rule (the layer's kind, with ``r`` outputs) on the input ``x`` and the
+    signals ``s·g·Bᵀ``; of ``B`` it is ``s·Aᵀ`` times it, the dense rule on ``B``'s input ``u = s·(x
+    through A)`` (``A``'s product: a matmul, the einsum, a lookup, the convolution) and ``g``, every
+    other axis a position. ``x`` and ``gs``: the layer's input (an ``Embedding``'s ids) and the B
+    signals at its pre-activation (output).
     """
     scale = float(layer.lora_alpha) / float(layer.lora_rank)
-    a = tf.cast(tf.stop_gradient(tf.convert_to_tensor(layer.lora_kernel_a.value)), gs[0].dtype)
-    b = tf.cast(tf.stop_gradient(tf.convert_to_tensor(layer.lora_kernel_b.value)), gs[0].dtype)
-    if isinstance(layer, keras.layers.EinsumDense):
+    a_var, b_var = _lora_factors(layer)
+    a = tf.cast(tf.stop_gradient(tf.convert_to_tensor(a_var.value)), gs[0].dtype)
+    b = tf.cast(tf.stop_gradient(tf.convert_to_tensor(b_var.value)), gs[0].dtype)
+    kind = fast_kind(layer)
+    if kind == "einsum":
         equation, _ = rank_equation(layer.equation)
         last = layer.equation.replace(" ", "").split("->")[0].split(",")[1][-1]
         out = layer.equation.replace(" ", "").split("->")[1]
-        rank_out = equation.split("->")[1]
-        rank = rank_out[out.index(last)]
-        if factor == "lora_a":
-            into_rank = f"{out},{rank}{last}->{rank_out}"
-            return x, [scale * tf.einsum(into_rank, g, b) for g in gs], equation
-        u = scale * tf.einsum(equation, tf.cast(x, a.dtype), a)  # (…, r) where the output has the last axis
         axis = out.index(last)
+        if factor == "lora_a":
+            return x, [scale * _into_rank(g, b, axis) for g in gs], ("einsum", equation)
+        u = scale * tf.einsum(equation, tf.cast(x, a.dtype), a)  # (…, r) where the output has the last axis
         perm = [i for i in range(len(out)) if i != axis] + [axis]  # the rank (last axis) to the end
-        return tf.transpose(u, perm), [tf.transpose(g, perm) for g in gs], None
-    if factor == "lora_a":
-        return x, [scale * tf.tensordot(g, b, [[len(g.shape) - 1], [1]]) for g in gs], None
-    return scale * tf.tensordot(tf.cast(x, a.dtype), a, [[len(x.shape) - 1], [0]]), gs, None
+        return tf.transpose(u, perm), [tf.transpose(g, perm) for g in gs], "dense"
+    if kind == "conv" and factor == "lora_b":  # A (*k, in, r): a convolution of r outputs (channels last)
+        return scale * layer.convolution_op(tf.cast(x, a.dtype), a), gs, "dense"
+    if factor == "lora_a":  # "dense", "embedding", "conv": r outputs
+        return x, [scale * _into_rank(g, b, len(g.shape) - 1) for g in gs], kind
+    if kind == "embedding":  # u: the rows of A the ids read
+        return scale * tf.gather(a, tf.cast(x, tf.int32)), gs, "dense"
+    return scale * tf.tensordot(tf.cast(x, a.dtype), a, [[len(x.shape) - 1], [0]]), gs, "dense"
 
 
 def _lora_squares(entry: Entry, calls: list[tuple[Any, list[Any]]], seg: Any, groups: int, samples: Any) -> Any:
-    """Canonical per-group squares of one weight of a LoRA-enabled ``Dense`` or ``EinsumDense`` from its
-    recorded calls, each ``(input, B signals at the pre-activation)``: the frozen kernel by its layer's
-    rule, a factor by its own (:func:`_lora_views`; method §6.1, "LoRA adapters")."""
+    """Canonical per-group squares of one weight of a LoRA-enabled layer from its recorded calls, each
+    ``(input, B signals at the pre-activation)``: the frozen kernel by its layer's rule, a factor by its
+    own (:func:`_lora_views`; method §6.1, "LoRA adapters"); several calls' positions together (method
+    §6.1, "Tied weights")."""
     layer = entry.layer
     if entry.fast in LORA_KINDS:
         views = [_lora_views(layer, entry.fast, x, gs) for x, gs in calls]
-        equation = views[0][2]
+        rule = views[0][2]
         calls = [(x, gs) for x, gs, _ in views]
     else:
-        equation = layer.equation if entry.fast == "einsum" else None
-    if len(calls) > 1:  # every call's positions (method §6.1, "Tied weights")
+        rule = ("einsum", layer.equation) if entry.fast == "einsum" else entry.fast
+    if rule == "embedding":
+        vocabulary = int(_lora_factors(layer)[0].shape[0])
+        return _embedding_squares(*(_joined_lookups(calls) if len(calls) > 1 else calls[0]), seg, groups, vocabulary)
+    if rule == "conv":
+        return _conv_squares(layer, *calls[0], seg, groups, 1, calls[1:])
+    equation = rule[1] if isinstance(rule, tuple) else None
+    if len(calls) > 1:
         return _repeated_squares(calls, seg, groups,
                                  None if equation is None else functools.partial(_einsum_positions, equation))
     (x, gs), = calls
@@ -1875,15 +1903,26 @@ def ggn_bytes(entries: list[Entry], dtype: Any, input_size: int, num_classes: in
         if e.fast in LORA_KINDS:
             # The layer's record and signals are its frozen kernel's (counted there); a factor adds its
             # own view of them (_lora_views): the rank in place of the kernel's last axis, A's signals
-            # or B's input, and its squares as the dense or einsum rule forms them.
-            out, width = (int(d) for d in e.weight.to_canonical(tf.zeros(e.variable.shape, e.variable.dtype)).shape)
-            last = int(e.layer.lora_kernel_b.shape[-1])
-            view = e.pre_size * int(e.layer.lora_rank) // max(1, last)
+            # or B's input, and its squares as its rule forms them.
+            a_var, b_var = _lora_factors(e.layer)
+            rank, last = int(e.layer.lora_rank), int(b_var.shape[-1])
+            view = e.pre_size * rank // max(1, last)
             linear += view * (block if e.fast == "lora_a" else 1)
+            base = fast_kind(e.layer)
+            if e.fast == "lora_a" and base == "embedding":  # as an embedding of r features (below)
+                work = max(work, 4 * block * view + 2 * groups * view)
+                continue
+            if e.fast == "lora_a" and base == "conv":  # as a convolution of r outputs (below)
+                shape = [int(d) for d in a_var.shape]  # (*k, in, r)
+                koff, positions = int(np.prod(shape[:-2])), view // max(1, rank)
+                per_sample, once = _squares_entries(positions, block, groups, rank, koff * shape[-2], view, pairs=True)
+                work, fixed = max(work, 2 * positions * koff * shape[-2] + per_sample), max(fixed, once)
+                continue
+            out, width = (int(d) for d in e.weight.to_canonical(tf.zeros(e.variable.shape, e.variable.dtype)).shape)
             pre = view if e.fast == "lora_a" else e.pre_size
             positions = max(1, e.fold) * pre // max(1, out)
             per_sample, once = _squares_entries(positions, block, groups, out, width, pre,
-                                                pairs=e.fast == "lora_b" or isinstance(e.layer, keras.layers.Dense))
+                                                pairs=e.fast == "lora_b" or base == "dense")
             work, fixed = max(work, view + (per_sample or block * pre)), max(fixed, once)
             continue
         linear += e.in_size * (block + 1) + e.pre_size * (block + 1)

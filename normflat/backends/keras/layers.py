@@ -44,6 +44,7 @@ __all__ = [
     "einsum_fast_axes",
     "RECURRENT_KINDS",
     "LORA_KINDS",
+    "LORA_BASE_KINDS",
     "is_lora",
     "loops_through_time",
 ]
@@ -135,14 +136,16 @@ def _refuse_quantized(layer: Any) -> None:
                                "kernel is not a floating-point variable")
 
 
-#: Why a LoRA-enabled layer other than a ``Dense`` or an ``EinsumDense`` whose kernel's last axis is an
-#: output takes the generic path.
+#: Why a LoRA-enabled layer without the fast rule (:func:`_lora_fast_kind`) takes the generic path.
 LORA_REASON = ("LoRA-enabled: the layer computes its kernel as kernel + s·A·B from three variables "
-               "(a fast rule for a Dense, or an EinsumDense whose kernel's last axis is an output, only)")
+               "(a fast rule for Keras' own Dense, Embedding and ungrouped channels-last convolution calls, and an "
+               "EinsumDense whose kernel's last axis is an output, only)")
 
 #: The fast kinds of a LoRA-enabled ``Dense``'s or ``EinsumDense``'s factors ``A`` and ``B`` (the frozen
 #: kernel keeps its layer's kind): all three from the layer's one tapped call (method §6.1, "LoRA adapters").
 LORA_KINDS = ("lora_a", "lora_b")
+#: The layer kinds whose LoRA factors have the fast rule (:func:`_lora_fast_kind`).
+LORA_BASE_KINDS = ("dense", "einsum", "embedding", "conv")
 
 
 def is_lora(layer: Any) -> bool:
@@ -535,8 +538,7 @@ class Entry:
             :data:`RECURRENT_KINDS`), ``"position"``
             (keras-hub's ``PositionEmbedding``), ``"table"`` (a position table held as a loose
             weight, :attr:`attr`) or ``"tied"`` (a ``ReversibleEmbedding`` whose table is also
-            its reverse projection, method §6.1 "Tied weights"), a LoRA-enabled ``Dense``'s or
-            ``EinsumDense``'s factors' kinds (:data:`LORA_KINDS`, beside the frozen kernel's layer
+            its reverse projection, method §6.1 "Tied weights"), a LoRA-enabled layer's factors' kinds (:data:`LORA_KINDS`, beside the frozen kernel's layer
             kind, method §6.1 "LoRA adapters") for the fast GGN path,
             ``"unused"`` (:data:`UNUSED`: no forward calls its layer and the logits do not depend
             on it; zero curvature, no path), ``None`` for the generic one.
@@ -577,11 +579,16 @@ class Entry:
 
 def fast_kind(layer: Any) -> str | None:
     """Whether a layer's pre-activation and input can be tapped (its call is Keras' own)."""
-    cls = type(layer)
     if getattr(layer, "quantization_mode", None):
         return None
     if is_lora(layer):
         return _lora_fast_kind(layer)
+    return _own_call_kind(layer)
+
+
+def _own_call_kind(layer: Any) -> str | None:
+    """:func:`fast_kind` of a layer whose call is Keras' own, LoRA and quantization aside."""
+    cls = type(layer)
     reversible = _reversible_embedding()
     if reversible is not None and isinstance(layer, reversible):
         reason = tied_reversible_reason(layer)
@@ -627,15 +634,15 @@ def fast_kind(layer: Any) -> str | None:
 
 def _lora_fast_kind(layer: Any) -> str | None:
     """A LoRA-enabled layer's kind where its factors have the fast rule (method §6.1, "LoRA adapters"):
-    Keras' own ``Dense`` call, or ``EinsumDense`` call on the fast path's equations whose kernel's last
-    axis (the one ``A·B`` forms) is an output; ``None`` otherwise (the generic path)."""
-    cls = type(layer)
-    if isinstance(layer, keras.layers.Dense) and cls.call is keras.layers.Dense.call:
-        return "dense"
-    if isinstance(layer, keras.layers.EinsumDense) and cls.call is keras.layers.EinsumDense.call \
-            and einsum_fast_axes(layer.equation) is not None and not rank_equation(layer.equation)[1]:
-        return "einsum"
-    return None
+    Keras' own ``Dense``, ``Embedding`` or ungrouped channels-last convolution call, or ``EinsumDense`` call on the
+    fast path's equations whose kernel's last axis (the one ``A·B`` forms) is an output; ``None``
+    otherwise (the generic path)."""
+    kind = _own_call_kind(layer)
+    if kind == "einsum" and rank_equation(layer.equation)[1]:
+        return None
+    if kind == "conv" and (int(getattr(layer, "groups", 1) or 1) != 1 or layer.data_format != "channels_last"):
+        return None  # (TensorFlow runs channels-first convolutions on GPUs only: the generic path there)
+    return kind if kind in LORA_BASE_KINDS else None
 
 
 #: ``Entry.fast`` of a weight no forward calls and the logits do not depend on: zero curvature,
@@ -854,7 +861,7 @@ def walk(model: Any, on_unsupported: str,
                 separable = kind == "separable" and len(weights) == 2
                 recurrent = kind == "recurrent" and len(weights) == 2
                 untied = kind == "untied" and len(weights) == 2
-                lora = kind in ("dense", "einsum") and is_lora(child) and len(weights) == 3
+                lora = kind in LORA_BASE_KINDS and is_lora(child) and len(weights) == 3
                 reversible = _reversible_embedding()
                 reason = None if fast or separable or recurrent or untied or lora else (
                     LORA_REASON if is_lora(child) else

@@ -851,7 +851,8 @@ class KerasSession:
                     f"called {e.calls} times per forward with a leading axis ({size if size > 0 else 'varies'}) "
                     "that is not one row per sample")
                 continue
-            if size != 2 and (e.fast not in ("dense", "einsum", *LORA_KINDS) or size < 2 or size % 2):
+            dense = e.fast in ("dense", "einsum") or (e.fast in LORA_KINDS and fast_kind(e.layer) in ("dense", "einsum"))
+            if size != 2 and (not dense or size < 2 or size % 2):
                 e.fast, e.reason = None, (
                     f"its input or output's leading axis ({size if size > 0 else 'varies'}) is not one row (or, for a "
                     "dense layer, one block of rows) per sample")
