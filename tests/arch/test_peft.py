@@ -48,13 +48,16 @@ def lora_gpt2(trained: bool = True) -> torch.nn.Module:
     config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True,
                              lora_dropout=0.1, task_type="CAUSAL_LM")
     config.target_modules = {"attn.c_attn", "attn.c_proj"}  # the attention's c_proj, not the MLP's
-    model = peft.get_peft_model(tiny_gpt2(), config).double()
-    if trained:
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return _drawn(peft.get_peft_model(tiny_gpt2(), config).double(), "lora_B" if trained else None, seed=1)
+
+
+def _drawn(model: torch.nn.Module, part: str | None, seed: int) -> torch.nn.Module:
+    """``model`` in eval mode with the parameters whose names hold ``part`` drawn (none for ``None``)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if part is not None and part in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
     return model.eval()
 
 
@@ -108,6 +111,13 @@ def test_lora_rank_rescaling_leaves_normalized_sharpness_unchanged():
                 module.weight.mul_(factors[:, None])
             elif name.endswith("lora_B.default"):
                 module.weight.div_(factors)
+    _assert_rank_rescaled(model, other, ".lora_")
+
+
+def _assert_rank_rescaled(model, other, moved: str):
+    """``other`` (``model`` rescaled) computes the same logits on a batch; every layer's normalized sharpness
+    is the same, the traces of the layers whose names hold ``moved`` are not (method §8). Returns the
+    second report."""
     batch = next(iter(lm_loader()))
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     with torch.no_grad():
@@ -116,9 +126,9 @@ def test_lora_rank_rescaling_leaves_normalized_sharpness_unchanged():
     after = normflat.analyze(other, [batch], estimator="ggn", progress=False)
     for lb, la in zip(before.layers, after.layers):
         assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), lb.name
-    for lb, la in zip(before.layers, after.layers):
-        if ".lora_" in lb.name:
+        if moved in lb.name:
             assert abs(la.hessian_trace - lb.hessian_trace) > 1e-3 * abs(lb.hessian_trace), lb.name
+    return after
 
 
 def test_lora_on_timm_qkv_keeps_the_query_key_value_blocks():
@@ -140,3 +150,62 @@ def test_lora_on_timm_qkv_keeps_the_query_key_value_blocks():
         plain_layer = want.layer("blocks.0.attn.qkv." + part)
         assert base.normalized_sharpness == pytest.approx(plain_layer.normalized_sharpness, rel=1e-10), part
     assert np.isfinite(got.normalized_sharpness)
+
+
+def lora_gpt2_embedding(use_dora: bool = False) -> torch.nn.Module:
+    """Tiny GPT-2 with rank-2 LoRA adapters on its token embedding (tied to the LM head) and on the packed
+    ``c_attn``, every factor drawn (PEFT starts the embedding's ``A`` at zero); ``use_dora``: DoRA."""
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["wte", "c_attn"], fan_in_fan_out=True,
+                             task_type="CAUSAL_LM", use_dora=use_dora)
+    return _drawn(peft.get_peft_model(tiny_gpt2(), config).double(), "lora_", seed=2)
+
+
+EMBEDDING_ADAPTERS = [PREFIX + f"transformer.wte.lora_embedding_{f}.default" for f in ("A", "B")]
+
+
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_lora_embedding_adapters_against_brute_force(use_dora):
+    """PEFT's LoRA on a token embedding (``base(x) + F.embedding(x, Aᵀ) Bᵀ · s``, its factors raw parameters
+    in ``ParameterDict`` containers, the base table tied to the LM head): ``A`` ``(r, V)`` and ``B``
+    ``(d, r)`` are analyzed as they are stored (a table of ``r`` features, a dense map; method §3, "LoRA
+    adapters"), on their fast rules (method §6.1), with the brute-force GGN diagonal, whole and in
+    chunks, and ``ggn-mc`` equal to the generic path's. DoRA's embedding (another forward) takes the
+    generic path with the reason. Before, the adapters were skipped as unsupported (coverage 0.85 on a
+    small model)."""
+    model = lora_gpt2_embedding(use_dora)
+    before = snapshot(model)
+    report = analyze_quietly(model, lm_loader())
+    assert_unchanged(model, before)
+    assert report.metadata["coverage"] >= 0.99
+    for name in EMBEDDING_ADAPTERS:
+        details = report.layer(name).details
+        assert details["path"] == ("generic" if use_dora else "fast"), details
+        if use_dora:
+            assert "DoRA" in details["generic_reason"], details
+    assert report.layer(EMBEDDING_ADAPTERS[0]).kind == "embedding"
+    want = reference_ggn(model, lm_loader(), EMBEDDING_ADAPTERS + [PREFIX + "transformer.wte.base_layer.weight"],
+                         shift=True)
+    for chunk in (None, 2):
+        got = normflat.hessian_diagonal(model, lm_loader(), estimator="ggn", chunk_size=chunk, progress=False)
+        assert_close({name: got[name] for name in EMBEDDING_ADAPTERS}, {name: want[name] for name in EMBEDDING_ADAPTERS})
+        base = PREFIX + "transformer.wte.base_layer"
+        assert_close({base: got[base]}, {base: want[base + ".weight"].T})
+    mc = normflat.hessian_diagonal(model, lm_loader(), estimator="ggn-mc", samples=3, seed=1, progress=False)
+    generic = normflat.hessian_diagonal(model, lm_loader(), estimator="ggn-mc", samples=3, seed=1, fast=False,
+                                        progress=False)
+    assert_close({name: mc[name] for name in EMBEDDING_ADAPTERS}, {name: generic[name].numpy() for name in
+                                                                    EMBEDDING_ADAPTERS})
+
+
+def test_lora_embedding_rank_rescaling():
+    """The embedding adapter's ``A`` rows (one per rank) times positive factors and ``B``'s columns divided
+    by them: the same logits, every normalized sharpness the same, the adapters' traces moved (method §8)."""
+    model = lora_gpt2_embedding()
+    other = copy.deepcopy(model)
+    factors = torch.tensor([3.0, 0.4], dtype=torch.float64)
+    with torch.no_grad():
+        wte = other.base_model.model.transformer.wte
+        wte.lora_embedding_A["default"].mul_(factors[:, None])
+        wte.lora_embedding_B["default"].div_(factors)
+    after = _assert_rank_rescaled(model, other, ".lora_embedding_")
+    assert after.layer(EMBEDDING_ADAPTERS[0]).details["path"] == "fast"

@@ -43,7 +43,8 @@ from torch import nn
 
 from normflat.backends.torch.ggn import (PER_SAMPLE_GRADIENTS, USE_INPUTS, Deltas, KernelSums, NoFastPath, _builtin,
                                          _conv_gradients, _conv_patches, _dense_squares, _first_of_tuple, _foldable,
-                                         _inner_uses, _patch_squares, _takes_kernel_sums, _with_call, folded_patches)
+                                         _inner_uses, _patch_squares, _scatter_squares, _takes_kernel_sums, _with_call,
+                                         folded_patches)
 
 __all__ = ["register_known_layers", "packed_blocks", "is_causal_lm", "analysis_mode", "keyword_inputs"]
 
@@ -196,6 +197,7 @@ def _funnel_weights(module: nn.Module) -> list[Any]:
 _DIRECT_WEIGHT_CLASSES = (
     ("transformers.models.xlnet.modeling_xlnet", "XLNetRelativeAttention", _xlnet_weights),
     ("transformers.models.funnel.modeling_funnel", "FunnelRelMultiheadAttention", _funnel_weights),
+    ("peft.tuners.lora.layer", "Embedding", lambda module: _peft_embedding_weights(module)),
 )
 
 
@@ -588,6 +590,112 @@ def check_router(module: nn.Module) -> str | None:
 _EXPERTS_REASON = "experts of a class the fast rule does not know (every expert on every token, or a norm after each)"
 
 
+# ============================================================================ PEFT
+
+
+def _peft_embedding_read(module: nn.Module, adapter: str, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """``(A, B, s)`` of one adapter of PEFT's LoRA ``Embedding``, detached, where its forward is the one the
+    rules read: ``base(x) + F.embedding(x, Aᵀ) Bᵀ · s`` (times the base's ``embed_scale``, Gemma 3's);
+    :class:`NoFastPath` otherwise (a merged or disabled adapter, another variant such as DoRA,
+    tensor-parallel hooks, a lookup that renormalizes or rescales the rows, adapters chosen per sample)."""
+    base = module.get_base_layer()
+    if module.merged or module.disable_adapters or adapter not in module.active_adapters \
+            or adapter in getattr(module, "lora_variant", {}) or kwargs.get("adapter_names") is not None:
+        raise NoFastPath("the LoRA adapter is merged, disabled, inactive, chosen per sample or a variant (DoRA)")
+    if module.input_fns.get(adapter) is not None or module.output_fns.get(adapter) is not None:
+        raise NoFastPath("the LoRA adapter's lookup has tensor-parallel hooks")
+    if base.max_norm is not None or base.scale_grad_by_freq:
+        raise NoFastPath("the lookup renormalizes its rows (max_norm) or scales its gradients by frequency")
+    scale = module.scaling[adapter]
+    embed_scale = module._get_embed_scale() if hasattr(module, "_get_embed_scale") else None
+    if embed_scale is not None:
+        scale = scale * float(embed_scale)
+    return module.lora_embedding_A[adapter].detach(), module.lora_embedding_B[adapter].detach(), scale
+
+
+def _peft_lookup(module: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(samples, rows, entries)`` of the ids a lookup reads (none at the base's ``padding_idx``, as in
+    torch's backward): each entry's sample, its table row, and its output row."""
+    n = ids.shape[0]
+    flat = ids.reshape(n, -1)
+    sample = torch.arange(n, device=ids.device).repeat_interleave(flat.shape[1])
+    flat = flat.reshape(-1).long()
+    entries = torch.arange(flat.shape[0], device=ids.device)
+    padding = module.get_base_layer().padding_idx
+    if padding is not None:
+        keep = flat != padding
+        flat, sample, entries = flat[keep], sample[keep], entries[keep]
+    return sample, flat, entries
+
+
+#: ``{(adapter, "A" | "B"): rule}``: the fast rules of PEFT's LoRA ``Embedding`` factors, one pair per
+#: adapter name (a rule object is a weight kind's identity).
+_PEFT_EMBEDDING_RULES: dict[tuple[str, str], Any] = {}
+_PEFT_LOCK = threading.Lock()
+
+
+def peft_embedding_rule(adapter: str, factor: str) -> Any:
+    """The fast GGN rule of factor ``"A"`` or ``"B"`` of adapter ``adapter`` of PEFT's LoRA ``Embedding``
+    (``base(x) + F.embedding(x, Aᵀ) Bᵀ · s``; ``A`` ``(r, V)``, ``B`` ``(d, r)``, method §6.1 "LoRA
+    adapters"), from the module's ids and the signals ``g`` at its output: ``A`` is a table of ``r``
+    features looked up at the ids, whose per-sample gradient gathers ``s·g B`` into the rows read
+    (as ``nn.Embedding``'s); ``B`` is the dense rule on ``u = s·Aᵀ[ids]`` and ``g``. Squares in the
+    parameter's own layout."""
+    key = (adapter, factor)
+    with _PEFT_LOCK:
+        if key not in _PEFT_EMBEDDING_RULES:
+            _PEFT_EMBEDDING_RULES[key] = _peft_embedding_a(adapter) if factor == "A" else _peft_embedding_b(adapter)
+        return _PEFT_EMBEDDING_RULES[key]
+
+
+def _peft_embedding_a(adapter: str) -> Any:
+    @_with_call
+    @_builtin
+    def squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas, args: tuple = (), kwargs: dict | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        a, b, scale = _peft_embedding_read(module, adapter, kwargs or {})
+        sample, rows, entries = _peft_lookup(module, ids)
+        vocab = a.shape[1]
+        # The signals at A's lookup (n, ..., r): s·g B, in the dtype of the sums.
+        mapped = Deltas([None if p is None else (p.to(a.dtype) @ b).mul_(scale) for p in deltas.parts],
+                        deltas.k, deltas.m)
+        deltas.parts.clear()
+        sums = _scatter_squares(a.T, sample * vocab + rows, None, entries, mapped,
+                                None if out is None else out.transpose(1, 2))  # (K, V, r) over A's (r, V)
+        return sums.transpose(1, 2)
+
+    squares.__name__ = squares.__qualname__ = f"peft_embedding_a_squares[{adapter}]"
+    return squares
+
+
+def _peft_embedding_b(adapter: str) -> Any:
+    @_with_call
+    @_builtin
+    def squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas, args: tuple = (), kwargs: dict | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        a, b, scale = _peft_embedding_read(module, adapter, kwargs or {})
+        u = F.embedding(ids, a.T, padding_idx=module.get_base_layer().padding_idx) * scale  # (n, ..., r)
+        return _dense_squares(u, deltas, b.shape[0], b.shape[1], out)
+
+    squares.__name__ = squares.__qualname__ = f"peft_embedding_b_squares[{adapter}]"
+    return squares
+
+
+def _peft_embedding_weights(module: nn.Module) -> list[Any]:
+    """PEFT's LoRA ``Embedding``: each adapter's ``lora_embedding_A`` ``(r, V)`` (a table of ``r`` features,
+    canonical as stored) and ``lora_embedding_B`` ``(d, r)`` (a dense map, canonical as stored), which
+    its forward applies itself (method §3, "LoRA adapters"); the base table is its ``base_layer``'s."""
+    from normflat.backends.torch.layers import ModuleWeight
+
+    out = []
+    for adapter, a in module.lora_embedding_A.items():
+        b = module.lora_embedding_B[adapter]
+        out += [ModuleWeight(f"lora_embedding_A.{adapter}", a, kind="embedding",
+                             ggn_squares=peft_embedding_rule(adapter, "A")),
+                ModuleWeight(f"lora_embedding_B.{adapter}", b, kind="dense", ggn_squares=peft_embedding_rule(adapter, "B"))]
+    return out
+
+
 # ============================================================================ timm
 
 def _same_padded(a: torch.Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...],
@@ -835,7 +943,7 @@ def register_known_layers() -> None:
     (``normflat.backends.torch.register_layer``).
     """
     with _REGISTER_LOCK:
-        if "transformers" in sys.modules:
+        if "transformers" in sys.modules or "peft" in sys.modules:
             _register_transformers()
         if "timm" in sys.modules:
             _register_timm()

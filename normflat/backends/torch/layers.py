@@ -74,10 +74,11 @@ class ModuleWeight:
 
 
 #: ``{module type: module -> [ModuleWeight, ...]}``: weight matrices a module applies itself as
-#: raw parameters (an einsum in its forward: XLNet's and Funnel's attention), read among the direct
-#: parameters of a module without an extractor, whose sub-modules keep their own extractors (a
-#: registered module's are not walked). Each ``suffix`` is the parameter's attribute name; they
-#: take the generic path.
+#: raw parameters (an einsum in its forward: XLNet's and Funnel's attention; PEFT's LoRA ``Embedding``
+#: its adapters, held in ``ParameterDict`` containers of its own), read with the direct parameters of a
+#: module without an extractor, whose sub-modules keep their own extractors (a registered module's
+#: are not walked). Each ``suffix`` is the parameter's name under the module; they take their
+#: ``ggn_squares`` rule (on the module's input and the signals at its output), or the generic path.
 DIRECT_WEIGHTS: dict[type, Callable[[nn.Module], list[ModuleWeight]]] = {}
 
 #: Why a direct weight (:data:`DIRECT_WEIGHTS`) takes the generic path.
@@ -596,17 +597,20 @@ class _Walk:
         self.mark(w, "analyzed")
 
     def loose(self, name: str, module: nn.Module) -> None:
-        """The direct parameters of a module without an extractor."""
+        """The direct parameters of a module without an extractor, and the weights it applies itself
+        (:data:`DIRECT_WEIGHTS`), also from a container of its own (PEFT's ``ParameterDict`` adapters)."""
         label = name or type(module).__name__
         direct = direct_weights(module)
+        own = {id(p) for p in module.parameters(recurse=False)}
+        for mw in direct.values():
+            if id(mw.param) not in own and id(mw.param) not in self.by_param:
+                self._direct(self.names.get(id(mw.param), f"{label}.{mw.suffix}"), module, mw)
         for pname, p in module.named_parameters(recurse=False):
             full = f"{name}.{pname}" if name else pname
             shape = tuple(p.shape)
             mw = direct.get(id(p))
             if mw is not None:
-                self.add(self.names.get(id(p), full), module, p,
-                         LayerExtractor(kind=mw.kind or "dense", generic_reason=DIRECT_WEIGHT_REASON),
-                         convert=mw.to_canonical, blocks=mw.blocks, groups=mw.groups)
+                self._direct(self.names.get(id(p), full), module, mw)
                 continue
             why = excluded_reason(full, shape)
             if why is not None:
@@ -619,6 +623,12 @@ class _Walk:
                 continue
             if id(p) not in self.by_param:
                 self.loose_params.append((f"{label}.{pname}" if name else pname, module, p))
+
+    def _direct(self, label: str, module: nn.Module, mw: ModuleWeight) -> None:
+        """A weight ``module`` applies itself (:data:`DIRECT_WEIGHTS`): its own fast rule, or the generic path."""
+        ext = LayerExtractor(kind=mw.kind or "dense", ggn_squares=mw.ggn_squares,
+                             generic_reason=None if mw.ggn_squares is not None else DIRECT_WEIGHT_REASON)
+        self.add(label, module, mw.param, ext, convert=mw.to_canonical, blocks=mw.blocks, groups=mw.groups)
 
     def settle_loose(self) -> None:
         """The loose parameters no layer analyzed are skipped. Settled after the walk: a module
