@@ -29,6 +29,7 @@ from normflat.backends.torch import hf
 from tests.arch.test_huggingface_models import (
     analyze_quietly, assert_close, assert_unchanged, canonical_reference, lm_loader, param_of, reference_ggn,
     snapshot, tiny_gpt2)
+from normflat.engine.options import NSCE_EPS
 
 PREFIX = "base_model.model."
 GPT2_LORA_LAYERS = [
@@ -209,3 +210,92 @@ def test_lora_embedding_rank_rescaling():
         wte.lora_embedding_B["default"].div_(factors)
     after = _assert_rank_rescaled(model, other, ".lora_embedding_")
     assert after.layer(EMBEDDING_ADAPTERS[0]).details["path"] == "fast"
+
+
+def _looped_ggn(model: torch.nn.Module, x: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
+    """The ``nsce`` GGN diagonal of the named parameters from per-sample Jacobians, one logit's gradient
+    at a time with ``torch.autograd.grad`` (LoHa's own ``autograd.Function`` has no functorch rule)."""
+    params = dict(model.named_parameters())
+    wanted = [params[name] for name in names]
+    out = {name: torch.zeros_like(params[name]) for name in names}
+    for i in range(x.shape[0]):
+        z = model(x[i:i + 1])[0]
+        z = z - z.mean()
+        u = z / torch.sqrt((z**2).mean() + NSCE_EPS)
+        p = torch.softmax(u.detach(), 0)
+        h = torch.diag(p) - p[:, None] * p[None, :]
+        rows = [torch.autograd.grad(u[c], wanted, retain_graph=True) for c in range(u.shape[0])]
+        for j, name in enumerate(names):
+            jac = torch.stack([row[j].reshape(-1) for row in rows])  # (C, entries)
+            out[name] += ((h @ jac) * jac).sum(0).reshape(params[name].shape)
+    return {name: value / x.shape[0] for name, value in out.items()}
+
+
+class TokenConvNet(torch.nn.Module):
+    """Token ids -> ``Embedding`` -> ``Conv1d`` (tanh, mean over the tokens) -> ``Linear`` (tanh) -> head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 6)
+        self.conv = torch.nn.Conv1d(6, 5, 3, padding=1)
+        self.fc = torch.nn.Linear(5, 4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, ids):
+        h = torch.tanh(self.conv(self.emb(ids).transpose(1, 2))).mean(2)
+        return self.head(torch.tanh(self.fc(h)))
+
+
+#: PEFT's adapters whose factors their layers apply themselves: the config, and per factor pair
+#: ``(scaled by c per rank, divided by it)`` the rank rescaling that leaves the function as it is.
+OTHER_ADAPTERS = {
+    "adalora": (lambda: peft.AdaLoraConfig(r=2, init_r=2, target_r=2, target_modules=["fc"], total_step=10),
+                [("fc.lora_A", 0, "fc.lora_B", 1)]),
+    "loha": (lambda: peft.LoHaConfig(r=2, target_modules=["conv", "fc"]),
+             [(f"{m}.hada_w{i}_a", 1, f"{m}.hada_w{i}_b", 0) for m in ("conv", "fc") for i in (1, 2)]),
+    "lokr": (lambda: peft.LoKrConfig(r=2, target_modules=["conv", "fc"]),
+             [(f"{m}.lokr_w2_a", 1, f"{m}.lokr_w2_b", 0) for m in ("conv", "fc")]),
+}
+
+
+def _other_adapter_model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return _drawn(peft.get_peft_model(TokenConvNet(), OTHER_ADAPTERS[kind][0]()).double(), "", seed=3)
+
+
+@pytest.mark.parametrize("kind", list(OTHER_ADAPTERS))
+def test_other_adapters_factors_are_analyzed(kind):
+    """AdaLoRA's, LoHa's and LoKr's factors (raw parameters in ``ParameterDict`` containers, combined by
+    their layers' forwards: ``x (A ⊙ E)ᵀ Bᵀ``, ``(W1a W1b) ⊙ (W2a W2b)``, ``W1 ⊗ (W2a W2b)``) are analyzed as
+    stored on the generic path with the reason, their vectors (AdaLoRA's ``E``) excluded: coverage 1,
+    the brute-force diagonal; each rank's rescaling (one factor's column × c, the other's row / c)
+    leaves every normalized sharpness unchanged and moves the factors' traces (method §3, §8). Before,
+    they were skipped as unsupported (coverage 0.65 for LoHa on this model)."""
+    model = _other_adapter_model(kind)
+    g = torch.Generator().manual_seed(4)
+    ids, y = torch.randint(0, 20, (6, 7), generator=g), torch.tensor([0, 1, 2, 0, 1, 2])
+    report = analyze_quietly(model, (ids, y), loss="nsce")
+    assert report.metadata["coverage"] == 1.0
+    factors = [PREFIX + f"{name}.default" for pair in OTHER_ADAPTERS[kind][1] for name in pair[::2]]
+    for name in factors:
+        details = report.layer(name).details
+        assert details["path"] == "generic" and "PEFT adapter's factor" in details["generic_reason"], details
+    got = normflat.hessian_diagonal(model, (ids, y), estimator="ggn", progress=False)
+    want = _looped_ggn(model, ids, factors)
+    for name in factors:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-13)
+    other = copy.deepcopy(model)
+    params = dict(other.named_parameters())
+    c = torch.tensor([2.5, 0.4], dtype=torch.float64)
+    with torch.no_grad():
+        for scaled, axis, divided, other_axis in OTHER_ADAPTERS[kind][1]:
+            params[PREFIX + scaled + ".default"].mul_(c if axis == 1 else c[:, None])
+            params[PREFIX + divided + ".default"].div_(c if other_axis == 1 else c[:, None])
+    torch.testing.assert_close(other(ids), model(ids), rtol=1e-12, atol=1e-12)
+    before = normflat.analyze(model, (ids, y), estimator="ggn", progress=False)
+    after = normflat.analyze(other, (ids, y), estimator="ggn", progress=False)
+    for lb, la in zip(before.layers, after.layers):
+        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), lb.name
+    for name in factors:
+        assert abs(after.layer(name).hessian_trace - before.layer(name).hessian_trace) > \
+            1e-3 * abs(before.layer(name).hessian_trace), name

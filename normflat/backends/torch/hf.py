@@ -198,6 +198,7 @@ _DIRECT_WEIGHT_CLASSES = (
     ("transformers.models.xlnet.modeling_xlnet", "XLNetRelativeAttention", _xlnet_weights),
     ("transformers.models.funnel.modeling_funnel", "FunnelRelMultiheadAttention", _funnel_weights),
     ("peft.tuners.lora.layer", "Embedding", lambda module: _peft_embedding_weights(module)),
+    ("peft.tuners.tuners_utils", "BaseTunerLayer", lambda module: _peft_adapter_weights(module)),
 )
 
 
@@ -693,6 +694,34 @@ def _peft_embedding_weights(module: nn.Module) -> list[Any]:
         out += [ModuleWeight(f"lora_embedding_A.{adapter}", a, kind="embedding",
                              ggn_squares=peft_embedding_rule(adapter, "A")),
                 ModuleWeight(f"lora_embedding_B.{adapter}", b, kind="dense", ggn_squares=peft_embedding_rule(adapter, "B"))]
+    return out
+
+
+#: Why the factors PEFT's other adapters (AdaLoRA, LoHa, LoKr, ...) apply themselves take the generic path.
+_PEFT_ADAPTER_REASON = ("a PEFT adapter's factor its layer applies itself (a product or Kronecker product of "
+                        "factors formed in its forward): no fast rule")
+
+
+def _peft_adapter_weights(module: nn.Module) -> list[Any]:
+    """The raw factor parameters of a PEFT tuner layer (its class's ``adapter_layer_names``, each a
+    ``ParameterDict`` per adapter: AdaLoRA's ``lora_A`` ``(r, in)`` and ``lora_B`` ``(out, r)``, LoHa's
+    ``hada_w*``, LoKr's ``lokr_w*``) with two axes or more, each one matrix as stored (a kernel with
+    four axes as a convolution's), on the generic path (method §3, "LoRA adapters"); vectors and
+    scalars among them (AdaLoRA's ``lora_E``) are left to the engine's rule. Adapters held as modules
+    (LoRA's ``lora_A``, ``lora_B``) are read as the layers they are."""
+    from normflat.backends.torch.layers import ModuleWeight
+    from normflat.engine.registry import excluded_reason
+
+    out = []
+    for attr in getattr(type(module), "adapter_layer_names", ()):
+        container = getattr(module, attr, None)
+        if not isinstance(container, nn.ParameterDict):
+            continue
+        for adapter, param in container.items():
+            if param.dim() < 2 or excluded_reason(f"{attr}.{adapter}", tuple(param.shape)) is not None:
+                continue
+            kind = "dense" if param.dim() == 2 else f"conv{param.dim() - 2}d"
+            out.append(ModuleWeight(f"{attr}.{adapter}", param, kind=kind, reason=_PEFT_ADAPTER_REASON))
     return out
 
 

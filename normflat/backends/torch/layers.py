@@ -62,6 +62,8 @@ class ModuleWeight:
             parameter); ``None``: the generic path.
         groups: The groups of a map that is block diagonal in its canonical layout
             ``(out, in/groups)`` (one block per attention head); ``None``: the extractor's.
+        reason: Why a weight its module applies itself (:data:`DIRECT_WEIGHTS`) without a fast rule
+            takes the generic path; ``None``: :data:`DIRECT_WEIGHT_REASON`.
     """
 
     suffix: str | None
@@ -71,6 +73,7 @@ class ModuleWeight:
     kind: str | None = None
     ggn_squares: Callable[..., torch.Tensor] | None = None
     groups: int | None = None
+    reason: str | None = None
 
 
 #: ``{module type: module -> [ModuleWeight, ...]}``: weight matrices a module applies itself as
@@ -627,7 +630,7 @@ class _Walk:
     def _direct(self, label: str, module: nn.Module, mw: ModuleWeight) -> None:
         """A weight ``module`` applies itself (:data:`DIRECT_WEIGHTS`): its own fast rule, or the generic path."""
         ext = LayerExtractor(kind=mw.kind or "dense", ggn_squares=mw.ggn_squares,
-                             generic_reason=None if mw.ggn_squares is not None else DIRECT_WEIGHT_REASON)
+                             generic_reason=None if mw.ggn_squares is not None else mw.reason or DIRECT_WEIGHT_REASON)
         self.add(label, module, mw.param, ext, convert=mw.to_canonical, blocks=mw.blocks, groups=mw.groups)
 
     def settle_loose(self) -> None:
