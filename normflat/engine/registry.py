@@ -53,13 +53,23 @@ def _last_name(name: str) -> str:
     return name.replace("/", ".").replace(":", ".").split(".")[-1].lower()
 
 
+#: Leaf names of a selective state-space layer's state decay rates (Mamba's ``A_log``, ``(channels,
+#: state)``: ``A = −exp(A_log)`` scales each channel's state at every step), shaped like a matrix but
+#: no map between units (method §3, "What is not a weight matrix").
+STATE_DECAY_NAMES = ("a_log",)  # lower case, as _last_name gives it
+#: Why a state decay table (:data:`STATE_DECAY_NAMES`) is excluded.
+STATE_DECAY_REASON = ("a state-space layer's state decay rates (A = −exp(A_log), per channel and state), "
+                      "not a weight matrix")
+
+
 def excluded_reason(name: str, shape: tuple[int, ...]) -> str | None:
     """Why a parameter outside every recognised layer is not a weight matrix, or ``None``.
 
     One rule for every framework (method §3): a parameter with fewer than two axes
     longer than 1 is a vector or a scalar (bias, scale, layer-scale, a token); a
     parameter named like a bias table, token or scale (:data:`ADDED_TABLE_NAMES`) is
-    added to activations. Such parameters are listed in the report's ``excluded``
+    added to activations; a state-space layer's decay rates (:data:`STATE_DECAY_NAMES`) scale its
+    state. Such parameters are listed in the report's ``excluded``
     metadata, never warned about. ``None``: a weight matrix (a position table, see
     :func:`position_table`, or a weight the user could register a layer rule for).
     """
@@ -71,6 +81,8 @@ def excluded_reason(name: str, shape: tuple[int, ...]) -> str | None:
         return "a vector or scalar (scale, layer-scale or token), not a weight matrix"
     if last in ADDED_TABLE_NAMES:
         return "a bias table, token or scale added to activations, not a weight matrix"
+    if last in STATE_DECAY_NAMES:
+        return STATE_DECAY_REASON
     return None
 
 

@@ -34,6 +34,7 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers.pytorch_utils import Conv1D
 
 import normflat
+from normflat.engine.registry import STATE_DECAY_REASON
 from normflat.backends.torch import hf
 from normflat.backends.torch.ggn import transposed_linear_squares
 
@@ -939,3 +940,63 @@ def test_gradient_checkpointing_enabled_model_gives_the_plain_models_numbers(bui
     assert [m.gradient_checkpointing for m in checkpointed.modules()
             if "gradient_checkpointing" in m.__dict__] == switches
     assert_unchanged(checkpointed, before)
+
+
+def _looped_lm_ggn(model: torch.nn.Module, loader, params: list[str]) -> dict[str, np.ndarray]:
+    """:func:`reference_ggn` of a causal language model (``nsce``, the labels shifted) by plain autograd, one
+    normalized logit's gradient at a time: transformers' reference Mamba kernels mix float32 into a float64
+    model in a way ``torch.func`` transforms refuse."""
+    named = dict(model.named_parameters())
+    wanted = [named[n] for n in params]
+    total = {n: torch.zeros_like(named[n]) for n in params}
+    terms = 0
+    for batch in loader:
+        for i in range(batch["labels"].shape[0]):
+            one = {k: v[i:i + 1] for k, v in batch.items() if k != "labels"}
+            u = _normalized(model(**one).logits[0].double())  # (T, C); transformers returns float32 logits
+            targets = _token_targets(batch["labels"][i], True)
+            for t in range(u.shape[0]):
+                if int(targets[t]) == -100:
+                    continue
+                terms += 1
+                p = torch.softmax(u[t].detach(), 0)
+                h = torch.diag(p) - p[:, None] * p[None, :]
+                rows = [torch.autograd.grad(u[t, c], wanted, retain_graph=True) for c in range(u.shape[1])]
+                for j, n in enumerate(params):
+                    jac = torch.stack([row[j].reshape(-1) for row in rows])  # (C, entries)
+                    total[n] += ((h @ jac) * jac).sum(0).reshape(total[n].shape)
+    return {n: (v / terms).detach().numpy() for n, v in total.items()}
+
+
+def tiny_mamba(seed: int = 0) -> torch.nn.Module:
+    """A two-layer Mamba language model (selective state-space mixers, transformers' reference kernels)."""
+    torch.manual_seed(seed)
+    config = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, state_size=4, num_hidden_layers=2,
+                                      expand=2, conv_kernel=3, pad_token_id=0)
+    return transformers.MambaForCausalLM(config).double().eval()
+
+
+def test_mamba_is_covered_with_its_state_decay_rates_excluded():
+    """Mamba's mixers: the projections and the causal convolution are analyzed (the convolution and
+    ``dt_proj``, which transformers' reference kernels apply functionally, on the generic path), every
+    ``A_log`` ``(channels, state)`` is excluded as the state decay rates it is (method §3, "What is not a
+    weight matrix"), ``D`` as a vector; coverage 1, nothing unsupported (before, each ``A_log`` was skipped
+    with a warning, coverage 0.96), and the diagonals are the brute-force ones with the labels shifted (to
+    float32's accuracy: transformers returns the logits in float32)."""
+    import warnings
+
+    model = tiny_mamba()
+    with warnings.catch_warnings():  # transformers' notice that its reference kernels are slow
+        warnings.simplefilter("ignore")
+        report = analyze_quietly(model, lm_loader())
+        got = normflat.hessian_diagonal(model, lm_loader(), estimator="ggn", progress=False)
+        layers = [layer.name for layer in report.layers]
+        want = canonical_reference(model, _looped_lm_ggn(model, lm_loader(), [param_of(model, n) for n in layers]),
+                                   layers)
+    assert report.metadata["coverage"] == 1.0
+    for i in range(2):
+        assert report.metadata["excluded"][f"backbone.layers.{i}.mixer.A_log"] == STATE_DECAY_REASON
+        assert "vector" in report.metadata["excluded"][f"backbone.layers.{i}.mixer.D"]
+    assert report.layer("backbone.layers.0.mixer.in_proj").details["path"] == "fast"
+    # transformers returns Mamba's logits in float32 (``.float()``) also from a float64 model: float32's accuracy.
+    assert_close(got, want, rtol=1e-6)

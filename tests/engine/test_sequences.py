@@ -15,7 +15,7 @@ from normflat.engine.data import Batch, labels_for
 from normflat.engine.outputs import select_output
 from normflat.engine.problems import LayerSpec, ParameterStatus, build_metadata, build_problems, coverage, \
     split_diagonals
-from normflat.engine.registry import excluded_reason, position_table
+from normflat.engine.registry import STATE_DECAY_REASON, excluded_reason, position_table
 from tests.engine._fakes import NumpyAdapter, logit_hessians
 
 RNG = np.random.default_rng(7)
@@ -445,6 +445,8 @@ def test_excluded_reason_rules():
     assert "added to activations" in excluded_reason("blocks.0.attn.relative_position_bias_table", (169, 4))
     assert excluded_reason("pos_embed", (1, 65, 192)) is None
     assert excluded_reason("custom.kernel", (3, 4)) is None
+    assert excluded_reason("backbone.layers.0.mixer.A_log", (32, 16)) == STATE_DECAY_REASON  # Mamba's
+    assert excluded_reason("mixer/A_log", (32, 16)) == STATE_DECAY_REASON
 
 
 def test_position_tables_are_embeddings_of_the_positions():
