@@ -178,6 +178,10 @@ def hf_models() -> dict[str, Callable[[], tuple[Any, Callable[[int], Any]]]]:
                           causal),
         "mamba": lambda: (T.MambaForCausalLM(T.MambaConfig(vocab_size=101, hidden_size=16, state_size=4,
                                                            num_hidden_layers=2, expand=2, conv_kernel=3)), causal),
+        "recurrent-gemma": lambda: (T.RecurrentGemmaForCausalLM(T.RecurrentGemmaConfig(
+            vocab_size=101, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, lru_width=16, attention_window_size=8, conv1d_width=3, head_dim=8,
+            block_types=["recurrent", "attention"])), causal),
         "rwkv": lambda: (T.RwkvForCausalLM(T.RwkvConfig(vocab_size=101, context_length=32, hidden_size=16,
                                                         num_hidden_layers=2, attention_hidden_size=16,
                                                         intermediate_size=32)), causal),

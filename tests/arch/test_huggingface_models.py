@@ -1000,3 +1000,32 @@ def test_mamba_is_covered_with_its_state_decay_rates_excluded():
     assert report.layer("backbone.layers.0.mixer.in_proj").details["path"] == "fast"
     # transformers returns Mamba's logits in float32 (``.float()``) also from a float64 model: float32's accuracy.
     assert_close(got, want, rtol=1e-6)
+
+
+def test_recurrent_gemma_gates_are_analyzed_as_block_diagonal_maps():
+    """RecurrentGemma's RG-LRU applies its input and recurrence gates itself (``torch.baddbmm`` per head,
+    ``(heads, in, out)``): each is one block-diagonal matrix ``(heads·out, in)`` with one group per head
+    (method §3), on the generic path with the reason; coverage 1 (before, both gates were skipped with a
+    warning, coverage 0.93), the diagonals the brute-force ones."""
+    import warnings
+
+    torch.manual_seed(0)
+    config = transformers.RecurrentGemmaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, lru_width=HIDDEN, attention_window_size=8, conv1d_width=3, head_dim=4,
+        block_types=["recurrent", "attention"], pad_token_id=0)
+    model = transformers.RecurrentGemmaForCausalLM(config).double().eval()
+    gates = [f"model.layers.0.temporal_block.rg_lru.{g}_gate_weight" for g in ("input", "recurrent")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = analyze_quietly(model, lm_loader())
+        got = normflat.hessian_diagonal(model, lm_loader(), estimator="ggn", progress=False)
+        want = _looped_lm_ggn(model, lm_loader(), gates)
+    assert report.metadata["coverage"] == 1.0
+    for name in gates:
+        details = report.layer(name).details
+        assert details["path"] == "generic" and "baddbmm" in details["generic_reason"], details
+        assert details["groups"] == 2
+        heads, block, _ = want[name].shape
+        assert_close({name: got[name]}, {name: want[name].transpose(0, 2, 1).reshape(heads * block, block)},
+                     rtol=1e-6)  # the logits come out in float32, as Mamba's

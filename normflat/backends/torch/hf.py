@@ -194,9 +194,28 @@ def _funnel_weights(module: nn.Module) -> list[Any]:
 
 #: transformers attention modules whose kernels are raw parameters applied by einsum:
 #: ``(module, class, reader)`` (:data:`~normflat.backends.torch.layers.DIRECT_WEIGHTS`).
+def _block_diagonal(t: torch.Tensor) -> torch.Tensor:
+    """``(heads, in, out)`` applied per head as ``baddbmm(b, x, W)`` (``x`` ``(heads, N, in)``) -> canonical
+    ``(heads·out, in)``, one group per head."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])
+
+
+def _rglru_weights(module: nn.Module) -> list[Any]:
+    """RecurrentGemma's RG-LRU: its input and recurrence gates are block-diagonal dense maps, one
+    ``(in, out)`` block per head, applied with ``torch.baddbmm`` in its forward (method §3, "Attention
+    kernels stored raw"); its ``recurrent_param`` is a vector."""
+    from normflat.backends.torch.layers import ModuleWeight
+
+    heads = int(module.input_gate_weight.shape[0])
+    reason = "a raw parameter its module applies itself (a per-head torch.baddbmm in its forward): no fast rule"
+    return [ModuleWeight(name, getattr(module, name), _block_diagonal, groups=heads, reason=reason)
+            for name in ("input_gate_weight", "recurrent_gate_weight")]
+
+
 _DIRECT_WEIGHT_CLASSES = (
     ("transformers.models.xlnet.modeling_xlnet", "XLNetRelativeAttention", _xlnet_weights),
     ("transformers.models.funnel.modeling_funnel", "FunnelRelMultiheadAttention", _funnel_weights),
+    ("transformers.models.recurrent_gemma.modeling_recurrent_gemma", "RecurrentGemmaRglru", _rglru_weights),
     ("peft.tuners.lora.layer", "Embedding", lambda module: _peft_embedding_weights(module)),
     ("peft.tuners.tuners_utils", "BaseTunerLayer", lambda module: _peft_adapter_weights(module)),
 )
