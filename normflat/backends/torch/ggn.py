@@ -54,7 +54,7 @@ __all__ = [
     "spectral_normalization",
     "spectral_norm_rule",
     "normalizes_weight",
-    "weight_norm_edges",
+    "normalization_edges",
     "Capture",
     "inspect_graph",
     "backprop_signals",
@@ -982,7 +982,7 @@ def normalizes_weight(rule: Any) -> bool:
     return bool(getattr(rule, "_normflat_normalized", False))
 
 
-def weight_norm_edges(module: nn.Module) -> int:
+def normalization_edges(module: nn.Module) -> int:
     """The autograd graph's edges from one evaluation of a normalized module's weight to the parameter
     analyzed: for weight normalization's direction ``v``, one through torch's fused kernel (norms over
     the first or the last axis), two where it composes the norm and the division (over any other

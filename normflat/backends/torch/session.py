@@ -890,9 +890,9 @@ class TorchSession:
                                                        outs)
         for layer in fast:
             if ggn_kernels.normalizes_weight(layer.ext.ggn_squares):
-                # A weight-normalized direction enters the graph through each evaluation of the
-                # weight, by one or two edges: count the weight's applications.
-                edges = ggn_kernels.weight_norm_edges(layer.module)
+                # A weight-normalized direction (or a spectrally normalized V) enters the graph through
+                # each evaluation of the weight, by one or two edges: count the weight's applications.
+                edges = ggn_kernels.normalization_edges(layer.module)
                 if uses[id(layer.param)] % edges == 0:
                     uses[id(layer.param)] //= edges
         again = False
