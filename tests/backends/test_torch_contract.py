@@ -440,6 +440,37 @@ def test_same_model_in_two_threads_refused():
     nf(model, (x, y))  # free again afterwards
 
 
+def test_refused_second_analysis_reads_nothing(monkeypatch):
+    """The second analysis of a module under analysis is refused before its layer walk, which reads
+    parametrized weights with their parametrizations in eval mode for a moment: it must not touch a
+    module another thread is analyzing (the first analysis restores the modes it saw)."""
+    from normflat.backends.torch import layers as torch_layers
+
+    walks = []
+    real = torch_layers._parametrizations_in_eval
+    monkeypatch.setattr(torch_layers, "_parametrizations_in_eval", lambda m: walks.append(m) or real(m))
+    model = mlp()
+    x, y = data()
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_data():
+        yield x[:4], y[:4]
+        inside.set()
+        release.wait(30)
+        yield x[4:], y[4:]
+
+    t = threading.Thread(target=lambda: nf(model, slow_data()))
+    t.start()
+    assert inside.wait(30)
+    try:
+        with pytest.raises(RuntimeError, match="already analyzing this model"):
+            nf(model, (x, y))
+        assert len(walks) == 1  # the first analysis's walk only
+    finally:
+        release.set()
+        t.join(30)
+
+
 def test_no_warning_filters_installed():
     filters = list(warnings.filters)
     with warnings.catch_warnings(record=True) as rec:
