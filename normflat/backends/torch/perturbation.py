@@ -91,8 +91,14 @@ class TorchPerturbationModel:
         self.model = unwrap(model)
         self.data = data
         self.options = options
-        self._layers, self.unsupported, _ = collect_layers(self.model, options, use_fast=False,
-                                                           on_unsupported=options.on_unsupported)
+        # Claimed for the walk, which reads parametrized weights with their parametrizations in eval mode
+        # for a moment (as the session claims its module for its own walk).
+        claim(self.model)  # raises, with nothing to undo, if another thread analyzes this module
+        try:
+            self._layers, self.unsupported, _ = collect_layers(self.model, options, use_fast=False,
+                                                               on_unsupported=options.on_unsupported)
+        finally:
+            release(self.model)
         # One slot per report name: (layer index, canonical row range or None for the whole weight).
         self._slots: list[tuple[int, tuple[int, int] | None]] = []
         self.names: list[str] = []
