@@ -311,16 +311,22 @@ def _lora_model(case, activation="tanh"):
 @pytest.mark.parametrize("case", ["dense", "einsum", "embedding", "conv", "twice", "head", "windows"])
 def test_lora_fast_rule_equals_brute_force(case):
     """The frozen kernel and both factors of a LoRA-enabled ``Dense``, ``EinsumDense``, ``Embedding`` or
-    convolution take the fast rule (method §6.1, "LoRA adapters"): against float64 brute force, whole, in chunks of 2 and on one sample;
-    ``ggn-mc`` and ``ggn-topk`` against the generic path. Before, all three took the generic path
-    (2.5x the time of the plain model on a keras-hub Llama)."""
+    convolution take the fast rule (method §6.1, "LoRA adapters"): against float64 brute force, whole and
+    in chunks of 2 (and on one sample where a layer's rows could be misread: the lookup, the folded
+    windows); ``ggn-mc`` against the generic path, and ``ggn-topk`` where an exact head rule is in play.
+    Before, all three took the generic path (about twice the plain model's time on a keras-hub Llama)."""
     model, x, y, expected = _lora_model(case)
     report = normflat.analyze(model, (x, y), loss="ce", progress=False)
     assert [layer.name for layer in report.layers] == list(expected)
     assert {layer.name: layer.details["path"] for layer in report.layers} == dict.fromkeys(expected, "fast")
-    for n, kw in ((6, {}), (6, {"chunk_size": 2}), (1, {})):
+    runs = ((6, {}), (6, {"chunk_size": 2}), (1, {})) if case in ("dense", "embedding", "windows") else \
+        ((6, {}), (6, {"chunk_size": 2}))
+    for n, kw in runs:
         check_against(model, x[:n], y[:n], expected, **kw)
-    for kw in (dict(estimator="ggn-mc", samples=3, seed=2), dict(estimator="ggn-topk", seed=2)):
+    estimators = [dict(estimator="ggn-mc", samples=3, seed=2)]
+    if case in ("dense", "head"):  # ggn-topk's exact head rule beside (or refused for) a LoRA layer
+        estimators.append(dict(estimator="ggn-topk", seed=2))
+    for kw in estimators:
         fast = normflat.hessian_diagonal(model, (x, y), loss="ce", progress=False, **kw)
         generic = normflat.hessian_diagonal(model, (x, y), loss="ce", progress=False, fast=False, **kw)
         for name in expected:
