@@ -49,6 +49,7 @@ __all__ = [
     "PER_SAMPLE_GRADIENTS",
     "PREPARED_GRADIENTS",
     "tied_squares",
+    "lookup_squares",
     "weight_normalization",
     "weight_norm_rule",
     "spectral_normalization",
@@ -623,16 +624,24 @@ def embedding_squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas, out:
 
     Rows at ``padding_idx`` get no gradient (as in torch's backward).
     """
-    vocab = module.weight.shape[0]
+    return lookup_squares(module.weight, ids, module.padding_idx, deltas, out)
+
+
+def lookup_squares(table: torch.Tensor, ids: torch.Tensor, padding_idx: int | None, deltas: Deltas,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(K, V, d)`` sums of squared per-sample gradients of a table ``(V, d)`` looked up at ``ids``
+    ``(n, ...)`` (``F.embedding``), from the signals at the lookup's output; rows at ``padding_idx`` get
+    no gradient (as in torch's backward)."""
+    vocab = table.shape[0]
     n = ids.shape[0]
     flat = ids.reshape(n, -1)
     sample = torch.arange(n, device=ids.device).repeat_interleave(flat.shape[1])
     flat = flat.reshape(-1).long()
     entry_rows = torch.arange(flat.shape[0], device=ids.device)
-    if module.padding_idx is not None:
-        keep = flat != module.padding_idx
+    if padding_idx is not None:
+        keep = flat != padding_idx
         flat, sample, entry_rows = flat[keep], sample[keep], entry_rows[keep]
-    return _scatter_squares(module.weight, sample * vocab + flat, None, entry_rows, deltas, out)
+    return _scatter_squares(table, sample * vocab + flat, None, entry_rows, deltas, out)
 
 
 @_builtin

@@ -43,8 +43,8 @@ from torch import nn
 
 from normflat.backends.torch.ggn import (PER_SAMPLE_GRADIENTS, USE_INPUTS, Deltas, KernelSums, NoFastPath, _builtin,
                                          _conv_gradients, _conv_patches, _dense_squares, _first_of_tuple, _foldable,
-                                         _inner_uses, _patch_squares, _scatter_squares, _takes_kernel_sums, _with_call,
-                                         folded_patches)
+                                         _inner_uses, _patch_squares, _takes_kernel_sums, _with_call, folded_patches,
+                                         lookup_squares)
 
 __all__ = ["register_known_layers", "packed_blocks", "is_causal_lm", "analysis_mode", "keyword_inputs"]
 
@@ -192,8 +192,6 @@ def _funnel_weights(module: nn.Module) -> list[Any]:
     return [kernel, ModuleWeight("seg_embed", module.seg_embed, _per_head, groups=heads)]
 
 
-#: transformers attention modules whose kernels are raw parameters applied by einsum:
-#: ``(module, class, reader)`` (:data:`~normflat.backends.torch.layers.DIRECT_WEIGHTS`).
 def _block_diagonal(t: torch.Tensor) -> torch.Tensor:
     """``(heads, in, out)`` applied per head as ``baddbmm(b, x, W)`` (``x`` ``(heads, N, in)``) -> canonical
     ``(heads·out, in)``, one group per head."""
@@ -212,6 +210,9 @@ def _rglru_weights(module: nn.Module) -> list[Any]:
             for name in ("input_gate_weight", "recurrent_gate_weight")]
 
 
+#: Modules whose weight matrices are raw parameters they apply themselves (transformers' XLNet and Funnel
+#: attention by einsum, RecurrentGemma's RG-LRU gates by baddbmm, PEFT's embedding adapters and other
+#: tuners' factors): ``(module, class, reader)`` (:data:`~normflat.backends.torch.layers.DIRECT_WEIGHTS`).
 _DIRECT_WEIGHT_CLASSES = (
     ("transformers.models.xlnet.modeling_xlnet", "XLNetRelativeAttention", _xlnet_weights),
     ("transformers.models.funnel.modeling_funnel", "FunnelRelMultiheadAttention", _funnel_weights),
@@ -633,21 +634,6 @@ def _peft_embedding_read(module: nn.Module, adapter: str, kwargs: dict) -> tuple
     return module.lora_embedding_A[adapter].detach(), module.lora_embedding_B[adapter].detach(), scale
 
 
-def _peft_lookup(module: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(samples, rows, entries)`` of the ids a lookup reads (none at the base's ``padding_idx``, as in
-    torch's backward): each entry's sample, its table row, and its output row."""
-    n = ids.shape[0]
-    flat = ids.reshape(n, -1)
-    sample = torch.arange(n, device=ids.device).repeat_interleave(flat.shape[1])
-    flat = flat.reshape(-1).long()
-    entries = torch.arange(flat.shape[0], device=ids.device)
-    padding = module.get_base_layer().padding_idx
-    if padding is not None:
-        keep = flat != padding
-        flat, sample, entries = flat[keep], sample[keep], entries[keep]
-    return sample, flat, entries
-
-
 #: ``{(adapter, "A" | "B"): rule}``: the fast rules of PEFT's LoRA ``Embedding`` factors, one pair per
 #: adapter name (a rule object is a weight kind's identity).
 _PEFT_EMBEDDING_RULES: dict[tuple[str, str], Any] = {}
@@ -674,14 +660,12 @@ def _peft_embedding_a(adapter: str) -> Any:
     def squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas, args: tuple = (), kwargs: dict | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         a, b, scale = _peft_embedding_read(module, adapter, kwargs or {})
-        sample, rows, entries = _peft_lookup(module, ids)
-        vocab = a.shape[1]
         # The signals at A's lookup (n, ..., r): s·g B, in the dtype of the sums.
         mapped = Deltas([None if p is None else (p.to(a.dtype) @ b).mul_(scale) for p in deltas.parts],
                         deltas.k, deltas.m)
         deltas.parts.clear()
-        sums = _scatter_squares(a.T, sample * vocab + rows, None, entries, mapped,
-                                None if out is None else out.transpose(1, 2))  # (K, V, r) over A's (r, V)
+        sums = lookup_squares(a.T, ids, module.get_base_layer().padding_idx, mapped,
+                              None if out is None else out.transpose(1, 2))  # (K, V, r) over A's (r, V)
         return sums.transpose(1, 2)
 
     squares.__name__ = squares.__qualname__ = f"peft_embedding_a_squares[{adapter}]"
@@ -986,7 +970,8 @@ def register_known_layers() -> None:
     have sequence axes). timm: ``Linear`` (an ``nn.Linear`` whose forward casts the weight
     only under TorchScript) takes ``nn.Linear``'s rule; ``Conv2dSame`` and the weight-standardized
     convolutions (and Hugging Face BiT's ``WeightStandardizedConv2d``) are convolutions with
-    rules of their own (:func:`conv_rule`); ``CondConv2d`` is refused with its reason.
+    rules of their own (:func:`conv_rule`); ``CondConv2d`` is refused with its reason. PEFT: the
+    adapters its tuner layers apply themselves (:data:`_DIRECT_WEIGHT_CLASSES`).
     Idempotent, never imports a library, and never replaces an entry the user registered
     (``normflat.backends.torch.register_layer``).
     """

@@ -144,10 +144,6 @@ class TorchSession:
         try:
             self._layers, self.unsupported, self.parameters = collect_layers(model, options, self.settings.fast,
                                                                              on_unsupported)
-            self.layers = [layer.spec for layer in self._layers]
-            self._index = {id(layer): i for i, layer in enumerate(self._layers)}
-            first = self._layers[0].param
-            self.device, self.dtype = first.device, first.dtype
             est = options.estimator
             if est == "exact" and not self.settings.force:
                 total = sum(layer.param.numel() for layer in self._layers)
@@ -155,66 +151,72 @@ class TorchSession:
                     raise ValueError(
                         f"estimator='exact' needs one Hessian-vector product per weight entry per batch; this "
                         f"model has {total} weight entries, above the limit max_exact_params="
-                        f"{self.settings.max_exact_params}. Use estimator='ggn' or 'hutchinson', or pass force=True "
-                        "(or a larger max_exact_params) to run it anyway."
+                        f"{self.settings.max_exact_params}. Use estimator='ggn' or 'hutchinson', or pass "
+                        "force=True (or a larger max_exact_params) to run it anyway."
                     )
-            self.ggn = est in GGN_ESTIMATORS
-            self.chunk: int | None = self.settings.chunk_size
-            # Signals of one sample back-propagated at once when all of them exceed the memory (the
-            # exact ``ggn`` with many classes); None: all of them (_choose_chunk, _member_steps).
-            self.signal_step: int | None = None
-            self.checked = False
-            self._broadcast: list[TorchLayer] = []  # the layers the capture may expand (_forward)
-            # The layers whose substitution (_forward) passed its first checks (_substitution_checks).
-            self._seen: set[int] = set()
-            # Dense layers whose output holds a block of rows per sample (a batch folded into the
-            # leading axis, e.g. attention windows): id -> the rows per sample, checked once on a
-            # chunk of two samples or more (_rows_per_sample); and this chunk's rows per sample.
-            self._folds: dict[int, int] = {}
-            self._chunk_folds: dict[int, int] = {}
-            # Dense layers and embeddings with the samples on their second axis (sequence-first:
-            # ``(T, n, d)``, nn.TransformerEncoderLayer without batch_first), checked once as the folds.
-            self._second_axis: set[int] = set()
-            self._chunk_second: set[int] = set()  # this chunk's: those, and any such layer of a one-sample chunk
-            # One-row layers whose expansion broke the forward and that may be sequence first with one
-            # position (Longformer's global projections, (1, n, d)): never expanded again.
-            self._unexpanded: set[int] = set()
-            # Layers on no batch axis (method §6.1, "Layers on no batch axis"): id -> why they failed
-            # the rows check before they were followed to where they meet the batch (their reason if
-            # that fails too), and the meetings of the first forward that followed them (checked once).
-            self._batchless_tried: dict[int, str] = {}
-            self._meetings_checked: int | None = None  # the meetings of one forward
-            self._meetings_apart = False  # each sample's signal reaches its own rows only (2 samples or more)
-            self._meetings_whole = False  # every path from the layers to the logits goes through them
-            # The layers whose weights were checked to be swappable by functional_call (_check_swappable).
-            self._swappable: set[int] = set()
-            self.batched = False
-            self.batches_seen = 0
-            # A model that runs on the first batch but fails on one row alone: its error, raised where the
-            # generic path would run a sample alone (_check_one_sample).
-            self._one_sample_failure: Exception | None = None
-            # Value checks of the batches whose answer would wait for the device (the logits' and the
-            # loss's statistics, the inputs on an accelerator), read in one go after the loop
-            # (_run_checks): ``(batch index, kind, device tensor, what the message needs)`` in order.
-            self._pending: list[tuple[int, str, torch.Tensor, Any]] = []
-            self.saturation = math.inf  # the least softmax saturation of the checked batches (driver)
-            self.token_logits = False  # whether the model returned (n, T, C) token logits (metadata)
-            # The logits' shape of the first forward (the probe's or the first chunk's): every later one
-            # must have as many classes (_check_logits).
-            self._first_logits: tuple[int, ...] | None = None
-            self.probes = hvp.Probes(self._layers, options.seed) if est == "hutchinson" else None
-            self.capture: ggn_kernels.Capture | None = None
-            self._closed = False
-            self.model = model
-            # Causal language models: the logits at t predict the label at t + 1 (method §6.3).
-            self._recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
-            self.shift = (bool(options.shift_labels) if options.shift_labels is not None
-                          else bool(hf.is_causal_lm(model)))
         except BaseException:
             release(model)
             raise
+        self.layers = [layer.spec for layer in self._layers]
+        self._index = {id(layer): i for i, layer in enumerate(self._layers)}
+        first = self._layers[0].param
+        self.device, self.dtype = first.device, first.dtype
+        self.ggn = est in GGN_ESTIMATORS
+        self.chunk: int | None = self.settings.chunk_size
+        # Signals of one sample back-propagated at once when all of them exceed the memory (the
+        # exact ``ggn`` with many classes); None: all of them (_choose_chunk, _member_steps).
+        self.signal_step: int | None = None
+        self.checked = False
+        self._broadcast: list[TorchLayer] = []  # the layers the capture may expand (_forward)
+        # The layers whose substitution (_forward) passed its first checks (_substitution_checks).
+        self._seen: set[int] = set()
+        # Dense layers whose output holds a block of rows per sample (a batch folded into the
+        # leading axis, e.g. attention windows): id -> the rows per sample, checked once on a
+        # chunk of two samples or more (_rows_per_sample); and this chunk's rows per sample.
+        self._folds: dict[int, int] = {}
+        self._chunk_folds: dict[int, int] = {}
+        # Dense layers and embeddings with the samples on their second axis (sequence-first:
+        # ``(T, n, d)``, nn.TransformerEncoderLayer without batch_first), checked once as the folds.
+        self._second_axis: set[int] = set()
+        self._chunk_second: set[int] = set()  # this chunk's: those, and any such layer of a one-sample chunk
+        # One-row layers whose expansion broke the forward and that may be sequence first with one
+        # position (Longformer's global projections, (1, n, d)): never expanded again.
+        self._unexpanded: set[int] = set()
+        # Layers on no batch axis (method §6.1, "Layers on no batch axis"): id -> why they failed
+        # the rows check before they were followed to where they meet the batch (their reason if
+        # that fails too), and the meetings of the first forward that followed them (checked once).
+        self._batchless_tried: dict[int, str] = {}
+        self._meetings_checked: int | None = None  # the meetings of one forward
+        self._meetings_apart = False  # each sample's signal reaches its own rows only (2 samples or more)
+        self._meetings_whole = False  # every path from the layers to the logits goes through them
+        # The layers whose weights were checked to be swappable by functional_call (_check_swappable).
+        self._swappable: set[int] = set()
+        self.batched = False
+        self.batches_seen = 0
+        # A model that runs on the first batch but fails on one row alone: its error, raised where the
+        # generic path would run a sample alone (_check_one_sample).
+        self._one_sample_failure: Exception | None = None
+        # Value checks of the batches whose answer would wait for the device (the logits' and the
+        # loss's statistics, the inputs on an accelerator), read in one go after the loop
+        # (_run_checks): ``(batch index, kind, device tensor, what the message needs)`` in order.
+        self._pending: list[tuple[int, str, torch.Tensor, Any]] = []
+        self.saturation = math.inf  # the least softmax saturation of the checked batches (driver)
+        self.token_logits = False  # whether the model returned (n, T, C) token logits (metadata)
+        # The logits' shape of the first forward (the probe's or the first chunk's): every later one
+        # must have as many classes (_check_logits).
+        self._first_logits: tuple[int, ...] | None = None
+        self.probes: hvp.Probes | None = None  # set with the state below
+        self.capture: ggn_kernels.Capture | None = None
+        self._closed = False
+        self.model = model
+        # Causal language models: the logits at t predict the label at t + 1 (method §6.3).
+        self._recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
+        self.shift = False  # set with the state below
         self.state: ModelState | None = None
-        try:
+        try:  # the module is claimed: a failure from here on closes the session, which releases it
+            self.probes = hvp.Probes(self._layers, options.seed) if est == "hutchinson" else None
+            self.shift = (bool(options.shift_labels) if options.shift_labels is not None
+                          else bool(hf.is_causal_lm(model)))
             self.state = ModelState(model)
             model.eval()  # BatchNorm uses its running statistics, dropout is off
             if self.ggn:
