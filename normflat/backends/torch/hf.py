@@ -650,38 +650,28 @@ def peft_embedding_rule(adapter: str, factor: str) -> Any:
     key = (adapter, factor)
     with _PEFT_LOCK:
         if key not in _PEFT_EMBEDDING_RULES:
-            _PEFT_EMBEDDING_RULES[key] = _peft_embedding_a(adapter) if factor == "A" else _peft_embedding_b(adapter)
+            _PEFT_EMBEDDING_RULES[key] = _make_peft_embedding_rule(adapter, factor)
         return _PEFT_EMBEDDING_RULES[key]
 
 
-def _peft_embedding_a(adapter: str) -> Any:
+def _make_peft_embedding_rule(adapter: str, factor: str) -> Any:
     @_with_call
     @_builtin
     def squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas, args: tuple = (), kwargs: dict | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         a, b, scale = _peft_embedding_read(module, adapter, kwargs or {})
-        # The signals at A's lookup (n, ..., r): s·g B, in the dtype of the sums.
+        padding = module.get_base_layer().padding_idx
+        if factor == "B":  # the dense rule on u = s·Aᵀ[ids] (n, ..., r)
+            return _dense_squares(F.embedding(ids, a.T, padding_idx=padding) * scale, deltas, b.shape[0], b.shape[1],
+                                  out)
+        # A: the signals at its lookup (n, ..., r) are s·g B, in the dtype of the sums.
         mapped = Deltas([None if p is None else (p.to(a.dtype) @ b).mul_(scale) for p in deltas.parts],
                         deltas.k, deltas.m)
         deltas.parts.clear()
-        sums = lookup_squares(a.T, ids, module.get_base_layer().padding_idx, mapped,
-                              None if out is None else out.transpose(1, 2))  # (K, V, r) over A's (r, V)
-        return sums.transpose(1, 2)
+        sums = lookup_squares(a.T, ids, padding, mapped, None if out is None else out.transpose(1, 2))
+        return sums.transpose(1, 2)  # (K, V, r) over A's (r, V)
 
-    squares.__name__ = squares.__qualname__ = f"peft_embedding_a_squares[{adapter}]"
-    return squares
-
-
-def _peft_embedding_b(adapter: str) -> Any:
-    @_with_call
-    @_builtin
-    def squares(module: nn.Module, ids: torch.Tensor, deltas: Deltas, args: tuple = (), kwargs: dict | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        a, b, scale = _peft_embedding_read(module, adapter, kwargs or {})
-        u = F.embedding(ids, a.T, padding_idx=module.get_base_layer().padding_idx) * scale  # (n, ..., r)
-        return _dense_squares(u, deltas, b.shape[0], b.shape[1], out)
-
-    squares.__name__ = squares.__qualname__ = f"peft_embedding_b_squares[{adapter}]"
+    squares.__name__ = squares.__qualname__ = f"peft_embedding_{factor.lower()}_squares[{adapter}]"
     return squares
 
 
