@@ -1501,20 +1501,30 @@ def _lora_squares(entry: Entry, calls: list[tuple[Any, list[Any]]], seg: Any, gr
         calls = [(x, gs) for x, gs, _ in views]
     else:
         rule = ("einsum", layer.equation) if entry.fast == "einsum" else entry.fast
+    vocabulary = int(_lora_factors(layer)[0].shape[0]) if rule == "embedding" else 0
+    return _calls_squares(rule, layer, calls, seg, groups, vocabulary, 1, samples, entry.fold)
+
+
+def _calls_squares(rule: Any, layer: Any, calls: list[tuple[Any, list[Any]]], seg: Any, groups: int,
+                   vocabulary: int = 0, conv_groups: int = 1, samples: Any = None, fold: int = 1) -> Any:
+    """Per-group squares of a weight from the ``(input, B signals at its output)`` of each call that applies
+    it, by ``rule``: ``"dense"``, ``("einsum", equation)``, ``"embedding"`` (a table of ``vocabulary`` rows
+    looked up at the ids) or ``"conv"`` (the layer's convolution, ``conv_groups`` groups). Several calls
+    go as one over their positions together (method §6.1, "Tied weights"); one call's input may hold
+    ``fold`` rows per sample (``samples`` samples, :attr:`Entry.fold`)."""
     if rule == "embedding":
-        vocabulary = int(_lora_factors(layer)[0].shape[0])
         return _embedding_squares(*(_joined_lookups(calls) if len(calls) > 1 else calls[0]), seg, groups, vocabulary)
     if rule == "conv":
-        return _conv_squares(layer, *calls[0], seg, groups, 1, calls[1:])
+        return _conv_squares(layer, *calls[0], seg, groups, conv_groups, calls[1:])
     equation = rule[1] if isinstance(rule, tuple) else None
     if len(calls) > 1:
         return _repeated_squares(calls, seg, groups,
                                  None if equation is None else functools.partial(_einsum_positions, equation))
     (x, gs), = calls
-    folded = samples if entry.fold > 1 else None
+    folded = samples if fold > 1 else None
     if equation is not None:
-        return _einsum_squares(equation, x, gs, seg, groups, folded, entry.fold)
-    return _dense_squares(x, gs, seg, groups, folded, entry.fold)
+        return _einsum_squares(equation, x, gs, seg, groups, folded, fold)
+    return _dense_squares(x, gs, seg, groups, folded, fold)
 
 
 class _Pointwise:
@@ -1837,17 +1847,10 @@ def ggn_step_fn(model: Any, entries: list[Entry], options: AnalysisOptions, grou
                     out[e.name] = parts[0] if len(parts) == 1 else tf.concat(parts, axis=1)
                 elif e.calls > 1:  # every call's positions
                     calls = [(r[0], gs) for r, gs in zip(rec, per_call)]
-                    if e.fast == "embedding":
-                        out[e.name] = _embedding_squares(*_joined_lookups(calls), seg, sums_per_layer,
-                                                         int(e.variable.shape[0]))
-                    elif e.fast == "dense":
-                        out[e.name] = _repeated_squares(calls, seg, sums_per_layer)
-                    elif e.fast == "einsum":
-                        out[e.name] = _repeated_squares(calls, seg, sums_per_layer,
-                                                        functools.partial(_einsum_positions, e.layer.equation))
-                    else:
-                        out[e.name] = _conv_squares(e.layer, *calls[0], seg, sums_per_layer, int(e.weight.groups),
-                                                    calls[1:])
+                    rule = ("einsum", e.layer.equation) if e.fast == "einsum" else \
+                        "conv" if e.fast in ("conv", "depthwise") else e.fast
+                    out[e.name] = _calls_squares(rule, e.layer, calls, seg, sums_per_layer, int(e.variable.shape[0]),
+                                                 int(e.weight.groups))
                 else:
                     out[e.name] = _fast_squares(e, rec[0][0], per_call[0], seg, sums_per_layer, tf.shape(z)[0])
         if generic:
