@@ -17,9 +17,10 @@ the head, the input weights of every recurrent cell (nnx ``LSTMCell``, ``Optimiz
 ``GRUCell``; linen ``LSTMCell``, ``OptimizedLSTMCell``, ``GRUCell``, ``SimpleCell``; equinox
 ``LSTMCell``, ``GRUCell``) against an embedding's features, linen's ReLU ``SimpleCell`` hidden units,
 linen and equinox loose position tables, the ``kernel`` leaves of an ``(apply_fn, params)`` model
-(a multi-axis one among them), equinox's ``WeightNorm``, and the transposed convolutions of flax nnx,
-linen and equinox (input and output channels, equinox's grouped). Every layer takes its fast rule
-unless a test names it generic.
+(a multi-axis one among them), equinox's ``WeightNorm``, the spectrally normalized kernels of flax nnx,
+linen and equinox (whole-kernel scalings, and their ``ggn`` diagonals against brute force), and the
+transposed convolutions of flax nnx, linen and equinox (input and output channels, equinox's grouped).
+Every layer takes its fast rule unless a test names it generic.
 """
 
 from __future__ import annotations
@@ -653,6 +654,96 @@ def test_spectral_norm_kernel_scale_invariance(api):
     before, _ = assert_rescaling_invariant(model, twin, (x, y), apply, twin_apply, moved=names, generic=names, **kw)
     assert before.metadata["coverage"] == 1.0 and before.metadata["unsupported"] == []
     assert {layer.name for layer in before.layers} >= set(names)
+
+
+def _spectral_model(api):
+    """``(model, x, y, kernels, logits, kw)``: the spectral model of ``api`` after five training calls;
+    ``kernels`` its ``(conv, fc, head)`` kernels as stored, ``logits(kernels)`` the evaluation call's
+    logits as a function of them (the power-iteration vectors held as stored), ``kw`` the options
+    ``analyze`` needs (equinox's state)."""
+    y = jnp.asarray([0, 1, 2, 0, 1])
+    if api == "nnx":
+        x = _normal(21, 5, 4, 2, scale=1.0)
+        model = NnxSpectral(nnx.Rngs(3))
+        for _ in range(5):
+            model(x, update=True)
+        layers = (model.conv.layer_instance, model.fc.layer_instance, model.head)
+        kernels = tuple(layer.kernel[...] for layer in layers)
+
+        def logits(ks):
+            clone = nnx.clone(model)
+            for layer, k in zip((clone.conv.layer_instance, clone.fc.layer_instance, clone.head), ks):
+                layer.kernel = nnx.Param(k)
+            return clone(x)
+
+        return model, x, y, kernels, logits, {}
+    if api == "linen":
+        x = _normal(21, 5, 4, 2, scale=1.0)
+        variables = LinenSpectral().init(jax.random.key(4), x)
+        for _ in range(5):
+            _, updates = LinenSpectral(update=True).apply(variables, x, mutable=["batch_stats"])
+            variables = {**variables, **updates}
+        module, params = LinenSpectral(), variables["params"]
+        kernels = (params["conv"]["kernel"], params["fc"]["kernel"], params["head"]["kernel"])
+
+        def logits(ks):
+            edited = params
+            for path, k in zip(("conv/kernel", "fc/kernel", "head/kernel"), ks):
+                edited = _edit(edited, path, lambda _, k=k: k)
+            return module.apply({**variables, "params": edited}, x)
+
+        return (module, variables), x, y, kernels, logits, {}
+    x = _normal(21, 5, 2, 6, scale=1.0)
+    model, state = eqx.nn.make_with_state(EqxSpectral)(jax.random.key(5))
+    for i in range(5):
+        _, state = model(x[i], state, inference=False)
+    where = lambda m: (m.conv.layer.weight, m.fc.layer.weight, m.head.weight)  # noqa: E731
+
+    def logits(ks):
+        edited = eqx.tree_at(where, model, tuple(ks))
+        return jax.vmap(lambda xi: edited(xi, state)[0])(x)
+
+    return model, x, y, where(model), logits, {"state": state, "vmap": True}
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen", "equinox"])
+def test_spectral_norm_kernel_ggn_against_brute_force(api):
+    """The stored kernel ``K`` of a spectrally normalized layer (``W = K / σ(K)``, ``σ`` from the stored
+    power-iteration vectors) after a few training calls: its ``ggn`` diagonal is the brute-force one,
+    ``Σ_n J_nᵀ (diag p_n − p_n p_nᵀ) J_n / N`` with ``J_n`` the per-sample Jacobian of the logits in
+    ``K`` through the normalization (method §3 "Spectral normalization", §6.1), and so is the plain
+    head's beside it; an nnx module's vectors and kernels stay as stored (linen's and equinox's are
+    immutable)."""
+    model, x, y, kernels, logits, kw = _spectral_model(api)
+    n, c = len(y), 3
+
+    def per_sample(ks, i):
+        return logits(ks)[i]
+
+    p = jax.nn.softmax(logits(kernels), axis=-1)
+    refs = [np.zeros(k.shape) for k in kernels]
+    for i in range(n):
+        jac = jax.jacrev(per_sample)(kernels, i)  # per kernel: (c, *kernel shape)
+        h = jnp.diag(p[i]) - jnp.outer(p[i], p[i])
+        for ref, j in zip(refs, jac):
+            jm = j.reshape(c, -1)
+            ref += np.asarray(jnp.einsum("cp,cd,dp->p", jm, h, jm)).reshape(ref.shape) / n
+    if api == "equinox":  # (out, in, k) and (out, in): canonical as stored
+        canonical = refs
+        names = ("conv/layer", "fc/layer", "head")
+    else:  # flax: (k, in, out) and (in, out)
+        canonical = [refs[0].transpose(2, 1, 0), refs[1].T, refs[2].T]
+        names = ("conv/layer_instance", "fc/layer_instance", "head") if api == "nnx" else ("conv", "fc", "head")
+    if api == "nnx":  # the module holds its vectors and kernels: every leaf as it was
+        stored = [np.asarray(a).copy() for a in jax.tree_util.tree_leaves(nnx.state(model))]
+    got = normflat.hessian_diagonal(model, (x, y), estimator="ggn", loss="ce", progress=False, **kw)
+    assert set(got) == set(names), sorted(got)
+    for name, want in zip(names, canonical):
+        np.testing.assert_allclose(np.asarray(got[name]), want, rtol=1e-10, atol=1e-12 * np.abs(want).max())
+    assert all(np.abs(w).max() > 0 for w in canonical[:2])
+    if api == "nnx":
+        for before, after in zip(stored, jax.tree_util.tree_leaves(nnx.state(model)), strict=True):
+            np.testing.assert_array_equal(before, np.asarray(after))
 
 
 # ----------------------------------------------------------------------------- transposed convolutions
