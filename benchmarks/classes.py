@@ -94,6 +94,10 @@ Problems:
   (width 64, 8 experts of 128 units, two per token: the same active width) with a 5000-token
   vocabulary, 4 sequences of 32 tokens: the cost of the mixture-of-experts layers' rules
   against the dense MLP's.
+* ``mamba-5000``: a 2-layer Mamba (width 64, 16 states, expansion 2, convolution of 4) with a
+  5000-token vocabulary, 4 sequences of 32 tokens, on transformers' reference kernels (no
+  ``mamba_ssm``): its causal convolutions and ``dt_proj`` are applied by the mixer itself
+  (``F.conv1d``, ``dt_proj.weight @ x``; method §6.1, "Weights the model applies itself").
 
 Run::
 
@@ -353,6 +357,14 @@ def _llama(vocab: int) -> nn.Module:
     return LlamaForCausalLM(config)
 
 
+def _mamba(vocab: int) -> nn.Module:
+    from transformers import MambaConfig, MambaForCausalLM
+
+    config = MambaConfig(vocab_size=vocab, hidden_size=64, state_size=16, num_hidden_layers=2, expand=2,
+                         conv_kernel=4, pad_token_id=0)
+    return MambaForCausalLM(config)
+
+
 def _mixtral(vocab: int) -> nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -375,6 +387,7 @@ PROBLEMS: dict[str, tuple[Callable[[int], nn.Module], int, tuple[int, ...], bool
     "gpt2-untied-50000": (_gpt2_untied, 50000, (2, 128), False, False),
     "llama-5000": (_llama, 5000, (4, 32), False, False),
     "mixtral-5000": (_mixtral, 5000, (4, 32), False, False),
+    "mamba-5000": (_mamba, 5000, (4, 32), False, False),
     "bart-5000": (_bart, 5000, (4, 32), False, False),
     "t5-5000": (_t5, 5000, (4, 32), False, False),
     "opt-5000": (_opt, 5000, (4, 32), False, False),
@@ -402,8 +415,8 @@ SEQUENCE_CLASSIFIERS = ("lstm-10", "gru-10", "albert-10", "transformer-10", "tra
 #: recurrent, shared, weight-standardized, self-padded or weight-normalized weights took before their rules.
 GENERIC_TIMED = (*SEQUENCE_CLASSIFIERS, "bit-10", "nfnet-10", "tf-efficientnet-10", "tv-vit-10", "wav2vec2-10")
 SEQUENCE_VOCABULARY = 2000
-LANGUAGE_MODELS = ("gpt2-5000", "gpt2-untied-50000", "llama-5000", "mixtral-5000", "bart-5000", "t5-5000",
-                   "opt-5000")
+LANGUAGE_MODELS = ("gpt2-5000", "gpt2-untied-50000", "llama-5000", "mixtral-5000", "mamba-5000", "bart-5000",
+                   "t5-5000", "opt-5000")
 #: The language models timed with one signal per token too (the "per token" column).
 PER_TOKEN_TIMED = ("gpt2-5000",)
 

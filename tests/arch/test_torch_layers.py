@@ -749,7 +749,7 @@ def test_dense_weights_handed_to_multi_head_attention_are_recorded_there(masks):
 
 
 @pytest.mark.parametrize("how, reason", [
-    ("matmul", "not used through one F.linear call"),
+    ("matmul", "not used through one F.linear call or product W @ x"),
     ("twice", "module called 0 times per forward"),  # its weight used twice: never recorded
 ])
 def test_dense_weight_applied_otherwise_takes_the_generic_path(how, reason):
@@ -759,6 +759,122 @@ def test_dense_weight_applied_otherwise_takes_the_generic_path(how, reason):
     details = normflat.analyze(model, data, progress=False, estimator="ggn").layer("qkv").details
     assert details["path"] == "generic" and reason in details["generic_reason"], details
     _check_ggn(model, data)
+
+
+class AppliedItself(nn.Module):
+    """transformers' Mamba mixer, reduced: a depthwise causal ``nn.Conv1d`` the model never calls,
+    applied by ``F.conv1d`` on a view of its weight (``weight.squeeze(1).unsqueeze(1)``) with the
+    module's padding and groups, its first ``T`` positions kept; a dense ``proj`` never called,
+    applied as ``proj.weight @ h`` on ``(n, D, T)`` with its bias added after (Mamba's ``dt_proj``);
+    relus after both, so their output units can be rescaled. ``how``: ``functional``; ``padding``,
+    the convolution called with another padding than its module's; ``transposed``, the product
+    written ``(hᵀ @ Wᵀ)ᵀ``."""
+
+    def __init__(self, how="functional"):
+        super().__init__()
+        self.how = how
+        self.emb = nn.Embedding(V, D)
+        self.conv = nn.Conv1d(D, D, 3, groups=D, padding=2)
+        self.proj = nn.Linear(D, D)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, ids):
+        h = self.emb(ids).transpose(1, 2)  # (n, D, T)
+        padding = 1 if self.how == "padding" else 2
+        h = F.conv1d(h, self.conv.weight.squeeze(1).unsqueeze(1), self.conv.bias, padding=padding, groups=D)
+        h = torch.relu(h[..., :ids.shape[1]])
+        if self.how == "transposed":
+            p = (h.transpose(1, 2) @ self.proj.weight.T).transpose(1, 2)
+        else:
+            p = self.proj.weight @ h
+        return self.head(torch.relu(p + self.proj.bias[:, None]).mean(-1))
+
+
+class ImageAppliedItself(nn.Module):
+    """A 2-D convolution the model never calls, applied by ``F.conv2d`` on its own weight with the
+    module's stride and padding (keywords), a relu, a head on the flattened maps."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, stride=2, padding=1)
+        self.head = nn.Linear(3 * 9, C)
+
+    def forward(self, x):  # (n, 2, 6, 6)
+        h = F.conv2d(x, weight=self.conv.weight, bias=self.conv.bias, stride=2, padding=(1, 1))
+        return self.head(torch.relu(h).flatten(1))
+
+
+def _image_data():
+    g = torch.Generator().manual_seed(8)
+    return [(torch.randn(N, 2, 6, 6, generator=g, dtype=DT), _labels(N)),
+            (torch.randn(2, 2, 6, 6, generator=g, dtype=DT), _labels(2, seed=9))]
+
+
+@pytest.mark.parametrize("build", ["tokens", "image"])
+def test_weights_the_model_applies_itself_are_recorded_where_applied(build):
+    """Dense and convolution weights whose modules the model never calls, applied by the model itself
+    (``F.conv1d`` on a view of the weight, ``W @ x``, ``F.conv2d`` with keywords; transformers' Mamba):
+    recorded at those calls, their modules' rules (method §6.1, "Weights the model applies itself");
+    the same diagonal as brute force and the generic path, over batches of two sizes."""
+    if build == "tokens":
+        model = _init(AppliedItself())
+        data = [(_ids(N, T), _labels(N)), (_ids(2, T, seed=5), _labels(2, seed=6))]
+    else:
+        model, data = _init(ImageAppliedItself()), _image_data()
+    report = normflat.analyze(model, data, progress=False, estimator="ggn")
+    assert all(layer.details["path"] == "fast" for layer in report.layers), [lr.details for lr in report.layers]
+    got = _check_ggn(model, data)
+    _close(got, normflat.hessian_diagonal(model, data, estimator="ggn", progress=False, fast=False))
+
+
+@pytest.mark.parametrize("how, layer, reason", [
+    ("padding", "conv", "not used through one functional convolution with the module's stride, padding"),
+    ("transposed", "proj", "not used through one F.linear call or product W @ x"),
+])
+def test_weights_applied_otherwise_than_their_module_take_the_generic_path(how, layer, reason):
+    """A convolution applied with another padding than its module's (its rule reads the module's), or
+    a dense weight multiplied from the right: the generic path with the reason, exact."""
+    model = _init(AppliedItself(how))
+    data = [(_ids(N, T), _labels(N))]
+    details = normflat.analyze(model, data, progress=False, estimator="ggn").layer(layer).details
+    assert details["path"] == "generic" and reason in details["generic_reason"], details
+    _check_ggn(model, data)
+
+
+@pytest.mark.parametrize("build", ["tokens", "image"])
+def test_weights_the_model_applies_itself_rescaling_invariance(build):
+    """The output units of the weights applied by the model itself times positive factors, the next
+    layer's matching inputs divided by them (relus between): the depthwise convolution's channels
+    against ``proj``'s columns, ``proj``'s rows against the head's columns; the 2-D convolution's
+    channels against the head's columns of their maps. The function, the fast paths and every
+    layer's normalized sharpness stay, the rescaled layers' traces move (method §8)."""
+    g = torch.Generator().manual_seed(10)
+    if build == "tokens":
+        model, data = _init(AppliedItself()), [(_ids(N, T), _labels(N))]
+        other = copy.deepcopy(model)
+        a, b = (torch.exp(torch.randn(D, generator=g, dtype=DT)) for _ in range(2))
+        with torch.no_grad():
+            other.conv.weight.mul_(a[:, None, None]), other.conv.bias.mul_(a)
+            other.proj.weight.div_(a[None, :]).mul_(b[:, None]), other.proj.bias.mul_(b)
+            other.head.weight.div_(b[None, :])
+        moved = ("conv", "proj", "head")
+    else:
+        model, data = _init(ImageAppliedItself()), _image_data()[:1]
+        other = copy.deepcopy(model)
+        a = torch.exp(torch.randn(3, generator=g, dtype=DT))
+        with torch.no_grad():
+            other.conv.weight.mul_(a[:, None, None, None]), other.conv.bias.mul_(a)
+            other.head.weight.div_(a.repeat_interleave(9)[None, :])
+        moved = ("conv", "head")
+    torch.testing.assert_close(other(data[0][0]), model(data[0][0]), rtol=1e-12, atol=1e-13)
+    before = normflat.analyze(model, data, loss="ce", estimator="ggn", progress=False)
+    after = normflat.analyze(other, data, loss="ce", estimator="ggn", progress=False)
+    assert {layer.details["path"] for layer in (*before.layers, *after.layers)} == {"fast"}
+    for lb, la in zip(before.layers, after.layers):
+        assert la.normalized_sharpness == pytest.approx(lb.normalized_sharpness, rel=1e-8), lb.name
+    for name in moved:
+        tb, ta = before.layer(name).hessian_trace, after.layer(name).hessian_trace
+        assert abs(ta - tb) > 1e-3 * abs(tb), name
 
 
 @pytest.mark.parametrize("how, reason", [

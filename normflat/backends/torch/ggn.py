@@ -1148,9 +1148,11 @@ class Capture:
         #: with the module's ``padding_idx``.
         self._lookups = {id(layer.param): layer.module.padding_idx for layer in inside
                          if layer.ext.ggn_squares is recorded_lookup_squares}
-        #: ``id(weight) -> key`` of the dense layers whose module the model never calls, recorded at
-        #: their weight's ``F.linear`` call (:meth:`watch_linear`, :class:`FunctionalTaps`).
-        self._linears: dict[int, int] = {}
+        #: ``id(weight) -> key`` of the dense and convolution layers whose module the model never calls,
+        #: recorded where it applies their weight itself (:meth:`watch_functional`, :class:`FunctionalTaps`),
+        #: and their modules (a convolution's call must be the module's).
+        self._functional: dict[int, int] = {}
+        self._functional_modules: dict[int, nn.Module] = {}
         #: The weights of ``nn.MultiheadAttention``'s projections, recorded where
         #: ``F.multi_head_attention_forward`` applies them (:class:`FunctionalTaps`).
         self._attention = {id(layer.param) for layer in inside if layer.ext.ggn_squares is attention_squares}
@@ -1161,19 +1163,22 @@ class Capture:
     def taps(self) -> dict[int, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]] | None:
         """The recorders of the layers recorded where their weight is applied, by ``id(weight)``
         (:meth:`recording`): ``None`` when there are none or the capture is off."""
-        if not (self._recorded or self._linears) or not self.active or threading.get_ident() != self._thread:
+        if not (self._recorded or self._functional) or not self.active or threading.get_ident() != self._thread:
             return None
-        return {weight: self._recorder(key) for weight, key in (*self._recorded.items(), *self._linears.items())}
+        return {weight: self._recorder(key) for weight, key in (*self._recorded.items(), *self._functional.items())}
 
-    def watch_linear(self, layer: Any) -> None:
-        """Record a dense layer at its weight's ``F.linear`` call from the next forward on (its module
-        is never called: the model applies the weight functionally), or where
-        ``F.multi_head_attention_forward`` is handed it as a projection (:func:`recorded_attention`)."""
-        self._linears[id(layer.param)] = id(layer)
+    def watch_functional(self, layer: Any) -> None:
+        """Record a layer whose module is never called (the model applies the weight itself) from the
+        next forward on, where its weight is applied (:class:`FunctionalTaps`): a dense weight at its
+        ``F.linear`` call, its product ``W @ x``, or where ``F.multi_head_attention_forward`` is handed
+        it as a projection (:func:`recorded_attention`); a convolution's at its ``F.conv1d``,
+        ``F.conv2d`` or ``F.conv3d`` call with the module's stride, padding, dilation and groups."""
+        self._functional[id(layer.param)] = id(layer)
+        self._functional_modules[id(layer.param)] = layer.module
 
     def watches(self, layer: Any) -> bool:
-        """Whether :meth:`watch_linear` was called for ``layer``."""
-        return id(layer.param) in self._linears
+        """Whether :meth:`watch_functional` was called for ``layer``."""
+        return id(layer.param) in self._functional
 
     def _recorder(self, key: int) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
         def record(a: torch.Tensor, output: torch.Tensor, uses: int) -> torch.Tensor:
@@ -1214,7 +1219,7 @@ class Capture:
     def recording(self) -> Iterator[None]:
         """The forward's recorders of the layers whose hook does not see them: the plain
         recurrence's (:func:`~normflat.backends.torch.compat.recurrent_taps`), the lookups of
-        embeddings with their own forward and the functional ``F.linear`` calls
+        embeddings with their own forward and the weights the model applies itself
         (:class:`FunctionalTaps`); nothing when there are none."""
         taps = self.taps()
         if taps is None:
@@ -1223,12 +1228,12 @@ class Capture:
         with contextlib.ExitStack() as stack:
             if self._recorded:
                 stack.enter_context(compat.recurrent_taps(taps))
-            if self._lookups or self._linears or self._attention:
+            if self._lookups or self._functional or self._attention:
                 # A dense weight the model applies functionally may also be a projection handed to
                 # F.multi_head_attention_forward (WavLM's q_proj, k_proj, v_proj, out_proj).
-                stack.enter_context(FunctionalTaps({w: taps[w] for w in self._lookups}, self._lookups,
-                                                   {w: taps[w] for w in self._linears},
-                                                   {w: taps[w] for w in (*self._attention, *self._linears)}))
+                functional = {w: (taps[w], self._functional_modules[w]) for w in self._functional}
+                stack.enter_context(FunctionalTaps({w: taps[w] for w in self._lookups}, self._lookups, functional,
+                                                   {w: taps[w] for w in (*self._attention, *self._functional)}))
             yield
 
     def repeat(self, key: int, keys: list[int]) -> None:
@@ -1479,7 +1484,13 @@ class FunctionalTaps(torch.overrides.TorchFunctionMode):
       computes its ids inside (OPT's positions from the attention mask): ``lookups``;
     * the ``F.linear`` call on the weight of an ``nn.Linear`` the model never calls, using the
       weight itself (timm's BEiT and EVA attention: ``F.linear(x, weight=self.qkv.weight,
-      bias=torch.cat(...))``): ``linears``;
+      bias=torch.cat(...))``), or its product ``W @ x`` with a batch-first ``x`` ``(n, ..., in, L)``
+      (transformers' Mamba: ``self.dt_proj.weight @ time_step.transpose(1, 2)``), recorded as
+      ``F.linear`` on ``xᵀ``; and the ``F.conv1d`` / ``F.conv2d`` / ``F.conv3d`` call on the weight of an
+      ``nn.ConvNd`` the model never calls, with the module's stride, padding, dilation and groups
+      (Mamba's causal convolution: ``F.conv1d(x, self.conv1d.weight.squeeze(1).unsqueeze(1), ...)``):
+      ``functional``, by ``id(weight)`` with the module. The weight may be handed as a view of itself
+      with its shape and layout (the same numbers; its gradient is the weight's);
     * the projections of ``nn.MultiheadAttention``, which ``F.multi_head_attention_forward`` applies
       inside, where a mode does not see them: that call is evaluated by :func:`recorded_attention`
       (the same value), ``attention``.
@@ -1494,12 +1505,26 @@ class FunctionalTaps(torch.overrides.TorchFunctionMode):
 
     def __init__(self, lookups: dict[int, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]],
                  padding: dict[int, int | None],
-                 linears: dict[int, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]],
+                 functional: dict[int, tuple[Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], nn.Module]],
                  attention: dict[int, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]] | None = None
                  ) -> None:
         super().__init__()
-        self.lookups, self.padding, self.linears = lookups, padding, linears
+        self.lookups, self.padding, self.functional = lookups, padding, functional
         self.attention = attention or {}
+
+    def _watched(self, weight: Any, kind: type) -> tuple[Callable, nn.Module] | None:
+        """The callback and module of a watched weight of module type ``kind`` handed to a call: the
+        weight itself, or a view of it with its shape, data and strides (``squeeze(1).unsqueeze(1)``:
+        the same tensor, whose gradient is the weight's)."""
+        if not isinstance(weight, torch.Tensor):
+            return None
+        found = self.functional.get(id(weight))
+        base = weight._base
+        if found is None and base is not None and id(base) in self.functional:
+            same = (weight.shape == base.shape and weight.data_ptr() == base.data_ptr()
+                    and all(a == b for a, b, size in zip(weight.stride(), base.stride(), base.shape) if size > 1))
+            found = self.functional[id(base)] if same else None
+        return found if found is not None and isinstance(found[1], kind) else None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -1509,17 +1534,53 @@ class FunctionalTaps(torch.overrides.TorchFunctionMode):
             if callback is not None and _plain_lookup(args, kwargs, self.padding[id(weight)], int(weight.shape[0])):
                 ids = args[0] if args else kwargs["input"]
                 return callback(ids, func(*args, **kwargs), 1).clone()
-        elif func is F.linear and self.linears:
-            weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            callback = self.linears.get(id(weight))
-            if callback is not None:
+        elif func is F.linear and self.functional:
+            watched = self._watched(args[1] if len(args) > 1 else kwargs.get("weight"), nn.Linear)
+            if watched is not None:
                 x = args[0] if args else kwargs["input"]
-                return callback(x, func(*args, **kwargs), 1).clone()
+                return watched[0](x, func(*args, **kwargs), 1).clone()
+        elif func in _MATMULS and self.functional and len(args) == 2 and not kwargs:
+            watched = self._watched(args[0], nn.Linear)
+            x = args[1]
+            if watched is not None and isinstance(x, torch.Tensor) and x.dim() >= 3 and args[0].dim() == 2:
+                # W @ x is F.linear(xᵀ, W)ᵀ: recorded on the positions' rows, batch first; the model
+                # goes on with the transposed view of the recorded output, the same numbers.
+                out = func(*args)
+                return watched[0](x.transpose(-1, -2), out.transpose(-1, -2), 1).transpose(-1, -2).clone()
+        elif func in _CONVOLUTIONS and self.functional:
+            call = dict(zip(_CONVOLUTION_PARAMETERS, args))
+            call.update(kwargs)
+            watched = self._watched(call.get("weight"), _CONVOLUTIONS[func])
+            if watched is not None and _module_convolution(watched[1], call):
+                return watched[0](call["input"], func(*args, **kwargs), 1).clone()
         elif func is F.multi_head_attention_forward and self.attention:
             out = recorded_attention(args, kwargs, self.attention)
             if out is not None:
                 return out
         return func(*args, **kwargs)
+
+
+#: The products ``W @ x`` of a dense weight the model applies itself (:class:`FunctionalTaps`).
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+#: The functional convolutions and the module each stands for; their parameters, in order.
+_CONVOLUTIONS = {F.conv1d: nn.Conv1d, F.conv2d: nn.Conv2d, F.conv3d: nn.Conv3d}
+_CONVOLUTION_PARAMETERS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+
+
+def _module_convolution(module: nn.Module, call: dict) -> bool:
+    """Whether a functional convolution call is ``module``'s own (what its rule reads from it): its
+    stride, padding, dilation and groups, and zeros padding."""
+    if module.padding_mode != "zeros":  # the module pads by itself first, then convolves unpadded
+        return False
+    d = len(module.kernel_size)
+
+    def given(name: str, default: Any) -> Any:
+        value = call.get(name, default)
+        return value if isinstance(value, str) else tuple(value) if isinstance(value, (tuple, list)) else (value,) * d
+
+    return (given("stride", 1) == tuple(module.stride) and given("dilation", 1) == tuple(module.dilation)
+            and int(call.get("groups", 1)) == module.groups
+            and given("padding", 0) == (module.padding if isinstance(module.padding, str) else tuple(module.padding)))
 
 
 #: ``F.multi_head_attention_forward``'s parameters, in order.

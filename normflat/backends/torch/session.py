@@ -62,6 +62,10 @@ PROBE_ROWS = 2
 #: The torch backend's own options (``distributed`` is taken by the package entry points).
 BACKEND_OPTIONS = ("force", "max_exact_params", "chunk_size", "memory_budget", "exact_chunk", "probe_chunk",
                    "fast", "distributed")
+#: The rules of layers whose module the model may never call, applying the weight itself, recorded
+#: where it does (:class:`~normflat.backends.torch.ggn.FunctionalTaps`), with the modules they take.
+_APPLIED_FUNCTIONALLY = {ggn_kernels.linear_squares: nn.Linear,
+                         ggn_kernels.conv_squares: (nn.Conv1d, nn.Conv2d, nn.Conv3d)}
 
 _XP = array_api_compat.array_namespace(torch.empty(0))
 
@@ -923,15 +927,20 @@ class TorchSession:
                 layer.idle = [layer, *layer.tied]
                 layer.spec.extra["unused"] = UNUSED_NOTE
                 continue
-            if (calls == [0] and not layer.tied and layer.ext.ggn_squares is ggn_kernels.linear_squares
+            if (calls == [0] and not layer.tied and layer.ext.ggn_squares in _APPLIED_FUNCTIONALLY
+                    and isinstance(layer.module, _APPLIED_FUNCTIONALLY[layer.ext.ggn_squares])
                     and uses[id(layer.param)] == 1 and not cap.watches(layer)):
-                # A dense weight the model applies functionally, its module never called (timm's BEiT:
-                # F.linear(x, weight=self.qkv.weight, bias=...)): recorded at that call from the next
-                # forward on, which is checked again.
-                cap.watch_linear(layer)
+                # A dense or convolution weight the model applies itself, its module never called (timm's
+                # BEiT: F.linear(x, weight=self.qkv.weight, bias=...); transformers' Mamba: F.conv1d on a
+                # view of conv1d.weight, dt_proj.weight @ x): recorded at that call from the next forward
+                # on, which is checked again.
+                cap.watch_functional(layer)
                 again = True
             elif calls == [0] and cap.watches(layer):
-                why = "module called 0 times per forward, and its weight is not used through one F.linear call"
+                why = ("module called 0 times per forward, and its weight is not used through one F.linear call "
+                       "or product W @ x" if isinstance(layer.module, nn.Linear) else
+                       "module called 0 times per forward, and its weight is not used through one functional "
+                       "convolution with the module's stride, padding, dilation and groups")
                 again = self._follow_weight(layer, uses, why) or again
             elif calls == [0] and layer.ext.ggn_squares is ggn_kernels.recorded_lookup_squares:
                 layer.disable_fast(f"{type(layer.module).__name__} overrides the forward of Embedding and does not "
