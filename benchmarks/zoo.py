@@ -178,6 +178,34 @@ def hf_models() -> dict[str, Callable[[], tuple[Any, Callable[[int], Any]]]]:
                           causal),
         "mamba": lambda: (T.MambaForCausalLM(T.MambaConfig(vocab_size=101, hidden_size=16, state_size=4,
                                                            num_hidden_layers=2, expand=2, conv_kernel=3)), causal),
+        # Hybrid language models whose mixers convolve with their nn.Conv1d's weight themselves.
+        "mamba2": lambda: (T.Mamba2ForCausalLM(T.Mamba2Config(vocab_size=101, hidden_size=16, state_size=4,
+                                                              num_hidden_layers=2, expand=2, conv_kernel=3,
+                                                              num_heads=4, head_dim=8, n_groups=1, chunk_size=4)),
+                           causal),
+        "falcon-mamba": lambda: (T.FalconMambaForCausalLM(T.FalconMambaConfig(
+            vocab_size=101, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=3)), causal),
+        "jamba": lambda: (T.JambaForCausalLM(T.JambaConfig(
+            **small, num_key_value_heads=1, num_experts=2, expert_layer_period=2, expert_layer_offset=1,
+            attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4, mamba_d_conv=3, mamba_expand=2,
+            use_mamba_kernels=False)), causal),
+        "bamba": lambda: (T.BambaForCausalLM(T.BambaConfig(
+            **small, num_key_value_heads=1, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=4,
+            mamba_d_conv=3, mamba_expand=2, mamba_chunk_size=4, attn_layer_indices=[1])), causal),
+        "qwen3-next": lambda: (T.Qwen3NextForCausalLM(T.Qwen3NextConfig(
+            **small, num_key_value_heads=1, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2,
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=3, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+            layer_types=["linear_attention", "full_attention"])), causal),
+        "lfm2": lambda: (T.Lfm2ForCausalLM(T.Lfm2Config(
+            vocab_size=101, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, conv_L_cache=3, layer_types=["conv", "full_attention"],
+            max_position_embeddings=32)), causal),
+        "zamba2": lambda: (T.Zamba2ForCausalLM(T.Zamba2Config(
+            vocab_size=101, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+            mamba_d_state=4, mamba_d_conv=3, mamba_expand=2, mamba_headdim=8, mamba_ngroups=1, n_mamba_heads=4,
+            chunk_size=4, layers_block_type=["mamba", "hybrid"], hybrid_layer_ids=[1], max_position_embeddings=32,
+            attention_head_dim=8, intermediate_size=32)), causal),
         "recurrent-gemma": lambda: (T.RecurrentGemmaForCausalLM(T.RecurrentGemmaConfig(
             vocab_size=101, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, lru_width=16, attention_window_size=8, conv1d_width=3, head_dim=8,

@@ -1003,6 +1003,59 @@ def test_mamba_is_covered_with_its_state_decay_rates_excluded():
     assert_close(got, want, rtol=1e-6)
 
 
+def _hybrid_language_model(name: str) -> torch.nn.Module:
+    """Two-layer hybrid language models whose mixers convolve with their ``nn.Conv1d``'s weight
+    themselves: Mamba-2 (the chunked state-space duality), Qwen3-Next (a gated delta net, then full
+    attention), LFM2 (a gated short convolution, then attention)."""
+    torch.manual_seed(0)
+    if name == "mamba2":
+        config = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=HIDDEN, state_size=4, num_hidden_layers=2,
+                                           expand=2, conv_kernel=3, num_heads=4, head_dim=4, n_groups=1,
+                                           chunk_size=4, pad_token_id=0)
+        model = transformers.Mamba2ForCausalLM(config)
+    elif name == "qwen3-next":
+        config = transformers.Qwen3NextConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=4, intermediate_size=16, linear_num_value_heads=2, linear_num_key_heads=2,
+            linear_key_head_dim=4, linear_value_head_dim=4, linear_conv_kernel_dim=3, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=8,
+            layer_types=["linear_attention", "full_attention"], max_position_embeddings=32, pad_token_id=0,
+            mlp_only_layers=[0, 1])  # dense MLPs: the experts' rules are tests/arch/test_huggingface_moe.py's
+        model = transformers.Qwen3NextForCausalLM(config)
+    else:
+        config = transformers.Lfm2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=16,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         conv_L_cache=3, layer_types=["conv", "full_attention"],
+                                         max_position_embeddings=32, pad_token_id=0)
+        model = transformers.Lfm2ForCausalLM(config)
+    return model.double().eval()
+
+
+@pytest.mark.parametrize("name, conv", [("mamba2", "backbone.layers.0.mixer.conv1d"),
+                                        ("qwen3-next", "model.layers.0.linear_attn.conv1d"),
+                                        ("lfm2", "model.layers.0.conv.conv")])
+def test_hybrid_language_models_convolutions_are_recorded_where_applied(name, conv):
+    """The causal convolutions of hybrid language models, applied by their mixers with ``F.conv1d`` on a
+    view of the module's weight (transformers' reference kernels), take the convolution's fast rule,
+    recorded at that call (method §6.1, "Weights the model applies itself"; before, the generic path):
+    coverage 1, every layer fast, and the diagonals the brute-force ones with the labels shifted."""
+    import warnings
+
+    model = _hybrid_language_model(name)
+    with warnings.catch_warnings():  # transformers' notices that its reference kernels are slow
+        warnings.simplefilter("ignore")
+        report = analyze_quietly(model, lm_loader())
+        got = normflat.hessian_diagonal(model, lm_loader(), estimator="ggn", progress=False)
+        layers = [layer.name for layer in report.layers]
+        want = canonical_reference(model, _looped_lm_ggn(model, lm_loader(), [param_of(model, n) for n in layers]),
+                                   layers)
+    assert report.metadata["coverage"] == 1.0 and conv in layers
+    assert {layer.details["path"] for layer in report.layers} == {"fast"}, [lr.details for lr in report.layers]
+    # transformers computes parts of these float64 models in float32 (Mamba-2 returns its logits in
+    # float32): every layer agrees to 1.5e-7 of its largest entry, float32's accuracy.
+    assert_close(got, want, rtol=1e-6)
+
+
 def test_recurrent_gemma_gates_are_analyzed_as_block_diagonal_maps():
     """RecurrentGemma's RG-LRU applies its input and recurrence gates itself (``torch.baddbmm`` per head,
     ``(heads, in, out)``): each is one block-diagonal matrix ``(heads·out, in)`` with one group per head
