@@ -659,8 +659,8 @@ def test_embedding_with_its_own_forward_takes_the_recorded_lookup(how):
 class FunctionalQKV(nn.Module):
     """timm's BEiT attention: the packed projection's module is never called; its weight enters
     through ``F.linear`` with a bias put together from separate query and value biases. ``how``:
-    ``keyword`` (``weight=`` given by name, as timm does), ``positional``, ``matmul`` (``x @ W.T``:
-    no ``F.linear`` to record), ``twice`` (two ``F.linear`` calls on the weight)."""
+    ``keyword`` (``weight=`` given by name, as timm does), ``positional``, ``matmul`` (``x @ W.T``),
+    ``einsum`` (no call to record), ``twice`` (two ``F.linear`` calls on the weight)."""
 
     def __init__(self, how="keyword"):
         super().__init__()
@@ -680,6 +680,8 @@ class FunctionalQKV(nn.Module):
             qkv = F.linear(x, self.qkv.weight, bias)
         elif self.how == "matmul":
             qkv = x @ self.qkv.weight.T + bias
+        elif self.how == "einsum":
+            qkv = torch.einsum("ntd,ed->nte", x, self.qkv.weight) + bias
         else:
             qkv = F.linear(x, self.qkv.weight, bias) + F.linear(x.flip(1), self.qkv.weight)
         q, k, v = qkv.chunk(3, -1)
@@ -687,11 +689,11 @@ class FunctionalQKV(nn.Module):
         return self.head(torch.tanh(att @ v))
 
 
-@pytest.mark.parametrize("how", ["keyword", "positional"])
+@pytest.mark.parametrize("how", ["keyword", "positional", "matmul"])
 def test_dense_weight_applied_through_f_linear_is_recorded_there(how):
     """A dense layer whose module the model never calls, its weight applied by one ``F.linear``
-    call (timm's BEiT and EVA attention): recorded at that call, ``nn.Linear``'s rule; the same
-    diagonal as brute force and the generic path."""
+    call (timm's BEiT and EVA attention) or ``x @ W.T``: recorded at that call, ``nn.Linear``'s rule;
+    the same diagonal as brute force and the generic path."""
     model = _init(FunctionalQKV(how))
     data = [(_ids(N, T), _labels(N, T)), (_ids(2, T, seed=5), _labels(2, T, seed=6))]
     report = normflat.analyze(model, data, progress=False, estimator="ggn")
@@ -749,11 +751,11 @@ def test_dense_weights_handed_to_multi_head_attention_are_recorded_there(masks):
 
 
 @pytest.mark.parametrize("how, reason", [
-    ("matmul", "not used through one F.linear call or product W @ x"),
+    ("einsum", "not used through one F.linear call or product W @ x or x @ W.T"),
     ("twice", "module called 0 times per forward"),  # its weight used twice: never recorded
 ])
 def test_dense_weight_applied_otherwise_takes_the_generic_path(how, reason):
-    """``x @ W.T`` (no ``F.linear`` to record) or two ``F.linear`` calls: the generic path, exact."""
+    """An einsum (no call to record) or two ``F.linear`` calls: the generic path, exact."""
     model = _init(FunctionalQKV(how))
     data = [(_ids(N, T), _labels(N, T))]
     details = normflat.analyze(model, data, progress=False, estimator="ggn").layer("qkv").details
@@ -766,9 +768,9 @@ class AppliedItself(nn.Module):
     applied by ``F.conv1d`` on a view of its weight (``weight.squeeze(1).unsqueeze(1)``) with the
     module's padding and groups, its first ``T`` positions kept; a dense ``proj`` never called,
     applied as ``proj.weight @ h`` on ``(n, D, T)`` with its bias added after (Mamba's ``dt_proj``);
-    relus after both, so their output units can be rescaled. ``how``: ``functional``; ``padding``,
-    the convolution called with another padding than its module's; ``transposed``, the product
-    written ``(hᵀ @ Wᵀ)ᵀ``."""
+    relus after both, so their output units can be rescaled. ``how``: ``functional``; ``transposed``,
+    the product written ``(hᵀ @ Wᵀ)ᵀ``; ``padding``, the convolution called with another padding than
+    its module's; ``einsum``, the product by ``torch.einsum``."""
 
     def __init__(self, how="functional"):
         super().__init__()
@@ -785,6 +787,8 @@ class AppliedItself(nn.Module):
         h = torch.relu(h[..., :ids.shape[1]])
         if self.how == "transposed":
             p = (h.transpose(1, 2) @ self.proj.weight.T).transpose(1, 2)
+        elif self.how == "einsum":
+            p = torch.einsum("oi,nil->nol", self.proj.weight, h)
         else:
             p = self.proj.weight @ h
         return self.head(torch.relu(p + self.proj.bias[:, None]).mean(-1))
@@ -810,14 +814,15 @@ def _image_data():
             (torch.randn(2, 2, 6, 6, generator=g, dtype=DT), _labels(2, seed=9))]
 
 
-@pytest.mark.parametrize("build", ["tokens", "image"])
+@pytest.mark.parametrize("build", ["tokens", "transposed", "image"])
 def test_weights_the_model_applies_itself_are_recorded_where_applied(build):
     """Dense and convolution weights whose modules the model never calls, applied by the model itself
-    (``F.conv1d`` on a view of the weight, ``W @ x``, ``F.conv2d`` with keywords; transformers' Mamba):
+    (``F.conv1d`` on a view of the weight, ``W @ x`` or ``x @ W.T``, ``F.conv2d`` with keywords;
+    transformers' Mamba):
     recorded at those calls, their modules' rules (method §6.1, "Weights the model applies itself");
     the same diagonal as brute force and the generic path, over batches of two sizes."""
-    if build == "tokens":
-        model = _init(AppliedItself())
+    if build != "image":
+        model = _init(AppliedItself("functional" if build == "tokens" else build))
         data = [(_ids(N, T), _labels(N)), (_ids(2, T, seed=5), _labels(2, seed=6))]
     else:
         model, data = _init(ImageAppliedItself()), _image_data()
@@ -829,11 +834,11 @@ def test_weights_the_model_applies_itself_are_recorded_where_applied(build):
 
 @pytest.mark.parametrize("how, layer, reason", [
     ("padding", "conv", "not used through one functional convolution with the module's stride, padding"),
-    ("transposed", "proj", "not used through one F.linear call or product W @ x"),
+    ("einsum", "proj", "not used through one F.linear call or product W @ x or x @ W.T"),
 ])
 def test_weights_applied_otherwise_than_their_module_take_the_generic_path(how, layer, reason):
     """A convolution applied with another padding than its module's (its rule reads the module's), or
-    a dense weight multiplied from the right: the generic path with the reason, exact."""
+    a dense weight applied by an einsum: the generic path with the reason, exact."""
     model = _init(AppliedItself(how))
     data = [(_ids(N, T), _labels(N))]
     details = normflat.analyze(model, data, progress=False, estimator="ggn").layer(layer).details

@@ -1170,7 +1170,7 @@ class Capture:
     def watch_functional(self, layer: Any) -> None:
         """Record a layer whose module is never called (the model applies the weight itself) from the
         next forward on, where its weight is applied (:class:`FunctionalTaps`): a dense weight at its
-        ``F.linear`` call, its product ``W @ x``, or where ``F.multi_head_attention_forward`` is handed
+        ``F.linear`` call, its products ``W @ x`` and ``x @ W.T``, or where ``F.multi_head_attention_forward`` is handed
         it as a projection (:func:`recorded_attention`); a convolution's at its ``F.conv1d``,
         ``F.conv2d`` or ``F.conv3d`` call with the module's stride, padding, dilation and groups."""
         self._functional[id(layer.param)] = id(layer)
@@ -1484,9 +1484,9 @@ class FunctionalTaps(torch.overrides.TorchFunctionMode):
       computes its ids inside (OPT's positions from the attention mask): ``lookups``;
     * the ``F.linear`` call on the weight of an ``nn.Linear`` the model never calls, using the
       weight itself (timm's BEiT and EVA attention: ``F.linear(x, weight=self.qkv.weight,
-      bias=torch.cat(...))``), or its product ``W @ x`` with a batch-first ``x`` ``(n, ..., in, L)``
+      bias=torch.cat(...))``), its product ``W @ x`` with a batch-first ``x`` ``(n, ..., in, L)``
       (transformers' Mamba: ``self.dt_proj.weight @ time_step.transpose(1, 2)``), recorded as
-      ``F.linear`` on ``xᵀ``; and the ``F.conv1d`` / ``F.conv2d`` / ``F.conv3d`` call on the weight of an
+      ``F.linear`` on ``xᵀ``, or ``x @ W.T`` with a batch-first ``x`` ``(n, ..., in)``; and the ``F.conv1d`` / ``F.conv2d`` / ``F.conv3d`` call on the weight of an
       ``nn.ConvNd`` the model never calls, with the module's stride, padding, dilation and groups
       (Mamba's causal convolution: ``F.conv1d(x, self.conv1d.weight.squeeze(1).unsqueeze(1), ...)``):
       ``functional``, by ``id(weight)`` with the module. The weight may be handed as a view of itself
@@ -1512,17 +1512,20 @@ class FunctionalTaps(torch.overrides.TorchFunctionMode):
         self.lookups, self.padding, self.functional = lookups, padding, functional
         self.attention = attention or {}
 
-    def _watched(self, weight: Any, kind: type) -> tuple[Callable, nn.Module] | None:
+    def _watched(self, weight: Any, kind: type, transposed: bool = False) -> tuple[Callable, nn.Module] | None:
         """The callback and module of a watched weight of module type ``kind`` handed to a call: the
         weight itself, or a view of it with its shape, data and strides (``squeeze(1).unsqueeze(1)``:
-        the same tensor, whose gradient is the weight's)."""
+        the same tensor, whose gradient is the weight's); with ``transposed``, only its transposed view
+        ``W.T`` of a 2-D weight (the same numbers, read transposed)."""
         if not isinstance(weight, torch.Tensor):
             return None
-        found = self.functional.get(id(weight))
+        found = None if transposed else self.functional.get(id(weight))
         base = weight._base
         if found is None and base is not None and id(base) in self.functional:
-            same = (weight.shape == base.shape and weight.data_ptr() == base.data_ptr()
-                    and all(a == b for a, b, size in zip(weight.stride(), base.stride(), base.shape) if size > 1))
+            shape, stride = (base.shape, base.stride()) if not transposed else (base.shape[::-1], base.stride()[::-1])
+            same = (weight.shape == shape and weight.data_ptr() == base.data_ptr()
+                    and (not transposed or base.dim() == 2)
+                    and all(a == b for a, b, size in zip(weight.stride(), stride, shape) if size > 1))
             found = self.functional[id(base)] if same else None
         return found if found is not None and isinstance(found[1], kind) else None
 
@@ -1540,13 +1543,16 @@ class FunctionalTaps(torch.overrides.TorchFunctionMode):
                 x = args[0] if args else kwargs["input"]
                 return watched[0](x, func(*args, **kwargs), 1).clone()
         elif func in _MATMULS and self.functional and len(args) == 2 and not kwargs:
-            watched = self._watched(args[0], nn.Linear)
-            x = args[1]
-            if watched is not None and isinstance(x, torch.Tensor) and x.dim() >= 3 and args[0].dim() == 2:
+            left, x = self._watched(args[0], nn.Linear), args[1]
+            if left is not None and isinstance(x, torch.Tensor) and x.dim() >= 3 and args[0].dim() == 2:
                 # W @ x is F.linear(xᵀ, W)ᵀ: recorded on the positions' rows, batch first; the model
                 # goes on with the transposed view of the recorded output, the same numbers.
                 out = func(*args)
-                return watched[0](x.transpose(-1, -2), out.transpose(-1, -2), 1).transpose(-1, -2).clone()
+                return left[0](x.transpose(-1, -2), out.transpose(-1, -2), 1).transpose(-1, -2).clone()
+            right, x = self._watched(args[1], nn.Linear, transposed=True), args[0]
+            if right is not None and isinstance(x, torch.Tensor) and x.dim() >= 2:
+                # x @ W.T is F.linear(x, W), batch first.
+                return right[0](x, func(*args), 1).clone()
         elif func in _CONVOLUTIONS and self.functional:
             call = dict(zip(_CONVOLUTION_PARAMETERS, args))
             call.update(kwargs)

@@ -932,13 +932,13 @@ class TorchSession:
                     and uses[id(layer.param)] == 1 and not cap.watches(layer)):
                 # A dense or convolution weight the model applies itself, its module never called (timm's
                 # BEiT: F.linear(x, weight=self.qkv.weight, bias=...); transformers' Mamba: F.conv1d on a
-                # view of conv1d.weight, dt_proj.weight @ x): recorded at that call from the next forward
+                # view of conv1d.weight, dt_proj.weight @ x; x @ W.T): recorded at that call from the next forward
                 # on, which is checked again.
                 cap.watch_functional(layer)
                 again = True
             elif calls == [0] and cap.watches(layer):
                 why = ("module called 0 times per forward, and its weight is not used through one F.linear call "
-                       "or product W @ x" if isinstance(layer.module, nn.Linear) else
+                       "or product W @ x or x @ W.T" if isinstance(layer.module, nn.Linear) else
                        "module called 0 times per forward, and its weight is not used through one functional "
                        "convolution with the module's stride, padding, dilation and groups")
                 again = self._follow_weight(layer, uses, why) or again
