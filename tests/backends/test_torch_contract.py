@@ -270,8 +270,9 @@ def test_batched_backward_chosen_from_the_graph():
 
     assert decide(nn.Sequential(nn.Flatten(), nn.Linear(72, 5)), nn.ReLU(), nn.Linear(5, 3))
     assert decide(nn.Conv2d(2, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(32, 3))  # only linear ops above
-    # Convolution, pooling and tanh backward have no vmap batching rule: one backward per signal.
-    assert not decide(nn.Conv2d(2, 2, 3), nn.Conv2d(2, 2, 3), nn.Flatten(), nn.Linear(8, 3))
+    # Convolutions, SiLU and softplus (a Mamba mixer's steps) batch too.
+    assert decide(nn.Conv2d(2, 2, 3), nn.Conv2d(2, 2, 3), nn.SiLU(), nn.Softplus(), nn.Flatten(), nn.Linear(8, 3))
+    # Pooling and tanh backward are not batched: one backward per signal.
     assert not decide(nn.Conv2d(2, 2, 3), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 3))
     assert not decide(nn.Sequential(nn.Flatten(), nn.Linear(72, 5)), nn.Tanh(), nn.Linear(5, 3))
 
