@@ -968,6 +968,22 @@ def _looped_lm_ggn(model: torch.nn.Module, loader, params: list[str]) -> dict[st
     return {n: (v / terms).detach().numpy() for n, v in total.items()}
 
 
+def _analyzed_against_looped_reference(model: torch.nn.Module) -> tuple:
+    """``(report, ggn diagonal, brute-force diagonal)`` of a causal language model on :func:`lm_loader`,
+    every reported layer against :func:`_looped_lm_ggn` in the report's layouts; transformers' notices
+    that its reference kernels are slow silenced."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = analyze_quietly(model, lm_loader())
+        got = normflat.hessian_diagonal(model, lm_loader(), estimator="ggn", progress=False)
+        layers = [layer.name for layer in report.layers]
+        want = canonical_reference(model, _looped_lm_ggn(model, lm_loader(), [param_of(model, n) for n in layers]),
+                                   layers)
+    return report, got, want
+
+
 def tiny_mamba(seed: int = 0) -> torch.nn.Module:
     """A two-layer Mamba language model (selective state-space mixers, transformers' reference kernels)."""
     torch.manual_seed(seed)
@@ -984,16 +1000,7 @@ def test_mamba_is_covered_with_its_state_decay_rates_excluded():
     weight matrix"), ``D`` as a vector; coverage 1, nothing unsupported (before, each ``A_log`` was skipped
     with a warning, coverage 0.96), and the diagonals are the brute-force ones with the labels shifted (to
     float32's accuracy: transformers returns the logits in float32)."""
-    import warnings
-
-    model = tiny_mamba()
-    with warnings.catch_warnings():  # transformers' notice that its reference kernels are slow
-        warnings.simplefilter("ignore")
-        report = analyze_quietly(model, lm_loader())
-        got = normflat.hessian_diagonal(model, lm_loader(), estimator="ggn", progress=False)
-        layers = [layer.name for layer in report.layers]
-        want = canonical_reference(model, _looped_lm_ggn(model, lm_loader(), [param_of(model, n) for n in layers]),
-                                   layers)
+    report, got, want = _analyzed_against_looped_reference(tiny_mamba())
     assert report.metadata["coverage"] == 1.0
     for i in range(2):
         assert report.metadata["excluded"][f"backbone.layers.{i}.mixer.A_log"] == STATE_DECAY_REASON
@@ -1039,17 +1046,8 @@ def test_hybrid_language_models_convolutions_are_recorded_where_applied(name, co
     view of the module's weight (transformers' reference kernels), take the convolution's fast rule,
     recorded at that call (method §6.1, "Weights the model applies itself"; before, the generic path):
     coverage 1, every layer fast, and the diagonals the brute-force ones with the labels shifted."""
-    import warnings
-
-    model = _hybrid_language_model(name)
-    with warnings.catch_warnings():  # transformers' notices that its reference kernels are slow
-        warnings.simplefilter("ignore")
-        report = analyze_quietly(model, lm_loader())
-        got = normflat.hessian_diagonal(model, lm_loader(), estimator="ggn", progress=False)
-        layers = [layer.name for layer in report.layers]
-        want = canonical_reference(model, _looped_lm_ggn(model, lm_loader(), [param_of(model, n) for n in layers]),
-                                   layers)
-    assert report.metadata["coverage"] == 1.0 and conv in layers
+    report, got, want = _analyzed_against_looped_reference(_hybrid_language_model(name))
+    assert report.metadata["coverage"] == 1.0 and conv in [layer.name for layer in report.layers]
     assert {layer.details["path"] for layer in report.layers} == {"fast"}, [lr.details for lr in report.layers]
     # transformers computes parts of these float64 models in float32 (Mamba-2 returns its logits in
     # float32): every layer agrees to 1.5e-7 of its largest entry, float32's accuracy.

@@ -605,6 +605,56 @@ class EqxSpectral(eqx.Module):
         return self.head(jnp.tanh(h)), state
 
 
+def _spectral_model(api):
+    """``(model, x, y, kernels, with_kernels, logits, names, kw)``: the spectral model of ``api`` after five
+    training calls; ``kernels`` its ``(conv, fc, head)`` kernels as stored, ``with_kernels(ks)`` a copy
+    with those replaced (the power-iteration vectors as stored), ``logits(m)`` a model's evaluation
+    call on ``x`` (leaving ``m`` as it is), ``names`` the three layers as reported, ``kw`` the options
+    ``analyze`` needs (equinox's state)."""
+    y = jnp.asarray([0, 1, 2, 0, 1])
+    if api == "nnx":
+        x = _normal(21, 5, 4, 2, scale=1.0)
+        model = NnxSpectral(nnx.Rngs(3))
+        for _ in range(5):
+            model(x, update=True)
+
+        def layers(m):
+            return m.conv.layer_instance, m.fc.layer_instance, m.head
+
+        def with_kernels(ks):
+            clone = nnx.clone(model)
+            for layer, k in zip(layers(clone), ks):
+                layer.kernel = nnx.Param(k)
+            return clone
+
+        return (model, x, y, tuple(layer.kernel[...] for layer in layers(model)), with_kernels,
+                lambda m: nnx.clone(m)(x), ("conv/layer_instance", "fc/layer_instance", "head"), {})
+    if api == "linen":
+        x = _normal(21, 5, 4, 2, scale=1.0)
+        variables = LinenSpectral().init(jax.random.key(4), x)
+        for _ in range(5):
+            _, updates = LinenSpectral(update=True).apply(variables, x, mutable=["batch_stats"])
+            variables = {**variables, **updates}
+        module, params, paths = LinenSpectral(), variables["params"], ("conv/kernel", "fc/kernel", "head/kernel")
+
+        def with_kernels(ks):
+            edited = params
+            for path, k in zip(paths, ks):
+                edited = _edit(edited, path, lambda _, k=k: k)
+            return module, {**variables, "params": edited}
+
+        return ((module, variables), x, y, tuple(params[p.split("/")[0]]["kernel"] for p in paths), with_kernels,
+                lambda m: module.apply(m[1], x), ("conv", "fc", "head"), {})
+    x = _normal(21, 5, 2, 6, scale=1.0)  # channels first
+    model, state = eqx.nn.make_with_state(EqxSpectral)(jax.random.key(5))
+    for i in range(5):
+        _, state = model(x[i], state, inference=False)
+    where = lambda m: (m.conv.layer.weight, m.fc.layer.weight, m.head.weight)  # noqa: E731
+    return (model, x, y, where(model), lambda ks: eqx.tree_at(where, model, tuple(ks)),
+            lambda m: jax.vmap(lambda xi: m(xi, state)[0])(x), ("conv/layer", "fc/layer", "head"),
+            {"state": state, "vmap": True})
+
+
 @pytest.mark.parametrize("api", ["nnx", "linen", "equinox"])
 def test_spectral_norm_kernel_scale_invariance(api):
     """A spectrally normalized layer (``W = K / σ(K)``, ``σ`` from the stored power-iteration vectors,
@@ -613,97 +663,12 @@ def test_spectral_norm_kernel_scale_invariance(api):
     normalized sharpness stays and the normalized kernels' traces move (method §3 "Spectral
     normalization", §8). The kernels are analyzed (coverage 1) on the generic path, which
     differentiates the normalization."""
-    y = jnp.asarray([0, 1, 2, 0, 1])
-    kw = {}
-    if api == "nnx":
-        x = _normal(21, 5, 4, 2, scale=1.0)
-        model = NnxSpectral(nnx.Rngs(3))
-        for _ in range(5):
-            model(x, update=True)
-        twin = nnx.clone(model)
-        for layer, factor in ((twin.conv, 2.5), (twin.fc, 0.3)):
-            layer.layer_instance.kernel[...] = layer.layer_instance.kernel[...] * factor
-        apply, twin_apply = nnx.clone(model), nnx.clone(twin)
-        names = ("conv/layer_instance", "fc/layer_instance")
-    elif api == "linen":
-        x = _normal(21, 5, 4, 2, scale=1.0)
-        variables = LinenSpectral().init(jax.random.key(4), x)
-        for _ in range(5):
-            _, updates = LinenSpectral(update=True).apply(variables, x, mutable=["batch_stats"])
-            variables = {**variables, **updates}
-        params = variables["params"]
-        twin_params = _edit(_edit(params, "conv/kernel", lambda k: k * 2.5), "fc/kernel", lambda k: k * 0.3)
-        module = LinenSpectral()
-        model = (module, variables)
-        twin = (module, {**variables, "params": twin_params})
-        apply, twin_apply = (lambda x: module.apply(model[1], x)), (lambda x: module.apply(twin[1], x))
-        names = ("conv", "fc")
-    else:
-        x = _normal(21, 5, 2, 6, scale=1.0)  # channels first
-        model, state = eqx.nn.make_with_state(EqxSpectral)(jax.random.key(5))
-        for i in range(5):
-            _, state = model(x[i], state, inference=False)
-        twin = eqx.tree_at(lambda m: (m.conv.layer.weight, m.fc.layer.weight), model,
-                           (model.conv.layer.weight * 2.5, model.fc.layer.weight * 0.3))
-
-        def applied(m):
-            return lambda x: jax.vmap(lambda xi: m(xi, state)[0])(x)
-
-        apply, twin_apply, kw = applied(model), applied(twin), {"state": state, "vmap": True}
-        names = ("conv/layer", "fc/layer")
-    before, _ = assert_rescaling_invariant(model, twin, (x, y), apply, twin_apply, moved=names, generic=names, **kw)
+    model, x, y, kernels, with_kernels, logits, names, kw = _spectral_model(api)
+    twin = with_kernels((kernels[0] * 2.5, kernels[1] * 0.3, kernels[2]))
+    before, _ = assert_rescaling_invariant(model, twin, (x, y), lambda _: logits(model), lambda _: logits(twin),
+                                           moved=names[:2], generic=names[:2], **kw)
     assert before.metadata["coverage"] == 1.0 and before.metadata["unsupported"] == []
     assert {layer.name for layer in before.layers} >= set(names)
-
-
-def _spectral_model(api):
-    """``(model, x, y, kernels, logits, kw)``: the spectral model of ``api`` after five training calls;
-    ``kernels`` its ``(conv, fc, head)`` kernels as stored, ``logits(kernels)`` the evaluation call's
-    logits as a function of them (the power-iteration vectors held as stored), ``kw`` the options
-    ``analyze`` needs (equinox's state)."""
-    y = jnp.asarray([0, 1, 2, 0, 1])
-    if api == "nnx":
-        x = _normal(21, 5, 4, 2, scale=1.0)
-        model = NnxSpectral(nnx.Rngs(3))
-        for _ in range(5):
-            model(x, update=True)
-        layers = (model.conv.layer_instance, model.fc.layer_instance, model.head)
-        kernels = tuple(layer.kernel[...] for layer in layers)
-
-        def logits(ks):
-            clone = nnx.clone(model)
-            for layer, k in zip((clone.conv.layer_instance, clone.fc.layer_instance, clone.head), ks):
-                layer.kernel = nnx.Param(k)
-            return clone(x)
-
-        return model, x, y, kernels, logits, {}
-    if api == "linen":
-        x = _normal(21, 5, 4, 2, scale=1.0)
-        variables = LinenSpectral().init(jax.random.key(4), x)
-        for _ in range(5):
-            _, updates = LinenSpectral(update=True).apply(variables, x, mutable=["batch_stats"])
-            variables = {**variables, **updates}
-        module, params = LinenSpectral(), variables["params"]
-        kernels = (params["conv"]["kernel"], params["fc"]["kernel"], params["head"]["kernel"])
-
-        def logits(ks):
-            edited = params
-            for path, k in zip(("conv/kernel", "fc/kernel", "head/kernel"), ks):
-                edited = _edit(edited, path, lambda _, k=k: k)
-            return module.apply({**variables, "params": edited}, x)
-
-        return (module, variables), x, y, kernels, logits, {}
-    x = _normal(21, 5, 2, 6, scale=1.0)
-    model, state = eqx.nn.make_with_state(EqxSpectral)(jax.random.key(5))
-    for i in range(5):
-        _, state = model(x[i], state, inference=False)
-    where = lambda m: (m.conv.layer.weight, m.fc.layer.weight, m.head.weight)  # noqa: E731
-
-    def logits(ks):
-        edited = eqx.tree_at(where, model, tuple(ks))
-        return jax.vmap(lambda xi: edited(xi, state)[0])(x)
-
-    return model, x, y, where(model), logits, {"state": state, "vmap": True}
 
 
 @pytest.mark.parametrize("api", ["nnx", "linen", "equinox"])
@@ -714,13 +679,13 @@ def test_spectral_norm_kernel_ggn_against_brute_force(api):
     ``K`` through the normalization (method §3 "Spectral normalization", §6.1), and so is the plain
     head's beside it; an nnx module's vectors and kernels stay as stored (linen's and equinox's are
     immutable)."""
-    model, x, y, kernels, logits, kw = _spectral_model(api)
+    model, x, y, kernels, with_kernels, logits, names, kw = _spectral_model(api)
     n, c = len(y), 3
 
     def per_sample(ks, i):
-        return logits(ks)[i]
+        return logits(with_kernels(ks))[i]
 
-    p = jax.nn.softmax(logits(kernels), axis=-1)
+    p = jax.nn.softmax(logits(model), axis=-1)
     refs = [np.zeros(k.shape) for k in kernels]
     for i in range(n):
         jac = jax.jacrev(per_sample)(kernels, i)  # per kernel: (c, *kernel shape)
@@ -730,10 +695,8 @@ def test_spectral_norm_kernel_ggn_against_brute_force(api):
             ref += np.asarray(jnp.einsum("cp,cd,dp->p", jm, h, jm)).reshape(ref.shape) / n
     if api == "equinox":  # (out, in, k) and (out, in): canonical as stored
         canonical = refs
-        names = ("conv/layer", "fc/layer", "head")
     else:  # flax: (k, in, out) and (in, out)
         canonical = [refs[0].transpose(2, 1, 0), refs[1].T, refs[2].T]
-        names = ("conv/layer_instance", "fc/layer_instance", "head") if api == "nnx" else ("conv", "fc", "head")
     if api == "nnx":  # the module holds its vectors and kernels: every leaf as it was
         stored = [np.asarray(a).copy() for a in jax.tree_util.tree_leaves(nnx.state(model))]
     got = normflat.hessian_diagonal(model, (x, y), estimator="ggn", loss="ce", progress=False, **kw)

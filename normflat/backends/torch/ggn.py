@@ -1154,11 +1154,10 @@ class Capture:
         #: with the module's ``padding_idx``.
         self._lookups = {id(layer.param): layer.module.padding_idx for layer in inside
                          if layer.ext.ggn_squares is recorded_lookup_squares}
-        #: ``id(weight) -> key`` of the dense and convolution layers whose module the model never calls,
-        #: recorded where it applies their weight itself (:meth:`watch_functional`, :class:`FunctionalTaps`),
-        #: and their modules (a convolution's call must be the module's).
-        self._functional: dict[int, int] = {}
-        self._functional_modules: dict[int, nn.Module] = {}
+        #: ``id(weight) -> layer`` of the dense and convolution layers whose module the model never calls,
+        #: recorded where it applies their weight itself (:meth:`watch_functional`, :class:`FunctionalTaps`;
+        #: the key is ``id(layer)``, and a convolution's call must be its module's).
+        self._functional: dict[int, Any] = {}
         #: The weights of ``nn.MultiheadAttention``'s projections, recorded where
         #: ``F.multi_head_attention_forward`` applies them (:class:`FunctionalTaps`).
         self._attention = {id(layer.param) for layer in inside if layer.ext.ggn_squares is attention_squares}
@@ -1171,16 +1170,17 @@ class Capture:
         (:meth:`recording`): ``None`` when there are none or the capture is off."""
         if not (self._recorded or self._functional) or not self.active or threading.get_ident() != self._thread:
             return None
-        return {weight: self._recorder(key) for weight, key in (*self._recorded.items(), *self._functional.items())}
+        functional = ((weight, id(layer)) for weight, layer in self._functional.items())
+        return {weight: self._recorder(key) for weight, key in (*self._recorded.items(), *functional)}
 
     def watch_functional(self, layer: Any) -> None:
         """Record a layer whose module is never called (the model applies the weight itself) from the
         next forward on, where its weight is applied (:class:`FunctionalTaps`): a dense weight at its
-        ``F.linear`` call, its products ``W @ x`` and ``x @ W.T``, or where ``F.multi_head_attention_forward`` is handed
-        it as a projection (:func:`recorded_attention`); a convolution's at its ``F.conv1d``,
-        ``F.conv2d`` or ``F.conv3d`` call with the module's stride, padding, dilation and groups."""
-        self._functional[id(layer.param)] = id(layer)
-        self._functional_modules[id(layer.param)] = layer.module
+        ``F.linear`` call, its products ``W @ x`` and ``x @ W.T``, or where
+        ``F.multi_head_attention_forward`` is handed it as a projection (:func:`recorded_attention`); a
+        convolution's at its ``F.conv1d``, ``F.conv2d`` or ``F.conv3d`` call with the module's stride,
+        padding, dilation and groups."""
+        self._functional[id(layer.param)] = layer
 
     def watches(self, layer: Any) -> bool:
         """Whether :meth:`watch_functional` was called for ``layer``."""
@@ -1237,7 +1237,7 @@ class Capture:
             if self._lookups or self._functional or self._attention:
                 # A dense weight the model applies functionally may also be a projection handed to
                 # F.multi_head_attention_forward (WavLM's q_proj, k_proj, v_proj, out_proj).
-                functional = {w: (taps[w], self._functional_modules[w]) for w in self._functional}
+                functional = {w: (taps[w], layer.module) for w, layer in self._functional.items()}
                 stack.enter_context(FunctionalTaps({w: taps[w] for w in self._lookups}, self._lookups, functional,
                                                    {w: taps[w] for w in (*self._attention, *self._functional)}))
             yield
@@ -1492,11 +1492,12 @@ class FunctionalTaps(torch.overrides.TorchFunctionMode):
       weight itself (timm's BEiT and EVA attention: ``F.linear(x, weight=self.qkv.weight,
       bias=torch.cat(...))``), its product ``W @ x`` with a batch-first ``x`` ``(n, ..., in, L)``
       (transformers' Mamba: ``self.dt_proj.weight @ time_step.transpose(1, 2)``), recorded as
-      ``F.linear`` on ``xᵀ``, or ``x @ W.T`` with a batch-first ``x`` ``(n, ..., in)``; and the ``F.conv1d`` / ``F.conv2d`` / ``F.conv3d`` call on the weight of an
-      ``nn.ConvNd`` the model never calls, with the module's stride, padding, dilation and groups
-      (Mamba's causal convolution: ``F.conv1d(x, self.conv1d.weight.squeeze(1).unsqueeze(1), ...)``):
-      ``functional``, by ``id(weight)`` with the module. The weight may be handed as a view of itself
-      with its shape and layout (the same numbers; its gradient is the weight's);
+      ``F.linear`` on ``xᵀ``, or ``x @ W.T`` with a batch-first ``x`` ``(n, ..., in)``; and the
+      ``F.conv1d`` / ``F.conv2d`` / ``F.conv3d`` call on the weight of an ``nn.ConvNd`` the model never
+      calls, with the module's stride, padding, dilation and groups (Mamba's causal convolution:
+      ``F.conv1d(x, self.conv1d.weight.squeeze(1).unsqueeze(1), ...)``): ``functional``, by
+      ``id(weight)`` with the module. The weight may be handed as a view of itself with its shape and
+      layout (the same numbers; its gradient is the weight's);
     * the projections of ``nn.MultiheadAttention``, which ``F.multi_head_attention_forward`` applies
       inside, where a mode does not see them: that call is evaluated by :func:`recorded_attention`
       (the same value), ``attention``.
@@ -1577,6 +1578,9 @@ _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 #: The functional convolutions and the module each stands for; their parameters, in order.
 _CONVOLUTIONS = {F.conv1d: nn.Conv1d, F.conv2d: nn.Conv2d, F.conv3d: nn.Conv3d}
 _CONVOLUTION_PARAMETERS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+#: The rules of layers whose module the model may never call, applying the weight itself where
+#: :class:`FunctionalTaps` records it, with the module types they take there.
+APPLIED_FUNCTIONALLY = {linear_squares: nn.Linear, conv_squares: tuple(_CONVOLUTIONS.values())}
 
 
 def _module_convolution(module: nn.Module, call: dict) -> bool:

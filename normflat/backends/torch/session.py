@@ -62,10 +62,6 @@ PROBE_ROWS = 2
 #: The torch backend's own options (``distributed`` is taken by the package entry points).
 BACKEND_OPTIONS = ("force", "max_exact_params", "chunk_size", "memory_budget", "exact_chunk", "probe_chunk",
                    "fast", "distributed")
-#: The rules of layers whose module the model may never call, applying the weight itself, recorded
-#: where it does (:class:`~normflat.backends.torch.ggn.FunctionalTaps`), with the modules they take.
-_APPLIED_FUNCTIONALLY = {ggn_kernels.linear_squares: nn.Linear,
-                         ggn_kernels.conv_squares: (nn.Conv1d, nn.Conv2d, nn.Conv3d)}
 
 _XP = array_api_compat.array_namespace(torch.empty(0))
 
@@ -927,8 +923,8 @@ class TorchSession:
                 layer.idle = [layer, *layer.tied]
                 layer.spec.extra["unused"] = UNUSED_NOTE
                 continue
-            if (calls == [0] and not layer.tied and layer.ext.ggn_squares in _APPLIED_FUNCTIONALLY
-                    and isinstance(layer.module, _APPLIED_FUNCTIONALLY[layer.ext.ggn_squares])
+            if (calls == [0] and not layer.tied and layer.ext.ggn_squares in ggn_kernels.APPLIED_FUNCTIONALLY
+                    and isinstance(layer.module, ggn_kernels.APPLIED_FUNCTIONALLY[layer.ext.ggn_squares])
                     and uses[id(layer.param)] == 1 and not cap.watches(layer)):
                 # A dense or convolution weight the model applies itself, its module never called (timm's
                 # BEiT: F.linear(x, weight=self.qkv.weight, bias=...); transformers' Mamba: F.conv1d on a
